@@ -1,0 +1,47 @@
+# Every target does its own set-up: a fresh clone needs nothing but python3 and make.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PIPELINE_HOME ?= $(CURDIR)/.pipeline
+export DAGSTER_HOME ?= $(PIPELINE_HOME)/dagster
+export MLFLOW_TRACKING_URI ?= sqlite:///$(PIPELINE_HOME)/mlflow.db
+SAMPLE_RECORDS ?= 20000
+DAGSTER_PORT ?= 3000
+MLFLOW_PORT ?= 5000
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+
+.PHONY: install demo test dev bench clean
+
+# torch first, pinned: the local CPU wheel. An unpinned torch would pull GBs of CUDA packages.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(BIN)/python -c "import pipeline_assets, dagster, deltalake, polars, pandera, mlflow"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DAGSTER_HOME)/dagster.yaml: pipeline_assets/instance.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp pipeline_assets/instance.yaml $@
+
+demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/pipeline-assets sample-data --records $(SAMPLE_RECORDS)
+	$(BIN)/pipeline-assets run
+	$(BIN)/pipeline-assets summary
+
+test: install
+	$(BIN)/python -m pytest -q pipeline_assets_tests
+
+dev: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/mlflow ui --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \
+	mlflow_pid=$$!; trap "kill $$mlflow_pid" EXIT; \
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(DAGSTER_PORT)
+
+bench: install
+	$(BIN)/python -m bench.run --out bench/results
+
+clean:
+	rm -rf $(VENV) $(PIPELINE_HOME)

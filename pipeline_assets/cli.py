@@ -1,0 +1,92 @@
+"""``pipeline-assets``: the headless face of the code location."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline_assets.resources import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pipeline-assets", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="turn new landing files into batches and materialize everything stale")
+    run.add_argument("--select", help='Dagster asset selection, e.g. "key:bronze/*" (default: everything stale)')
+
+    sample = commands.add_parser("sample-data", help="write the deterministic sample corpus")
+    sample.add_argument("--records", type=int, default=20_000)
+    sample.add_argument("--out", type=Path, help="landing zone to write into (default: PIPELINE_LANDING_URI)")
+    sample.add_argument("--eval-sets-out", type=Path, help="where the eval sets go (default: PIPELINE_EVAL_SETS_URI)")
+    sample.add_argument("--seed", type=int, default=20261121)
+
+    commands.add_parser("summary", help="rows per layer and quarantine by reason, from the lake")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        settings = Settings.from_env()
+        return {"run": _run, "sample-data": _sample_data, "summary": _summary}[args.command](args, settings)
+    except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
+        print(f"pipeline-assets {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args, settings: Settings) -> int:
+    from pipeline_assets.definitions import defs
+    from pipeline_assets.headless import persistent_instance, register_batches, run_stale
+
+    instance = persistent_instance(settings.dagster_home)
+    added = register_batches(defs, instance)
+    print(f"new ingest batches: {', '.join(added) or 'none'}")
+    outcome = run_stale(defs, instance, args.select)
+    print(f"runs: {len(outcome.runs)} (in the instance at {settings.dagster_home}; `make dev` shows them)")
+    for problem in outcome.failed_runs + outcome.failed_blocking_checks:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 0 if outcome.ok else 1
+
+
+def _sample_data(args, settings: Settings) -> int:
+    from pipeline_assets.lib.sample_corpus import write_sample_corpus
+
+    out = args.out or _local(settings.landing_uri, "PIPELINE_LANDING_URI")
+    eval_out = args.eval_sets_out or _local(settings.eval_sets_uri, "PIPELINE_EVAL_SETS_URI")
+    manifest = write_sample_corpus(out, records=args.records, eval_sets_dir=eval_out, seed=args.seed)
+    print(json.dumps({"landing": str(out), "eval_sets": str(eval_out), **manifest["expected"]}, indent=2))
+    return 0
+
+
+def _summary(args, settings: Settings) -> int:
+    import polars as pl
+
+    from pipeline_assets.resources import build_resources
+
+    lake = build_resources(settings)["lake"]
+    report: dict = {"lake": settings.lake_uri, "tables": {}}
+    for layer, name in [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine")]:
+        scan = lake.scan(layer, name)
+        report["tables"][f"{layer}/{name}"] = None if scan is None else {
+            "delta_version": lake.version(layer, name),
+            "rows": scan.select(pl.len()).collect().item(),
+        }
+    quarantine = lake.scan("bronze", "quarantine")
+    if quarantine is not None:
+        by_reason = quarantine.group_by("reason").len().sort("len", descending=True).collect()
+        report["quarantined_by_reason"] = dict(by_reason.iter_rows())
+    report["look_next"] = "make dev, then http://127.0.0.1:3000/asset-groups (Dagster UI)"
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _local(uri: str, setting: str) -> Path:
+    if uri.startswith("s3://"):
+        raise ValueError(f"{setting} is {uri}: pass a local --out, then upload the files")
+    return Path(uri)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

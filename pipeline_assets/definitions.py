@@ -1,0 +1,16 @@
+"""The code location: every layer's assets, checks and sensors, with env-configured resources."""
+
+from dagster import Definitions
+
+from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.landing.sensors import landing_sensor
+from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.resources import build_resources
+
+defs = Definitions(
+    assets=[eval_sets, bronze],
+    asset_checks=bronze_checks,
+    sensors=[landing_sensor],
+    resources=build_resources(),
+)

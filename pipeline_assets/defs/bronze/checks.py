@@ -1,0 +1,151 @@
+"""Asset checks on bronze, per ingest batch: contract and quarantine rate block; volume and freshness warn."""
+
+
+from datetime import datetime, timezone
+
+import pandera.errors
+import polars as pl
+from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+
+from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, validate
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.landing.registry import read_manifest
+from pipeline_assets.defs.metadata import table_metadata
+from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.landing_health import (
+    against_trailing_median,
+    quarantine_rates,
+    rows_per_mb,
+    schema_drift_hints,
+)
+from pipeline_assets.resources import IngestPolicy, LakeResource
+
+
+def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
+    frame = lake.read("bronze", name, where=pl.col("batch_id") == batch_id)
+    if frame is None:
+        raise ValueError(f"bronze/{name} does not exist yet: materialize bronze first")
+    return frame
+
+
+def _contract_result(frame: pl.DataFrame, model) -> AssetCheckResult:
+    try:
+        validate(frame, model)
+    except pandera.errors.SchemaErrors as errors:
+        cases = errors.failure_cases
+        return AssetCheckResult(
+            passed=False,
+            metadata={
+                "rows": frame.height,
+                "failure_cases": len(cases),
+                "failures": MetadataValue.md(f"```\n{str(cases.head(20))}\n```"),
+            },
+            description=f"{model.__name__} contract broken in {len(cases)} place(s)",
+        )
+    return AssetCheckResult(passed=True, metadata={"rows": frame.height, "failure_cases": 0})
+
+
+@asset_check(asset=BRONZE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
+             description="The batch's rows satisfy the BronzeRecord contract.")
+def bronze_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+    return _contract_result(_batch(lake, "records", context.partition_key), BronzeRecord)
+
+
+@asset_check(asset=BRONZE_QUARANTINE, name="contract", blocking=True, partitions_def=ingest_batches,
+             description="The batch's quarantined lines satisfy the QuarantineRecord contract.")
+def bronze_quarantine_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+    return _contract_result(_batch(lake, "quarantine", context.partition_key), QuarantineRecord)
+
+
+@asset_check(asset=BRONZE_RECORDS, name="quarantine_rate", blocking=True, partitions_def=ingest_batches,
+             additional_deps=[BRONZE_QUARANTINE],
+             description="No source has more than the allowed share of its lines quarantined in this batch.")
+def bronze_quarantine_rate(
+    context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy
+) -> AssetCheckResult:
+    batch_id = context.partition_key
+    quarantine = _batch(lake, "quarantine", batch_id)
+    rates = quarantine_rates(_batch(lake, "records", batch_id).select("source"), quarantine)
+    limit = ingest_policy.max_quarantine_rate
+    over = rates.filter(pl.col("rate") > limit)
+    hints = {(h["source"]): h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])))}
+    messages = [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
+    return AssetCheckResult(
+        passed=over.is_empty(),
+        severity=AssetCheckSeverity.ERROR,
+        description="; ".join(messages) if messages else f"every source at or under {limit:.0%} quarantined",
+        metadata={
+            "max_quarantine_rate": limit,
+            "worst_rate": float(rates["rate"].max() or 0.0),
+            "rates_by_source": table_metadata(rates),
+            "schema_drift_hints": MetadataValue.json(list(hints.values())),
+        },
+    )
+
+
+def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
+    message = (
+        f"source '{row['source']}': {row['rate']:.1%} of {row['lines']} lines quarantined "
+        f"(limit {limit:.0%}), mostly {row['top_reason']}"
+    )
+    if hint:
+        message += (
+            f"; field '{hint['missing_field']}' is missing and unknown field '{hint['unknown_field']}' "
+            f"is present on {hint['lines_with_unknown_field']} of those lines: if it is the same field, "
+            f"set {hint['fix']} and materialize this batch again"
+        )
+    return message
+
+
+@asset_check(asset=BRONZE_RECORDS, name="volume", partitions_def=ingest_batches,
+             description="Each source's rows per input MB is within tolerance of its trailing median.")
+def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
+    batch_id = context.partition_key
+    rows = lake.scan("bronze", "records").select("batch_id", "source").filter(pl.col("batch_id") <= batch_id).collect()
+    sizes = read_manifest(lake).filter(pl.col("batch_id") <= batch_id)
+    judged = against_trailing_median(
+        rows_per_mb(rows, sizes), batch_id, "rows_per_mb", ingest_policy.trailing_batches
+    )
+    tolerance = ingest_policy.volume_tolerance
+    off = judged.filter(pl.col("deviation").abs() > tolerance)
+    without_history = judged.filter(pl.col("baseline").is_null())["source"].to_list()
+    description = "; ".join(
+        f"source '{r['source']}': {r['current']:.1f} rows/MB vs trailing median {r['baseline']:.1f} ({r['deviation']:+.0%})"
+        for r in off.iter_rows(named=True)
+    ) or f"every source within ±{tolerance:.0%} of its trailing median"
+    if without_history:
+        description += f" (no history yet for: {', '.join(without_history)})"
+    return AssetCheckResult(
+        passed=off.is_empty(),
+        severity=AssetCheckSeverity.WARN,
+        description=description,
+        metadata={"tolerance": tolerance, "rows_per_mb_by_source": table_metadata(judged)},
+    )
+
+
+@asset_check(asset=BRONZE_RECORDS, name="freshness", partitions_def=ingest_batches,
+             description="Each source's newest record (created_at, else ingested_at) is within the freshness SLA.")
+def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
+    newest = (
+        lake.scan("bronze", "records")
+        .filter(pl.col("batch_id") <= context.partition_key)
+        .group_by("source")
+        .agg(newest=pl.col("created_at").max().fill_null(pl.col("ingested_at").max()))
+        .collect()
+    )
+    now = datetime.now(timezone.utc)
+    ages = newest.with_columns(age_hours=(pl.lit(now) - pl.col("newest")).dt.total_seconds() / 3600).sort("source")
+    sla = ingest_policy.freshness_sla_hours
+    stale = ages.filter(pl.col("age_hours") > sla)
+    return AssetCheckResult(
+        passed=stale.is_empty(),
+        severity=AssetCheckSeverity.WARN,
+        description="; ".join(
+            f"source '{r['source']}': newest record is {r['age_hours']:.1f} h old (SLA {sla:g} h)"
+            for r in stale.iter_rows(named=True)
+        ) or f"every source has a record newer than {sla:g} h",
+        metadata={"sla_hours": sla, "age_by_source": table_metadata(ages.with_columns(pl.col("newest").cast(pl.String)))},
+    )
+
+
+bronze_checks = [bronze_records_contract, bronze_quarantine_contract, bronze_quarantine_rate, bronze_volume, bronze_freshness]

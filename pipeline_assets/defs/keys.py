@@ -1,0 +1,7 @@
+"""Asset keys, exactly as DESIGN.md §1 names them."""
+
+from dagster import AssetKey
+
+BRONZE_RECORDS = AssetKey(["bronze", "records"])
+BRONZE_QUARANTINE = AssetKey(["bronze", "quarantine"])
+REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])

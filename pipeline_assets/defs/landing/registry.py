@@ -1,0 +1,72 @@
+"""Turning new landing files into ingest batches: shared by ``landing_sensor`` and ``pipeline-assets run``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import polars as pl
+
+from pipeline_assets.contracts import LandingManifestEntry, conform, polars_schema, validate
+from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, unseen_files
+from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
+
+MANIFEST_TABLE = ("landing", "manifest")
+
+
+@dataclass(frozen=True)
+class BatchRegistration:
+    batch_id: str | None  # None when nothing new landed
+    new_files: list[str] = field(default_factory=list)
+    changed_files: list[dict] = field(default_factory=list)  # uri, previous_checksum, checksum
+
+
+def read_manifest(lake: LakeResource) -> pl.DataFrame | None:
+    return lake.read(*MANIFEST_TABLE)
+
+
+def batch_files(lake: LakeResource, batch_id: str) -> pl.DataFrame:
+    """The file versions registered into one batch (empty when the batch is unknown)."""
+    files = lake.read(*MANIFEST_TABLE, where=pl.col("batch_id") == batch_id)
+    if files is None:
+        return pl.DataFrame(schema=polars_schema(LandingManifestEntry))
+    return files.sort("uri")
+
+
+def register_new_batch(
+    landing: LandingResource, lake: LakeResource, log: logging.Logger, now: datetime | None = None
+) -> BatchRegistration:
+    """Hash the files the manifest has not seen and register the new or changed ones as one batch."""
+    listing = pl.DataFrame(
+        [(f.uri, f.source, f.size, f.modified) for f in landing.list_files()], schema=LISTING_SCHEMA, orient="row"
+    )
+    manifest = read_manifest(lake)
+    candidates = unseen_files(listing, manifest)
+    if candidates.is_empty():
+        return BatchRegistration(batch_id=None)
+    hashed = candidates.with_columns(
+        checksum=pl.Series([sha256_hex(landing.read_bytes(uri)) for uri in candidates["uri"]], dtype=pl.String)
+    )
+    classified = classify_candidates(hashed, manifest)
+    to_register = classified.filter(pl.col("status") != "unchanged")
+    if to_register.is_empty():
+        return BatchRegistration(batch_id=None)
+    now = now or datetime.now(timezone.utc)
+    latest = None if manifest is None or manifest.is_empty() else manifest["batch_id"].max()
+    batch_id = batch_key(now, to_register["checksum"], after=latest)
+    changed = to_register.filter(pl.col("status") == "changed")
+    for row in changed.iter_rows(named=True):
+        log.warning(
+            "landing file %s changed after it was ingested (sha256 %s -> %s): registering the new "
+            "version in batch %s; rows of both versions stay in bronze, each with its own record_id",
+            row["uri"], row["previous_checksum"][:12], row["checksum"][:12], batch_id,
+        )
+    entries = to_register.with_columns(batch_id=pl.lit(batch_id), registered_at=pl.lit(now))
+    lake.append(*MANIFEST_TABLE, validate(conform(entries, LandingManifestEntry), LandingManifestEntry))
+    log.info("registered %d landing file(s) as ingest batch %s", to_register.height, batch_id)
+    return BatchRegistration(
+        batch_id=batch_id,
+        new_files=to_register.filter(pl.col("status") == "new")["uri"].to_list(),
+        changed_files=changed.select("uri", "previous_checksum", "checksum").to_dicts(),
+    )

@@ -1,0 +1,39 @@
+"""landing_sensor: new landing files become an ingest batch (a dynamic partition) and a run."""
+
+
+from dagster import (
+    AssetSelection,
+    DefaultSensorStatus,
+    RunRequest,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.landing.registry import read_manifest, register_new_batch
+from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.batches import pending_batches
+from pipeline_assets.resources import LakeResource, LandingResource
+
+BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_QUARANTINE)
+
+
+@sensor(
+    name="landing_sensor",
+    target=BRONZE_SELECTION,
+    minimum_interval_seconds=30,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Registers new landing files as one ingest batch and requests its bronze run.",
+)
+def landing_sensor(context: SensorEvaluationContext, landing: LandingResource, lake: LakeResource):
+    registration = register_new_batch(landing, lake, context.log)
+    known = context.instance.get_dynamic_partitions(ingest_batches.name)
+    batches = pending_batches(read_manifest(lake), known)
+    if not batches:
+        return SkipReason("no new landing files")
+    return SensorResult(
+        run_requests=[RunRequest(partition_key=batch, run_key=batch) for batch in batches],
+        dynamic_partitions_requests=[ingest_batches.build_add_request(batches)],
+    )

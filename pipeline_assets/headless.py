@@ -1,0 +1,91 @@
+"""``pipeline-assets run``: what the sensor and the daemon would do, in one foreground command.
+
+Runs go into the persistent instance under ``DAGSTER_HOME``, so the UI shows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+
+from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
+
+from pipeline_assets.defs.landing.registry import read_manifest, register_new_batch
+from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.batches import pending_batches
+
+log = logging.getLogger("pipeline_assets")
+
+
+@dataclass
+class RunOutcome:
+    runs: list[str] = field(default_factory=list)  # run ids
+    failed_runs: list[str] = field(default_factory=list)
+    failed_blocking_checks: list[str] = field(default_factory=list)  # human-readable
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_runs and not self.failed_blocking_checks
+
+
+def persistent_instance(dagster_home: str) -> DagsterInstance:
+    """The instance under DAGSTER_HOME, created with the project's dagster.yaml when missing."""
+    home = Path(dagster_home)
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "dagster.yaml"
+    if not config.exists():
+        with files("pipeline_assets").joinpath("instance.yaml").open("rb") as template, config.open("wb") as out:
+            shutil.copyfileobj(template, out)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return DagsterInstance.get()
+
+
+def register_batches(defs: Definitions, instance: DagsterInstance) -> list[str]:
+    """Discover new landing files exactly as landing_sensor does; returns the batches added."""
+    landing, lake = defs.resources["landing"], defs.resources["lake"]
+    register_new_batch(landing, lake, log)
+    added = pending_batches(read_manifest(lake), instance.get_dynamic_partitions(ingest_batches.name))
+    if added:
+        instance.add_dynamic_partitions(ingest_batches.name, added)
+    return added
+
+
+def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
+    """Per ingest batch, the selected batch-partitioned assets that have never been materialized for it."""
+    plan: dict[str, list[AssetKey]] = {}
+    graph = defs.resolve_asset_graph()
+    for key in keys:
+        node = graph.get(key)
+        if not node.is_executable or node.partitions_def != ingest_batches:
+            continue
+        done = instance.get_materialized_partitions(key)
+        for batch in instance.get_dynamic_partitions(ingest_batches.name):
+            if batch not in done:
+                plan.setdefault(batch, []).append(key)
+    return dict(sorted(plan.items()))
+
+
+def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:
+    graph = defs.resolve_asset_graph()
+    chosen = AssetSelection.from_string(selection) if selection else AssetSelection.all()
+    keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
+    job = defs.resolve_implicit_global_asset_job_def()
+    outcome = RunOutcome()
+    for batch, batch_keys in stale_partitions(defs, instance, keys).items():
+        log.info("materializing %s for ingest batch %s", ", ".join(k.to_user_string() for k in batch_keys), batch)
+        result = job.execute_in_process(
+            instance=instance, partition_key=batch, asset_selection=batch_keys, raise_on_error=False
+        )
+        outcome.runs.append(result.run_id)
+        if not result.success:
+            outcome.failed_runs.append(f"run {result.run_id} for batch {batch} failed")
+        for check in result.get_asset_check_evaluations():
+            if check.blocking and not check.passed and check.severity == AssetCheckSeverity.ERROR:
+                outcome.failed_blocking_checks.append(
+                    f"{check.asset_key.to_user_string()}:{check.check_name} failed for batch {batch}: {check.description}"
+                )
+    return outcome

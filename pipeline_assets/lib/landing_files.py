@@ -1,0 +1,366 @@
+"""Landing files -> accepted records + quarantined lines, with a reason code for every rejection.
+
+Every unit read from a file (a JSONL line, a Parquet row, or the file itself when it cannot be
+read) ends up in exactly one of the two outputs, so ``lines_read == accepted + quarantined``.
+
+Reason codes: ``invalid_json``, ``not_an_object``, ``invalid_utf8``, ``blank_line``,
+``truncated_file``, ``unreadable_file``, ``unsupported_format``, and per field
+``missing_field:<f>``, ``wrong_type:<f>``, ``empty_field:<f>``, ``invalid_timestamp:<f>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import orjson
+import polars as pl
+import zstandard
+
+REQUIRED_FIELDS = ("prompt", "response")
+OPTIONAL_FIELDS = ("system", "id", "created_at", "meta")
+KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+RECORD_SCHEMA = pl.Schema(
+    {
+        "source_line": pl.Int64,
+        "prompt": pl.String,
+        "response": pl.String,
+        "system": pl.String,
+        "id": pl.String,
+        "created_at": pl.Datetime("us", "UTC"),
+        "meta": pl.String,
+        "extra": pl.String,
+        "content_hash": pl.String,
+    }
+)
+QUARANTINE_SCHEMA = pl.Schema(
+    {"source_line": pl.Int64, "raw": pl.String, "reason": pl.String, "detail": pl.String}
+)
+
+_CHUNK = 1 << 20
+
+
+class Rejected(Exception):
+    """A record that breaks the landing contract; ``reason`` is the short code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class FileReadResult:
+    records: pl.DataFrame  # RECORD_SCHEMA
+    quarantine: pl.DataFrame  # QUARANTINE_SCHEMA
+    lines_read: int
+
+
+def landing_format(name: str) -> str | None:
+    """The landing format a file name declares, or None when it is not one we read."""
+    for suffix, fmt in FORMATS.items():
+        if name.endswith(suffix):
+            return fmt
+    return None
+
+
+def content_hash(system: str | None, prompt: str, response: str) -> str:
+    """128-bit hash of what a record says (not where it came from)."""
+    payload = "\x1f".join((system or "", prompt, response)).encode()
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
+    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields."""
+    builder = _FrameBuilder(field_mapping or {})
+    fmt = landing_format(name)
+    if fmt is None:
+        builder.reject(0, "", "unsupported_format", f"{name}: not one of {', '.join(FORMATS)}")
+    elif fmt == "parquet":
+        _read_parquet(data, builder)
+    else:
+        _read_jsonl(fmt, data, builder)
+    return builder.result()
+
+
+def rejected_file(reason: str, detail: str) -> FileReadResult:
+    """A whole file set aside as one quarantined unit (line 0), e.g. one that is gone or changed."""
+    builder = _FrameBuilder({})
+    builder.reject(0, "", reason, detail)
+    return builder.result()
+
+
+# --- JSON lines ---------------------------------------------------------------------------------
+
+
+def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder") -> None:
+    text, failure = _decompress(fmt, data)
+    if failure is not None and failure[0] == "unreadable_file":
+        builder.reject(0, "", *failure)
+        return
+    lines = text.split(b"\n")
+    tail = lines.pop()  # b"" when the text ends with a newline
+    for number, line in enumerate(lines, start=1):
+        builder.add_line(number, line)
+    if failure is None:
+        if tail:
+            builder.add_line(len(lines) + 1, tail)
+        return
+    # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
+    builder.reject(len(lines) + 1, _as_text(tail), *failure)
+
+
+def _decompress(fmt: str, data: bytes) -> tuple[bytes, tuple[str, str] | None]:
+    """The decompressed bytes, and ``(reason, detail)`` when the stream is cut short or corrupt.
+
+    On a broken stream the bytes decoded before the break are returned, so the complete lines
+    before it are not lost.
+    """
+    if fmt == "jsonl":
+        return data, None
+    out = io.BytesIO()
+    try:
+        if fmt == "jsonl.gz":
+            _gunzip_into(data, out)
+        else:
+            _unzstd_into(data, out)
+    except EOFError as exc:
+        return out.getvalue(), ("truncated_file", f"{fmt} stream is cut short: {exc}")
+    except (OSError, zlib.error, zstandard.ZstdError) as exc:
+        reason = "truncated_file" if out.tell() else "unreadable_file"
+        return out.getvalue(), (reason, f"{fmt} stream is corrupt: {exc}")
+    return out.getvalue(), None
+
+
+def _gunzip_into(data: bytes, out: io.BytesIO) -> None:
+    remaining = data
+    while remaining:  # a .gz file may hold several members
+        inflater = zlib.decompressobj(wbits=31)
+        for start in range(0, len(remaining), _CHUNK):
+            out.write(inflater.decompress(remaining[start : start + _CHUNK]))
+            if inflater.eof:
+                break
+        if not inflater.eof:
+            raise EOFError("gzip stream ended before its end-of-stream marker")
+        remaining = inflater.unused_data
+
+
+def _unzstd_into(data: bytes, out: io.BytesIO) -> None:
+    remaining = data
+    while remaining:  # a .zst file may hold several frames
+        inflater = zstandard.ZstdDecompressor().decompressobj()
+        out.write(inflater.decompress(remaining))
+        if not inflater.eof:
+            raise EOFError("zstd frame ended before its end")
+        remaining = inflater.unused_data
+
+
+# --- Parquet ------------------------------------------------------------------------------------
+
+
+def _read_parquet(data: bytes, builder: "_FrameBuilder") -> None:
+    try:
+        frame = pl.read_parquet(io.BytesIO(data))
+    except Exception as exc:  # polars raises several types for a damaged file
+        builder.reject(0, "", "unreadable_file", f"parquet: {exc}")
+        return
+    for number, row in enumerate(frame.iter_rows(named=True), start=1):
+        builder.add_object(number, row, raw=None)
+
+
+# --- Records ------------------------------------------------------------------------------------
+
+
+class _FrameBuilder:
+    """Collects accepted records column by column and rejected units row by row."""
+
+    def __init__(self, field_mapping: Mapping[str, str]):
+        self._mapping = dict(field_mapping)
+        self._columns: dict[str, list] = {name: [] for name in RECORD_SCHEMA}
+        self._rejected: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA}
+        self.lines_read = 0
+
+    def add_line(self, number: int, line: bytes) -> None:
+        line = line.removesuffix(b"\r")
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            self.reject(number, _as_text(line), *_classify_unparseable(line, exc))
+            return
+        self.add_object(number, obj, raw=line)
+
+    def add_object(self, number: int, obj: object, raw: bytes | None) -> None:
+        try:
+            values = validate_landing_object(obj, self._mapping)
+        except Rejected as rejected:
+            text = _as_text(raw) if raw is not None else _row_as_json(obj)
+            self.reject(number, text, rejected.reason, rejected.detail)
+            return
+        self.lines_read += 1
+        columns = self._columns
+        columns["source_line"].append(number)
+        for name, value in zip(_VALUE_COLUMNS, values):
+            columns[name].append(value)
+        columns["content_hash"].append(content_hash(values[2], values[0], values[1]))
+
+    def reject(self, number: int, raw: str, reason: str, detail: str) -> None:
+        self.lines_read += 1
+        for name, value in zip(QUARANTINE_SCHEMA, (number, raw, reason, detail)):
+            self._rejected[name].append(value)
+
+    def result(self) -> FileReadResult:
+        return FileReadResult(
+            records=pl.DataFrame(self._columns, schema=RECORD_SCHEMA),
+            quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),
+            lines_read=self.lines_read,
+        )
+
+
+_VALUE_COLUMNS = ("prompt", "response", "system", "id", "created_at", "meta", "extra")
+
+
+def validate_landing_object(obj: object, field_mapping: Mapping[str, str]) -> tuple:
+    """Check one parsed record against the landing contract.
+
+    Returns ``(prompt, response, system, id, created_at, meta_json, extra_json)`` or raises
+    ``Rejected`` with the first broken rule.
+    """
+    if not isinstance(obj, dict):
+        raise Rejected("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
+    if field_mapping:
+        obj = _apply_mapping(obj, field_mapping)
+    unknown = [key for key in obj if key not in KNOWN_FIELDS]
+    prompt = _required_text(obj, "prompt", unknown)
+    response = _required_text(obj, "response", unknown)
+    system = _optional_text(obj, "system")
+    source_id = _optional_id(obj)
+    created_at = _optional_timestamp(obj, "created_at")
+    meta = _optional_object_json(obj, "meta")
+    extra = orjson.dumps({key: obj[key] for key in unknown}, default=str).decode() if unknown else None
+    return prompt, response, system, source_id, created_at, meta, extra
+
+
+def _apply_mapping(obj: dict, field_mapping: Mapping[str, str]) -> dict:
+    mapped = dict(obj)
+    for theirs, ours in field_mapping.items():
+        if theirs in mapped and ours not in mapped:
+            mapped[ours] = mapped.pop(theirs)
+    return mapped
+
+
+def _required_text(obj: dict, name: str, unknown: list[str]) -> str:
+    value = obj.get(name)
+    if value is None:
+        hint = f"; unknown field(s) present: {', '.join(unknown)}" if unknown else ""
+        raise Rejected(f"missing_field:{name}", f"required field '{name}' is absent or null{hint}")
+    if not isinstance(value, str):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
+    if not value.strip():
+        raise Rejected(f"empty_field:{name}", f"'{name}' is empty or whitespace only")
+    return value
+
+
+def _optional_text(obj: dict, name: str) -> str | None:
+    value = obj.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
+
+
+def _optional_id(obj: dict) -> str | None:
+    value = obj.get("id")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # sources often number their records: keep the id, as text
+    raise Rejected("wrong_type:id", f"'id' must be a string or an integer, got {_json_type(value)}")
+
+
+def _optional_timestamp(obj: dict, name: str) -> datetime | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value!r} is not an RFC 3339 timestamp") from None
+    if not isinstance(value, datetime):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}")
+    if value.tzinfo is None:
+        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset")
+    return value.astimezone(timezone.utc)
+
+
+def _optional_object_json(obj: dict, name: str) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an object, got {_json_type(value)}")
+    return orjson.dumps(value, default=str).decode()
+
+
+def _classify_unparseable(line: bytes, exc: Exception) -> tuple[str, str]:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as utf8_error:
+        return "invalid_utf8", f"bytes {utf8_error.start}-{utf8_error.end} are not UTF-8: {utf8_error.reason}"
+    if not text.strip():
+        return "blank_line", "the line is empty"
+    return "invalid_json", str(exc)
+
+
+def _as_text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _row_as_json(obj: object) -> str:
+    return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+
+def with_provenance(
+    result: FileReadResult,
+    *,
+    source: str,
+    source_file: str,
+    file_checksum: str,
+    batch_id: str,
+    ingested_at: datetime,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Stamp one file's records and quarantined lines with where and when they came in.
+
+    ``record_id`` hashes (file, file checksum, line): stable across re-runs of a batch, and
+    distinct for two versions of a file that changed after ingestion.
+    """
+    prefix = f"{source_file}\x1f{file_checksum}\x1f"
+    record_ids = [
+        hashlib.blake2b(f"{prefix}{line}".encode(), digest_size=16).hexdigest()
+        for line in result.records["source_line"]
+    ]
+    stamp = [
+        pl.lit(source).alias("source"),
+        pl.lit(source_file).alias("source_file"),
+        pl.lit(batch_id).alias("batch_id"),
+    ]
+    records = result.records.with_columns(
+        *stamp,
+        pl.Series("record_id", record_ids, dtype=pl.String),
+        pl.lit(ingested_at).cast(pl.Datetime("us", "UTC")).alias("ingested_at"),
+    )
+    return records, result.quarantine.with_columns(*stamp)

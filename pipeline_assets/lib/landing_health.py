@@ -1,0 +1,110 @@
+"""Statistics the bronze checks judge: quarantine rates, schema-drift hints, volume against history."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import orjson
+import polars as pl
+
+from pipeline_assets.lib.landing_files import KNOWN_FIELDS
+
+
+def quarantine_rates(records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.DataFrame:
+    """Per source: lines, quarantined, rate and the most frequent reason."""
+    accepted = records.group_by("source").agg(accepted=pl.len())
+    rejected = quarantine.group_by("source").agg(quarantined=pl.len())
+    top_reason = (
+        quarantine.group_by("source", "reason").agg(n=pl.len())
+        .sort(["source", "n", "reason"], descending=[False, True, False])
+        .group_by("source", maintain_order=True).agg(top_reason=pl.col("reason").first())
+    )
+    return (
+        accepted.join(rejected, on="source", how="full", coalesce=True)
+        .join(top_reason, on="source", how="left")
+        .with_columns(pl.col("accepted", "quarantined").fill_null(0).cast(pl.Int64))
+        .with_columns(lines=pl.col("accepted") + pl.col("quarantined"))
+        .with_columns(rate=pl.col("quarantined") / pl.col("lines"))
+        .select("source", "lines", "accepted", "quarantined", "rate", "top_reason")
+        .sort("source")
+    )
+
+
+def schema_drift_hints(quarantine: pl.DataFrame) -> list[dict]:
+    """For lines quarantined for a missing field: which unknown field most often stood in its place.
+
+    A source that renamed ``response`` to ``completion`` shows as ``missing_field:response`` with
+    ``completion`` present on (nearly) every such line.
+    """
+    missing = quarantine.filter(pl.col("reason").str.starts_with("missing_field:"))
+    counts: Counter = Counter()
+    totals: Counter = Counter()
+    for source, reason, raw in missing.select("source", "reason", "raw").iter_rows():
+        field = reason.split(":", 1)[1]
+        totals[(source, field)] += 1
+        for key in _unknown_keys(raw):
+            counts[(source, field, key)] += 1
+    hints = []
+    for (source, field), total in sorted(totals.items()):
+        candidates = [(n, key) for (s, f, key), n in counts.items() if (s, f) == (source, field)]
+        if not candidates:
+            continue
+        n, key = max(candidates)
+        hints.append(
+            {
+                "source": source,
+                "missing_field": field,
+                "unknown_field": key,
+                "lines": total,
+                "lines_with_unknown_field": n,
+                "fix": fix_mapping(source, key, field),
+            }
+        )
+    return hints
+
+
+def fix_mapping(source: str, theirs: str, ours: str) -> str:
+    return "PIPELINE_FIELD_MAPPINGS='" + json.dumps({source: {theirs: ours}}) + "'"
+
+
+def _unknown_keys(raw: str) -> list[str]:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return []
+    return [key for key in obj if key not in KNOWN_FIELDS] if isinstance(obj, dict) else []
+
+
+def rows_per_mb(rows: pl.DataFrame, sizes: pl.DataFrame) -> pl.DataFrame:
+    """Per (batch_id, source): bronze rows per MB of landing input.
+
+    ``rows`` has batch_id, source (one row per record); ``sizes`` has batch_id, source, size (bytes).
+    """
+    counted = rows.group_by("batch_id", "source").agg(rows=pl.len())
+    input_mb = sizes.group_by("batch_id", "source").agg(input_mb=pl.col("size").sum() / 1e6)
+    return (
+        input_mb.join(counted, on=["batch_id", "source"], how="left")
+        .with_columns(pl.col("rows").fill_null(0))
+        .with_columns(rows_per_mb=pl.col("rows") / pl.col("input_mb"))
+    )
+
+
+def against_trailing_median(history: pl.DataFrame, batch_id: str, value: str, trailing: int) -> pl.DataFrame:
+    """Per source: this batch's ``value`` beside the median of the ``trailing`` batches before it.
+
+    Batch keys sort by arrival, so "before" is a string comparison. ``deviation`` is relative
+    (0.25 = 25% above the median); null where a source has no history yet.
+    """
+    current = history.filter(pl.col("batch_id") == batch_id).select("source", pl.col(value).alias("current"))
+    baseline = (
+        history.filter(pl.col("batch_id") < batch_id)
+        .sort("batch_id")
+        .group_by("source")
+        .agg(baseline=pl.col(value).tail(trailing).median(), baseline_batches=pl.col(value).tail(trailing).len())
+    )
+    return (
+        current.join(baseline, on="source", how="left")
+        .with_columns(deviation=(pl.col("current") - pl.col("baseline")) / pl.col("baseline"))
+        .sort("source")
+    )

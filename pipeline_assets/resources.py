@@ -1,0 +1,267 @@
+"""Settings from the environment (DESIGN.md §3) and the resources built from them.
+
+A fresh checkout runs with no configuration: everything lives under ``./.pipeline``. Assets never
+build paths or clients themselves: they ask the lake and landing resources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+from dagster import ConfigurableResource
+from dagster_aws.s3 import S3Resource
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import TableNotFoundError
+from pydantic import Field, PrivateAttr
+
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.landing_files import landing_format
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def _float_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
+    """``{"<source>": {"<their field>": "<our field>"}}``, e.g. ``{"logs": {"completion": "response"}}``."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"PIPELINE_FIELD_MAPPINGS is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(
+        isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in m.items())
+        for m in value.values()
+    ):
+        raise ValueError(
+            'PIPELINE_FIELD_MAPPINGS must look like {"<source>": {"<their field>": "<our field>"}}'
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: str
+    landing_uri: str
+    lake_uri: str
+    checkpoint_uri: str
+    eval_sets_uri: str
+    mlflow_tracking_uri: str
+    dagster_home: str
+    field_mappings: dict[str, dict[str, str]] = field(default_factory=dict)
+    max_quarantine_rate: float = 0.05
+    volume_tolerance: float = 0.20
+    freshness_sla_hours: float = 24.0
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        home = str(Path(_env("PIPELINE_HOME", "./.pipeline")).resolve())
+        return cls(
+            home=home,
+            landing_uri=_env("PIPELINE_LANDING_URI", f"{home}/landing"),
+            lake_uri=_env("PIPELINE_LAKE_URI", f"{home}/lake"),
+            checkpoint_uri=_env("PIPELINE_CHECKPOINT_URI", f"{home}/checkpoints"),
+            eval_sets_uri=_env("PIPELINE_EVAL_SETS_URI", f"{home}/reference/eval_sets"),
+            mlflow_tracking_uri=_env("MLFLOW_TRACKING_URI", f"sqlite:///{home}/mlflow.db"),
+            dagster_home=_env("DAGSTER_HOME", f"{home}/dagster"),
+            field_mappings=parse_field_mappings(os.environ.get("PIPELINE_FIELD_MAPPINGS", "")),
+            max_quarantine_rate=_float_env("PIPELINE_MAX_QUARANTINE_RATE", 0.05),
+            volume_tolerance=_float_env("PIPELINE_VOLUME_TOLERANCE", 0.20),
+            freshness_sla_hours=_float_env("PIPELINE_FRESHNESS_SLA_HOURS", 24.0),
+        )
+
+
+# --- Lake ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeltaCommit:
+    """What a write produced: the table version, where it lives, and how long it took."""
+
+    uri: str
+    version: int
+    rows: int
+    bytes_in_memory: int
+    wall_seconds: float
+    cpu_seconds: float
+
+
+_PARTITION_VALUE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+class LakeResource(ConfigurableResource):
+    """Delta tables at ``<uri>/<layer>/<name>``, on a local path or ``s3://``."""
+
+    uri: str = Field(description="root of the lake: a local path or s3://bucket/prefix")
+
+    def table_uri(self, layer: str, name: str) -> str:
+        return uris.join(self.uri, layer, name)
+
+    def storage_options(self) -> dict[str, str] | None:
+        return uris.delta_storage_options(self.uri)
+
+    def table(self, layer: str, name: str, version: int | None = None) -> DeltaTable | None:
+        try:
+            return DeltaTable(self.table_uri(layer, name), version=version, storage_options=self.storage_options())
+        except TableNotFoundError:
+            return None
+
+    def version(self, layer: str, name: str) -> int | None:
+        table = self.table(layer, name)
+        return None if table is None else table.version()
+
+    def scan(self, layer: str, name: str, version: int | None = None) -> pl.LazyFrame | None:
+        """A lazy scan (partition pruning applies to filters), or None while the table does not exist."""
+        table = self.table(layer, name, version)
+        return None if table is None else pl.scan_delta(table)
+
+    def read(self, layer: str, name: str, *, version: int | None = None, where: pl.Expr | None = None) -> pl.DataFrame | None:
+        scan = self.scan(layer, name, version)
+        if scan is None:
+            return None
+        return (scan if where is None else scan.filter(where)).collect()
+
+    def replace_partition(self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str) -> DeltaCommit:
+        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere)."""
+        if not set(value) <= _PARTITION_VALUE_CHARS:
+            raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
+        if frame.height and frame[column].unique().to_list() != [value]:
+            raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
+        return self._write(
+            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'"
+        )
+
+    def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
+        return self._write(layer, name, frame, mode="append")
+
+    def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
+        table_uri = self.table_uri(layer, name)
+        wall, cpu = time.perf_counter(), time.process_time()
+        write_deltalake(table_uri, frame.to_arrow(), storage_options=self.storage_options(), **options)
+        version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
+        return DeltaCommit(
+            uri=table_uri,
+            version=version,
+            rows=frame.height,
+            bytes_in_memory=frame.estimated_size(),
+            wall_seconds=time.perf_counter() - wall,
+            cpu_seconds=time.process_time() - cpu,
+        )
+
+
+# --- Landing zone -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LandingFile:
+    """A file in the landing zone: ``<landing>/<source>/<name>``."""
+
+    uri: str
+    source: str
+    size: int
+    modified: str  # mtime in ns for local files, the ETag for S3 objects
+
+
+class LandingResource(ConfigurableResource):
+    """The landing zone: one folder (or S3 prefix) per source, files of the four landing formats.
+
+    Names that start with ``_`` or ``.`` (markers, manifests, temporary uploads) are not data.
+    """
+
+    uri: str = Field(description="landing zone root: a local path or s3://bucket/prefix")
+    field_mappings: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description='per source, their field -> ours, e.g. {"logs": {"completion": "response"}}'
+    )
+    s3: S3Resource = Field(default_factory=S3Resource)
+
+    def mapping_for(self, source: str) -> dict[str, str]:
+        return self.field_mappings.get(source, {})
+
+    def list_files(self) -> list[LandingFile]:
+        files = self._list_s3() if uris.is_s3(self.uri) else self._list_local()
+        return sorted(files, key=lambda f: f.uri)
+
+    def read_bytes(self, uri: str) -> bytes:
+        if uris.is_s3(uri):
+            bucket, key = uris.split_s3(uri)
+            return self.s3.get_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        return Path(uri).read_bytes()
+
+    def _list_local(self) -> list[LandingFile]:
+        root = Path(self.uri)
+        if not root.is_dir():
+            return []
+        found = []
+        for path in root.rglob("*"):
+            relative = path.relative_to(root).parts
+            if len(relative) < 2 or _is_hidden(relative) or not path.is_file():
+                continue
+            stat = path.stat()
+            found.append(LandingFile(str(path), relative[0], stat.st_size, str(stat.st_mtime_ns)))
+        return found
+
+    def _list_s3(self) -> list[LandingFile]:
+        bucket, prefix = uris.split_s3(self.uri)
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        found = []
+        pages = self.s3.get_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                relative = tuple(obj["Key"][len(prefix):].split("/"))
+                if len(relative) < 2 or _is_hidden(relative) or obj["Key"].endswith("/"):
+                    continue
+                uri = f"s3://{bucket}/{obj['Key']}"
+                found.append(LandingFile(uri, relative[0], obj["Size"], obj["ETag"].strip('"')))
+        return found
+
+
+def _is_hidden(parts: tuple[str, ...]) -> bool:
+    return any(part.startswith(("_", ".")) for part in parts)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- Policies -----------------------------------------------------------------------------------
+
+
+class IngestPolicy(ConfigurableResource):
+    """Thresholds the bronze checks judge by."""
+
+    max_quarantine_rate: float = Field(default=0.05, description="blocking: a source's quarantined share of a batch")
+    volume_tolerance: float = Field(default=0.20, description="warning: rows per input MB against the trailing median")
+    freshness_sla_hours: float = Field(default=24.0, description="warning: age of a source's newest record")
+    trailing_batches: int = Field(default=10, description="how many earlier batches the volume baseline uses")
+
+
+def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableResource]:
+    settings = settings or Settings.from_env()
+    return {
+        "lake": LakeResource(uri=settings.lake_uri),
+        "landing": LandingResource(uri=settings.landing_uri, field_mappings=settings.field_mappings),
+        "ingest_policy": IngestPolicy(
+            max_quarantine_rate=settings.max_quarantine_rate,
+            volume_tolerance=settings.volume_tolerance,
+            freshness_sla_hours=settings.freshness_sla_hours,
+        ),
+    }

@@ -1,0 +1,76 @@
+"""Shared fixtures: a throwaway lake and landing zone, a test Dagster instance, small corpora."""
+
+from __future__ import annotations
+
+import gzip
+import io
+from pathlib import Path
+
+import orjson
+import polars as pl
+import pytest
+import zstandard
+from dagster import instance_for_test
+
+from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
+
+
+def record(i: int, **fields) -> dict:
+    base = {
+        "id": f"r{i}",
+        "prompt": f"Question number {i}: how does item {i} work?",
+        "response": f"Item {i} works by doing step one, then step two, then step {i}.",
+        "created_at": "2026-11-20T10:00:00Z",
+    }
+    base.update(fields)
+    return {k: v for k, v in base.items() if v is not ...}
+
+
+def jsonl_bytes(rows: list) -> bytes:
+    return b"".join((row if isinstance(row, bytes) else orjson.dumps(row)) + b"\n" for row in rows)
+
+
+def write_landing_file(landing: Path, source: str, name: str, rows: list) -> Path:
+    """Write rows (dicts, or raw bytes lines) in the format the file name says."""
+    path = landing / source / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if name.endswith(".parquet"):
+        buffer = io.BytesIO()
+        pl.DataFrame(rows).write_parquet(buffer)
+        path.write_bytes(buffer.getvalue())
+        return path
+    data = jsonl_bytes(rows)
+    if name.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    elif name.endswith(".zst"):
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def landing_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "landing"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def lake(tmp_path: Path) -> LakeResource:
+    return LakeResource(uri=str(tmp_path / "lake"))
+
+
+@pytest.fixture
+def landing(landing_dir: Path) -> LandingResource:
+    return LandingResource(uri=str(landing_dir))
+
+
+@pytest.fixture
+def resources(lake, landing) -> dict:
+    return {"lake": lake, "landing": landing, "ingest_policy": IngestPolicy()}
+
+
+@pytest.fixture
+def instance():
+    with instance_for_test() as dagster_instance:
+        yield dagster_instance

@@ -1,0 +1,139 @@
+"""materialize() of bronze on a test instance: accounting, provenance, re-runs, schema drift, checks."""
+
+from __future__ import annotations
+
+import polars as pl
+from dagster import AssetCheckSeverity
+
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.resources import LandingResource
+from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.defs.bronze_helpers import batch_rows, checks_by_name, materialize_bronze, register
+
+
+def _mixed_landing(landing_dir):
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(40)] + [b'{"prompt": "cut'])
+    write_landing_file(landing_dir, "synth", "s.jsonl.zst", [record(100 + i, system="Be brief.") for i in range(30)])
+    write_landing_file(landing_dir, "logs", "l.jsonl.gz", [record(200 + i, session_id=f"s{i}") for i in range(30)])
+    write_landing_file(landing_dir, "scrape", "p.parquet", [record(300 + i, url=f"https://x/{i}") for i in range(30)])
+
+
+def test_bronze_accounts_for_every_line_of_every_format(instance, resources, landing_dir):
+    _mixed_landing(landing_dir)
+    batch = register(instance, resources)
+    result = materialize_bronze(instance, resources, batch)
+    assert result.success
+
+    records, quarantine = batch_rows(resources["lake"], "records", batch), batch_rows(resources["lake"], "quarantine", batch)
+    assert records.height == 130 and quarantine.height == 1
+    assert quarantine.row(0, named=True)["reason"] == "invalid_json"
+    assert quarantine.row(0, named=True)["raw"] == '{"prompt": "cut'
+    assert sorted(records["source"].unique()) == ["annotate", "logs", "scrape", "synth"]
+    assert records["record_id"].n_unique() == records.height
+    assert records.filter(pl.col("source") == "logs")["extra"][0] == '{"session_id":"s0"}'
+    assert records.filter(pl.col("source") == "synth")["system"].unique().to_list() == ["Be brief."]
+
+    metadata = result.asset_materializations_for_node("bronze")
+    by_key = {m.asset_key: m.metadata for m in metadata}
+    accounting = by_key[BRONZE_RECORDS]["per_file_accounting"].value.records
+    assert len(accounting) == 4
+    for row in accounting:
+        assert row.data["lines_read"] == row.data["bronze_rows"] + row.data["quarantined"]
+    assert by_key[BRONZE_RECORDS]["lines_read"].value == 131
+    for key in (BRONZE_RECORDS, BRONZE_QUARANTINE):
+        meta = by_key[key]
+        assert meta["delta_version"].value == resources["lake"].version(*key.path)
+        assert {"dagster/uri", "dagster/row_count", "dagster/column_schema", "upstream_delta_versions",
+                "rows_per_second", "mb_per_second", "wall_seconds", "cpu_seconds"} <= set(meta)
+    assert by_key[BRONZE_QUARANTINE]["dagster/row_count"].value == 1
+
+    checks = checks_by_name(result)
+    assert checks["bronze/records:contract"].passed
+    assert checks["bronze/quarantine:contract"].passed
+    assert checks["bronze/records:quarantine_rate"].passed  # 1 of 41 annotate lines = 2.4% < 5%
+
+
+def test_rematerializing_a_batch_replaces_its_rows(instance, resources, landing_dir):
+    _mixed_landing(landing_dir)
+    batch = register(instance, resources)
+    first = materialize_bronze(instance, resources, batch)
+    ids_first = sorted(batch_rows(resources["lake"], "records", batch)["record_id"])
+    second = materialize_bronze(instance, resources, batch)
+    assert first.success and second.success
+    records = resources["lake"].read("bronze", "records")
+    assert records.height == 130, "a re-run must replace the batch, never append a second copy"
+    assert sorted(records["record_id"]) == ids_first, "record_id is stable across re-runs"
+    assert resources["lake"].read("bronze", "quarantine").height == 1
+
+
+def test_batches_accumulate_and_stay_separate(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(10)])
+    first = register(instance, resources)
+    assert materialize_bronze(instance, resources, first).success
+    write_landing_file(landing_dir, "annotate", "b.jsonl", [record(i) for i in range(10, 25)])
+    second = register(instance, resources)
+    assert second > first, "batch keys sort in arrival order"
+    assert materialize_bronze(instance, resources, second).success
+    records = resources["lake"].read("bronze", "records")
+    assert records.group_by("batch_id").len().sort("batch_id")["len"].to_list() == [10, 15]
+
+
+def test_schema_drift_is_quarantined_blocks_and_is_fixed_by_a_mapping(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "logs", "old.jsonl.gz", [record(i) for i in range(20)])
+    assert materialize_bronze(instance, resources, register(instance, resources)).success
+
+    renamed = [{**{k: v for k, v in record(100 + i).items() if k != "response"}, "completion": f"answer {i}"} for i in range(20)]
+    write_landing_file(landing_dir, "logs", "new.jsonl.gz", renamed)
+    batch = register(instance, resources)
+    result = materialize_bronze(instance, resources, batch)
+
+    quarantine = batch_rows(resources["lake"], "quarantine", batch)
+    assert quarantine.height == 20
+    assert set(quarantine["reason"]) == {"missing_field:response"}
+    assert all("completion" in detail for detail in quarantine["detail"])
+    check = checks_by_name(result)["bronze/records:quarantine_rate"]
+    assert not check.passed and check.severity == AssetCheckSeverity.ERROR and check.blocking
+    for words in ("'logs'", "'response'", "'completion'", '{"logs": {"completion": "response"}}'):
+        assert words in check.description
+    assert batch_rows(resources["lake"], "records", batch).height == 0
+
+    mapped = LandingResource(uri=resources["landing"].uri, field_mappings={"logs": {"completion": "response"}})
+    fixed = materialize_bronze(instance, resources, batch, landing=mapped)
+    assert checks_by_name(fixed)["bronze/records:quarantine_rate"].passed
+    records = batch_rows(resources["lake"], "records", batch)
+    assert records.height == 20 and records["response"][0].startswith("answer")
+    assert batch_rows(resources["lake"], "quarantine", batch).height == 0
+
+
+def test_volume_warns_when_rows_per_mb_jumps(instance, resources, landing_dir):
+    for i in range(3):  # a history of batches with ordinary records
+        write_landing_file(landing_dir, "synth", f"s{i}.jsonl", [record(100 * i + j) for j in range(30)])
+        assert materialize_bronze(instance, resources, register(instance, resources)).success
+    huge = [record(900 + j, response="x" * 5000) for j in range(30)]  # same rows, ~30x the bytes
+    write_landing_file(landing_dir, "synth", "s9.jsonl", huge)
+    result = materialize_bronze(instance, resources, register(instance, resources))
+    volume = checks_by_name(result)["bronze/records:volume"]
+    assert not volume.passed and volume.severity == AssetCheckSeverity.WARN
+    assert "synth" in volume.description and "trailing median" in volume.description
+    assert result.success, "a warning never fails the run"
+
+
+def test_freshness_warns_on_old_event_times(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "annotate", "old.jsonl", [record(i, created_at="2020-01-01T00:00:00Z") for i in range(5)])
+    write_landing_file(landing_dir, "synth", "new.jsonl", [record(10 + i, created_at=...) for i in range(5)])
+    result = materialize_bronze(instance, resources, register(instance, resources))
+    freshness = checks_by_name(result)["bronze/records:freshness"]
+    assert not freshness.passed and freshness.severity == AssetCheckSeverity.WARN
+    assert "annotate" in freshness.description and "synth" not in freshness.description
+
+
+def test_file_changed_after_registration_is_quarantined_not_skipped(instance, resources, landing_dir):
+    path = write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(5)])
+    batch = register(instance, resources)
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(6)])
+    result = materialize_bronze(instance, resources, batch)
+    quarantine = batch_rows(resources["lake"], "quarantine", batch)
+    assert quarantine["reason"].to_list() == ["unreadable_file"]
+    assert "changed since registration" in quarantine["detail"][0]
+    assert not checks_by_name(result)["bronze/records:quarantine_rate"].passed
+    assert path.exists()
