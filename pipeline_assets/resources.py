@@ -193,6 +193,11 @@ class LandingResource(ConfigurableResource):
     )
     s3: S3Resource = Field(default_factory=S3Resource)
 
+    def relative_name(self, uri: str) -> str:
+        """``<source>/<file>``: how provenance columns and messages name a landing file."""
+        root = self.uri.rstrip("/") + "/"
+        return uri[len(root):] if uri.startswith(root) else uri
+
     def mapping_for(self, source: str) -> dict[str, str]:
         return self.field_mappings.get(source, {})
 

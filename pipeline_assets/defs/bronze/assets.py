@@ -50,7 +50,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     for entry in files.iter_rows(named=True):
         result, size = _read_registered_file(landing, entry)
         input_bytes += size
-        source_file = _relative_name(entry["uri"], landing.uri)
+        source_file = landing.relative_name(entry["uri"])
         records, quarantined = with_provenance(
             result,
             source=entry["source"],
@@ -117,10 +117,6 @@ def _read_registered_file(landing: LandingResource, entry: dict) -> tuple[FileRe
             "the landing sensor registers the new version as a new batch"
         ), len(data)
     return read_landing_file(name, data, landing.mapping_for(entry["source"])), len(data)
-
-
-def _relative_name(uri: str, landing_uri: str) -> str:
-    return uri[len(landing_uri.rstrip("/")) + 1:] if uri.startswith(landing_uri.rstrip("/") + "/") else uri
 
 
 def _file_accounting(source_file: str, source: str, result: FileReadResult) -> dict:

@@ -19,7 +19,7 @@ MANIFEST_TABLE = ("landing", "manifest")
 class BatchRegistration:
     batch_id: str | None  # None when nothing new landed
     new_files: list[str] = field(default_factory=list)
-    changed_files: list[dict] = field(default_factory=list)  # uri, previous_checksum, checksum
+    changed_files: list[str] = field(default_factory=list)  # <source>/<file> whose bytes changed
 
 
 def read_manifest(lake: LakeResource) -> pl.DataFrame | None:
@@ -68,5 +68,5 @@ def register_new_batch(
     return BatchRegistration(
         batch_id=batch_id,
         new_files=to_register.filter(pl.col("status") == "new")["uri"].to_list(),
-        changed_files=changed.select("uri", "previous_checksum", "checksum").to_dicts(),
+        changed_files=[landing.relative_name(uri) for uri in changed["uri"]],
     )

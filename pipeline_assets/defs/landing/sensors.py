@@ -12,10 +12,20 @@ from dagster import (
 )
 
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
-from pipeline_assets.defs.landing.registry import read_manifest, register_new_batch
+from pipeline_assets.defs.landing.registry import BatchRegistration, read_manifest, register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.batches import pending_batches
 from pipeline_assets.resources import LakeResource, LandingResource
+
+def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
+    """Changed files are named on the run, where users look, as well as in the tick log."""
+    if batch != registration.batch_id:
+        return {}
+    tags = {"pipeline/new_files": str(len(registration.new_files))}
+    if registration.changed_files:
+        tags["pipeline/changed_files"] = ",".join(registration.changed_files)
+    return tags
+
 
 BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_QUARANTINE)
 
@@ -34,6 +44,6 @@ def landing_sensor(context: SensorEvaluationContext, landing: LandingResource, l
     if not batches:
         return SkipReason("no new landing files")
     return SensorResult(
-        run_requests=[RunRequest(partition_key=batch, run_key=batch) for batch in batches],
+        run_requests=[RunRequest(partition_key=batch, run_key=batch, tags=_tags(batch, registration)) for batch in batches],
         dynamic_partitions_requests=[ingest_batches.build_add_request(batches)],
     )

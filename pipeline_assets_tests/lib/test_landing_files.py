@@ -1,0 +1,129 @@
+"""Readers and the landing contract against a bad-input corpus that covers every reason code."""
+
+from __future__ import annotations
+
+import gzip
+import io
+
+import polars as pl
+import pytest
+import zstandard
+
+from pipeline_assets.lib.landing_files import landing_format, read_landing_file
+from pipeline_assets_tests.conftest import jsonl_bytes, record
+
+GOOD = record(1, meta={"annotator": "a7"}, session="s9")
+
+# (line bytes, expected reason) -- one case per JSON-line reason code
+BAD_LINES = [
+    (b'{"prompt": "cut in the mid', "invalid_json"),
+    (b'["an", "array"]', "not_an_object"),
+    (b'42', "not_an_object"),
+    (b'{"prompt": "p"}', "missing_field:response"),
+    (b'{"response": "r"}', "missing_field:prompt"),
+    (b'{"prompt": null, "response": "r"}', "missing_field:prompt"),
+    (b'{"prompt": 7, "response": "r"}', "wrong_type:prompt"),
+    (b'{"prompt": "p", "response": ["r"]}', "wrong_type:response"),
+    (b'{"prompt": "p", "response": "r", "system": 1}', "wrong_type:system"),
+    (b'{"prompt": "p", "response": "r", "id": 1.5}', "wrong_type:id"),
+    (b'{"prompt": "p", "response": "r", "meta": "not an object"}', "wrong_type:meta"),
+    (b'{"prompt": "p", "response": "r", "created_at": 1700000000}', "wrong_type:created_at"),
+    (b'{"prompt": "p", "response": "r", "created_at": "last tuesday"}', "invalid_timestamp:created_at"),
+    (b'{"prompt": "p", "response": "r", "created_at": "2026-11-01T00:00:00"}', "invalid_timestamp:created_at"),
+    (b'{"prompt": "  ", "response": "r"}', "empty_field:prompt"),
+    (b'{"prompt": "p", "response": ""}', "empty_field:response"),
+    (b'{"prompt": "p\xff\xfe", "response": "r"}', "invalid_utf8"),
+    (b'   ', "blank_line"),
+]
+
+
+def _corpus() -> bytes:
+    return jsonl_bytes([GOOD] + [line for line, _ in BAD_LINES] + [GOOD])
+
+
+@pytest.mark.parametrize("name, pack", [
+    ("f.jsonl", lambda b: b),
+    ("f.jsonl.gz", lambda b: gzip.compress(b, mtime=0)),
+    ("f.jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
+])
+def test_every_json_line_reason_code_in_every_json_format(name, pack):
+    result = read_landing_file(name, pack(_corpus()))
+    assert result.records["source_line"].to_list() == [1, len(BAD_LINES) + 2]
+    assert result.quarantine["reason"].to_list() == [reason for _, reason in BAD_LINES]
+    assert result.quarantine["source_line"].to_list() == list(range(2, len(BAD_LINES) + 2))
+    assert result.lines_read == result.records.height + result.quarantine.height == len(BAD_LINES) + 2
+
+
+def test_quarantine_keeps_the_line_verbatim_and_explains():
+    result = read_landing_file("f.jsonl", jsonl_bytes([b'{"prompt": 7, "response": "r"}', b'{"prompt": "p\xff"}']))
+    first, second = result.quarantine.iter_rows(named=True)
+    assert first["raw"] == '{"prompt": 7, "response": "r"}'
+    assert "must be a string, got number" in first["detail"]
+    assert second["raw"] == '{"prompt": "p\ufffd"}'  # the undecodable byte shown as U+FFFD
+    assert second["reason"] == "invalid_utf8" and "not UTF-8" in second["detail"]
+
+
+def test_accepted_record_keeps_optional_fields_meta_and_extra():
+    result = read_landing_file("f.jsonl", jsonl_bytes([GOOD, record(2, id=17, system="sys")]))
+    first, second = result.records.iter_rows(named=True)
+    assert first["meta"] == '{"annotator":"a7"}'
+    assert first["extra"] == '{"session":"s9"}'
+    assert str(first["created_at"]) == "2026-11-20 10:00:00+00:00"
+    assert second["id"] == "17" and second["system"] == "sys" and second["extra"] is None
+    assert first["content_hash"] != second["content_hash"] and len(first["content_hash"]) == 32
+
+
+def test_field_mapping_renames_a_source_field():
+    line = {"prompt": "p", "completion": "c"}
+    assert read_landing_file("f.jsonl", jsonl_bytes([line])).quarantine["reason"].to_list() == ["missing_field:response"]
+    mapped = read_landing_file("f.jsonl", jsonl_bytes([line]), {"completion": "response"})
+    assert mapped.records["response"].to_list() == ["c"] and mapped.quarantine.is_empty()
+
+
+@pytest.mark.parametrize("name, pack", [
+    ("f.jsonl.gz", lambda b: gzip.compress(b, mtime=0)),
+    ("f.jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
+])
+def test_truncated_compressed_file_keeps_complete_lines(name, pack):
+    packed = pack(jsonl_bytes([record(i, response="word " * 200) for i in range(400)]))
+    result = read_landing_file(name, packed[: len(packed) * 2 // 3])
+    assert 0 < result.records.height < 400
+    last = result.quarantine.row(-1, named=True)
+    assert last["reason"] == "truncated_file" and "cut short" in last["detail"]
+    assert last["source_line"] == result.records.height + 1
+    assert result.lines_read == result.records.height + result.quarantine.height
+
+
+def test_unreadable_and_unsupported_files_are_one_quarantined_unit():
+    for name, data, reason in [
+        ("f.jsonl.gz", b"not gzip at all", "unreadable_file"),
+        ("f.jsonl.zst", b"not zstd at all", "unreadable_file"),
+        ("f.parquet", b"PAR1 broken", "unreadable_file"),
+        ("f.csv", b"prompt,response\n", "unsupported_format"),
+    ]:
+        result = read_landing_file(name, data)
+        assert result.records.is_empty()
+        assert result.quarantine.select("source_line", "reason").rows() == [(0, reason)], name
+        assert result.lines_read == 1
+
+
+def test_parquet_rows_are_validated_like_lines():
+    frame = pl.DataFrame({
+        "prompt": ["p1", "  ", None, "p4"],
+        "response": ["r1", "r2", "r3", None],
+        "url": ["u1", "u2", "u3", "u4"],
+    })
+    buffer = io.BytesIO()
+    frame.write_parquet(buffer)
+    result = read_landing_file("f.parquet", buffer.getvalue())
+    assert result.records.select("source_line", "extra").rows() == [(1, '{"url":"u1"}')]
+    assert result.quarantine.select("source_line", "reason").rows() == [
+        (2, "empty_field:prompt"), (3, "missing_field:prompt"), (4, "missing_field:response")
+    ]
+    assert result.quarantine["raw"][0] == '{"prompt":"  ","response":"r2","url":"u2"}'
+
+
+def test_landing_format_by_suffix():
+    assert [landing_format(n) for n in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "a.json")] == [
+        "jsonl", "jsonl.gz", "jsonl.zst", "parquet", None
+    ]
