@@ -13,6 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from pipeline_assets.defs.landing.registry import read_manifest, register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
@@ -55,18 +56,34 @@ def register_batches(defs: Definitions, instance: DagsterInstance) -> list[str]:
 
 
 def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
-    """Per ingest batch, the selected batch-partitioned assets that have never been materialized for it."""
-    plan: dict[str, list[AssetKey]] = {}
+    """Per ingest batch, the selected batch-partitioned assets to (re)materialize.
+
+    Stale: never materialized for that batch, or its latest blocking check failed there (so a
+    batch blocked by schema drift is retried once the mapping is fixed).
+    """
     graph = defs.resolve_asset_graph()
+    batches = instance.get_dynamic_partitions(ingest_batches.name)
+    blocked = _partitions_failing_blocking_checks(defs, instance)
+    plan: dict[str, set[AssetKey]] = {}
     for key in keys:
         node = graph.get(key)
         if not node.is_executable or node.partitions_def != ingest_batches:
             continue
         done = instance.get_materialized_partitions(key)
-        for batch in instance.get_dynamic_partitions(ingest_batches.name):
-            if batch not in done:
-                plan.setdefault(batch, []).append(key)
-    return dict(sorted(plan.items()))
+        for batch in batches:
+            if batch not in done or (batch, key) in blocked:
+                plan.setdefault(batch, set()).update(node.execution_set_asset_keys)
+    return {batch: sorted(plan[batch], key=AssetKey.to_user_string) for batch in sorted(plan)}
+
+
+def _partitions_failing_blocking_checks(defs: Definitions, instance: DagsterInstance) -> set[tuple[str, AssetKey]]:
+    blocking = [spec.key for checks in defs.asset_checks or [] for spec in checks.check_specs if spec.blocking]
+    infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []
+    return {
+        (info.partition_key, info.check_key.asset_key)
+        for info in infos
+        if info.latest_execution_status == AssetCheckExecutionRecordStatus.FAILED
+    }
 
 
 def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:

@@ -1,0 +1,64 @@
+"""The headless command against a persistent instance, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+from dagster import DagsterInstance
+
+from pipeline_assets.defs.keys import BRONZE_RECORDS
+from pipeline_assets_tests.conftest import record, write_landing_file
+
+
+def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_"))}
+    environment.update(PIPELINE_HOME=str(home), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.cli", *args], env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_path):
+    landing = tmp_path / "landing"
+    write_landing_file(landing, "annotate", "a.jsonl", [record(i) for i in range(20)])
+    first = _cli(tmp_path, "run")
+    assert first.returncode == 0, first.stderr
+    assert "new ingest batches: 2" in first.stdout  # the key starts with the year
+
+    nothing = _cli(tmp_path, "run")
+    assert nothing.returncode == 0 and "new ingest batches: none" in nothing.stdout and "runs: 0" in nothing.stdout
+
+    renamed = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(10)]
+    write_landing_file(landing, "annotate", "b.jsonl", renamed)
+    drift = _cli(tmp_path, "run")
+    assert drift.returncode == 1
+    assert "bronze/records:quarantine_rate failed" in drift.stderr
+    assert '{"annotate": {"completion": "response"}}' in drift.stderr
+
+    fixed = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS='{"annotate": {"completion": "response"}}')
+    assert fixed.returncode == 0, fixed.stderr
+    assert "runs: 1" in fixed.stdout, "the blocked batch is retried, the good one is not"
+
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    assert len(instance.get_materialized_partitions(BRONZE_RECORDS)) == 2
+    records = pl.read_delta(str(tmp_path / "lake" / "bronze" / "records"))
+    assert records.height == 30
+
+    summary = json.loads(_cli(tmp_path, "summary").stdout)
+    assert summary["tables"]["bronze/records"]["rows"] == 30
+    assert summary["quarantined_by_reason"] == {}
+
+
+def test_run_with_a_selection_and_a_bad_setting(tmp_path):
+    write_landing_file(tmp_path / "landing", "annotate", "a.jsonl", [record(1)])
+    selected = _cli(tmp_path, "run", "--select", "key:bronze/quarantine")
+    assert selected.returncode == 0, selected.stderr
+    assert "runs: 1" in selected.stdout  # the multi-asset runs whole
+    bad = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS="{not json")
+    assert bad.returncode == 2 and "PIPELINE_FIELD_MAPPINGS is not valid JSON" in bad.stderr
+    assert "Traceback" not in bad.stderr
