@@ -16,7 +16,7 @@ from pipeline_assets_tests.conftest import record, write_landing_file
 
 
 def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_"))}
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
     environment.update(PIPELINE_HOME=str(home), **env)
     return subprocess.run(
         [sys.executable, "-m", "pipeline_assets.cli", *args], env=environment, capture_output=True, text=True, timeout=300

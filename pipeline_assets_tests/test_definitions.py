@@ -32,6 +32,8 @@ def test_asset_keys_groups_checks_and_sensor():
 def test_resources_follow_settings(monkeypatch, tmp_path):
     from pipeline_assets.resources import Settings, build_resources
 
+    for inherited in ("DAGSTER_HOME", "MLFLOW_TRACKING_URI", "PIPELINE_LANDING_URI", "PIPELINE_FIELD_MAPPINGS"):
+        monkeypatch.delenv(inherited, raising=False)  # make exports some of these
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     monkeypatch.setenv("PIPELINE_LAKE_URI", "s3://bucket/lake")
     monkeypatch.setenv("PIPELINE_FIELD_MAPPINGS", '{"logs": {"completion": "response"}}')
