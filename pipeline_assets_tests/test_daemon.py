@@ -1,0 +1,55 @@
+"""The real Dagster daemon: files land, landing_sensor ticks, the bronze run executes, unattended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+
+from pipeline_assets.headless import persistent_instance
+from pipeline_assets_tests.conftest import record, write_landing_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_SECONDS = 240
+
+
+def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
+    home = tmp_path / "home"
+    write_landing_file(home / "landing", "annotate", "a.jsonl", [record(i) for i in range(25)])
+    write_landing_file(home / "landing", "logs", "l.jsonl.gz", [record(100 + i) for i in range(30)] + [b"{oops"])  # 1 of 31: under 5%
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
+    env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
+    persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does
+    daemon = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        instance = DagsterInstance.from_config(str(home / "dagster"))
+        run = _wait_for_finished_run(instance)
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        daemon.wait(timeout=60)
+    assert run.status == DagsterRunStatus.SUCCESS
+    assert run.tags["dagster/sensor_name"] == "landing_sensor"
+    records = pl.read_delta(str(home / "lake" / "bronze" / "records"))
+    quarantine = pl.read_delta(str(home / "lake" / "bronze" / "quarantine"))
+    assert records.height == 55 and quarantine["reason"].to_list() == ["invalid_json"]
+    assert records["batch_id"].unique().to_list() == [run.tags["dagster/partition"]]
+
+
+def _wait_for_finished_run(instance: DagsterInstance):
+    finished = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while time.monotonic() < deadline:
+        runs = instance.get_runs(RunsFilter(statuses=list(finished)))
+        if runs:
+            return runs[0]
+        time.sleep(2)
+    raise AssertionError(f"no run finished within {DEADLINE_SECONDS} s of starting the daemon")
