@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import polars as pl
-from dagster import AssetCheckSeverity
+from dagster import AssetCheckSeverity, asset, materialize
 
+from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LandingResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import batch_rows, checks_by_name, materialize_bronze, register
@@ -137,3 +140,26 @@ def test_file_changed_after_registration_is_quarantined_not_skipped(instance, re
     assert "changed since registration" in quarantine["detail"][0]
     assert not checks_by_name(result)["bronze/records:quarantine_rate"].passed
     assert path.exists()
+
+
+def test_failed_blocking_check_stops_downstream_of_that_batch(instance, resources, landing_dir):
+    consumed = []
+
+    @asset(key=["test", "downstream"], deps=[BRONZE_RECORDS], partitions_def=ingest_batches)
+    def downstream(context) -> None:  # stands in for silver
+        consumed.append(context.partition_key)
+
+    def run(batch):
+        return materialize([bronze, *bronze_checks, downstream], partition_key=batch, instance=instance,
+                           resources=resources, raise_on_error=False)
+
+    write_landing_file(landing_dir, "logs", "good.jsonl", [record(i) for i in range(20)])
+    good = register(instance, resources)
+    assert run(good).success and consumed == [good]
+
+    write_landing_file(landing_dir, "logs", "drifted.jsonl", [{"prompt": f"q{i}", "completion": "a"} for i in range(20)])
+    drifted = register(instance, resources)
+    result = run(drifted)
+    assert not result.success
+    assert consumed == [good], "downstream must not run for the blocked batch"
+    assert "quarantine_rate" in str(result.get_step_failure_events()[0].event_specific_data.error.message)
