@@ -21,6 +21,9 @@ from pipeline_assets.lib.batches import pending_batches
 
 log = logging.getLogger("pipeline_assets")
 
+# Step logs at INFO (per-file accounting, check results); DEBUG event chatter stays in the instance.
+_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+
 
 @dataclass
 class RunOutcome:
@@ -95,7 +98,11 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
         log.info("materializing %s for ingest batch %s", ", ".join(k.to_user_string() for k in batch_keys), batch)
         result = job.execute_in_process(
-            instance=instance, partition_key=batch, asset_selection=batch_keys, raise_on_error=False
+            run_config=_RUN_CONFIG,
+            instance=instance,
+            partition_key=batch,
+            asset_selection=batch_keys,
+            raise_on_error=False,
         )
         outcome.runs.append(result.run_id)
         if not result.success:

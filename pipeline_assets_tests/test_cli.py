@@ -62,3 +62,16 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
     bad = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS="{not json")
     assert bad.returncode == 2 and "PIPELINE_FIELD_MAPPINGS is not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_sample_data_command_is_deterministic(tmp_path):
+    outputs = []
+    for name in ("one", "two"):
+        done = _cli(tmp_path, "sample-data", "--records", "400", "--out", str(tmp_path / name),
+                    "--eval-sets-out", str(tmp_path / f"{name}-eval"))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["lines"] == 400
+        outputs.append({p.relative_to(tmp_path / name): p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()})
+    assert outputs[0] == outputs[1]
+    suffixes = {"".join(path.suffixes) for path in outputs[0]}
+    assert {".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"} <= suffixes
