@@ -11,7 +11,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
@@ -19,10 +18,9 @@ from dagster import ConfigurableResource
 from dagster_aws.s3 import S3Resource
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.landing_files import landing_format
 
 
 def _env(name: str, default: str) -> str:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dagster import AssetKey
 
 from pipeline_assets.definitions import defs
 

@@ -205,13 +205,13 @@ class _FrameBuilder:
         self.lines_read += 1
         columns = self._columns
         columns["source_line"].append(number)
-        for name, value in zip(_VALUE_COLUMNS, values):
+        for name, value in zip(_VALUE_COLUMNS, values, strict=True):
             columns[name].append(value)
         columns["content_hash"].append(content_hash(values[2], values[0], values[1]))
 
     def reject(self, number: int, raw: str, reason: str, detail: str) -> None:
         self.lines_read += 1
-        for name, value in zip(QUARANTINE_SCHEMA, (number, raw, reason, detail)):
+        for name, value in zip(QUARANTINE_SCHEMA, (number, raw, reason, detail), strict=True):
             self._rejected[name].append(value)
 
     def result(self) -> FileReadResult:

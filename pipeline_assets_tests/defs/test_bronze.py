@@ -163,3 +163,21 @@ def test_failed_blocking_check_stops_downstream_of_that_batch(instance, resource
     assert not result.success
     assert consumed == [good], "downstream must not run for the blocked batch"
     assert "quarantine_rate" in str(result.get_step_failure_events()[0].event_specific_data.error.message)
+
+
+def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_dir):
+    from pipeline_assets.contracts import BronzeRecord
+    from pipeline_assets.defs.bronze.checks import contract_check_result
+
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(5)])
+    batch = register(instance, resources)
+    assert materialize_bronze(instance, resources, batch).success
+    lake = resources["lake"]
+    rows = batch_rows(lake, "records", batch)
+    assert contract_check_result(rows, BronzeRecord).passed
+    lake.append("bronze", "records", rows.head(1).with_columns(prompt=pl.lit("   ")))  # duplicate id, blank prompt
+
+    contract = contract_check_result(batch_rows(lake, "records", batch), BronzeRecord)
+    assert not contract.passed
+    assert contract.metadata["failure_cases"].value == 3  # record_id twice (not unique), prompt blank
+    assert "BronzeRecord" in contract.description

@@ -40,7 +40,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     manifest_version = lake.version(*MANIFEST_TABLE)
-    files = batch_files(lake, batch_id)
+    files = batch_files(lake, batch_id, version=manifest_version)
     if files.is_empty():
         raise ValueError(f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})")
 

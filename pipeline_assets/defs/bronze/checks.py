@@ -28,7 +28,7 @@ def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
     return frame
 
 
-def _contract_result(frame: pl.DataFrame, model) -> AssetCheckResult:
+def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
     try:
         validate(frame, model)
     except pandera.errors.SchemaErrors as errors:
@@ -48,13 +48,13 @@ def _contract_result(frame: pl.DataFrame, model) -> AssetCheckResult:
 @asset_check(asset=BRONZE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
              description="The batch's rows satisfy the BronzeRecord contract.")
 def bronze_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-    return _contract_result(_batch(lake, "records", context.partition_key), BronzeRecord)
+    return contract_check_result(_batch(lake, "records", context.partition_key), BronzeRecord)
 
 
 @asset_check(asset=BRONZE_QUARANTINE, name="contract", blocking=True, partitions_def=ingest_batches,
              description="The batch's quarantined lines satisfy the QuarantineRecord contract.")
 def bronze_quarantine_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-    return _contract_result(_batch(lake, "quarantine", context.partition_key), QuarantineRecord)
+    return contract_check_result(_batch(lake, "quarantine", context.partition_key), QuarantineRecord)
 
 
 @asset_check(asset=BRONZE_RECORDS, name="quarantine_rate", blocking=True, partitions_def=ingest_batches,

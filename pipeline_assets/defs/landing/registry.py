@@ -26,9 +26,9 @@ def read_manifest(lake: LakeResource) -> pl.DataFrame | None:
     return lake.read(*MANIFEST_TABLE)
 
 
-def batch_files(lake: LakeResource, batch_id: str) -> pl.DataFrame:
+def batch_files(lake: LakeResource, batch_id: str, version: int | None = None) -> pl.DataFrame:
     """The file versions registered into one batch (empty when the batch is unknown)."""
-    files = lake.read(*MANIFEST_TABLE, where=pl.col("batch_id") == batch_id)
+    files = lake.read(*MANIFEST_TABLE, version=version, where=pl.col("batch_id") == batch_id)
     if files is None:
         return pl.DataFrame(schema=polars_schema(LandingManifestEntry))
     return files.sort("uri")
