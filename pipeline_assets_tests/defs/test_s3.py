@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import urllib.request
 
 import boto3
 import pytest
@@ -10,7 +11,10 @@ from moto.server import ThreadedMotoServer
 
 from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
 from pipeline_assets_tests.conftest import jsonl_bytes, record
+from dagster import SkipReason
+
 from pipeline_assets_tests.defs.bronze_helpers import batch_rows, checks_by_name, materialize_bronze, register
+from pipeline_assets_tests.defs.test_landing_sensor import _tick
 
 BUCKET = "pipeline"
 
@@ -35,6 +39,7 @@ def s3_endpoint(monkeypatch):
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(name, value)
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))  # state is per process
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     yield endpoint
     server.stop()
@@ -66,3 +71,16 @@ def test_landing_and_lake_on_s3(s3_endpoint, instance):
     assert resources["lake"].read("bronze", "records", version=version).height == 12  # time travel
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix="lake/bronze/records/_delta_log/")["KeyCount"]
     assert listed >= 2
+
+
+def test_landing_sensor_ticks_on_s3(s3_endpoint, instance):
+    client = boto3.client("s3")
+    resources = {"lake": LakeResource(uri=f"s3://{BUCKET}/lake"), "landing": LandingResource(uri=f"s3://{BUCKET}/landing")}
+    client.put_object(Bucket=BUCKET, Key="landing/synth/a.jsonl", Body=jsonl_bytes([record(1)]))
+    first = _tick(instance, resources)
+    assert len(first.run_requests) == 1
+    assert isinstance(_tick(instance, resources), SkipReason)
+    client.put_object(Bucket=BUCKET, Key="landing/synth/a.jsonl", Body=jsonl_bytes([record(1), record(2)]))
+    changed = _tick(instance, resources)
+    assert changed.run_requests[0].partition_key > first.run_requests[0].partition_key
+    assert changed.run_requests[0].tags["pipeline/changed_files"] == "synth/a.jsonl"
