@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("summary", help="rows per layer and quarantine by reason, from the lake")
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("pipeline_assets").setLevel(logging.INFO)
     try:
         settings = Settings.from_env()
         return {"run": _run, "sample-data": _sample_data, "summary": _summary}[args.command](args, settings)
@@ -45,6 +46,10 @@ def _run(args, settings: Settings) -> int:
     print(f"new ingest batches: {', '.join(added) or 'none'}")
     outcome = run_stale(defs, instance, args.select)
     print(f"runs: {len(outcome.runs)} (in the instance at {settings.dagster_home}; `make dev` shows them)")
+    print(f"checks: {outcome.checks_passed} passed, {len(outcome.warnings)} warning(s), "
+          f"{len(outcome.failed_blocking_checks)} blocking failure(s)")
+    for warning in outcome.warnings:
+        print(f"WARNING: {warning}")
     for problem in outcome.failed_runs + outcome.failed_blocking_checks:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 0 if outcome.ok else 1

@@ -30,6 +30,8 @@ class RunOutcome:
     runs: list[str] = field(default_factory=list)  # run ids
     failed_runs: list[str] = field(default_factory=list)
     failed_blocking_checks: list[str] = field(default_factory=list)  # human-readable
+    warnings: list[str] = field(default_factory=list)  # failed checks that do not block
+    checks_passed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -108,8 +110,11 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
         if not result.success:
             outcome.failed_runs.append(f"run {result.run_id} for batch {batch} failed")
         for check in result.get_asset_check_evaluations():
-            if check.blocking and not check.passed and check.severity == AssetCheckSeverity.ERROR:
-                outcome.failed_blocking_checks.append(
-                    f"{check.asset_key.to_user_string()}:{check.check_name} failed for batch {batch}: {check.description}"
-                )
+            said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for batch {batch}: {check.description}"
+            if check.passed:
+                outcome.checks_passed += 1
+            elif check.blocking and check.severity == AssetCheckSeverity.ERROR:
+                outcome.failed_blocking_checks.append(said)
+            else:
+                outcome.warnings.append(said)
     return outcome

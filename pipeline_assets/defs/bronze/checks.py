@@ -1,11 +1,13 @@
 """Asset checks on bronze, per ingest batch: contract and quarantine rate block; volume and freshness warn."""
 
 
+import warnings
 from datetime import datetime, timezone
 
 import pandera.errors
 import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+from dagster._utils.warnings import PreviewWarning
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, validate
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
@@ -19,6 +21,9 @@ from pipeline_assets.lib.landing_health import (
     schema_drift_hints,
 )
 from pipeline_assets.resources import IngestPolicy, LakeResource
+
+# Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
+warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 
 def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
