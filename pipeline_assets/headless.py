@@ -15,9 +15,8 @@ from pathlib import Path
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
-from pipeline_assets.defs.landing.registry import read_manifest, register_new_batch
+from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.lib.batches import pending_batches
 
 log = logging.getLogger("pipeline_assets")
 
@@ -52,9 +51,8 @@ def persistent_instance(dagster_home: str) -> DagsterInstance:
 
 def register_batches(defs: Definitions, instance: DagsterInstance) -> list[str]:
     """Discover new landing files exactly as landing_sensor does; returns the batches added."""
-    landing, lake = defs.resources["landing"], defs.resources["lake"]
-    register_new_batch(landing, lake, log)
-    added = pending_batches(read_manifest(lake), instance.get_dynamic_partitions(ingest_batches.name))
+    known = instance.get_dynamic_partitions(ingest_batches.name)
+    _, added = discover_batches(defs.resources["landing"], defs.resources["lake"], known, log)
     if added:
         instance.add_dynamic_partitions(ingest_batches.name, added)
     return added

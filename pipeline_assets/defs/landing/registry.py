@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import polars as pl
 
 from pipeline_assets.contracts import LandingManifestEntry, conform, polars_schema, validate
-from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, unseen_files
+from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, pending_batches, unseen_files
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
 
 MANIFEST_TABLE = ("landing", "manifest")
@@ -70,3 +70,12 @@ def register_new_batch(
         new_files=to_register.filter(pl.col("status") == "new")["uri"].to_list(),
         changed_files=[landing.relative_name(uri) for uri in changed["uri"]],
     )
+
+
+def discover_batches(
+    landing: LandingResource, lake: LakeResource, known_partitions: list[str], log: logging.Logger
+) -> tuple[BatchRegistration, list[str]]:
+    """What landing_sensor and ``pipeline-assets run`` both do: register new files, then return
+    every registered batch that has no partition yet (this one, or one an interrupted tick left)."""
+    registration = register_new_batch(landing, lake, log)
+    return registration, pending_batches(read_manifest(lake), known_partitions)

@@ -12,9 +12,8 @@ from dagster import (
 )
 
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
-from pipeline_assets.defs.landing.registry import BatchRegistration, read_manifest, register_new_batch
+from pipeline_assets.defs.landing.registry import BatchRegistration, discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.lib.batches import pending_batches
 from pipeline_assets.resources import LakeResource, LandingResource
 
 def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
@@ -38,9 +37,8 @@ BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_QUARANTINE)
     description="Registers new landing files as one ingest batch and requests its bronze run.",
 )
 def landing_sensor(context: SensorEvaluationContext, landing: LandingResource, lake: LakeResource):
-    registration = register_new_batch(landing, lake, context.log)
     known = context.instance.get_dynamic_partitions(ingest_batches.name)
-    batches = pending_batches(read_manifest(lake), known)
+    registration, batches = discover_batches(landing, lake, known, context.log)
     if not batches:
         return SkipReason("no new landing files")
     return SensorResult(
