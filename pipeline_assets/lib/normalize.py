@@ -1,0 +1,49 @@
+"""Text normalization for silver: Unicode form, control characters, whitespace.
+
+Vectorized polars expressions; every step can be switched off. Newlines survive whitespace
+collapsing (line structure matters to the quality rules), runs of blank lines do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+TEXT_COLUMNS = ("prompt", "response", "system")
+
+# C0 and C1 controls except tab and newline (\r is folded into \n below).
+_CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
+
+
+@dataclass(frozen=True)
+class NormalizeConfig:
+    unicode_form: str | None = "NFC"  # NFC, NFKC, NFD, NFKD, or None to leave as is
+    strip_control: bool = True
+    collapse_whitespace: bool = True
+
+
+def normalize_text(expr: pl.Expr, config: NormalizeConfig = NormalizeConfig()) -> pl.Expr:
+    if config.unicode_form:
+        expr = expr.str.normalize(config.unicode_form)
+    expr = expr.str.replace_all("\r\n?", "\n")
+    if config.strip_control:
+        expr = expr.str.replace_all(_CONTROL, "")
+    if config.collapse_whitespace:
+        expr = (
+            expr.str.replace_all(r"[^\S\n]+", " ")  # runs of spaces and tabs
+            .str.replace_all(r" ?\n ?", "\n")
+            .str.replace_all(r"\n{3,}", "\n\n")
+            .str.strip_chars()
+        )
+    return expr
+
+
+def normalize_records(frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()) -> tuple[pl.DataFrame, dict]:
+    """Normalize the text columns; the counters say how many values each column had changed."""
+    present = [c for c in TEXT_COLUMNS if c in frame.columns]
+    normalized = frame.with_columns(normalize_text(pl.col(c), config) for c in present)
+    changed = {
+        f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0) for column in present
+    }
+    return normalized, {"rows": frame.height, **changed}
