@@ -32,6 +32,10 @@ class MinHashConfig:
     shingle_words: int = 5
     threshold: float = 0.8
     lowercase: bool = True
+    # LSH bands are chosen to minimize w * P(false candidate) + (1 - w) * P(missed pair). Candidates
+    # are verified against the threshold, so a false candidate costs a comparison and a missed pair
+    # costs a duplicate: weigh misses far more (16 bands of 8 rows at 128 permutations).
+    lsh_false_positive_weight: float = 0.05
 
 
 def shingles(text: str, config: MinHashConfig = MinHashConfig()) -> set[bytes]:

@@ -1,0 +1,287 @@
+"""Exact and near-duplicate removal for one batch, within itself and against the batches before it.
+
+The survivor of a duplicate cluster is deterministic: the earliest batch, then the smallest
+``record_id``. Earlier batches only contribute hashes (exact hashes, MinHash signatures and LSH
+band keys from ``silver/minhash_index``), looked up with polars joins, so memory grows with the
+batch and with the matches, not with the history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import polars as pl
+import polars_hash as plh
+
+from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
+
+DEDUP_TEXT = pl.concat_str([pl.col("prompt"), pl.col("response")], separator="\n")
+HISTORY_SCHEMA = pl.Schema(
+    {
+        "record_id": pl.String,
+        "batch_id": pl.String,
+        "exact_hash": pl.String,
+        "signature": pl.Binary,
+        "band_keys": pl.List(pl.Int64),
+        "lsh_params": pl.String,
+    }
+)
+
+
+@dataclass(frozen=True)
+class LshParams:
+    bands: int
+    rows: int
+
+    def label(self, config: MinHashConfig) -> str:
+        """Names everything that must match for two signatures' band keys to be comparable."""
+        return f"perm{config.num_perm}-seed{config.seed}-shingle{config.shingle_words}-b{self.bands}-r{self.rows}"
+
+
+@dataclass(frozen=True)
+class StageResult:
+    kept: pl.DataFrame
+    rejected: pl.DataFrame  # the rejected input rows + stage, duplicate_of, jaccard, evidence
+    counters: dict
+
+
+# --- exact --------------------------------------------------------------------------------------
+
+
+def exact_hashes(frame: pl.DataFrame) -> pl.Series:
+    """128 bits of BLAKE3 over the normalized prompt and response: stable across versions and runs."""
+    return frame.select(plh.concat_str(pl.col("prompt"), pl.col("response"), separator="\x1f").chash.blake3().str.slice(0, 32))[
+        :, 0
+    ].alias("exact_hash")
+
+
+def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
+    """Drop records whose exact_hash was kept in an earlier batch, or that repeat one in this batch."""
+    hashed = batch.with_columns(exact_hashes(batch))
+    earlier = _earliest_by_hash(history, hashed["exact_hash"])
+    survivor = (
+        hashed.sort("record_id").group_by("exact_hash", maintain_order=True)
+        .agg(first_in_batch=pl.col("record_id").first())
+    )
+    judged = hashed.join(earlier, on="exact_hash", how="left").join(survivor, on="exact_hash", how="left").with_columns(
+        duplicate_of=pl.coalesce("earlier_record_id", pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"))
+    )
+    rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
+        stage=pl.lit("exact_dup"),
+        jaccard=pl.lit(1.0),
+        evidence=pl.struct(
+            duplicate_of="duplicate_of",
+            duplicate_of_batch=pl.coalesce("earlier_batch_id", "batch_id"),
+            exact_hash="exact_hash",
+        ).struct.json_encode(),
+    )
+    kept = judged.filter(pl.col("duplicate_of").is_null())
+    columns = [*batch.columns, "exact_hash"]
+    return StageResult(
+        kept=kept.select(columns),
+        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
+        counters={
+            "rows_in": batch.height,
+            "kept": kept.height,
+            "rejected": rejected.height,
+            "against_earlier_batches": int(rejected["earlier_record_id"].is_not_null().sum()),
+        },
+    )
+
+
+def _earliest_by_hash(history: pl.LazyFrame | None, hashes: pl.Series) -> pl.DataFrame:
+    schema = {"exact_hash": pl.String, "earlier_record_id": pl.String, "earlier_batch_id": pl.String}
+    if history is None:
+        return pl.DataFrame(schema=schema)
+    return (
+        history.filter(pl.col("exact_hash").is_in(hashes.unique().implode()))
+        .sort("batch_id", "record_id")
+        .group_by("exact_hash", maintain_order=True)
+        .agg(earlier_record_id=pl.col("record_id").first(), earlier_batch_id=pl.col("batch_id").first())
+        .collect()
+    )
+
+
+# --- near ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0.5) -> LshParams:
+    """Bands x rows minimizing the weighted false positive and false negative probability mass.
+
+    A pair of similarity s becomes a candidate with probability 1 - (1 - s^r)^b.
+    """
+    best, best_error = LshParams(1, num_perm), float("inf")
+    below, above = np.linspace(0.0, threshold, 512), np.linspace(threshold, 1.0, 512)
+    for bands in range(1, num_perm + 1):
+        for rows in range(1, num_perm // bands + 1):
+            false_positive = np.trapezoid(1 - (1 - below**rows) ** bands, below)
+            false_negative = np.trapezoid((1 - above**rows) ** bands, above)
+            error = false_positive_weight * false_positive + (1 - false_positive_weight) * false_negative
+            if error < best_error:
+                best, best_error = LshParams(bands, rows), error
+    return best
+
+
+def band_keys(sigs: np.ndarray, params: LshParams) -> np.ndarray:
+    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values."""
+    keys = np.zeros((len(sigs), params.bands), dtype=np.uint64)
+    multiplier = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        for band in range(params.bands):
+            columns = sigs[:, band * params.rows : (band + 1) * params.rows].astype(np.uint64)
+            for column in columns.T:
+                keys[:, band] = keys[:, band] * multiplier + column
+    return keys.view(np.int64)  # Delta has no unsigned integers
+
+
+def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHashConfig = MinHashConfig()) -> tuple[StageResult, pl.DataFrame]:
+    """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
+
+    ``batch`` needs record_id, batch_id, prompt, response; ``history`` is the index of earlier
+    batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
+    """
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    sigs = signatures(batch.select(DEDUP_TEXT).to_series().to_list(), config)
+    keys = band_keys(sigs, params)
+    earlier = _history_matches(history, keys, params, config)
+    earlier_sigs = _signature_matrix(earlier, config)
+    all_sigs = np.vstack([sigs, earlier_sigs])
+    pairs = _verified_pairs(all_sigs, np.vstack([keys, band_keys(earlier_sigs, params)]), batch.height, config.threshold)
+    node_ids = batch["record_id"].to_list() + earlier["record_id"].to_list()
+    node_batches = batch["batch_id"].to_list() + earlier["batch_id"].to_list()
+    survivors = _cluster_survivors(len(node_ids), pairs, list(zip(node_batches, node_ids, strict=True)))
+
+    survivor_of = np.asarray(survivors[: batch.height])
+    cluster_ids = [node_ids[s] for s in survivor_of]
+    similarity = jaccard(sigs, all_sigs[survivor_of])
+    judged = batch.with_columns(
+        cluster_id=pl.Series(cluster_ids, dtype=pl.String),
+        jaccard=pl.Series(similarity, dtype=pl.Float64),
+        duplicate_of=pl.Series([None if s == i else node_ids[s] for i, s in enumerate(survivor_of)], dtype=pl.String),
+        duplicate_of_batch=pl.Series([node_batches[s] for s in survivor_of], dtype=pl.String),
+    )
+    rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
+        stage=pl.lit("near_dup"),
+        evidence=pl.struct(
+            duplicate_of="duplicate_of", duplicate_of_batch="duplicate_of_batch", jaccard=pl.col("jaccard").round(4),
+            cluster_id="cluster_id",
+        ).struct.json_encode(),
+    )
+    kept = judged.filter(pl.col("duplicate_of").is_null())
+    index = _index_rows(batch, sigs, keys, params.label(config))
+    counters = {
+        "rows_in": batch.height,
+        "kept": kept.height,
+        "rejected": rejected.height,
+        "candidate_pairs_verified": len(pairs),
+        "against_earlier_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
+        "clusters_with_duplicates": judged.filter(pl.col("cluster_id").is_in(rejected["cluster_id"].implode()))["cluster_id"].n_unique(),
+        "lsh": params.label(config),
+    }
+    columns = [*batch.columns, "cluster_id"]
+    result = StageResult(
+        kept=kept.select(columns),
+        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
+        counters=counters,
+    )
+    return result, index
+
+
+def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:
+    """Earlier records sharing at least one band key with this batch, with their signatures."""
+    empty = pl.DataFrame(schema={"record_id": pl.String, "batch_id": pl.String, "signature": pl.Binary})
+    if history is None:
+        return empty
+    wanted = pl.DataFrame(
+        {"band": np.tile(np.arange(params.bands, dtype=np.int32), len(keys)), "band_key": keys.ravel()}
+    ).unique()
+    label = params.label(config)
+    built_with = history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list()
+    if set(built_with) - {label}:
+        raise ValueError(
+            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, not {label}: "
+            "MinHash settings changed; rebuild silver from the first batch"
+        )
+    matched_ids = (
+        history.select("record_id", "band_keys")
+        .with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
+        .explode("band_keys", "band")
+        .rename({"band_keys": "band_key"})
+        .join(wanted.lazy(), on=["band", "band_key"], how="semi")
+        .select("record_id")
+        .unique()
+        .collect(engine="streaming")
+    )
+    if matched_ids.is_empty():
+        return empty
+    return (
+        history.filter(pl.col("record_id").is_in(matched_ids["record_id"].implode()))
+        .select("record_id", "batch_id", "signature")
+        .sort("batch_id", "record_id")
+        .collect()
+    )
+
+
+def _signature_matrix(frame: pl.DataFrame, config: MinHashConfig) -> np.ndarray:
+    """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix."""
+    return np.frombuffer(b"".join(frame["signature"].to_list()), dtype="<u4").reshape(-1, config.num_perm)
+
+
+def _verified_pairs(sigs: np.ndarray, keys: np.ndarray, n_new: int, threshold: float) -> list[tuple[int, int]]:
+    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the threshold.
+
+    Nodes 0..n_new-1 are this batch's rows, the rest the matched earlier records.
+    """
+    table = pl.DataFrame(
+        {
+            "node": np.repeat(np.arange(len(sigs)), keys.shape[1]),
+            "band": np.tile(np.arange(keys.shape[1]), len(sigs)),
+            "band_key": keys.ravel(),
+        }
+    )
+    candidates = (
+        table.join(table, on=["band", "band_key"], suffix="_other")
+        .filter((pl.col("node") < pl.col("node_other")) & (pl.col("node") < n_new))
+        .select("node", "node_other")
+        .unique()
+    )
+    if candidates.is_empty():
+        return []
+    left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
+    keep = jaccard(sigs[left], sigs[right]) >= threshold
+    return list(zip(left[keep].tolist(), right[keep].tolist(), strict=True))
+
+
+def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple[str, str]]) -> list[int]:
+    """Union-find; every node maps to its component's smallest (batch_id, record_id)."""
+    parent = list(range(n_nodes))
+
+    def root(node: int) -> int:
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for left, right in pairs:
+        a, b = root(left), root(right)
+        if a != b:
+            winner, loser = (a, b) if order_keys[a] <= order_keys[b] else (b, a)
+            parent[loser] = winner
+    return [root(node) for node in range(n_nodes)]
+
+
+def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "record_id": batch["record_id"],
+            "batch_id": batch["batch_id"],
+            "exact_hash": batch["exact_hash"],
+            "signature": [row.astype("<u4").tobytes() for row in sigs],
+            "band_keys": keys.tolist(),
+            "lsh_params": label,
+        },
+        schema=HISTORY_SCHEMA,
+    )

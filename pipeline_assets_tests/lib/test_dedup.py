@@ -1,0 +1,117 @@
+"""MinHash signatures identical to datasketch's; exact and near dedup within a batch and across batches."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import polars as pl
+import pytest
+from datasketch import MinHash
+from datasketch.lsh import _optimal_param
+
+from pipeline_assets.lib.dedup import exact_dedup, lsh_params, near_dedup
+from pipeline_assets.lib.minhash import MinHashConfig, shingles, signatures
+
+WORDS = [f"word{i}" for i in range(2000)] + ["Straße", "café", "naïve", "ÉCOLE", "東京", "x"]
+
+
+def _texts(n: int, seed: int = 7) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 150))) for _ in range(n)]
+
+
+def _batch(texts: list[str], batch_id: str = "b1", prefix: str = "r") -> pl.DataFrame:
+    return pl.DataFrame({
+        "record_id": [f"{prefix}{i:05d}" for i in range(len(texts))],
+        "batch_id": batch_id,
+        "prompt": "Explain this.",
+        "response": texts,
+        "exact_hash": "h",  # near dedup runs after exact dedup, which adds it
+    })
+
+
+def _edited(text: str, rng: random.Random, edits: int = 1) -> str:  # 120 words: Jaccard ~0.92
+    words = text.split()
+    for _ in range(edits):
+        words[rng.randrange(len(words))] = rng.choice(WORDS)
+    return " ".join(words)
+
+
+def test_signatures_equal_datasketch_per_document_and_bulk():
+    texts = _texts(400) + ["", "one", "a b c d e", "Tab\tand\nnewline  spaces"]
+    ours = signatures(texts)
+    for text, row in zip(texts, ours, strict=True):
+        reference = MinHash(num_perm=128, seed=1)
+        reference.update_batch(list(shingles(text)))
+        assert np.array_equal(row, reference.hashvalues), text[:40]
+    bulk = MinHash.bulk([list(shingles(t)) for t in texts], num_perm=128, seed=1)
+    assert np.array_equal(ours, np.array([m.hashvalues for m in bulk]))
+
+
+def test_signatures_follow_num_perm_and_seed_and_load_into_datasketch():
+    texts = _texts(20)
+    config = MinHashConfig(num_perm=64, seed=42)
+    ours = signatures(texts, config)
+    assert ours.shape == (20, 64)
+    assert not np.array_equal(ours[:, :64], signatures(texts)[:, :64])
+    loaded = [MinHash(hashvalues=row, seed=42, scheme="affine32") for row in ours[:2]]
+    reference = [MinHash(num_perm=64, seed=42) for _ in range(2)]
+    for minhash, text in zip(reference, texts[:2], strict=True):
+        minhash.update_batch(list(shingles(text)))
+    assert loaded[0].jaccard(loaded[1]) == reference[0].jaccard(reference[1])
+
+
+def test_lsh_params_match_datasketch_at_equal_weights():
+    for threshold, num_perm in [(0.8, 128), (0.5, 128), (0.9, 256)]:
+        assert tuple(vars(lsh_params(threshold, num_perm, 0.5)).values()) == _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+def test_exact_dedup_keeps_smallest_record_id_and_earlier_batches_win():
+    batch = _batch(["alpha beta", "gamma", "alpha beta", "alpha beta"]).drop("exact_hash").sample(fraction=1.0, shuffle=True, seed=3)
+    first = exact_dedup(batch, None)
+    assert sorted(first.kept["record_id"]) == ["r00000", "r00001"]
+    assert first.rejected.sort("record_id")["duplicate_of"].to_list() == ["r00000", "r00000"]
+    assert set(first.rejected["stage"]) == {"exact_dup"}
+
+    history = first.kept.select("record_id", "batch_id", "exact_hash").lazy()
+    later = exact_dedup(_batch(["gamma", "delta"], batch_id="b2", prefix="s").drop("exact_hash"), history)
+    assert later.kept["record_id"].to_list() == ["s00001"]
+    rejected = later.rejected.row(0, named=True)
+    assert rejected["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in rejected["evidence"]
+    assert later.counters == {"rows_in": 2, "kept": 1, "rejected": 1, "against_earlier_batches": 1}
+
+
+def test_near_dedup_within_a_batch_is_deterministic():
+    rng = random.Random(1)
+    originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(50)]
+    copies = [_edited(text, rng) for text in originals[:10]]
+    batch = _batch(originals + copies)
+    result, index = near_dedup(batch, None)
+    assert sorted(result.rejected["record_id"]) == [f"r{i:05d}" for i in range(50, 60)]
+    assert result.rejected.sort("record_id")["duplicate_of"].to_list() == [f"r{i:05d}" for i in range(10)]
+    assert (result.rejected["jaccard"] >= 0.8).all() and set(result.rejected["stage"]) == {"near_dup"}
+    assert result.kept.filter(pl.col("record_id") == "r00003")["cluster_id"].item() == "r00003"
+    assert index.height == 60 and index["lsh_params"].unique().to_list() == ["perm128-seed1-shingle5-b16-r8"]
+
+    shuffled, _ = near_dedup(batch.sample(fraction=1.0, shuffle=True, seed=9), None)
+    assert sorted(shuffled.rejected["record_id"]) == sorted(result.rejected["record_id"])
+
+
+def test_near_dedup_against_earlier_batches_uses_only_their_hashes():
+    rng = random.Random(2)
+    originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(30)]
+    first, index = near_dedup(_batch(originals), None)
+    assert first.rejected.is_empty()
+    later_texts = [_edited(originals[4], rng), " ".join(rng.choice(WORDS) for _ in range(120))]
+    later, _ = near_dedup(_batch(later_texts, batch_id="b2", prefix="s"), index.lazy())
+    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00004")]
+    assert later.counters["against_earlier_batches"] == 1
+    assert later.kept["record_id"].to_list() == ["s00001"]
+
+
+def test_index_built_with_other_settings_is_refused():
+    _, index = near_dedup(_batch(_texts(5)), None)
+    config = MinHashConfig(threshold=0.5)
+    with pytest.raises(ValueError, match="MinHash settings changed"):
+        near_dedup(_batch(_texts(5), batch_id="b2"), index.lazy(), config)
