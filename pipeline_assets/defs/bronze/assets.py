@@ -47,7 +47,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     ingested_at = datetime.now(timezone.utc)
     record_parts, quarantine_parts, per_file = [], [], []
     input_bytes = 0
-    for entry in files.iter_rows(named=True):
+    for ordinal, entry in enumerate(files.iter_rows(named=True)):
         result, size = _read_registered_file(landing, entry)
         input_bytes += size
         source_file = landing.relative_name(entry["uri"])
@@ -55,7 +55,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
             result,
             source=entry["source"],
             source_file=source_file,
-            file_checksum=entry["checksum"],
+            file_ordinal=ordinal,
             batch_id=batch_id,
             ingested_at=ingested_at,
         )
