@@ -7,6 +7,8 @@ layer must produce, so an all-null column still lands with its declared type.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import polars as pl
 import pandera.polars as pa
 from pandera.engines.polars_engine import DateTime
@@ -59,6 +61,74 @@ class QuarantineRecord(pa.DataFrameModel):
     batch_id: str = pa.Field(str_length={"min_value": 1})
     reason: str = pa.Field(str_matches=QUARANTINE_REASON)
     detail: str
+
+    class Config:
+        strict = True
+        coerce = False
+
+
+HASH_128 = {"str_length": {"min_value": 32, "max_value": 32}}
+FRACTION = {"ge": 0.0, "le": 1.0}
+
+
+class SilverRecord(BronzeRecord):
+    """A bronze record that survived normalization, dedup, decontamination and the quality gate.
+
+    Text columns are normalized. ``cluster_id`` is the survivor of its near-duplicate cluster (the
+    record itself when it has no duplicates); the ``q_*`` columns are the quality-rule values it
+    was judged on (lib.quality.QUANTITIES).
+    """
+
+    exact_hash: str = pa.Field(**HASH_128)
+    cluster_id: str = pa.Field(**HASH_128)
+    q_words: float = pa.Field(ge=0)
+    q_mean_word_length: float = pa.Field(ge=0)
+    q_symbol_word_ratio: float = pa.Field(ge=0)
+    q_alpha_word_fraction: float = pa.Field(**FRACTION)
+    q_duplicate_line_fraction: float = pa.Field(**FRACTION)
+    q_duplicate_line_char_fraction: float = pa.Field(**FRACTION)
+    q_top_2gram_char_fraction: float = pa.Field(**FRACTION)
+    q_duplicate_5gram_char_fraction: float = pa.Field(**FRACTION)
+
+
+SILVER_STAGE = r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+)$"
+
+
+class SilverReject(pa.DataFrameModel):
+    """A bronze record silver removed: which stage removed it, and the evidence."""
+
+    record_id: str = pa.Field(unique=True, **HASH_128)
+    batch_id: str
+    source: str
+    source_file: str
+    source_line: pl.Int64
+    system: str = pa.Field(nullable=True)
+    prompt: str
+    response: str
+    stage: str = pa.Field(str_matches=SILVER_STAGE)
+    evidence: str = pa.Field(description="JSON: what the stage matched or measured")
+    duplicate_of: str = pa.Field(nullable=True, description="dedup: the cluster survivor's record_id")
+    jaccard: float = pa.Field(nullable=True, description="dedup: estimated Jaccard with the survivor")
+    eval_set: str = pa.Field(nullable=True)
+    eval_item_id: str = pa.Field(nullable=True)
+    matched_ngram: str = pa.Field(nullable=True)
+    rule_value: float = pa.Field(nullable=True, description="quality: the measured value")
+    rule_threshold: float = pa.Field(nullable=True, description="quality: the threshold it broke")
+
+    class Config:
+        strict = True
+        coerce = False
+
+
+class MinhashIndexEntry(pa.DataFrameModel):
+    """Hashes of one kept silver record: all later batches need of it for dedup."""
+
+    record_id: str = pa.Field(unique=True, **HASH_128)
+    batch_id: str
+    exact_hash: str = pa.Field(**HASH_128)
+    signature: pl.Binary = pa.Field(description="MinHash signature: num_perm little-endian uint32")
+    band_keys: Annotated[pl.List, pl.Int64()] = pa.Field(description="one LSH key per band")
+    lsh_params: str
 
     class Config:
         strict = True

@@ -6,11 +6,13 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.landing.sensors import landing_sensor
 from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.silver.assets import silver
+from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.resources import build_resources
 
 defs = Definitions(
-    assets=[eval_sets, bronze],
-    asset_checks=bronze_checks,
+    assets=[eval_sets, bronze, silver],
+    asset_checks=[*bronze_checks, *silver_checks],
     sensors=[landing_sensor],
     resources=build_resources(),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,11 @@ from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
 from pipeline_assets.lib import uris
+from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
+from pipeline_assets.lib.minhash import MinHashConfig
+from pipeline_assets.lib.normalize import NormalizeConfig
+from pipeline_assets.lib.quality import QualityThresholds
+from pipeline_assets.lib.silver import SilverConfig
 
 
 def _env(name: str, default: str) -> str:
@@ -36,6 +42,19 @@ def _float_env(name: str, default: float) -> float:
         return float(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _json_env(name: str) -> dict:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return value
 
 
 def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
@@ -69,6 +88,7 @@ class Settings:
     max_quarantine_rate: float = 0.05
     volume_tolerance: float = 0.20
     freshness_sla_hours: float = 24.0
+    quality_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -85,6 +105,7 @@ class Settings:
             max_quarantine_rate=_float_env("PIPELINE_MAX_QUARANTINE_RATE", 0.05),
             volume_tolerance=_float_env("PIPELINE_VOLUME_TOLERANCE", 0.20),
             freshness_sla_hours=_float_env("PIPELINE_FRESHNESS_SLA_HOURS", 24.0),
+            quality_thresholds=_json_env("PIPELINE_QUALITY_THRESHOLDS"),
         )
 
 
@@ -267,4 +288,78 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             volume_tolerance=settings.volume_tolerance,
             freshness_sla_hours=settings.freshness_sla_hours,
         ),
+        "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
+        "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds),
     }
+
+
+# --- Reference data -----------------------------------------------------------------------------
+
+
+class EvalSetsResource(ConfigurableResource):
+    """Benchmark items (JSONL files) the data must not contain: a local folder or an S3 prefix."""
+
+    uri: str = Field(description="folder or s3://bucket/prefix holding <eval_set>.jsonl files")
+    s3: S3Resource = Field(default_factory=S3Resource)
+
+    def files(self) -> dict[str, bytes]:
+        """File name -> bytes, for every *.jsonl under the uri (empty when there is none)."""
+        if uris.is_s3(self.uri):
+            bucket, prefix = uris.split_s3(self.uri)
+            client = self.s3.get_client()
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+            keys = [o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith(".jsonl")]
+            return {k.rsplit("/", 1)[-1]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)}
+        root = Path(self.uri)
+        return {p.name: p.read_bytes() for p in sorted(root.glob("*.jsonl"))} if root.is_dir() else {}
+
+    def items(self, files: dict[str, bytes]) -> pl.DataFrame:
+        """Every eval item (eval_set, item_id, prompt, response)."""
+        with tempfile.TemporaryDirectory() as folder:
+            for name, data in files.items():
+                (Path(folder) / name).write_bytes(data)
+            return read_eval_sets(Path(folder))
+
+    def fingerprint(self, files: dict[str, bytes]) -> str:
+        """A version for lineage: sha256 over names and contents."""
+        digest = hashlib.sha256()
+        for name, data in sorted(files.items()):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        return digest.hexdigest()[:16]
+
+
+class SilverPolicy(ConfigurableResource):
+    """How silver normalizes, deduplicates, decontaminates and gates, and what its checks allow."""
+
+    unicode_form: str = "NFC"
+    strip_control: bool = True
+    collapse_whitespace: bool = True
+    minhash_num_perm: int = 128
+    minhash_seed: int = 1
+    minhash_shingle_words: int = 5
+    minhash_threshold: float = 0.8
+    decontam_ngram: int = 13
+    quality_thresholds: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description='per source rule overrides, e.g. {"logs": {"min_words": 3}}'
+    )
+    max_pass_rate_drop: float = Field(default=0.20, description="blocking: a source's pass rate below its trailing median")
+    psi_warn: float = 0.10
+    psi_fail: float = 0.25
+    volume_tolerance: float = Field(default=0.20, description="warning: kept rows against the trailing median")
+    trailing_batches: int = 10
+
+    def decontam_config(self) -> DecontamConfig:
+        return DecontamConfig(ngram=self.decontam_ngram)
+
+    def silver_config(self) -> SilverConfig:
+        return SilverConfig(
+            normalize=NormalizeConfig(self.unicode_form or None, self.strip_control, self.collapse_whitespace),
+            minhash=MinHashConfig(
+                num_perm=self.minhash_num_perm, seed=self.minhash_seed,
+                shingle_words=self.minhash_shingle_words, threshold=self.minhash_threshold,
+            ),
+            decontam=self.decontam_config(),
+            quality_by_source={
+                source: QualityThresholds(**overrides) for source, overrides in self.quality_thresholds.items()
+            },
+        )

@@ -12,7 +12,7 @@ import pytest
 import zstandard
 from dagster import instance_for_test
 
-from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
+from pipeline_assets.resources import EvalSetsResource, IngestPolicy, LakeResource, LandingResource, SilverPolicy
 
 
 def record(i: int, **fields) -> dict:
@@ -66,8 +66,21 @@ def landing(landing_dir: Path) -> LandingResource:
 
 
 @pytest.fixture
-def resources(lake, landing) -> dict:
-    return {"lake": lake, "landing": landing, "ingest_policy": IngestPolicy()}
+def eval_sets_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "eval_sets"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def resources(lake, landing, eval_sets_dir) -> dict:
+    return {
+        "lake": lake,
+        "landing": landing,
+        "ingest_policy": IngestPolicy(),
+        "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
+        "silver_policy": SilverPolicy(),
+    }
 
 
 @pytest.fixture

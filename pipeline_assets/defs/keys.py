@@ -5,3 +5,6 @@ from dagster import AssetKey
 BRONZE_RECORDS = AssetKey(["bronze", "records"])
 BRONZE_QUARANTINE = AssetKey(["bronze", "quarantine"])
 REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
+SILVER_RECORDS = AssetKey(["silver", "records"])
+SILVER_REJECTS = AssetKey(["silver", "rejects"])
+SILVER_MINHASH_INDEX = AssetKey(["silver", "minhash_index"])

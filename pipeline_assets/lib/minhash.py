@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import polars as pl
@@ -109,9 +109,8 @@ def signatures(texts: Sequence[str], config: MinHashConfig = MinHashConfig()) ->
             hashes, offsets = shingle_hashes(chunk, config)
             mixed = _fmix32(hashes)
             bounds = np.append(offsets, len(mixed))
-            blocks = range(0, len(chunk), _PERMUTE_CHUNK_DOCS)
-            for _ in pool.map(lambda first: _permute_block(mixed, bounds, first, out[start:], config), blocks):
-                pass
+            permute = partial(_permute_block, mixed, bounds, out=out[start:], config=config)
+            list(pool.map(permute, range(0, len(chunk), _PERMUTE_CHUNK_DOCS)))
     return out
 
 

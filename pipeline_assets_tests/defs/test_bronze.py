@@ -167,7 +167,7 @@ def test_failed_blocking_check_stops_downstream_of_that_batch(instance, resource
 
 def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_dir):
     from pipeline_assets.contracts import BronzeRecord
-    from pipeline_assets.defs.bronze.checks import contract_check_result
+    from pipeline_assets.defs.check_helpers import contract_check_result
 
     write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(5)])
     batch = register(instance, resources)

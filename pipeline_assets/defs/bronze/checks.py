@@ -4,12 +4,12 @@
 import warnings
 from datetime import datetime, timezone
 
-import pandera.errors
 import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 from dagster._utils.warnings import PreviewWarning
 
-from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, validate
+from pipeline_assets.contracts import BronzeRecord, QuarantineRecord
+from pipeline_assets.defs.check_helpers import batch_of, contract_check_result
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
@@ -27,27 +27,7 @@ warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions
 
 
 def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
-    frame = lake.read("bronze", name, where=pl.col("batch_id") == batch_id)
-    if frame is None:
-        raise ValueError(f"bronze/{name} does not exist yet: materialize bronze first")
-    return frame
-
-
-def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
-    try:
-        validate(frame, model)
-    except pandera.errors.SchemaErrors as errors:
-        cases = errors.failure_cases
-        return AssetCheckResult(
-            passed=False,
-            metadata={
-                "rows": frame.height,
-                "failure_cases": len(cases),
-                "failures": MetadataValue.md(f"```\n{str(cases.head(20))}\n```"),
-            },
-            description=f"{model.__name__} contract broken in {len(cases)} place(s)",
-        )
-    return AssetCheckResult(passed=True, metadata={"rows": frame.height, "failure_cases": 0})
+    return batch_of(lake, "bronze", name, batch_id)
 
 
 @asset_check(asset=BRONZE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,

@@ -1,0 +1,16 @@
+"""How downstream layers follow upstream ones without a click (DESIGN.md §1)."""
+
+from dagster import AssetSelection, AutomationCondition
+
+from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
+
+
+def after_upstream_passes() -> AutomationCondition:
+    """Materialize when an upstream partition updates, unless a blocking check on it failed.
+
+    The reference eval sets are maintained outside the pipeline and never materialized, so they
+    must not hold the flow back as a "missing" dependency.
+    """
+    return AutomationCondition.eager().ignore(
+        AssetSelection.assets(REFERENCE_EVAL_SETS)
+    ) & AutomationCondition.all_deps_blocking_checks_passed()

@@ -1,0 +1,107 @@
+"""silver/records, silver/rejects, silver/minhash_index: one ingest batch, curated."""
+
+import polars as pl
+from dagster import AssetDep, AssetExecutionContext, AssetSpec, MaterializeResult, multi_asset
+
+from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
+from pipeline_assets.defs.automation import after_upstream_passes
+from pipeline_assets.defs.keys import (
+    BRONZE_RECORDS,
+    REFERENCE_EVAL_SETS,
+    SILVER_MINHASH_INDEX,
+    SILVER_RECORDS,
+    SILVER_REJECTS,
+)
+from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver import curate
+from pipeline_assets.resources import EvalSetsResource, LakeResource, SilverPolicy
+
+_KINDS = {"delta", "polars"}
+_DEPS = [AssetDep(BRONZE_RECORDS), AssetDep(REFERENCE_EVAL_SETS)]
+
+
+def _spec(key, description: str) -> AssetSpec:
+    return AssetSpec(
+        key, description=description, group_name="silver", kinds=_KINDS, deps=_DEPS,
+        automation_condition=after_upstream_passes(),
+    )
+
+
+@multi_asset(
+    specs=[
+        _spec(SILVER_RECORDS, "Normalized, exact and near deduplicated, decontaminated, quality-gated records."),
+        _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
+        _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
+    ],
+    partitions_def=ingest_batches,
+)
+def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy):
+    stopwatch = Stopwatch()
+    batch_id = context.partition_key
+    bronze_version = lake.version("bronze", "records")
+    bronze = lake.read("bronze", "records", version=bronze_version, where=pl.col("batch_id") == batch_id)
+    eval_files = eval_sets.files()
+    eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
+    history = _earlier_index(lake, batch_id)
+    context.log.info(
+        f"batch {batch_id}: {bronze.height} bronze rows (bronze/records v{bronze_version}); "
+        f"{len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
+    )
+
+    curated = curate(bronze, history, eval_index, silver_policy.silver_config())
+    for stage, counters in curated.stages.items():
+        context.log.info(f"{stage}: {counters}")
+
+    kept = validate(conform(curated.kept, SilverRecord), SilverRecord)
+    rejects = validate(conform(curated.rejects, SilverReject), SilverReject)
+    index = validate(conform(curated.index, MinhashIndexEntry), MinhashIndexEntry)
+    if bronze.height != kept.height + rejects.height:
+        raise RuntimeError(f"accounting broken: {bronze.height} bronze rows != {kept.height} kept + {rejects.height} rejected")
+    commits = {
+        key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id)
+        for key, frame in ((SILVER_RECORDS, kept), (SILVER_REJECTS, rejects), (SILVER_MINHASH_INDEX, index))
+    }
+
+    upstream = {"bronze/records": bronze_version, "reference/eval_sets": eval_sets.fingerprint(eval_files)}
+    shared = {
+        "batch_id": batch_id,
+        "bronze_rows": bronze.height,
+        "silver_rows": kept.height,
+        "rejected_rows": rejects.height,
+        "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
+        "stages": table_metadata(_stage_table(curated.stages)),
+    }
+    extra = {
+        SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
+        SILVER_REJECTS: {"rejected_by_stage": table_metadata(rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
+        SILVER_MINHASH_INDEX: {"lsh_params": index["lsh_params"][0] if index.height else None},
+    }
+    for key, model in ((SILVER_RECORDS, SilverRecord), (SILVER_REJECTS, SilverReject), (SILVER_MINHASH_INDEX, MinhashIndexEntry)):
+        yield MaterializeResult(
+            asset_key=key,
+            metadata={
+                **delta_write_metadata(
+                    commits[key], polars_schema(model), upstream_versions=upstream,
+                    input_bytes=int(bronze.estimated_size()), stopwatch=stopwatch,
+                ),
+                **shared,
+                **extra[key],
+            },
+        )
+
+
+def _earlier_index(lake: LakeResource, batch_id: str) -> pl.LazyFrame | None:
+    """The MinHash index of every batch before this one (a re-run never sees itself or later ones)."""
+    scan = lake.scan("silver", "minhash_index")
+    return None if scan is None else scan.filter(pl.col("batch_id") < batch_id)
+
+
+def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
+    return pl.DataFrame(
+        [
+            {"stage": name, "rows_in": c.get("rows_in", c.get("rows")), "removed": c.get("rejected", 0), "seconds": c["seconds"]}
+            for name, c in stages.items()
+        ]
+    )

@@ -1,0 +1,122 @@
+"""Asset checks on silver, per ingest batch: contracts and the pass rate block; drift and volume report."""
+
+import warnings
+
+import polars as pl
+from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, asset_check
+from dagster._utils.warnings import PreviewWarning
+
+from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject
+from pipeline_assets.defs.check_helpers import batch_of, contract_check_result
+from pipeline_assets.defs.keys import SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
+from pipeline_assets.defs.metadata import table_metadata
+from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.drift import psi_categorical, psi_numeric
+from pipeline_assets.lib.landing_health import against_trailing_median
+from pipeline_assets.lib.quality import QUANTITIES
+from pipeline_assets.lib.silver_health import pass_rate_drops, pass_rates
+from pipeline_assets.resources import LakeResource, SilverPolicy
+
+warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
+
+
+def _contract_check(key, model):
+    @asset_check(asset=key, name="contract", blocking=True, partitions_def=ingest_batches,
+                 description=f"The batch's rows satisfy the {model.__name__} contract.")
+    def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+        return contract_check_result(batch_of(lake, *key.path, context.partition_key), model)
+
+    return check
+
+
+def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(batch_id, source) of kept rows and (batch_id, source, stage) of rejects, up to this batch."""
+    upto = pl.col("batch_id") <= batch_id
+    kept = lake.scan("silver", "records").filter(upto).select("batch_id", "source").collect()
+    rejects = lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
+    return kept, rejects
+
+
+@asset_check(asset=SILVER_RECORDS, name="pass_rate", blocking=True, partitions_def=ingest_batches,
+             additional_deps=[SILVER_REJECTS],
+             description="No source's pass rate falls more than the allowed points below its trailing median.")
+def silver_pass_rate(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+    batch_id = context.partition_key
+    kept, rejects = _history(lake, batch_id)
+    drops = pass_rate_drops(pass_rates(kept, rejects), rejects, batch_id, silver_policy.trailing_batches)
+    limit = silver_policy.max_pass_rate_drop
+    fallen = drops.filter(pl.col("drop") > limit)
+    description = "; ".join(
+        f"source '{r['source']}': pass rate fell from {r['baseline']:.0%} to {r['pass_rate']:.0%} "
+        f"({r['drop'] * 100:.0f} points, limit {limit * 100:.0f}); most of the difference was removed by "
+        f"{r['blamed_stage']} (+{r['blamed_growth'] * 100:.0f} points of the batch)"
+        for r in fallen.iter_rows(named=True)
+    ) or f"every source within {limit * 100:.0f} points of its trailing median"
+    return AssetCheckResult(
+        passed=fallen.is_empty(),
+        severity=AssetCheckSeverity.ERROR,
+        description=description,
+        metadata={"max_drop_points": limit * 100, "pass_rates": table_metadata(drops)},
+    )
+
+
+@asset_check(asset=SILVER_RECORDS, name="drift", partitions_def=ingest_batches,
+             description="PSI of response length, source mix and quality-rule values against trailing batches.")
+def silver_drift(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+    batch_id = context.partition_key
+    columns = ["batch_id", "source", *QUANTITIES]
+    history = lake.scan("silver", "records").filter(pl.col("batch_id") <= batch_id).select(columns).collect()
+    trailing_ids = sorted(set(history.filter(pl.col("batch_id") < batch_id)["batch_id"]))[-silver_policy.trailing_batches :]
+    reference = history.filter(pl.col("batch_id").is_in(trailing_ids))
+    current = history.filter(pl.col("batch_id") == batch_id)
+    if reference.is_empty():
+        return AssetCheckResult(passed=True, description="no earlier batch to compare with yet", metadata={"reference_batches": 0})
+    scores = {"source_mix": psi_categorical(reference["source"].to_list(), current["source"].to_list())}
+    scores |= {q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES}
+    worst_name, worst = max(scores.items(), key=lambda item: item[1])
+    drifted = {name: score for name, score in scores.items() if score >= silver_policy.psi_warn}
+    severity = AssetCheckSeverity.ERROR if worst >= silver_policy.psi_fail else AssetCheckSeverity.WARN
+    return AssetCheckResult(
+        passed=not drifted,
+        severity=severity,
+        description=(
+            "; ".join(f"{name} PSI {score:.2f}" for name, score in sorted(drifted.items(), key=lambda i: -i[1]))
+            + f" (warn at {silver_policy.psi_warn}, fail at {silver_policy.psi_fail})"
+        ) if drifted else f"stable: worst {worst_name} PSI {worst:.3f}",
+        metadata={
+            "reference_batches": len(trailing_ids),
+            "psi": table_metadata(pl.DataFrame({"feature": list(scores), "psi": [round(v, 4) for v in scores.values()]})),
+            "worst_psi": round(worst, 4),
+        },
+    )
+
+
+@asset_check(asset=SILVER_RECORDS, name="volume", partitions_def=ingest_batches,
+             description="Each source's kept rows are within tolerance of its trailing median.")
+def silver_volume(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+    batch_id = context.partition_key
+    kept, _ = _history(lake, batch_id)
+    judged = against_trailing_median(
+        kept.group_by("batch_id", "source").agg(rows=pl.len()), batch_id, "rows", silver_policy.trailing_batches
+    )
+    tolerance = silver_policy.volume_tolerance
+    off = judged.filter(pl.col("deviation").abs() > tolerance)
+    return AssetCheckResult(
+        passed=off.is_empty(),
+        severity=AssetCheckSeverity.WARN,
+        description="; ".join(
+            f"source '{r['source']}': {r['current']} rows vs trailing median {r['baseline']:.0f} ({r['deviation']:+.0%})"
+            for r in off.iter_rows(named=True)
+        ) or f"every source within ±{tolerance:.0%} of its trailing median (or without history yet)",
+        metadata={"rows_by_source": table_metadata(judged)},
+    )
+
+
+silver_checks = [
+    _contract_check(SILVER_RECORDS, SilverRecord),
+    _contract_check(SILVER_REJECTS, SilverReject),
+    _contract_check(SILVER_MINHASH_INDEX, MinhashIndexEntry),
+    silver_pass_rate,
+    silver_drift,
+    silver_volume,
+]

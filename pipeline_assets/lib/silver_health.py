@@ -1,0 +1,63 @@
+"""Statistics the silver checks judge: pass rates per source against trailing batches, and why they moved."""
+
+from __future__ import annotations
+
+import polars as pl
+
+
+def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
+    """Per (batch_id, source): bronze rows, kept rows, pass rate. Inputs need batch_id and source."""
+    kept_counts = kept.group_by("batch_id", "source").agg(kept=pl.len())
+    rejected_counts = rejects.group_by("batch_id", "source").agg(rejected=pl.len())
+    return (
+        kept_counts.join(rejected_counts, on=["batch_id", "source"], how="full", coalesce=True)
+        .with_columns(pl.col("kept", "rejected").fill_null(0).cast(pl.Int64))
+        .with_columns(rows=pl.col("kept") + pl.col("rejected"))
+        .with_columns(pass_rate=pl.col("kept") / pl.col("rows"))
+        .sort("batch_id", "source")
+    )
+
+
+def pass_rate_drops(rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int) -> pl.DataFrame:
+    """Per source of ``batch_id``: its pass rate, the median of its last ``trailing`` batches, the
+    drop in points, and the stage whose share of removals grew most (what removed the difference)."""
+    current = rates.filter(pl.col("batch_id") == batch_id).select("source", "rows", "pass_rate")
+    earlier = rates.filter(pl.col("batch_id") < batch_id).sort("batch_id").group_by("source").agg(
+        baseline=pl.col("pass_rate").tail(trailing).median(), baseline_batches=pl.col("pass_rate").tail(trailing).len()
+    )
+    blame = _stage_growth(rates, rejects, batch_id, trailing)
+    return (
+        current.join(earlier, on="source", how="left")
+        .with_columns(drop=pl.col("baseline") - pl.col("pass_rate"))
+        .join(blame, on="source", how="left")
+        .sort("source")
+    )
+
+
+def _stage_growth(rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int) -> pl.DataFrame:
+    """Per source: the stage whose removed share (of the batch's rows) grew most against the trailing batches."""
+    shares = (
+        rejects.group_by("batch_id", "source", "stage").agg(removed=pl.len())
+        .join(rates.select("batch_id", "source", "rows"), on=["batch_id", "source"])
+        .with_columns(share=pl.col("removed") / pl.col("rows"))
+    )
+    now = shares.filter(pl.col("batch_id") == batch_id).select("source", "stage", now="share")
+    recent_batches = (
+        rates.filter(pl.col("batch_id") < batch_id).select("source", "batch_id").unique()
+        .sort("batch_id").group_by("source").agg(pl.col("batch_id").tail(trailing))
+        .explode("batch_id")
+    )
+    before = (
+        shares.join(recent_batches, on=["source", "batch_id"])
+        .group_by("source", "stage").agg(before=pl.col("share").sum())
+        .join(recent_batches.group_by("source").agg(n=pl.len()), on="source")
+        .with_columns(before=pl.col("before") / pl.col("n"))
+        .select("source", "stage", "before")
+    )
+    return (
+        now.join(before, on=["source", "stage"], how="left")
+        .with_columns(growth=pl.col("now") - pl.col("before").fill_null(0.0))
+        .sort(["source", "growth", "stage"], descending=[False, True, False])
+        .group_by("source", maintain_order=True)
+        .agg(blamed_stage=pl.col("stage").first(), blamed_growth=pl.col("growth").first())
+    )

@@ -1,0 +1,104 @@
+"""materialize() of silver on a test instance: the sample corpus over two batches, re-runs, checks."""
+
+from __future__ import annotations
+
+import shutil
+
+import polars as pl
+import pytest
+from dagster import AssetCheckSeverity, materialize
+
+from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.silver.assets import silver
+from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
+
+GRAPH = [eval_sets, bronze, silver, *bronze_checks, *silver_checks]
+
+
+def _materialize(instance, resources, batch_id):
+    return materialize(GRAPH, partition_key=batch_id, instance=instance, resources=resources, raise_on_error=False)
+
+
+@pytest.fixture
+def two_sample_batches(instance, resources, landing_dir, eval_sets_dir, tmp_path):
+    """The sample corpus in two batches: annotate and logs first, scrape and synth (later copies) next."""
+    staging = tmp_path / "staging"
+    manifest = write_sample_corpus(staging, records=3000, eval_sets_dir=eval_sets_dir)
+    batches = []
+    for sources in (("annotate", "logs"), ("scrape", "synth")):
+        for source in sources:
+            shutil.copytree(staging / source, landing_dir / source)
+        batch = register(instance, resources)
+        result = _materialize(instance, resources, batch)
+        assert result.success, [e.event_specific_data.error.message for e in result.get_step_failure_events()]
+        batches.append((batch, result))
+    return manifest, batches
+
+
+def _removed_ids(lake) -> set[str]:
+    ids = dict(lake.read("bronze", "records").select("record_id", "id").iter_rows())
+    return {ids[r] for r in lake.read("silver", "rejects")["record_id"]}
+
+
+def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(two_sample_batches, resources):
+    manifest, batches = two_sample_batches
+    lake = resources["lake"]
+    removed = _removed_ids(lake)
+    for kind in ("exact_duplicate", "near_duplicate", "eval_copy"):
+        ids = [entry["id"] for entry in manifest["injected"][kind]]
+        assert sum(i in removed for i in ids) / len(ids) >= 0.95, kind
+    clean = set(manifest["clean_ids"])
+    assert len(clean & removed) / len(clean) <= 0.01
+
+    rejects = lake.read("silver", "rejects")
+    cross_batch = rejects.filter(pl.col("stage").is_in(["exact_dup", "near_dup"]) & (pl.col("batch_id") == batches[1][0]))
+    assert cross_batch["duplicate_of"].str.slice(0, 10).is_in(
+        lake.read("silver", "records").filter(pl.col("batch_id") == batches[0][0])["record_id"].str.slice(0, 10).implode()
+    ).any(), "copies in batch 2 are matched against batch 1's index"
+    assert set(rejects["stage"].str.split(":").list.first()) == {"exact_dup", "near_dup", "decontaminated", "quality"}
+    contaminated = rejects.filter(pl.col("stage") == "decontaminated")
+    assert contaminated["eval_item_id"].is_not_null().all() and contaminated["matched_ngram"].is_not_null().all()
+
+    for batch, result in batches:
+        bronze_rows = lake.read("bronze", "records", where=pl.col("batch_id") == batch).height
+        kept = lake.read("silver", "records", where=pl.col("batch_id") == batch).height
+        assert bronze_rows == kept + rejects.filter(pl.col("batch_id") == batch).height
+        metadata = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("silver")}
+        assert metadata["silver/records"]["upstream_delta_versions"].value["bronze/records"] == lake.version("bronze", "records") - (
+            0 if batch == batches[1][0] else 1
+        )
+        assert metadata["silver/records"]["silver_rows"].value == kept
+        checks = checks_by_name(result)
+        assert all(checks[f"silver/{t}:contract"].passed for t in ("records", "rejects", "minhash_index"))
+        assert checks["silver/records:pass_rate"].passed
+
+    index = lake.read("silver", "minhash_index")
+    assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "band_keys", "lsh_params"}
+    assert sorted(index["record_id"]) == sorted(lake.read("silver", "records")["record_id"])
+
+
+def test_rematerializing_a_silver_batch_replaces_rows_and_index_entries(two_sample_batches, instance, resources):
+    _, batches = two_sample_batches
+    lake = resources["lake"]
+    before = {t: lake.read("silver", t).height for t in ("records", "rejects", "minhash_index")}
+    assert _materialize(instance, resources, batches[0][0]).success
+    assert {t: lake.read("silver", t).height for t in ("records", "rejects", "minhash_index")} == before
+
+
+def test_pass_rate_collapse_blocks_and_names_the_rule(instance, resources, landing_dir):
+    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    for i in range(3):
+        write_landing_file(landing_dir, "logs", f"ok{i}.jsonl", [record(100 * i + j, response=f"{long} Case {i} {j}.") for j in range(20)])
+        assert _materialize(instance, resources, register(instance, resources)).success
+    short = [record(900 + j, response=f"ok {j}") for j in range(12)] + [record(950 + j, response=f"{long} Later {j}.") for j in range(8)]
+    write_landing_file(landing_dir, "logs", "bad.jsonl", short)
+    result = _materialize(instance, resources, register(instance, resources))
+    check = checks_by_name(result)["silver/records:pass_rate"]
+    assert not check.passed and check.blocking and check.severity == AssetCheckSeverity.ERROR
+    assert "source 'logs'" in check.description and "quality:min_words" in check.description
+    assert "to 40%" in check.description
