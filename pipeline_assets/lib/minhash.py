@@ -22,7 +22,7 @@ import polars_hash as plh
 from datasketch import MinHash
 
 _HASH_CHUNK_DOCS = 20_000  # shingled and hashed at once in polars
-_PERMUTE_CHUNK_DOCS = 256  # keeps the (shingles x permutations) block in cache
+_PERMUTE_CHUNK_DOCS = 4096  # a block's shingle hashes (~1 MB) stay in cache across permutations
 
 
 @dataclass(frozen=True)
@@ -107,21 +107,27 @@ def signatures(texts: Sequence[str], config: MinHashConfig = MinHashConfig()) ->
         for start in range(0, len(texts), _HASH_CHUNK_DOCS):
             chunk = texts[start : start + _HASH_CHUNK_DOCS]
             hashes, offsets = shingle_hashes(chunk, config)
-            mixed = _fmix32(hashes)
-            bounds = np.append(offsets, len(mixed))
-            permute = partial(_permute_block, mixed, bounds, out=out[start:], config=config)
+            bounds = np.append(offsets, len(hashes))
+            permute = partial(_permute_block, _fmix32(hashes), bounds, out=out[start:], config=config)
             list(pool.map(permute, range(0, len(chunk), _PERMUTE_CHUNK_DOCS)))
     return out
 
 
 def _permute_block(mixed: np.ndarray, bounds: np.ndarray, first: int, out: np.ndarray, config: MinHashConfig) -> None:
-    """Minimum over each text's shingles of a * h + b (mod 2^32) for one block of texts."""
+    """Minimum over each text's shingles of a * h + b (mod 2^32), for one block of texts.
+
+    One permutation at a time over the block's hashes: a vector that stays in cache, where a
+    (shingles x permutations) matrix would stream through memory several times.
+    """
     a, b = permutations(config.num_perm, config.seed)
     last = min(first + _PERMUTE_CHUNK_DOCS, len(bounds) - 1)
-    block = mixed[bounds[first] : bounds[last], None]
-    permuted = np.multiply(block, a[None, :])  # wraps modulo 2^32, as datasketch's does
-    permuted += b
-    out[first:last] = np.minimum.reduceat(permuted, bounds[first:last] - bounds[first], axis=0)
+    block = mixed[bounds[first] : bounds[last]]
+    starts = bounds[first:last] - bounds[first]
+    permuted = np.empty_like(block)
+    for j in range(config.num_perm):
+        np.multiply(block, a[j], out=permuted)  # wraps modulo 2^32, as datasketch's does
+        permuted += b[j]
+        out[first:last, j] = np.minimum.reduceat(permuted, starts)
 
 
 def jaccard(left: np.ndarray, right: np.ndarray) -> np.ndarray:
