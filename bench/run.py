@@ -14,9 +14,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import bronze_ingest
+from bench import bronze_ingest, silver_dedup
 
-BENCHMARKS = {"bronze_ingest": bronze_ingest.run}
+BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run}
 
 
 def machine() -> dict:
@@ -29,17 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(BENCHMARKS))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
     for name, bench in BENCHMARKS.items():
         if args.only and name != args.only:
             continue
         print(f"== {name}", flush=True)
         result = {"benchmark": name, "at": datetime.now(timezone.utc).isoformat(), "machine": machine(), **bench()}
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        rows.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2), flush=True)
     lines = ["| benchmark | measured | baseline | ratio | target | met |", "|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in (json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))):  # this run's and earlier ones
         lines.append(
             f"| {r['benchmark']} | {r['measured']} | {r['baseline']} | {r['ratio']:.3f} | {r['target']} | {r['target_met']} |"
         )
