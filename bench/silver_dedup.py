@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 from datasketch import MinHash
 

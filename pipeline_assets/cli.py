@@ -72,16 +72,21 @@ def _summary(args, settings: Settings) -> int:
 
     lake = build_resources(settings)["lake"]
     report: dict = {"lake": settings.lake_uri, "tables": {}}
-    for layer, name in [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine")]:
+    tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
+              ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index")]
+    for layer, name in tables:
         scan = lake.scan(layer, name)
         report["tables"][f"{layer}/{name}"] = None if scan is None else {
             "delta_version": lake.version(layer, name),
             "rows": scan.select(pl.len()).collect().item(),
         }
-    quarantine = lake.scan("bronze", "quarantine")
-    if quarantine is not None:
-        by_reason = quarantine.group_by("reason").len().sort("len", descending=True).collect()
-        report["quarantined_by_reason"] = dict(by_reason.iter_rows())
+    for key, (layer, name, column) in {
+        "quarantined_by_reason": ("bronze", "quarantine", "reason"),
+        "rejected_by_stage": ("silver", "rejects", "stage"),
+    }.items():
+        scan = lake.scan(layer, name)
+        if scan is not None:
+            report[key] = dict(scan.group_by(column).len().sort("len", descending=True).collect().iter_rows())
     report["look_next"] = "make dev, then http://127.0.0.1:3000/asset-groups (Dagster UI)"
     print(json.dumps(report, indent=2))
     return 0

@@ -2,6 +2,7 @@
 
 from dagster import Definitions
 
+from pipeline_assets.defs.automation import automation_sensor
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.landing.sensors import landing_sensor
@@ -13,6 +14,6 @@ from pipeline_assets.resources import build_resources
 defs = Definitions(
     assets=[eval_sets, bronze, silver],
     asset_checks=[*bronze_checks, *silver_checks],
-    sensors=[landing_sensor],
+    sensors=[landing_sensor, automation_sensor],
     resources=build_resources(),
 )

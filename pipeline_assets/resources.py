@@ -345,6 +345,9 @@ class SilverPolicy(ConfigurableResource):
     max_pass_rate_drop: float = Field(default=0.20, description="blocking: a source's pass rate below its trailing median")
     psi_warn: float = 0.10
     psi_fail: float = 0.25
+    drift_min_rows: int = Field(
+        default=500, description="below this many rows on either side, PSI is mostly sampling noise: not judged"
+    )
     volume_tolerance: float = Field(default=0.20, description="warning: kept rows against the trailing median")
     trailing_batches: int = 10
 

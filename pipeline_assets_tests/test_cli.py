@@ -52,6 +52,8 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     summary = json.loads(_cli(tmp_path, "summary").stdout)
     assert summary["tables"]["bronze/records"]["rows"] == 30
     assert summary["quarantined_by_reason"] == {}
+    silver = summary["tables"]["silver/records"]["rows"]
+    assert silver + sum(summary["rejected_by_stage"].values()) == 30, "run also materializes silver for each batch"
 
 
 def test_run_with_a_selection_and_a_bad_setting(tmp_path):

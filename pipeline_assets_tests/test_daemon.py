@@ -1,4 +1,5 @@
-"""The real Dagster daemon: files land, landing_sensor ticks, the bronze run executes, unattended."""
+"""The real Dagster daemon: files land, landing_sensor ticks, bronze runs, and declarative
+automation runs silver after bronze's blocking checks pass; nobody clicks anything."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     try:
         instance = DagsterInstance.from_config(str(home / "dagster"))
         run = _wait_for_finished_run(instance)
+        silver_run = _wait_for_finished_run(instance, not_sensor="landing_sensor")
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(timeout=60)
@@ -43,13 +45,23 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     assert records.height == 55 and quarantine["reason"].to_list() == ["invalid_json"]
     assert records["batch_id"].unique().to_list() == [run.tags["dagster/partition"]]
 
+    assert silver_run.status == DagsterRunStatus.SUCCESS
+    assert silver_run.tags["dagster/partition"] == run.tags["dagster/partition"]
+    silver = pl.read_delta(str(home / "lake" / "silver" / "records"))
+    rejects = pl.read_delta(str(home / "lake" / "silver" / "rejects"))
+    assert silver.height + rejects.height == records.height
 
-def _wait_for_finished_run(instance: DagsterInstance):
+
+def _wait_for_finished_run(instance: DagsterInstance, not_sensor: str | None = None):
+    """The first finished run (of a sensor other than ``not_sensor``, when given)."""
     finished = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
-        runs = instance.get_runs(RunsFilter(statuses=list(finished)))
+        runs = [
+            run for run in instance.get_runs(RunsFilter(statuses=list(finished)))
+            if not_sensor is None or run.tags.get("dagster/sensor_name") != not_sensor
+        ]
         if runs:
-            return runs[0]
+            return runs[-1]
         time.sleep(2)
     raise AssertionError(f"no run finished within {DEADLINE_SECONDS} s of starting the daemon")

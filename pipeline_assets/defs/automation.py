@@ -1,6 +1,6 @@
 """How downstream layers follow upstream ones without a click (DESIGN.md §1)."""
 
-from dagster import AssetSelection, AutomationCondition
+from dagster import AssetSelection, AutomationCondition, AutomationConditionSensorDefinition, DefaultSensorStatus
 
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
 
@@ -14,3 +14,13 @@ def after_upstream_passes() -> AutomationCondition:
     return AutomationCondition.eager().ignore(
         AssetSelection.assets(REFERENCE_EVAL_SETS)
     ) & AutomationCondition.all_deps_blocking_checks_passed()
+
+
+# Dagster ships its default automation sensor stopped; new landing data must flow on its own.
+automation_sensor = AutomationConditionSensorDefinition(
+    "pipeline_automation",
+    target=AssetSelection.all(),
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=15,
+    description="Evaluates every asset's automation condition: downstream layers follow upstream ones.",
+)

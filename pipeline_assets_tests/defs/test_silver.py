@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 
 import polars as pl
@@ -102,3 +103,27 @@ def test_pass_rate_collapse_blocks_and_names_the_rule(instance, resources, landi
     assert not check.passed and check.blocking and check.severity == AssetCheckSeverity.ERROR
     assert "source 'logs'" in check.description and "quality:min_words" in check.description
     assert "to 40%" in check.description
+
+
+def test_drift_check_reports_a_shift_in_response_length(instance, resources, landing_dir):
+    rng = random.Random(5)
+    words = [f"{stem}{i}" for stem in ("data", "model", "token", "layer", "query") for i in range(400)]
+
+    def responses(batch: int, shortest: int, longest: int) -> list[dict]:  # distinct texts: no duplicates
+        return [
+            record(1000 * batch + j, response=" ".join(rng.choice(words) for _ in range(rng.randint(shortest, longest))))
+            for j in range(600)
+        ]
+
+    for batch in range(3):
+        write_landing_file(landing_dir, "synth", f"b{batch}.jsonl", responses(batch, 40, 120))
+        result = _materialize(instance, resources, register(instance, resources))
+        assert result.success
+        assert checks_by_name(result)["silver/records:drift"].passed
+    assert "stable" in checks_by_name(result)["silver/records:drift"].description
+    write_landing_file(landing_dir, "synth", "short.jsonl", responses(9, 8, 20))
+    result = _materialize(instance, resources, register(instance, resources))
+    drift = checks_by_name(result)["silver/records:drift"]
+    assert not drift.passed and drift.severity == AssetCheckSeverity.ERROR and not drift.blocking
+    assert "q_words PSI" in drift.description
+    assert result.success, "drift reports; it does not stop the run"

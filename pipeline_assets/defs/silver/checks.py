@@ -69,8 +69,13 @@ def silver_drift(context: AssetCheckExecutionContext, lake: LakeResource, silver
     trailing_ids = sorted(set(history.filter(pl.col("batch_id") < batch_id)["batch_id"]))[-silver_policy.trailing_batches :]
     reference = history.filter(pl.col("batch_id").is_in(trailing_ids))
     current = history.filter(pl.col("batch_id") == batch_id)
-    if reference.is_empty():
-        return AssetCheckResult(passed=True, description="no earlier batch to compare with yet", metadata={"reference_batches": 0})
+    if min(reference.height, current.height) < silver_policy.drift_min_rows:
+        return AssetCheckResult(
+            passed=True,
+            description=f"not judged: {current.height} rows against {reference.height} from {len(trailing_ids)} earlier "
+            f"batch(es); drift needs {silver_policy.drift_min_rows} on each side",
+            metadata={"reference_batches": len(trailing_ids), "rows": current.height, "reference_rows": reference.height},
+        )
     scores = {"source_mix": psi_categorical(reference["source"].to_list(), current["source"].to_list())}
     scores |= {q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES}
     worst_name, worst = max(scores.items(), key=lambda item: item[1])
