@@ -127,3 +127,19 @@ def test_drift_check_reports_a_shift_in_response_length(instance, resources, lan
     assert not drift.passed and drift.severity == AssetCheckSeverity.ERROR and not drift.blocking
     assert "q_words PSI" in drift.description
     assert result.success, "drift reports; it does not stop the run"
+
+
+def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):
+    rng = random.Random(8)
+    words = [f"word{i}" for i in range(3000)]
+
+    def rows(start: int, count: int) -> list[dict]:
+        return [record(start + j, response=" ".join(rng.choice(words) for _ in range(40))) for j in range(count)]
+
+    for batch in range(3):
+        write_landing_file(landing_dir, "scrape", f"b{batch}.jsonl", rows(1000 * batch, 20))
+        assert checks_by_name(_materialize(instance, resources, register(instance, resources)))["silver/records:volume"].passed
+    write_landing_file(landing_dir, "scrape", "big.jsonl", rows(9000, 60))
+    volume = checks_by_name(_materialize(instance, resources, register(instance, resources)))["silver/records:volume"]
+    assert not volume.passed and volume.severity == AssetCheckSeverity.WARN
+    assert "source 'scrape': 60 rows vs trailing median 20 (+200%)" in volume.description
