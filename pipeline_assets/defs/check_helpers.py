@@ -2,9 +2,10 @@
 
 import pandera.errors
 import polars as pl
-from dagster import AssetCheckResult, MetadataValue
+from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue
 
 from pipeline_assets.contracts import validate
+from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.resources import LakeResource
 
 
@@ -30,3 +31,25 @@ def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
             description=f"{model.__name__} contract broken in {len(cases)} place(s)",
         )
     return AssetCheckResult(passed=True, metadata={"rows": frame.height, "failure_cases": 0})
+
+
+def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, metadata_name: str) -> AssetCheckResult:
+    """A warning per source whose value strays more than ``tolerance`` from its trailing median.
+
+    ``judged`` comes from lib.landing_health.against_trailing_median (source, current, baseline,
+    deviation); a source without history is named, not judged.
+    """
+    off = judged.filter(pl.col("deviation").abs() > tolerance)
+    without_history = judged.filter(pl.col("baseline").is_null())["source"].to_list()
+    description = "; ".join(
+        f"source '{r['source']}': {r['current']:.4g} {unit} vs trailing median {r['baseline']:.4g} ({r['deviation']:+.0%})"
+        for r in off.iter_rows(named=True)
+    ) or f"every source within ±{tolerance:.0%} of its trailing median"
+    if without_history:
+        description += f" (no history yet for: {', '.join(without_history)})"
+    return AssetCheckResult(
+        passed=off.is_empty(),
+        severity=AssetCheckSeverity.WARN,
+        description=description,
+        metadata={"tolerance": tolerance, metadata_name: table_metadata(judged)},
+    )

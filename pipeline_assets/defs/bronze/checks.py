@@ -9,7 +9,7 @@ from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeve
 from dagster._utils.warnings import PreviewWarning
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord
-from pipeline_assets.defs.check_helpers import batch_of, contract_check_result
+from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
@@ -91,21 +91,7 @@ def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, inges
     judged = against_trailing_median(
         rows_per_mb(rows, sizes), batch_id, "rows_per_mb", ingest_policy.trailing_batches
     )
-    tolerance = ingest_policy.volume_tolerance
-    off = judged.filter(pl.col("deviation").abs() > tolerance)
-    without_history = judged.filter(pl.col("baseline").is_null())["source"].to_list()
-    description = "; ".join(
-        f"source '{r['source']}': {r['current']:.1f} rows/MB vs trailing median {r['baseline']:.1f} ({r['deviation']:+.0%})"
-        for r in off.iter_rows(named=True)
-    ) or f"every source within ±{tolerance:.0%} of its trailing median"
-    if without_history:
-        description += f" (no history yet for: {', '.join(without_history)})"
-    return AssetCheckResult(
-        passed=off.is_empty(),
-        severity=AssetCheckSeverity.WARN,
-        description=description,
-        metadata={"tolerance": tolerance, "rows_per_mb_by_source": table_metadata(judged)},
-    )
+    return trailing_median_result(judged, ingest_policy.volume_tolerance, "rows/MB", "rows_per_mb_by_source")
 
 
 @asset_check(asset=BRONZE_RECORDS, name="freshness", partitions_def=ingest_batches,

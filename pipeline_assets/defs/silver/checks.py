@@ -7,7 +7,7 @@ from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeve
 from dagster._utils.warnings import PreviewWarning
 
 from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject
-from pipeline_assets.defs.check_helpers import batch_of, contract_check_result
+from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
 from pipeline_assets.defs.keys import SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -104,17 +104,7 @@ def silver_volume(context: AssetCheckExecutionContext, lake: LakeResource, silve
     judged = against_trailing_median(
         kept.group_by("batch_id", "source").agg(rows=pl.len()), batch_id, "rows", silver_policy.trailing_batches
     )
-    tolerance = silver_policy.volume_tolerance
-    off = judged.filter(pl.col("deviation").abs() > tolerance)
-    return AssetCheckResult(
-        passed=off.is_empty(),
-        severity=AssetCheckSeverity.WARN,
-        description="; ".join(
-            f"source '{r['source']}': {r['current']} rows vs trailing median {r['baseline']:.0f} ({r['deviation']:+.0%})"
-            for r in off.iter_rows(named=True)
-        ) or f"every source within ±{tolerance:.0%} of its trailing median (or without history yet)",
-        metadata={"rows_by_source": table_metadata(judged)},
-    )
+    return trailing_median_result(judged, silver_policy.volume_tolerance, "rows", "rows_by_source")
 
 
 silver_checks = [
