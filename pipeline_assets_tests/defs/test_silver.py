@@ -143,3 +143,22 @@ def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):
     volume = checks_by_name(_materialize(instance, resources, register(instance, resources)))["silver/records:volume"]
     assert not volume.passed and volume.severity == AssetCheckSeverity.WARN
     assert "source 'scrape': 60 rows vs trailing median 20 (+200%)" in volume.description
+
+
+def test_silver_refuses_a_batch_whose_predecessor_has_no_silver(instance, resources, landing_dir):
+    from pipeline_assets.resources import SilverPolicy
+
+    write_landing_file(landing_dir, "logs", "a.jsonl", [record(i) for i in range(5)])
+    first = register(instance, resources)
+    write_landing_file(landing_dir, "logs", "b.jsonl", [record(10 + i) for i in range(5)])
+    second = register(instance, resources)
+    for batch in (first, second):
+        assert materialize([bronze, *bronze_checks], partition_key=batch, instance=instance, resources=resources).success
+    impatient = {**resources, "silver_policy": SilverPolicy(order_max_retries=0)}
+    result = materialize(GRAPH, partition_key=second, instance=instance, resources=impatient,
+                         selection=[silver], raise_on_error=False)
+    assert not result.success
+    message = result.get_step_failure_events()[0].event_specific_data.error.message
+    assert f"have bronze but no silver yet ({first})" in message
+    assert resources["lake"].read("silver", "records") is None, "nothing is written"
+    assert _materialize(instance, resources, first).success and _materialize(instance, resources, second).success

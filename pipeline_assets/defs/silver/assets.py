@@ -1,7 +1,7 @@
 """silver/records, silver/rejects, silver/minhash_index: one ingest batch, curated."""
 
 import polars as pl
-from dagster import AssetDep, AssetExecutionContext, AssetSpec, MaterializeResult, multi_asset
+from dagster import AssetDep, AssetExecutionContext, AssetSpec, Failure, MaterializeResult, RetryRequested, multi_asset
 
 from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
@@ -36,10 +36,12 @@ def _spec(key, description: str) -> AssetSpec:
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
     ],
     partitions_def=ingest_batches,
+    pool="silver",  # one batch at a time: each dedups against the index the ones before it wrote
 )
 def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
+    _require_earlier_batches(context, batch_id, silver_policy)
     bronze_version = lake.version("bronze", "records")
     bronze = lake.read("bronze", "records", version=bronze_version, where=pl.col("batch_id") == batch_id)
     eval_files = eval_sets.files()
@@ -90,6 +92,24 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
                 **extra[key],
             },
         )
+
+
+def _require_earlier_batches(context: AssetExecutionContext, batch_id: str, policy: SilverPolicy) -> None:
+    """Dedup against earlier batches needs their index entries: wait for (then refuse) a batch
+    whose predecessors have bronze but no silver yet."""
+    instance = context.instance
+    earlier = {key for key in instance.get_materialized_partitions(BRONZE_RECORDS) if key < batch_id}
+    missing = sorted(earlier - instance.get_materialized_partitions(SILVER_RECORDS))
+    if not missing:
+        return
+    message = (
+        f"silver for batch {batch_id} dedups against every earlier batch, and {len(missing)} of them have bronze "
+        f"but no silver yet ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    )
+    if context.retry_number < policy.order_max_retries:
+        context.log.info(f"{message}: waiting {policy.order_wait_seconds} s")
+        raise RetryRequested(max_retries=policy.order_max_retries, seconds_to_wait=policy.order_wait_seconds)
+    raise Failure(description=f"{message}: materialize those first (pipeline-assets run does, oldest first)")
 
 
 def _earlier_index(lake: LakeResource, batch_id: str) -> pl.LazyFrame | None:
