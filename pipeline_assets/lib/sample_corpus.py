@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import math
 import os
 import random
 import re
@@ -67,8 +68,12 @@ JSON_MALFORMED_REASONS = (
 PARQUET_MALFORMED_REASONS = ("missing_field:response", "empty_field:prompt")
 LOW_QUALITY_KINDS = ("too_short", "symbol_spam", "repeated_lines", "non_alpha")
 
-RESPONSE_MIN_WORDS = 50
+RESPONSE_MIN_WORDS = 12
 RESPONSE_MAX_WORDS = 300
+# Real post-training responses are long-tailed: many short answers, a few long ones. The short
+# ones matter downstream, since they are what fills the gaps when sequences are packed.
+RESPONSE_MEDIAN_WORDS = 40
+RESPONSE_LENGTH_SIGMA = 0.8
 EVAL_RESPONSE_MIN_WORDS = 30
 NEAR_DUPLICATE_MIN_JACCARD = 0.85
 # One edit in a shorter response can drop the word 5-gram Jaccard below 0.85.
@@ -428,8 +433,10 @@ def _split_at_sentence(
 
 
 def _response_target(rng: random.Random) -> int:
-    """Response length in words: mostly short, with a tail of long answers."""
-    return RESPONSE_MIN_WORDS + min(200, int(rng.expovariate(1 / 6)))
+    """Response length in words: log-normal, mostly short, with a tail of long answers."""
+    words = rng.lognormvariate(math.log(RESPONSE_MEDIAN_WORDS), RESPONSE_LENGTH_SIGMA)
+    # capped below the maximum: joining paragraphs can add a few words past the target
+    return max(RESPONSE_MIN_WORDS, min(RESPONSE_MAX_WORDS - 50, round(words)))
 
 
 # --- Prompts, in each source's own voice ----------------------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 import zstandard
 from datasketch import MinHash, MinHashLSH
 
-from pipeline_assets.lib.sample_corpus import SOURCES, write_sample_corpus
+from pipeline_assets.lib.sample_corpus import RESPONSE_MAX_WORDS, RESPONSE_MIN_WORDS, SOURCES, write_sample_corpus
 
 RECORDS = 3000
 
@@ -212,9 +212,12 @@ def test_every_valid_record_has_a_unique_id_and_the_manifest_ids_exist(corpus, r
 
 def test_clean_records_have_the_promised_lengths_and_each_source_its_style(corpus, records):
     _, manifest = corpus
+    lengths = [len(records[record_id]["response"].split()) for record_id in manifest["clean_ids"]]
+    assert sum(n < 30 for n in lengths) / len(lengths) >= 0.2, "many short answers"
+    assert sum(n > 100 for n in lengths) / len(lengths) >= 0.03, "a tail of long ones"
     for record_id in manifest["clean_ids"]:
         record = records[record_id]
-        assert 50 <= len(record["response"].split()) <= 300, record_id
+        assert RESPONSE_MIN_WORDS <= len(record["response"].split()) <= RESPONSE_MAX_WORDS, record_id
         assert 5 <= len(record["prompt"].split()) <= 60, record_id
         assert datetime.fromisoformat(record["created_at"]).utcoffset().total_seconds() == 0
         assert record["created_at"].endswith("Z")

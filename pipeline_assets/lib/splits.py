@@ -1,0 +1,35 @@
+"""The train/validation split: a record's side is a function of its record_id alone.
+
+A threshold on a stable hash keeps every record on the same side in every data snapshot, so a
+validation record never becomes a training record when later batches arrive; since the hash
+ignores the source, each source gets the validation fraction in expectation (metadata reports
+the realized share per source).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import polars_hash as plh
+
+TRAIN, VALIDATION = "train", "validation"
+_BUCKETS = 1_000_000
+
+
+def assign_split(frame: pl.DataFrame, validation_fraction: float, salt: str = "split-v1") -> pl.DataFrame:
+    """``frame`` plus ``split`` (train / validation), from xxh3 of salt + record_id."""
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation fraction must be in [0, 1), got {validation_fraction}")
+    bucket = plh.concat_str(pl.lit(salt), pl.col("record_id")).nchash.xxh3_64() % _BUCKETS
+    return frame.with_columns(
+        split=pl.when(bucket < int(validation_fraction * _BUCKETS)).then(pl.lit(VALIDATION)).otherwise(pl.lit(TRAIN))
+    )
+
+
+def split_shares(frame: pl.DataFrame) -> pl.DataFrame:
+    """Per source: rows and the realized validation share."""
+    return (
+        frame.group_by("source")
+        .agg(rows=pl.len(), validation=(pl.col("split") == VALIDATION).sum())
+        .with_columns(validation_share=pl.col("validation") / pl.col("rows"))
+        .sort("source")
+    )
