@@ -84,7 +84,7 @@ def plan_best_fit_decreasing(lengths: np.ndarray, seq_len: int = DEFAULT_SEQ_LEN
     sequence = np.empty(piece_length.size, dtype=np.int64)
     offset = np.empty(piece_length.size, dtype=np.int64)
     rooms = _RoomBuckets(seq_len)
-    for start, end in zip(run_starts.tolist(), run_ends.tolist()):
+    for start, end in zip(run_starts.tolist(), run_ends.tolist(), strict=True):
         pieces = placement_order[start:end]
         sequence[pieces], offset[pieces] = rooms.place_run(int(sorted_lengths[start]), end - start)
     return _plan(piece_doc, piece_start, piece_length, sequence, offset, rooms.n_sequences, lengths, seq_len)

@@ -39,7 +39,7 @@ def _documents(lengths: np.ndarray, seed: int = 1) -> tuple[list[np.ndarray], li
     """Token ids unique across all documents (1, 2, 3, ...) and a random 0/1 loss mask."""
     rng = np.random.default_rng(seed)
     ends = np.cumsum(lengths)
-    ids = [np.arange(end - length + 1, end + 1) for end, length in zip(ends, lengths)]
+    ids = [np.arange(end - length + 1, end + 1) for end, length in zip(ends, lengths, strict=True)]
     masks = [rng.integers(0, 2, length).astype(np.uint8) for length in lengths]
     return ids, masks
 
@@ -108,7 +108,7 @@ def _assert_layout(plan: PackingPlan, lengths: np.ndarray, seq_len: int) -> None
     assert (plan.offset_in_sequence + plan.piece_length <= seq_len).all()
     assert plan.sequence_of_doc.min() == 0 and plan.sequence_of_doc.max() == plan.n_sequences - 1
     covered = np.zeros((plan.n_sequences, seq_len), dtype=np.int64)
-    for sequence, offset, length in zip(plan.sequence_of_doc, plan.offset_in_sequence, plan.piece_length):
+    for sequence, offset, length in zip(plan.sequence_of_doc, plan.offset_in_sequence, plan.piece_length, strict=True):
         covered[sequence, offset : offset + length] += 1
     assert covered.max() == 1
     assert covered.sum() == lengths.sum()
