@@ -80,7 +80,7 @@ def plan_best_fit_decreasing(lengths: np.ndarray, seq_len: int = DEFAULT_SEQ_LEN
     placement_order = np.argsort(-piece_length, kind="stable")
     sorted_lengths = piece_length[placement_order]
     run_starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
-    run_ends = np.append(run_starts[1:], sorted_lengths.size)
+    run_ends = np.append(run_starts[1:], sorted_lengths.size) if run_starts.size else run_starts
     sequence = np.empty(piece_length.size, dtype=np.int64)
     offset = np.empty(piece_length.size, dtype=np.int64)
     rooms = _RoomBuckets(seq_len)
