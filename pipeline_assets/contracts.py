@@ -135,6 +135,37 @@ class MinhashIndexEntry(pa.DataFrameModel):
         coerce = False
 
 
+class GoldTokenizer(pa.DataFrameModel):
+    """One row: the tokenizer of this Delta version of gold/tokenizer."""
+
+    tokenizer_json: str
+    sha256: str = pa.Field(str_length={"min_value": 64, "max_value": 64})
+    vocab_size: pl.Int64 = pa.Field(gt=0)
+    origin: str = pa.Field(description="trained on silver, or the provided file's path")
+    silver_version: pl.Int64 = pa.Field(nullable=True, ge=0, description="the silver/records version it was trained on")
+    created_at: UTC_TIMESTAMP
+
+    class Config:
+        strict = True
+
+
+class GoldSequence(pa.DataFrameModel):
+    """One packed training sequence of ``seq_len`` tokens."""
+
+    split: str = pa.Field(isin=["train", "validation"])
+    sequence_index: pl.Int64 = pa.Field(ge=0, description="position after the seeded shuffle, per split")
+    input_ids: Annotated[pl.List, pl.Int32()]
+    loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(description="true on response tokens (Delta has no unsigned ints)")
+    position_ids: Annotated[pl.List, pl.Int32()] = pa.Field(description="restart at 0 at every document")
+    document_lengths: Annotated[pl.List, pl.Int32()] = pa.Field(description="lengths of the packed pieces, in order")
+    record_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver record of each piece")
+    real_tokens: pl.Int32 = pa.Field(ge=1)
+
+    class Config:
+        strict = True
+        coerce = False
+
+
 class LandingManifestEntry(pa.DataFrameModel):
     """One landing file registered into an ingest batch."""
 

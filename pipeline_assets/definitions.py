@@ -5,6 +5,8 @@ from dagster import Definitions
 from pipeline_assets.defs.automation import automation_sensor
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
+from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.landing.sensors import landing_sensor
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
@@ -12,8 +14,8 @@ from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.resources import build_resources
 
 defs = Definitions(
-    assets=[eval_sets, bronze, silver],
-    asset_checks=[*bronze_checks, *silver_checks],
+    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences],
+    asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
     sensors=[landing_sensor, automation_sensor],
     resources=build_resources(),
 )

@@ -13,8 +13,8 @@ from importlib.resources import files
 from pathlib import Path
 
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
-from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
+from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
 
@@ -66,7 +66,7 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
     """
     graph = defs.resolve_asset_graph()
     batches = instance.get_dynamic_partitions(ingest_batches.name)
-    blocked = _partitions_failing_blocking_checks(defs, instance)
+    blocked = partitions_failing_blocking_checks(instance, defs.asset_checks or [])
     plan: dict[str, set[AssetKey]] = {}
     for key in keys:
         node = graph.get(key)
@@ -77,16 +77,6 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
             if batch not in done or (batch, key) in blocked:
                 plan.setdefault(batch, set()).update(node.execution_set_asset_keys)
     return {batch: sorted(plan[batch], key=AssetKey.to_user_string) for batch in sorted(plan)}
-
-
-def _partitions_failing_blocking_checks(defs: Definitions, instance: DagsterInstance) -> set[tuple[str, AssetKey]]:
-    blocking = [spec.key for checks in defs.asset_checks or [] for spec in checks.check_specs if spec.blocking]
-    infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []
-    return {
-        (info.partition_key, info.check_key.asset_key)
-        for info in infos
-        if info.latest_execution_status == AssetCheckExecutionRecordStatus.FAILED
-    }
 
 
 def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:

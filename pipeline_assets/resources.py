@@ -89,6 +89,11 @@ class Settings:
     volume_tolerance: float = 0.20
     freshness_sla_hours: float = 24.0
     quality_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
+    tokenizer_path: str = ""
+    seq_len: int = 512
+    vocab_size: int = 8192
+    validation_fraction: float = 0.02
+    shuffle_seed: int = 20261121
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -106,6 +111,11 @@ class Settings:
             volume_tolerance=_float_env("PIPELINE_VOLUME_TOLERANCE", 0.20),
             freshness_sla_hours=_float_env("PIPELINE_FRESHNESS_SLA_HOURS", 24.0),
             quality_thresholds=_json_env("PIPELINE_QUALITY_THRESHOLDS"),
+            tokenizer_path=_env("PIPELINE_TOKENIZER", ""),
+            seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
+            vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
+            validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
+            shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
         )
 
 
@@ -171,6 +181,10 @@ class LakeResource(ConfigurableResource):
 
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
         return self._write(layer, name, frame, mode="append")
+
+    def overwrite(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
+        """A new version holding only ``frame``; earlier versions stay readable by time travel."""
+        return self._write(layer, name, frame, mode="overwrite")
 
     def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
@@ -278,6 +292,20 @@ class IngestPolicy(ConfigurableResource):
     trailing_batches: int = Field(default=10, description="how many earlier batches the volume baseline uses")
 
 
+class GoldPolicy(ConfigurableResource):
+    """How gold tokenizes, splits and packs, and what its checks allow."""
+
+    tokenizer_path: str = Field(default="", description="a tokenizer.json to use; empty: train byte-level BPE on silver")
+    vocab_size: int = 8192
+    seq_len: int = 512
+    validation_fraction: float = 0.02
+    shuffle_seed: int = 20261121
+    min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
+    psi_warn: float = 0.10
+    psi_fail: float = 0.25
+    volume_tolerance: float = Field(default=0.20, description="warning: tokens against the previous snapshot")
+
+
 def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableResource]:
     settings = settings or Settings.from_env()
     return {
@@ -290,6 +318,13 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds),
+        "gold_policy": GoldPolicy(
+            tokenizer_path=settings.tokenizer_path,
+            seq_len=settings.seq_len,
+            vocab_size=settings.vocab_size,
+            validation_fraction=settings.validation_fraction,
+            shuffle_seed=settings.shuffle_seed,
+        ),
     }
 
 

@@ -24,3 +24,14 @@ automation_sensor = AutomationConditionSensorDefinition(
     minimum_interval_seconds=15,
     description="Evaluates every asset's automation condition: downstream layers follow upstream ones.",
 )
+
+
+def after_any_batch_updates() -> AutomationCondition:
+    """For an asset that reads every batch: run when any upstream partition updates, even while
+    some batch is missing or blocked (the asset itself leaves out blocked batches)."""
+    return AutomationCondition.eager().without(~AutomationCondition.any_deps_missing())
+
+
+def once_when_missing() -> AutomationCondition:
+    """Materialize once, when missing, whatever upstream batches are missing; after that, by hand."""
+    return AutomationCondition.on_missing().without(~AutomationCondition.any_deps_missing())

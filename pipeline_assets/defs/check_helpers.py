@@ -1,8 +1,11 @@
 """What every layer's asset checks share: reading one batch of a table, judging a contract."""
 
+from collections.abc import Iterable
+
 import pandera.errors
 import polars as pl
-from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue
+from dagster import AssetCheckResult, AssetChecksDefinition, AssetCheckSeverity, AssetKey, DagsterInstance, MetadataValue
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from pipeline_assets.contracts import validate
 from pipeline_assets.defs.metadata import table_metadata
@@ -53,3 +56,14 @@ def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, me
         description=description,
         metadata={"tolerance": tolerance, metadata_name: table_metadata(judged)},
     )
+
+
+def partitions_failing_blocking_checks(instance: DagsterInstance, checks: Iterable[AssetChecksDefinition]) -> set[tuple[str, AssetKey]]:
+    """(partition, asset) pairs whose latest run of a blocking check failed."""
+    blocking = [spec.key for definition in checks for spec in definition.check_specs if spec.blocking]
+    infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []
+    return {
+        (info.partition_key, info.check_key.asset_key)
+        for info in infos
+        if info.latest_execution_status == AssetCheckExecutionRecordStatus.FAILED
+    }

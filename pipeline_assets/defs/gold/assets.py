@@ -1,0 +1,137 @@
+"""gold/tokenizer and gold/sequences: every silver batch, tokenized and packed into one data snapshot."""
+
+import hashlib
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
+from pipeline_assets.defs.automation import after_any_batch_updates, once_when_missing
+from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
+from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
+from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
+from pipeline_assets.lib.gold import build_sequences, token_statistics
+from pipeline_assets.lib.splits import TRAIN, assign_split, split_shares
+from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
+from pipeline_assets.resources import GoldPolicy, LakeResource
+
+_KINDS = {"delta", "polars"}
+
+
+def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:
+    """Every silver batch whose blocking checks passed, at one pinned version; and the batches left out."""
+    version = lake.version("silver", "records")
+    if version is None:
+        raise ValueError("silver/records does not exist yet: materialize silver first")
+    blocked = sorted({partition for partition, _ in partitions_failing_blocking_checks(context.instance, silver_checks)})
+    frame = lake.read("silver", "records", version=version, where=~pl.col("batch_id").is_in(blocked))
+    return frame, version, blocked
+
+
+@asset(
+    key=GOLD_TOKENIZER,
+    group_name="gold",
+    deps=[SILVER_RECORDS],
+    kinds={"delta", "tokenizers"},
+    automation_condition=once_when_missing(),
+    description="tokenizer.json (byte-level BPE trained on silver's training split, or the file PIPELINE_TOKENIZER names); "
+    "each Delta version is one tokenizer.",
+)
+def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
+    stopwatch = Stopwatch()
+    if gold_policy.tokenizer_path:
+        tokenizer = tokenizer_from_json(Path(gold_policy.tokenizer_path).read_text())
+        check_tokenizer(tokenizer)
+        origin, silver_version = gold_policy.tokenizer_path, None
+    else:
+        silver, silver_version, _ = usable_silver(context, lake)
+        train = assign_split(silver, gold_policy.validation_fraction).filter(pl.col("split") == TRAIN)
+        context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
+        tokenizer = train_bpe(_chat_texts(train), vocab_size=gold_policy.vocab_size)
+        origin = "trained on silver/records (training split)"
+    text = tokenizer_to_json(tokenizer)
+    row = pl.DataFrame({
+        "tokenizer_json": [text],
+        "sha256": [hashlib.sha256(text.encode()).hexdigest()],
+        "vocab_size": [tokenizer.get_vocab_size()],
+        "origin": [origin],
+        "silver_version": [silver_version],
+        "created_at": [datetime.now(timezone.utc)],
+    })
+    row = validate(conform(row, GoldTokenizer), GoldTokenizer)
+    commit = lake.overwrite("gold", "tokenizer", row)
+    return MaterializeResult(
+        metadata={
+            **delta_write_metadata(commit, polars_schema(GoldTokenizer), upstream_versions={"silver/records": silver_version},
+                                   input_bytes=len(text), stopwatch=stopwatch),
+            "tokenizer_version": commit.version,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "sha256": row["sha256"][0],
+            "origin": origin,
+        }
+    )
+
+
+def _chat_texts(frame: pl.DataFrame) -> list[str]:
+    return [
+        prefix_text(system, prompt) + response_text(response)
+        for system, prompt, response in frame.select("system", "prompt", "response").iter_rows()
+    ]
+
+
+@asset(
+    key=GOLD_SEQUENCES,
+    group_name="gold",
+    deps=[SILVER_RECORDS, GOLD_TOKENIZER],
+    kinds=_KINDS,
+    automation_condition=after_any_batch_updates(),
+    description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation split. "
+    "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin.",
+)
+def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
+    stopwatch = Stopwatch()
+    silver, silver_version, blocked = usable_silver(context, lake)
+    tokenizer_version = lake.version("gold", "tokenizer")
+    if tokenizer_version is None:
+        raise ValueError("gold/tokenizer does not exist yet: materialize it first")
+    tokenizer = tokenizer_from_json(lake.read("gold", "tokenizer", version=tokenizer_version)["tokenizer_json"][0])
+    if blocked:
+        context.log.warning(f"left out {len(blocked)} batch(es) whose silver blocking checks failed: {', '.join(blocked)}")
+
+    records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction)
+    encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
+    context.log.info(f"tokenized {encoded.height} records: {int(encoded['n_tokens'].sum())} tokens")
+    sequences, packing = build_sequences(
+        encoded, seq_len=gold_policy.seq_len, seed=gold_policy.shuffle_seed, pad_id=tokenizer.token_to_id(PAD)
+    )
+    sequences = validate(conform(sequences, GoldSequence), GoldSequence)
+    commit = lake.overwrite("gold", "sequences", sequences)
+    snapshot = snapshot_key(commit.version)
+    context.instance.add_dynamic_partitions(data_snapshots.name, [snapshot])
+    context.log.info(f"data snapshot {snapshot}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
+
+    stats = token_statistics(encoded)
+    return MaterializeResult(
+        metadata={
+            **delta_write_metadata(
+                commit, polars_schema(GoldSequence),
+                upstream_versions={"silver/records": silver_version, "gold/tokenizer": tokenizer_version},
+                input_bytes=int(silver.estimated_size()), stopwatch=stopwatch,
+            ),
+            "data_snapshot": snapshot,
+            "tokenizer_version": tokenizer_version,
+            "batches_left_out": MetadataValue.json(blocked),
+            "packing_efficiency": round(packing["efficiency"], 5),
+            "sequences_by_split": MetadataValue.json(packing["sequences_by_split"]),
+            "split_documents": packing["split_documents"],
+            "tokens": stats["tokens"],
+            "tokens_by_source": table_metadata(stats["by_source"]),
+            "tokens_per_record": MetadataValue.json(stats["per_record_quantiles"]),
+            "validation_share_by_source": table_metadata(split_shares(records)),
+        }
+    )

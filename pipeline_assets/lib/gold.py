@@ -1,0 +1,63 @@
+"""Gold's assembly: encoded records per split -> packed, shuffled sequences, and their statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from pipeline_assets.lib.packing import pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
+from pipeline_assets.lib.splits import TRAIN, VALIDATION
+
+
+def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int) -> tuple[pl.DataFrame, dict]:
+    """``encoded`` has record_id, split, input_ids, loss_mask, n_tokens (sorted by record_id, so the
+    plan does not depend on the order silver stored its rows). Each split is packed best-fit
+    decreasing, then shuffled with ``seed``."""
+    frames, by_split, split_documents = [], {}, 0
+    for number, split in enumerate((TRAIN, VALIDATION)):
+        part = encoded.filter(pl.col("split") == split)
+        if part.is_empty():
+            by_split[split] = 0
+            continue
+        plan = plan_best_fit_decreasing(part["n_tokens"].to_numpy(), seq_len)
+        packed = packed_frame(pack(plan, part["input_ids"], part["loss_mask"], seq_len, pad_id)).rename(
+            {"doc_lengths": "document_lengths"}
+        )
+        packed = packed.with_columns(record_ids=_record_ids_per_sequence(plan, part["record_id"].to_numpy()))
+        order = shuffle_sequences(plan.n_sequences, seed + number)
+        frames.append(
+            packed[order].with_columns(
+                split=pl.lit(split),
+                sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
+                real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32),
+                loss_mask=pl.col("loss_mask").cast(pl.List(pl.Boolean)),
+            )
+        )
+        by_split[split] = plan.n_sequences
+        split_documents += plan.split_documents
+    sequences = pl.concat(frames) if frames else pl.DataFrame()
+    real = int(sequences["real_tokens"].sum()) if frames else 0
+    efficiency = real / (sequences.height * seq_len) if frames else 0.0
+    return sequences, {"efficiency": efficiency, "sequences_by_split": by_split, "split_documents": split_documents}
+
+
+def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:
+    """Per sequence, the record of each piece, in the order the pieces sit in the sequence."""
+    order = np.lexsort((plan.offset_in_sequence, plan.sequence_of_doc))
+    pieces = pl.DataFrame({"sequence": plan.sequence_of_doc[order], "record_id": record_ids[plan.piece_doc[order]]})
+    grouped = pieces.group_by("sequence", maintain_order=True).agg("record_id")
+    every = pl.DataFrame({"sequence": np.arange(plan.n_sequences)})
+    return every.join(grouped, on="sequence", how="left").sort("sequence")["record_id"].alias("record_ids")
+
+
+def token_statistics(encoded: pl.DataFrame) -> dict:
+    """Tokens in total and per source, and the tokens-per-record distribution."""
+    by_source = (
+        encoded.group_by("source")
+        .agg(records=pl.len(), tokens=pl.col("n_tokens").sum(), response_tokens=pl.col("n_response_tokens").sum())
+        .with_columns(tokens_per_record=(pl.col("tokens") / pl.col("records")).round(1))
+        .sort("source")
+    )
+    lengths = encoded["n_tokens"]
+    quantiles = {f"p{q}": float(lengths.quantile(q / 100)) for q in (5, 25, 50, 75, 95, 99)} if lengths.len() else {}
+    return {"tokens": int(lengths.sum()), "by_source": by_source, "per_record_quantiles": {**quantiles, "max": int(lengths.max() or 0)}}

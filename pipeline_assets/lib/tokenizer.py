@@ -1,0 +1,174 @@
+"""Byte-level BPE for the chat format: train, (de)serialize, validate, and tokenize records.
+
+``encode_records`` turns silver records into one sequence each, ``prefix + response`` in the
+format of ``chat_format``, with a loss mask that is 1 exactly on the response ids. Pure Python:
+no Dagster, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline_assets.lib.chat_format import SPECIAL_TOKENS, prefix_text, response_text
+
+ENCODED_SCHEMA = pl.Schema(
+    {
+        "record_id": pl.String,
+        "input_ids": pl.List(pl.Int32),
+        "loss_mask": pl.List(pl.UInt8),
+        "n_tokens": pl.Int32,
+        "n_response_tokens": pl.Int32,
+    }
+)
+
+SPECIAL_TOKEN_PATTERN = re.compile("|".join(map(re.escape, SPECIAL_TOKENS)))
+
+# Rows per encode_batch call: large enough to keep every core busy, small enough that reading
+# the ids of one chunk in Python overlaps with encoding the next.
+ENCODE_CHUNK_ROWS = 2048
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
+    """Byte-level BPE with the chat_format special tokens at ids 0..len(SPECIAL_TOKENS)-1.
+
+    texts may be chat-formatted: the trainer sees only the text between special tokens, as the
+    encoder does. Deterministic: the same texts give a byte-identical ``tokenizer_to_json``,
+    whatever the number of threads (counts are summed, ties between merges broken by pair ids).
+    """
+    min_vocab_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < min_vocab_size:
+        raise ValueError(f"vocab_size must be at least {min_vocab_size} (special tokens + 256 bytes), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    # No normalizer and no prefix space, so that decode(encode(text)) == text.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_between_special_tokens(texts), trainer=trainer)
+    return tokenizer
+
+
+def _between_special_tokens(texts: Iterable[str]) -> Iterator[str]:
+    # The trainer does not split out special tokens; fed "...<|end|><|eos|>" it would spend
+    # merges on pieces such as "|><|" that encoding never produces.
+    for text in texts:
+        yield from filter(None, SPECIAL_TOKEN_PATTERN.split(text))
+
+
+def tokenizer_to_json(tokenizer: Tokenizer) -> str:
+    return tokenizer.to_str()
+
+
+def tokenizer_from_json(text: str) -> Tokenizer:
+    return Tokenizer.from_str(text)
+
+
+def check_tokenizer(tokenizer: Tokenizer) -> None:
+    """Raise ValueError naming everything that makes the tokenizer unusable for the chat format:
+    a special token that is not one id in running text, or truncation/padding left enabled."""
+    problems = [problem for token in SPECIAL_TOKENS if (problem := _special_token_problem(tokenizer, token))]
+    if tokenizer.truncation is not None:
+        problems.append(f"truncation is enabled ({tokenizer.truncation}); gold packs sequences itself")
+    if tokenizer.padding is not None:
+        problems.append(f"padding is enabled ({tokenizer.padding}); gold packs sequences itself")
+    if problems:
+        raise ValueError("tokenizer is not usable with the chat format: " + "; ".join(problems))
+
+
+def _special_token_problem(tokenizer: Tokenizer, token: str) -> str | None:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        return f"special token {token} is not in the vocabulary"
+    # In running text, not alone: a token that is only in the vocabulary (not an added token)
+    # is split by the pre-tokenizer and never produced.
+    ids = tokenizer.encode(f"x{token}x", add_special_tokens=False).ids
+    if token_id not in ids:
+        return f"special token {token} is not encoded as its single id {token_id} in text (got {ids})"
+    return None
+
+
+def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
+    """frame: record_id, system (nullable), prompt, response -> ENCODED_SCHEMA, same row order.
+
+    input_ids = encode(prefix_text) + encode(response_text), each encoded on its own so that the
+    boundary is exact; loss_mask is 0 on the prefix ids and 1 on the response ids (+ END EOS).
+    """
+    _check_required_text(frame)
+    if frame.is_empty():
+        return pl.DataFrame(schema=ENCODED_SCHEMA)
+    prefixes = [prefix_text(system, prompt) for system, prompt in zip(frame["system"], frame["prompt"])]
+    responses = [response_text(response) for response in frame["response"]]
+    chunks = [_read_chunk(encodings) for encodings in _encode_chunks(tokenizer, prefixes, responses)]
+    flat_ids, n_prefix, n_response = (np.concatenate(parts) for parts in zip(*chunks))
+    n_tokens = n_prefix + n_response
+    offsets = np.zeros(len(n_tokens) + 1, np.int64)
+    np.cumsum(n_tokens, out=offsets[1:])
+    return pl.DataFrame(
+        {
+            "record_id": frame["record_id"],
+            "input_ids": _list_series(offsets, flat_ids),
+            "loss_mask": _list_series(offsets, _flat_loss_mask(n_prefix, n_response)),
+            "n_tokens": n_tokens,
+            "n_response_tokens": n_response,
+        },
+        schema=ENCODED_SCHEMA,
+    )
+
+
+def _check_required_text(frame: pl.DataFrame) -> None:
+    nulls = frame.select(pl.col("prompt", "response").null_count()).row(0, named=True)
+    if any(nulls.values()):
+        raise ValueError(f"prompt and response must not be null, got null counts {nulls}")
+
+
+def _encode_chunks(tokenizer: Tokenizer, prefixes: Sequence[str], responses: Sequence[str]) -> Iterator[list[Encoding]]:
+    """Per chunk of rows, the encodings of its prefixes followed by those of its responses.
+
+    encode_batch releases the GIL, so the next chunk is encoded on all cores in a worker thread
+    while the caller reads the ids of this one in Python.
+    """
+    with ThreadPoolExecutor(max_workers=1) as encoder:
+        pending = None
+        for start in range(0, len(prefixes), ENCODE_CHUNK_ROWS):
+            texts = [*prefixes[start : start + ENCODE_CHUNK_ROWS], *responses[start : start + ENCODE_CHUNK_ROWS]]
+            submitted = encoder.submit(tokenizer.encode_batch, texts, add_special_tokens=False)
+            if pending is not None:
+                yield pending.result()
+            pending = submitted
+        if pending is not None:
+            yield pending.result()
+
+
+def _read_chunk(encodings: list[Encoding]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat ids, row by row: prefix ids then response ids), prefix lengths, response lengths."""
+    rows = len(encodings) // 2
+    prefix_ids = [encoding.ids for encoding in encodings[:rows]]
+    response_ids = [encoding.ids for encoding in encodings[rows:]]
+    n_prefix = np.fromiter(map(len, prefix_ids), np.int32, rows)
+    n_response = np.fromiter(map(len, response_ids), np.int32, rows)
+    row_major = chain.from_iterable(chain.from_iterable(zip(prefix_ids, response_ids)))
+    flat_ids = np.fromiter(row_major, np.int32, int(n_prefix.sum() + n_response.sum()))
+    return flat_ids, n_prefix, n_response
+
+
+def _flat_loss_mask(n_prefix: np.ndarray, n_response: np.ndarray) -> np.ndarray:
+    zeros_then_ones = np.tile(np.array([0, 1], np.uint8), len(n_prefix))
+    return np.repeat(zeros_then_ones, np.column_stack([n_prefix, n_response]).ravel())
+
+
+def _list_series(offsets: np.ndarray, flat_values: np.ndarray) -> pl.Series:
+    """A list column from row offsets into flat values, without a Python list per row."""
+    return pl.Series(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat_values)))
