@@ -109,10 +109,10 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     _check_required_text(frame)
     if frame.is_empty():
         return pl.DataFrame(schema=ENCODED_SCHEMA)
-    prefixes = [prefix_text(system, prompt) for system, prompt in zip(frame["system"], frame["prompt"])]
+    prefixes = [prefix_text(system, prompt) for system, prompt in zip(frame["system"], frame["prompt"], strict=True)]
     responses = [response_text(response) for response in frame["response"]]
     chunks = [_read_chunk(encodings) for encodings in _encode_chunks(tokenizer, prefixes, responses)]
-    flat_ids, n_prefix, n_response = (np.concatenate(parts) for parts in zip(*chunks))
+    flat_ids, n_prefix, n_response = (np.concatenate(parts) for parts in zip(*chunks, strict=True))
     n_tokens = n_prefix + n_response
     offsets = np.zeros(len(n_tokens) + 1, np.int64)
     np.cumsum(n_tokens, out=offsets[1:])
@@ -159,7 +159,7 @@ def _read_chunk(encodings: list[Encoding]) -> tuple[np.ndarray, np.ndarray, np.n
     response_ids = [encoding.ids for encoding in encodings[rows:]]
     n_prefix = np.fromiter(map(len, prefix_ids), np.int32, rows)
     n_response = np.fromiter(map(len, response_ids), np.int32, rows)
-    row_major = chain.from_iterable(chain.from_iterable(zip(prefix_ids, response_ids)))
+    row_major = chain.from_iterable(chain.from_iterable(zip(prefix_ids, response_ids, strict=True)))
     flat_ids = np.fromiter(row_major, np.int32, int(n_prefix.sum() + n_response.sum()))
     return flat_ids, n_prefix, n_response
 

@@ -3,7 +3,6 @@ deterministic training, validation of user tokenizers, and encode_records' frame
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import polars as pl
 import pytest
@@ -98,7 +97,7 @@ def test_round_trip_is_exact(tokenizer, case):
 
 def test_loss_mask_covers_exactly_the_response_ids(tokenizer, corpus):
     sample = corpus.sample(200, seed=1)
-    for source, row in zip(sample.iter_rows(named=True), encode_records(tokenizer, sample).iter_rows(named=True)):
+    for source, row in zip(sample.iter_rows(named=True), encode_records(tokenizer, sample).iter_rows(named=True), strict=True):
         ids, mask = row["input_ids"], row["loss_mask"]
         n_prefix = mask.index(1)
         assert mask == [0] * n_prefix + [1] * (len(ids) - n_prefix)
@@ -172,7 +171,7 @@ def test_encode_records_keeps_row_order_dtypes_and_counts(tokenizer, corpus, mon
     assert encoded["record_id"].to_list() == sample["record_id"].to_list()
     assert encoded["n_tokens"].to_list() == encoded["input_ids"].list.len().to_list()
     assert encoded["n_tokens"].to_list() == encoded["loss_mask"].list.len().to_list()
-    for source, row in zip(sample.iter_rows(named=True), encoded.iter_rows(named=True)):
+    for source, row in zip(sample.iter_rows(named=True), encoded.iter_rows(named=True), strict=True):
         expected = (
             tokenizer.encode(prefix_text(source["system"], source["prompt"]), add_special_tokens=False).ids
             + tokenizer.encode(response_text(source["response"]), add_special_tokens=False).ids
