@@ -12,7 +12,7 @@ import pytest
 import zstandard
 from dagster import instance_for_test
 
-from pipeline_assets.resources import EvalSetsResource, IngestPolicy, LakeResource, LandingResource, SilverPolicy
+from pipeline_assets.resources import EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy
 
 
 def record(i: int, **fields) -> dict:
@@ -80,6 +80,7 @@ def resources(lake, landing, eval_sets_dir) -> dict:
         "ingest_policy": IngestPolicy(),
         "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
         "silver_policy": SilverPolicy(),
+        "gold_policy": GoldPolicy(),
     }
 
 

@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_any_batch_updates, once_when_missing
@@ -21,6 +21,14 @@ from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, token
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _KINDS = {"delta", "polars"}
+
+
+def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
+    """A data snapshot in its defined order (split, sequence_index): Delta keeps rows, not their order."""
+    frame = lake.read("gold", "sequences", version=version)
+    if frame is None:
+        raise ValueError("gold/sequences does not exist yet: materialize it first")
+    return frame.sort("split", "sequence_index")
 
 
 def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:
@@ -45,8 +53,7 @@ def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[p
 def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
     stopwatch = Stopwatch()
     if gold_policy.tokenizer_path:
-        tokenizer = tokenizer_from_json(Path(gold_policy.tokenizer_path).read_text())
-        check_tokenizer(tokenizer)
+        tokenizer = _provided_tokenizer(gold_policy.tokenizer_path)
         origin, silver_version = gold_policy.tokenizer_path, None
     else:
         silver, silver_version, _ = usable_silver(context, lake)
@@ -75,6 +82,15 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "origin": origin,
         }
     )
+
+
+def _provided_tokenizer(path: str):
+    try:
+        tokenizer = tokenizer_from_json(Path(path).read_text())
+        check_tokenizer(tokenizer)
+    except Exception as exc:  # a missing file, bad JSON (tokenizers has its own error type), missing tokens
+        raise Failure(description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}") from exc
+    return tokenizer
 
 
 def _chat_texts(frame: pl.DataFrame) -> list[str]:

@@ -5,6 +5,7 @@ from dagster import AssetCheckResult, AssetCheckSeverity, asset_check
 
 from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
+from pipeline_assets.defs.gold.assets import read_snapshot
 from pipeline_assets.defs.keys import GOLD_SEQUENCES
 from pipeline_assets.defs.partitions import snapshot_key
 from pipeline_assets.lib.drift import psi_numeric
@@ -12,10 +13,7 @@ from pipeline_assets.resources import GoldPolicy, LakeResource
 
 
 def _snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
-    frame = lake.read("gold", "sequences", version=version)
-    if frame is None:
-        raise ValueError("gold/sequences does not exist yet: materialize it first")
-    return frame
+    return read_snapshot(lake, version)
 
 
 def _previous_version(lake: LakeResource) -> int | None:
