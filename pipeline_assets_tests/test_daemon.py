@@ -1,5 +1,6 @@
 """The real Dagster daemon: files land, landing_sensor ticks, bronze runs, and declarative
-automation runs silver after bronze's blocking checks pass; nobody clicks anything."""
+automation runs silver after bronze's blocking checks pass, then the tokenizer and a gold data
+snapshot; nobody clicks anything."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import polars as pl
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
 from pipeline_assets.headless import persistent_instance
-from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_SECONDS = 240
@@ -22,8 +23,7 @@ DEADLINE_SECONDS = 240
 
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     home = tmp_path / "home"
-    write_landing_file(home / "landing", "annotate", "a.jsonl", [record(i) for i in range(25)])
-    write_landing_file(home / "landing", "logs", "l.jsonl.gz", [record(100 + i) for i in range(30)] + [b"{oops"])  # 1 of 31: under 5%
+    manifest = write_sample_corpus(home / "landing", records=400, eval_sets_dir=home / "reference" / "eval_sets")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
     env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
     persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does
@@ -35,6 +35,7 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
         instance = DagsterInstance.from_config(str(home / "dagster"))
         run = _wait_for_finished_run(instance)
         silver_run = _wait_for_finished_run(instance, not_sensor="landing_sensor")
+        snapshots = _wait_for_snapshot(instance)
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(timeout=60)
@@ -42,7 +43,8 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     assert run.tags["dagster/sensor_name"] == "landing_sensor"
     records = pl.read_delta(str(home / "lake" / "bronze" / "records"))
     quarantine = pl.read_delta(str(home / "lake" / "bronze" / "quarantine"))
-    assert records.height == 55 and quarantine["reason"].to_list() == ["invalid_json"]
+    assert records.height == manifest["expected"]["bronze_rows"]
+    assert quarantine.height == manifest["expected"]["quarantined"]
     assert records["batch_id"].unique().to_list() == [run.tags["dagster/partition"]]
 
     assert silver_run.status == DagsterRunStatus.SUCCESS
@@ -50,6 +52,20 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     silver = pl.read_delta(str(home / "lake" / "silver" / "records"))
     rejects = pl.read_delta(str(home / "lake" / "silver" / "rejects"))
     assert silver.height + rejects.height == records.height
+
+    assert snapshots == ["gold-v0"]
+    gold = pl.read_delta(str(home / "lake" / "gold" / "sequences"))
+    assert set(gold["record_ids"].explode()) == set(silver["record_id"])
+
+
+def _wait_for_snapshot(instance: DagsterInstance) -> list[str]:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while time.monotonic() < deadline:
+        snapshots = instance.get_dynamic_partitions("data_snapshots")
+        if snapshots:
+            return snapshots
+        time.sleep(2)
+    raise AssertionError(f"no data snapshot within {DEADLINE_SECONDS} s")
 
 
 def _wait_for_finished_run(instance: DagsterInstance, not_sensor: str | None = None):

@@ -33,5 +33,10 @@ def after_any_batch_updates() -> AutomationCondition:
 
 
 def once_when_missing() -> AutomationCondition:
-    """Materialize once, when missing, whatever upstream batches are missing; after that, by hand."""
-    return AutomationCondition.on_missing().without(~AutomationCondition.any_deps_missing())
+    """Materialize when missing, on the tick an upstream partition updates (so alongside what
+    that update triggers downstream); once it exists, only by hand."""
+    return (
+        AutomationCondition.missing()
+        & AutomationCondition.any_deps_updated()
+        & ~AutomationCondition.in_progress()
+    )

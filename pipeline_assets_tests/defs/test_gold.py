@@ -122,3 +122,20 @@ def test_batches_blocked_in_silver_are_left_out(instance, resources, landing_dir
     packed = set(resources["lake"].read("gold", "sequences")["record_ids"].explode())
     assert not packed & set(resources["lake"].read("silver", "records", where=pl.col("batch_id") == blocked)["record_id"])
     assert json.dumps(meta["batches_left_out"].value)
+
+
+def test_a_snapshot_that_doubles_in_tokens_is_reported(instance, resources, landing_dir, eval_sets_dir, tmp_path):
+    staging = tmp_path / "staging"
+    write_sample_corpus(staging, records=3000, eval_sets_dir=eval_sets_dir)
+    shutil.copytree(staging / "annotate", landing_dir / "annotate")
+    _ingest(instance, resources)
+    assert _gold(instance, resources).success
+    for source in ("logs", "scrape", "synth"):
+        shutil.copytree(staging / source, landing_dir / source)
+    _ingest(instance, resources)
+    result = _gold(instance, resources, selection=[gold_sequences])
+    assert result.success, "volume and drift report; they do not block"
+    volume = checks_by_name(result)["gold/sequences:token_volume"]
+    assert not volume.passed and "against" in volume.description and "gold-v0" in volume.description
+    assert volume.metadata["change"].value > 1.0
+    assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v0", "gold-v1"]

@@ -119,6 +119,9 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     if blocked:
         context.log.warning(f"left out {len(blocked)} batch(es) whose silver blocking checks failed: {', '.join(blocked)}")
 
+    if silver.is_empty():
+        raise Failure(description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
+                      f"{len(blocked)} batch(es) left out as blocked)")
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction)
     encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
     context.log.info(f"tokenized {encoded.height} records: {int(encoded['n_tokens'].sum())} tokens")
