@@ -14,9 +14,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import bronze_ingest, silver_dedup
+from bench import bronze_ingest, gold_packing, silver_dedup
 
-BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run}
+BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run, "gold_packing": gold_packing.run}
 
 
 def machine() -> dict:

@@ -68,12 +68,12 @@ JSON_MALFORMED_REASONS = (
 PARQUET_MALFORMED_REASONS = ("missing_field:response", "empty_field:prompt")
 LOW_QUALITY_KINDS = ("too_short", "symbol_spam", "repeated_lines", "non_alpha")
 
-RESPONSE_MIN_WORDS = 12
+RESPONSE_MIN_WORDS = 6
 RESPONSE_MAX_WORDS = 300
 # Real post-training responses are long-tailed: many short answers, a few long ones. The short
 # ones matter downstream, since they are what fills the gaps when sequences are packed.
 RESPONSE_MEDIAN_WORDS = 40
-RESPONSE_LENGTH_SIGMA = 0.8
+RESPONSE_LENGTH_SIGMA = 1.0
 EVAL_RESPONSE_MIN_WORDS = 30
 NEAR_DUPLICATE_MIN_JACCARD = 0.85
 # One edit in a shorter response can drop the word 5-gram Jaccard below 0.85.
