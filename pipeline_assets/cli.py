@@ -73,7 +73,8 @@ def _summary(args, settings: Settings) -> int:
     lake = build_resources(settings)["lake"]
     report: dict = {"lake": settings.lake_uri, "tables": {}}
     tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
-              ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index")]
+              ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index"),
+              ("gold", "tokenizer"), ("gold", "sequences")]
     for layer, name in tables:
         scan = lake.scan(layer, name)
         report["tables"][f"{layer}/{name}"] = None if scan is None else {
@@ -87,6 +88,15 @@ def _summary(args, settings: Settings) -> int:
         scan = lake.scan(layer, name)
         if scan is not None:
             report[key] = dict(scan.group_by(column).len().sort("len", descending=True).collect().iter_rows())
+    gold_version = lake.version("gold", "sequences")
+    if gold_version is not None:
+        sequences = lake.read("gold", "sequences")
+        report["data_snapshot"] = {
+            "partition": f"gold-v{gold_version}",
+            "sequences_by_split": dict(sequences.group_by("split").len().iter_rows()),
+            "real_tokens": int(sequences["real_tokens"].sum()),
+            "packing_efficiency": round(int(sequences["real_tokens"].sum()) / (sequences.height * sequences["input_ids"].list.len().max()), 4),
+        }
     report["look_next"] = "make dev, then http://127.0.0.1:3000/asset-groups (Dagster UI)"
     print(json.dumps(report, indent=2))
     return 0

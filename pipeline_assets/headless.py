@@ -79,6 +79,26 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
     return {batch: sorted(plan[batch], key=AssetKey.to_user_string) for batch in sorted(plan)}
 
 
+def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> list[AssetKey]:
+    """Selected unpartitioned assets never materialized, or older than an upstream materialization."""
+    graph = defs.resolve_asset_graph()
+
+    def latest(key: AssetKey) -> float | None:
+        event = instance.get_latest_materialization_event(key)
+        return None if event is None else event.timestamp
+
+    stale = []
+    for key in keys:
+        node = graph.get(key)
+        if not node.is_executable or node.partitions_def is not None:
+            continue
+        own = latest(key)
+        upstream = [t for t in (latest(parent) for parent in node.parent_keys) if t is not None]
+        if own is None or any(t > own for t in upstream) or any(k in stale for k in node.parent_keys):
+            stale.append(key)
+    return stale
+
+
 def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:
     graph = defs.resolve_asset_graph()
     chosen = AssetSelection.from_string(selection) if selection else AssetSelection.all()
@@ -86,23 +106,28 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
-        log.info("materializing %s for ingest batch %s", ", ".join(k.to_user_string() for k in batch_keys), batch)
-        result = job.execute_in_process(
-            run_config=_RUN_CONFIG,
-            instance=instance,
-            partition_key=batch,
-            asset_selection=batch_keys,
-            raise_on_error=False,
-        )
-        outcome.runs.append(result.run_id)
-        if not result.success:
-            outcome.failed_runs.append(f"run {result.run_id} for batch {batch} failed")
-        for check in result.get_asset_check_evaluations():
-            said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for batch {batch}: {check.description}"
-            if check.passed:
-                outcome.checks_passed += 1
-            elif check.blocking and check.severity == AssetCheckSeverity.ERROR:
-                outcome.failed_blocking_checks.append(said)
-            else:
-                outcome.warnings.append(said)
+        _execute(job, instance, batch_keys, outcome, partition=batch)
+    selected = set(keys)
+    whole = stale_unpartitioned(defs, instance, [key for key in graph.toposorted_asset_keys if key in selected])
+    if whole:
+        _execute(job, instance, whole, outcome, partition=None)
     return outcome
+
+
+def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None) -> None:
+    where = f"batch {partition}" if partition else "all batches"
+    log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
+    result = job.execute_in_process(
+        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False
+    )
+    outcome.runs.append(result.run_id)
+    if not result.success:
+        outcome.failed_runs.append(f"run {result.run_id} for {where} failed")
+    for check in result.get_asset_check_evaluations():
+        said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for {where}: {check.description}"
+        if check.passed:
+            outcome.checks_passed += 1
+        elif check.blocking and check.severity == AssetCheckSeverity.ERROR:
+            outcome.failed_blocking_checks.append(said)
+        else:
+            outcome.warnings.append(said)

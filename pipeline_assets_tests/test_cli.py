@@ -12,6 +12,7 @@ import polars as pl
 from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 
 
@@ -25,7 +26,7 @@ def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_path):
     landing = tmp_path / "landing"
-    write_landing_file(landing, "annotate", "a.jsonl", [record(i) for i in range(20)])
+    manifest = write_sample_corpus(landing, records=3000, eval_sets_dir=tmp_path / "reference" / "eval_sets")
     first = _cli(tmp_path, "run")
     assert first.returncode == 0, first.stderr
     assert "new ingest batches: 2" in first.stdout  # the key starts with the year
@@ -33,7 +34,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     nothing = _cli(tmp_path, "run")
     assert nothing.returncode == 0 and "new ingest batches: none" in nothing.stdout and "runs: 0" in nothing.stdout
 
-    renamed = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(10)]
+    renamed = [{"prompt": f"Question {i} about topic {i * 7}?", "completion": f"The answer to {i} is {i * 7}, for these reasons."} for i in range(10)]
     write_landing_file(landing, "annotate", "b.jsonl", renamed)
     drift = _cli(tmp_path, "run")
     assert drift.returncode == 1
@@ -42,18 +43,20 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
 
     fixed = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS='{"annotate": {"completion": "response"}}')
     assert fixed.returncode == 0, fixed.stderr
-    assert "runs: 1" in fixed.stdout, "the blocked batch is retried, the good one is not"
+    assert "runs: 2" in fixed.stdout, "the blocked batch is retried (the good one is not), then gold is rebuilt"
 
     instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert len(instance.get_materialized_partitions(BRONZE_RECORDS)) == 2
+    bronze_rows = manifest["expected"]["bronze_rows"] + 10
     records = pl.read_delta(str(tmp_path / "lake" / "bronze" / "records"))
-    assert records.height == 30
+    assert records.height == bronze_rows
 
     summary = json.loads(_cli(tmp_path, "summary").stdout)
-    assert summary["tables"]["bronze/records"]["rows"] == 30
-    assert summary["quarantined_by_reason"] == {}
+    assert summary["tables"]["bronze/records"]["rows"] == bronze_rows
+    assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"]
     silver = summary["tables"]["silver/records"]["rows"]
-    assert silver + sum(summary["rejected_by_stage"].values()) == 30, "run also materializes silver for each batch"
+    assert silver + sum(summary["rejected_by_stage"].values()) == bronze_rows, "run also materializes silver for each batch"
+    assert summary["data_snapshot"]["partition"] == "gold-v1", "a gold snapshot over all batches, rebuilt after the fix"
 
 
 def test_run_with_a_selection_and_a_bad_setting(tmp_path):

@@ -58,6 +58,8 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
     else:
         silver, silver_version, _ = usable_silver(context, lake)
         train = assign_split(silver, gold_policy.validation_fraction).filter(pl.col("split") == TRAIN)
+        if train.is_empty():
+            raise Failure(description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
         context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
         tokenizer = train_bpe(_chat_texts(train), vocab_size=gold_policy.vocab_size)
         origin = "trained on silver/records (training split)"
