@@ -10,13 +10,13 @@ import gzip
 import io
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import polars as pl
 import zstandard
 from dagster import DagsterInstance, materialize
 
+from bench.timing import best_seconds
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.landing.registry import register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
@@ -36,10 +36,8 @@ def run() -> dict:
         files = _clean_jsonl_corpus(root / "sample", root / "landing")
         rows = sum(pl.scan_ndjson(f).select(pl.len()).collect().item() for f in files)
         mb = sum(f.stat().st_size for f in files) / 1e6
-        parse_seconds = min(_time(lambda: [pl.read_ndjson(f) for f in files]) for _ in range(REPEATS))
-        validate_seconds = min(
-            _time(lambda: [read_landing_file(f.name, f.read_bytes()) for f in files]) for _ in range(REPEATS)
-        )
+        parse_seconds = best_seconds(lambda: [pl.read_ndjson(f) for f in files], REPEATS)
+        validate_seconds = best_seconds(lambda: [read_landing_file(f.name, f.read_bytes()) for f in files], REPEATS)
         ingest_seconds, write_seconds = _ingest_seconds(root)
     parse_rate, ingest_rate = rows / parse_seconds, rows / ingest_seconds
     ratio = ingest_rate / parse_rate
@@ -60,12 +58,6 @@ def run() -> dict:
         "target": f">= {TARGET} of read_ndjson",
         "target_met": ratio >= TARGET,
     }
-
-
-def _time(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
 
 
 def _ingest_seconds(root: Path) -> tuple[float, float]:

@@ -4,11 +4,11 @@ best-fit-decreasing packing efficiency beside greedy sequential packing on the s
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import polars as pl
 
+from bench.timing import best_seconds
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences
 from pipeline_assets.lib.landing_files import read_landing_file
@@ -30,14 +30,14 @@ def run() -> dict:
     texts = [(prefix_text(s, p), response_text(r)) for s, p, r in records.select("system", "prompt", "response").iter_rows()]
     tokenizer = train_bpe([a + b for a, b in texts], vocab_size=8192)
     flat = [t for pair in texts for t in pair]
-    baseline = _best(lambda: tokenizer.encode_batch(flat, add_special_tokens=False))
+    baseline = best_seconds(lambda: tokenizer.encode_batch(flat, add_special_tokens=False))
     tokens = sum(len(e.ids) for e in tokenizer.encode_batch(flat, add_special_tokens=False))
 
     def tokenize_and_pack():
         encoded = encode_records(tokenizer, records).join(records.select("record_id", "split"), on="record_id")
         return build_sequences(encoded, SEQ_LEN, seed=1, pad_id=tokenizer.token_to_id(PAD))
 
-    measured = _best(tokenize_and_pack)
+    measured = best_seconds(tokenize_and_pack)
     lengths = encode_records(tokenizer, records)["n_tokens"].to_numpy()
     best_fit = plan_best_fit_decreasing(lengths, SEQ_LEN).efficiency(SEQ_LEN)
     greedy = plan_greedy_sequential(lengths, SEQ_LEN).efficiency(SEQ_LEN)
@@ -53,15 +53,6 @@ def run() -> dict:
         "target": f"tokenize+pack >= {SPEED_TARGET} of encode_batch; >= {EFFICIENCY_TARGET:.1%} real tokens",
         "target_met": ratio >= SPEED_TARGET and best_fit >= EFFICIENCY_TARGET,
     }
-
-
-def _best(work, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _records(root: Path) -> pl.DataFrame:

@@ -9,12 +9,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import polars as pl
 from datasketch import MinHash
 
+from bench.timing import best_seconds
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination, read_eval_sets
 from pipeline_assets.lib.dedup import DEDUP_TEXT, exact_hashes, near_dedup
 from pipeline_assets.lib.landing_files import read_landing_file
@@ -35,14 +35,14 @@ def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         records, eval_items = _sample_records(Path(tmp))
         texts = records.select(DEDUP_TEXT).to_series().to_list()
-        ours = _best(lambda: signatures(texts))
-        loop = _best(lambda: _datasketch_loop(texts[:LOOP_SAMPLE])) * len(texts) / LOOP_SAMPLE
-        bulk = _best(lambda: MinHash.bulk([list(shingles(t)) for t in texts[:LOOP_SAMPLE]], num_perm=128, seed=1)) * len(texts) / LOOP_SAMPLE
+        ours = best_seconds(lambda: signatures(texts))
+        loop = best_seconds(lambda: _datasketch_loop(texts[:LOOP_SAMPLE])) * len(texts) / LOOP_SAMPLE
+        bulk = best_seconds(lambda: MinHash.bulk([list(shingles(t)) for t in texts[:LOOP_SAMPLE]], num_perm=128, seed=1)) * len(texts) / LOOP_SAMPLE
         batch = records.with_columns(exact_hashes(records))
-        near = _best(lambda: near_dedup(batch, None))
+        near = best_seconds(lambda: near_dedup(batch, None))
         index = EvalNgramIndex.build(eval_items)
-        decontam = _best(lambda: find_contamination(records, index))
-        quality = _best(lambda: quality_gate(records))
+        decontam = best_seconds(lambda: find_contamination(records, index))
+        quality = best_seconds(lambda: quality_gate(records))
         peak_gb = _lookup_peak_memory_gb(Path(tmp))
     n = len(texts)
     ratio = loop / ours
@@ -58,15 +58,6 @@ def run() -> dict:
         "target": f"signatures >= {SIGNATURE_TARGET}x the loop; peak < {MEMORY_TARGET_GB} GB at 1M indexed records",
         "target_met": ratio >= SIGNATURE_TARGET and peak_gb < MEMORY_TARGET_GB,
     }
-
-
-def _best(work, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _datasketch_loop(texts: list[str]) -> None:
