@@ -17,7 +17,7 @@ import polars as pl
 import pyarrow as pa
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline_assets.lib.chat_format import SPECIAL_TOKENS, prefix_text, response_text
+from pipeline_assets.lib.chat_format import ASSISTANT, BOS, END, EOS, SPECIAL_TOKENS, SYSTEM, USER
 
 ENCODED_SCHEMA = pl.Schema(
     {
@@ -103,16 +103,20 @@ def _special_token_problem(tokenizer: Tokenizer, token: str) -> str | None:
 def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     """frame: record_id, system (nullable), prompt, response -> ENCODED_SCHEMA, same row order.
 
-    input_ids = encode(prefix_text) + encode(response_text), each encoded on its own so that the
-    boundary is exact; loss_mask is 0 on the prefix ids and 1 on the response ids (+ END EOS).
+    input_ids are the ids of prefix_text(system, prompt) followed by those of response_text(response);
+    loss_mask is 0 on the prefix and 1 on the response (+ END EOS). The chat markers are inserted
+    as ids and the user's text is encoded by a copy of the tokenizer that reads special-token
+    strings as plain text: a prompt that says "<|end|>" cannot end its own turn. For ordinary
+    text the ids equal those of encoding the formatted strings (special tokens split the text).
     """
     _check_required_text(frame)
     if frame.is_empty():
         return pl.DataFrame(schema=ENCODED_SCHEMA)
-    prefixes = [prefix_text(system, prompt) for system, prompt in zip(frame["system"], frame["prompt"], strict=True)]
-    responses = [response_text(response) for response in frame["response"]]
-    chunks = [_read_chunk(encodings) for encodings in _encode_chunks(tokenizer, prefixes, responses)]
-    flat_ids, n_prefix, n_response = (np.concatenate(parts) for parts in zip(*chunks, strict=True))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    systems = frame["system"].fill_null("").to_list()
+    parts = (systems, frame["prompt"].to_list(), frame["response"].to_list())
+    chunks = [_read_chunk(encodings, ids) for encodings in _encode_chunks(_plain_text_encoder(tokenizer), *parts)]
+    flat_ids, n_prefix, n_response = (np.concatenate(values) for values in zip(*chunks, strict=True))
     n_tokens = n_prefix + n_response
     offsets = np.zeros(len(n_tokens) + 1, np.int64)
     np.cumsum(n_tokens, out=offsets[1:])
@@ -128,22 +132,29 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _plain_text_encoder(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of the tokenizer that encodes special-token strings in its input as ordinary text."""
+    plain = Tokenizer.from_str(tokenizer.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
 def _check_required_text(frame: pl.DataFrame) -> None:
     nulls = frame.select(pl.col("prompt", "response").null_count()).row(0, named=True)
     if any(nulls.values()):
         raise ValueError(f"prompt and response must not be null, got null counts {nulls}")
 
 
-def _encode_chunks(tokenizer: Tokenizer, prefixes: Sequence[str], responses: Sequence[str]) -> Iterator[list[Encoding]]:
-    """Per chunk of rows, the encodings of its prefixes followed by those of its responses.
+def _encode_chunks(tokenizer: Tokenizer, *columns: Sequence[str]) -> Iterator[list[Encoding]]:
+    """Per chunk of rows, the encodings of each column's texts, column after column.
 
     encode_batch releases the GIL, so the next chunk is encoded on all cores in a worker thread
     while the caller reads the ids of this one in Python.
     """
     with ThreadPoolExecutor(max_workers=1) as encoder:
         pending = None
-        for start in range(0, len(prefixes), ENCODE_CHUNK_ROWS):
-            texts = [*prefixes[start : start + ENCODE_CHUNK_ROWS], *responses[start : start + ENCODE_CHUNK_ROWS]]
+        for start in range(0, len(columns[0]), ENCODE_CHUNK_ROWS):
+            texts = [text for column in columns for text in column[start : start + ENCODE_CHUNK_ROWS]]
             submitted = encoder.submit(tokenizer.encode_batch, texts, add_special_tokens=False)
             if pending is not None:
                 yield pending.result()
@@ -152,16 +163,48 @@ def _encode_chunks(tokenizer: Tokenizer, prefixes: Sequence[str], responses: Seq
             yield pending.result()
 
 
-def _read_chunk(encodings: list[Encoding]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flat ids, row by row: prefix ids then response ids), prefix lengths, response lengths."""
-    rows = len(encodings) // 2
-    prefix_ids = [encoding.ids for encoding in encodings[:rows]]
-    response_ids = [encoding.ids for encoding in encodings[rows:]]
-    n_prefix = np.fromiter(map(len, prefix_ids), np.int32, rows)
-    n_response = np.fromiter(map(len, response_ids), np.int32, rows)
-    row_major = chain.from_iterable(chain.from_iterable(zip(prefix_ids, response_ids, strict=True)))
-    flat_ids = np.fromiter(row_major, np.int32, int(n_prefix.sum() + n_response.sum()))
-    return flat_ids, n_prefix, n_response
+def _read_chunk(encodings: list[Encoding], ids: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat ids, row by row: prefix ids then response ids), prefix lengths, response lengths.
+
+    Row layout: BOS [SYSTEM system END] USER prompt END ASSISTANT | response END EOS, laid out
+    with numpy scatters rather than a Python list per row.
+    """
+    rows = len(encodings) // 3
+    (system, n_system), (prompt, n_prompt), (response, n_response_text) = (
+        _flat_ids(encodings[k * rows : (k + 1) * rows]) for k in range(3)
+    )
+    has_system = n_system > 0
+    n_prefix = 1 + np.where(has_system, n_system + 2, 0) + n_prompt + 3
+    n_response = n_response_text + 2
+    start = np.zeros(rows, np.int64)
+    np.cumsum((n_prefix + n_response)[:-1], out=start[1:])
+    out = np.empty(int((n_prefix + n_response).sum()), np.int32)
+    user = start + 1 + np.where(has_system, n_system + 2, 0)
+    answer = start + n_prefix
+    out[start] = ids[BOS]
+    out[start[has_system] + 1] = ids[SYSTEM]
+    out[(start + 2 + n_system)[has_system]] = ids[END]
+    out[user] = ids[USER]
+    out[user + 1 + n_prompt] = ids[END]
+    out[user + 2 + n_prompt] = ids[ASSISTANT]
+    out[answer + n_response_text] = ids[END]
+    out[answer + n_response_text + 1] = ids[EOS]
+    out[_segment_positions(start + 2, n_system)] = system
+    out[_segment_positions(user + 1, n_prompt)] = prompt
+    out[_segment_positions(answer, n_response_text)] = response
+    return out, n_prefix.astype(np.int32), n_response.astype(np.int32)
+
+
+def _flat_ids(encodings: list[Encoding]) -> tuple[np.ndarray, np.ndarray]:
+    lists = [encoding.ids for encoding in encodings]
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    return np.fromiter(chain.from_iterable(lists), np.int32, int(lengths.sum())), lengths
+
+
+def _segment_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """start, start+1, ..., start+length-1 for every segment, concatenated."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + within
 
 
 def _flat_loss_mask(n_prefix: np.ndarray, n_response: np.ndarray) -> np.ndarray:
