@@ -6,15 +6,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import polars as pl
 
+from bench.sample import sample_records
 from bench.timing import best_seconds
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences
-from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.normalize import normalize_records
 from pipeline_assets.lib.packing import plan_best_fit_decreasing, plan_greedy_sequential
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.splits import assign_split
 from pipeline_assets.lib.tokenizer import encode_records, train_bpe
 
@@ -26,7 +23,7 @@ EFFICIENCY_TARGET = 0.995
 
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        records = _records(Path(tmp))
+        records = assign_split(sample_records(Path(tmp), SAMPLE_RECORDS), 0.02)
     texts = [(prefix_text(s, p), response_text(r)) for s, p, r in records.select("system", "prompt", "response").iter_rows()]
     tokenizer = train_bpe([a + b for a, b in texts], vocab_size=8192)
     flat = [t for pair in texts for t in pair]
@@ -53,10 +50,3 @@ def run() -> dict:
         "target": f"tokenize+pack >= {SPEED_TARGET} of encode_batch; >= {EFFICIENCY_TARGET:.1%} real tokens",
         "target_met": ratio >= SPEED_TARGET and best_fit >= EFFICIENCY_TARGET,
     }
-
-
-def _records(root: Path) -> pl.DataFrame:
-    manifest = write_sample_corpus(root, records=SAMPLE_RECORDS, eval_sets_dir=root / "_eval")
-    frames = [read_landing_file(f["path"], (root / f["path"]).read_bytes()).records for f in manifest["files"]]
-    records = pl.concat(frames).with_columns(record_id=pl.int_range(pl.len()).cast(pl.String).str.zfill(32))
-    return assign_split(normalize_records(records)[0], 0.02)

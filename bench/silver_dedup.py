@@ -11,17 +11,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import polars as pl
 from datasketch import MinHash
 
+from bench.sample import sample_records
 from bench.timing import best_seconds
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination, read_eval_sets
 from pipeline_assets.lib.dedup import DEDUP_TEXT, exact_hashes, near_dedup
-from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.minhash import shingles, signatures
-from pipeline_assets.lib.normalize import normalize_records
 from pipeline_assets.lib.quality import quality_gate
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
 
 SAMPLE_RECORDS = 20_000
 LOOP_SAMPLE = 5_000  # datasketch's loop is timed on a slice and scaled
@@ -33,7 +30,8 @@ MEMORY_TARGET_GB = 2.0
 
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        records, eval_items = _sample_records(Path(tmp))
+        records = sample_records(Path(tmp), SAMPLE_RECORDS)
+        eval_items = read_eval_sets(Path(tmp) / "eval")
         texts = records.select(DEDUP_TEXT).to_series().to_list()
         ours = best_seconds(lambda: signatures(texts))
         loop = best_seconds(lambda: _datasketch_loop(texts[:LOOP_SAMPLE])) * len(texts) / LOOP_SAMPLE
@@ -64,18 +62,6 @@ def _datasketch_loop(texts: list[str]) -> None:
     for text in texts:
         minhash = MinHash(num_perm=128, seed=1)
         minhash.update_batch(list(shingles(text)))
-
-
-def _sample_records(root: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    manifest = write_sample_corpus(root / "landing", records=SAMPLE_RECORDS, eval_sets_dir=root / "eval")
-    frames = [
-        read_landing_file(f["path"], (root / "landing" / f["path"]).read_bytes()).records.with_columns(source=pl.lit(f["source"]))
-        for f in manifest["files"]
-    ]
-    records = pl.concat(frames).with_columns(
-        record_id=pl.int_range(pl.len()).cast(pl.String).str.zfill(32), batch_id=pl.lit("b1")
-    )
-    return normalize_records(records)[0], read_eval_sets(root / "eval")
 
 
 def _lookup_peak_memory_gb(root: Path) -> float:

@@ -39,7 +39,7 @@ def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
 def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, metadata_name: str) -> AssetCheckResult:
     """A warning per source whose value strays more than ``tolerance`` from its trailing median.
 
-    ``judged`` comes from lib.landing_health.against_trailing_median (source, current, baseline,
+    ``judged`` comes from lib.drift.against_trailing_median (source, current, baseline,
     deviation); a source without history is named, not judged.
     """
     off = judged.filter(pl.col("deviation").abs() > tolerance)

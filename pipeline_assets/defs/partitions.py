@@ -12,8 +12,3 @@ data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 def snapshot_key(gold_version: int) -> str:
     return f"gold-v{gold_version}"
 
-
-def snapshot_version(partition_key: str) -> int:
-    if not partition_key.startswith("gold-v") or not partition_key[6:].isdigit():
-        raise ValueError(f"data snapshot keys look like gold-v<N>, got {partition_key!r}")
-    return int(partition_key[6:])

@@ -1,4 +1,4 @@
-"""Population stability index (PSI) between a reference sample and a current one.
+"""How this batch compares with earlier ones: population stability index (PSI), trailing medians.
 
 PSI = sum over bins of (current% - reference%) * ln(current% / reference%). Common reading:
 below 0.1 stable, 0.1-0.25 a shift worth a look, above 0.25 a real change.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import polars as pl
 
 _EPSILON = 1e-4  # stands in for an empty bin, so the logarithm stays finite
 
@@ -38,3 +39,23 @@ def psi_categorical(reference: Sequence[str], current: Sequence[str]) -> float:
 def _psi(expected: np.ndarray, actual: np.ndarray) -> float:
     expected, actual = np.clip(expected, _EPSILON, None), np.clip(actual, _EPSILON, None)
     return float(np.sum((actual - expected) * np.log(actual / expected)))
+
+
+def against_trailing_median(history: pl.DataFrame, batch_id: str, value: str, trailing: int) -> pl.DataFrame:
+    """Per source: this batch's ``value`` beside the median of the ``trailing`` batches before it.
+
+    Batch keys sort by arrival, so "before" is a string comparison. ``deviation`` is relative
+    (0.25 = 25% above the median); null where a source has no history yet.
+    """
+    current = history.filter(pl.col("batch_id") == batch_id).select("source", pl.col(value).alias("current"))
+    baseline = (
+        history.filter(pl.col("batch_id") < batch_id)
+        .sort("batch_id")
+        .group_by("source")
+        .agg(baseline=pl.col(value).tail(trailing).median(), baseline_batches=pl.col(value).tail(trailing).len())
+    )
+    return (
+        current.join(baseline, on="source", how="left")
+        .with_columns(deviation=(pl.col("current") - pl.col("baseline")) / pl.col("baseline"))
+        .sort("source")
+    )

@@ -1,4 +1,4 @@
-"""Statistics the bronze checks judge: quarantine rates, schema-drift hints, volume against history."""
+"""Statistics the bronze checks judge: quarantine rates, schema-drift hints, rows per input MB."""
 
 from __future__ import annotations
 
@@ -87,24 +87,4 @@ def rows_per_mb(rows: pl.DataFrame, sizes: pl.DataFrame) -> pl.DataFrame:
         input_mb.join(counted, on=["batch_id", "source"], how="left")
         .with_columns(pl.col("rows").fill_null(0))
         .with_columns(rows_per_mb=pl.col("rows") / pl.col("input_mb"))
-    )
-
-
-def against_trailing_median(history: pl.DataFrame, batch_id: str, value: str, trailing: int) -> pl.DataFrame:
-    """Per source: this batch's ``value`` beside the median of the ``trailing`` batches before it.
-
-    Batch keys sort by arrival, so "before" is a string comparison. ``deviation`` is relative
-    (0.25 = 25% above the median); null where a source has no history yet.
-    """
-    current = history.filter(pl.col("batch_id") == batch_id).select("source", pl.col(value).alias("current"))
-    baseline = (
-        history.filter(pl.col("batch_id") < batch_id)
-        .sort("batch_id")
-        .group_by("source")
-        .agg(baseline=pl.col(value).tail(trailing).median(), baseline_batches=pl.col(value).tail(trailing).len())
-    )
-    return (
-        current.join(baseline, on="source", how="left")
-        .with_columns(deviation=(pl.col("current") - pl.col("baseline")) / pl.col("baseline"))
-        .sort("source")
     )

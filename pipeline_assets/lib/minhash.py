@@ -9,7 +9,6 @@ signatures load into ``datasketch.MinHash(hashvalues=..., scheme="affine32")`` a
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,18 +40,14 @@ class MinHashConfig:
 def shingles(text: str, config: MinHashConfig = MinHashConfig()) -> set[bytes]:
     """Word n-grams (UTF-8, words joined by one space); a text shorter than n is one shingle.
 
-    The reference definition: ``shingle_hashes`` computes the same shingles in polars.
+    The reference definition: ``shingle_hashes`` computes the same shingles in polars and hashes
+    them as datasketch's sha1_hash32 does.
     """
     words = (text.lower() if config.lowercase else text).split()
     n = config.shingle_words
     if len(words) <= n:
         return {" ".join(words).encode()}
     return {" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)}
-
-
-def shingle_hash(shingle: bytes) -> int:
-    """datasketch's sha1_hash32."""
-    return int.from_bytes(hashlib.sha1(shingle).digest()[:4], "little")
 
 
 @lru_cache(maxsize=8)

@@ -14,8 +14,8 @@ from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.lib.landing_health import (
-    against_trailing_median,
     quarantine_rates,
     rows_per_mb,
     schema_drift_hints,

@@ -12,29 +12,37 @@ from pipeline_assets.lib.drift import psi_numeric
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 
-def _snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
-    return read_snapshot(lake, version)
+def _columns(lake: LakeResource, version: int | None, *columns: str | pl.Expr) -> pl.DataFrame:
+    """Only what a check needs from a snapshot: its token-id lists are most of its bytes."""
+    scan = lake.scan("gold", "sequences", version)
+    if scan is None:
+        raise ValueError("gold/sequences does not exist yet: materialize it first")
+    return scan.select(*columns).collect()
 
 
-def _previous_version(lake: LakeResource) -> int | None:
+def _real_and_total(lake: LakeResource, version: int | None = None) -> tuple[int, int]:
+    totals = _columns(lake, version, pl.col("real_tokens").sum(), pl.len(), pl.col("input_ids").list.len().max())
+    real, rows, seq_len = totals.row(0)
+    return int(real or 0), int(rows) * int(seq_len or 0)
+
+
+def _against_previous(lake: LakeResource, judge) -> AssetCheckResult:
+    """``judge(previous_version)``, or a pass when this is the first snapshot."""
     current = lake.version("gold", "sequences")
-    return current - 1 if current else None
-
-
-def _real_and_total(frame: pl.DataFrame) -> tuple[int, int]:
-    seq_len = frame["input_ids"].list.len().max() or 0
-    return int(frame["real_tokens"].sum()), frame.height * int(seq_len)
+    if not current:
+        return AssetCheckResult(passed=True, description="first snapshot: nothing to compare with")
+    return judge(current - 1)
 
 
 @asset_check(asset=GOLD_SEQUENCES, name="contract", blocking=True, description="The snapshot satisfies the GoldSequence contract.")
 def gold_contract(lake: LakeResource) -> AssetCheckResult:
-    return contract_check_result(_snapshot(lake), GoldSequence)
+    return contract_check_result(read_snapshot(lake), GoldSequence)
 
 
 @asset_check(asset=GOLD_SEQUENCES, name="packing_efficiency", blocking=True,
              description="Real tokens are at least the required share of all tokens (padding is GPU time thrown away).")
 def gold_packing_efficiency(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    real, total = _real_and_total(_snapshot(lake))
+    real, total = _real_and_total(lake)
     efficiency = real / total if total else 0.0
     limit = gold_policy.min_packing_efficiency
     return AssetCheckResult(
@@ -47,37 +55,39 @@ def gold_packing_efficiency(lake: LakeResource, gold_policy: GoldPolicy) -> Asse
 @asset_check(asset=GOLD_SEQUENCES, name="token_length_drift",
              description="PSI of document token lengths against the previous snapshot.")
 def gold_token_length_drift(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    previous = _previous_version(lake)
-    if previous is None:
-        return AssetCheckResult(passed=True, description="first snapshot: nothing to compare with")
-    lengths = [_snapshot(lake, v)["document_lengths"].explode().to_numpy() for v in (previous, previous + 1)]
-    psi = psi_numeric(lengths[0], lengths[1])
-    severity = AssetCheckSeverity.ERROR if psi >= gold_policy.psi_fail else AssetCheckSeverity.WARN
-    return AssetCheckResult(
-        passed=psi < gold_policy.psi_warn,
-        severity=severity,
-        description=f"document token lengths PSI {psi:.3f} against {snapshot_key(previous)} "
-        f"(warn at {gold_policy.psi_warn}, fail at {gold_policy.psi_fail})",
-        metadata={"psi": round(psi, 4), "compared_with": snapshot_key(previous)},
-    )
+    def judge(previous: int) -> AssetCheckResult:
+        before, now = (
+            _columns(lake, version, pl.col("document_lengths").explode())["document_lengths"].to_numpy()
+            for version in (previous, previous + 1)
+        )
+        psi = psi_numeric(before, now)
+        return AssetCheckResult(
+            passed=psi < gold_policy.psi_warn,
+            severity=AssetCheckSeverity.ERROR if psi >= gold_policy.psi_fail else AssetCheckSeverity.WARN,
+            description=f"document token lengths PSI {psi:.3f} against {snapshot_key(previous)} "
+            f"(warn at {gold_policy.psi_warn}, fail at {gold_policy.psi_fail})",
+            metadata={"psi": round(psi, 4), "compared_with": snapshot_key(previous)},
+        )
+
+    return _against_previous(lake, judge)
 
 
 @asset_check(asset=GOLD_SEQUENCES, name="token_volume",
              description="Real tokens are within tolerance of the previous snapshot's.")
 def gold_token_volume(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    previous = _previous_version(lake)
-    if previous is None:
-        return AssetCheckResult(passed=True, description="first snapshot: nothing to compare with")
-    now, _ = _real_and_total(_snapshot(lake))
-    before, _ = _real_and_total(_snapshot(lake, previous))
-    change = (now - before) / before if before else float("inf")
-    tolerance = gold_policy.volume_tolerance
-    return AssetCheckResult(
-        passed=abs(change) <= tolerance,
-        severity=AssetCheckSeverity.WARN,
-        description=f"{now:,} real tokens against {before:,} in {snapshot_key(previous)} ({change:+.0%}, tolerance ±{tolerance:.0%})",
-        metadata={"real_tokens": now, "previous_real_tokens": before, "change": round(change, 4)},
-    )
+    def judge(previous: int) -> AssetCheckResult:
+        (before, _), (now, _) = (_real_and_total(lake, version) for version in (previous, previous + 1))
+        change = (now - before) / before if before else float("inf")
+        tolerance = gold_policy.volume_tolerance
+        return AssetCheckResult(
+            passed=abs(change) <= tolerance,
+            severity=AssetCheckSeverity.WARN,
+            description=f"{now:,} real tokens against {before:,} in {snapshot_key(previous)} "
+            f"({change:+.0%}, tolerance ±{tolerance:.0%})",
+            metadata={"real_tokens": now, "previous_real_tokens": before, "change": round(change, 4)},
+        )
+
+    return _against_previous(lake, judge)
 
 
 gold_checks = [gold_contract, gold_packing_efficiency, gold_token_length_drift, gold_token_volume]

@@ -11,8 +11,7 @@ from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, 
 from pipeline_assets.defs.keys import SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.lib.drift import psi_categorical, psi_numeric
-from pipeline_assets.lib.landing_health import against_trailing_median
+from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
 from pipeline_assets.lib.quality import QUANTITIES
 from pipeline_assets.lib.silver_health import pass_rate_drops, pass_rates
 from pipeline_assets.resources import LakeResource, SilverPolicy
