@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gzip
 import io
+import socket
+import urllib.request
 from pathlib import Path
 
+import boto3
 import orjson
 import polars as pl
 import pytest
 import zstandard
 from dagster import instance_for_test
+from moto.server import ThreadedMotoServer
 
 from pipeline_assets.resources import EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy
 
@@ -88,3 +92,32 @@ def resources(lake, landing, eval_sets_dir) -> dict:
 def instance():
     with instance_for_test() as dagster_instance:
         yield dagster_instance
+
+
+BUCKET = "pipeline"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch):
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for name, value in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))  # state is per process
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.stop()

@@ -2,48 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import urllib.request
-
 import boto3
-import pytest
-from moto.server import ThreadedMotoServer
 
 from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
-from pipeline_assets_tests.conftest import jsonl_bytes, record
+from pipeline_assets_tests.conftest import BUCKET, jsonl_bytes, record
 from dagster import SkipReason
 
 from pipeline_assets_tests.defs.bronze_helpers import batch_rows, checks_by_name, materialize_bronze, register
 from pipeline_assets_tests.defs.test_landing_sensor import _tick
-
-BUCKET = "pipeline"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture
-def s3_endpoint(monkeypatch):
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for name, value in {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))  # state is per process
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
-
 
 def test_landing_and_lake_on_s3(s3_endpoint, instance):
     client = boto3.client("s3")

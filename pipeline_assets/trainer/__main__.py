@@ -1,0 +1,5 @@
+import sys
+
+from pipeline_assets.trainer.train import main
+
+sys.exit(main())

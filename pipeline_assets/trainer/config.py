@@ -1,0 +1,104 @@
+"""Model presets and the training configuration, with the command line that fills it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int = 8192
+    max_seq_len: int = 512
+    ffn_multiple: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def ffn_dim(self) -> int:
+        """SwiGLU's hidden width: 8/3 of dim (as many parameters as a 4x GELU MLP), rounded up."""
+        hidden = int(8 * self.dim / 3)
+        return -(-hidden // self.ffn_multiple) * self.ffn_multiple
+
+
+# From a few seconds per step on one CPU core to a few hundred million parameters on a GPU.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4),
+    "small": ModelConfig(dim=256, n_layers=4, n_heads=8),
+    "base": ModelConfig(dim=1024, n_layers=8, n_heads=16, ffn_multiple=256),  # ~110M parameters
+    "large": ModelConfig(dim=1024, n_layers=24, n_heads=16, ffn_multiple=256),  # ~310M parameters
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lake_uri: str
+    gold_version: int
+    checkpoint_uri: str
+    partition: str
+    preset: str = "tiny"
+    vocab_size: int = 8192
+    steps: int = 200
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 50
+    eval_max_sequences: int = 256
+    checkpoint_every_steps: int = 50
+    checkpoint_every_minutes: float = 10.0
+    keep_checkpoints: int = 2
+    async_checkpoint: bool = True
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: str = "auto"
+    scratch_dir: str = ""
+    mlflow_run_id: str = ""
+    mlflow_experiment: str = "pipeline_assets"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.keep_checkpoints < 2:
+            raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
+        for name in ("steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    def global_batch(self, world_size: int) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * world_size
+
+    def to_args(self) -> list[str]:
+        """The command line that rebuilds this config: what the asset passes and a user can rerun."""
+        args = []
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            flag = "--" + item.name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + item.name.replace("_", "-"))
+            elif value != "" or item.default is dataclasses.MISSING:
+                args += [flag, str(value)]
+        return args
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(prog="torchrun ... -m pipeline_assets.trainer", description=__doc__)
+    for item in dataclasses.fields(TrainConfig):
+        flag = "--" + item.name.replace("_", "-")
+        required = item.default is dataclasses.MISSING
+        if item.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=item.default)
+        else:
+            kind = {"int": int, "float": float}.get(str(item.type), str)
+            parser.add_argument(flag, type=kind, required=required, default=None if required else item.default)
+    return TrainConfig(**vars(parser.parse_args(argv)))

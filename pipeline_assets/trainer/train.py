@@ -1,0 +1,353 @@
+"""The training program: ``torchrun --nproc-per-node N -m pipeline_assets.trainer --lake-uri ... ``.
+
+Exit codes: 0 trained to the last step; 143 stopped by SIGTERM after saving a checkpoint (run the
+same command again to resume); 1 failed, with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from pipeline_assets.trainer.checkpoint import Checkpointer
+from pipeline_assets.trainer.config import PRESETS, TrainConfig, parse_args
+from pipeline_assets.trainer.data import PackedSequences, rank_micro_batches, read_snapshot, sequences_table_uri, validation_shard
+from pipeline_assets.trainer.export import save_exported
+from pipeline_assets.trainer.metrics import Throughput, peak_flops
+from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token, loss_sum_and_count
+from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
+from pipeline_assets.trainer.report import Reporter, loss_curve_png
+from pipeline_assets.trainer.storage import CheckpointStore, describe_files
+
+log = logging.getLogger("pipeline_assets.trainer")
+LOSS_CURVE = "loss_curve.png"
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
+
+
+@dataclass
+class Progress:
+    """What, beyond model and optimizer, a checkpoint must hold to continue exactly."""
+
+    step: int = 0
+    position: int = 0  # training sequences consumed: the loader's place in its stream
+    best_validation_loss: float = math.inf
+    history: list = field(default_factory=list)
+
+
+class StopSignal:
+    """Set by SIGTERM; acted on at the next step boundary, once every rank has agreed."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    env = init_distributed(config.device)
+    _configure_logging(env.rank)
+    reporter = Reporter(config.mlflow_run_id, config.mlflow_experiment) if env.rank == 0 else None
+    try:
+        code, metadata = Trainer(config, env, reporter).run()
+    except Exception as exc:
+        log.error(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}", exc_info=True)
+        if reporter:
+            reporter.finish({}, succeeded=False)
+        return 1
+    if reporter:
+        reporter.finish(metadata, succeeded=code == 0)
+    dist.destroy_process_group()
+    return code
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, env: Distributed, reporter: Reporter | None):
+        self.config, self.env, self.reporter = config, env, reporter
+        self.snapshot = read_snapshot(config.lake_uri, config.gold_version)
+        self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
+                                                max_seq_len=self.snapshot.seq_len)
+        self._check_vocabulary()
+        torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
+        model = Transformer(self.model_config).to(env.device)
+        self.n_parameters = count_parameters(model)
+        self.model = shard_model(model, mixed_precision_policy(config.mixed_precision, env.device))
+        self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(config))
+        scratch = config.scratch_dir or tempfile.gettempdir() + "/pipeline-assets-checkpoints"
+        self.store = CheckpointStore(config.checkpoint_uri, config.partition, scratch)
+        self.checkpointer = Checkpointer(self.store, env.checkpoint_group, keep=config.keep_checkpoints,
+                                         asynchronous=config.async_checkpoint)
+        self.progress = Progress()
+        self.global_batch = config.global_batch(env.world_size)
+        self.stop = StopSignal()
+
+    # --- the run --------------------------------------------------------------------------------
+    def run(self) -> tuple[int, dict]:
+        self._resume()
+        self._announce()
+        throughput = Throughput(tokens_per_step=self.global_batch * self.snapshot.seq_len,
+                                flops_per_token=flops_per_token(self.model_config, self.snapshot.seq_len),
+                                peak_flops=peak_flops(self.env.device) * self.env.world_size)
+        last_save = time.monotonic()
+        while self.progress.step < self.config.steps:
+            stop, time_due = self._vote(self.stop.received,
+                                        time.monotonic() - last_save > self.config.checkpoint_every_minutes * 60)
+            if stop:
+                return self._stop_for_signal(), {}
+            loss, grad_norm = self._train_step()
+            throughput.add_step()
+            step = self.progress.step
+            if step % self.config.log_every == 0 or step == self.config.steps:
+                self._log_step(loss, grad_norm, throughput.take())
+            validation_loss = None
+            if step % self.config.eval_every == 0 or step == self.config.steps:
+                validation_loss = self._validate()
+                throughput.restart()
+            if step % self.config.checkpoint_every_steps == 0 or time_due or step == self.config.steps:
+                self._save(validation_loss, final=step == self.config.steps)
+                last_save = time.monotonic()
+                throughput.restart()
+        self.checkpointer.finish()
+        return 0, self._finish()
+
+    def _train_step(self) -> tuple[float, float]:
+        config, env = self.config, self.env
+        micro_batches = [self.snapshot.train.batch(indexes, env.device) for indexes in rank_micro_batches(
+            len(self.snapshot.train), config.seed, self.progress.position, env.rank, env.world_size,
+            config.micro_batch_size, config.grad_accum_steps)]
+        loss = self.backward(micro_batches)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self.progress.position += self.global_batch
+        return loss, grad_norm.item()
+
+    def backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """Gradients of the global batch's mean loss per loss token; returns that loss.
+
+        Each rank normalises by the loss tokens of the whole global batch, so every token weighs the
+        same whichever rank or micro-batch holds it; FSDP's gradient average divides by world size."""
+        counts = torch.stack([_loss_token_count(batch) for batch in micro_batches]).sum()
+        dist.all_reduce(counts)
+        scale = self.env.world_size / counts.clamp(min=1)
+        loss_total = torch.zeros((), device=self.env.device)
+        for number, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(number == len(micro_batches) - 1)
+            logits = self.model(batch["input_ids"], batch["position_ids"])
+            loss_sum, _ = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
+            (loss_sum * scale).backward()
+            loss_total += loss_sum.detach()
+        dist.all_reduce(loss_total)
+        return (loss_total / counts.clamp(min=1)).item()
+
+    @torch.no_grad()
+    def _validate(self) -> float | None:
+        """Mean loss per loss token over the validation split (the same sequences every time)."""
+        validation: PackedSequences = self.snapshot.validation
+        usable = min(len(validation), self.config.eval_max_sequences) // self.env.world_size * self.env.world_size
+        if usable == 0:
+            return None
+        mine = validation_shard(len(validation), usable, self.env.rank, self.env.world_size)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        self.model.eval()
+        for start in range(0, len(mine), self.config.micro_batch_size):
+            batch = validation.batch(mine[start:start + self.config.micro_batch_size], self.env.device)
+            logits = self.model(batch["input_ids"], batch["position_ids"])
+            loss_sum, count = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
+            totals += torch.stack([loss_sum.double(), count.double()])
+        self.model.train()
+        dist.all_reduce(totals)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        self._report_metrics({"validation_loss": loss})
+        self._info(f"step {self.progress.step}: validation loss {loss:.4f} over {usable} sequences")
+        return loss
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def _state(self) -> dict:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            # JSON strings: DCP stores them whole, where it would flatten nested lists and dicts
+            "scheduler": json.dumps(self.scheduler.state_dict()),
+            "progress": json.dumps(dataclasses.asdict(self.progress)),
+            f"rng/rank{self.env.rank}": torch.get_rng_state(),
+        }
+
+    def _save(self, validation_loss: float | None, final: bool = False) -> None:
+        if validation_loss is not None and validation_loss < self.progress.best_validation_loss:
+            self.progress.best_validation_loss = validation_loss
+        extra = {"validation_loss": validation_loss} if validation_loss is not None else {}
+        self.checkpointer.asynchronous = self.config.async_checkpoint and not final
+        blocked = self.checkpointer.save(self.progress.step, self._state(), extra)
+        self._report_metrics({"checkpoint_blocking_seconds": blocked})
+
+    def _resume(self) -> None:
+        state = self._state()
+        step = self.checkpointer.load_newest(state)
+        if step is None:
+            self._info(f"no checkpoint under {self.store.uri}: starting from step 0")
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(json.loads(state["scheduler"]))
+        self.progress = Progress(**json.loads(state["progress"]))
+        torch.set_rng_state(state[f"rng/rank{self.env.rank}"])
+        self._info(f"resumed from {self.store.folder_uri(f'step-{step}')}: step {step}, "
+                   f"{self.progress.position} sequences consumed")
+
+    def _stop_for_signal(self) -> int:
+        """Every rank saw the vote: save this step synchronously, then exit for a later resume."""
+        if self.progress.step not in self.store.complete_steps():
+            self.checkpointer.finish()
+            self.checkpointer.asynchronous = False
+            self.checkpointer.save(self.progress.step, self._state(), {})
+        self._warning(f"stopped by SIGTERM at step {self.progress.step}; checkpoint step-{self.progress.step} "
+                      "is saved: run the same command again to resume")
+        return EXIT_PREEMPTED
+
+    def _vote(self, *flags: bool) -> list[bool]:
+        """Whether any rank raised each flag: every rank gets the same answer at the same step."""
+        votes = torch.tensor([float(flag) for flag in flags], device=self.env.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return [bool(vote) for vote in votes.tolist()]
+
+    # --- the end --------------------------------------------------------------------------------
+    def _finish(self) -> dict:
+        """Export the consolidated model and say what was produced."""
+        full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        export_uri = self.store.folder_uri("final")
+        metadata = {}
+        if self.env.rank == 0:
+            folder = self.store.prepare("final")
+            about = {"gold_version": self.config.gold_version, "partition": self.config.partition,
+                     "steps": self.progress.step, "validation_loss": _finite(self.progress.best_validation_loss)}
+            files = save_exported(full_state, self.model_config, folder, about)
+            metadata = self._summary(export_uri, folder)
+            files += [LOSS_CURVE] if (folder / LOSS_CURVE).exists() else []
+            self.store.upload("final", files)
+            self.store.publish("final", {"files": describe_files(folder, files), **about})
+        dist.barrier(group=self.env.checkpoint_group)
+        return metadata
+
+    def _summary(self, export_uri: str, export_folder: Path) -> dict:
+        history = self.progress.history
+        losses = [row["loss"] for row in history if "loss" in row]
+        speeds = [row["tokens_per_second"] for row in history if "tokens_per_second" in row]
+        best = self.checkpointer.best()
+        summary = {
+            "final_loss": losses[-1] if losses else None,
+            "first_loss": losses[0] if losses else None,
+            "best_validation_loss": _finite(self.progress.best_validation_loss),
+            "steps": self.progress.step,
+            "tokens_per_second": speeds[-1] if speeds else None,
+            "parameters": self.n_parameters,
+            "world_size": self.env.world_size,
+            "export_uri": export_uri,
+            "best_checkpoint_uri": best["uri"] if best else None,
+            "checkpoint_uris": self.checkpointer.published,
+            "mlflow_run_id": self.reporter.mlflow_run_id if self.reporter else None,
+        }
+        if self.reporter:
+            self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"]})
+            picture = loss_curve_png(history, export_folder / LOSS_CURVE,
+                                     f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)")
+            if picture:
+                self.reporter.artifact(picture)
+        return summary
+
+    # --- reporting ------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        config = self.config
+        self._info(f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size {self.env.world_size} "
+                   f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
+                   f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
+                   f"(gold v{config.gold_version}), steps {self.progress.step} -> {config.steps}")
+        if self.reporter and self.progress.step == 0:
+            self.reporter.params({**dataclasses.asdict(config), "world_size": self.env.world_size,
+                                  "parameters": self.n_parameters, "global_batch": self.global_batch,
+                                  "seq_len": self.snapshot.seq_len, "model": dataclasses.asdict(self.model_config)})
+            self.reporter.tags({"partition": config.partition, "gold_version": config.gold_version,
+                                "torch_version": torch.__version__, "device": _device_name(self.env.device),
+                                "backend": self.env.backend})
+            self.reporter.dataset(sequences_table_uri(config.lake_uri), config.gold_version, f"gold/sequences@v{config.gold_version}")
+
+    def _log_step(self, loss: float, grad_norm: float, speed: dict) -> None:
+        values = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
+        self._report_metrics(values)
+        mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
+        self._info(f"step {self.progress.step}/{self.config.steps}: loss {loss:.4f}, lr {values['learning_rate']:.2e}, "
+                   f"grad norm {grad_norm:.3f}, {speed['tokens_per_second']:,.0f} tokens/s{mfu}")
+
+    def _report_metrics(self, values: dict) -> None:
+        row = {"step": self.progress.step, **values}
+        self.progress.history.append(row)
+        if self.reporter:
+            self.reporter.metrics(self.progress.step, values)
+
+    def _info(self, message: str) -> None:
+        (self.reporter.info if self.reporter else log.info)(message)
+
+    def _warning(self, message: str) -> None:
+        (self.reporter.warning if self.reporter else log.warning)(message)
+
+    def _check_vocabulary(self) -> None:
+        largest = int(max(self.snapshot.train.input_ids.max(initial=0), self.snapshot.validation.input_ids.max(initial=0)))
+        if largest >= self.config.vocab_size:
+            raise ValueError(f"gold v{self.config.gold_version} holds token id {largest}, beyond --vocab-size "
+                             f"{self.config.vocab_size}: pass the tokenizer's vocabulary size")
+
+
+def _loss_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["loss_mask"][:, 1:] & (batch["position_ids"][:, 1:] != 0)).sum()
+
+
+def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.optim.AdamW:
+    """Weight decay on matrices only; norms' gains are left alone."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": config.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused or None)
+
+
+def _warmup_cosine(config: TrainConfig):
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(stream=sys.stderr, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+                        level=logging.INFO if rank == 0 else logging.WARNING, force=True)
+
