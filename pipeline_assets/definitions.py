@@ -11,10 +11,11 @@ from pipeline_assets.defs.landing.sensors import landing_sensor
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.resources import build_resources
 
 defs = Definitions(
-    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences],
+    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, training_checkpoint],
     asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
     sensors=[landing_sensor, automation_sensor],
     resources=build_resources(),

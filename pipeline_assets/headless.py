@@ -16,7 +16,7 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstanc
 
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
-from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 
 log = logging.getLogger("pipeline_assets")
 
@@ -99,6 +99,21 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     return stale
 
 
+def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
+    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it."""
+    graph = defs.resolve_asset_graph()
+    plan: dict[str, list[AssetKey]] = {}
+    for key in keys:
+        node = graph.get(key)
+        if not node.is_executable or node.partitions_def != data_snapshots:
+            continue
+        done = instance.get_materialized_partitions(key)
+        for snapshot in instance.get_dynamic_partitions(data_snapshots.name):
+            if snapshot not in done:
+                plan.setdefault(snapshot, []).append(key)
+    return plan
+
+
 def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:
     graph = defs.resolve_asset_graph()
     chosen = AssetSelection.from_string(selection) if selection else AssetSelection.all()
@@ -111,11 +126,14 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     whole = stale_unpartitioned(defs, instance, [key for key in graph.toposorted_asset_keys if key in selected])
     if whole:
         _execute(job, instance, whole, outcome, partition=None)
+    ordered = [key for key in graph.toposorted_asset_keys if key in selected]
+    for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered).items():
+        _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     return outcome
 
 
 def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None) -> None:
-    where = f"batch {partition}" if partition else "all batches"
+    where = (f"snapshot {partition}" if partition.startswith("gold-v") else f"batch {partition}") if partition else "all batches"
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     result = job.execute_in_process(
         run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, PipesSubprocessClient
 from dagster_aws.s3 import S3Resource
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
@@ -27,6 +27,8 @@ from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.silver import SilverConfig
+from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+from pipeline_assets.trainer.config import PRESETS
 
 
 def _env(name: str, default: str) -> str:
@@ -94,6 +96,14 @@ class Settings:
     vocab_size: int = 8192
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
+    train_nproc: int = 2
+    train_threads_per_rank: int = 1
+    train_device: str = "auto"
+    train_preset: str = "tiny"
+    train_steps: int = 200
+    mlflow_artifact_root: str = ""
+    mlflow_experiment: str = "pipeline_assets"
+    mlflow_ui_url: str = "http://127.0.0.1:5000"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -116,6 +126,14 @@ class Settings:
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
+            train_nproc=int(_float_env("PIPELINE_TRAIN_NPROC", 2)),
+            train_threads_per_rank=int(_float_env("PIPELINE_TRAIN_THREADS_PER_RANK", 1)),
+            train_device=_env("PIPELINE_TRAIN_DEVICE", "auto"),
+            train_preset=_env("PIPELINE_TRAIN_PRESET", "tiny"),
+            train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
+            mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
+            mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
+            mlflow_ui_url=_env("PIPELINE_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
         )
 
 
@@ -325,6 +343,19 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             validation_fraction=settings.validation_fraction,
             shuffle_seed=settings.shuffle_seed,
         ),
+        "launcher": TorchrunLauncher(
+            checkpoint_uri=settings.checkpoint_uri,
+            nproc_per_node=settings.train_nproc,
+            threads_per_rank=settings.train_threads_per_rank,
+            device=settings.train_device,
+            scratch_dir=str(Path(settings.home) / "scratch"),
+        ),
+        "training_policy": TrainingPolicy(preset=settings.train_preset, steps=settings.train_steps),
+        "mlflow_tracking": MlflowResource(
+            tracking_uri=settings.mlflow_tracking_uri, artifact_root=settings.mlflow_artifact_root,
+            experiment=settings.mlflow_experiment, ui_url=settings.mlflow_ui_url,
+        ),
+        "pipes_subprocess_client": PipesSubprocessClient(),
     }
 
 
@@ -403,3 +434,80 @@ class SilverPolicy(ConfigurableResource):
                 source: QualityThresholds(**overrides) for source, overrides in self.quality_thresholds.items()
             },
         )
+
+
+# --- Training -----------------------------------------------------------------------------------
+
+
+class TorchrunLauncher(ConfigurableResource):
+    """How training jobs start: one node, ``nproc_per_node`` ranks; gloo on CPU, NCCL on GPU."""
+
+    checkpoint_uri: str = Field(description="root of training checkpoints: a local path or s3://bucket/prefix")
+    nproc_per_node: int = Field(default=2, description="ranks (processes) per node: GPUs on a GPU node")
+    threads_per_rank: int = Field(default=1, description="OMP_NUM_THREADS of each rank")
+    device: str = Field(default="auto", description="auto (CUDA when present), cuda or cpu; the backend follows")
+    max_restarts: int = Field(default=0, description="torchrun's own restarts; Dagster's retry policy also resumes")
+    scratch_dir: str = Field(default="", description="local staging for checkpoints on S3")
+
+    def command(self, trainer_args: list[str], nproc_per_node: int | None = None) -> list[str]:
+        return torchrun_command(nproc_per_node or self.nproc_per_node, trainer_args, self.max_restarts)
+
+    def env(self) -> dict[str, str]:
+        return torchrun_env(self.threads_per_rank)
+
+
+class TrainingPolicy(ConfigurableResource):
+    """Default hyperparameters of training/checkpoint; a run's config overrides any of them."""
+
+    preset: str = Field(default="tiny", description=f"model size: {', '.join(PRESETS)}")
+    steps: int = 200
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 50
+    checkpoint_every_steps: int = 50
+    checkpoint_every_minutes: float = 10.0
+    keep_checkpoints: int = 2
+
+    def hyperparameters(self) -> dict:
+        return self.model_dump()
+
+
+class MlflowResource(ConfigurableResource):
+    """Experiment tracking and the model registry (SQLite by default)."""
+
+    tracking_uri: str
+    artifact_root: str = Field(description="where run artifacts go: a local path or s3://bucket/prefix")
+    experiment: str = "pipeline_assets"
+    ui_url: str = Field(default="http://127.0.0.1:5000", description="where `make dev` serves the MLflow UI")
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def experiment_id(self) -> str:
+        client = self.client()
+        found = client.get_experiment_by_name(self.experiment)
+        if found:
+            return found.experiment_id
+        # An explicit location: MLflow's default is ./mlruns under whatever folder the process runs in.
+        return client.create_experiment(self.experiment, artifact_location=uris.join(self.artifact_root, self.experiment))
+
+    def open_run(self, name: str, tags: dict[str, str], reuse_key: dict[str, str]) -> str:
+        """A run for one materialization: the unfinished run a retry of it left (same ``reuse_key``
+        tags), else a new one. Returns the run id."""
+        client, experiment_id = self.client(), self.experiment_id()
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in reuse_key.items())
+        for run in client.search_runs([experiment_id], filter_string=query, max_results=5):
+            if run.info.status != "FINISHED":
+                client.set_tag(run.info.run_id, "pipeline.attempts", int(run.data.tags.get("pipeline.attempts", "1")) + 1)
+                return run.info.run_id
+        return client.create_run(experiment_id, run_name=name, tags={**tags, **reuse_key}).info.run_id
+
+    def run_url(self, run_id: str) -> str:
+        return f"{self.ui_url.rstrip('/')}/#/experiments/{self.experiment_id()}/runs/{run_id}"

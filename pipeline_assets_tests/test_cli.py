@@ -11,14 +11,14 @@ from pathlib import Path
 import polars as pl
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import BRONZE_RECORDS
+from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 
 
 def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    environment.update(PIPELINE_HOME=str(home), **env)
+    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", **env)
     return subprocess.run(
         [sys.executable, "-m", "pipeline_assets.cli", *args], env=environment, capture_output=True, text=True, timeout=300
     )
@@ -43,7 +43,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
 
     fixed = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS='{"annotate": {"completion": "response"}}')
     assert fixed.returncode == 0, fixed.stderr
-    assert "runs: 2" in fixed.stdout, "the blocked batch is retried (the good one is not), then gold is rebuilt"
+    assert "runs: 3" in fixed.stdout, "the blocked batch is retried (the good one is not), gold is rebuilt, then trained"
 
     instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert len(instance.get_materialized_partitions(BRONZE_RECORDS)) == 2
@@ -57,6 +57,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     silver = summary["tables"]["silver/records"]["rows"]
     assert silver + sum(summary["rejected_by_stage"].values()) == bronze_rows, "run also materializes silver for each batch"
     assert summary["data_snapshot"]["partition"] == "gold-v1", "a gold snapshot over all batches, rebuilt after the fix"
+    assert instance.get_materialized_partitions(TRAINING_CHECKPOINT) == {"gold-v0", "gold-v1"}, "each snapshot is trained"
 
 
 def test_run_with_a_selection_and_a_bad_setting(tmp_path):

@@ -23,9 +23,9 @@ DEADLINE_SECONDS = 240
 
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     home = tmp_path / "home"
-    manifest = write_sample_corpus(home / "landing", records=400, eval_sets_dir=home / "reference" / "eval_sets")
+    manifest = write_sample_corpus(home / "landing", records=1500, eval_sets_dir=home / "reference" / "eval_sets")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
+    env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"), PIPELINE_TRAIN_STEPS="6")
     persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does
     daemon = subprocess.Popen(
         [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
@@ -36,6 +36,7 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
         run = _wait_for_finished_run(instance)
         silver_run = _wait_for_finished_run(instance, not_sensor="landing_sensor")
         snapshots = _wait_for_snapshot(instance)
+        trained = _wait_for_training(instance, snapshots[0])
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         daemon.wait(timeout=60)
@@ -56,6 +57,19 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     assert snapshots == ["gold-v0"]
     gold = pl.read_delta(str(home / "lake" / "gold" / "sequences"))
     assert set(gold["record_ids"].explode()) == set(silver["record_id"])
+
+    assert trained.status == DagsterRunStatus.SUCCESS, "automation trains the new snapshot without a click"
+    assert (home / "checkpoints" / "gold-v0" / "final" / "model.safetensors").exists()
+
+
+def _wait_for_training(instance: DagsterInstance, snapshot: str):
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while time.monotonic() < deadline:
+        for run in instance.get_runs():
+            if run.tags.get("dagster/partition") == snapshot and run.is_finished:
+                return run
+        time.sleep(2)
+    raise AssertionError(f"no training run for {snapshot} within {DEADLINE_SECONDS} s")
 
 
 def _wait_for_snapshot(instance: DagsterInstance) -> list[str]:

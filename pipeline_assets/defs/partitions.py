@@ -12,3 +12,11 @@ data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 def snapshot_key(gold_version: int) -> str:
     return f"gold-v{gold_version}"
 
+
+
+def snapshot_version(partition_key: str) -> int:
+    """``gold-v<N>`` -> N."""
+    prefix = "gold-v"
+    if not partition_key.startswith(prefix) or not partition_key[len(prefix):].isdigit():
+        raise ValueError(f"{partition_key!r} is not a data snapshot key (gold-v<N>)")
+    return int(partition_key[len(prefix):])

@@ -1,6 +1,6 @@
 """The training program: ``torchrun --nproc-per-node N -m pipeline_assets.trainer --lake-uri ... ``.
 
-Exit codes: 0 trained to the last step; 143 stopped by SIGTERM after saving a checkpoint (run the
+Exit codes: 0 trained to the last step; 143 stopped by SIGTERM or SIGINT after saving a checkpoint (run the
 same command again to resume); 1 failed, with the reason in the log.
 """
 
@@ -48,11 +48,13 @@ class Progress:
 
 
 class StopSignal:
-    """Set by SIGTERM; acted on at the next step boundary, once every rank has agreed."""
+    """Set by SIGTERM (preemption) or SIGINT (Dagster's run termination, Ctrl-C); acted on at the
+    next step boundary, once every rank has agreed."""
 
     def __init__(self):
         self.received = False
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
@@ -201,6 +203,8 @@ class Trainer:
         self.checkpointer.asynchronous = self.config.async_checkpoint and not final
         blocked = self.checkpointer.save(self.progress.step, self._state(), extra)
         self._report_metrics({"checkpoint_blocking_seconds": blocked})
+        mode = "asynchronous" if self.checkpointer.asynchronous else "synchronous"
+        self._info(f"step {self.progress.step}: {mode} checkpoint save blocked training for {blocked:.3f}s")
 
     def _resume(self) -> None:
         state = self._state()
@@ -221,7 +225,7 @@ class Trainer:
             self.checkpointer.finish()
             self.checkpointer.asynchronous = False
             self.checkpointer.save(self.progress.step, self._state(), {})
-        self._warning(f"stopped by SIGTERM at step {self.progress.step}; checkpoint step-{self.progress.step} "
+        self._warning(f"stopped by a signal at step {self.progress.step}; checkpoint step-{self.progress.step} "
                       "is saved: run the same command again to resume")
         return EXIT_PREEMPTED
 

@@ -54,7 +54,7 @@ class Job:
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
         """What losing the node does: every process of the job ends at once (workers run in their own sessions)."""
-        for pid in [self.process.pid, *_descendants(self.process.pid)]:
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -70,7 +70,7 @@ class Job:
         return self.log_path.read_text()
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

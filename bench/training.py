@@ -1,0 +1,258 @@
+"""Trainer: tokens/s of real torchrun jobs and the time a checkpoint save blocks training.
+
+On CPU (the default, what ``make bench`` runs):
+
+* tokens/s of the ``tiny`` and ``small`` presets on 2 ranks (1 thread each) beside 1 rank (2 threads),
+  at the same global batch, so both use the machine's 2 cores: what data parallelism (FSDP's
+  all-gathers and reduce-scatters over gloo) costs or gains against intra-op threading;
+* the seconds an asynchronous checkpoint save blocks training beside a synchronous one, on 2 ranks:
+  the reason ``--async-checkpoint`` is the default. This is the primary ratio (async / sync, < 1).
+
+With ``python -m bench.training --gpu --out DIR`` (on a CUDA machine): tokens/s and MFU of the
+``base`` preset (~110M parameters) in bf16 on 1 GPU, written to ``DIR/training_gpu.json``.
+
+Every job trains on a synthetic gold snapshot of vocabulary 8192 (the tokenizer's size), so the
+embedding and output layers cost what they cost in a real run; tokens/s is the trainer's own
+number, the median of its log lines after the first (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from pipeline_assets.contracts import GoldSequence, conform, validate
+from pipeline_assets.lib.gold import build_sequences
+from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+from pipeline_assets.resources import LakeResource
+from pipeline_assets.trainer.config import TrainConfig
+
+VOCAB = 8192
+PAD_ID = 0
+CORES = 2  # the CPU benchmark's budget, whatever the machine has: 1 rank x 2 threads or 2 ranks x 1
+SEQ_LEN = 256
+MICRO_BATCH = 4
+GLOBAL_BATCH = 8
+THROUGHPUT_STEPS = {"tiny": (16, 4), "small": (8, 2)}  # preset: (steps, log_every)
+LAYOUT_ORDER = (1, 2, 2, 1)  # ranks of each throughput job: drift in the machine's other load hits both alike
+CHECKPOINT_STEPS, CHECKPOINT_EVERY = 15, 5  # saves at 5 and 10 measured; 15 is the final one
+JOB_TIMEOUT_S = 300
+
+GPU_SEQ_LEN, GPU_MICRO_BATCH, GPU_STEPS, GPU_LOG_EVERY = 2048, 8, 30, 5
+MFU_TARGET = 0.40
+
+_SPEED = re.compile(r"step (\d+)/\d+: loss .*?, ([\d,.]+) tokens/s(?:, MFU ([\d.]+)%)?")
+_BLOCKED = re.compile(r"step (\d+): (asynchronous|synchronous) checkpoint save blocked training for ([\d.]+)\s*s")
+
+
+# --- the data ---------------------------------------------------------------------------------
+def counting_documents(n_records: int, max_len: int, seed: int) -> pl.DataFrame:
+    """Documents that count upwards from a random start (as the trainer tests' are), over VOCAB ids;
+    a third of each is prompt (no loss), every tenth document is validation."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max_len // 8, max_len, n_records)
+    starts = rng.integers(1, VOCAB, n_records)
+    ids = [((start + np.arange(length)) % (VOCAB - 1) + 1).tolist() for start, length in zip(starts, lengths, strict=True)]
+    masks = [[False] * (length // 3) + [True] * (length - length // 3) for length in lengths.tolist()]
+    return pl.DataFrame(
+        {
+            "record_id": [f"r{number:06d}" for number in range(n_records)],
+            "split": ["validation" if number % 10 == 0 else "train" for number in range(n_records)],
+            "input_ids": ids,
+            "loss_mask": masks,
+            "n_tokens": lengths.astype(np.int64),
+        },
+        schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Boolean)},
+    )
+
+
+def write_gold(lake_uri: str, n_records: int, seq_len: int, seed: int = 0) -> int:
+    """gold/sequences packed from counting documents up to seq_len tokens; returns its Delta version."""
+    sequences, _ = build_sequences(counting_documents(n_records, seq_len, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID)
+    sequences = validate(conform(sequences, GoldSequence), GoldSequence)
+    return LakeResource(uri=lake_uri).overwrite("gold", "sequences", sequences).version
+
+
+# --- the jobs ---------------------------------------------------------------------------------
+class Workspace:
+    """A lake with one gold snapshot, and a fresh checkpoint folder for every job (none resumes)."""
+
+    def __init__(self, root: Path, n_records: int, seq_len: int):
+        self.root = root
+        self.lake_uri = str(root / "lake")
+        self.gold_version = write_gold(self.lake_uri, n_records, seq_len)
+        self._jobs = 0
+
+    def train(self, nproc: int, threads_per_rank: int, **overrides) -> str:
+        """Run one torchrun job to its end; returns rank 0's log."""
+        self._jobs += 1
+        name = f"job{self._jobs}"
+        values = dict(vocab_size=VOCAB, warmup_steps=5, eval_max_sequences=8, scratch_dir=str(self.root / "scratch" / name))
+        values.update(overrides)
+        values.setdefault("eval_every", values["steps"])
+        values.setdefault("checkpoint_every_steps", values["steps"] + 1)  # only the final save
+        config = TrainConfig(lake_uri=self.lake_uri, gold_version=self.gold_version, checkpoint_uri=str(self.root / name),
+                             partition="bench", **values)
+        return run_torchrun(nproc, threads_per_rank, config.to_args())
+
+
+def run_torchrun(nproc: int, threads_per_rank: int, args: list[str]) -> str:
+    env = {**os.environ, **torchrun_env(threads_per_rank)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    process = subprocess.Popen(torchrun_command(nproc, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: the session it started
+        output, _ = process.communicate()
+        raise RuntimeError(f"torchrun ran past {JOB_TIMEOUT_S}s:\n{output[-4000:]}") from None
+    if process.returncode != 0:
+        raise RuntimeError(f"torchrun exited {process.returncode}:\n{output[-4000:]}")
+    return output
+
+
+# --- reading the logs -------------------------------------------------------------------------
+def speeds(log: str) -> list[tuple[float, float | None]]:
+    """(tokens/s, MFU or None) of every step line after the first (warm-up)."""
+    lines = [(float(m[2].replace(",", "")), float(m[3]) / 100 if m[3] else None) for m in _SPEED.finditer(log)]
+    if len(lines) < 2:
+        raise ValueError(f"fewer than 2 step lines with tokens/s in the log:\n{log[-4000:]}")
+    return lines[1:]
+
+
+def median_tokens_per_second(log: str) -> float:
+    return statistics.median(tokens for tokens, _ in speeds(log))
+
+
+def blocking_seconds(log: str, steps: int) -> list[float]:
+    """The blocking time of each save before the last step (the final save is always synchronous)."""
+    found = [float(m[3]) for m in _BLOCKED.finditer(log) if int(m[1]) < steps]
+    if not found:
+        raise ValueError(f"no checkpoint save before step {steps} in the log:\n{log[-4000:]}")
+    return found
+
+
+# --- CPU --------------------------------------------------------------------------------------
+def cpu_job(workspace: Workspace, nproc: int, **overrides) -> str:
+    """A job on the CPU budget: CORES threads in all, the same global batch whatever the ranks."""
+    return workspace.train(nproc, CORES // nproc, micro_batch_size=MICRO_BATCH,
+                           grad_accum_steps=GLOBAL_BATCH // (MICRO_BATCH * nproc), **overrides)
+
+
+def tokens_per_second(workspace: Workspace, preset: str, nproc: int) -> float:
+    steps, log_every = THROUGHPUT_STEPS[preset]
+    return median_tokens_per_second(cpu_job(workspace, nproc, preset=preset, steps=steps, log_every=log_every))
+
+
+def best_tokens_per_second(workspace: Workspace, preset: str) -> dict:
+    """The best of each layout's jobs: the least disturbed by whatever else the machine does."""
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    for nproc in LAYOUT_ORDER:
+        runs[nproc].append(tokens_per_second(workspace, preset, nproc))
+    return {"1_rank": max(runs[1]), "2_ranks": max(runs[2])}
+
+
+def checkpoint_blocking(workspace: Workspace, asynchronous: bool) -> float:
+    log = cpu_job(workspace, 2, preset="small", steps=CHECKPOINT_STEPS, log_every=CHECKPOINT_STEPS,
+                  checkpoint_every_steps=CHECKPOINT_EVERY, async_checkpoint=asynchronous)
+    return statistics.median(blocking_seconds(log, CHECKPOINT_STEPS))
+
+
+def run() -> dict:
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        workspace = Workspace(Path(tmp), n_records=600, seq_len=SEQ_LEN)
+        speed = {preset: best_tokens_per_second(workspace, preset) for preset in THROUGHPUT_STEPS}
+        blocked = {"async": checkpoint_blocking(workspace, True), "sync": checkpoint_blocking(workspace, False)}
+    scaling = {preset: s["2_ranks"] / s["1_rank"] for preset, s in speed.items()}
+    ratio = blocked["async"] / blocked["sync"]
+    return {
+        "device": "cpu",
+        "cores": CORES,
+        "seq_len": SEQ_LEN,
+        "vocab_size": VOCAB,
+        "global_batch": GLOBAL_BATCH,
+        "jobs_per_layout": LAYOUT_ORDER.count(1),
+        "measured": "; ".join(f"{p} 2 ranks: {s['2_ranks']:,.0f} tok/s" for p, s in speed.items())
+                    + f"; async save blocks {blocked['async']:.3f}s",
+        "baseline": "; ".join(f"{p} 1 rank: {s['1_rank']:,.0f} tok/s" for p, s in speed.items())
+                    + f"; sync save blocks {blocked['sync']:.3f}s",
+        "ratio": ratio,
+        "ratio_is": "median blocking seconds of an asynchronous checkpoint save / a synchronous one (small, 2 ranks)",
+        "tokens_per_second": {p: {k: round(v) for k, v in s.items()} for p, s in speed.items()},
+        "scaling_2_over_1": {p: round(v, 3) for p, v in scaling.items()},
+        "checkpoint_blocking_seconds": {k: round(v, 4) for k, v in blocked.items()},
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "load_average_1m": {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)},  # others' work skews it
+        "target": "async save blocks training less than a sync save (ratio < 1.0)",
+        "target_met": ratio < 1.0,
+    }
+
+
+# --- GPU --------------------------------------------------------------------------------------
+def run_gpu() -> dict:
+    """The base preset on one GPU in bf16: tokens/s and MFU (the trainer's, against the bf16 peak)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.training --gpu needs a CUDA GPU: torch.cuda.is_available() is False "
+                         f"(torch {torch.__version__}); run it on a GPU machine, or drop --gpu for the CPU benchmark")
+    with tempfile.TemporaryDirectory() as tmp:
+        n_records = GPU_STEPS * GPU_MICRO_BATCH * 2 + 200  # ~2 documents a sequence: no epoch repeats
+        workspace = Workspace(Path(tmp), n_records=n_records, seq_len=GPU_SEQ_LEN)
+        log = workspace.train(1, min(8, os.cpu_count() or 1), preset="base", steps=GPU_STEPS, log_every=GPU_LOG_EVERY,
+                              micro_batch_size=GPU_MICRO_BATCH, grad_accum_steps=1, mixed_precision="bf16",
+                              device="cuda")
+    lines = speeds(log)
+    mfus = [mfu for _, mfu in lines if mfu is not None]
+    mfu = statistics.median(mfus) if mfus else None
+    tokens = statistics.median(tokens for tokens, _ in lines)
+    name = torch.cuda.get_device_name()
+    return {
+        "device": name,
+        "preset": "base",
+        "seq_len": GPU_SEQ_LEN,
+        "micro_batch_size": GPU_MICRO_BATCH,
+        "mixed_precision": "bf16",
+        "tokens_per_second": round(tokens),
+        "mfu": mfu,
+        "measured": f"base, 1 GPU, bf16: {tokens:,.0f} tok/s, MFU {mfu:.1%}" if mfu is not None
+                    else f"base, 1 GPU, bf16: {tokens:,.0f} tok/s (no MFU: peak unknown for {name})",
+        "baseline": f"MFU target {MFU_TARGET:.0%} of the bf16 peak",
+        "ratio": (mfu or 0.0) / MFU_TARGET,
+        "ratio_is": "MFU / the target MFU (0 where the GPU's peak is unknown)",
+        "target": f"MFU >= {MFU_TARGET:.2f} on an H100",
+        "target_met": mfu is not None and mfu >= MFU_TARGET,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true", help="the base preset on one CUDA GPU instead of the CPU runs")
+    parser.add_argument("--out", type=Path, help="folder for training_gpu.json / training.json (else printed only)")
+    args = parser.parse_args(argv)
+    name = "training_gpu" if args.gpu else "training"
+    result = {"benchmark": name, **(run_gpu() if args.gpu else run())}
+    print(json.dumps(result, indent=2), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""What a data snapshot was built from, read back from the materializations that built it."""
+
+from collections.abc import Callable
+
+from dagster import AssetKey, DagsterInstance
+
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, SILVER_RECORDS
+from pipeline_assets.defs.partitions import snapshot_version
+
+_SEARCH_LIMIT = 1000
+
+
+def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
+    """Plain metadata values of the newest materialization of ``key`` that ``matches``."""
+    records = instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records
+    for record in records:
+        metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
+        if matches(metadata):
+            return metadata
+    return None
+
+
+def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:
+    """Delta versions of gold/sequences, gold/tokenizer, silver/records and bronze/records behind a snapshot."""
+    gold = snapshot_version(partition_key)
+    versions: dict[str, int | None] = {"gold/sequences": gold, "gold/tokenizer": None, "silver/records": None,
+                                       "bronze/records": None}
+    built = latest_materialization_metadata(instance, GOLD_SEQUENCES, lambda m: m.get("data_snapshot") == partition_key)
+    if built is None:
+        return versions
+    upstream = built.get("upstream_delta_versions") or {}
+    versions["gold/tokenizer"] = upstream.get("gold/tokenizer")
+    versions["silver/records"] = upstream.get("silver/records")
+    silver = latest_materialization_metadata(
+        instance, SILVER_RECORDS, lambda m: m.get("delta_version") == versions["silver/records"]
+    )
+    if silver:
+        versions["bronze/records"] = (silver.get("upstream_delta_versions") or {}).get("bronze/records")
+    return versions

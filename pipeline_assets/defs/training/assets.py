@@ -1,0 +1,125 @@
+"""training/checkpoint: one torchrun FSDP2 job per data snapshot, launched through Dagster Pipes."""
+
+import shlex
+from typing import Optional
+
+from dagster import (
+    AssetExecutionContext,
+    AutomationCondition,
+    Config,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    PipesSubprocessClient,
+    RetryPolicy,
+    asset,
+)
+from dagster._core.errors import DagsterPipesExecutionError  # raised by PipesSubprocessClient, not exported
+
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT
+from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
+from pipeline_assets.defs.snapshots import snapshot_versions
+from pipeline_assets.lib.provenance import git_commit
+from pipeline_assets.lib.uris import join
+from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
+from pipeline_assets.trainer.config import TrainConfig
+from pipeline_assets.trainer.train import EXIT_PREEMPTED
+
+
+class TrainingRunConfig(Config):
+    """Overrides for one run; anything left empty comes from the training policy."""
+
+    preset: Optional[str] = None
+    steps: Optional[int] = None
+    lr: Optional[float] = None
+    warmup_steps: Optional[int] = None
+    weight_decay: Optional[float] = None
+    micro_batch_size: Optional[int] = None
+    grad_accum_steps: Optional[int] = None
+    seed: Optional[int] = None
+    nproc_per_node: Optional[int] = None
+
+    def hyperparameter_overrides(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None and k != "nproc_per_node"}
+
+
+def when_snapshot_added() -> AutomationCondition:
+    """Train each new data snapshot once its blocking checks pass; older snapshots are not retrained."""
+    return AutomationCondition.on_missing() & AutomationCondition.all_deps_blocking_checks_passed()
+
+
+@asset(
+    key=TRAINING_CHECKPOINT,
+    group_name="training",
+    deps=[GOLD_SEQUENCES, GOLD_TOKENIZER],
+    partitions_def=data_snapshots,
+    pool="training",  # one job at a time by default: the instance's pool limit
+    retry_policy=RetryPolicy(max_retries=2, delay=5),  # a preempted job resumes from its newest checkpoint
+    kinds={"pytorch", "mlflow"},
+    automation_condition=when_snapshot_added(),
+    description="A torchrun FSDP2 job on one data snapshot (gold Delta version pinned): checkpoints, the exported "
+    "model (safetensors) and an MLflow run.",
+)
+def training_checkpoint(
+    context: AssetExecutionContext,
+    config: TrainingRunConfig,
+    lake: LakeResource,
+    launcher: TorchrunLauncher,
+    training_policy: TrainingPolicy,
+    mlflow_tracking: MlflowResource,
+    pipes_subprocess_client: PipesSubprocessClient,
+) -> MaterializeResult:
+    partition = context.partition_key
+    versions = snapshot_versions(context.instance, partition)
+    train_config = _train_config(partition, config, lake, launcher, training_policy, versions)
+    commit = git_commit()
+    run_id = mlflow_tracking.open_run(
+        name=f"train {partition}",
+        tags={"git_commit": commit, **{f"delta.{name}": str(v) for name, v in versions.items()}},
+        reuse_key={"dagster_run_id": context.run_id, "partition": partition},
+    )
+    command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], config.nproc_per_node)
+    context.log.info(f"launching (rerun by hand with the same arguments to debug): {shlex.join(command)}")
+    env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.tracking_uri}
+    try:
+        invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
+    except DagsterPipesExecutionError as exc:
+        raise Failure(description=_failure_reason(str(exc), train_config)) from exc
+    reported = invocation.get_materialize_result().metadata or {}
+    return MaterializeResult(
+        metadata={
+            **reported,
+            "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(run_id)),
+            "mlflow_run_id": run_id,
+            "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
+            "upstream_delta_versions": MetadataValue.json(versions),
+            "git_commit": commit,
+            "command": MetadataValue.text(shlex.join(command)),
+            "preset": train_config.preset,
+        }
+    )
+
+
+def _train_config(partition: str, config: TrainingRunConfig, lake: LakeResource, launcher: TorchrunLauncher,
+                  policy: TrainingPolicy, versions: dict) -> TrainConfig:
+    tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+    if tokenizer is None:
+        raise Failure(description="gold/tokenizer does not exist: materialize gold first")
+    return TrainConfig(
+        lake_uri=lake.uri,
+        gold_version=snapshot_version(partition),
+        checkpoint_uri=launcher.checkpoint_uri,
+        partition=partition,
+        vocab_size=int(tokenizer["vocab_size"][0]),
+        device=launcher.device,
+        scratch_dir=launcher.scratch_dir,
+        **{**policy.hyperparameters(), **config.hyperparameter_overrides()},
+    )
+
+
+def _failure_reason(error: str, config: TrainConfig) -> str:
+    if f"code {EXIT_PREEMPTED}" in error:
+        return (f"the training job was stopped by SIGTERM after saving a checkpoint under "
+                f"{join(config.checkpoint_uri, config.partition)}; a retry resumes from it")
+    return (f"the training job failed ({error}); each rank's error is in this run's logs. "
+            "Rerun the logged torchrun command by hand to debug; completed checkpoints are kept and resumed from.")

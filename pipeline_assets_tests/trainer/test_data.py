@@ -1,0 +1,178 @@
+"""The trainer's data in-process: the resumable stream, per-rank batches, validation shards, pinned snapshots."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from pipeline_assets.trainer.data import (
+    PackedSequences,
+    Snapshot,
+    read_snapshot,
+    rank_micro_batches,
+    sequences_table_uri,
+    stream_indexes,
+    validation_shard,
+)
+from pipeline_assets_tests.trainer.synthetic import write_synthetic_gold
+
+SEQ_LEN = 32
+N = 37
+
+
+def test_stream_is_deterministic_for_a_seed():
+    assert np.array_equal(stream_indexes(N, 7, 5, 100), stream_indexes(N, 7, 5, 100))
+
+
+def test_each_epoch_of_the_stream_is_a_permutation():
+    for epoch in range(3):
+        assert np.array_equal(np.sort(stream_indexes(N, 7, epoch * N, N)), np.arange(N))
+
+
+def test_epochs_are_shuffled_differently():
+    epochs = [stream_indexes(N, 7, epoch * N, N) for epoch in range(3)]
+
+    assert not np.array_equal(epochs[0], epochs[1])
+    assert not np.array_equal(epochs[1], epochs[2])
+
+
+def test_different_seeds_give_different_streams():
+    assert not np.array_equal(stream_indexes(N, 7, 0, N), stream_indexes(N, 8, 0, N))
+
+
+@pytest.mark.parametrize("split_at", [1, 7, 23, 99])
+def test_stream_read_in_two_pieces_equals_one_read(split_at):
+    start, count = 30, 100
+    whole = stream_indexes(N, 7, start, count)
+    pieces = np.concatenate([
+        stream_indexes(N, 7, start, split_at),
+        stream_indexes(N, 7, start + split_at, count - split_at),
+    ])
+
+    assert np.array_equal(pieces, whole)
+
+
+def test_stream_of_no_sequences_is_an_error():
+    with pytest.raises(ValueError, match="no training sequences"):
+        stream_indexes(0, 7, 0, 4)
+
+
+@pytest.mark.parametrize("world_size, micro_batch_size, grad_accum_steps", [(1, 4, 3), (2, 2, 3), (4, 1, 3), (4, 3, 1)])
+@pytest.mark.parametrize("position", [0, 30, 111])
+def test_ranks_together_read_the_global_batch_in_stream_order(world_size, micro_batch_size, grad_accum_steps, position):
+    global_batch = micro_batch_size * grad_accum_steps * world_size
+    assert global_batch == 12
+
+    per_rank = [
+        rank_micro_batches(N, 7, position, rank, world_size, micro_batch_size, grad_accum_steps)
+        for rank in range(world_size)
+    ]
+
+    assert all(len(batches) == grad_accum_steps for batches in per_rank)
+    assert all(len(batch) == micro_batch_size for batches in per_rank for batch in batches)
+    concatenated = np.concatenate([batch for batches in per_rank for batch in batches])
+    assert np.array_equal(concatenated, stream_indexes(N, 7, position, global_batch))
+
+
+def test_ranks_read_distinct_sequences_within_an_epoch():
+    batches = [rank_micro_batches(N, 7, 0, rank, 4, 2, 2) for rank in range(4)]
+    ranks = [set(np.concatenate(b).tolist()) for b in batches]
+
+    assert sum(len(r) for r in ranks) == len(set().union(*ranks)) == 16
+
+
+@pytest.mark.parametrize("n_sequences, limit, world_size", [(10, 7, 3), (5, 100, 2), (9, 9, 4), (2, 10, 4)])
+def test_validation_shards_are_disjoint_and_cover_the_first_limit(n_sequences, limit, world_size):
+    shards = [validation_shard(n_sequences, limit, rank, world_size) for rank in range(world_size)]
+    together = np.concatenate(shards)
+
+    assert len(together) == len(set(together.tolist()))
+    assert np.array_equal(np.sort(together), np.arange(min(n_sequences, limit)))
+    assert all(np.all(shard % world_size == rank) for rank, shard in enumerate(shards))
+
+
+@pytest.fixture(scope="module")
+def lake_uri(tmp_path_factory) -> str:
+    uri = str(tmp_path_factory.mktemp("data") / "lake")
+    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=0) == 0
+    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=1) == 1
+    return uri
+
+
+def _delta_rows(lake_uri: str, version: int, split: str) -> pl.DataFrame:
+    return (
+        pl.read_delta(sequences_table_uri(lake_uri), version=version)
+        .sort("split", "sequence_index")
+        .filter(pl.col("split") == split)
+    )
+
+
+def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
+    return np.array(frame[column].to_list(), dtype=dtype)
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_read_snapshot_returns_the_pinned_versions_rows_in_order(lake_uri, split):
+    snapshot = read_snapshot(lake_uri, 0)
+    packed: PackedSequences = getattr(snapshot, split)
+    expected = _delta_rows(lake_uri, 0, split)
+
+    assert len(packed) == expected.height > 0
+    assert np.array_equal(packed.input_ids, _as_array(expected, "input_ids", np.int32))
+    assert np.array_equal(packed.loss_mask, _as_array(expected, "loss_mask", bool))
+    assert np.array_equal(packed.position_ids, _as_array(expected, "position_ids", np.int32))
+
+
+def test_read_snapshot_arrays_have_the_sequence_shape_and_dtypes(lake_uri):
+    snapshot = read_snapshot(lake_uri, 0)
+
+    assert isinstance(snapshot, Snapshot)
+    assert snapshot.seq_len == SEQ_LEN
+    for packed in (snapshot.train, snapshot.validation):
+        assert packed.input_ids.shape == packed.loss_mask.shape == packed.position_ids.shape == (len(packed), SEQ_LEN)
+        assert packed.input_ids.dtype == np.int32
+        assert packed.position_ids.dtype == np.int32
+        assert packed.loss_mask.dtype == np.bool_
+        assert packed.tokens == len(packed) * SEQ_LEN
+
+
+def test_read_snapshot_splits_every_row_into_train_or_validation(lake_uri):
+    snapshot = read_snapshot(lake_uri, 0)
+    rows = pl.read_delta(sequences_table_uri(lake_uri), version=0)
+
+    assert len(snapshot.train) == rows.filter(pl.col("split") == "train").height
+    assert len(snapshot.validation) == rows.filter(pl.col("split") == "validation").height
+    assert len(snapshot.train) + len(snapshot.validation) == rows.height
+    assert len(snapshot.train) > len(snapshot.validation)
+
+
+def test_read_snapshot_at_another_version_differs(lake_uri):
+    first, second = read_snapshot(lake_uri, 0), read_snapshot(lake_uri, 1)
+    expected = _delta_rows(lake_uri, 1, "train")
+
+    assert np.array_equal(second.train.input_ids, _as_array(expected, "input_ids", np.int32))
+    assert first.train.input_ids.shape != second.train.input_ids.shape or not np.array_equal(
+        first.train.input_ids, second.train.input_ids
+    )
+
+
+def test_batch_returns_the_requested_rows_as_tensors():
+    rng = np.random.default_rng(0)
+    packed = PackedSequences(
+        input_ids=rng.integers(0, 64, (5, 8)).astype(np.int32),
+        loss_mask=rng.random((5, 8)) < 0.5,
+        position_ids=np.tile(np.arange(8, dtype=np.int32), (5, 1)),
+    )
+    rows = np.array([3, 0, 3])
+
+    batch = packed.batch(rows, torch.device("cpu"))
+
+    assert batch["input_ids"].dtype == batch["position_ids"].dtype == torch.int64
+    assert batch["loss_mask"].dtype == torch.bool
+    assert all(tensor.shape == (3, 8) for tensor in batch.values())
+    assert np.array_equal(batch["input_ids"].numpy(), packed.input_ids[rows])
+    assert np.array_equal(batch["loss_mask"].numpy(), packed.loss_mask[rows])
+    assert np.array_equal(batch["position_ids"].numpy(), packed.position_ids[rows])
