@@ -8,8 +8,8 @@ On CPU (the default, what ``make bench`` runs):
 * the seconds an asynchronous checkpoint save blocks training beside a synchronous one, on 2 ranks:
   the reason ``--async-checkpoint`` is the default. This is the primary ratio (async / sync, < 1).
 
-With ``python -m bench.training --gpu --out DIR`` (on a CUDA machine): tokens/s and MFU of the
-``base`` preset (~110M parameters) in bf16 on 1 GPU, written to ``DIR/training_gpu.json``.
+The GPU measurement (tokens/s and MFU of the ``base`` preset in bf16) is ``bench/training_gpu.py``:
+it needs nothing but torch, so it runs on a bare GPU machine.
 
 Every job trains on a synthetic gold snapshot of vocabulary 8192 (the tokenizer's size), so the
 embedding and output layers cost what they cost in a real run; tokens/s is the trainer's own
@@ -50,8 +50,6 @@ LAYOUT_ORDER = (1, 2, 2, 1)  # ranks of each throughput job: drift in the machin
 CHECKPOINT_STEPS, CHECKPOINT_EVERY = 15, 5  # saves at 5 and 10 measured; 15 is the final one
 JOB_TIMEOUT_S = 300
 
-GPU_SEQ_LEN, GPU_MICRO_BATCH, GPU_STEPS, GPU_LOG_EVERY = 2048, 8, 30, 5
-MFU_TARGET = 0.40
 
 _SPEED = re.compile(r"step (\d+)/\d+: loss .*?, ([\d,.]+) tokens/s(?:, MFU ([\d.]+)%)?")
 _BLOCKED = re.compile(r"step (\d+): (asynchronous|synchronous) checkpoint save blocked training for ([\d.]+)\s*s")
@@ -202,51 +200,13 @@ def run() -> dict:
     }
 
 
-# --- GPU --------------------------------------------------------------------------------------
-def run_gpu() -> dict:
-    """The base preset on one GPU in bf16: tokens/s and MFU (the trainer's, against the bf16 peak)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.training --gpu needs a CUDA GPU: torch.cuda.is_available() is False "
-                         f"(torch {torch.__version__}); run it on a GPU machine, or drop --gpu for the CPU benchmark")
-    with tempfile.TemporaryDirectory() as tmp:
-        n_records = GPU_STEPS * GPU_MICRO_BATCH * 2 + 200  # ~2 documents a sequence: no epoch repeats
-        workspace = Workspace(Path(tmp), n_records=n_records, seq_len=GPU_SEQ_LEN)
-        log = workspace.train(1, min(8, os.cpu_count() or 1), preset="base", steps=GPU_STEPS, log_every=GPU_LOG_EVERY,
-                              micro_batch_size=GPU_MICRO_BATCH, grad_accum_steps=1, mixed_precision="bf16",
-                              device="cuda")
-    lines = speeds(log)
-    mfus = [mfu for _, mfu in lines if mfu is not None]
-    mfu = statistics.median(mfus) if mfus else None
-    tokens = statistics.median(tokens for tokens, _ in lines)
-    name = torch.cuda.get_device_name()
-    return {
-        "device": name,
-        "preset": "base",
-        "seq_len": GPU_SEQ_LEN,
-        "micro_batch_size": GPU_MICRO_BATCH,
-        "mixed_precision": "bf16",
-        "tokens_per_second": round(tokens),
-        "mfu": mfu,
-        "measured": f"base, 1 GPU, bf16: {tokens:,.0f} tok/s, MFU {mfu:.1%}" if mfu is not None
-                    else f"base, 1 GPU, bf16: {tokens:,.0f} tok/s (no MFU: peak unknown for {name})",
-        "baseline": f"MFU target {MFU_TARGET:.0%} of the bf16 peak",
-        "ratio": (mfu or 0.0) / MFU_TARGET,
-        "ratio_is": "MFU / the target MFU (0 where the GPU's peak is unknown)",
-        "target": f"MFU >= {MFU_TARGET:.2f} on an H100",
-        "target_met": mfu is not None and mfu >= MFU_TARGET,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", action="store_true", help="the base preset on one CUDA GPU instead of the CPU runs")
-    parser.add_argument("--out", type=Path, help="folder for training_gpu.json / training.json (else printed only)")
+    parser.add_argument("--out", type=Path, help="folder for training.json (else printed only)")
     args = parser.parse_args(argv)
-    name = "training_gpu" if args.gpu else "training"
-    result = {"benchmark": name, **(run_gpu() if args.gpu else run())}
+    name = "training"
+    result = {"benchmark": name, **run()}
     print(json.dumps(result, indent=2), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

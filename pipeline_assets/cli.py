@@ -26,14 +26,32 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("summary", help="rows per layer and quarantine by reason, from the lake")
 
+    lineage = commands.add_parser("lineage", help="JSON: a registered model back to the landing files that fed it")
+    lineage.add_argument("model", help="MODEL@ALIAS (sft-model@champion) or MODEL/VERSION (sft-model/3)")
+
+    promote = commands.add_parser("promote", help="move the champion alias to a version by hand (recorded)")
+    promote.add_argument("model", help="MODEL/VERSION, e.g. sft-model/3")
+    promote.add_argument("--reason", default="promoted by hand")
+
+    rollback = commands.add_parser("rollback", help="move the champion alias back to the previous champion (recorded)")
+    rollback.add_argument("model_name", help="e.g. sft-model")
+    rollback.add_argument("--reason", default="rolled back by hand")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("pipeline_assets").setLevel(logging.INFO)
     try:
         settings = Settings.from_env()
-        return {"run": _run, "sample-data": _sample_data, "summary": _summary}[args.command](args, settings)
+        handlers = {"run": _run, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
+                    "promote": _promote, "rollback": _rollback}
+        return handlers[args.command](args, settings)
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
         print(f"pipeline-assets {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__name__ != "MlflowException":  # imported lazily: most commands never load mlflow
+            raise
+        print(f"pipeline-assets {args.command}: MLflow: {exc.message}", file=sys.stderr)
         return 2
 
 
@@ -99,6 +117,38 @@ def _summary(args, settings: Settings) -> int:
         }
     report["look_next"] = "make dev, then http://127.0.0.1:3000/asset-groups (Dagster UI)"
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def _lineage(args, settings: Settings) -> int:
+    from pipeline_assets.lineage import model_lineage
+    from pipeline_assets.resources import build_resources
+
+    resources = build_resources(settings)
+    print(json.dumps(model_lineage(args.model, resources["mlflow_tracking"], resources["lake"]), indent=2))
+    return 0
+
+
+def _promote(args, settings: Settings) -> int:
+    from pipeline_assets.lineage import resolve_version
+    from pipeline_assets.resources import build_resources
+
+    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
+    version = resolve_version(mlflow_tracking, args.model)
+    mlflow_tracking.move_champion(version.name, str(version.version), by="pipeline-assets promote", reason=args.reason)
+    print(json.dumps({"model": version.name, "champion": str(version.version), "reason": args.reason}))
+    return 0
+
+
+def _rollback(args, settings: Settings) -> int:
+    from pipeline_assets.resources import build_resources
+
+    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
+    previous = mlflow_tracking.previous_champion(args.model_name)
+    if previous is None:
+        raise ValueError(f"{args.model_name} has no earlier champion to roll back to")
+    mlflow_tracking.move_champion(args.model_name, previous, by="pipeline-assets rollback", reason=args.reason)
+    print(json.dumps({"model": args.model_name, "champion": previous, "reason": args.reason}))
     return 0
 
 

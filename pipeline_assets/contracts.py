@@ -166,6 +166,41 @@ class GoldSequence(pa.DataFrameModel):
         coerce = False
 
 
+class EvaluationSlice(pa.DataFrameModel):
+    """One model's held-out loss on one slice of one data snapshot."""
+
+    partition: str = pa.Field(str_startswith="gold-v")
+    model: str = pa.Field(isin=["candidate", "champion"])
+    model_version: str = pa.Field(nullable=True, description="registry version; null for an unregistered candidate")
+    slice: str = pa.Field(description="overall, source:<name> or eval:<set>")
+    loss: float = pa.Field(ge=0)
+    perplexity: float = pa.Field(ge=1)
+    tokens: pl.Int64 = pa.Field(ge=1)
+    documents: pl.Int64 = pa.Field(ge=1)
+    evaluated_at: UTC_TIMESTAMP
+
+    class Config:
+        strict = True
+        coerce = False
+
+
+class HparamTrial(pa.DataFrameModel):
+    """One trial of a hyperparameter search at one rung."""
+
+    partition: str = pa.Field(str_startswith="gold-v")
+    trial: pl.Int64 = pa.Field(ge=0)
+    rung: pl.Int64 = pa.Field(ge=0)
+    steps: pl.Int64 = pa.Field(ge=1)
+    validation_loss: float = pa.Field(nullable=True, description="null when the trial failed")
+    hyperparameters: str = pa.Field(description="JSON object")
+    continued: bool = pa.Field(description="survived this rung")
+    mlflow_run_id: str
+
+    class Config:
+        strict = True
+        coerce = False
+
+
 class LandingManifestEntry(pa.DataFrameModel):
     """One landing file registered into an ingest batch."""
 

@@ -11,11 +11,15 @@ from pipeline_assets.defs.landing.sensors import landing_sensor
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.evaluation.assets import evaluation_report
+from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.training.assets import training_checkpoint
+from pipeline_assets.defs.training.search import hparam_search
 from pipeline_assets.resources import build_resources
 
 defs = Definitions(
-    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, training_checkpoint],
+    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
+            registry_model_version],
     asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
     sensors=[landing_sensor, automation_sensor],
     resources=build_resources(),

@@ -16,6 +16,7 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstanc
 
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
+from pipeline_assets.defs.keys import TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 
 log = logging.getLogger("pipeline_assets")
@@ -99,13 +100,17 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     return stale
 
 
-def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
-    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it."""
+def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
+                                explicit: bool = False) -> dict[str, list[AssetKey]]:
+    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it. The
+    hyperparameter search, which costs several trainings, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
     plan: dict[str, list[AssetKey]] = {}
     for key in keys:
         node = graph.get(key)
         if not node.is_executable or node.partitions_def != data_snapshots:
+            continue
+        if key == TRAINING_HPARAM_SEARCH and not explicit:
             continue
         done = instance.get_materialized_partitions(key)
         for snapshot in instance.get_dynamic_partitions(data_snapshots.name):
@@ -127,7 +132,7 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     if whole:
         _execute(job, instance, whole, outcome, partition=None)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
-    for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered).items():
+    for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
         _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     return outcome
 

@@ -29,6 +29,7 @@ from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import PRESETS
+from pipeline_assets.trainer.storage import CheckpointStore
 
 
 def _env(name: str, default: str) -> str:
@@ -102,6 +103,9 @@ class Settings:
     train_preset: str = "tiny"
     train_steps: int = 200
     mlflow_artifact_root: str = ""
+    model_name: str = "sft-model"
+    promotion_margin: float = 0.005
+    slice_tolerance: float = 0.02
     mlflow_experiment: str = "pipeline_assets"
     mlflow_ui_url: str = "http://127.0.0.1:5000"
 
@@ -132,6 +136,9 @@ class Settings:
             train_preset=_env("PIPELINE_TRAIN_PRESET", "tiny"),
             train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
+            model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
+            promotion_margin=_float_env("PIPELINE_PROMOTION_MARGIN", 0.005),
+            slice_tolerance=_float_env("PIPELINE_SLICE_TOLERANCE", 0.02),
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
             mlflow_ui_url=_env("PIPELINE_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
         )
@@ -356,6 +363,11 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             experiment=settings.mlflow_experiment, ui_url=settings.mlflow_ui_url,
         ),
         "pipes_subprocess_client": PipesSubprocessClient(),
+        "hparam_search_policy": HparamSearchPolicy(),
+        "registry_policy": RegistryPolicy(
+            model_name=settings.model_name, promotion_margin=settings.promotion_margin,
+            slice_tolerance=settings.slice_tolerance,
+        ),
     }
 
 
@@ -455,6 +467,10 @@ class TorchrunLauncher(ConfigurableResource):
     def env(self) -> dict[str, str]:
         return torchrun_env(self.threads_per_rank)
 
+    def store(self, partition: str) -> CheckpointStore:
+        scratch = self.scratch_dir or str(Path(tempfile.gettempdir()) / "pipeline-assets-checkpoints")
+        return CheckpointStore(self.checkpoint_uri, partition, scratch)
+
 
 class TrainingPolicy(ConfigurableResource):
     """Default hyperparameters of training/checkpoint; a run's config overrides any of them."""
@@ -475,6 +491,34 @@ class TrainingPolicy(ConfigurableResource):
 
     def hyperparameters(self) -> dict:
         return self.model_dump()
+
+
+class RegistryPolicy(ConfigurableResource):
+    """What the registry calls the model and what a candidate must show to become champion."""
+
+    model_name: str = "sft-model"
+    promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
+    slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
+
+
+CHAMPION_HISTORY_TAG = "champion_history"
+_HISTORY_KEPT = 50
+
+
+class HparamSearchPolicy(ConfigurableResource):
+    """What training/hparam_search explores, and how hard it prunes."""
+
+    space: dict[str, list] = Field(
+        default_factory=lambda: {"lr": [1e-3, 3e-3, 1e-2], "warmup_steps": [5, 20], "weight_decay": [0.0, 0.1],
+                                 "width": [64, 128]},
+        description="hyperparameter -> values; any TrainConfig field (width: the model's dim)",
+    )
+    trials: int = Field(default=6, description="configurations sampled from the grid")
+    min_steps: int = Field(default=10, description="steps at the first rung")
+    max_steps: int = Field(default=90, description="steps at the last rung (and the schedule's length)")
+    eta: int = Field(default=3, description="keep the best 1/eta at each rung; budgets grow eta times")
+    seed: int = 0
+    nproc_per_node: int = Field(default=1, description="ranks per trial: trials are short, one rank each")
 
 
 class MlflowResource(ConfigurableResource):
@@ -511,3 +555,54 @@ class MlflowResource(ConfigurableResource):
 
     def run_url(self, run_id: str) -> str:
         return f"{self.ui_url.rstrip('/')}/#/experiments/{self.experiment_id()}/runs/{run_id}"
+
+    # --- the model registry: aliases only (stages are deprecated) ---------------------------------
+    def registered_version(self, model_name: str, run_id: str, artifact_path: str, tags: dict[str, str]) -> str:
+        """The version of ``model_name`` holding the run's model: the one registered before (a
+        re-materialization registers nothing twice), else a new one. Returns its number."""
+        client = self.client()
+        if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
+            client.create_registered_model(model_name, description="Models trained by pipeline_assets")
+        for existing in client.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'"):
+            return str(existing.version)
+        version = client.create_model_version(model_name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                              tags={k: str(v) for k, v in tags.items()})
+        return str(version.version)
+
+    def version_by_alias(self, model_name: str, alias: str):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client().get_model_version_by_alias(model_name, alias)
+        except MlflowException:
+            return None
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self.client().set_registered_model_alias(model_name, alias, version)
+
+    def champion_history(self, model_name: str) -> list[dict]:
+        tags = self.client().get_registered_model(model_name).tags
+        return json.loads(tags.get(CHAMPION_HISTORY_TAG, "[]"))
+
+    def move_champion(self, model_name: str, version: str, *, by: str, reason: str) -> None:
+        """Point ``champion`` at ``version`` and record who moved it and why (newest last)."""
+        client = self.client()
+        previous = self.version_by_alias(model_name, "champion")
+        client.set_registered_model_alias(model_name, "champion", version)
+        entry = {"version": str(version), "previous": str(previous.version) if previous else None, "by": by,
+                 "reason": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        history = (self.champion_history(model_name) + [entry])[-_HISTORY_KEPT:]
+        client.set_registered_model_tag(model_name, CHAMPION_HISTORY_TAG, json.dumps(history))
+        client.set_model_version_tag(model_name, version, "champion_since", entry["at"])
+
+    def previous_champion(self, model_name: str) -> str | None:
+        """The version that was champion before the current one, from the recorded history."""
+        history = self.champion_history(model_name)
+        return history[-1]["previous"] if history else None
+
+    def download_model(self, model_name: str, version: str, destination: Path) -> Path:
+        import mlflow.artifacts
+
+        found = self.client().get_model_version(model_name, version)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=found.source, dst_path=str(destination),
+                                                        tracking_uri=self.tracking_uri))

@@ -23,7 +23,7 @@ DEADLINE_SECONDS = 240
 
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     home = tmp_path / "home"
-    manifest = write_sample_corpus(home / "landing", records=1500, eval_sets_dir=home / "reference" / "eval_sets")
+    manifest = write_sample_corpus(home / "landing", records=800, eval_sets_dir=home / "reference" / "eval_sets")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
     env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"), PIPELINE_TRAIN_STEPS="6")
     persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does

@@ -2,7 +2,7 @@
 
 from collections.abc import Callable
 
-from dagster import AssetKey, DagsterInstance
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, SILVER_RECORDS
 from pipeline_assets.defs.partitions import snapshot_version
@@ -37,3 +37,13 @@ def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str
     if silver:
         versions["bronze/records"] = (silver.get("upstream_delta_versions") or {}).get("bronze/records")
     return versions
+
+
+def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: str) -> dict | None:
+    """Plain metadata values of the newest materialization of one partition of ``key``."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=key, asset_partitions=[partition_key]), limit=1
+    ).records
+    if not records:
+        return None
+    return {name: value.value for name, value in records[0].asset_materialization.metadata.items()}

@@ -41,8 +41,10 @@ class TrainConfig:
     checkpoint_uri: str
     partition: str
     preset: str = "tiny"
+    width: int = 0  # the model's dim instead of the preset's (a search dimension); 0: the preset's
     vocab_size: int = 8192
     steps: int = 200
+    schedule_steps: int = 0  # the learning-rate schedule's length; 0: steps (a search's short trials share the long one)
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     lr: float = 3e-3
@@ -69,9 +71,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.width and self.width % PRESETS[self.preset].n_heads:
+            raise ValueError(f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
-        for name in ("steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):
+        for name in ("steps", "micro_batch_size", "warmup_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 

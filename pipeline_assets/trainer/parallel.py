@@ -57,6 +57,14 @@ def mixed_precision_policy(setting: str, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def compile_blocks(model: Transformer) -> Transformer:
+    """torch.compile each block on its own (before sharding), as torchtitan does: one graph per block
+    fuses the norms, rotary and SwiGLU's elementwise work."""
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
 def shard_model(model: Transformer, policy: MixedPrecisionPolicy) -> Transformer:
     """FSDP2: each block is a unit (its parameters gathered just for its forward and backward);
     the root holds the embedding, which the output layer shares, and the final norm."""

@@ -19,6 +19,7 @@ from pipeline_assets.lib import uris
 
 MANIFEST = "COMPLETE.json"
 BEST = "best.json"
+OWNER = "owner.json"  # which materialization (Dagster root run) the checkpoints belong to
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -107,6 +108,21 @@ class CheckpointStore:
             if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
                 return None, f"{file} does not match its checksum"
         return folder, ""
+
+    def clear(self) -> None:
+        """Remove every checkpoint, export and marker of this partition."""
+        for name in self._folders():
+            self.delete(name)
+        for relative in (BEST, OWNER):
+            if self.exists(relative):
+                self._delete_file(relative)
+
+    def _delete_file(self, relative: str) -> None:
+        if self.is_s3:
+            bucket, key = uris.split_s3(uris.join(self.uri, relative))
+            self.client.delete_object(Bucket=bucket, Key=key)
+        else:
+            (Path(self.uri) / relative).unlink(missing_ok=True)
 
     def delete(self, name: str) -> None:
         if not self.is_s3:

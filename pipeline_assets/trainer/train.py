@@ -7,6 +7,7 @@ same command again to resume); 1 failed, with the reason in the log.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
@@ -24,7 +26,14 @@ from torch.distributed.tensor import DTensor
 
 from pipeline_assets.trainer.checkpoint import Checkpointer
 from pipeline_assets.trainer.config import PRESETS, TrainConfig, parse_args
-from pipeline_assets.trainer.data import PackedSequences, rank_micro_batches, read_snapshot, sequences_table_uri, validation_shard
+from pipeline_assets.trainer.data import (
+    PackedSequences,
+    rank_micro_batches,
+    read_snapshot,
+    sequences_table_uri,
+    stream_indexes,
+    validation_shard,
+)
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token, loss_sum_and_count
@@ -83,7 +92,7 @@ class Trainer:
         self.config, self.env, self.reporter = config, env, reporter
         self.snapshot = read_snapshot(config.lake_uri, config.gold_version)
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
-                                                max_seq_len=self.snapshot.seq_len)
+                                                max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
         self._check_vocabulary()
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config).to(env.device)
@@ -270,6 +279,7 @@ class Trainer:
             "best_checkpoint_uri": best["uri"] if best else None,
             "checkpoint_uris": self.checkpointer.published,
             "mlflow_run_id": self.reporter.mlflow_run_id if self.reporter else None,
+            "first_batch_sha256": self.first_batch_fingerprint(),
         }
         if self.reporter:
             self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"]})
@@ -294,6 +304,12 @@ class Trainer:
                                 "torch_version": torch.__version__, "device": _device_name(self.env.device),
                                 "backend": self.env.backend})
             self.reporter.dataset(sequences_table_uri(config.lake_uri), config.gold_version, f"gold/sequences@v{config.gold_version}")
+            self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint()})
+
+    def first_batch_fingerprint(self) -> str:
+        """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data order."""
+        first = stream_indexes(len(self.snapshot.train), self.config.seed, 0, self.global_batch)
+        return hashlib.sha256(np.ascontiguousarray(self.snapshot.train.input_ids[first]).tobytes()).hexdigest()
 
     def _log_step(self, loss: float, grad_norm: float, speed: dict) -> None:
         values = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
@@ -334,10 +350,12 @@ def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.op
 
 
 def _warmup_cosine(config: TrainConfig):
+    horizon = config.schedule_steps or config.steps
+
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        progress = (step - config.warmup_steps) / max(1, horizon - config.warmup_steps)
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor

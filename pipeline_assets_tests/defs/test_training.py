@@ -45,7 +45,7 @@ def training_resources(resources, tmp_path) -> dict:
 @pytest.fixture
 def snapshot(instance, training_resources, landing_dir, eval_sets_dir, tmp_path) -> str:
     staging = tmp_path / "staging"
-    write_sample_corpus(staging, records=3000, eval_sets_dir=eval_sets_dir)
+    write_sample_corpus(staging, records=1500, eval_sets_dir=eval_sets_dir)
     shutil.copytree(staging, landing_dir, dirs_exist_ok=True)
     _ingest(instance, training_resources)
     built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences, *gold_checks], selection=[gold_tokenizer, gold_sequences],

@@ -5,6 +5,7 @@ from typing import Optional
 
 from dagster import (
     AssetExecutionContext,
+    AssetSelection,
     AutomationCondition,
     Config,
     Failure,
@@ -16,14 +17,17 @@ from dagster import (
 )
 from dagster._core.errors import DagsterPipesExecutionError  # raised by PipesSubprocessClient, not exported
 
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
-from pipeline_assets.defs.snapshots import snapshot_versions
+from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.provenance import git_commit
 from pipeline_assets.lib.uris import join
 from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
+from pipeline_assets.trainer.storage import OWNER, CheckpointStore
 from pipeline_assets.trainer.config import TrainConfig
 from pipeline_assets.trainer.train import EXIT_PREEMPTED
+
+MODEL_ARTIFACT_PATH = "model"  # the exported model inside the training run's MLflow artifacts
 
 
 class TrainingRunConfig(Config):
@@ -45,13 +49,16 @@ class TrainingRunConfig(Config):
 
 def when_snapshot_added() -> AutomationCondition:
     """Train each new data snapshot once its blocking checks pass; older snapshots are not retrained."""
-    return AutomationCondition.on_missing() & AutomationCondition.all_deps_blocking_checks_passed()
+    return (
+        AutomationCondition.on_missing().ignore(AssetSelection.assets(TRAINING_HPARAM_SEARCH))  # optional, by hand
+        & AutomationCondition.all_deps_blocking_checks_passed()
+    )
 
 
 @asset(
     key=TRAINING_CHECKPOINT,
     group_name="training",
-    deps=[GOLD_SEQUENCES, GOLD_TOKENIZER],
+    deps=[GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH],
     partitions_def=data_snapshots,
     pool="training",  # one job at a time by default: the instance's pool limit
     retry_policy=RetryPolicy(max_retries=2, delay=5),  # a preempted job resumes from its newest checkpoint
@@ -71,7 +78,12 @@ def training_checkpoint(
 ) -> MaterializeResult:
     partition = context.partition_key
     versions = snapshot_versions(context.instance, partition)
-    train_config = _train_config(partition, config, lake, launcher, training_policy, versions)
+    searched = (partition_metadata(context.instance, TRAINING_HPARAM_SEARCH, partition) or {}).get("best_config")
+    if searched:
+        context.log.info(f"using training/hparam_search's best configuration for {partition}: {searched}")
+    train_config = train_config_for(partition, config, lake, launcher, training_policy, versions, searched)
+    store = launcher.store(partition)
+    _claim_checkpoints(context, store)
     commit = git_commit()
     run_id = mlflow_tracking.open_run(
         name=f"train {partition}",
@@ -86,6 +98,10 @@ def training_checkpoint(
     except DagsterPipesExecutionError as exc:
         raise Failure(description=_failure_reason(str(exc), train_config)) from exc
     reported = invocation.get_materialize_result().metadata or {}
+    export, problem = store.fetch_verified("final")
+    if export is None:
+        raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
+    mlflow_tracking.client().log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
     return MaterializeResult(
         metadata={
             **reported,
@@ -96,12 +112,25 @@ def training_checkpoint(
             "git_commit": commit,
             "command": MetadataValue.text(shlex.join(command)),
             "preset": train_config.preset,
+            "hyperparameters_from_search": MetadataValue.json(searched or {}),
         }
     )
 
 
-def _train_config(partition: str, config: TrainingRunConfig, lake: LakeResource, launcher: TorchrunLauncher,
-                  policy: TrainingPolicy, versions: dict) -> TrainConfig:
+def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore) -> None:
+    """A retry of this materialization resumes its checkpoints; a new materialization of the
+    partition starts from step 0 (it must train on the same rows from scratch, not continue)."""
+    root_run = context.dagster_run.root_run_id or context.run_id
+    owner = store.read_json(OWNER)
+    if owner is not None and owner.get("root_run_id") != root_run:
+        context.log.info(f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')}")
+        store.clear()
+    store.write_json(OWNER, {"root_run_id": root_run})
+
+
+def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResource, launcher: TorchrunLauncher,
+                     policy: TrainingPolicy, versions: dict, searched: dict | None = None) -> TrainConfig:
+    """The policy's hyperparameters, then the search's best for this snapshot, then the run's config."""
     tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
     if tokenizer is None:
         raise Failure(description="gold/tokenizer does not exist: materialize gold first")
@@ -113,7 +142,7 @@ def _train_config(partition: str, config: TrainingRunConfig, lake: LakeResource,
         vocab_size=int(tokenizer["vocab_size"][0]),
         device=launcher.device,
         scratch_dir=launcher.scratch_dir,
-        **{**policy.hyperparameters(), **config.hyperparameter_overrides()},
+        **{**policy.hyperparameters(), **(searched or {}), **config.hyperparameter_overrides()},
     )
 
 

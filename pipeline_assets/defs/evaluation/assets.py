@@ -1,0 +1,167 @@
+"""evaluation/report: the candidate and the champion on exactly the same held-out data, per slice."""
+
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+
+from pipeline_assets.contracts import EvaluationSlice, conform, polars_schema, validate
+from pipeline_assets.defs.automation import after_upstream_passes
+from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TRAINING_CHECKPOINT
+from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
+from pipeline_assets.lib.chat_format import PAD
+from pipeline_assets.lib.charts import slice_bars_png
+from pipeline_assets.lib.promotion import OVERALL
+from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
+from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
+from pipeline_assets.trainer.export import load_exported
+
+
+@asset(
+    key=EVALUATION_REPORT,
+    group_name="evaluation",
+    deps=[TRAINING_CHECKPOINT, REFERENCE_EVAL_SETS],
+    partitions_def=data_snapshots,
+    kinds={"delta", "pytorch", "mlflow"},
+    automation_condition=after_upstream_passes(),
+    description="Loss and perplexity on gold's validation split (overall and per source) and on the eval-set "
+    "responses, for the candidate and the current champion on the same rows.",
+)
+def evaluation_report(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    eval_sets: EvalSetsResource,
+    launcher: TorchrunLauncher,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+) -> MaterializeResult:
+    stopwatch = Stopwatch()
+    partition = context.partition_key
+    versions = snapshot_versions(context.instance, partition)
+    trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
+    if trained is None:
+        raise Failure(description=f"training/checkpoint has no materialization for {partition}: train it first")
+    data = EvaluationData.load(lake, eval_sets, versions)
+    candidate_dir, problem = launcher.store(partition).fetch_verified("final")
+    if candidate_dir is None:
+        raise Failure(description=f"the exported model of {partition} is not usable: {problem}")
+
+    frames = [data.evaluate(load_exported(candidate_dir)[0], partition, "candidate", None)]
+    context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
+    champion, champion_note = _champion(mlflow_tracking, registry_policy.model_name, trained["mlflow_run_id"], versions)
+    if champion is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(champion.version), Path(folder))
+            frames.append(data.evaluate(load_exported(model_dir)[0], partition, "champion", str(champion.version)))
+    context.log.info(champion_note)
+
+    report = validate(conform(pl.concat(frames), EvaluationSlice), EvaluationSlice)
+    commit = lake.replace_partition("evaluation", "report", report, column="partition", value=partition)
+    comparison = _comparison(report)
+    picture = slice_bars_png(
+        comparison["slice"].to_list(), comparison["candidate"].to_list(),
+        comparison["champion"].to_list() if champion is not None else None,
+        Path(launcher.scratch_dir or tempfile.gettempdir()) / "reports" / partition / "evaluation.png",
+        f"{partition}: candidate vs champion (v{champion.version})" if champion else f"{partition}: candidate",
+    )
+    _log_to_mlflow(mlflow_tracking, trained["mlflow_run_id"], report, picture)
+    overall = comparison.filter(pl.col("slice") == OVERALL).row(0, named=True)
+    return MaterializeResult(
+        metadata={
+            **delta_write_metadata(commit, polars_schema(EvaluationSlice), upstream_versions=versions,
+                                   input_bytes=data.validation.estimated_size(), stopwatch=stopwatch),
+            "candidate_loss": overall["candidate"],
+            "candidate_perplexity": overall["candidate_perplexity"],
+            "champion_loss": overall["champion"],
+            "champion_version": str(champion.version) if champion else None,
+            "champion": champion_note,
+            "slices": table_metadata(comparison),
+            "picture": MetadataValue.path(str(picture)),
+            "validation_records": data.validation_records,
+            "eval_items": data.eval_items,
+        }
+    )
+
+
+class EvaluationData:
+    """The rows both models are scored on, loaded once at the snapshot's pinned versions."""
+
+    def __init__(self, validation: pl.DataFrame, eval_encoded: pl.DataFrame, slices: pl.DataFrame, seq_len: int, pad_id: int):
+        self.validation, self.eval_encoded, self.slices = validation, eval_encoded, slices
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
+        self.eval_items = eval_encoded.height
+
+    @classmethod
+    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict) -> "EvaluationData":
+        validation = lake.read("gold", "sequences", version=versions["gold/sequences"],
+                               where=pl.col("split") == "validation").sort("sequence_index")
+        if validation.is_empty():
+            raise Failure(description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
+        record_ids = validation["record_ids"].explode().unique()
+        sources = lake.read("silver", "records", version=versions["silver/records"],
+                            where=pl.col("record_id").is_in(record_ids)).select("record_id", "source")
+        tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+        tokenizer = tokenizer_from_json(tokenizer_rows["tokenizer_json"][0])
+        items = eval_sets.items(eval_sets.files())
+        items = items.with_columns(
+            record_id=pl.concat_str(pl.lit("eval:"), "eval_set", pl.lit(":"), "item_id"), system=pl.lit(None, pl.String)
+        )
+        slices = pl.concat([
+            pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
+            sources.select("record_id", slice=pl.lit("source:") + pl.col("source")),
+            items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")),
+        ])
+        seq_len = int(validation["input_ids"].list.len().max())
+        return cls(validation, encode_records(tokenizer, items), slices, seq_len, tokenizer.token_to_id(PAD))
+
+    def evaluate(self, model, partition: str, role: str, version: str | None) -> pl.DataFrame:
+        documents = pl.concat([
+            packed_document_losses(model, self.validation),
+            sequence_losses(model, self.eval_encoded, self.seq_len, self.pad_id),
+        ])
+        return slice_losses(documents, self.slices).with_columns(
+            partition=pl.lit(partition), model=pl.lit(role), model_version=pl.lit(version, pl.String),
+            evaluated_at=pl.lit(datetime.now(timezone.utc)),
+        )
+
+
+def _champion(mlflow_tracking: MlflowResource, model_name: str, candidate_run_id: str, versions: dict):
+    """The champion to compare with, or None with the reason."""
+    champion = mlflow_tracking.version_by_alias(model_name, "champion")
+    if champion is None:
+        return None, f"no champion of {model_name} yet: the candidate is judged against the uniform baseline"
+    if champion.run_id == candidate_run_id:
+        return None, f"the candidate is already champion ({model_name} v{champion.version})"
+    tokenizer = champion.tags.get("delta.gold/tokenizer")
+    if tokenizer != str(versions["gold/tokenizer"]):
+        return None, (f"champion v{champion.version} used gold/tokenizer v{tokenizer}, the candidate "
+                      f"v{versions['gold/tokenizer']}: losses per token are not comparable")
+    return champion, f"champion: {model_name} v{champion.version}, scored on the same rows"
+
+
+def _comparison(report: pl.DataFrame) -> pl.DataFrame:
+    """One row per slice: candidate and champion loss side by side."""
+    wide = report.pivot(on="model", index="slice", values="loss")
+    if "champion" not in wide.columns:
+        wide = wide.with_columns(champion=pl.lit(None, pl.Float64))
+    perplexity = report.filter(pl.col("model") == "candidate").select("slice", candidate_perplexity="perplexity")
+    return (
+        wide.join(perplexity, on="slice")
+        .with_columns(relative_change=(pl.col("candidate") - pl.col("champion")) / pl.col("champion"))
+        .select("slice", "candidate", "champion", "relative_change", "candidate_perplexity")
+        .sort(pl.col("slice") != OVERALL, "slice")
+    )
+
+
+def _log_to_mlflow(mlflow_tracking: MlflowResource, run_id: str, report: pl.DataFrame, picture: Path) -> None:
+    client = mlflow_tracking.client()
+    for row in report.iter_rows(named=True):
+        prefix = "eval" if row["model"] == "candidate" else "eval_champion"
+        client.log_metric(run_id, f"{prefix}/{row['slice'].replace(':', '_')}_loss", row["loss"])
+    client.log_artifact(run_id, str(picture), "evaluation")

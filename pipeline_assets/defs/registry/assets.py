@@ -1,0 +1,101 @@
+"""registry/model_version: register the candidate, alias it `challenger`, and move `champion` to it
+only when the promotion gate passes."""
+
+import polars as pl
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from pipeline_assets.defs.automation import after_upstream_passes
+from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
+from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
+from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
+from pipeline_assets.lib.promotion import OVERALL, GateDecision, promotion_gate
+from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy
+
+PROMOTION_GATE = "promotion_gate"
+
+
+@asset(
+    key=REGISTRY_MODEL_VERSION,
+    group_name="registry",
+    deps=[EVALUATION_REPORT, TRAINING_CHECKPOINT],
+    partitions_def=data_snapshots,
+    kinds={"mlflow"},
+    automation_condition=after_upstream_passes(),
+    check_specs=[AssetCheckSpec(
+        PROMOTION_GATE, asset=REGISTRY_MODEL_VERSION, blocking=True,
+        description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
+        "tolerance (a first model: beats the uniform baseline). Only then does `champion` move.",
+    )],
+    description="The trained model as an MLflow registered model version (aliases, never stages), with the "
+    "snapshot's lineage in its tags.",
+)
+def registry_model_version(
+    context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy
+) -> MaterializeResult:
+    partition = context.partition_key
+    versions = snapshot_versions(context.instance, partition)
+    trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
+    report = lake.read("evaluation", "report", where=pl.col("partition") == partition)
+    if trained is None or report is None or report.is_empty():
+        raise Failure(description=f"{partition} has no training run or evaluation report yet")
+    losses = {role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
+              for role in ("candidate", "champion")}
+    name = registry_policy.model_name
+    version = mlflow_tracking.registered_version(name, trained["mlflow_run_id"], MODEL_ARTIFACT_PATH, tags={
+        "partition": partition,
+        "git_commit": trained.get("git_commit"),
+        "dagster_run_id": context.run_id,
+        **{f"delta.{table}": v for table, v in versions.items()},
+        **{f"loss.{slice_name}": round(loss, 5) for slice_name, loss in losses["candidate"].items()},
+    })
+    mlflow_tracking.set_alias(name, "challenger", version)
+    decision = _decide(losses, version, mlflow_tracking, name, lake, versions, registry_policy)
+    current = mlflow_tracking.version_by_alias(name, "champion")
+    if decision.passed and (current is None or str(current.version) != version):
+        mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
+    context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
+    champion = mlflow_tracking.version_by_alias(name, "champion")
+    return MaterializeResult(
+        metadata={
+            "model_name": name,
+            "model_version": version,
+            "champion_version": str(champion.version) if champion else None,
+            "promoted": decision.passed,
+            "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(trained["mlflow_run_id"])),
+            "candidate_loss": losses["candidate"][OVERALL],
+        },
+        check_results=[AssetCheckResult(
+            check_name=PROMOTION_GATE, passed=decision.passed, severity=AssetCheckSeverity.ERROR,
+            description=decision.reason, metadata={k: _plain(v) for k, v in decision.numbers.items()},
+        )],
+    )
+
+
+def _decide(losses: dict, version: str, mlflow_tracking: MlflowResource, name: str, lake: LakeResource, versions: dict,
+            policy: RegistryPolicy) -> GateDecision:
+    champion = mlflow_tracking.version_by_alias(name, "champion")
+    if champion is not None and str(champion.version) == version:
+        return GateDecision(True, f"v{version} is already the champion")
+    if champion is not None and not losses["champion"]:
+        # Scored on other tokens (another tokenizer): never beaten automatically; promote by hand.
+        return GateDecision(False, f"champion v{champion.version} could not be scored on the same rows (see "
+                                   "evaluation/report): compare by hand and use `pipeline-assets promote`")
+    tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+    return promotion_gate(
+        losses["candidate"], losses["champion"] if champion is not None else None,
+        vocab_size=int(tokenizer["vocab_size"][0]), margin=policy.promotion_margin, slice_tolerance=policy.slice_tolerance,
+    )
+
+
+def _plain(value):
+    return MetadataValue.json(value) if isinstance(value, dict) else value

@@ -1,0 +1,57 @@
+"""The promotion gate: does a candidate model replace the champion?
+
+Pure arithmetic over per-slice losses (token-weighted mean loss per slice, the same data for both
+models), so the rule is readable and testable on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+OVERALL = "overall"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    reason: str
+    numbers: dict = field(default_factory=dict)
+
+
+def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | None, *, vocab_size: int,
+                   margin: float = 0.005, slice_tolerance: float = 0.02) -> GateDecision:
+    """Promote when the candidate's overall loss is lower by at least ``margin`` (relative) and no
+    slice is worse by more than ``slice_tolerance`` (relative). Without a champion, the candidate
+    must beat the uniform-token baseline, ln(vocab_size)."""
+    if OVERALL not in candidate:
+        raise ValueError(f"the candidate has no {OVERALL!r} slice")
+    if champion is None:
+        baseline = math.log(vocab_size)
+        passed = candidate[OVERALL] < baseline
+        return GateDecision(passed, (
+            f"first model: overall loss {candidate[OVERALL]:.4f} "
+            f"{'beats' if passed else 'does not beat'} the uniform baseline ln({vocab_size}) = {baseline:.4f}"
+        ), {"candidate_loss": candidate[OVERALL], "uniform_baseline_loss": baseline})
+
+    improvement = (champion[OVERALL] - candidate[OVERALL]) / champion[OVERALL]
+    regressions = {
+        name: (candidate[name] - champion[name]) / champion[name]
+        for name in sorted(candidate.keys() & champion.keys()) if name != OVERALL
+    }
+    worst = max(regressions, key=regressions.get) if regressions else None
+    numbers = {
+        "candidate_loss": candidate[OVERALL], "champion_loss": champion[OVERALL],
+        "relative_improvement": improvement, "required_improvement": margin,
+        "worst_slice": worst, "worst_slice_regression": regressions.get(worst, 0.0), "slice_tolerance": slice_tolerance,
+        "slice_regressions": regressions,
+    }
+    if improvement < margin:
+        return GateDecision(False, f"overall loss {candidate[OVERALL]:.4f} against the champion's {champion[OVERALL]:.4f}: "
+                                   f"{improvement:+.2%}, below the required {margin:.2%}", numbers)
+    if worst is not None and regressions[worst] > slice_tolerance:
+        return GateDecision(False, f"slice {worst} is {regressions[worst]:.2%} worse than the champion's "
+                                   f"(tolerance {slice_tolerance:.2%}), though overall improves {improvement:.2%}", numbers)
+    return GateDecision(True, f"overall loss improves {improvement:.2%} (required {margin:.2%}); the worst slice "
+                              f"{worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance {slice_tolerance:.2%})",
+                        numbers)

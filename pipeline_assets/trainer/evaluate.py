@@ -1,0 +1,89 @@
+"""Held-out loss per document, so that any slice (a source, an eval set) can be summed from it.
+
+Packed rows are evaluated as they were trained: attention stays within each document, so a
+document's loss does not depend on what it was packed with. Pure torch and polars: the evaluation
+asset calls it in-process for the candidate and the champion on exactly the same rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import torch
+
+from pipeline_assets.trainer.model import Transformer
+
+DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
+
+
+@torch.no_grad()
+def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: int = 16) -> pl.DataFrame:
+    """rows: input_ids, loss_mask, position_ids, record_ids (gold sequences) -> per record: summed
+    loss over its counted targets and how many there are. A record split over several rows is summed."""
+    model.eval()
+    parts = []
+    for start in range(0, rows.height, batch_size):
+        chunk = rows.slice(start, batch_size)
+        input_ids, loss_mask, position_ids = (_matrix(chunk[name]) for name in ("input_ids", "loss_mask", "position_ids"))
+        token_losses, counted = _token_losses(model, input_ids, loss_mask, position_ids)
+        piece = np.cumsum(position_ids.numpy() == 0, axis=1)[:, 1:] - 1  # the piece each target belongs to
+        parts.append(_per_piece(token_losses, counted, piece, chunk["record_ids"].to_list()))
+    if not parts:
+        return pl.DataFrame(schema=DOCUMENT_LOSSES_SCHEMA)
+    return pl.concat(parts).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")).sort("record_id")
+
+
+@torch.no_grad()
+def sequence_losses(model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16) -> pl.DataFrame:
+    """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
+    same per-record sums, each document alone in its row, cut to ``max_len`` tokens."""
+    rows = encoded.with_columns(
+        pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
+    ).with_columns(n=pl.col("input_ids").list.len())
+    padding = (max_len - rows["n"]).to_list()
+    padded = pl.DataFrame({
+        "input_ids": [ids + [pad_id] * k for ids, k in zip(rows["input_ids"].to_list(), padding, strict=True)],
+        "loss_mask": [mask + [False] * k for mask, k in zip(rows["loss_mask"].to_list(), padding, strict=True)],
+        "position_ids": [list(range(n)) + list(range(k)) for n, k in zip(rows["n"].to_list(), padding, strict=True)],
+        "record_ids": [[rid] for rid in rows["record_id"].to_list()],
+    })
+    return packed_document_losses(model, padded, batch_size)
+
+
+def slice_losses(document_losses: pl.DataFrame, slices: pl.DataFrame) -> pl.DataFrame:
+    """Token-weighted mean loss and perplexity per slice. ``slices``: record_id, slice (a record may
+    be in several slices; "overall" is whatever the caller puts there)."""
+    return (
+        document_losses.join(slices, on="record_id", how="inner")
+        .group_by("slice")
+        .agg(pl.sum("loss_sum"), pl.sum("tokens"), documents=pl.len())
+        .with_columns(loss=pl.col("loss_sum") / pl.col("tokens"))
+        .with_columns(perplexity=pl.col("loss").exp())
+        .select("slice", "loss", "perplexity", "tokens", "documents")
+        .sort("slice")
+    )
+
+
+def _matrix(column: pl.Series) -> torch.Tensor:
+    values = np.array(column.to_list())
+    return torch.from_numpy(values.astype(np.int64) if values.dtype != bool else values)
+
+
+def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule, as in
+    ``model.loss_sum_and_count``)."""
+    logits = model(input_ids, position_ids).float()
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
+    ).view(input_ids.shape[0], -1)
+    counted = loss_mask[:, 1:] & (position_ids[:, 1:] != 0)
+    return losses.numpy(), counted.numpy()
+
+
+def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: list[list[str]]) -> pl.DataFrame:
+    rows, columns = np.nonzero(counted)
+    pieces = piece[rows, columns]
+    names = [record_ids[r][p] for r, p in zip(rows.tolist(), pieces.tolist(), strict=True)]
+    frame = pl.DataFrame({"record_id": names, "loss": token_losses[rows, columns].astype(np.float64)},
+                         schema={"record_id": pl.String, "loss": pl.Float64})
+    return frame.group_by("record_id").agg(loss_sum=pl.sum("loss"), tokens=pl.len().cast(pl.Int64))

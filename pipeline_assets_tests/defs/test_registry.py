@@ -1,0 +1,133 @@
+"""Training, evaluation and the registry together on the sample corpus: the promotion gate, manual
+promote and rollback, lineage, and identical data when a snapshot is trained again. One scenario,
+in order, because each step needs the registry the one before left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+from dagster import materialize
+from mlflow import MlflowClient
+
+from pipeline_assets.defs.evaluation.assets import evaluation_report
+from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
+from pipeline_assets.defs.gold.checks import gold_checks
+from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
+from pipeline_assets.defs.training.assets import training_checkpoint
+from pipeline_assets.defs.training.search import hparam_search
+from pipeline_assets.resources import HparamSearchPolicy, RegistryPolicy
+from pipeline_assets_tests.defs.test_gold import UPSTREAM
+from pipeline_assets_tests.defs.test_training import snapshot, training_resources  # noqa: F401 (fixtures)
+
+MODEL = "sft-model"
+DOWNSTREAM = [training_checkpoint, evaluation_report, registry_model_version]
+
+
+@pytest.fixture
+def registry_resources(training_resources) -> dict:  # noqa: F811
+    search = HparamSearchPolicy(space={"lr": [1e-4, 6e-3]}, trials=2, min_steps=5, max_steps=10, eta=2)
+    return {**training_resources, "registry_policy": RegistryPolicy(model_name=MODEL), "hparam_search_policy": search}
+
+
+def _train_evaluate_register(instance, resources, partition: str, steps: int):
+    return materialize([eval_sets, *DOWNSTREAM], selection=DOWNSTREAM, partition_key=partition, instance=instance,
+                       resources=resources, raise_on_error=False,
+                       run_config={"ops": {"training__checkpoint": {"config": {"steps": steps}}}})
+
+
+def _new_snapshot(instance, resources) -> str:
+    built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences, *gold_checks], selection=[gold_sequences],
+                        instance=instance, resources=resources)
+    assert built.success
+    return instance.get_dynamic_partitions(data_snapshots.name)[-1]
+
+
+def _metadata(result, node: str) -> dict:
+    return {k: v.value for k, v in result.asset_materializations_for_node(node)[0].metadata.items()}
+
+
+def _gate(result):
+    [evaluation] = [c for c in result.get_asset_check_evaluations() if c.check_name == PROMOTION_GATE]
+    return evaluation
+
+
+def _cli(resources, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "MLFLOW_"))}
+    env.update(PIPELINE_HOME=str(tmp_path / "home"), PIPELINE_LAKE_URI=resources["lake"].uri,
+               MLFLOW_TRACKING_URI=resources["mlflow_tracking"].tracking_uri)
+    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_gate_rollback_lineage_and_retraining_on_identical_data(
+        snapshot, instance, registry_resources, landing_dir, tmp_path):  # noqa: F811
+    mlflow_tracking = registry_resources["mlflow_tracking"]
+
+    first = _train_evaluate_register(instance, registry_resources, snapshot, steps=30)
+    assert first.success
+    assert _gate(first).passed, "a first model becomes champion when it beats the uniform baseline"
+    assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 1
+    report = registry_resources["lake"].read("evaluation", "report", where=pl.col("partition") == snapshot)
+    slices = set(report["slice"])
+    assert {"overall", "source:annotate", "source:logs", "source:scrape", "source:synth"} <= slices
+    assert any(name.startswith("eval:") for name in slices) and set(report["model"]) == {"candidate"}
+
+    better_snapshot = _new_snapshot(instance, registry_resources)
+    searched = materialize([hparam_search], partition_key=better_snapshot, instance=instance, resources=registry_resources)
+    found = _metadata(searched, "training__hparam_search")
+    assert found["steps_trained"] == 2 * 5 + 1 * 5 < found["full_grid_steps"] == 2 * 10
+    trials = registry_resources["lake"].read("training", "hparam_search", where=pl.col("partition") == better_snapshot)
+    assert trials.height == 3 and trials.filter(pl.col("rung") == 0)["continued"].sum() == 1
+    parent = MlflowClient(mlflow_tracking.tracking_uri).get_run(trials["mlflow_run_id"][0]).data.tags["mlflow.parentRunId"]
+    assert MlflowClient(mlflow_tracking.tracking_uri).get_run(parent).data.tags["kind"] == "hparam_search"
+
+    better = _train_evaluate_register(instance, registry_resources, better_snapshot, steps=90)
+    trained_with = MlflowClient(mlflow_tracking.tracking_uri).get_run(_metadata(better, "training__checkpoint")["mlflow_run_id"])
+    assert float(trained_with.data.params["lr"]) == found["best_config"]["lr"], "the search's best feeds training"
+    assert better.success and _gate(better).passed, _gate(better).description
+    evaluated = _metadata(better, "evaluation__report")
+    assert evaluated["champion_version"] == "1" and evaluated["candidate_loss"] < evaluated["champion_loss"]
+    assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 2
+
+    worse_snapshot = _new_snapshot(instance, registry_resources)
+    worse = _train_evaluate_register(instance, registry_resources, worse_snapshot, steps=4)
+    gate = _gate(worse)
+    assert not gate.passed and not worse.success, "a refused candidate fails the blocking gate"
+    assert gate.metadata["champion_loss"].value < gate.metadata["candidate_loss"].value
+    assert mlflow_tracking.version_by_alias(MODEL, "challenger").version == 3
+    assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 2, "the champion does not move"
+
+    rolled = _cli(registry_resources, tmp_path, "rollback", MODEL)
+    assert rolled.returncode == 0, rolled.stderr
+    assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 1
+    promoted = _cli(registry_resources, tmp_path, "promote", f"{MODEL}/2", "--reason", "rollback drill over")
+    assert promoted.returncode == 0, promoted.stderr
+    history = mlflow_tracking.champion_history(MODEL)
+    assert [(h["version"], h["by"]) for h in history[-2:]] == [("1", "pipeline-assets rollback"), ("2", "pipeline-assets promote")]
+    assert history[-1]["reason"] == "rollback drill over"
+
+    traced = _cli(registry_resources, tmp_path, "lineage", f"{MODEL}@champion")
+    assert traced.returncode == 0, traced.stderr
+    lineage = json.loads(traced.stdout)
+    assert lineage["model"]["version"] == "2" and lineage["checkpoint"]["partition"] == better_snapshot
+    assert lineage["gold"]["sequences_version"] == int(better_snapshot.removeprefix("gold-v"))
+    assert lineage["mlflow_run"]["run_id"] == _metadata(better, "training__checkpoint")["mlflow_run_id"]
+    landed = sorted(str(p) for p in landing_dir.rglob("*") if p.is_file() and not p.name.startswith(("_", ".")))
+    assert sorted(f["uri"] for f in lineage["landing_files"]) == landed
+    assert all(len(f["checksum"]) == 64 for f in lineage["landing_files"])
+    assert _cli(registry_resources, tmp_path, "lineage", f"{MODEL}/99").returncode == 2
+
+    # Training a snapshot again (a new materialization, from step 0) sees identical data.
+    again = materialize([training_checkpoint], partition_key=snapshot, instance=instance, resources=registry_resources,
+                        run_config={"ops": {"training__checkpoint": {"config": {"steps": 30}}}})
+    before, after = _metadata(first, "training__checkpoint"), _metadata(again, "training__checkpoint")
+    assert after["mlflow_run_id"] != before["mlflow_run_id"]
+    assert after["first_batch_sha256"] == before["first_batch_sha256"]
+    assert after["steps"] == 30 and after["final_loss"] == before["final_loss"], "from step 0, on the same rows, same seed"
