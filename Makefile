@@ -29,11 +29,14 @@ $(DAGSTER_HOME)/dagster.yaml: pipeline_assets/instance.yaml
 
 demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/pipeline-assets sample-data --records $(SAMPLE_RECORDS)
-	$(BIN)/pipeline-assets run
+	time $(BIN)/pipeline-assets run
 	$(BIN)/pipeline-assets summary
+	$(BIN)/pipeline-assets lineage $${PIPELINE_MODEL_NAME:-sft-model}@champion
 
+# Two workers, one test file each at a time: the end-to-end files mostly wait on subprocesses
+# (torchrun, the Dagster daemon), so two of them share the 2 cores of CI well.
 test: install
-	$(BIN)/python -m pytest -q pipeline_assets_tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile pipeline_assets_tests
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/mlflow ui --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \

@@ -115,7 +115,12 @@ def _summary(args, settings: Settings) -> int:
             "real_tokens": int(sequences["real_tokens"].sum()),
             "packing_efficiency": round(int(sequences["real_tokens"].sum()) / (sequences.height * sequences["input_ids"].list.len().max()), 4),
         }
-    report["look_next"] = "make dev, then http://127.0.0.1:3000/asset-groups (Dagster UI)"
+    report["model"] = _champion_summary(settings)
+    report["look_next"] = {
+        "dagster": "make dev, then http://127.0.0.1:3000/asset-groups (the graph) and /runs",
+        "mlflow": f"{settings.mlflow_ui_url}/#/models/{settings.model_name} (the registry; make dev serves it)",
+        "lineage": f"pipeline-assets lineage {settings.model_name}@champion",
+    }
     print(json.dumps(report, indent=2))
     return 0
 
@@ -150,6 +155,23 @@ def _rollback(args, settings: Settings) -> int:
     mlflow_tracking.move_champion(args.model_name, previous, by="pipeline-assets rollback", reason=args.reason)
     print(json.dumps({"model": args.model_name, "champion": previous, "reason": args.reason}))
     return 0
+
+
+def _champion_summary(settings: Settings) -> dict | None:
+    """The champion's version, metrics and where it came from; None before the first registration."""
+    from pipeline_assets.resources import build_resources
+
+    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
+    champion = mlflow_tracking.version_by_alias(settings.model_name, "champion")
+    if champion is None:
+        return None
+    return {
+        "name": settings.model_name,
+        "champion_version": str(champion.version),
+        "partition": champion.tags.get("partition"),
+        "losses": {k.removeprefix("loss."): float(v) for k, v in sorted(champion.tags.items()) if k.startswith("loss.")},
+        "mlflow_run": mlflow_tracking.run_url(champion.run_id),
+    }
 
 
 def _local(uri: str, setting: str) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
 
+from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.keys import TRAINING_HPARAM_SEARCH
@@ -94,6 +95,8 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
         if not node.is_executable or node.partitions_def is not None:
             continue
         own = latest(key)
+        if own is not None and _made_once(node):
+            continue
         upstream = [t for t in (latest(parent) for parent in node.parent_keys) if t is not None]
         if own is None or any(t > own for t in upstream) or any(k in stale for k in node.parent_keys):
             stale.append(key)
@@ -117,6 +120,12 @@ def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, ke
             if snapshot not in done:
                 plan.setdefault(snapshot, []).append(key)
     return plan
+
+
+def _made_once(node) -> bool:
+    """Assets automation makes only when missing (the tokenizer: retraining it changes every token id)."""
+    condition = node.automation_condition
+    return condition is not None and condition.get_label() == ONCE_WHEN_MISSING
 
 
 def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | None) -> RunOutcome:

@@ -18,7 +18,10 @@ from pipeline_assets_tests.conftest import record, write_landing_file
 
 def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", **env)
+    # Short training, and a gate that lets any candidate through: this file tests the commands and the
+    # drift story; the gate has its own tests (lib/test_promotion.py, defs/test_registry.py).
+    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_PROMOTION_MARGIN="-1",
+                       PIPELINE_SLICE_TOLERANCE="1", **env)
     return subprocess.run(
         [sys.executable, "-m", "pipeline_assets.cli", *args], env=environment, capture_output=True, text=True, timeout=300
     )
@@ -58,6 +61,9 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert silver + sum(summary["rejected_by_stage"].values()) == bronze_rows, "run also materializes silver for each batch"
     assert summary["data_snapshot"]["partition"] == "gold-v1", "a gold snapshot over all batches, rebuilt after the fix"
     assert instance.get_materialized_partitions(TRAINING_CHECKPOINT) == {"gold-v0", "gold-v1"}, "each snapshot is trained"
+    assert summary["model"]["champion_version"] == "2" and summary["model"]["partition"] == "gold-v1"
+    lineage = json.loads(_cli(tmp_path, "lineage", "sft-model@champion").stdout)
+    assert len(lineage["silver"]["batches"]) == 2 and lineage["gold"]["tokenizer_version"] == 0, "the tokenizer is made once"
 
 
 def test_run_with_a_selection_and_a_bad_setting(tmp_path):

@@ -21,7 +21,7 @@ automation_sensor = AutomationConditionSensorDefinition(
     "pipeline_automation",
     target=AssetSelection.all(),
     default_status=DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=15,
+    minimum_interval_seconds=10,
     description="Evaluates every asset's automation condition: downstream layers follow upstream ones.",
 )
 
@@ -32,6 +32,9 @@ def after_any_batch_updates() -> AutomationCondition:
     return AutomationCondition.eager().without(~AutomationCondition.any_deps_missing())
 
 
+ONCE_WHEN_MISSING = "once_when_missing"
+
+
 def once_when_missing() -> AutomationCondition:
     """Materialize when missing, on the tick an upstream partition updates (so alongside what
     that update triggers downstream); once it exists, only by hand."""
@@ -39,4 +42,4 @@ def once_when_missing() -> AutomationCondition:
         AutomationCondition.missing()
         & AutomationCondition.any_deps_updated()
         & ~AutomationCondition.in_progress()
-    )
+    ).with_label(ONCE_WHEN_MISSING)

@@ -7,6 +7,11 @@ import dataclasses
 from dataclasses import dataclass
 
 
+# The trainer's exit code after a SIGTERM/SIGINT stop that saved a checkpoint (128 + SIGTERM, as a
+# shell reports a process SIGTERM ended): the same command resumes.
+EXIT_PREEMPTED = 143
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     dim: int

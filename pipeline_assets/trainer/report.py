@@ -86,28 +86,3 @@ class Reporter:
             self._pipes.close()
         if self._mlflow:
             self._mlflow.end_run(status="FINISHED" if succeeded else "KILLED")
-
-
-def loss_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
-    """Training loss per log step, with validation loss where it was measured."""
-    train = [row for row in history if "loss" in row]
-    validation = [row for row in history if "validation_loss" in row]
-    if not train:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4), dpi=110)
-    axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", linewidth=1.5)
-    if validation:
-        axis.plot([r["step"] for r in validation], [r["validation_loss"] for r in validation], "o-",
-                  label="validation loss", linewidth=1.5)
-    axis.set(xlabel="step", ylabel="loss (nats/token)", title=title)
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from pipeline_assets.trainer.checkpoint import Checkpointer
-from pipeline_assets.trainer.config import PRESETS, TrainConfig, parse_args
+from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, parse_args
 from pipeline_assets.trainer.data import (
     PackedSequences,
     rank_micro_batches,
@@ -38,12 +38,12 @@ from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token, loss_sum_and_count
 from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
-from pipeline_assets.trainer.report import Reporter, loss_curve_png
+from pipeline_assets.lib.charts import loss_curve_png
+from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.storage import CheckpointStore, describe_files
 
 log = logging.getLogger("pipeline_assets.trainer")
 LOSS_CURVE = "loss_curve.png"
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
 
 
 @dataclass
@@ -282,7 +282,8 @@ class Trainer:
             "first_batch_sha256": self.first_batch_fingerprint(),
         }
         if self.reporter:
-            self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"]})
+            self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],
+                                "checkpoint_uris": json.dumps(self.checkpointer.published[-20:])})
             picture = loss_curve_png(history, export_folder / LOSS_CURVE,
                                      f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)")
             if picture:

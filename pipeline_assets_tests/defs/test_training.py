@@ -98,6 +98,7 @@ def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snaps
     assert tags["delta.gold/sequences"] == snapshot.removeprefix("gold-v")
     assert tags["delta.silver/records"].isdigit() and tags["delta.bronze/records"].isdigit()
     assert tags["git_commit"] and tags["torch_version"] and tags["device"] == "cpu"
+    assert tags["export_uri"].endswith(f"{snapshot}/final") and f"{snapshot}/step-{STEPS}" in tags["checkpoint_uris"]
     assert len(client.get_metric_history(run.info.run_id, "loss")) == STEPS // 5
     for metric in ("learning_rate", "grad_norm", "tokens_per_second", "validation_loss"):
         assert client.get_metric_history(run.info.run_id, metric), metric

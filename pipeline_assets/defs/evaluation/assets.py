@@ -18,8 +18,6 @@ from pipeline_assets.lib.charts import slice_bars_png
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
-from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
-from pipeline_assets.trainer.export import load_exported
 
 
 @asset(
@@ -46,6 +44,8 @@ def evaluation_report(
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     if trained is None:
         raise Failure(description=f"training/checkpoint has no materialization for {partition}: train it first")
+    from pipeline_assets.trainer.export import load_exported  # torch: loaded by the run, not by every code-location load
+
     data = EvaluationData.load(lake, eval_sets, versions)
     candidate_dir, problem = launcher.store(partition).fetch_verified("final")
     if candidate_dir is None:
@@ -121,6 +121,8 @@ class EvaluationData:
         return cls(validation, encode_records(tokenizer, items), slices, seq_len, tokenizer.token_to_id(PAD))
 
     def evaluate(self, model, partition: str, role: str, version: str | None) -> pl.DataFrame:
+        from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
+
         documents = pl.concat([
             packed_document_losses(model, self.validation),
             sequence_losses(model, self.eval_encoded, self.seq_len, self.pad_id),

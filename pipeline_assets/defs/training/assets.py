@@ -24,8 +24,7 @@ from pipeline_assets.lib.provenance import git_commit
 from pipeline_assets.lib.uris import join
 from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
 from pipeline_assets.trainer.storage import OWNER, CheckpointStore
-from pipeline_assets.trainer.config import TrainConfig
-from pipeline_assets.trainer.train import EXIT_PREEMPTED
+from pipeline_assets.trainer.config import EXIT_PREEMPTED, TrainConfig
 
 MODEL_ARTIFACT_PATH = "model"  # the exported model inside the training run's MLflow artifacts
 
