@@ -201,6 +201,21 @@ class HparamTrial(pa.DataFrameModel):
         coerce = False
 
 
+class RunFailure(pa.DataFrameModel):
+    """A failed Dagster run, as the run-failure sensor recorded it."""
+
+    run_id: str
+    job_name: str
+    partition: str = pa.Field(nullable=True)
+    failed_steps: str = pa.Field(description="comma-separated step keys; empty when the run failed outside a step")
+    error: str
+    failed_at: UTC_TIMESTAMP
+
+    class Config:
+        strict = True
+        coerce = False
+
+
 class LandingManifestEntry(pa.DataFrameModel):
     """One landing file registered into an ingest batch."""
 

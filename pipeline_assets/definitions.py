@@ -8,6 +8,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.landing.sensors import landing_sensor
+from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
@@ -21,6 +22,8 @@ defs = Definitions(
     assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
             registry_model_version],
     asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
-    sensors=[landing_sensor, automation_sensor],
+    sensors=[landing_sensor, automation_sensor, run_failure_recorder],
+    schedules=[nightly_retrain],
+    jobs=[retrain_job],
     resources=build_resources(),
 )

@@ -6,6 +6,7 @@ build paths or clients themselves: they ask the lake and landing resources.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
-from pipeline_assets.trainer.config import PRESETS
+from pipeline_assets.trainer.config import PRESETS, TrainConfig
 from pipeline_assets.trainer.storage import CheckpointStore
 
 
@@ -472,22 +473,27 @@ class TorchrunLauncher(ConfigurableResource):
         return CheckpointStore(self.checkpoint_uri, partition, scratch)
 
 
+def _trainer_default(name: str):
+    """The trainer's own default: one source for a by-hand run and for the Dagster resource."""
+    return next(item.default for item in dataclasses.fields(TrainConfig) if item.name == name)
+
+
 class TrainingPolicy(ConfigurableResource):
     """Default hyperparameters of training/checkpoint; a run's config overrides any of them."""
 
-    preset: str = Field(default="tiny", description=f"model size: {', '.join(PRESETS)}")
-    steps: int = 200
-    micro_batch_size: int = 4
-    grad_accum_steps: int = 1
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    seed: int = 1234
-    log_every: int = 10
-    eval_every: int = 50
-    checkpoint_every_steps: int = 50
-    checkpoint_every_minutes: float = 10.0
-    keep_checkpoints: int = 2
+    preset: str = Field(default=_trainer_default("preset"), description=f"model size: {', '.join(PRESETS)}")
+    steps: int = _trainer_default("steps")
+    micro_batch_size: int = _trainer_default("micro_batch_size")
+    grad_accum_steps: int = _trainer_default("grad_accum_steps")
+    lr: float = _trainer_default("lr")
+    warmup_steps: int = _trainer_default("warmup_steps")
+    weight_decay: float = _trainer_default("weight_decay")
+    seed: int = _trainer_default("seed")
+    log_every: int = _trainer_default("log_every")
+    eval_every: int = _trainer_default("eval_every")
+    checkpoint_every_steps: int = _trainer_default("checkpoint_every_steps")
+    checkpoint_every_minutes: float = _trainer_default("checkpoint_every_minutes")
+    keep_checkpoints: int = _trainer_default("keep_checkpoints")
 
     def hyperparameters(self) -> dict:
         return self.model_dump()

@@ -11,6 +11,7 @@ from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, conform, p
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import MANIFEST_TABLE, batch_files
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
@@ -35,6 +36,7 @@ _KINDS = {"delta", "polars"}
         ),
     ],
     partitions_def=ingest_batches,
+    retry_policy=TRANSIENT,  # landing reads and Delta writes, on S3 too
 )
 def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingResource):
     stopwatch = Stopwatch()

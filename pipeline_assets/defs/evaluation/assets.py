@@ -12,6 +12,7 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TRAINING_CHECKPOINT
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
@@ -27,6 +28,7 @@ from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowReso
     partitions_def=data_snapshots,
     kinds={"delta", "pytorch", "mlflow"},
     automation_condition=after_upstream_passes(),
+    retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
     description="Loss and perplexity on gold's validation split (overall and per source) and on the eval-set "
     "responses, for the candidate and the current champion on the same rows.",
 )
@@ -43,13 +45,13 @@ def evaluation_report(
     versions = snapshot_versions(context.instance, partition)
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     if trained is None:
-        raise Failure(description=f"training/checkpoint has no materialization for {partition}: train it first")
+        raise Failure(allow_retries=False, description=f"training/checkpoint has no materialization for {partition}: train it first")
     from pipeline_assets.trainer.export import load_exported  # torch: loaded by the run, not by every code-location load
 
     data = EvaluationData.load(lake, eval_sets, versions)
     candidate_dir, problem = launcher.store(partition).fetch_verified("final")
     if candidate_dir is None:
-        raise Failure(description=f"the exported model of {partition} is not usable: {problem}")
+        raise Failure(allow_retries=False, description=f"the exported model of {partition} is not usable: {problem}")
 
     frames = [data.evaluate(load_exported(candidate_dir)[0], partition, "candidate", None)]
     context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
@@ -102,7 +104,7 @@ class EvaluationData:
         validation = lake.read("gold", "sequences", version=versions["gold/sequences"],
                                where=pl.col("split") == "validation").sort("sequence_index")
         if validation.is_empty():
-            raise Failure(description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
+            raise Failure(allow_retries=False, description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
         record_ids = validation["record_ids"].explode().unique()
         sources = lake.read("silver", "records", version=versions["silver/records"],
                             where=pl.col("record_id").is_in(record_ids)).select("record_id", "source")

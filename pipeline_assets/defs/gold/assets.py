@@ -12,6 +12,7 @@ from pipeline_assets.defs.automation import after_any_batch_updates, once_when_m
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
@@ -47,6 +48,7 @@ def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[p
     deps=[SILVER_RECORDS],
     kinds={"delta", "tokenizers"},
     automation_condition=once_when_missing(),
+    retry_policy=TRANSIENT,
     description="tokenizer.json (byte-level BPE trained on silver's training split, or the file PIPELINE_TOKENIZER names); "
     "each Delta version is one tokenizer.",
 )
@@ -59,7 +61,7 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
         silver, silver_version, _ = usable_silver(context, lake)
         train = assign_split(silver, gold_policy.validation_fraction).filter(pl.col("split") == TRAIN)
         if train.is_empty():
-            raise Failure(description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
+            raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
         context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
         tokenizer = train_bpe(_chat_texts(train), vocab_size=gold_policy.vocab_size)
         origin = "trained on silver/records (training split)"
@@ -91,7 +93,7 @@ def _provided_tokenizer(path: str):
         tokenizer = tokenizer_from_json(Path(path).read_text())
         check_tokenizer(tokenizer)
     except Exception as exc:  # a missing file, bad JSON (tokenizers has its own error type), missing tokens
-        raise Failure(description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}") from exc
+        raise Failure(allow_retries=False, description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}") from exc
     return tokenizer
 
 
@@ -108,6 +110,7 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     deps=[SILVER_RECORDS, GOLD_TOKENIZER],
     kinds=_KINDS,
     automation_condition=after_any_batch_updates(),
+    retry_policy=TRANSIENT,
     description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation split. "
     "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin.",
 )
@@ -122,7 +125,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         context.log.warning(f"left out {len(blocked)} batch(es) whose silver blocking checks failed: {', '.join(blocked)}")
 
     if silver.is_empty():
-        raise Failure(description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
+        raise Failure(allow_retries=False, description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
                       f"{len(blocked)} batch(es) left out as blocked)")
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction)
     encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")

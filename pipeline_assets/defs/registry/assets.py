@@ -16,6 +16,7 @@ from dagster import (
 from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
 from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.promotion import OVERALL, GateDecision, promotion_gate
@@ -31,6 +32,7 @@ PROMOTION_GATE = "promotion_gate"
     partitions_def=data_snapshots,
     kinds={"mlflow"},
     automation_condition=after_upstream_passes(),
+    retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
     check_specs=[AssetCheckSpec(
         PROMOTION_GATE, asset=REGISTRY_MODEL_VERSION, blocking=True,
         description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
@@ -47,7 +49,7 @@ def registry_model_version(
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     report = lake.read("evaluation", "report", where=pl.col("partition") == partition)
     if trained is None or report is None or report.is_empty():
-        raise Failure(description=f"{partition} has no training run or evaluation report yet")
+        raise Failure(allow_retries=False, description=f"{partition} has no training run or evaluation report yet")
     losses = {role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
               for role in ("candidate", "champion")}
     name = registry_policy.model_name

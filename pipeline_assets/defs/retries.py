@@ -1,0 +1,11 @@
+"""Retries for stages that can fail for a moment: object-store reads and writes, SQLite locks.
+
+A failure that would repeat (bad input, a missing upstream) is raised as
+``Failure(allow_retries=False)`` in those stages, so it is reported at once instead of retried.
+"""
+
+from dagster import Backoff, RetryPolicy
+
+# Three tries more, 10 s, 20 s, 40 s apart: long enough for a throttled S3 or a busy SQLite writer;
+# a real error (a bad file, a failed contract) fails the same way each time and is then reported.
+TRANSIENT = RetryPolicy(max_retries=3, delay=10, backoff=Backoff.EXPONENTIAL)
