@@ -92,7 +92,7 @@ def _summary(args, settings: Settings) -> int:
     report: dict = {"lake": settings.lake_uri, "tables": {}}
     tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
               ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index"),
-              ("gold", "tokenizer"), ("gold", "sequences")]
+              ("gold", "tokenizer"), ("gold", "sequences"), ("evaluation", "report"), ("ops", "pipeline_report")]
     for layer, name in tables:
         scan = lake.scan(layer, name)
         report["tables"][f"{layer}/{name}"] = None if scan is None else {
@@ -115,6 +115,7 @@ def _summary(args, settings: Settings) -> int:
             "real_tokens": int(sequences["real_tokens"].sum()),
             "packing_efficiency": round(int(sequences["real_tokens"].sum()) / (sequences.height * sequences["input_ids"].list.len().max()), 4),
         }
+    report["pipeline"] = _latest_pipeline_report(lake)
     report["model"] = _champion_summary(settings)
     report["look_next"] = {
         "dagster": "make dev, then http://127.0.0.1:3000/asset-groups (the graph) and /runs",
@@ -155,6 +156,23 @@ def _rollback(args, settings: Settings) -> int:
     mlflow_tracking.move_champion(args.model_name, previous, by="pipeline-assets rollback", reason=args.reason)
     print(json.dumps({"model": args.model_name, "champion": previous, "reason": args.reason}))
     return 0
+
+
+def _latest_pipeline_report(lake) -> dict | None:
+    """The newest ops/pipeline_report: the bottleneck, and per stage its wall time, throughput and cost."""
+    import polars as pl
+
+    history = lake.read("ops", "pipeline_report")
+    if history is None:
+        return None
+    latest = history.filter(pl.col("report_id") == history["report_id"].max())
+    return {
+        "bottleneck": latest.sort("wall_seconds", descending=True)["stage"][0],
+        "usd_per_million_tokens": round(float(latest["usd_per_million_tokens"].sum()), 6),
+        "stages": {row["stage"]: {"wall_seconds": round(row["wall_seconds"], 2), "throughput": round(row["throughput"], 1),
+                                  "unit": row["unit"], "cost_usd": round(row["cost_usd"], 6)}
+                   for row in latest.iter_rows(named=True)},
+    }
 
 
 def _champion_summary(settings: Settings) -> dict | None:

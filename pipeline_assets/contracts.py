@@ -216,6 +216,32 @@ class RunFailure(pa.DataFrameModel):
         coerce = False
 
 
+class PipelineStage(pa.DataFrameModel):
+    """One stage of one pipeline report: what it processed, how fast, at what cost."""
+
+    report_id: str
+    snapshot: str = pa.Field(str_startswith="gold-v")
+    stage: str
+    rows: pl.Int64 = pa.Field(ge=0)
+    input_mb: float = pa.Field(ge=0)
+    tokens: pl.Int64 = pa.Field(ge=0)
+    wall_seconds: float = pa.Field(ge=0)
+    cpu_seconds: float = pa.Field(ge=0)
+    gpu_seconds: float = pa.Field(ge=0)
+    rows_per_second: float = pa.Field(ge=0)
+    mb_per_second: float = pa.Field(ge=0)
+    tokens_per_second: float = pa.Field(ge=0)
+    share_of_wall: float = pa.Field(ge=0, le=1)
+    cost_usd: float = pa.Field(ge=0)
+    usd_per_million_tokens: float = pa.Field(ge=0)
+    throughput: float = pa.Field(ge=0, description="tokens/s where the stage counts tokens, else rows/s")
+    unit: str = pa.Field(isin=["tokens/s", "rows/s"])
+
+    class Config:
+        strict = True
+        coerce = False
+
+
 class LandingManifestEntry(pa.DataFrameModel):
     """One landing file registered into an ingest batch."""
 

@@ -8,6 +8,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.landing.sensors import landing_sensor
+from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
@@ -20,8 +21,8 @@ from pipeline_assets.resources import build_resources
 
 defs = Definitions(
     assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
-            registry_model_version],
-    asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
+            registry_model_version, pipeline_report],
+    asset_checks=[*bronze_checks, *silver_checks, *gold_checks, stage_throughput],
     sensors=[landing_sensor, automation_sensor, run_failure_recorder],
     schedules=[nightly_retrain],
     jobs=[retrain_job],

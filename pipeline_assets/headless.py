@@ -122,6 +122,21 @@ def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, ke
     return plan
 
 
+def _after_snapshots(graph, key: AssetKey) -> bool:
+    """Whether an unpartitioned asset reads snapshot-partitioned ones: it runs after them."""
+    seen, stack = set(), list(graph.get(key).parent_keys)
+    while stack:
+        parent = stack.pop()
+        if parent in seen:
+            continue
+        seen.add(parent)
+        node = graph.get(parent)
+        if node.partitions_def == data_snapshots:
+            return True
+        stack.extend(node.parent_keys)
+    return False
+
+
 def _made_once(node) -> bool:
     """Assets automation makes only when missing (the tokenizer: retraining it changes every token id)."""
     condition = node.automation_condition
@@ -137,12 +152,16 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
-    whole = stale_unpartitioned(defs, instance, [key for key in graph.toposorted_asset_keys if key in selected])
-    if whole:
-        _execute(job, instance, whole, outcome, partition=None)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
+    late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
+    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late])
+    if early:
+        _execute(job, instance, early, outcome, partition=None)
     for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
         _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
+    reports = stale_unpartitioned(defs, instance, late)
+    if reports:
+        _execute(job, instance, reports, outcome, partition=None)
     return outcome
 
 

@@ -23,6 +23,7 @@ from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
 from pipeline_assets.lib import uris
+from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
@@ -105,6 +106,9 @@ class Settings:
     train_steps: int = 200
     mlflow_artifact_root: str = ""
     model_name: str = "sft-model"
+    core_hour_usd: float = 0.048
+    gpu_hour_usd: float = 3.00
+    spot_discount: float = 0.0
     promotion_margin: float = 0.005
     slice_tolerance: float = 0.02
     mlflow_experiment: str = "pipeline_assets"
@@ -138,6 +142,9 @@ class Settings:
             train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
             model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
+            core_hour_usd=_float_env("PIPELINE_PRICE_CORE_HOUR", 0.048),
+            gpu_hour_usd=_float_env("PIPELINE_PRICE_GPU_HOUR", 3.00),
+            spot_discount=_float_env("PIPELINE_SPOT_DISCOUNT", 0.0),
             promotion_margin=_float_env("PIPELINE_PROMOTION_MARGIN", 0.005),
             slice_tolerance=_float_env("PIPELINE_SLICE_TOLERANCE", 0.02),
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
@@ -365,6 +372,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "pipes_subprocess_client": PipesSubprocessClient(),
         "hparam_search_policy": HparamSearchPolicy(),
+        "cost_policy": CostPolicy(core_hour_usd=settings.core_hour_usd, gpu_hour_usd=settings.gpu_hour_usd,
+                                  spot_discount=settings.spot_discount),
         "registry_policy": RegistryPolicy(
             model_name=settings.model_name, promotion_margin=settings.promotion_margin,
             slice_tolerance=settings.slice_tolerance,
@@ -499,10 +508,26 @@ class TrainingPolicy(ConfigurableResource):
         return self.model_dump()
 
 
+class CostPolicy(ConfigurableResource):
+    """Prices for the pipeline report and the sizer, and when a stage counts as slower."""
+
+    core_hour_usd: float = Field(default=0.048, description="$ per vCPU-hour, on-demand")
+    gpu_hour_usd: float = Field(default=3.00, description="$ per GPU-hour, on-demand")
+    spot_discount: float = Field(default=0.0, description="fraction off on spot capacity, e.g. 0.6")
+    max_throughput_drop: float = Field(default=0.30, description="warning: a stage this much below its trailing median")
+    trailing_reports: int = 10
+
+    def prices(self) -> Prices:
+        return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
+
+
 class RegistryPolicy(ConfigurableResource):
     """What the registry calls the model and what a candidate must show to become champion."""
 
     model_name: str = "sft-model"
+    core_hour_usd: float = 0.048
+    gpu_hour_usd: float = 3.00
+    spot_discount: float = 0.0
     promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
     slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
 

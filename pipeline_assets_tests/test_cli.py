@@ -46,7 +46,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
 
     fixed = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS='{"annotate": {"completion": "response"}}')
     assert fixed.returncode == 0, fixed.stderr
-    assert "runs: 3" in fixed.stdout, "the blocked batch is retried (the good one is not), gold is rebuilt, then trained"
+    assert "runs: 4" in fixed.stdout, "the blocked batch is retried (the good one is not), gold is rebuilt, trained, reported"
 
     instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert len(instance.get_materialized_partitions(BRONZE_RECORDS)) == 2
@@ -62,6 +62,10 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert summary["data_snapshot"]["partition"] == "gold-v1", "a gold snapshot over all batches, rebuilt after the fix"
     assert instance.get_materialized_partitions(TRAINING_CHECKPOINT) == {"gold-v0", "gold-v1"}, "each snapshot is trained"
     assert summary["model"]["champion_version"] == "2" and summary["model"]["partition"] == "gold-v1"
+    pipeline = summary["pipeline"]
+    assert set(pipeline["stages"]) == {"bronze", "silver", "gold/tokenizer", "gold/sequences", "training", "evaluation"}
+    slowest = max(pipeline["stages"], key=lambda stage: pipeline["stages"][stage]["wall_seconds"])
+    assert pipeline["bottleneck"] == slowest and pipeline["usd_per_million_tokens"] > 0
     lineage = json.loads(_cli(tmp_path, "lineage", "sft-model@champion").stdout)
     assert len(lineage["silver"]["batches"]) == 2 and lineage["gold"]["tokenizer_version"] == 0, "the tokenizer is made once"
 

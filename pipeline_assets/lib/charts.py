@@ -53,3 +53,23 @@ def loss_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def time_breakdown_png(stages: list[str], wall_seconds: list[float], cost_usd: list[float], path: Path, title: str) -> Path:
+    """Two stacked bars: each stage's share of the wall time, and of the cost."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(8, 3.6), dpi=110)
+    totals = {"wall time": sum(wall_seconds) or 1.0, "cost": sum(cost_usd) or 1.0}
+    left = {"wall time": 0.0, "cost": 0.0}
+    for stage, seconds, dollars in zip(stages, wall_seconds, cost_usd, strict=True):
+        shares = {"wall time": seconds / totals["wall time"], "cost": dollars / totals["cost"]}
+        axis.barh(list(shares), list(shares.values()), left=[left[k] for k in shares], label=stage)
+        for key in shares:
+            left[key] += shares[key]
+    axis.set(xlabel=f"share (wall {totals['wall time']:,.0f} s, cost ${totals['cost']:.4f})", title=title, xlim=(0, 1))
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(stages), 6), fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path

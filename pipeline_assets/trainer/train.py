@@ -280,6 +280,8 @@ class Trainer:
             "checkpoint_uris": self.checkpointer.published,
             "mlflow_run_id": self.reporter.mlflow_run_id if self.reporter else None,
             "first_batch_sha256": self.first_batch_fingerprint(),
+            "tokens_trained": self.progress.position * self.snapshot.seq_len,
+            "gpus": self.env.world_size if self.env.device.type == "cuda" else 0,
         }
         if self.reporter:
             self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],

@@ -1,6 +1,8 @@
 """training/checkpoint: one torchrun FSDP2 job per data snapshot, launched through Dagster Pipes."""
 
+import resource
 import shlex
+import time
 from typing import Optional
 
 from dagster import (
@@ -92,11 +94,13 @@ def training_checkpoint(
     command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], config.nproc_per_node)
     context.log.info(f"launching (rerun by hand with the same arguments to debug): {shlex.join(command)}")
     env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.tracking_uri}
+    started, children_cpu = time.perf_counter(), _children_cpu_seconds()
     try:
         invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
     except DagsterPipesExecutionError as exc:
         raise Failure(description=_failure_reason(str(exc), train_config)) from exc
     reported = invocation.get_materialize_result().metadata or {}
+    wall = time.perf_counter() - started
     export, problem = store.fetch_verified("final")
     if export is None:
         raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
@@ -112,8 +116,17 @@ def training_checkpoint(
             "command": MetadataValue.text(shlex.join(command)),
             "preset": train_config.preset,
             "hyperparameters_from_search": MetadataValue.json(searched or {}),
+            "wall_seconds": round(wall, 2),
+            "cpu_seconds": round(_children_cpu_seconds() - children_cpu, 2),  # every rank, torchrun included
+            "gpu_seconds": round(wall * reported["gpus"].value, 2) if "gpus" in reported else 0.0,
         }
     )
+
+
+def _children_cpu_seconds() -> float:
+    """CPU time of the finished child processes (torchrun waits for its ranks, so theirs counts)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore) -> None:
