@@ -477,9 +477,12 @@ class TorchrunLauncher(ConfigurableResource):
     def env(self) -> dict[str, str]:
         return torchrun_env(self.threads_per_rank)
 
-    def store(self, partition: str) -> CheckpointStore:
-        scratch = self.scratch_dir or str(Path(tempfile.gettempdir()) / "pipeline-assets-checkpoints")
-        return CheckpointStore(self.checkpoint_uri, partition, scratch)
+    def scratch(self) -> str:
+        """Local working space: staged checkpoints for S3, fetched exports, report pictures."""
+        return self.scratch_dir or str(Path(tempfile.gettempdir()) / "pipeline-assets")
+
+    def store(self, partition: str, root: str | None = None) -> CheckpointStore:
+        return CheckpointStore(root or self.checkpoint_uri, partition, self.scratch())
 
 
 def _trainer_default(name: str):

@@ -68,7 +68,7 @@ def evaluation_report(
     picture = slice_bars_png(
         comparison["slice"].to_list(), comparison["candidate"].to_list(),
         comparison["champion"].to_list() if champion is not None else None,
-        Path(launcher.scratch_dir or tempfile.gettempdir()) / "reports" / partition / "evaluation.png",
+        Path(launcher.scratch()) / "reports" / partition / "evaluation.png",
         f"{partition}: candidate vs champion (v{champion.version})" if champion else f"{partition}: candidate",
     )
     _log_to_mlflow(mlflow_tracking, trained["mlflow_run_id"], report, picture)

@@ -63,7 +63,7 @@ def pipeline_report(context: AssetExecutionContext, lake: LakeResource, cost_pol
     lake.append("ops", "pipeline_report", validate(conform(rows, PipelineStage), PipelineStage))
     slowest = bottleneck(report)
     picture = time_breakdown_png(report["stage"].to_list(), report["wall_seconds"].to_list(), report["cost_usd"].to_list(),
-                                 Path(launcher.scratch_dir or ".") / "reports" / "pipeline_report.png",
+                                 Path(launcher.scratch()) / "reports" / f"pipeline_report-{report_id}.png",
                                  f"where the time goes ({snapshot}); bottleneck: {slowest}")
     total_cost = float(report["cost_usd"].sum())
     context.log.info(f"bottleneck: {slowest}; ${total_cost:.4f} for {snapshot}")

@@ -20,7 +20,6 @@ from pipeline_assets.lib.search import sample_configurations
 from pipeline_assets.lib.uris import join
 from pipeline_assets.resources import HparamSearchPolicy, LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
 from pipeline_assets.trainer.config import TrainConfig
-from pipeline_assets.trainer.storage import CheckpointStore
 
 
 @asset(
@@ -46,7 +45,7 @@ def hparam_search(
     partition, policy = context.partition_key, hparam_search_policy
     versions = snapshot_versions(context.instance, partition)
     base = train_config_for(partition, TrainingRunConfig(), lake, launcher, training_policy, versions)
-    CheckpointStore(join(launcher.checkpoint_uri, partition), "search", launcher.scratch_dir).clear()
+    launcher.store("search", root=join(launcher.checkpoint_uri, partition)).clear()
     configurations = sample_configurations(policy.space, policy.trials, policy.seed)
     parent = mlflow_tracking.open_run(name=f"hparam_search {partition}", tags={"search_space": json.dumps(policy.space)},
                                       reuse_key={"dagster_run_id": context.run_id, "partition": partition, "kind": "hparam_search"})
@@ -102,7 +101,7 @@ def _run_trial(context: AssetExecutionContext, launcher: TorchrunLauncher, mlflo
     if done.returncode != 0:
         context.log.warning(f"trial {config.partition} failed (exit {done.returncode}): {done.stderr[-2000:]}")
         return math.nan
-    export, problem = CheckpointStore(config.checkpoint_uri, config.partition, launcher.scratch_dir).fetch_verified("final")
+    export, problem = launcher.store(config.partition, root=config.checkpoint_uri).fetch_verified("final")
     if export is None:
         context.log.warning(f"trial {config.partition}: no usable export ({problem})")
         return math.nan
