@@ -2,7 +2,7 @@
 
 Every link is read from where it was recorded: the model version's tags (partition, Delta versions),
 its MLflow run (checkpoint and export URIs, metrics), silver/records at the pinned version (which
-ingest batches), and the landing manifest (which file versions, with their checksums).
+ingest batches: those with records in the snapshot), and the landing manifest (which file versions, with their checksums).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     version = resolve_version(mlflow_tracking, spec)
     tags = version.tags
     run = mlflow_tracking.client().get_run(version.run_id)
-    silver_version = int(tags["delta.silver/records"])
-    batches = sorted(lake.scan("silver", "records", silver_version).select("batch_id").unique().collect()["batch_id"].to_list())
+    silver_version, gold_version = int(tags["delta.silver/records"]), int(tags["delta.gold/sequences"])
+    batches = _contributing_batches(lake, gold_version, silver_version)
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
     files = manifest.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri")
     return {
@@ -50,13 +50,21 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
                                    if k in ("loss", "validation_loss") or k.startswith("eval/")}},
         "checkpoint": {"partition": tags["partition"], "export_uri": run.data.tags.get("export_uri"),
                        "best_checkpoint_uri": run.data.tags.get("best_checkpoint_uri")},
-        "gold": {"sequences_version": int(tags["delta.gold/sequences"]), "tokenizer_version": _int(tags.get("delta.gold/tokenizer")),
+        "gold": {"sequences_version": gold_version, "tokenizer_version": _int(tags.get("delta.gold/tokenizer")),
                  "uri": lake.table_uri("gold", "sequences")},
         "silver": {"records_version": silver_version, "batches": batches, "uri": lake.table_uri("silver", "records")},
         "bronze": {"records_version": _int(tags.get("delta.bronze/records")), "batches": batches,
                    "uri": lake.table_uri("bronze", "records")},
         "landing_files": files.to_dicts(),
     }
+
+
+def _contributing_batches(lake: LakeResource, gold_version: int, silver_version: int) -> list[str]:
+    """The ingest batches whose records are in the snapshot (a batch blocked in silver is not)."""
+    in_gold = lake.scan("gold", "sequences", gold_version).select(pl.col("record_ids").explode().alias("record_id"))
+    silver = lake.scan("silver", "records", silver_version).select("record_id", "batch_id")
+    found = silver.join(in_gold.unique(), on="record_id", how="semi").select("batch_id").unique().collect()
+    return sorted(found["batch_id"].to_list())
 
 
 def _int(value: str | None) -> int | None:
