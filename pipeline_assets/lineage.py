@@ -38,7 +38,7 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     tags = version.tags
     run = mlflow_tracking.client().get_run(version.run_id)
     silver_version, gold_version = int(tags["delta.silver/records"]), int(tags["delta.gold/sequences"])
-    batches = _contributing_batches(lake, gold_version, silver_version)
+    batches = contributing_batches(lake, gold_version, silver_version)
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
     files = manifest.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri")
     return {
@@ -59,7 +59,7 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     }
 
 
-def _contributing_batches(lake: LakeResource, gold_version: int, silver_version: int) -> list[str]:
+def contributing_batches(lake: LakeResource, gold_version: int, silver_version: int) -> list[str]:
     """The ingest batches whose records are in the snapshot (a batch blocked in silver is not)."""
     in_gold = lake.scan("gold", "sequences", gold_version).select(pl.col("record_ids").explode().alias("record_id"))
     silver = lake.scan("silver", "records", silver_version).select("record_id", "batch_id")
