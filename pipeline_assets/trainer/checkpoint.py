@@ -72,7 +72,7 @@ class Checkpointer:
         local = self.store.local_folder(folder)
         mine = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp"))
         if self.rank == 0:
-            dist.barrier(group=self.group)  # the other ranks' files and the metadata are written
+            dist.barrier(group=self.group)  # every other rank has checksummed and uploaded its files
             mine.append(".metadata")
         files = describe_files(local, mine)
         self.store.upload(folder, mine)
@@ -100,7 +100,7 @@ class Checkpointer:
         steps = [self.store.complete_steps() if self.rank == 0 else None]
         dist.broadcast_object_list(steps, src=0, group=self.group)
         for step in steps[0]:
-            folder, reason = self.store.fetch_verified(step_folder(step))
+            folder, reason = self.store.fetch_verified(step_folder(step), reader=f"rank{self.rank}")
             reasons = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(reasons, reason, group=self.group)
             problems = [r for r in reasons if r]

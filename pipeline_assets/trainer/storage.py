@@ -85,14 +85,16 @@ class CheckpointStore:
     def partial_folders(self) -> list[str]:
         return [name for name in self._folders() if _STEP_DIR.match(name) and not self.exists(f"{name}/{MANIFEST}")]
 
-    def fetch_verified(self, name: str) -> tuple[Path | None, str]:
-        """A local folder holding ``name`` with every file matching the manifest, or (None, why not)."""
+    def fetch_verified(self, name: str, reader: str = "main") -> tuple[Path | None, str]:
+        """A local folder holding ``name`` with every file matching the manifest, or (None, why not).
+        On S3 each ``reader`` (a rank) downloads into a folder of its own: ranks on one node must
+        not clear each other's downloads."""
         manifest = self.read_json(f"{name}/{MANIFEST}")
         if manifest is None:
             return None, "no manifest"
         folder = Path(self.uri) / name
         if self.is_s3:
-            folder = self.scratch / "fetched" / name
+            folder = self.scratch / "fetched" / reader / name
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             bucket, key = uris.split_s3(self.folder_uri(name))
