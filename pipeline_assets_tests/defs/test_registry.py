@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -94,6 +95,10 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     assert better.success and _gate(better).passed, _gate(better).description
     evaluated = _metadata(better, "evaluation__report")
     assert evaluated["champion_version"] == "1" and evaluated["candidate_loss"] < evaluated["champion_loss"]
+    assert Path(evaluated["picture"]).stat().st_size > 0, "the per-slice bars, candidate beside champion"
+    tracked = MlflowClient(mlflow_tracking.tracking_uri).get_run(_metadata(better, "training__checkpoint")["mlflow_run_id"])
+    assert tracked.data.metrics["eval/overall_loss"] == pytest.approx(evaluated["candidate_loss"])
+    assert tracked.data.metrics["eval_champion/overall_loss"] == pytest.approx(evaluated["champion_loss"])
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 2
 
     worse_snapshot = _new_snapshot(instance, registry_resources)
