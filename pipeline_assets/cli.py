@@ -60,7 +60,7 @@ def _run(args, settings: Settings) -> int:
     from pipeline_assets.headless import persistent_instance, register_batches, run_stale
 
     instance = persistent_instance(settings.dagster_home)
-    added = register_batches(defs, instance)
+    added = register_batches(defs.resources, instance)
     print(f"new ingest batches: {', '.join(added) or 'none'}")
     outcome = run_stale(defs, instance, args.select)
     print(f"runs: {len(outcome.runs)} (in the instance at {settings.dagster_home}; `make dev` shows them)")

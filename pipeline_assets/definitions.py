@@ -7,7 +7,7 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.checks import gold_checks
-from pipeline_assets.defs.landing.sensors import landing_sensor
+from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
 from pipeline_assets.defs.reference.assets import eval_sets
@@ -25,6 +25,6 @@ defs = Definitions(
     asset_checks=[*bronze_checks, *silver_checks, *gold_checks, stage_throughput],
     sensors=[landing_sensor, automation_sensor, run_failure_recorder],
     schedules=[nightly_retrain],
-    jobs=[retrain_job],
+    jobs=[ingest_job, retrain_job],
     resources=build_resources(),
 )

@@ -51,10 +51,10 @@ def persistent_instance(dagster_home: str) -> DagsterInstance:
     return DagsterInstance.get()
 
 
-def register_batches(defs: Definitions, instance: DagsterInstance) -> list[str]:
+def register_batches(resources: dict, instance: DagsterInstance) -> list[str]:
     """Discover new landing files exactly as landing_sensor does; returns the batches added."""
     known = instance.get_dynamic_partitions(ingest_batches.name)
-    _, added = discover_batches(defs.resources["landing"], defs.resources["lake"], known, log)
+    _, added = discover_batches(resources["landing"], resources["lake"], known, log)
     if added:
         instance.add_dynamic_partitions(ingest_batches.name, added)
     return added

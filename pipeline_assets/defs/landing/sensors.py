@@ -8,6 +8,7 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
+    define_asset_job,
     sensor,
 )
 
@@ -28,10 +29,16 @@ def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
 
 BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_QUARANTINE)
 
+# A named job: the sensor's target, and what clients submit (GraphQL, `dagster job launch`).
+ingest_job = define_asset_job(
+    "ingest_batch", selection=BRONZE_SELECTION, partitions_def=ingest_batches,
+    description="Bronze for one ingest batch: what landing_sensor requests when files land.",
+)
+
 
 @sensor(
     name="landing_sensor",
-    target=BRONZE_SELECTION,
+    target=ingest_job,
     minimum_interval_seconds=30,
     default_status=DefaultSensorStatus.RUNNING,
     description="Registers new landing files as one ingest batch and requests its bronze run.",
