@@ -10,11 +10,16 @@ from pipeline_assets.defs.partitions import snapshot_version
 _SEARCH_LIMIT = 1000
 
 
+def plain_metadata(materialization) -> dict:
+    """A materialization's metadata as plain values (numbers, strings, dicts), without Dagster's wrappers."""
+    return {name: value.value for name, value in materialization.metadata.items()}
+
+
 def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
     """Plain metadata values of the newest materialization of ``key`` that ``matches``."""
     records = instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records
     for record in records:
-        metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
+        metadata = plain_metadata(record.asset_materialization)
         if matches(metadata):
             return metadata
     return None
@@ -46,4 +51,4 @@ def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: 
     ).records
     if not records:
         return None
-    return {name: value.value for name, value in records[0].asset_materialization.metadata.items()}
+    return plain_metadata(records[0].asset_materialization)

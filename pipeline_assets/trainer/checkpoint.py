@@ -34,16 +34,16 @@ class _Pending:
 
 
 class Checkpointer:
-    def __init__(self, store: CheckpointStore, group: dist.ProcessGroup, *, keep: int, asynchronous: bool):
+    def __init__(self, store: CheckpointStore, group: dist.ProcessGroup, *, keep: int):
         self.store = store
         self.group = group
         self.keep = keep
-        self.asynchronous = asynchronous
+        self.saved_step: int | None = None  # the newest step saved or loaded (its save may still be in flight)
         self.rank = dist.get_rank()
         self._pending: _Pending | None = None
         self.published: list[str] = []
 
-    def save(self, step: int, state: dict, extra: dict) -> float:
+    def save(self, step: int, state: dict, extra: dict, *, asynchronous: bool) -> float:
         """Checkpoint ``state`` as step ``step``; returns the seconds training was blocked."""
         started = time.perf_counter()
         self.finish()
@@ -52,7 +52,8 @@ class Checkpointer:
             self.store.prepare(folder)
         dist.barrier(group=self.group)
         path = self.store.local_folder(folder)
-        if self.asynchronous:
+        self.saved_step = step
+        if asynchronous:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
             self._pending = _Pending(step, future, extra)
         else:
@@ -109,6 +110,7 @@ class Checkpointer:
                     log.warning(f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: {problems[0]}")
                 continue
             dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
+            self.saved_step = step
             return step
         return None
 

@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline_assets.trainer.model import Transformer
+from pipeline_assets.trainer.model import Transformer, counted_targets, token_losses
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
 
@@ -70,14 +70,9 @@ def _matrix(column: pl.Series) -> torch.Tensor:
 
 
 def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray, np.ndarray]:
-    """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule, as in
-    ``model.loss_sum_and_count``)."""
-    logits = model(input_ids, position_ids).float()
-    losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
-    ).view(input_ids.shape[0], -1)
-    counted = loss_mask[:, 1:] & (position_ids[:, 1:] != 0)
-    return losses.numpy(), counted.numpy()
+    """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule)."""
+    logits = model(input_ids, position_ids)
+    return token_losses(logits, input_ids).numpy(), counted_targets(loss_mask, position_ids).numpy()
 
 
 def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: list[list[str]]) -> pl.DataFrame:

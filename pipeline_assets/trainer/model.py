@@ -142,13 +142,20 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return 6 * weights + attention
 
 
+def counted_targets(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T-1): target t+1 counts when its loss_mask is set and it does not start a new document
+    (a model is never asked to predict across a document boundary)."""
+    return loss_mask[:, 1:] & (position_ids[:, 1:] != 0)
+
+
+def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T-1): next-token cross-entropy of every target, in fp32."""
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="none")
+    return losses.view(input_ids.shape[0], -1)
+
+
 def loss_sum_and_count(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                        position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy over masked-in targets, and how many there are.
-
-    Target t+1 counts when its loss_mask is set and it does not start a new document (a model is
-    never asked to predict across a document boundary)."""
-    targets = input_ids[:, 1:]
-    counted = loss_mask[:, 1:] & (position_ids[:, 1:] != 0)
-    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
-    return (losses * counted.flatten()).sum(), counted.sum()
+    """Summed next-token cross-entropy over the counted targets, and how many there are."""
+    counted = counted_targets(loss_mask, position_ids)
+    return (token_losses(logits, input_ids) * counted).sum(), counted.sum()

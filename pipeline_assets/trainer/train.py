@@ -7,6 +7,7 @@ same command again to resume); 1 failed, with the reason in the log.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from pipeline_assets.trainer.data import (
 )
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
-from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token, loss_sum_and_count
+from pipeline_assets.trainer.model import Transformer, count_parameters, counted_targets, flops_per_token, loss_sum_and_count
 from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
 from pipeline_assets.lib.charts import loss_curve_png
 from pipeline_assets.trainer.report import Reporter
@@ -102,8 +103,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(config))
         scratch = config.scratch_dir or tempfile.gettempdir() + "/pipeline-assets-checkpoints"
         self.store = CheckpointStore(config.checkpoint_uri, config.partition, scratch)
-        self.checkpointer = Checkpointer(self.store, env.checkpoint_group, keep=config.keep_checkpoints,
-                                         asynchronous=config.async_checkpoint)
+        self.checkpointer = Checkpointer(self.store, env.checkpoint_group, keep=config.keep_checkpoints)
         self.progress = Progress()
         self.global_batch = config.global_batch(env.world_size)
         self.stop = StopSignal()
@@ -158,7 +158,7 @@ class Trainer:
 
         Each rank normalises by the loss tokens of the whole global batch, so every token weighs the
         same whichever rank or micro-batch holds it; FSDP's gradient average divides by world size."""
-        counts = torch.stack([_loss_token_count(batch) for batch in micro_batches]).sum()
+        counts = torch.stack([counted_targets(b["loss_mask"], b["position_ids"]).sum() for b in micro_batches]).sum()
         dist.all_reduce(counts)
         scale = self.env.world_size / counts.clamp(min=1)
         loss_total = torch.zeros((), device=self.env.device)
@@ -209,10 +209,10 @@ class Trainer:
         if validation_loss is not None and validation_loss < self.progress.best_validation_loss:
             self.progress.best_validation_loss = validation_loss
         extra = {"validation_loss": validation_loss} if validation_loss is not None else {}
-        self.checkpointer.asynchronous = self.config.async_checkpoint and not final
-        blocked = self.checkpointer.save(self.progress.step, self._state(), extra)
+        asynchronous = self.config.async_checkpoint and not final
+        blocked = self.checkpointer.save(self.progress.step, self._state(), extra, asynchronous=asynchronous)
         self._report_metrics({"checkpoint_blocking_seconds": blocked})
-        mode = "asynchronous" if self.checkpointer.asynchronous else "synchronous"
+        mode = "asynchronous" if asynchronous else "synchronous"
         self._info(f"step {self.progress.step}: {mode} checkpoint save blocked training for {blocked:.3f}s")
 
     def _resume(self) -> None:
@@ -230,10 +230,9 @@ class Trainer:
 
     def _stop_for_signal(self) -> int:
         """Every rank saw the vote: save this step synchronously, then exit for a later resume."""
-        if self.progress.step not in self.store.complete_steps():
-            self.checkpointer.finish()
-            self.checkpointer.asynchronous = False
-            self.checkpointer.save(self.progress.step, self._state(), {})
+        if self.checkpointer.saved_step != self.progress.step:
+            self.checkpointer.save(self.progress.step, self._state(), {}, asynchronous=False)
+        self.checkpointer.finish()  # publishes this step's save if it was still in flight
         self._warning(f"stopped by a signal at step {self.progress.step}; checkpoint step-{self.progress.step} "
                       "is saved: run the same command again to resume")
         return EXIT_PREEMPTED
@@ -279,7 +278,7 @@ class Trainer:
             "best_checkpoint_uri": best["uri"] if best else None,
             "checkpoint_uris": self.checkpointer.published,
             "mlflow_run_id": self.reporter.mlflow_run_id if self.reporter else None,
-            "first_batch_sha256": self.first_batch_fingerprint(),
+            "first_batch_sha256": self.first_batch_fingerprint,
             "tokens_trained": self.progress.position * self.snapshot.seq_len,
             "gpus": self.env.world_size if self.env.device.type == "cuda" else 0,
         }
@@ -307,8 +306,9 @@ class Trainer:
                                 "torch_version": torch.__version__, "device": _device_name(self.env.device),
                                 "backend": self.env.backend})
             self.reporter.dataset(sequences_table_uri(config.lake_uri), config.gold_version, f"gold/sequences@v{config.gold_version}")
-            self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint()})
+            self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint})
 
+    @functools.cached_property
     def first_batch_fingerprint(self) -> str:
         """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data order."""
         first = stream_indexes(len(self.snapshot.train), self.config.seed, 0, self.global_batch)
@@ -338,10 +338,6 @@ class Trainer:
         if largest >= self.config.vocab_size:
             raise ValueError(f"gold v{self.config.gold_version} holds token id {largest}, beyond --vocab-size "
                              f"{self.config.vocab_size}: pass the tokenizer's vocabulary size")
-
-
-def _loss_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return (batch["loss_mask"][:, 1:] & (batch["position_ids"][:, 1:] != 0)).sum()
 
 
 def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.optim.AdamW:

@@ -30,7 +30,7 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.metadata import table_metadata
-from pipeline_assets.defs.snapshots import latest_materialization_metadata, partition_metadata
+from pipeline_assets.defs.snapshots import latest_materialization_metadata, partition_metadata, plain_metadata
 from pipeline_assets.lib.charts import time_breakdown_png
 from pipeline_assets.lib.cost import MEASURED, bottleneck, headline_throughput, stage_report
 from pipeline_assets.lib.drift import against_trailing_median
@@ -101,7 +101,7 @@ def _latest_per_partition(instance: DagsterInstance, key: AssetKey) -> list[dict
     for record in instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records:  # newest first
         materialization = record.asset_materialization
         if materialization.partition not in latest:
-            latest[materialization.partition] = {k: v.value for k, v in materialization.metadata.items()}
+            latest[materialization.partition] = plain_metadata(materialization)
     return list(latest.values())
 
 

@@ -61,18 +61,19 @@ def registry_model_version(
         **{f"loss.{slice_name}": round(loss, 5) for slice_name, loss in losses["candidate"].items()},
     })
     mlflow_tracking.set_alias(name, "challenger", version)
-    decision = _decide(losses, version, mlflow_tracking, name, lake, versions, registry_policy)
-    current = mlflow_tracking.version_by_alias(name, "champion")
-    if decision.passed and (current is None or str(current.version) != version):
+    previous = mlflow_tracking.version_by_alias(name, "champion")
+    previous_version = str(previous.version) if previous else None
+    decision = _decide(losses, version, previous_version, lake, versions, registry_policy)
+    promoted = decision.passed and previous_version != version
+    if promoted:
         mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
     context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
-    champion = mlflow_tracking.version_by_alias(name, "champion")
     return MaterializeResult(
         metadata={
             "model_name": name,
             "model_version": version,
-            "champion_version": str(champion.version) if champion else None,
-            "promoted": decision.passed,
+            "champion_version": version if decision.passed else previous_version,
+            "promoted": promoted,
             "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(trained["mlflow_run_id"])),
             "candidate_loss": losses["candidate"][OVERALL],
         },
@@ -83,14 +84,13 @@ def registry_model_version(
     )
 
 
-def _decide(losses: dict, version: str, mlflow_tracking: MlflowResource, name: str, lake: LakeResource, versions: dict,
+def _decide(losses: dict, version: str, champion: str | None, lake: LakeResource, versions: dict,
             policy: RegistryPolicy) -> GateDecision:
-    champion = mlflow_tracking.version_by_alias(name, "champion")
-    if champion is not None and str(champion.version) == version:
+    if champion == version:
         return GateDecision(True, f"v{version} is already the champion")
     if champion is not None and not losses["champion"]:
         # Scored on other tokens (another tokenizer): never beaten automatically; promote by hand.
-        return GateDecision(False, f"champion v{champion.version} could not be scored on the same rows (see "
+        return GateDecision(False, f"champion v{champion} could not be scored on the same rows (see "
                                    "evaluation/report): compare by hand and use `pipeline-assets promote`")
     tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
     return promotion_gate(
