@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -37,13 +38,33 @@ def main(argv: list[str] | None = None) -> int:
     rollback.add_argument("model_name", help="e.g. sft-model")
     rollback.add_argument("--reason", default="rolled back by hand")
 
+    sizer = commands.add_parser(
+        "sizer", help="predict each stage's time, the bottleneck, the wall-clock and the cost for a corpus size",
+        description="Calibrated on the stages' past materializations in this instance (run the pipeline first). "
+        "Data stages run on processes like the measured ones; training scales over GPUs.")
+    sizer.add_argument("--records", type=int, required=True, help="landed records")
+    sizer.add_argument("--avg-chars", type=float, help="characters of prompt+response+system per record (default: as measured)")
+    sizer.add_argument("--cpu-workers", type=int, default=len(os.sched_getaffinity(0)), help="CPU cores (default: this machine's)")
+    sizer.add_argument("--gpus", type=int, default=0, help="GPUs for training (0: train on CPU ranks, as measured)")
+    sizer.add_argument("--batch-records", type=int, default=1_000_000, help="records per ingest batch")
+    sizer.add_argument("--epochs", type=float, default=1.0, help="passes over the training split")
+    sizer.add_argument("--train-tokens", type=float, help="tokens to train on, instead of --epochs")
+    sizer.add_argument("--first-model", action="store_true", help="no champion yet: evaluation scores one model, not two")
+    sizer.add_argument("--gpu-tokens-per-second", type=float,
+                       help="training tokens/s of one GPU (default: measured, or assumed from --mfu and --gpu-peak-tflops)")
+    sizer.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation on GPU (default 0.40)")
+    sizer.add_argument("--gpu-peak-tflops", type=float, default=989.0, help="bf16 dense peak (default 989: H100 SXM)")
+    sizer.add_argument("--preset", help="model preset trained (default: PIPELINE_TRAIN_PRESET)")
+    sizer.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sizer.add_argument("--picture", type=Path, help="where the PNG goes (default: $PIPELINE_HOME/reports/sizer-<time>.png)")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("pipeline_assets").setLevel(logging.INFO)
     try:
         settings = Settings.from_env()
         handlers = {"run": _run, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
-                    "promote": _promote, "rollback": _rollback}
+                    "promote": _promote, "rollback": _rollback, "sizer": _sizer}
         return handlers[args.command](args, settings)
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
         print(f"pipeline-assets {args.command}: error: {exc}", file=sys.stderr)
@@ -124,6 +145,85 @@ def _summary(args, settings: Settings) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _sizer(args, settings: Settings) -> int:
+    from datetime import datetime, timezone
+
+    from pipeline_assets.defs.ops.sizing import calibrate
+    from pipeline_assets.headless import persistent_instance
+    from pipeline_assets.lib.charts import time_breakdown_png
+    from pipeline_assets.lib.sizing import Target, predict
+    from pipeline_assets.resources import build_resources
+
+    if args.records <= 0 or args.cpu_workers <= 0 or args.gpus < 0 or args.batch_records <= 0:
+        raise ValueError("--records, --cpu-workers and --batch-records must be positive, --gpus at least 0")
+    calibration = calibrate(persistent_instance(settings.dagster_home), settings.validation_fraction)
+    per_gpu, assumed = args.gpu_tokens_per_second, None
+    if args.gpus and per_gpu is None and not calibration.train_gpus:
+        per_gpu, assumed = _assumed_gpu_speed(args, settings)
+    target = Target(records=args.records, cpu_cores=args.cpu_workers, gpus=args.gpus, avg_chars=args.avg_chars,
+                    batch_records=args.batch_records, epochs=args.epochs, train_tokens=args.train_tokens,
+                    models_scored=1 if args.first_model else 2, gpu_tokens_per_second=per_gpu)
+    table, totals = predict(calibration, target, build_resources(settings)["cost_policy"].prices())
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    picture = time_breakdown_png(
+        table["stage"].to_list(), table["wall_seconds"].to_list(), table["cost_usd"].to_list(),
+        args.picture or Path(settings.home) / "reports" / f"sizer-{stamp}.png",
+        f"{args.records:,} records, {args.cpu_workers} cores, {args.gpus} GPUs: {_duration(totals['wall_seconds'])}, "
+        f"bottleneck {totals['bottleneck']}")
+    totals.update(picture=str(picture), gpu_speed_assumed=assumed,
+                  fits={stage: vars(fit) for stage, fit in calibration.fits.items()})
+    if args.json:
+        print(json.dumps({"stages": table.to_dicts(), "totals": totals}, indent=2))
+        return 0
+    _print_sizing(table, totals)
+    return 0
+
+
+def _assumed_gpu_speed(args, settings: Settings) -> tuple[float, str]:
+    import dataclasses
+
+    from pipeline_assets.lib.sizing import gpu_tokens_per_second
+    from pipeline_assets.trainer.config import PRESETS
+    from pipeline_assets.trainer.model import flops_per_token
+
+    preset = args.preset or settings.train_preset
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
+    model = dataclasses.replace(PRESETS[preset], vocab_size=settings.vocab_size)
+    speed = gpu_tokens_per_second(flops_per_token(model, settings.seq_len), args.gpu_peak_tflops * 1e12, args.mfu)
+    return speed, (f"not measured (the calibration trained on CPU): {preset} at {args.mfu:.0%} MFU of "
+                   f"{args.gpu_peak_tflops:g} TFLOPS = {speed:,.0f} tokens/s per GPU")
+
+
+def _print_sizing(table, totals: dict) -> None:
+    print(f"{totals['records']:,} records ({totals['characters']:,.0f} characters, {totals['batches']} batch(es)) -> "
+          f"{totals['dataset_tokens']:,.0f} dataset tokens, {totals['train_tokens']:,.0f} trained, "
+          f"on {totals['cpu_cores']} cores and {totals['gpus']} GPUs")
+    print(f"{'stage':<16}{'work':>18}  {'runs on':<16}{'wall':>10}{'share':>8}{'cost $':>12}")
+    for row in table.iter_rows(named=True):
+        print(f"{row['stage']:<16}{_count(row['work']):>7} {row['unit']:<10}  {row['runs_on']:<16}"
+              f"{_duration(row['wall_seconds']):>10}{row['share_of_wall']:>8.1%}{row['cost_usd']:>12,.2f}")
+    print(f"wall-clock {_duration(totals['wall_seconds'])}, cost ${totals['cost_usd']:,.2f} "
+          f"(${totals['usd_per_million_tokens']:.4f} per million dataset tokens); bottleneck: {totals['bottleneck']}")
+    if totals["gpu_speed_assumed"]:
+        print(f"GPU speed {totals['gpu_speed_assumed']}")
+    print(f"picture: {totals['picture']}")
+
+
+def _count(value: float) -> str:
+    for suffix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"
 
 
 def _lineage(args, settings: Settings) -> int:

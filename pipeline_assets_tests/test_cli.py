@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import pytest
 from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT
@@ -69,12 +70,31 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     lineage = json.loads(_cli(tmp_path, "lineage", "sft-model@champion").stdout)
     assert len(lineage["silver"]["batches"]) == 2 and lineage["gold"]["tokenizer_version"] == 0, "the tokenizer is made once"
 
+    sized = _cli(tmp_path, "sizer", "--records", "1000000000", "--cpu-workers", "256", "--gpus", "64", "--json")
+    assert sized.returncode == 0, sized.stderr
+    prediction = json.loads(sized.stdout)
+    stages = {row["stage"]: row for row in prediction["stages"]}
+    assert list(stages) == ["bronze", "silver", "gold/tokenizer", "gold/sequences", "training", "evaluation"]
+    totals = prediction["totals"]
+    assert totals["batches"] == 1000 and totals["bottleneck"] == max(stages, key=lambda s: stages[s]["wall_seconds"])
+    assert totals["wall_seconds"] == pytest.approx(sum(row["wall_seconds"] for row in stages.values()))
+    cores = len(os.sched_getaffinity(0))  # what the calibration's processes ran on
+    assert stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores" and stages["silver"]["runs_on"] == f"{cores} cores"
+    assert stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
+    assert totals["fits"]["bronze"]["note"] == "fitted on 2 sizes", "two batches of different sizes"
+    assert totals["fits"]["training"]["note"].startswith("one size"), "both snapshots trained the same 6 steps"
+    assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
+    table = _cli(tmp_path, "sizer", "--records", "50000", "--first-model")
+    assert table.returncode == 0 and "bottleneck:" in table.stdout and "evaluation" in table.stdout, table.stderr
+
 
 def test_run_with_a_selection_and_a_bad_setting(tmp_path):
     write_landing_file(tmp_path / "landing", "annotate", "a.jsonl", [record(1)])
     selected = _cli(tmp_path, "run", "--select", "key:bronze/quarantine")
     assert selected.returncode == 0, selected.stderr
     assert "runs: 1" in selected.stdout  # the multi-asset runs whole
+    unmeasured = _cli(tmp_path, "sizer", "--records", "1000")
+    assert unmeasured.returncode == 2 and "no measured run of silver" in unmeasured.stderr and "Traceback" not in unmeasured.stderr
     bad = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS="{not json")
     assert bad.returncode == 2 and "PIPELINE_FIELD_MAPPINGS is not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ def delta_write_metadata(
         "wall_seconds": round(wall, 3),
         "cpu_seconds": round(stopwatch.cpu(), 3),
         "write_seconds": round(commit.wall_seconds, 3),
+        "cpu_cores": len(os.sched_getaffinity(0)),  # what the throughput was measured on (the sizer's calibration)
     }
 
 

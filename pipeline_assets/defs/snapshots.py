@@ -15,6 +15,20 @@ def plain_metadata(materialization) -> dict:
     return {name: value.value for name, value in materialization.metadata.items()}
 
 
+def materialization_history(instance: DagsterInstance, key: AssetKey, limit: int = 10_000) -> list[dict]:
+    """Plain metadata of every materialization of ``key``, newest first, each with its ``partition``."""
+    return [{**plain_metadata(record.asset_materialization), "partition": record.asset_materialization.partition}
+            for record in instance.fetch_materializations(key, limit=limit).records]
+
+
+def latest_per_partition(history: list[dict]) -> list[dict]:
+    """The newest entry of each partition of a ``materialization_history``."""
+    latest: dict[str | None, dict] = {}
+    for metadata in history:
+        latest.setdefault(metadata["partition"], metadata)
+    return list(latest.values())
+
+
 def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
     """Plain metadata values of the newest materialization of ``key`` that ``matches``."""
     records = instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records

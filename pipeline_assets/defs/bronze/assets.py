@@ -14,6 +14,7 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
+from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
 
 _KINDS = {"delta", "polars"}
@@ -76,6 +77,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "batch_id": batch_id,
         "files": len(per_file),
         "lines_read": int(accounting["lines_read"].sum()),
+        "input_chars": text_chars(records),
         "per_file_accounting": table_metadata(accounting),
     }
     upstream = {"landing/manifest": manifest_version}

@@ -86,6 +86,9 @@ def evaluation_report(
             "picture": MetadataValue.path(str(picture)),
             "validation_records": data.validation_records,
             "eval_items": data.eval_items,
+            "eval_set_tokens": data.eval_set_tokens,
+            "models_scored": len(frames),
+            "tokens_scored": data.tokens_per_model * len(frames),
         }
     )
 
@@ -98,6 +101,8 @@ class EvaluationData:
         self.seq_len, self.pad_id = seq_len, pad_id
         self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
         self.eval_items = eval_encoded.height
+        self.eval_set_tokens = int(eval_encoded["n_tokens"].sum())
+        self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
     def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict) -> "EvaluationData":

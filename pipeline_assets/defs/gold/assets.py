@@ -17,7 +17,8 @@ from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences, token_statistics
-from pipeline_assets.lib.splits import TRAIN, assign_split, split_shares
+from pipeline_assets.lib.sizing import text_chars
+from pipeline_assets.lib.splits import TRAIN, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
@@ -56,15 +57,17 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
     stopwatch = Stopwatch()
     if gold_policy.tokenizer_path:
         tokenizer = _provided_tokenizer(gold_policy.tokenizer_path)
-        origin, silver_version = gold_policy.tokenizer_path, None
+        origin, silver_version, trained_on_chars = gold_policy.tokenizer_path, None, 0
     else:
         silver, silver_version, _ = usable_silver(context, lake)
         train = assign_split(silver, gold_policy.validation_fraction).filter(pl.col("split") == TRAIN)
         if train.is_empty():
             raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
         context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
-        tokenizer = train_bpe(_chat_texts(train), vocab_size=gold_policy.vocab_size)
+        texts = _chat_texts(train)
+        tokenizer = train_bpe(texts, vocab_size=gold_policy.vocab_size)
         origin = "trained on silver/records (training split)"
+        trained_on_chars = sum(len(text) for text in texts)
     text = tokenizer_to_json(tokenizer)
     row = pl.DataFrame({
         "tokenizer_json": [text],
@@ -84,6 +87,7 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "vocab_size": tokenizer.get_vocab_size(),
             "sha256": row["sha256"][0],
             "origin": origin,
+            "input_chars": trained_on_chars,
         }
     )
 
@@ -154,6 +158,8 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "sequences_by_split": MetadataValue.json(packing["sequences_by_split"]),
             "split_documents": packing["split_documents"],
             "tokens": stats["tokens"],
+            "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
+            "input_chars": text_chars(silver),
             "tokens_by_source": table_metadata(stats["by_source"]),
             "tokens_per_record": MetadataValue.json(stats["per_record_quantiles"]),
             "validation_share_by_source": table_metadata(split_shares(records)),

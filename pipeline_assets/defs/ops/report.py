@@ -9,7 +9,6 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
-    AssetKey,
     AutomationCondition,
     DagsterInstance,
     Failure,
@@ -30,14 +29,16 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.metadata import table_metadata
-from pipeline_assets.defs.snapshots import latest_materialization_metadata, partition_metadata, plain_metadata
+from pipeline_assets.defs.snapshots import (
+    latest_materialization_metadata,
+    latest_per_partition,
+    materialization_history,
+    partition_metadata,
+)
 from pipeline_assets.lib.charts import time_breakdown_png
 from pipeline_assets.lib.cost import MEASURED, bottleneck, headline_throughput, stage_report
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.resources import CostPolicy, LakeResource, TorchrunLauncher
-
-_SEARCH_LIMIT = 10_000
-
 
 @asset(
     key=OPS_PIPELINE_REPORT,
@@ -84,8 +85,8 @@ def pipeline_report(context: AssetExecutionContext, lake: LakeResource, cost_pol
 def measure_stages(instance: DagsterInstance, snapshot: str) -> list[dict]:
     """What each stage's latest materializations recorded, summed over ingest batches."""
     stages = [
-        _stage("bronze", _latest_per_partition(instance, BRONZE_RECORDS)),
-        _stage("silver", _latest_per_partition(instance, SILVER_RECORDS)),
+        _stage("bronze", latest_per_partition(materialization_history(instance, BRONZE_RECORDS))),
+        _stage("silver", latest_per_partition(materialization_history(instance, SILVER_RECORDS))),
         _stage("gold/tokenizer", [latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)]),
         _stage("gold/sequences", [latest_materialization_metadata(instance, GOLD_SEQUENCES,
                                                                   lambda m: m.get("data_snapshot") == snapshot)],
@@ -94,15 +95,6 @@ def measure_stages(instance: DagsterInstance, snapshot: str) -> list[dict]:
         _stage("evaluation", [partition_metadata(instance, EVALUATION_REPORT, snapshot)]),
     ]
     return [stage for stage in stages if stage is not None]
-
-
-def _latest_per_partition(instance: DagsterInstance, key: AssetKey) -> list[dict]:
-    latest: dict[str, dict] = {}
-    for record in instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records:  # newest first
-        materialization = record.asset_materialization
-        if materialization.partition not in latest:
-            latest[materialization.partition] = plain_metadata(materialization)
-    return list(latest.values())
 
 
 def _stage(name: str, materializations: list[dict | None], tokens: str | None = None) -> dict | None:

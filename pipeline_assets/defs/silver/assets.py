@@ -16,6 +16,7 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import curate
+from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.resources import EvalSetsResource, LakeResource, SilverPolicy
 
 _KINDS = {"delta", "polars"}
@@ -70,6 +71,7 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     shared = {
         "batch_id": batch_id,
         "bronze_rows": bronze.height,
+        "input_chars": text_chars(bronze),
         "silver_rows": kept.height,
         "rejected_rows": rejects.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,

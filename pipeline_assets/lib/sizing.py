@@ -1,0 +1,171 @@
+"""The pipeline sizer: from measured stages to a prediction for a corpus of any size.
+
+Each stage's wall time is modelled as ``fixed * materializations + per_unit * work``, fitted by
+least squares on what its past materializations recorded (their own work and wall seconds). Work
+is the text a data stage read (characters), the tokens training trained on, or the tokens
+evaluation scored. A target corpus (records, average characters) is turned into each stage's work
+with the ratios the newest snapshot measured (how much text survives silver, tokens per character,
+the validation share), then into time with the stage's parallelism:
+
+- bronze: batches run side by side, one process per ``calibration_cores`` cores;
+- silver: batches run one at a time (each dedups against the ones before it: the "silver" pool);
+- gold/tokenizer, gold/sequences, evaluation: one process, as fast as the one measured;
+- training: data parallel over the GPUs (or the measured CPU ranks when there are no GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from pipeline_assets.lib.cost import Prices
+
+BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
+STAGES = {  # stage -> (unit of work, parallelism)
+    "bronze": ("characters", BATCHES),
+    "silver": ("characters", SEQUENTIAL),
+    "gold/tokenizer": ("characters", SINGLE),
+    "gold/sequences": ("characters", SINGLE),
+    "training": ("tokens", DEVICES),
+    "evaluation": ("tokens", SINGLE),
+}
+POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, "wall_seconds": pl.Float64}
+
+
+def text_chars(frame: pl.DataFrame) -> int:
+    """Characters of a record's text (prompt, response and system): the work a data stage does."""
+    columns = [c for c in ("prompt", "response", "system") if c in frame.columns]
+    if frame.is_empty() or not columns:
+        return 0
+    return int(frame.select(pl.sum_horizontal(pl.col(c).str.len_chars().fill_null(0) for c in columns)).to_series().sum())
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """wall = fixed_seconds * materializations + seconds_per_unit * work."""
+
+    fixed_seconds: float
+    seconds_per_unit: float
+    points: int
+    note: str
+
+    def seconds(self, materializations: float, work: float) -> float:
+        return self.fixed_seconds * materializations + self.seconds_per_unit * work
+
+
+def fit_stage(points: pl.DataFrame) -> StageFit:
+    """Non-negative least squares on (materializations, work) -> wall seconds. With a single size
+    seen, the fixed part cannot be told from the rate, and all the time is charged to the rate
+    (which over-predicts a larger corpus slightly: the safe side)."""
+    points = points.unique(["materializations", "work", "wall_seconds"])
+    n = points["materializations"].cast(pl.Float64).to_numpy()
+    work = points["work"].to_numpy()
+    wall = points["wall_seconds"].to_numpy()
+    if len(points) == 0 or work.sum() <= 0:
+        raise ValueError("no measurement with any work in it")
+    ratios = np.unique(np.round(work / n, 6))
+    if len(ratios) < 2:
+        return StageFit(0.0, float(wall.sum() / work.sum()), len(points), "one size measured: no fixed part fitted")
+    (fixed, rate), *_ = np.linalg.lstsq(np.column_stack([n, work]), wall, rcond=None)
+    if rate <= 0:  # time does not grow with work here: all fixed
+        return StageFit(float(wall.sum() / n.sum()), 0.0, len(points), "no growth with work measured")
+    if fixed < 0:
+        return StageFit(0.0, float((work @ wall) / (work @ work)), len(points), "fixed part fitted below zero: rate only")
+    return StageFit(float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the measured run says about the data and the machine it ran on."""
+
+    fits: dict[str, StageFit]
+    avg_chars: float  # per landed record
+    silver_keep: float  # characters reaching gold / characters landed
+    tokens_per_char: float
+    validation_share: float  # of the snapshot's tokens
+    eval_set_tokens: float  # the eval sets' tokens, scored by every model
+    cores: int  # cores of the machine one measured process ran on
+    train_ranks: int
+    train_gpus: int
+    validation_fraction: float
+
+
+@dataclass(frozen=True)
+class Target:
+    records: int
+    cpu_cores: int
+    gpus: int
+    avg_chars: float | None = None  # None: the calibration's
+    batch_records: int = 1_000_000
+    epochs: float = 1.0
+    train_tokens: float | None = None  # None: epochs over the training split
+    models_scored: int = 2  # the candidate and the champion; 1 for a first model
+    gpu_tokens_per_second: float | None = None  # per GPU; None: measured if the calibration had GPUs
+
+
+def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[pl.DataFrame, dict]:
+    """Per stage: its work, how it runs, predicted wall seconds and cost; and the totals."""
+    c = calibration
+    chars = target.records * (target.avg_chars or c.avg_chars)
+    batches = max(1, math.ceil(target.records / target.batch_records))
+    gold_chars = chars * c.silver_keep
+    tokens = gold_chars * c.tokens_per_char
+    train_tokens = target.train_tokens if target.train_tokens is not None else target.epochs * tokens * (1 - c.validation_share)
+    scored = target.models_scored * (tokens * c.validation_share + c.eval_set_tokens)
+    side_by_side = min(batches, max(1, target.cpu_cores // max(c.cores, 1)))
+    rows = [
+        _cpu_row("bronze", c.fits["bronze"], batches, chars, c.cores, side_by_side),
+        _cpu_row("silver", c.fits["silver"], batches, chars, c.cores, 1),
+        _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, gold_chars * (1 - c.validation_fraction), c.cores, 1),
+        _cpu_row("gold/sequences", c.fits["gold/sequences"], 1, gold_chars, c.cores, 1),
+        _training_row(c, target, train_tokens),
+        _cpu_row("evaluation", c.fits["evaluation"], target.models_scored, scored, c.cores, 1),
+    ]
+    table = pl.DataFrame(rows).with_columns(
+        cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),
+    ).with_columns(share_of_wall=pl.col("wall_seconds") / pl.col("wall_seconds").sum())
+    total_cost = float(table["cost_usd"].sum())
+    totals = {
+        "records": target.records, "characters": chars, "batches": batches, "dataset_tokens": tokens,
+        "train_tokens": train_tokens, "cpu_cores": target.cpu_cores, "gpus": target.gpus,
+        "wall_seconds": float(table["wall_seconds"].sum()), "cost_usd": total_cost,
+        "usd_per_million_tokens": total_cost / max(tokens, 1) * 1e6,
+        "bottleneck": table.sort("wall_seconds", descending=True)["stage"][0],
+    }
+    return table, totals
+
+
+def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, cores: int, side_by_side: int) -> dict:
+    """Materializations split the work evenly; ``side_by_side`` of them run at once, ``cores`` each."""
+    rounds = math.ceil(materializations / side_by_side)
+    seconds = rounds * fit.seconds(1, work / materializations)
+    return _row(stage, work, f"{side_by_side} x {cores} cores" if side_by_side > 1 else f"{cores} cores",
+                seconds, cpu_core_seconds=seconds * cores * side_by_side, gpu_seconds=0.0)
+
+
+def _training_row(c: Calibration, target: Target, train_tokens: float) -> dict:
+    fit = c.fits["training"]
+    if target.gpus == 0:  # as measured: the same CPU ranks
+        seconds = fit.seconds(1, train_tokens)
+        return _row("training", train_tokens, f"{c.train_ranks} CPU rank(s)", seconds, seconds * c.cores, 0.0)
+    per_gpu = target.gpu_tokens_per_second
+    if per_gpu is None:
+        if not c.train_gpus or fit.seconds_per_unit <= 0:
+            raise ValueError("the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)")
+        per_gpu = 1.0 / (fit.seconds_per_unit * c.train_gpus)
+    seconds = fit.fixed_seconds + train_tokens / (per_gpu * target.gpus)
+    return _row("training", train_tokens, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
+
+
+def _row(stage: str, work: float, runs_on: str, seconds: float, cpu_core_seconds: float, gpu_seconds: float) -> dict:
+    unit, parallelism = STAGES[stage]
+    return {"stage": stage, "work": float(work), "unit": unit, "parallelism": parallelism, "runs_on": runs_on,
+            "wall_seconds": float(seconds), "cpu_core_seconds": float(cpu_core_seconds), "gpu_seconds": float(gpu_seconds)}
+
+
+def gpu_tokens_per_second(flops_per_token: float, peak_flops: float, mfu: float) -> float:
+    """Tokens/s one GPU trains at a model FLOPs utilisation: an assumption, not a measurement."""
+    return mfu * peak_flops / flops_per_token

@@ -1,0 +1,121 @@
+import math
+
+import polars as pl
+import pytest
+
+from pipeline_assets.lib.cost import Prices
+from pipeline_assets.lib.sizing import POINTS, Calibration, StageFit, Target, fit_stage, gpu_tokens_per_second, predict, text_chars
+
+
+def points(*rows: tuple[int, float, float]) -> pl.DataFrame:
+    return pl.DataFrame([{"stage": "s", "materializations": n, "work": w, "wall_seconds": s} for n, w, s in rows], schema=POINTS)
+
+
+def test_text_chars_counts_prompt_response_and_system_and_nothing_else():
+    frame = pl.DataFrame({"prompt": ["ab", "héllo"], "response": ["c", "xyz"], "system": [None, "sys"], "source": ["aaaa", "b"]})
+    assert text_chars(frame) == 2 + 1 + 5 + 3 + 3
+    assert text_chars(frame.clear()) == 0
+
+
+def test_the_fit_recovers_a_fixed_part_and_a_rate():
+    fit = fit_stage(points((1, 1000, 2 + 0.01 * 1000), (1, 5000, 2 + 0.01 * 5000), (2, 4000, 2 * 2 + 0.01 * 4000)))
+    assert fit.fixed_seconds == pytest.approx(2.0)
+    assert fit.seconds_per_unit == pytest.approx(0.01)
+    assert fit.seconds(3, 10_000) == pytest.approx(3 * 2 + 100)
+
+
+def test_one_size_charges_all_the_time_to_the_rate():
+    fit = fit_stage(points((1, 1000, 4.0), (1, 1000, 4.0)))
+    assert (fit.fixed_seconds, fit.seconds_per_unit) == (0.0, pytest.approx(0.004))
+    assert "one size" in fit.note
+
+
+def test_a_negative_fixed_part_is_refitted_as_a_rate_through_zero():
+    fit = fit_stage(points((1, 1000, 1.0), (1, 2000, 3.0)))  # the line through them crosses zero at -1 s
+    assert fit.fixed_seconds == 0.0
+    assert fit.seconds_per_unit == pytest.approx((1000 * 1 + 2000 * 3) / (1000**2 + 2000**2))
+
+
+def test_no_work_at_all_is_an_error():
+    with pytest.raises(ValueError, match="no measurement"):
+        fit_stage(points((1, 0, 1.0)))
+
+
+def calibration(**fits: StageFit) -> Calibration:
+    linear = StageFit(fixed_seconds=1.0, seconds_per_unit=1e-6, points=2, note="")
+    stages = ["bronze", "silver", "gold/tokenizer", "gold/sequences", "training", "evaluation"]
+    return Calibration(
+        fits={stage: fits.get(stage.replace("/", "_"), linear) for stage in stages},
+        avg_chars=500.0, silver_keep=0.8, tokens_per_char=0.25, validation_share=0.02, eval_set_tokens=10_000,
+        cores=2, train_ranks=2, train_gpus=0, validation_fraction=0.02,
+    )
+
+
+def test_a_prediction_follows_each_stages_parallelism():
+    prices = Prices(core_hour=0.036, gpu_hour=3.6)
+    table, totals = predict(
+        calibration(training=StageFit(30.0, 0.0, 2, "")),
+        Target(records=10_000_000, cpu_cores=16, gpus=8, batch_records=1_000_000, epochs=2.0, gpu_tokens_per_second=50_000),
+        prices,
+    )
+    rows = {row["stage"]: row for row in table.iter_rows(named=True)}
+    chars = 10_000_000 * 500.0
+    tokens = chars * 0.8 * 0.25
+    # bronze: 10 batches, 8 side by side (16 cores / 2 per process): 2 rounds of one batch's time
+    assert rows["bronze"]["wall_seconds"] == pytest.approx(2 * (1.0 + 1e-6 * chars / 10))
+    assert rows["bronze"]["runs_on"] == "8 x 2 cores"
+    # silver: the 10 batches one after another
+    assert rows["silver"]["wall_seconds"] == pytest.approx(10 * 1.0 + 1e-6 * chars)
+    assert rows["gold/sequences"]["wall_seconds"] == pytest.approx(1.0 + 1e-6 * chars * 0.8)
+    assert rows["gold/tokenizer"]["work"] == pytest.approx(chars * 0.8 * 0.98)
+    # training: two epochs of the training split over 8 GPUs, plus the measured fixed part
+    train_tokens = 2 * tokens * 0.98
+    assert totals["train_tokens"] == pytest.approx(train_tokens)
+    assert rows["training"]["wall_seconds"] == pytest.approx(30.0 + train_tokens / (50_000 * 8))
+    assert rows["training"]["gpu_seconds"] == pytest.approx(rows["training"]["wall_seconds"] * 8)
+    # evaluation: the candidate and the champion, each on the validation tokens and the eval sets
+    assert rows["evaluation"]["work"] == pytest.approx(2 * (tokens * 0.02 + 10_000))
+    assert rows["evaluation"]["wall_seconds"] == pytest.approx(2 * 1.0 + 1e-6 * 2 * (tokens * 0.02 + 10_000))
+
+    assert totals["wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in rows.values()))
+    assert totals["bottleneck"] == "silver"  # 5,010 s, one batch after another; training 4,930 s
+    bronze_cost = rows["bronze"]["wall_seconds"] * 16 * 0.036 / 3600
+    assert rows["bronze"]["cost_usd"] == pytest.approx(bronze_cost)
+    assert rows["training"]["cost_usd"] == pytest.approx(rows["training"]["wall_seconds"] * 8 * 3.6 / 3600)
+    assert totals["usd_per_million_tokens"] == pytest.approx(totals["cost_usd"] / tokens * 1e6)
+    assert table["share_of_wall"].sum() == pytest.approx(1.0)
+
+
+def test_without_gpus_training_runs_as_measured_and_more_cores_do_not_speed_up_one_process():
+    fits = {"training": StageFit(5.0, 1e-3, 2, "")}
+    small, _ = predict(calibration(**fits), Target(records=1000, cpu_cores=2, gpus=0, train_tokens=10_000), Prices())
+    big, _ = predict(calibration(**fits), Target(records=1000, cpu_cores=64, gpus=0, train_tokens=10_000), Prices())
+    assert small.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(5.0 + 10.0)
+    assert small["wall_seconds"].to_list() == pytest.approx(big["wall_seconds"].to_list())  # one batch: nothing to spread
+
+
+def test_first_model_scores_one_model_and_spot_capacity_costs_less():
+    one, _ = predict(calibration(), Target(records=1000, cpu_cores=2, gpus=0, models_scored=1), Prices())
+    two, _ = predict(calibration(), Target(records=1000, cpu_cores=2, gpus=0), Prices())
+    assert one.filter(pl.col("stage") == "evaluation")["work"][0] * 2 == pytest.approx(two.filter(pl.col("stage") == "evaluation")["work"][0])
+    _, spot = predict(calibration(), Target(records=1000, cpu_cores=2, gpus=0), Prices(spot_discount=0.6))
+    _, on_demand = predict(calibration(), Target(records=1000, cpu_cores=2, gpus=0), Prices())
+    assert spot["cost_usd"] == pytest.approx(on_demand["cost_usd"] * 0.4)
+
+
+def test_gpus_without_a_gpu_speed_are_refused_when_the_calibration_trained_on_cpu():
+    with pytest.raises(ValueError, match="gpu-tokens-per-second"):
+        predict(calibration(), Target(records=1000, cpu_cores=2, gpus=4), Prices())
+
+
+def test_a_gpu_calibration_gives_the_speed_per_gpu():
+    gpu = Calibration(**{**vars(calibration()), "train_gpus": 2,
+                         "fits": {**calibration().fits, "training": StageFit(10.0, 1 / 20_000, 2, "")}})
+    table, _ = predict(gpu, Target(records=1000, cpu_cores=2, gpus=8, train_tokens=1e9), Prices())
+    per_gpu = 20_000 / 2
+    assert table.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(10.0 + 1e9 / (per_gpu * 8))
+
+
+def test_assumed_gpu_speed_is_mfu_times_peak_over_flops_per_token():
+    assert gpu_tokens_per_second(6e8, 1e15, 0.4) == pytest.approx(0.4 * 1e15 / 6e8)
+    assert math.isclose(gpu_tokens_per_second(1.0, 2.0, 0.5), 1.0)
