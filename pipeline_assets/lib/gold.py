@@ -9,6 +9,20 @@ from pipeline_assets.lib.packing import pack, packed_frame, plan_best_fit_decrea
 from pipeline_assets.lib.splits import TRAIN, VALIDATION
 
 
+SNAPSHOT_ORDER = ("split", "sequence_index")
+
+
+def read_sequences(table_uri: str, version: int | None, storage_options: dict | None,
+                   columns: tuple[str, ...] | None = None) -> pl.DataFrame:
+    """gold/sequences as Delta version ``version`` holds it (None: the newest) in the snapshot's
+    defined order, (split, sequence_index): Delta keeps rows, not their order. The one reader the
+    gold checks and the trainer share."""
+    scan = pl.scan_delta(table_uri, version=version, storage_options=storage_options)
+    if columns is not None:
+        scan = scan.select(*SNAPSHOT_ORDER, *columns)
+    return scan.collect().sort(*SNAPSHOT_ORDER)
+
+
 def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int) -> tuple[pl.DataFrame, dict]:
     """``encoded`` has record_id, split, input_ids, loss_mask, n_tokens (sorted by record_id, so the
     plan does not depend on the order silver stored its rows). Each split is packed best-fit

@@ -14,6 +14,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
+from pipeline_assets.lib.gold import read_sequences
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
 
@@ -52,12 +53,7 @@ def sequences_table_uri(lake_uri: str) -> str:
 
 def read_snapshot(lake_uri: str, version: int) -> Snapshot:
     """gold/sequences exactly as Delta version ``version`` holds it, in (split, sequence_index) order."""
-    frame = (
-        pl.scan_delta(sequences_table_uri(lake_uri), version=version, storage_options=uris.delta_storage_options(lake_uri))
-        .select("split", "sequence_index", *COLUMNS)
-        .collect()
-        .sort("split", "sequence_index")
-    )
+    frame = read_sequences(sequences_table_uri(lake_uri), version, uris.delta_storage_options(lake_uri), COLUMNS)
     if frame.is_empty():
         raise ValueError(f"gold/sequences v{version} has no rows")
     seq_len = int(frame["input_ids"].list.len().max())
