@@ -27,7 +27,7 @@ def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: i
         input_ids, loss_mask, position_ids = (_matrix(chunk[name]) for name in ("input_ids", "loss_mask", "position_ids"))
         token_losses, counted = _token_losses(model, input_ids, loss_mask, position_ids)
         piece = np.cumsum(position_ids.numpy() == 0, axis=1)[:, 1:] - 1  # the piece each target belongs to
-        parts.append(_per_piece(token_losses, counted, piece, chunk["record_ids"].to_list()))
+        parts.append(_per_piece(token_losses, counted, piece, chunk["record_ids"]))
     if not parts:
         return pl.DataFrame(schema=DOCUMENT_LOSSES_SCHEMA)
     return pl.concat(parts).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")).sort("record_id")
@@ -65,7 +65,7 @@ def slice_losses(document_losses: pl.DataFrame, slices: pl.DataFrame) -> pl.Data
 
 
 def _matrix(column: pl.Series) -> torch.Tensor:
-    values = np.array(column.to_list())
+    values = column.list.to_array(int(column.list.len().max())).to_numpy()
     return torch.from_numpy(values.astype(np.int64) if values.dtype != bool else values)
 
 
@@ -75,10 +75,13 @@ def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray
     return token_losses(logits, input_ids).numpy(), counted_targets(loss_mask, position_ids).numpy()
 
 
-def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: list[list[str]]) -> pl.DataFrame:
+def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: pl.Series) -> pl.DataFrame:
+    """Sum the counted targets' losses per (row, piece), then name each piece by its record."""
     rows, columns = np.nonzero(counted)
-    pieces = piece[rows, columns]
-    names = [record_ids[r][p] for r, p in zip(rows.tolist(), pieces.tolist(), strict=True)]
-    frame = pl.DataFrame({"record_id": names, "loss": token_losses[rows, columns].astype(np.float64)},
-                         schema={"record_id": pl.String, "loss": pl.Float64})
-    return frame.group_by("record_id").agg(loss_sum=pl.sum("loss"), tokens=pl.len().cast(pl.Int64))
+    lengths = record_ids.list.len().to_numpy().astype(np.int64)
+    first_piece = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # of each row, in the flattened pieces
+    flat = first_piece[rows] + piece[rows, columns]
+    loss_sum = np.bincount(flat, weights=token_losses[rows, columns].astype(np.float64), minlength=int(lengths.sum()))
+    tokens = np.bincount(flat, minlength=int(lengths.sum()))
+    frame = pl.DataFrame({"record_id": record_ids.explode(), "loss_sum": loss_sum, "tokens": tokens.astype(np.int64)})
+    return frame.filter(pl.col("tokens") > 0).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens"))

@@ -1,0 +1,92 @@
+"""Held-out loss per document: packed rows score each document as if it were alone."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+import torch
+
+from pipeline_assets.trainer.config import ModelConfig
+from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
+from pipeline_assets.trainer.model import Transformer
+
+CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=32)
+SEQ_LEN, PAD = 24, 0
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(CONFIG).eval()
+
+
+def documents() -> dict[str, tuple[list[int], list[bool]]]:
+    """record -> (ids, loss mask): a prompt part (not counted) then a response part (counted)."""
+    generator = torch.Generator().manual_seed(1)
+    out = {}
+    for name, prompt, response in (("a", 3, 4), ("b", 5, 6), ("c", 2, 9), ("d", 4, 3)):
+        ids = torch.randint(1, CONFIG.vocab_size, (prompt + response,), generator=generator).tolist()
+        out[name] = (ids, [False] * prompt + [True] * response)
+    return out
+
+
+def packed_rows(docs) -> pl.DataFrame:
+    """Two packed rows: a+b, then c+d, padded to SEQ_LEN (padding is a piece with no counted target)."""
+    rows = []
+    for names in (("a", "b"), ("c", "d")):
+        ids = [t for n in names for t in docs[n][0]]
+        mask = [m for n in names for m in docs[n][1]]
+        positions = [p for n in names for p in range(len(docs[n][0]))]
+        padding = SEQ_LEN - len(ids)
+        rows.append({"input_ids": ids + [PAD] * padding, "loss_mask": mask + [False] * padding,
+                     "position_ids": positions + list(range(padding)), "record_ids": list(names)})
+    return pl.DataFrame(rows)
+
+
+def alone(model: Transformer, ids: list[int], mask: list[bool]) -> tuple[float, int]:
+    """The reference: the document alone in its row, summed in Python over its counted targets."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+    losses = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="none")
+    counted = [t for t in range(1, len(ids)) if mask[t]]
+    return sum(float(losses[t - 1]) for t in counted), len(counted)
+
+
+def test_packed_documents_score_as_if_each_were_alone(model):
+    docs = documents()
+    scored = packed_document_losses(model, packed_rows(docs), batch_size=1)
+    assert scored["record_id"].to_list() == ["a", "b", "c", "d"]
+    for row in scored.iter_rows(named=True):
+        loss_sum, tokens = alone(model, *docs[row["record_id"]])
+        assert row["tokens"] == tokens
+        assert row["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
+
+
+def test_a_record_split_over_two_rows_is_summed_and_batching_changes_nothing(model):
+    docs = documents()
+    rows = packed_rows(docs).with_columns(record_ids=pl.Series([["a", "b"], ["c", "a"]]))  # "d" is now a's second piece
+    one_by_one = packed_document_losses(model, rows, batch_size=1)
+    together = packed_document_losses(model, rows, batch_size=16)
+    assert one_by_one.drop("loss_sum").equals(together.drop("loss_sum"))
+    assert one_by_one["loss_sum"].to_list() == pytest.approx(together["loss_sum"].to_list(), rel=1e-5)
+    a = one_by_one.filter(pl.col("record_id") == "a").row(0, named=True)
+    expected = [alone(model, *docs[name]) for name in ("a", "d")]
+    assert a["tokens"] == sum(tokens for _, tokens in expected)
+    assert a["loss_sum"] == pytest.approx(sum(loss for loss, _ in expected), rel=1e-5)
+
+
+def test_sequence_losses_and_slices(model):
+    docs = documents()
+    encoded = pl.DataFrame({"record_id": list(docs), "input_ids": [d[0] for d in docs.values()],
+                            "loss_mask": [d[1] for d in docs.values()]})
+    scored = sequence_losses(model, encoded, max_len=SEQ_LEN, pad_id=PAD)
+    for row in scored.iter_rows(named=True):
+        assert row["loss_sum"] == pytest.approx(alone(model, *docs[row["record_id"]])[0], rel=1e-5)
+    slices = slice_losses(scored, pl.DataFrame({"record_id": ["a", "b", "c", "d", "a"], "slice": ["x", "x", "y", "y", "y"]}))
+    y = slices.filter(pl.col("slice") == "y").row(0, named=True)
+    parts = scored.filter(pl.col("record_id").is_in(["a", "c", "d"]))
+    assert y["tokens"] == parts["tokens"].sum() and y["documents"] == 3
+    assert y["loss"] == pytest.approx(parts["loss_sum"].sum() / parts["tokens"].sum())
+    assert y["perplexity"] == pytest.approx(math.exp(y["loss"]))
