@@ -90,8 +90,7 @@ class Checkpointer:
             }
             self.store.publish(folder, manifest)
             self.published.append(self.store.folder_uri(folder))
-            self._update_best(pending.step, pending.extra.get("validation_loss"))
-            self._prune()
+            self._prune(best=self._update_best(pending.step, pending.extra.get("validation_loss")))
             log.info(f"checkpoint {self.store.folder_uri(folder)} published")
         dist.barrier(group=self.group)
 
@@ -117,17 +116,16 @@ class Checkpointer:
     def best(self) -> dict | None:
         return self.store.read_json(BEST)
 
-    def _update_best(self, step: int, validation_loss: float | None) -> None:
-        if validation_loss is None:
-            return
+    def _update_best(self, step: int, validation_loss: float | None) -> dict | None:
+        """The best checkpoint after this one (``best.json``, rewritten only when this one is better)."""
         best = self.store.read_json(BEST)
-        if best is None or validation_loss < best["validation_loss"]:
-            self.store.write_json(BEST, {"step": step, "validation_loss": validation_loss,
-                                         "uri": self.store.folder_uri(step_folder(step))})
+        if validation_loss is not None and (best is None or validation_loss < best["validation_loss"]):
+            best = {"step": step, "validation_loss": validation_loss, "uri": self.store.folder_uri(step_folder(step))}
+            self.store.write_json(BEST, best)
+        return best
 
-    def _prune(self) -> None:
+    def _prune(self, best: dict | None) -> None:
         """Keep the newest ``keep`` complete checkpoints and the best; clear partial writes left behind."""
-        best = self.store.read_json(BEST)
         complete = self.store.complete_steps()
         keep = set(complete[: self.keep]) | ({best["step"]} if best else set())
         for step in complete[self.keep:]:
