@@ -23,7 +23,7 @@ EFFICIENCY_TARGET = 0.995
 
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        records = assign_split(sample_records(Path(tmp), SAMPLE_RECORDS), 0.02)
+        records = assign_split(sample_records(Path(tmp), SAMPLE_RECORDS), 0.02, key="record_id")
     texts = [(prefix_text(s, p), response_text(r)) for s, p, r in records.select("system", "prompt", "response").iter_rows()]
     tokenizer = train_bpe([a + b for a, b in texts], vocab_size=8192)
     flat = [t for pair in texts for t in pair]

@@ -15,11 +15,14 @@ TRAIN, VALIDATION = "train", "validation"
 _BUCKETS = 1_000_000
 
 
-def assign_split(frame: pl.DataFrame, validation_fraction: float, salt: str = "split-v1") -> pl.DataFrame:
-    """``frame`` plus ``split`` (train / validation), from xxh3 of salt + record_id."""
+def assign_split(frame: pl.DataFrame, validation_fraction: float, salt: str = "split-v1", key: str = "exact_hash") -> pl.DataFrame:
+    """``frame`` plus ``split`` (train / validation), from xxh3 of salt + ``key``. The default key is
+    the record's content (silver's exact-dedup hash), not its id: the same text lands in the same
+    split however and whenever it was ingested (a rebuild, another store), and never moves from
+    validation to train."""
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation fraction must be in [0, 1), got {validation_fraction}")
-    bucket = plh.concat_str(pl.lit(salt), pl.col("record_id")).nchash.xxh3_64() % _BUCKETS
+    bucket = plh.concat_str(pl.lit(salt), pl.col(key)).nchash.xxh3_64() % _BUCKETS
     return frame.with_columns(
         split=pl.when(bucket < int(validation_fraction * _BUCKETS)).then(pl.lit(VALIDATION)).otherwise(pl.lit(TRAIN))
     )
