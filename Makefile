@@ -11,7 +11,7 @@ DAGSTER_PORT ?= 3000
 MLFLOW_PORT ?= 5000
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: install demo test dev bench clean
+.PHONY: install chromium demo test dev bench clean
 
 # torch first, pinned: the local CPU wheel. An unpinned torch would pull GBs of CUDA packages.
 $(VENV)/.installed: pyproject.toml
@@ -33,10 +33,16 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/pipeline-assets summary
 	$(BIN)/pipeline-assets lineage $${PIPELINE_MODEL_NAME:-sft-model}@champion
 
-# Two workers, one test file each at a time: the end-to-end files mostly wait on subprocesses
-# (torchrun, the Dagster daemon), so two of them share the 2 cores of CI well.
-test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile pipeline_assets_tests
+# The browser test of the Dagster UI drives Debian's chromium (Playwright's own download needs the
+# internet): installed here when missing, with sudo unless we are root.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+chromium:
+	command -v chromium >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+# Two workers, one test file each at a time, the longest files first (conftest.LONGEST_FIRST; xdist
+# would otherwise start the files with the most tests first); the 15 slowest tests are listed.
+test: install chromium
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 pipeline_assets_tests
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/mlflow ui --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \

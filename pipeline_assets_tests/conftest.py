@@ -18,6 +18,21 @@ from moto.server import ThreadedMotoServer
 
 from pipeline_assets.resources import EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy
 
+# The end-to-end files that take minutes (a daemon, dagster dev, several torchrun jobs), longest
+# first: started last, as alphabetical order would, they leave one pytest-xdist worker running alone.
+LONGEST_FIRST = ["defs/test_registry.py", "test_daemon.py", "test_cli.py", "test_ui_browser.py", "trainer/test_torchrun.py",
+                 "test_s3_end_to_end.py", "test_graphql.py", "defs/test_training.py", "trainer/test_hparam_search.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+
+    def rank(item) -> int:
+        name = Path(item.fspath).relative_to(here).as_posix()
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and among the rest, stays
+
 
 def record(i: int, **fields) -> dict:
     base = {

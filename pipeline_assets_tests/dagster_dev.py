@@ -1,0 +1,99 @@
+"""A real `dagster dev` on loopback for the end-to-end tests of the UI and the GraphQL API: a fresh
+PIPELINE_HOME / DAGSTER_HOME with a small sample corpus in its landing zone and one ingest batch
+registered, and a clean shutdown (SIGTERM to the whole process group: webserver, daemon, code server)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline_assets.headless import persistent_instance, register_batches
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.resources import Settings, build_resources
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_SECONDS = 240
+
+
+@dataclass(frozen=True)
+class DagsterDev:
+    home: Path
+    port: int
+    batch: str
+    manifest: dict
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _log_tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def _wait_until_serving(port: int, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"dagster dev exited with {server.returncode}:\n{_log_tail(log)}"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"dagster dev did not serve on 127.0.0.1:{port} within {DEADLINE_SECONDS} s:\n{_log_tail(log)}")
+
+
+@contextmanager
+def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iterator[DagsterDev]:
+    """`dagster dev -w workspace.yaml` on a free loopback port, serving once this yields.
+
+    The batch is registered before the server starts, so the landing sensor finds nothing new: the
+    only runs are the ones a test launches (and what automation does downstream of them).
+    """
+    home = tmp_path / "home"
+    manifest = write_sample_corpus(home / "landing", records=records, eval_sets_dir=home / "reference" / "eval_sets")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
+    env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
+    for name in ("PIPELINE_HOME", "DAGSTER_HOME"):
+        monkeypatch.setenv(name, env[name])
+    instance = persistent_instance(str(home / "dagster"))
+    [batch] = register_batches(build_resources(Settings.from_env()), instance)
+
+    port = free_port()
+    log = tmp_path / "dagster-dev.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        _wait_until_serving(port, server, log)
+        yield DagsterDev(home=home, port=port, batch=batch, manifest=manifest, log=log)
+    finally:
+        _signal_group(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _signal_group(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(pid, sig)
