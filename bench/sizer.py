@@ -1,9 +1,9 @@
 """The sizer against a measured run it was not calibrated on.
 
-Calibration: one home runs the sample corpus in two passes of different sizes (a quarter of each
-landing file's lines, then the rest, training 20 then 60 steps), and the tokenizer is made a second
+Calibration: one home runs the sample corpus in two passes of different sizes (a third of each
+landing file's lines, then the rest, training 20 then 40 steps), and the tokenizer is made a second
 time so that every stage has two sizes to fit. Target: a fresh home runs a corpus three times as
-large in one pass, against the same eval sets, training 150 steps. The sizer, given only the target's record count, average characters and
+large in one pass, against the same eval sets, training 120 steps. The sizer, given only the target's record count, average characters and
 training tokens, predicts each stage's seconds; the target's own pipeline report says what they
 were. Baseline: scaling each stage's calibration time in proportion to the records (tokens for
 training), with no fixed part. Both are judged by their worst stage.
@@ -28,9 +28,9 @@ import zstandard
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.sizing import text_chars
 
-CALIBRATION_RECORDS, TARGET_RECORDS = 4_000, 12_000
-FIRST_PASS_SHARE = 0.25
-STEPS = {"first pass": 20, "second pass": 60, "target": 150}
+CALIBRATION_RECORDS, TARGET_RECORDS = 6_000, 18_000
+FIRST_PASS_SHARE = 1 / 3
+STEPS = {"first pass": 20, "second pass": 40, "target": 120}
 TOLERANCE = 0.30
 TIMEOUT_S = 900
 

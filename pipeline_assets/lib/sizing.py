@@ -122,7 +122,7 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
         _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, gold_chars * (1 - c.validation_fraction), c.cores, 1),
         _cpu_row("gold/sequences", c.fits["gold/sequences"], 1, gold_chars, c.cores, 1),
         _training_row(c, target, train_tokens),
-        _cpu_row("evaluation", c.fits["evaluation"], target.models_scored, scored, c.cores, 1),
+        _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1),
     ]
     table = pl.DataFrame(rows).with_columns(
         cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),

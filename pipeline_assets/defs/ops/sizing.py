@@ -16,22 +16,22 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
 from pipeline_assets.lib.sizing import POINTS, Calibration, fit_stage
 
-# stage -> (asset, the metadata field holding its work, the field counting its materializations)
+# stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
 _MEASURED = {
-    "bronze": (BRONZE_RECORDS, "input_chars", None),
-    "silver": (SILVER_RECORDS, "input_chars", None),
-    "gold/tokenizer": (GOLD_TOKENIZER, "input_chars", None),
-    "gold/sequences": (GOLD_SEQUENCES, "input_chars", None),
-    "training": (TRAINING_CHECKPOINT, "tokens_trained", None),
-    "evaluation": (EVALUATION_REPORT, "tokens_scored", "models_scored"),
+    "bronze": (BRONZE_RECORDS, "input_chars"),
+    "silver": (SILVER_RECORDS, "input_chars"),
+    "gold/tokenizer": (GOLD_TOKENIZER, "input_chars"),
+    "gold/sequences": (GOLD_SEQUENCES, "input_chars"),
+    "training": (TRAINING_CHECKPOINT, "tokens_trained"),
+    "evaluation": (EVALUATION_REPORT, "tokens_scored"),
 }
 
 
 def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
-    history = {key: materialization_history(instance, key) for key, _, _ in _MEASURED.values()}
+    history = {key: materialization_history(instance, key) for key, _ in _MEASURED.values()}
     points = pl.DataFrame(
-        [point for stage, spec in _MEASURED.items() for point in _points(stage, history[spec[0]], *spec[1:])],
+        [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work)],
         schema=POINTS,
     )
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
@@ -59,9 +59,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibrat
     )
 
 
-def _points(stage: str, history: list[dict], work: str, count: str | None) -> list[dict]:
-    return [{"stage": stage, "materializations": int(m.get(count) or 1) if count else 1,
-             "work": float(m[work]), "wall_seconds": float(m["wall_seconds"])}
+def _points(stage: str, history: list[dict], work: str) -> list[dict]:
+    return [{"stage": stage, "materializations": 1, "work": float(m[work]), "wall_seconds": float(m["wall_seconds"])}
             for m in history if m.get(work) and m.get("wall_seconds") is not None]
 
 
