@@ -40,6 +40,7 @@ from pipeline_assets.lib.cost import MEASURED, bottleneck, headline_throughput, 
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.resources import CostPolicy, LakeResource, TorchrunLauncher
 
+
 @asset(
     key=OPS_PIPELINE_REPORT,
     group_name="ops",
