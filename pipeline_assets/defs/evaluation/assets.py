@@ -111,8 +111,9 @@ class EvaluationData:
         if validation.is_empty():
             raise Failure(allow_retries=False, description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
         record_ids = validation["record_ids"].explode().unique()
-        sources = lake.read("silver", "records", version=versions["silver/records"],
-                            where=pl.col("record_id").is_in(record_ids)).select("record_id", "source")
+        sources = (lake.scan("silver", "records", version=versions["silver/records"])
+                   .select("record_id", "source")  # two columns of silver, not its text
+                   .filter(pl.col("record_id").is_in(record_ids)).collect())
         tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
         tokenizer = tokenizer_from_json(tokenizer_rows["tokenizer_json"][0])
         items = eval_sets.items(eval_sets.files())
