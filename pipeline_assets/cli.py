@@ -262,12 +262,14 @@ def _latest_pipeline_report(lake) -> dict | None:
     """The newest ops/pipeline_report: the bottleneck, and per stage its wall time, throughput and cost."""
     import polars as pl
 
+    from pipeline_assets.lib.cost import bottleneck
+
     history = lake.read("ops", "pipeline_report")
     if history is None:
         return None
     latest = history.filter(pl.col("report_id") == history["report_id"].max())
     return {
-        "bottleneck": latest.sort("wall_seconds", descending=True)["stage"][0],
+        "bottleneck": bottleneck(latest),
         "usd_per_million_tokens": round(float(latest["usd_per_million_tokens"].sum()), 6),
         "stages": {row["stage"]: {"wall_seconds": round(row["wall_seconds"], 2), "throughput": round(row["throughput"], 1),
                                   "unit": row["unit"], "cost_usd": round(row["cost_usd"], 6)}

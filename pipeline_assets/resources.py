@@ -31,7 +31,7 @@ from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import PRESETS, TrainConfig
-from pipeline_assets.trainer.storage import CheckpointStore
+from pipeline_assets.trainer.storage import CheckpointStore, local_scratch
 
 
 def _env(name: str, default: str) -> str:
@@ -80,6 +80,9 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
     return value
 
 
+_PRICES = Prices()  # the default prices, one place
+
+
 @dataclass(frozen=True)
 class Settings:
     home: str
@@ -106,9 +109,9 @@ class Settings:
     train_steps: int = 200
     mlflow_artifact_root: str = ""
     model_name: str = "sft-model"
-    core_hour_usd: float = 0.048
-    gpu_hour_usd: float = 3.00
-    spot_discount: float = 0.0
+    core_hour_usd: float = _PRICES.core_hour
+    gpu_hour_usd: float = _PRICES.gpu_hour
+    spot_discount: float = _PRICES.spot_discount
     promotion_margin: float = 0.005
     slice_tolerance: float = 0.02
     mlflow_experiment: str = "pipeline_assets"
@@ -142,9 +145,9 @@ class Settings:
             train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
             model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
-            core_hour_usd=_float_env("PIPELINE_PRICE_CORE_HOUR", 0.048),
-            gpu_hour_usd=_float_env("PIPELINE_PRICE_GPU_HOUR", 3.00),
-            spot_discount=_float_env("PIPELINE_SPOT_DISCOUNT", 0.0),
+            core_hour_usd=_float_env("PIPELINE_PRICE_CORE_HOUR", _PRICES.core_hour),
+            gpu_hour_usd=_float_env("PIPELINE_PRICE_GPU_HOUR", _PRICES.gpu_hour),
+            spot_discount=_float_env("PIPELINE_SPOT_DISCOUNT", _PRICES.spot_discount),
             promotion_margin=_float_env("PIPELINE_PROMOTION_MARGIN", 0.005),
             slice_tolerance=_float_env("PIPELINE_SLICE_TOLERANCE", 0.02),
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
@@ -479,7 +482,7 @@ class TorchrunLauncher(ConfigurableResource):
 
     def scratch(self) -> str:
         """Local working space: staged checkpoints for S3, fetched exports, report pictures."""
-        return self.scratch_dir or str(Path(tempfile.gettempdir()) / "pipeline-assets")
+        return local_scratch(self.scratch_dir)
 
     def store(self, partition: str, root: str | None = None) -> CheckpointStore:
         return CheckpointStore(root or self.checkpoint_uri, partition, self.scratch())
@@ -514,9 +517,9 @@ class TrainingPolicy(ConfigurableResource):
 class CostPolicy(ConfigurableResource):
     """Prices for the pipeline report and the sizer, and when a stage counts as slower."""
 
-    core_hour_usd: float = Field(default=0.048, description="$ per vCPU-hour, on-demand")
-    gpu_hour_usd: float = Field(default=3.00, description="$ per GPU-hour, on-demand")
-    spot_discount: float = Field(default=0.0, description="fraction off on spot capacity, e.g. 0.6")
+    core_hour_usd: float = Field(default=_PRICES.core_hour, description="$ per vCPU-hour, on-demand")
+    gpu_hour_usd: float = Field(default=_PRICES.gpu_hour, description="$ per GPU-hour, on-demand")
+    spot_discount: float = Field(default=_PRICES.spot_discount, description="fraction off on spot capacity, e.g. 0.6")
     max_throughput_drop: float = Field(default=0.30, description="warning: a stage this much below its trailing median")
     trailing_reports: int = 10
 
@@ -528,9 +531,6 @@ class RegistryPolicy(ConfigurableResource):
     """What the registry calls the model and what a candidate must show to become champion."""
 
     model_name: str = "sft-model"
-    core_hour_usd: float = 0.048
-    gpu_hour_usd: float = 3.00
-    spot_discount: float = 0.0
     promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
     slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
 

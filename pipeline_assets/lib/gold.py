@@ -12,12 +12,9 @@ from pipeline_assets.lib.splits import TRAIN, VALIDATION
 SNAPSHOT_ORDER = ("split", "sequence_index")
 
 
-def read_sequences(table_uri: str, version: int | None, storage_options: dict | None,
-                   columns: tuple[str, ...] | None = None) -> pl.DataFrame:
-    """gold/sequences as Delta version ``version`` holds it (None: the newest) in the snapshot's
-    defined order, (split, sequence_index): Delta keeps rows, not their order. The one reader the
-    gold checks and the trainer share."""
-    scan = pl.scan_delta(table_uri, version=version, storage_options=storage_options)
+def in_snapshot_order(scan: pl.LazyFrame, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
+    """A scan of gold/sequences collected in the snapshot's defined order, (split, sequence_index):
+    Delta keeps rows, not their order. The one rule the gold checks and the trainer share."""
     if columns is not None:
         scan = scan.select(*SNAPSHOT_ORDER, *columns)
     return scan.collect().sort(*SNAPSHOT_ORDER)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib.cost import Prices
+from pipeline_assets.lib.cost import Prices, bottleneck
 
 BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
 STAGES = {  # stage -> (unit of work, parallelism)
@@ -133,7 +133,7 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
         "train_tokens": train_tokens, "cpu_cores": target.cpu_cores, "gpus": target.gpus,
         "wall_seconds": float(table["wall_seconds"].sum()), "cost_usd": total_cost,
         "usd_per_million_tokens": total_cost / max(tokens, 1) * 1e6,
-        "bottleneck": table.sort("wall_seconds", descending=True)["stage"][0],
+        "bottleneck": bottleneck(table),
     }
     return table, totals
 

@@ -14,7 +14,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.gold import read_sequences
+from pipeline_assets.lib.gold import in_snapshot_order
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
 
@@ -53,7 +53,8 @@ def sequences_table_uri(lake_uri: str) -> str:
 
 def read_snapshot(lake_uri: str, version: int) -> Snapshot:
     """gold/sequences exactly as Delta version ``version`` holds it, in (split, sequence_index) order."""
-    frame = read_sequences(sequences_table_uri(lake_uri), version, uris.delta_storage_options(lake_uri), COLUMNS)
+    scan = pl.scan_delta(sequences_table_uri(lake_uri), version=version, storage_options=uris.delta_storage_options(lake_uri))
+    frame = in_snapshot_order(scan, COLUMNS)
     if frame.is_empty():
         raise ValueError(f"gold/sequences v{version} has no rows")
     seq_len = int(frame["input_ids"].list.len().max())

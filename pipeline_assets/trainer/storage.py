@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from pipeline_assets.lib import uris
@@ -35,13 +36,19 @@ def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in names}
 
 
+def local_scratch(configured: str = "") -> str:
+    """Local working space (staged checkpoints for S3, fetched exports, pictures): the configured
+    folder, else one under the system's temp folder shared by the trainer and the assets."""
+    return configured or str(Path(tempfile.gettempdir()) / "pipeline-assets")
+
+
 class CheckpointStore:
     """The checkpoints of one partition: ``<root_uri>/<partition>``."""
 
-    def __init__(self, root_uri: str, partition: str, scratch_dir: str):
+    def __init__(self, root_uri: str, partition: str, scratch_dir: str = ""):
         self.uri = uris.join(root_uri, partition)
         self.is_s3 = uris.is_s3(root_uri)
-        self.scratch = Path(scratch_dir) / partition
+        self.scratch = Path(local_scratch(scratch_dir)) / partition
         self._client = None
 
     # --- names ----------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import logging
 import math
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +100,7 @@ class Trainer:
         self.model = shard_model(model, mixed_precision_policy(config.mixed_precision, env.device))
         self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(config))
-        scratch = config.scratch_dir or tempfile.gettempdir() + "/pipeline-assets-checkpoints"
-        self.store = CheckpointStore(config.checkpoint_uri, config.partition, scratch)
+        self.store = CheckpointStore(config.checkpoint_uri, config.partition, config.scratch_dir)
         self.checkpointer = Checkpointer(self.store, env.checkpoint_group, keep=config.keep_checkpoints)
         self.progress = Progress()
         self.global_batch = config.global_batch(env.world_size)

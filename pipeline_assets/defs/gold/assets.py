@@ -16,7 +16,7 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import build_sequences, read_sequences, token_statistics
+from pipeline_assets.lib.gold import build_sequences, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.splits import TRAIN, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
@@ -27,9 +27,10 @@ _KINDS = {"delta", "polars"}
 
 def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
     """A data snapshot in its defined order (split, sequence_index): Delta keeps rows, not their order."""
-    if lake.version("gold", "sequences") is None:
+    scan = lake.scan("gold", "sequences", version)
+    if scan is None:
         raise ValueError("gold/sequences does not exist yet: materialize it first")
-    return read_sequences(lake.table_uri("gold", "sequences"), version, lake.storage_options())
+    return in_snapshot_order(scan)
 
 
 def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:

@@ -153,7 +153,7 @@ def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResour
         partition=partition,
         vocab_size=int(tokenizer["vocab_size"][0]),
         device=launcher.device,
-        scratch_dir=launcher.scratch_dir,
+        scratch_dir=launcher.scratch(),
         **{**policy.hyperparameters(), **(searched or {}), **config.hyperparameter_overrides()},
     )
 
