@@ -24,7 +24,6 @@ from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.resources import LakeResource, LandingResource
 
-SAMPLE_RECORDS = 20_000
 COPIES = 5  # the sample corpus, five times: about 100,000 records
 REPEATS = 3
 TARGET = 0.5
@@ -76,7 +75,7 @@ def _ingest_seconds(root: Path) -> tuple[float, float]:
 
 
 def _clean_jsonl_corpus(sample: Path, landing: Path) -> list[Path]:
-    manifest = write_sample_corpus(sample, records=SAMPLE_RECORDS, eval_sets_dir=sample / "_eval_sets")
+    manifest = write_sample_corpus(sample, eval_sets_dir=sample / "_eval_sets")
     malformed = {(m["file"], m["line"]) for m in manifest["injected"]["malformed"]}
     written = []
     for entry in manifest["files"]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-
 from bench.sample import sample_records
 from bench.timing import best_seconds
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
@@ -15,7 +14,6 @@ from pipeline_assets.lib.packing import plan_best_fit_decreasing, plan_greedy_se
 from pipeline_assets.lib.splits import assign_split
 from pipeline_assets.lib.tokenizer import encode_records, train_bpe
 
-SAMPLE_RECORDS = 20_000
 SEQ_LEN = 512
 SPEED_TARGET = 0.7
 EFFICIENCY_TARGET = 0.995
@@ -23,7 +21,7 @@ EFFICIENCY_TARGET = 0.995
 
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        records = assign_split(sample_records(Path(tmp), SAMPLE_RECORDS), 0.02, key="record_id")
+        records = assign_split(sample_records(Path(tmp)), 0.02, key="record_id")
     texts = [(prefix_text(s, p), response_text(r)) for s, p, r in records.select("system", "prompt", "response").iter_rows()]
     tokenizer = train_bpe([a + b for a, b in texts], vocab_size=8192)
     flat = [t for pair in texts for t in pair]

@@ -8,10 +8,10 @@ import polars as pl
 
 from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.normalize import normalize_records
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.lib.sample_corpus import SAMPLE_RECORDS, write_sample_corpus
 
 
-def sample_records(root: Path, records: int) -> pl.DataFrame:
+def sample_records(root: Path, records: int = SAMPLE_RECORDS) -> pl.DataFrame:
     """Writes the corpus under root (eval sets in root/eval) and returns its accepted records."""
     manifest = write_sample_corpus(root / "landing", records=records, eval_sets_dir=root / "eval")
     frames = [

@@ -20,7 +20,6 @@ from pipeline_assets.lib.dedup import DEDUP_TEXT, exact_hashes, near_dedup
 from pipeline_assets.lib.minhash import shingles, signatures
 from pipeline_assets.lib.quality import quality_gate
 
-SAMPLE_RECORDS = 20_000
 LOOP_SAMPLE = 5_000  # datasketch's loop is timed on a slice and scaled
 INDEX_RECORDS = 1_000_000
 LOOKUP_BATCH = 10_000
@@ -30,7 +29,7 @@ MEMORY_TARGET_GB = 2.0
 
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        records = sample_records(Path(tmp), SAMPLE_RECORDS)
+        records = sample_records(Path(tmp))
         eval_items = read_eval_sets(Path(tmp) / "eval")
         texts = records.select(DEDUP_TEXT).to_series().to_list()
         ours = best_seconds(lambda: signatures(texts))

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline_assets.lib.sample_corpus import SAMPLE_RECORDS
 from pipeline_assets.resources import Settings
 
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--select", help='Dagster asset selection, e.g. "key:bronze/*" (default: everything stale)')
 
     sample = commands.add_parser("sample-data", help="write the deterministic sample corpus")
-    sample.add_argument("--records", type=int, default=20_000)
+    sample.add_argument("--records", type=int, default=SAMPLE_RECORDS)
     sample.add_argument("--out", type=Path, help="landing zone to write into (default: PIPELINE_LANDING_URI)")
     sample.add_argument("--eval-sets-out", type=Path, help="where the eval sets go (default: PIPELINE_EVAL_SETS_URI)")
     sample.add_argument("--seed", type=int, default=20261121)
@@ -154,7 +155,6 @@ def _sizer(args, settings: Settings) -> int:
     from pipeline_assets.headless import persistent_instance
     from pipeline_assets.lib.charts import time_breakdown_png
     from pipeline_assets.lib.sizing import Target, predict
-    from pipeline_assets.resources import build_resources
 
     if args.records <= 0 or args.cpu_workers <= 0 or args.gpus < 0 or args.batch_records <= 0:
         raise ValueError("--records, --cpu-workers and --batch-records must be positive, --gpus at least 0")
@@ -165,7 +165,7 @@ def _sizer(args, settings: Settings) -> int:
     target = Target(records=args.records, cpu_cores=args.cpu_workers, gpus=args.gpus, avg_chars=args.avg_chars,
                     batch_records=args.batch_records, epochs=args.epochs, train_tokens=args.train_tokens,
                     models_scored=1 if args.first_model else 2, gpu_tokens_per_second=per_gpu)
-    table, totals = predict(calibration, target, build_resources(settings)["cost_policy"].prices())
+    table, totals = predict(calibration, target, settings.prices())
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     picture = time_breakdown_png(
         table["stage"].to_list(), table["wall_seconds"].to_list(), table["cost_usd"].to_list(),

@@ -117,6 +117,9 @@ class Settings:
     mlflow_experiment: str = "pipeline_assets"
     mlflow_ui_url: str = "http://127.0.0.1:5000"
 
+    def prices(self) -> Prices:
+        return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
+
     @classmethod
     def from_env(cls) -> "Settings":
         home = str(Path(_env("PIPELINE_HOME", "./.pipeline")).resolve())

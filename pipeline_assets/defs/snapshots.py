@@ -30,13 +30,8 @@ def latest_per_partition(history: list[dict]) -> list[dict]:
 
 
 def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
-    """Plain metadata values of the newest materialization of ``key`` that ``matches``."""
-    records = instance.fetch_materializations(key, limit=_SEARCH_LIMIT).records
-    for record in records:
-        metadata = plain_metadata(record.asset_materialization)
-        if matches(metadata):
-            return metadata
-    return None
+    """Plain metadata values of the newest of the last thousand materializations of ``key`` that ``matches``."""
+    return next((m for m in materialization_history(instance, key, limit=_SEARCH_LIMIT) if matches(m)), None)
 
 
 def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:

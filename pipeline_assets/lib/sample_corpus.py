@@ -555,6 +555,9 @@ class _Slot:
     detail: str | None = None  # the low-quality kind or the malformed reason
 
 
+SAMPLE_RECORDS = 20_000  # the sample corpus: what make demo lands and the benchmarks measure
+
+
 def _landing_files(records: int) -> list[LandingFile]:
     """Files in path order (as a landing scanner lists them), ~1/4 of the lines per source."""
     per_source = [
@@ -1118,7 +1121,7 @@ def _needed_words(records: int) -> int:
 
 def write_sample_corpus(
     out_dir: Path,
-    records: int = 20_000,
+    records: int = SAMPLE_RECORDS,
     eval_sets_dir: Path | None = None,
     seed: int = 20261121,
 ) -> dict:
