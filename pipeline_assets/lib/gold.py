@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib.packing import pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
+from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
 from pipeline_assets.lib.splits import TRAIN, VALIDATION
-
 
 SNAPSHOT_ORDER = ("split", "sequence_index")
 
@@ -30,18 +29,13 @@ def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int)
         if part.is_empty():
             by_split[split] = 0
             continue
-        plan = plan_best_fit_decreasing(part["n_tokens"].to_numpy(), seq_len)
-        packed = packed_frame(pack(plan, part["input_ids"], part["loss_mask"], seq_len, pad_id)).rename(
-            {"doc_lengths": "document_lengths"}
-        )
-        packed = packed.with_columns(record_ids=_record_ids_per_sequence(plan, part["record_id"].to_numpy()))
+        packed, plan = pack_records(part, seq_len, pad_id)
         order = shuffle_sequences(plan.n_sequences, seed + number)
         frames.append(
             packed[order].with_columns(
                 split=pl.lit(split),
                 sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
                 real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32),
-                loss_mask=pl.col("loss_mask").cast(pl.List(pl.Boolean)),
             )
         )
         by_split[split] = plan.n_sequences
@@ -50,6 +44,18 @@ def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int)
     real = int(sequences["real_tokens"].sum()) if frames else 0
     efficiency = real / (sequences.height * seq_len) if frames else 0.0
     return sequences, {"efficiency": efficiency, "sequences_by_split": by_split, "split_documents": split_documents}
+
+
+def pack_records(records: pl.DataFrame, seq_len: int, pad_id: int) -> tuple[pl.DataFrame, PackingPlan]:
+    """Records (record_id, input_ids, loss_mask, n_tokens) packed best-fit decreasing into rows of
+    ``seq_len``: input_ids, loss_mask, position_ids (restarting at every piece), document_lengths and
+    record_ids (the record of each piece, in order). The one packing rule of gold and evaluation."""
+    plan = plan_best_fit_decreasing(records["n_tokens"].to_numpy(), seq_len)
+    packed = packed_frame(pack(plan, records["input_ids"], records["loss_mask"], seq_len, pad_id))
+    return packed.rename({"doc_lengths": "document_lengths"}).with_columns(
+        pl.col("loss_mask").cast(pl.List(pl.Boolean)),
+        record_ids=_record_ids_per_sequence(plan, records["record_id"].to_numpy()),
+    ), plan
 
 
 def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:

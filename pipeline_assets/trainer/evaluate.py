@@ -11,6 +11,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from pipeline_assets.lib.gold import pack_records
 from pipeline_assets.trainer.model import Transformer, counted_targets, token_losses
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
@@ -33,21 +34,15 @@ def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: i
     return pl.concat(parts).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")).sort("record_id")
 
 
-@torch.no_grad()
 def sequence_losses(model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
-    same per-record sums, each document alone in its row, cut to ``max_len`` tokens."""
-    rows = encoded.with_columns(
+    same per-record sums. Each document is cut to ``max_len`` tokens, then packed like gold (it still
+    attends only to itself): short items padded one to a row would cost ``max_len`` positions each."""
+    cut = encoded.with_columns(
         pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
-    ).with_columns(n=pl.col("input_ids").list.len())
-    padding = (max_len - rows["n"]).to_list()
-    padded = pl.DataFrame({
-        "input_ids": [ids + [pad_id] * k for ids, k in zip(rows["input_ids"].to_list(), padding, strict=True)],
-        "loss_mask": [mask + [False] * k for mask, k in zip(rows["loss_mask"].to_list(), padding, strict=True)],
-        "position_ids": [list(range(n)) + list(range(k)) for n, k in zip(rows["n"].to_list(), padding, strict=True)],
-        "record_ids": [[rid] for rid in rows["record_id"].to_list()],
-    })
-    return packed_document_losses(model, padded, batch_size)
+    ).with_columns(n_tokens=pl.col("input_ids").list.len()).filter(pl.col("n_tokens") > 0)
+    packed, _ = pack_records(cut, max_len, pad_id)
+    return packed_document_losses(model, packed, batch_size)
 
 
 def slice_losses(document_losses: pl.DataFrame, slices: pl.DataFrame) -> pl.DataFrame:

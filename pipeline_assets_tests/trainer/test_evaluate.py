@@ -90,3 +90,23 @@ def test_sequence_losses_and_slices(model):
     assert y["tokens"] == parts["tokens"].sum() and y["documents"] == 3
     assert y["loss"] == pytest.approx(parts["loss_sum"].sum() / parts["tokens"].sum())
     assert y["perplexity"] == pytest.approx(math.exp(y["loss"]))
+
+
+def test_short_items_are_packed_and_a_long_one_is_cut(model):
+    docs = documents()
+    long_ids = torch.randint(1, CONFIG.vocab_size, (SEQ_LEN + 7,), generator=torch.Generator().manual_seed(2)).tolist()
+    docs["long"] = (long_ids, [True] * len(long_ids))
+    encoded = pl.DataFrame({"record_id": list(docs), "input_ids": [d[0] for d in docs.values()],
+                            "loss_mask": [d[1] for d in docs.values()]})
+    positions = []
+    hook = model.register_forward_hook(lambda module, inputs, output: positions.append(inputs[0].numel()))
+    try:
+        scored = sequence_losses(model, encoded, max_len=SEQ_LEN, pad_id=PAD)
+    finally:
+        hook.remove()
+    # a..d hold 36 tokens: two rows of 24 between them, not a row each; the long item, cut to 24, fills a third
+    assert sum(positions) == 3 * SEQ_LEN
+    cut = scored.filter(pl.col("record_id") == "long").row(0, named=True)
+    loss_sum, tokens = alone(model, long_ids[:SEQ_LEN], [True] * SEQ_LEN)
+    assert cut["tokens"] == tokens == SEQ_LEN - 1
+    assert cut["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
