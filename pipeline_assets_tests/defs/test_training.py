@@ -4,14 +4,16 @@ snapshot of the sample corpus, reporting through Pipes and tracked in MLflow on 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from dagster import PipesSubprocessClient, materialize
+from dagster import DagsterEventType, DagsterInstance, PipesSubprocessClient, materialize
 from mlflow import MlflowClient
 
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
@@ -73,7 +75,21 @@ def _preempt_once(published: Path, timeout: float = 300) -> threading.Thread:
     return thread
 
 
-def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snapshot, instance, training_resources, tmp_path):
+def captured_stderr(instance: DagsterInstance, run_id: str) -> str:
+    """What the run's processes wrote to stderr, as Dagster captured it (the UI's stderr tab)."""
+    manager = instance.compute_log_manager
+    return "".join(
+        (manager.get_log_data(manager.build_log_key_for_run(run_id, event.dagster_event.logs_captured_data.file_key)).stderr
+         or b"").decode(errors="replace")
+        for event in instance.all_logs(run_id, of_type=DagsterEventType.LOGS_CAPTURED)
+    )
+
+
+def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snapshot, instance, training_resources, tmp_path,
+                                                                           monkeypatch):
+    # As in a run worker, sys.stderr is file descriptor 2, which Dagster's log capture redirects and torchrun's
+    # processes inherit; pytest's own capture puts another file behind sys.stderr.
+    monkeypatch.setattr(sys, "stderr", sys.__stderr__)
     _preempt_once(tmp_path / "checkpoints" / snapshot / "step-10" / "COMPLETE.json")
     result = materialize([training_checkpoint], partition_key=snapshot, instance=instance, resources=training_resources,
                          selection=[training_checkpoint])
@@ -87,6 +103,8 @@ def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snaps
     assert f"step {STEPS}/{STEPS}: loss" in logs, "rank 0's step logs reach the run's logs through Pipes"
     assert "stopped by SIGTERM or SIGINT after saving a checkpoint" in logs or "stopped by a signal" in logs
     assert "resumed from" in logs, "the retry resumes from the checkpoint the preempted attempt saved"
+    captured = captured_stderr(instance, result.run_id)
+    assert re.search(r"\[rank1\][^\n]*stopped by a signal", captured), "rank 1's output reaches the run's captured logs"
 
     client = MlflowClient(tracking_uri=training_resources["mlflow_tracking"].tracking_uri)
     run = client.get_run(metadata["mlflow_run_id"])
