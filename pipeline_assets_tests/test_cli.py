@@ -81,7 +81,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     cores = len(os.sched_getaffinity(0))  # what the calibration's processes ran on
     assert stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores" and stages["silver"]["runs_on"] == f"{cores} cores"
     assert stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
-    assert totals["fits"]["bronze"]["note"] == "fitted on 2 sizes", "two batches of different sizes"
+    assert totals["fits"]["bronze"]["note"] == "fitted on 2 sizes (2 runs)", "two batches of different sizes"
     assert totals["fits"]["training"]["note"].startswith("one size"), "both snapshots trained the same 6 steps"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = _cli(tmp_path, "sizer", "--records", "50000", "--first-model")

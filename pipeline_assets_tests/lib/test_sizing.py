@@ -24,6 +24,14 @@ def test_the_fit_recovers_a_fixed_part_and_a_rate():
     assert fit.seconds(3, 10_000) == pytest.approx(3 * 2 + 100)
 
 
+def test_runs_of_one_size_count_once_at_their_median():
+    slow_run, fast_run = 30.0, 20.0  # a mean would tilt the line with them
+    fit = fit_stage(points((1, 1000, 12.0), (1, 1000, 12.0), (1, 1000, slow_run),
+                           (1, 5000, 52.0), (1, 5000, 52.0), (1, 5000, fast_run)))
+    assert (fit.fixed_seconds, fit.seconds_per_unit) == (pytest.approx(2.0), pytest.approx(0.01))
+    assert (fit.points, fit.note) == (2, "fitted on 2 sizes (6 runs)")
+
+
 def test_one_size_charges_all_the_time_to_the_rate():
     fit = fit_stage(points((1, 1000, 4.0), (1, 1000, 4.0)))
     assert (fit.fixed_seconds, fit.seconds_per_unit) == (0.0, pytest.approx(0.004))
