@@ -1,6 +1,6 @@
 """The code location: every layer's assets, checks and sensors, with env-configured resources."""
 
-from dagster import Definitions
+from dagster import Definitions, in_process_executor, multiprocess_executor
 
 from pipeline_assets.defs.automation import automation_sensor
 from pipeline_assets.defs.bronze.assets import bronze
@@ -17,7 +17,14 @@ from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
-from pipeline_assets.resources import build_resources
+from pipeline_assets.resources import Settings, build_resources
+
+# One process per run by default: on one machine a process per step costs seconds of imports each and
+# gains little (training runs in torchrun's own processes). A cluster picks its executor.
+EXECUTORS = {"in_process": in_process_executor, "multiprocess": multiprocess_executor}
+settings = Settings.from_env()
+if settings.executor not in EXECUTORS:
+    raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
 
 defs = Definitions(
     assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
@@ -26,5 +33,6 @@ defs = Definitions(
     sensors=[landing_sensor, automation_sensor, run_failure_recorder],
     schedules=[nightly_retrain],
     jobs=[ingest_job, retrain_job],
-    resources=build_resources(),
+    resources=build_resources(settings),
+    executor=EXECUTORS[settings.executor],
 )

@@ -116,6 +116,7 @@ class Settings:
     slice_tolerance: float = 0.02
     mlflow_experiment: str = "pipeline_assets"
     mlflow_ui_url: str = "http://127.0.0.1:5000"
+    executor: str = "in_process"
 
     def prices(self) -> Prices:
         return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
@@ -155,6 +156,7 @@ class Settings:
             slice_tolerance=_float_env("PIPELINE_SLICE_TOLERANCE", 0.02),
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
             mlflow_ui_url=_env("PIPELINE_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+            executor=_env("PIPELINE_EXECUTOR", "in_process"),
         )
 
 

@@ -52,3 +52,15 @@ def test_dagster_definitions_validate(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "All code locations passed validation" in done.stdout + done.stderr
+
+
+def test_runs_execute_in_one_process_unless_the_setting_says_otherwise(tmp_path):
+    assert defs.executor.name == "in_process"
+    show = "from pipeline_assets.definitions import defs; print(defs.executor.name)"
+    env = {**os.environ, "PIPELINE_HOME": str(tmp_path)}
+    multiprocess = subprocess.run([sys.executable, "-c", show], env={**env, "PIPELINE_EXECUTOR": "multiprocess"},
+                                  capture_output=True, text=True, timeout=120)
+    assert multiprocess.stdout.strip() == "multiprocess", multiprocess.stderr
+    unknown = subprocess.run([sys.executable, "-c", show], env={**env, "PIPELINE_EXECUTOR": "threads"},
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode != 0 and "PIPELINE_EXECUTOR='threads': one of in_process, multiprocess" in unknown.stderr
