@@ -39,7 +39,6 @@ ARRIVAL_STEPS = (10, 20, 30)
 TARGET_STEPS, TARGET_RUNS = 60, 5
 BATCH_STAGES = "bronze/records,bronze/quarantine,silver/records,silver/rejects,silver/minhash_index"
 BATCH_RERUNS = 2
-IN_PROCESS = json.dumps({"execution": {"config": {"in_process": {}}}})
 TOLERANCE = 0.30
 TIMEOUT_S = 900
 
@@ -91,9 +90,10 @@ def calibrate(tmp: Path, staging: Path, eval_sets: Path) -> Path:
 
 
 def materialize(home: Path, selection: str, *args: str) -> None:
-    """``dagster asset materialize``, every step in one process as ``pipeline-assets run`` runs them."""
+    """``dagster asset materialize``: what a user runs to materialize by hand (the code location's
+    default executor runs every step in one process, as ``pipeline-assets run`` does)."""
     _command(home, [str(Path(sys.executable).with_name("dagster")), "asset", "materialize", "-m", "pipeline_assets.definitions",
-                    "--select", selection, "--config-json", IN_PROCESS, *args], steps=ARRIVAL_STEPS[-1])
+                    "--select", selection, *args], steps=ARRIVAL_STEPS[-1])
 
 
 def landing_file_part(path: Path, start: float, end: float, folder: Path, number: int) -> None:

@@ -1,6 +1,6 @@
 """What a data snapshot was built from, read back from the materializations that built it."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
@@ -17,8 +17,12 @@ def plain_metadata(materialization) -> dict:
 
 def materialization_history(instance: DagsterInstance, key: AssetKey, limit: int = 10_000) -> list[dict]:
     """Plain metadata of every materialization of ``key``, newest first, each with its ``partition``."""
-    return [{**plain_metadata(record.asset_materialization), "partition": record.asset_materialization.partition}
-            for record in instance.fetch_materializations(key, limit=limit).records]
+    return list(_history(instance, key, limit))
+
+
+def _history(instance: DagsterInstance, key: AssetKey, limit: int) -> Iterator[dict]:
+    for record in instance.fetch_materializations(key, limit=limit).records:
+        yield {**plain_metadata(record.asset_materialization), "partition": record.asset_materialization.partition}
 
 
 def latest_per_partition(history: list[dict]) -> list[dict]:
@@ -31,7 +35,7 @@ def latest_per_partition(history: list[dict]) -> list[dict]:
 
 def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
     """Plain metadata values of the newest of the last thousand materializations of ``key`` that ``matches``."""
-    return next((m for m in materialization_history(instance, key, limit=_SEARCH_LIMIT) if matches(m)), None)
+    return next((m for m in _history(instance, key, _SEARCH_LIMIT) if matches(m)), None)
 
 
 def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:
