@@ -173,7 +173,8 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
     )
     outcome.runs.append(result.run_id)
     if not result.success:
-        outcome.failed_runs.append(f"run {result.run_id} for {where} failed")
+        reasons = [_failure_reason(event.event_specific_data.error) for event in result.get_step_failure_events()]
+        outcome.failed_runs.append(f"run {result.run_id} for {where} failed: {'; '.join(reasons) or 'see the run in the UI'}")
     for check in result.get_asset_check_evaluations():
         said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for {where}: {check.description}"
         if check.passed:
@@ -182,3 +183,15 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
             outcome.failed_blocking_checks.append(said)
         else:
             outcome.warnings.append(said)
+
+
+def _failure_reason(error) -> str:
+    """The step's own words (``reading landing file ... failed``), behind Dagster's "Exceeded
+    max_retries" wrapper and without the exception's class path."""
+    retried = ""
+    while error.cause is not None and error.message.startswith("Exceeded max_retries"):
+        retried = f" ({error.message.strip().lower()})"
+        error = error.cause
+    line = error.message.strip().splitlines()[0]
+    kind, _, words = line.partition(": ")
+    return (words if words and "." in kind else line) + retried

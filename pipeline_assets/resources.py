@@ -17,6 +17,7 @@ from pathlib import Path
 
 import polars as pl
 from dagster import ConfigurableResource, PipesSubprocessClient
+from botocore.exceptions import ClientError
 from dagster_aws.s3 import S3Resource
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
@@ -117,6 +118,8 @@ class Settings:
     mlflow_experiment: str = "pipeline_assets"
     mlflow_ui_url: str = "http://127.0.0.1:5000"
     executor: str = "in_process"
+    retry_delay_seconds: float = 10.0
+    s3_max_attempts: int = 6  # AWS_MAX_ATTEMPTS: tries of one S3 request, the first included
 
     def prices(self) -> Prices:
         return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
@@ -157,6 +160,8 @@ class Settings:
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
             mlflow_ui_url=_env("PIPELINE_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
             executor=_env("PIPELINE_EXECUTOR", "in_process"),
+            retry_delay_seconds=_float_env("PIPELINE_RETRY_DELAY_SECONDS", 10.0),
+            s3_max_attempts=int(_float_env("AWS_MAX_ATTEMPTS", 6)),
         )
 
 
@@ -245,6 +250,10 @@ class LakeResource(ConfigurableResource):
 # --- Landing zone -------------------------------------------------------------------------------
 
 
+class LandingFileGone(FileNotFoundError):
+    """A registered landing file no longer exists: retrying will not bring it back."""
+
+
 @dataclass(frozen=True)
 class LandingFile:
     """A file in the landing zone: ``<landing>/<source>/<name>``."""
@@ -280,10 +289,20 @@ class LandingResource(ConfigurableResource):
         return sorted(files, key=lambda f: f.uri)
 
     def read_bytes(self, uri: str) -> bytes:
-        if uris.is_s3(uri):
-            bucket, key = uris.split_s3(uri)
+        """The file's bytes; ``LandingFileGone`` when it no longer exists. Any other error (I/O,
+        timeout, a 5xx or a throttle from the store) is raised as it is: it may pass on a retry."""
+        if not uris.is_s3(uri):
+            try:
+                return Path(uri).read_bytes()
+            except FileNotFoundError as exc:
+                raise LandingFileGone(uri) from exc
+        bucket, key = uris.split_s3(uri)
+        try:
             return self.s3.get_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        return Path(uri).read_bytes()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise LandingFileGone(uri) from exc
+            raise
 
     def _list_local(self) -> list[LandingFile]:
         root = Path(self.uri)
@@ -351,7 +370,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
     settings = settings or Settings.from_env()
     return {
         "lake": LakeResource(uri=settings.lake_uri),
-        "landing": LandingResource(uri=settings.landing_uri, field_mappings=settings.field_mappings),
+        "landing": LandingResource(uri=settings.landing_uri, field_mappings=settings.field_mappings,
+                                   s3=S3Resource(max_attempts=settings.s3_max_attempts - 1)),  # it counts retries
         "ingest_policy": IngestPolicy(
             max_quarantine_rate=settings.max_quarantine_rate,
             volume_tolerance=settings.volume_tolerance,

@@ -6,6 +6,9 @@ A failure that would repeat (bad input, a missing upstream) is raised as
 
 from dagster import Backoff, RetryPolicy
 
-# Three tries more, 10 s, 20 s, 40 s apart: long enough for a throttled S3 or a busy SQLite writer;
-# a real error (a bad file, a failed contract) fails the same way each time and is then reported.
-TRANSIENT = RetryPolicy(max_retries=3, delay=10, backoff=Backoff.EXPONENTIAL)
+from pipeline_assets.resources import Settings
+
+# Three tries more, 10 s, 20 s, 40 s apart by default (PIPELINE_RETRY_DELAY_SECONDS): long enough
+# for a throttled S3 or a busy SQLite writer; a real error (a bad file, a failed contract) fails the
+# same way each time and is then reported.
+TRANSIENT = RetryPolicy(max_retries=3, delay=Settings.from_env().retry_delay_seconds, backoff=Backoff.EXPONENTIAL)

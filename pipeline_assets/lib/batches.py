@@ -75,3 +75,18 @@ def pending_batches(manifest: pl.DataFrame | None, known_partitions: Iterable[st
     if manifest is None or manifest.is_empty():
         return []
     return sorted(set(manifest["batch_id"].unique().to_list()) - set(known_partitions))
+
+
+def earlier_versions(manifest: pl.DataFrame, batch_id: str) -> pl.DataFrame:
+    """For each file registered before ``batch_id``: its latest earlier version (uri,
+    previous_size, previous_checksum, previous_batch), what an appended export grew from."""
+    return (
+        manifest.filter(pl.col("batch_id") < batch_id)
+        .sort("registered_at")
+        .group_by("uri")
+        .agg(
+            previous_size=pl.col("size").last(),
+            previous_checksum=pl.col("checksum").last(),
+            previous_batch=pl.col("batch_id").last(),
+        )
+    )

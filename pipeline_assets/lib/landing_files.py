@@ -148,7 +148,7 @@ def _gunzip_into(data: bytes, out: io.BytesIO) -> None:
                 break
         if not inflater.eof:
             raise EOFError("gzip stream ended before its end-of-stream marker")
-        remaining = inflater.unused_data
+        remaining = inflater.unused_data + remaining[start + _CHUNK :]  # the next member may span later chunks
 
 
 def _unzstd_into(data: bytes, out: io.BytesIO) -> None:

@@ -9,10 +9,17 @@ import orjson
 import polars as pl
 
 from pipeline_assets.lib.landing_files import KNOWN_FIELDS
+from pipeline_assets.lib.redelivery import ALREADY_INGESTED
+
+# A file set aside whole, or cut short: how many of its lines were lost is unknown, so it blocks
+# its batch whatever share of the batch's lines it is.
+WHOLE_FILE_REASONS = ("unreadable_file", "truncated_file", "unsupported_format")
 
 
 def quarantine_rates(records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.DataFrame:
-    """Per source: lines, quarantined, rate and the most frequent reason."""
+    """Per source: lines, quarantined, rate and the most frequent reason. Lines an appended
+    export delivered again are neither: they were judged with the version that first held them."""
+    quarantine = quarantine.filter(pl.col("reason") != ALREADY_INGESTED)
     accepted = records.group_by("source").agg(accepted=pl.len())
     rejected = quarantine.group_by("source").agg(quarantined=pl.len())
     top_reason = (
@@ -28,6 +35,36 @@ def quarantine_rates(records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.Data
         .with_columns(rate=pl.col("quarantined") / pl.col("lines"))
         .select("source", "lines", "accepted", "quarantined", "rate", "top_reason")
         .sort("source")
+    )
+
+
+def unreadable_files(quarantine: pl.DataFrame) -> pl.DataFrame:
+    """One row per file that could not be read whole: source, source_file, reason, detail."""
+    return (
+        quarantine.filter(pl.col("reason").is_in(WHOLE_FILE_REASONS))
+        .group_by("source", "source_file", maintain_order=True)
+        .agg(pl.col("reason").first(), pl.col("detail").first())
+        .sort("source_file")
+    )
+
+
+def unaccounted_files(lines_counted: dict[str, int], records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.DataFrame:
+    """Files whose counted lines differ from the rows that reached bronze and quarantine:
+    source_file, lines_counted, rows (both tables), difference (counted - rows)."""
+    rows = (
+        pl.concat([records.select("source_file"), quarantine.select("source_file")])
+        .group_by("source_file").agg(rows=pl.len())
+    )
+    counted = pl.DataFrame(
+        {"source_file": list(lines_counted), "lines_counted": list(lines_counted.values())},
+        schema={"source_file": pl.String, "lines_counted": pl.Int64},
+    )
+    return (
+        counted.join(rows, on="source_file", how="full", coalesce=True)
+        .with_columns(pl.col("lines_counted", "rows").fill_null(0).cast(pl.Int64))
+        .with_columns(difference=pl.col("lines_counted") - pl.col("rows"))
+        .filter(pl.col("difference") != 0)
+        .sort("source_file")
     )
 
 
@@ -79,7 +116,8 @@ def _unknown_keys(raw: str) -> list[str]:
 def rows_per_mb(rows: pl.DataFrame, sizes: pl.DataFrame) -> pl.DataFrame:
     """Per (batch_id, source): bronze rows per MB of landing input.
 
-    ``rows`` has batch_id, source (one row per record); ``sizes`` has batch_id, source, size (bytes).
+    ``rows`` has batch_id, source (one row per record, and one per line an appended export
+    delivered again, whose bytes the file's size includes); ``sizes`` has batch_id, source, size.
     """
     counted = rows.group_by("batch_id", "source").agg(rows=pl.len())
     input_mb = sizes.group_by("batch_id", "source").agg(input_mb=pl.col("size").sum() / 1e6)

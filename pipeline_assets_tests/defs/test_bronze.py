@@ -10,7 +10,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LandingResource
-from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.conftest import jsonl_bytes, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import batch_rows, checks_by_name, materialize_bronze, register
 
 
@@ -181,3 +181,65 @@ def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_d
     assert not contract.passed
     assert contract.metadata["failure_cases"].value == 3  # record_id twice (not unique), prompt blank
     assert "BronzeRecord" in contract.description
+
+
+def test_accounting_check_fails_when_the_parser_loses_a_line(instance, resources, landing_dir, monkeypatch):
+    from pipeline_assets.lib import landing_files
+
+    write_landing_file(landing_dir, "annotate", "a.jsonl.gz", [record(i) for i in range(30)])
+    write_landing_file(landing_dir, "synth", "s.parquet", [record(100 + i) for i in range(10)])
+    batch = register(instance, resources)
+    assert checks_by_name(materialize_bronze(instance, resources, batch))["bronze/records:accounting"].passed
+
+    add_line = landing_files._FrameBuilder.add_line
+
+    def loses_line_7(builder, number, line):
+        if number != 7:
+            add_line(builder, number, line)
+
+    monkeypatch.setattr(landing_files._FrameBuilder, "add_line", loses_line_7)
+    result = materialize_bronze(instance, resources, batch)
+    accounting = checks_by_name(result)["bronze/records:accounting"]
+    assert not accounting.passed and accounting.blocking and accounting.severity == AssetCheckSeverity.ERROR
+    assert accounting.description == "annotate/a.jsonl.gz: 30 lines in the file, 29 rows in bronze and quarantine"
+    assert not result.success, "a blocking check failed"
+
+
+def test_an_unreadable_file_blocks_its_batch_whatever_its_share(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "annotate", "big.jsonl", [record(i) for i in range(200)])
+    (landing_dir / "annotate" / "broken.jsonl.gz").write_bytes(b"this is not gzip")
+    result = materialize_bronze(instance, resources, register(instance, resources))
+    gate = checks_by_name(result)["bronze/records:quarantine_rate"]
+    assert not gate.passed and gate.blocking, "1 quarantined unit of 201 is under 5%, but the file was lost whole"
+    assert "annotate/broken.jsonl.gz" in gate.description and "unreadable_file" in gate.description
+    assert checks_by_name(result)["bronze/records:accounting"].passed
+
+
+def test_an_appended_export_ingests_only_its_new_lines(instance, resources, landing_dir):
+    path = write_landing_file(landing_dir, "logs", "export.jsonl", [record(i) for i in range(100)])
+    first = register(instance, resources)
+    assert materialize_bronze(instance, resources, first).success
+    with path.open("ab") as export:
+        export.write(jsonl_bytes([record(100 + i) for i in range(30)]))
+    second = register(instance, resources)
+    result = materialize_bronze(instance, resources, second)
+
+    assert result.success
+    records, quarantine = batch_rows(resources["lake"], "records", second), batch_rows(resources["lake"], "quarantine", second)
+    assert sorted(records["source_line"]) == list(range(101, 131))
+    assert records["id"].to_list() == [f"r{100 + i}" for i in range(30)]
+    assert quarantine.height == 100 and set(quarantine["reason"]) == {"already_ingested"}
+    assert first in quarantine["detail"][0]
+    checks = checks_by_name(result)
+    assert checks["bronze/records:quarantine_rate"].passed and checks["bronze/records:accounting"].passed
+    assert checks["bronze/records:volume"].passed, checks["bronze/records:volume"].description
+
+
+def test_a_rewritten_export_is_ingested_whole_again(instance, resources, landing_dir):
+    path = write_landing_file(landing_dir, "logs", "export.jsonl", [record(i) for i in range(20)])
+    assert materialize_bronze(instance, resources, register(instance, resources)).success
+    write_landing_file(landing_dir, "logs", "export.jsonl", [record(i, response=f"revised answer {i}") for i in range(25)])
+    second = register(instance, resources)
+    assert materialize_bronze(instance, resources, second).success
+    assert batch_rows(resources["lake"], "records", second).height == 25, "not an append: every line is new"
+    assert path.exists()

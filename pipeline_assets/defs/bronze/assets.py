@@ -1,11 +1,12 @@
 """bronze/records and bronze/quarantine: one ingest batch of landing files, contract-checked."""
 
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import PurePosixPath
 
 import polars as pl
-from dagster import AssetExecutionContext, AssetSpec, MaterializeResult, multi_asset
+from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult, MetadataValue, multi_asset
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, conform, polars_schema, validate
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
@@ -13,9 +14,12 @@ from pipeline_assets.defs.landing.registry import MANIFEST_TABLE, batch_files
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.batches import earlier_versions
 from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
+from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
 from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
+from pipeline_assets.lib.unit_counts import count_units
+from pipeline_assets.resources import LakeResource, LandingFileGone, LandingResource, sha256_hex
 
 _KINDS = {"delta", "polars"}
 
@@ -47,15 +51,17 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     if files.is_empty():
         raise ValueError(f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})")
 
+    earlier = earlier_versions(lake.read(*MANIFEST_TABLE, version=manifest_version), batch_id)
+    files = files.join(earlier, on="uri", how="left")
     ingested_at = datetime.now(timezone.utc)
     record_parts, quarantine_parts, per_file = [], [], []
     input_bytes = 0
     for ordinal, entry in enumerate(files.iter_rows(named=True)):
-        result, size = _read_registered_file(landing, entry)
-        input_bytes += size
         source_file = landing.relative_name(entry["uri"])
+        ingest = _ingest_registered_file(landing, entry, source_file)
+        input_bytes += ingest.size
         records, quarantined = with_provenance(
-            result,
+            ingest.result,
             source=entry["source"],
             source_file=source_file,
             file_ordinal=ordinal,
@@ -64,8 +70,8 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         )
         record_parts.append(records)
         quarantine_parts.append(quarantined)
-        per_file.append(_file_accounting(source_file, entry["source"], result))
-        context.log.info(_describe(source_file, result))
+        per_file.append(_file_accounting(source_file, entry["source"], ingest))
+        context.log.info(_describe(source_file, ingest))
 
     records = validate(conform(pl.concat(record_parts), BronzeRecord), BronzeRecord)
     quarantine = validate(conform(pl.concat(quarantine_parts), QuarantineRecord), QuarantineRecord)
@@ -77,6 +83,9 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "batch_id": batch_id,
         "files": len(per_file),
         "lines_read": int(accounting["lines_read"].sum()),
+        "lines_counted": int(accounting["lines_counted"].sum()),
+        "already_ingested": int(accounting["already_ingested"].sum()),
+        "lines_counted_by_file": MetadataValue.json(dict(zip(accounting["source_file"], accounting["lines_counted"]))),
         "input_chars": text_chars(records),
         "per_file_accounting": table_metadata(accounting),
     }
@@ -107,37 +116,62 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     )
 
 
-def _read_registered_file(landing: LandingResource, entry: dict) -> tuple[FileReadResult, int]:
-    """Read the file version the manifest registered; a file that is gone or changed is quarantined."""
+@dataclass(frozen=True)
+class FileIngest:
+    result: FileReadResult
+    size: int  # bytes read
+    lines_counted: int  # units in the file by lib.unit_counts, independent of the parser
+    already_ingested: int  # leading lines an earlier version of the file delivered
+
+
+def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: str) -> FileIngest:
+    """Read the file version the manifest registered. A file that is gone or changed is one
+    quarantined unit; a read that fails for any other reason fails the step, to be retried."""
     name = PurePosixPath(entry["uri"]).name
     try:
         data = landing.read_bytes(entry["uri"])
-    except Exception as exc:  # a missing local file, an S3 error: the batch's accounting must still close
-        return rejected_file("unreadable_file", f"cannot read the registered file: {exc}"), 0
+    except LandingFileGone as gone:
+        return FileIngest(rejected_file("unreadable_file", f"the registered file is gone: {gone}"), 0, 1, 0)
+    except Exception as exc:  # an I/O error, a timeout, an object-store 5xx or throttle, MemoryError
+        raise Failure(
+            description=f"reading landing file {source_file} failed ({type(exc).__name__}: {exc}); "
+            "nothing of this batch was written, and the step is retried",
+        ) from exc
     checksum = sha256_hex(data)
     if checksum != entry["checksum"]:
-        return rejected_file("unreadable_file", 
+        changed = rejected_file(
+            "unreadable_file",
             f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {checksum[:12]}); "
-            "the landing sensor registers the new version as a new batch"
-        ), len(data)
-    return read_landing_file(name, data, landing.mapping_for(entry["source"])), len(data)
+            "the landing sensor registers the new version as a new batch",
+        )
+        return FileIngest(changed, len(data), 1, 0)
+    result = read_landing_file(name, data, landing.mapping_for(entry["source"]))
+    redelivered = redelivered_lines(name, data, entry["previous_size"], entry["previous_checksum"])
+    if redelivered:
+        result = set_aside_redelivered(
+            result, redelivered,
+            f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch {entry['previous_batch']}",
+        )
+    return FileIngest(result, len(data), count_units(name, data), redelivered)
 
 
-def _file_accounting(source_file: str, source: str, result: FileReadResult) -> dict:
+def _file_accounting(source_file: str, source: str, ingest: FileIngest) -> dict:
     return {
         "source_file": source_file,
         "source": source,
-        "lines_read": result.lines_read,
-        "bronze_rows": result.records.height,
-        "quarantined": result.quarantine.height,
-        "balanced": result.lines_read == result.records.height + result.quarantine.height,
+        "lines_counted": ingest.lines_counted,
+        "lines_read": ingest.result.lines_read,
+        "bronze_rows": ingest.result.records.height,
+        "quarantined": ingest.result.quarantine.height - ingest.already_ingested,
+        "already_ingested": ingest.already_ingested,
     }
 
 
-def _describe(source_file: str, result: FileReadResult) -> str:
+def _describe(source_file: str, ingest: FileIngest) -> str:
+    result = ingest.result
     reasons = result.quarantine.group_by("reason").len().sort("len", descending=True)
     top = ", ".join(f"{r} {n}" for r, n in reasons.iter_rows()) or "none"
     return (
-        f"{source_file}: {result.lines_read} lines read, {result.records.height} accepted, "
-        f"{result.quarantine.height} quarantined ({top})"
+        f"{source_file}: {ingest.lines_counted} lines counted, {result.records.height} accepted, "
+        f"{result.quarantine.height} set aside ({top})"
     )

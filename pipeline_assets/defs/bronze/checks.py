@@ -5,7 +5,15 @@ import warnings
 from datetime import datetime, timezone
 
 import polars as pl
-from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetRecordsFilter,
+    DagsterInstance,
+    MetadataValue,
+    asset_check,
+)
 from dagster._utils.warnings import PreviewWarning
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord
@@ -19,7 +27,10 @@ from pipeline_assets.lib.landing_health import (
     quarantine_rates,
     rows_per_mb,
     schema_drift_hints,
+    unaccounted_files,
+    unreadable_files,
 )
+from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 from pipeline_assets.resources import IngestPolicy, LakeResource
 
 # Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
@@ -54,17 +65,28 @@ def bronze_quarantine_rate(
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
     hints = {(h["source"]): h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])))}
-    messages = [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
+    unreadable = unreadable_files(quarantine)
+    messages = [_unreadable_message(row) for row in unreadable.iter_rows(named=True)]
+    messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
     return AssetCheckResult(
-        passed=over.is_empty(),
+        passed=over.is_empty() and unreadable.is_empty(),
         severity=AssetCheckSeverity.ERROR,
         description="; ".join(messages) if messages else f"every source at or under {limit:.0%} quarantined",
         metadata={
             "max_quarantine_rate": limit,
             "worst_rate": float(rates["rate"].max() or 0.0),
             "rates_by_source": table_metadata(rates),
+            "unreadable_files": table_metadata(unreadable),
             "schema_drift_hints": MetadataValue.json(list(hints.values())),
         },
+    )
+
+
+def _unreadable_message(row: dict) -> str:
+    return (
+        f"source '{row['source']}': file {row['source_file']} was not read whole ({row['reason']}: {row['detail']}); "
+        "how many of its lines were lost is unknown, so the batch waits: land a good copy of the file "
+        "(a new version is registered as a new batch), then materialize this batch again"
     )
 
 
@@ -82,11 +104,43 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
     return message
 
 
+@asset_check(asset=BRONZE_RECORDS, name="accounting", blocking=True, partitions_def=ingest_batches,
+             additional_deps=[BRONZE_QUARANTINE],
+             description="Every file's lines, counted from its bytes without the parser, are rows of bronze or quarantine.")
+def bronze_accounting(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+    batch_id = context.partition_key
+    counted = _lines_counted(context.instance, batch_id)
+    off = unaccounted_files(counted, _batch(lake, "records", batch_id), _batch(lake, "quarantine", batch_id))
+    return AssetCheckResult(
+        passed=off.is_empty(),
+        severity=AssetCheckSeverity.ERROR,
+        description="; ".join(
+            f"{r['source_file']}: {r['lines_counted']} lines in the file, {r['rows']} rows in bronze and quarantine"
+            for r in off.iter_rows(named=True)
+        ) or f"all {sum(counted.values())} lines of {len(counted)} file(s) are rows of bronze or quarantine",
+        metadata={"files": len(counted), "lines_counted": sum(counted.values()), "unaccounted": table_metadata(off)},
+    )
+
+
+def _lines_counted(instance: DagsterInstance, batch_id: str) -> dict[str, int]:
+    """The per-file line counts the batch's newest bronze materialization recorded."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=BRONZE_RECORDS, asset_partitions=[batch_id]), limit=1
+    ).records
+    if not records:
+        raise ValueError(f"bronze/records has no materialization for batch {batch_id}")
+    return records[0].asset_materialization.metadata["lines_counted_by_file"].value
+
+
 @asset_check(asset=BRONZE_RECORDS, name="volume", partitions_def=ingest_batches,
              description="Each source's rows per input MB is within tolerance of its trailing median.")
 def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
     batch_id = context.partition_key
-    rows = lake.scan("bronze", "records").select("batch_id", "source").filter(pl.col("batch_id") <= batch_id).collect()
+    upto = pl.col("batch_id") <= batch_id
+    redelivered = lake.scan("bronze", "quarantine").filter(upto & (pl.col("reason") == ALREADY_INGESTED))
+    rows = pl.concat(
+        [scan.filter(upto).select("batch_id", "source") for scan in (lake.scan("bronze", "records"), redelivered)]
+    ).collect()
     sizes = read_manifest(lake).filter(pl.col("batch_id") <= batch_id)
     judged = against_trailing_median(
         rows_per_mb(rows, sizes), batch_id, "rows_per_mb", ingest_policy.trailing_batches
@@ -119,4 +173,5 @@ def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, in
     )
 
 
-bronze_checks = [bronze_records_contract, bronze_quarantine_contract, bronze_quarantine_rate, bronze_volume, bronze_freshness]
+bronze_checks = [bronze_records_contract, bronze_quarantine_contract, bronze_quarantine_rate, bronze_accounting,
+                 bronze_volume, bronze_freshness]
