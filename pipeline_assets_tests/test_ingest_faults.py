@@ -10,6 +10,7 @@ from pathlib import Path
 
 import boto3
 import polars as pl
+from dagster import DagsterEventType, DagsterInstance
 
 from pipeline_assets_tests.conftest import BUCKET, jsonl_bytes, record
 from pipeline_assets_tests.faulty_s3 import FaultyS3
@@ -33,6 +34,12 @@ def _run_bronze(home: Path, endpoint: str) -> subprocess.CompletedProcess:
                           env=environment, capture_output=True, text=True, timeout=240)
 
 
+def _step_retries(home: Path) -> int:
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    [run] = instance.get_runs()
+    return len(instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY))
+
+
 def _bronze(home: Path) -> pl.DataFrame:
     return pl.read_delta(str(home / "lake" / "bronze" / "records"))
 
@@ -44,6 +51,7 @@ def test_a_read_that_fails_twice_is_retried_and_every_line_lands(s3_endpoint, tm
         run = _run_bronze(tmp_path, store.endpoint)
     assert run.returncode == 0, run.stderr
     assert store.gets == 4, "registration, two failed reads, one good one"
+    assert _step_retries(tmp_path) == 2, "the step's retry policy fired, not a quarantine"
     bronze = _bronze(tmp_path)
     assert bronze.filter(pl.col("source_file") == "annotate/flaky.jsonl").height == 40
     assert bronze.height == 50
