@@ -243,3 +243,19 @@ def test_a_rewritten_export_is_ingested_whole_again(instance, resources, landing
     assert materialize_bronze(instance, resources, second).success
     assert batch_rows(resources["lake"], "records", second).height == 25, "not an append: every line is new"
     assert path.exists()
+
+
+def test_a_good_copy_landed_later_releases_the_batch_a_broken_file_blocked(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "annotate", "good.jsonl", [record(i) for i in range(50)])
+    broken = landing_dir / "annotate" / "late.jsonl.gz"
+    broken.write_bytes(b"half an upload")
+    blocked = register(instance, resources)
+    assert not checks_by_name(materialize_bronze(instance, resources, blocked))["bronze/records:quarantine_rate"].passed
+
+    write_landing_file(landing_dir, "annotate", "late.jsonl.gz", [record(100 + i) for i in range(20)])
+    fixed = register(instance, resources)
+    assert materialize_bronze(instance, resources, fixed).success
+    again = checks_by_name(materialize_bronze(instance, resources, blocked))["bronze/records:quarantine_rate"]
+    assert again.passed and "annotate/late.jsonl.gz" in again.description and "later batch" in again.description
+    assert batch_rows(resources["lake"], "records", blocked).height == 50
+    assert batch_rows(resources["lake"], "records", fixed).height == 20

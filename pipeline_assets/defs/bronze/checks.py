@@ -31,7 +31,7 @@ from pipeline_assets.lib.landing_health import (
     unreadable_files,
 )
 from pipeline_assets.lib.redelivery import ALREADY_INGESTED
-from pipeline_assets.resources import IngestPolicy, LakeResource
+from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
 
 # Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
 warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
@@ -57,10 +57,11 @@ def bronze_quarantine_contract(context: AssetCheckExecutionContext, lake: LakeRe
              additional_deps=[BRONZE_QUARANTINE],
              description="No source has more than the allowed share of its lines quarantined in this batch.")
 def bronze_quarantine_rate(
-    context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy
+    context: AssetCheckExecutionContext, lake: LakeResource, landing: LandingResource, ingest_policy: IngestPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    quarantine = _batch(lake, "quarantine", batch_id)
+    superseded = _superseded_files(lake, landing, batch_id)
+    quarantine = _batch(lake, "quarantine", batch_id).filter(~pl.col("source_file").is_in(superseded))
     rates = quarantine_rates(_batch(lake, "records", batch_id).select("source"), quarantine)
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
@@ -68,8 +69,11 @@ def bronze_quarantine_rate(
     unreadable = unreadable_files(quarantine)
     messages = [_unreadable_message(row) for row in unreadable.iter_rows(named=True)]
     messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
+    passed = over.is_empty() and unreadable.is_empty()
+    if superseded:
+        messages.append(f"not judged here: {', '.join(sorted(superseded))} (a later version was registered in a later batch)")
     return AssetCheckResult(
-        passed=over.is_empty() and unreadable.is_empty(),
+        passed=passed,
         severity=AssetCheckSeverity.ERROR,
         description="; ".join(messages) if messages else f"every source at or under {limit:.0%} quarantined",
         metadata={
@@ -80,6 +84,15 @@ def bronze_quarantine_rate(
             "schema_drift_hints": MetadataValue.json(list(hints.values())),
         },
     )
+
+
+def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: str) -> set[str]:
+    """Files of this batch that a later batch registered again: a good copy landed after a broken one
+    is judged with that batch, so the broken version no longer holds this batch back."""
+    manifest = read_manifest(lake)
+    here = manifest.filter(pl.col("batch_id") == batch_id)["uri"]
+    later = manifest.filter((pl.col("batch_id") > batch_id) & pl.col("uri").is_in(here.implode()))["uri"]
+    return {landing.relative_name(uri) for uri in later}
 
 
 def _unreadable_message(row: dict) -> str:
