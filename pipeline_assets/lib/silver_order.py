@@ -105,7 +105,3 @@ def unsettled_before(batches: Iterable[BatchEvents], batch_id: str) -> list[tupl
     staged = ((batch.batch_id, stage(batch)) for batch in sorted(batches, key=lambda b: b.batch_id))
     return [(earlier, state) for earlier, state in staged if earlier < batch_id and state not in SETTLED]
 
-
-def blocked(batches: Iterable[BatchEvents]) -> set[str]:
-    """Batches whose latest blocking check on bronze or silver failed: they feed neither gold nor dedup."""
-    return {batch.batch_id for batch in batches if batch.bronze_blocked or batch.silver_blocked}
