@@ -126,7 +126,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         raise ValueError("gold/tokenizer does not exist yet: materialize it first")
     tokenizer = tokenizer_from_json(lake.read("gold", "tokenizer", version=tokenizer_version)["tokenizer_json"][0])
     if blocked:
-        context.log.warning(f"left out {len(blocked)} batch(es) whose silver blocking checks failed: {', '.join(blocked)}")
+        context.log.warning(f"left out {len(blocked)} batch(es) whose bronze or silver blocking checks failed: {', '.join(blocked)}")
 
     if silver.is_empty():
         raise Failure(allow_retries=False, description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
