@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, Definitions
+from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventType, DagsterInstance, Definitions
 
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
@@ -63,8 +63,9 @@ def register_batches(resources: dict, instance: DagsterInstance) -> list[str]:
 def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
     """Per ingest batch, the selected batch-partitioned assets to (re)materialize.
 
-    Stale: never materialized for that batch, or its latest blocking check failed there (so a
-    batch blocked by schema drift is retried once the mapping is fixed).
+    Stale: never materialized for that batch, older than a batch-partitioned upstream's
+    materialization of it (silver after bronze was redone by hand), or its latest blocking check
+    failed there (so a batch blocked by schema drift is retried once the mapping is fixed).
     """
     graph = defs.resolve_asset_graph()
     batches = instance.get_dynamic_partitions(ingest_batches.name)
@@ -74,11 +75,18 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
         node = graph.get(key)
         if not node.is_executable or node.partitions_def != ingest_batches:
             continue
-        done = instance.get_materialized_partitions(key)
+        own = _latest_by_batch(instance, key)
+        parents = [_latest_by_batch(instance, p) for p in node.parent_keys if graph.get(p).partitions_def == ingest_batches]
         for batch in batches:
-            if batch not in done or (batch, key) in blocked:
+            older = any(parent.get(batch, -1) > own.get(batch, -1) for parent in parents)
+            if batch not in own or older or (batch, key) in blocked:
                 plan.setdefault(batch, set()).update(node.execution_set_asset_keys)
     return {batch: sorted(plan[batch], key=AssetKey.to_user_string) for batch in sorted(plan)}
+
+
+def _latest_by_batch(instance: DagsterInstance, key: AssetKey) -> dict[str, int]:
+    """Per batch, the storage id (which orders events) of the latest materialization of ``key``."""
+    return dict(instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION))
 
 
 def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> list[AssetKey]:

@@ -466,8 +466,6 @@ class SilverPolicy(ConfigurableResource):
     )
     volume_tolerance: float = Field(default=0.20, description="warning: kept rows against the trailing median")
     trailing_batches: int = 10
-    order_wait_seconds: int = Field(default=30, description="a batch whose predecessors lack silver waits this long")
-    order_max_retries: int = Field(default=20, description="... this many times, then fails with the reason")
 
     def decontam_config(self) -> DecontamConfig:
         return DecontamConfig(ngram=self.decontam_ngram)

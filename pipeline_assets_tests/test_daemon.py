@@ -1,6 +1,6 @@
-"""The real Dagster daemon: files land, landing_sensor ticks, bronze runs, and declarative
-automation runs silver after bronze's blocking checks pass, then the tokenizer and a gold data
-snapshot, and trains it; nobody clicks anything."""
+"""The real Dagster daemon: files land, landing_sensor ticks, bronze runs, silver_in_order runs
+silver after bronze's blocking checks pass, then declarative automation makes the tokenizer and a
+gold data snapshot, and trains it; nobody clicks anything."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     assert records["batch_id"].unique().to_list() == [run.tags["dagster/partition"]]
 
     assert silver_run.status == DagsterRunStatus.SUCCESS
+    assert silver_run.tags["dagster/sensor_name"] == "silver_in_order"
     assert silver_run.tags["dagster/partition"] == run.tags["dagster/partition"]
     silver = pl.read_delta(str(home / "lake" / "silver" / "records"))
     rejects = pl.read_delta(str(home / "lake" / "silver" / "rejects"))

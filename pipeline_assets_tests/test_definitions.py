@@ -25,6 +25,9 @@ def test_asset_keys_groups_checks_and_sensor():
             ("bronze/records", "volume", False), ("bronze/records", "freshness", False),
             ("bronze/quarantine", "contract", True)} <= checks
     assert defs.resolve_sensor_def("landing_sensor").default_status.value == "RUNNING"
+    assert defs.resolve_sensor_def("silver_in_order").default_status.value == "RUNNING"
+    assert keys["silver/records"].automation_condition is None, "silver_in_order is silver's only automatic requester"
+    assert keys["gold/sequences"].automation_condition is not None
     assert set(defs.resources) >= {"lake", "landing", "ingest_policy"}
 
 

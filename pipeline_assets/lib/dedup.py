@@ -1,9 +1,12 @@
-"""Exact and near-duplicate removal for one batch, within itself and against the batches before it.
+"""Exact and near-duplicate removal for one batch, within itself and against the other batches.
 
-The survivor of a duplicate cluster is deterministic: the earliest batch, then the smallest
-``record_id``. Earlier batches only contribute hashes (exact hashes, MinHash signatures and LSH
-band keys from ``silver/minhash_index``), looked up with polars joins, so memory grows with the
-batch and with the matches, not with the history.
+The survivor of a duplicate cluster is deterministic: a record another batch already kept (the
+earliest such batch, then the smallest ``record_id``), else this batch's smallest ``record_id``.
+Batches go through silver in arrival order, so that is the first copy to arrive; a batch re-run
+after later ones (it was blocked) yields to the copies they kept. The other batches only
+contribute hashes (exact hashes, MinHash signatures and LSH band keys from
+``silver/minhash_index``), looked up with polars joins, so memory grows with the batch and with
+the matches, not with the history.
 """
 
 from __future__ import annotations
@@ -58,22 +61,22 @@ def exact_hashes(frame: pl.DataFrame) -> pl.Series:
 
 
 def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
-    """Drop records whose exact_hash was kept in an earlier batch, or that repeat one in this batch."""
+    """Drop records whose exact_hash another batch kept, or that repeat one in this batch."""
     hashed = batch.with_columns(exact_hashes(batch))
-    earlier = _earliest_by_hash(history, hashed["exact_hash"])
+    kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
     survivor = (
         hashed.sort("record_id").group_by("exact_hash", maintain_order=True)
         .agg(first_in_batch=pl.col("record_id").first())
     )
-    judged = hashed.join(earlier, on="exact_hash", how="left").join(survivor, on="exact_hash", how="left").with_columns(
-        duplicate_of=pl.coalesce("earlier_record_id", pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"))
+    judged = hashed.join(kept_elsewhere, on="exact_hash", how="left").join(survivor, on="exact_hash", how="left").with_columns(
+        duplicate_of=pl.coalesce("kept_record_id", pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"))
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
         stage=pl.lit("exact_dup"),
         jaccard=pl.lit(1.0),
         evidence=pl.struct(
             duplicate_of="duplicate_of",
-            duplicate_of_batch=pl.coalesce("earlier_batch_id", "batch_id"),
+            duplicate_of_batch=pl.coalesce("kept_batch_id", "batch_id"),
             exact_hash="exact_hash",
         ).struct.json_encode(),
     )
@@ -86,20 +89,20 @@ def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResul
             "rows_in": batch.height,
             "kept": kept.height,
             "rejected": rejected.height,
-            "against_earlier_batches": int(rejected["earlier_record_id"].is_not_null().sum()),
+            "against_other_batches": int(rejected["kept_record_id"].is_not_null().sum()),
         },
     )
 
 
 def _earliest_by_hash(history: pl.LazyFrame | None, hashes: pl.Series) -> pl.DataFrame:
-    schema = {"exact_hash": pl.String, "earlier_record_id": pl.String, "earlier_batch_id": pl.String}
+    schema = {"exact_hash": pl.String, "kept_record_id": pl.String, "kept_batch_id": pl.String}
     if history is None:
         return pl.DataFrame(schema=schema)
     return (
         history.filter(pl.col("exact_hash").is_in(hashes.unique().implode()))
         .sort("batch_id", "record_id")
         .group_by("exact_hash", maintain_order=True)
-        .agg(earlier_record_id=pl.col("record_id").first(), earlier_batch_id=pl.col("batch_id").first())
+        .agg(kept_record_id=pl.col("record_id").first(), kept_batch_id=pl.col("batch_id").first())
         .collect()
     )
 
@@ -140,19 +143,20 @@ def band_keys(sigs: np.ndarray, params: LshParams) -> np.ndarray:
 def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHashConfig = MinHashConfig()) -> tuple[StageResult, pl.DataFrame]:
     """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
 
-    ``batch`` needs record_id, batch_id, prompt, response; ``history`` is the index of earlier
+    ``batch`` needs record_id, batch_id, prompt, response; ``history`` is the index of the other
     batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
     """
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     sigs = signatures(batch.select(DEDUP_TEXT).to_series().to_list(), config)
     keys = band_keys(sigs, params)
-    earlier = _history_matches(history, keys, params, config)
-    earlier_sigs = _signature_matrix(earlier, config)
-    all_sigs = np.vstack([sigs, earlier_sigs])
-    pairs = _verified_pairs(all_sigs, np.vstack([keys, band_keys(earlier_sigs, params)]), batch.height, config.threshold)
-    node_ids = batch["record_id"].to_list() + earlier["record_id"].to_list()
-    node_batches = batch["batch_id"].to_list() + earlier["batch_id"].to_list()
-    survivors = _cluster_survivors(len(node_ids), pairs, list(zip(node_batches, node_ids, strict=True)))
+    matched = _history_matches(history, keys, params, config)
+    matched_sigs = _signature_matrix(matched, config)
+    all_sigs = np.vstack([sigs, matched_sigs])
+    pairs = _verified_pairs(all_sigs, np.vstack([keys, band_keys(matched_sigs, params)]), batch.height, config.threshold)
+    node_ids = batch["record_id"].to_list() + matched["record_id"].to_list()
+    node_batches = batch["batch_id"].to_list() + matched["batch_id"].to_list()
+    yields = [1] * batch.height + [0] * matched.height  # this batch's copies yield to records others kept
+    survivors = _cluster_survivors(len(node_ids), pairs, list(zip(yields, node_batches, node_ids, strict=True)))
 
     survivor_of = np.asarray(survivors[: batch.height])
     cluster_ids = [node_ids[s] for s in survivor_of]
@@ -177,7 +181,7 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
         "kept": kept.height,
         "rejected": rejected.height,
         "candidate_pairs_verified": len(pairs),
-        "against_earlier_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
+        "against_other_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
         "clusters_with_duplicates": judged.filter(pl.col("cluster_id").is_in(rejected["cluster_id"].implode()))["cluster_id"].n_unique(),
         "lsh": params.label(config),
     }
@@ -191,7 +195,7 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
 
 
 def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:
-    """Earlier records sharing at least one band key with this batch, with their signatures."""
+    """Other batches' records sharing at least one band key with this batch, with their signatures."""
     empty = pl.DataFrame(schema={"record_id": pl.String, "batch_id": pl.String, "signature": pl.Binary})
     if history is None:
         return empty
@@ -233,7 +237,7 @@ def _signature_matrix(frame: pl.DataFrame, config: MinHashConfig) -> np.ndarray:
 def _verified_pairs(sigs: np.ndarray, keys: np.ndarray, n_new: int, threshold: float) -> list[tuple[int, int]]:
     """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the threshold.
 
-    Nodes 0..n_new-1 are this batch's rows, the rest the matched earlier records.
+    Nodes 0..n_new-1 are this batch's rows, the rest the matched records of other batches.
     """
     table = pl.DataFrame(
         {
@@ -255,8 +259,8 @@ def _verified_pairs(sigs: np.ndarray, keys: np.ndarray, n_new: int, threshold: f
     return list(zip(left[keep].tolist(), right[keep].tolist(), strict=True))
 
 
-def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple[str, str]]) -> list[int]:
-    """Union-find; every node maps to its component's smallest (batch_id, record_id)."""
+def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple]) -> list[int]:
+    """Union-find; every node maps to its component's smallest order key."""
     parent = list(range(n_nodes))
 
     def root(node: int) -> int:

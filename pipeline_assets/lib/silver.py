@@ -37,7 +37,7 @@ class CuratedBatch:
 
 
 def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalNgramIndex, config: SilverConfig) -> CuratedBatch:
-    """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of earlier batches."""
+    """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of the batches it dedups against."""
     stages: dict[str, dict] = {}
 
     started = time.perf_counter()

@@ -7,16 +7,19 @@ import shutil
 
 import polars as pl
 import pytest
-from dagster import AssetCheckSeverity, materialize
+from dagster import AssetCheckSeverity, DagsterRunStatus, Definitions, RunRequest, build_sensor_context, materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.silver.sensors import SILVER_SELECTION, silver_in_order, silver_job
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.resources import LandingResource
 from pipeline_assets_tests.conftest import record, write_landing_file
-from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
+from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, materialize_bronze, register
 
 GRAPH = [eval_sets, bronze, silver, *bronze_checks, *silver_checks]
 
@@ -145,20 +148,125 @@ def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):
     assert "source 'scrape': 60 rows vs trailing median 20 (+200%)" in volume.description
 
 
-def test_silver_refuses_a_batch_whose_predecessor_has_no_silver(instance, resources, landing_dir):
-    from pipeline_assets.resources import SilverPolicy
+def _sensor_says(instance):
+    """What silver_in_order decides on its next tick: a RunRequest or a SkipReason."""
+    return silver_in_order(build_sensor_context(instance=instance))
 
+
+def _silver_as_the_sensor_orders(instance, resources) -> list[str]:
+    """The daemon's loop, in the foreground: run what silver_in_order requests until it requests nothing."""
+    ran = []
+    while isinstance(request := _sensor_says(instance), RunRequest):
+        result = materialize(GRAPH, selection=SILVER_SELECTION, partition_key=request.partition_key, instance=instance,
+                             resources=resources, raise_on_error=False)
+        assert result.success, [e.event_specific_data.error.message for e in result.get_step_failure_events()]
+        assert checks_by_name(result)["silver/records:pass_rate"].passed, "the job runs silver's checks"
+        ran.append(request.partition_key)
+    return ran
+
+
+def _texts(rng: random.Random, count: int, start: int) -> list[dict]:
+    words = [f"{stem}{i}" for stem in ("river", "stone", "cloud", "field") for i in range(300)]
+    return [record(start + j, response=" ".join(rng.choice(words) for _ in range(30))) for j in range(count)]
+
+
+def test_a_blocked_batch_neither_holds_silver_back_nor_decides_dedup(instance, resources, landing_dir):
+    """Three batches registered at once, the middle one blocked by a renamed field, the third resending
+    some of its records: those reach silver; once the mapping is fixed and the middle batch re-run, its
+    copies are the ones rejected, and the next snapshot holds each record once."""
+    rng = random.Random(13)
+    vendor = _texts(rng, 10, 100)
+    write_landing_file(landing_dir, "logs", "a.jsonl", _texts(rng, 10, 0))
+    first = register(instance, resources)
+    renamed = [{("completion" if k == "response" else k): v for k, v in row.items()} for row in vendor]
+    write_landing_file(landing_dir, "vendor", "b.jsonl", renamed)
+    middle = register(instance, resources)
+    resent = vendor[:4]  # the vendor resends four records with the right field name
+    write_landing_file(landing_dir, "vendor", "c.jsonl", _texts(rng, 10, 200) + resent)
+    third = register(instance, resources)
+    quarantine_rate = {batch: checks_by_name(materialize_bronze(instance, resources, batch))["bronze/records:quarantine_rate"]
+                       for batch in (first, middle, third)}
+    assert [quarantine_rate[batch].passed for batch in (first, middle, third)] == [True, False, True]
+
+    assert _silver_as_the_sensor_orders(instance, resources) == [first, third], "the blocked batch holds nothing back"
+    lake = resources["lake"]
+    kept = lake.read("silver", "records", where=pl.col("batch_id") == third)
+    assert set(kept["prompt"]) >= {row["prompt"] for row in resent}, "no record that never reaches gold rejects them"
+
+    mapped = LandingResource(uri=str(landing_dir), field_mappings={"vendor": {"completion": "response"}})
+    assert checks_by_name(materialize_bronze(instance, resources, middle, landing=mapped))["bronze/records:quarantine_rate"].passed
+    assert _silver_as_the_sensor_orders(instance, resources) == [middle]
+    rejects = lake.read("silver", "rejects", where=pl.col("batch_id") == middle)
+    assert sorted(rejects["prompt"]) == sorted(row["prompt"] for row in resent)
+    assert set(rejects["stage"]) == {"exact_dup"}
+    assert set(rejects["duplicate_of"]) <= set(kept["record_id"]), "the re-run batch yields to the copies kept before"
+
+    gold = materialize([*GRAPH, gold_tokenizer, gold_sequences], selection=[gold_tokenizer, gold_sequences],
+                       instance=instance, resources=resources)
+    assert gold.success
+    in_snapshot = lake.read("gold", "sequences")["record_ids"].explode()
+    silver = lake.read("silver", "records")
+    prompts = silver.filter(pl.col("record_id").is_in(in_snapshot.implode()))["prompt"]
+    assert prompts.is_in([row["prompt"] for row in vendor]).sum() == len(vendor), "each vendor record exactly once"
+    assert prompts.n_unique() == prompts.len()
+
+
+def test_silver_in_order_requests_the_oldest_pending_batch_once(instance, resources, landing_dir):
+    batches = []
+    for name in ("a", "b", "c"):
+        write_landing_file(landing_dir, "logs", f"{name}.jsonl", [record(100 * len(batches) + i) for i in range(5)])
+        batches.append(register(instance, resources))
+    first, second, third = batches
+    assert f"batch {first}: bronze not materialized yet" in _sensor_says(instance).skip_message
+
+    for batch in (first, second):
+        assert materialize_bronze(instance, resources, batch).success
+    request = _sensor_says(instance)
+    assert request.partition_key == first
+    assert _sensor_says(instance).run_key == request.run_key, "the same state, the same run key: launched once"
+
+    job = Definitions(assets=GRAPH[:3], asset_checks=GRAPH[3:], jobs=[silver_job], resources=resources).resolve_job_def(silver_job.name)
+    queued = instance.create_run_for_job(job, status=DagsterRunStatus.NOT_STARTED, tags={"dagster/partition": first},
+                                         asset_selection=set(SILVER_SELECTION.resolve(job.asset_layer.asset_graph)))
+    assert f"silver of batch {first} is queued or running" in _sensor_says(instance).skip_message
+    instance.report_run_canceled(queued)
+    assert _sensor_says(instance).partition_key == second, "a silver run that ended without silver excludes its batch"
+
+    assert _silver_as_the_sensor_orders(instance, resources) == [second]
+    assert f"batch {third}: bronze not materialized yet" in _sensor_says(instance).skip_message
+
+
+def test_silver_run_by_hand_out_of_order_fails_at_once_naming_the_batches_it_needs(instance, resources, landing_dir):
     write_landing_file(landing_dir, "logs", "a.jsonl", [record(i) for i in range(5)])
     first = register(instance, resources)
     write_landing_file(landing_dir, "logs", "b.jsonl", [record(10 + i) for i in range(5)])
     second = register(instance, resources)
     for batch in (first, second):
         assert materialize([bronze, *bronze_checks], partition_key=batch, instance=instance, resources=resources).success
-    impatient = {**resources, "silver_policy": SilverPolicy(order_max_retries=0)}
-    result = materialize(GRAPH, partition_key=second, instance=instance, resources=impatient,
+    result = materialize(GRAPH, partition_key=second, instance=instance, resources=resources,
                          selection=[silver], raise_on_error=False)
     assert not result.success
-    message = result.get_step_failure_events()[0].event_specific_data.error.message
-    assert f"have bronze but no silver yet ({first})" in message
+    [failure] = result.get_step_failure_events()
+    message = failure.event_specific_data.error.message
+    assert f"{first} (silver missing or older than bronze)" in message
     assert resources["lake"].read("silver", "records") is None, "nothing is written"
     assert _materialize(instance, resources, first).success and _materialize(instance, resources, second).success
+
+
+def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_batches(instance, resources, landing_dir):
+    from pipeline_assets.headless import run_stale, stale_partitions
+
+    defs = Definitions(assets=[eval_sets, bronze, silver], asset_checks=[*bronze_checks, *silver_checks], resources=resources)
+    write_landing_file(landing_dir, "logs", "a.jsonl", [record(i) for i in range(5)])
+    first = register(instance, resources)
+    assert _materialize(instance, resources, first).success
+    assert materialize_bronze(instance, resources, first).success  # by hand, say from the UI: silver is now older
+    write_landing_file(landing_dir, "logs", "b.jsonl", [record(10 + i) for i in range(5)])
+    second = register(instance, resources)
+
+    plan = stale_partitions(defs, instance, list(defs.resolve_asset_graph().get_all_asset_keys()))
+    assert [k.to_user_string() for k in plan[first]] == ["silver/minhash_index", "silver/records", "silver/rejects"]
+    assert list(plan) == [first, second]
+    outcome = run_stale(defs, instance, None)
+    assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
+    assert "every batch is done or excluded" in _sensor_says(instance).skip_message

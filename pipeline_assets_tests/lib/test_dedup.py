@@ -79,7 +79,7 @@ def test_exact_dedup_keeps_smallest_record_id_and_earlier_batches_win():
     assert later.kept["record_id"].to_list() == ["s00001"]
     rejected = later.rejected.row(0, named=True)
     assert rejected["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in rejected["evidence"]
-    assert later.counters == {"rows_in": 2, "kept": 1, "rejected": 1, "against_earlier_batches": 1}
+    assert later.counters == {"rows_in": 2, "kept": 1, "rejected": 1, "against_other_batches": 1}
 
 
 def test_near_dedup_within_a_batch_is_deterministic():
@@ -106,9 +106,25 @@ def test_near_dedup_against_earlier_batches_uses_only_their_hashes():
     later_texts = [_edited(originals[4], rng), " ".join(rng.choice(WORDS) for _ in range(120))]
     later, _ = near_dedup(_batch(later_texts, batch_id="b2", prefix="s"), index.lazy())
     assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00004")]
-    assert later.counters["against_earlier_batches"] == 1
+    assert later.counters["against_other_batches"] == 1
     assert later.kept["record_id"].to_list() == ["s00001"]
 
+
+def test_a_record_kept_in_another_batch_wins_even_when_that_batch_is_later():
+    """A batch re-run after a later one (it was blocked) yields to the copies the later one kept."""
+    rng = random.Random(4)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
+    later_kept = _batch(texts[:2], batch_id="b3", prefix="t").drop("exact_hash")
+    exact_kept = exact_dedup(later_kept, None).kept
+    _, history = near_dedup(exact_kept, None)
+    rerun = _batch([texts[0], _edited(texts[1], rng), texts[2]], batch_id="b2", prefix="s").drop("exact_hash")
+    exact = exact_dedup(rerun, history.lazy())
+    assert exact.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "t00000")]
+    assert exact.counters["against_other_batches"] == 1
+    near, _ = near_dedup(exact.kept, history.lazy())
+    assert near.rejected.select("record_id", "duplicate_of").rows() == [("s00001", "t00001")]
+    assert near.counters["against_other_batches"] == 1
+    assert near.kept["record_id"].to_list() == ["s00002"]
 
 def test_index_built_with_other_settings_is_refused():
     _, index = near_dedup(_batch(_texts(5)), None)

@@ -9,12 +9,11 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_any_batch_updates, once_when_missing
-from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
-from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
@@ -34,11 +33,12 @@ def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFram
 
 
 def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:
-    """Every silver batch whose blocking checks passed, at one pinned version; and the batches left out."""
+    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version; and the
+    batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
-    blocked = sorted({partition for partition, _ in partitions_failing_blocking_checks(context.instance, silver_checks)})
+    blocked = sorted(blocked_batches(context.instance))
     frame = lake.read("silver", "records", version=version, where=~pl.col("batch_id").is_in(blocked))
     return frame, version, blocked
 
@@ -126,7 +126,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         raise ValueError("gold/tokenizer does not exist yet: materialize it first")
     tokenizer = tokenizer_from_json(lake.read("gold", "tokenizer", version=tokenizer_version)["tokenizer_json"][0])
     if blocked:
-        context.log.warning(f"left out {len(blocked)} batch(es) whose silver blocking checks failed: {', '.join(blocked)}")
+        context.log.warning(f"left out {len(blocked)} batch(es) whose bronze or silver blocking checks failed: {', '.join(blocked)}")
 
     if silver.is_empty():
         raise Failure(allow_retries=False, description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "

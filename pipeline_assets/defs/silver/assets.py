@@ -1,10 +1,9 @@
 """silver/records, silver/rejects, silver/minhash_index: one ingest batch, curated."""
 
 import polars as pl
-from dagster import AssetDep, AssetExecutionContext, AssetSpec, Failure, MaterializeResult, RetryRequested, multi_asset
+from dagster import AssetDep, AssetExecutionContext, AssetSpec, DagsterInstance, Failure, MaterializeResult, multi_asset
 
 from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
-from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     REFERENCE_EVAL_SETS,
@@ -14,8 +13,10 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import curate
+from pipeline_assets.lib.silver_order import unsettled_before
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.resources import EvalSetsResource, LakeResource, SilverPolicy
 
@@ -24,10 +25,8 @@ _DEPS = [AssetDep(BRONZE_RECORDS), AssetDep(REFERENCE_EVAL_SETS)]
 
 
 def _spec(key, description: str) -> AssetSpec:
-    return AssetSpec(
-        key, description=description, group_name="silver", kinds=_KINDS, deps=_DEPS,
-        automation_condition=after_upstream_passes(),
-    )
+    # No automation condition: the silver_in_order sensor requests one batch at a time, oldest first.
+    return AssetSpec(key, description=description, group_name="silver", kinds=_KINDS, deps=_DEPS)
 
 
 @multi_asset(
@@ -37,17 +36,17 @@ def _spec(key, description: str) -> AssetSpec:
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
     ],
     partitions_def=ingest_batches,
-    pool="silver",  # one batch at a time: each dedups against the index the ones before it wrote
+    pool="silver",  # one batch at a time: each dedups against the index the others wrote
 )
 def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
-    _require_earlier_batches(context, batch_id, silver_policy)
+    _require_earlier_batches(context.instance, batch_id)
     bronze_version = lake.version("bronze", "records")
     bronze = lake.read("bronze", "records", version=bronze_version, where=pl.col("batch_id") == batch_id)
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
-    history = _earlier_index(lake, batch_id)
+    history = _dedup_history(context, lake, batch_id)
     context.log.info(
         f"batch {batch_id}: {bronze.height} bronze rows (bronze/records v{bronze_version}); "
         f"{len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
@@ -96,28 +95,31 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         )
 
 
-def _require_earlier_batches(context: AssetExecutionContext, batch_id: str, policy: SilverPolicy) -> None:
-    """Dedup against earlier batches needs their index entries: wait for (then refuse) a batch
-    whose predecessors have bronze but no silver yet."""
-    instance = context.instance
-    earlier = {key for key in instance.get_materialized_partitions(BRONZE_RECORDS) if key < batch_id}
-    missing = sorted(earlier - instance.get_materialized_partitions(SILVER_RECORDS))
-    if not missing:
+def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
+    """Batches go through silver in arrival order (silver_in_order requests them so); a run by hand
+    out of order fails at once, naming the earlier batches that are neither done nor excluded."""
+    unsettled = unsettled_before(batch_events(instance), batch_id)
+    if not unsettled:
         return
-    message = (
-        f"silver for batch {batch_id} dedups against every earlier batch, and {len(missing)} of them have bronze "
-        f"but no silver yet ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    named = ", ".join(f"{batch} ({stage.value})" for batch, stage in unsettled[:3]) + (", ..." if len(unsettled) > 3 else "")
+    raise Failure(
+        allow_retries=False,
+        description=f"silver takes batches in arrival order, and {len(unsettled)} batch(es) before {batch_id} are neither "
+        f"done nor excluded: {named}. Materialize those first (the silver_in_order sensor and pipeline-assets run go "
+        "oldest first).",
     )
-    if context.retry_number < policy.order_max_retries:
-        context.log.info(f"{message}: waiting {policy.order_wait_seconds} s")
-        raise RetryRequested(max_retries=policy.order_max_retries, seconds_to_wait=policy.order_wait_seconds)
-    raise Failure(description=f"{message}: materialize those first (pipeline-assets run does, oldest first)")
 
 
-def _earlier_index(lake: LakeResource, batch_id: str) -> pl.LazyFrame | None:
-    """The MinHash index of every batch before this one (a re-run never sees itself or later ones)."""
+def _dedup_history(context: AssetExecutionContext, lake: LakeResource, batch_id: str) -> pl.LazyFrame | None:
+    """The MinHash index of every other batch, less blocked ones: their records never reach gold, so they
+    must not reject a later copy. A batch re-run after later ones dedups against those too."""
     scan = lake.scan("silver", "minhash_index")
-    return None if scan is None else scan.filter(pl.col("batch_id") < batch_id)
+    if scan is None:
+        return None
+    blocked = sorted(blocked_batches(context.instance) - {batch_id})
+    if blocked:
+        context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")
+    return scan.filter((pl.col("batch_id") != batch_id) & ~pl.col("batch_id").is_in(blocked))
 
 
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
