@@ -1,7 +1,6 @@
 """What the instance knows about each ingest batch's bronze and silver, for lib.silver_order."""
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, RunsFilter
-from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
+from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
@@ -11,6 +10,10 @@ from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.silver_order import BatchEvents, Event
 
 
+_NOT_FINISHED = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+                 DagsterRunStatus.STARTED, DagsterRunStatus.SUSPENDED, DagsterRunStatus.CANCELING]
+
+
 def blocked_batches(instance: DagsterInstance) -> set[str]:
     """Batches whose latest run of a blocking check on bronze or silver failed: they feed neither gold nor dedup."""
     return {partition for partition, _ in partitions_failing_blocking_checks(instance, [*bronze_checks, *silver_checks])}
@@ -18,7 +21,7 @@ def blocked_batches(instance: DagsterInstance) -> set[str]:
 
 def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
     """Every registered batch, oldest first, with its latest bronze and silver materializations and attempts."""
-    unfinished = set(instance.get_run_ids(RunsFilter(statuses=NOT_FINISHED_STATUSES)))
+    unfinished = set(instance.get_run_ids(RunsFilter(statuses=_NOT_FINISHED)))
     bronze, silver = (_materializations(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS))
     bronze_attempts, silver_attempts = (_attempts(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS))
     bronze_blocked = {p for p, _ in partitions_failing_blocking_checks(instance, bronze_checks)}
