@@ -50,7 +50,8 @@ def _race(landing_uri: str, lake_uri: str, rounds: int, land) -> list[list[str |
             land(round_number)
             start.wait(timeout=120)
             done.wait(timeout=120)
-            outcomes.append(sorted([results.get(timeout=5), results.get(timeout=5)], key=lambda batch: batch is not None))
+            pair = [results.get(timeout=5), results.get(timeout=5)]
+            outcomes.append(sorted(pair, key=lambda batch: batch is not None))
     finally:
         for worker in workers:
             worker.join(timeout=30)
@@ -64,14 +65,16 @@ def _assert_one_batch_per_round(outcomes: list[list[str | None]], manifest: pl.D
     assert all(o[0] is None and o[1] is not None for o in outcomes), f"one winner per round: {outcomes}"
     versions = manifest.group_by("uri", "checksum").agg(batches=pl.col("batch_id").n_unique(), rows=pl.len())
     assert versions.height == files
-    assert versions.filter((pl.col("batches") != 1) | (pl.col("rows") != 1)).is_empty(), "a file version in two batches"
+    twice = versions.filter((pl.col("batches") != 1) | (pl.col("rows") != 1))
+    assert twice.is_empty(), f"file versions registered twice: {twice}"
     assert sorted(manifest["batch_id"].unique()) == sorted(o[1] for o in outcomes)
 
 
-def _assert_bronze_has_each_line_once(instance, lake: LakeResource, landing: LandingResource, batches: list[str]) -> None:
+def _assert_bronze_has_each_line_once(instance, lake: LakeResource, landing: LandingResource, batches: list[str]):
     instance.add_dynamic_partitions(ingest_batches.name, batches)
+    resources = {"lake": lake, "landing": landing}
     for batch in batches:  # the asset alone: its checks have their own tests
-        assert materialize([bronze], partition_key=batch, instance=instance, resources={"lake": lake, "landing": landing}).success
+        assert materialize([bronze], partition_key=batch, instance=instance, resources=resources).success
     records = lake.read("bronze", "records")
     assert records.height == len(batches) * FILES_PER_ROUND * LINES_PER_FILE
     assert records.select("source_file", "source_line").is_duplicated().sum() == 0
@@ -84,11 +87,12 @@ def _lines(round_number: int, file_number: int) -> list[dict]:
 
 def test_two_processes_registering_a_local_landing_zone_at_once(tmp_path, landing_dir, instance):
     landing, lake = LandingResource(uri=str(landing_dir)), LakeResource(uri=str(tmp_path / "lake"))
-    rounds = 12
+    rounds = 10
 
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
-            write_landing_file(landing_dir, f"source{file_number}", f"r{round_number:03d}.jsonl", _lines(round_number, file_number))
+            lines = _lines(round_number, file_number)
+            write_landing_file(landing_dir, f"source{file_number}", f"r{round_number:03d}.jsonl", lines)
 
     outcomes = _race(landing.uri, lake.uri, rounds, land)
     _assert_one_batch_per_round(outcomes, read_manifest(lake), rounds * FILES_PER_ROUND)
@@ -99,7 +103,7 @@ def test_two_processes_registering_an_s3_landing_zone_at_once(s3_endpoint, insta
     client = boto3.client("s3")
     landing = LandingResource(uri=f"s3://{BUCKET}/landing")
     lake = LakeResource(uri=f"s3://{BUCKET}/lake")
-    rounds = 5
+    rounds = 4
 
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
