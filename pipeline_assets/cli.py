@@ -79,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, settings: Settings) -> int:
     from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import persistent_instance, register_batches, run_stale
+    from pipeline_assets.headless import one_headless_run, persistent_instance, register_batches, run_stale
 
-    instance = persistent_instance(settings.dagster_home)
-    added = register_batches(defs.resources, instance)
-    print(f"new ingest batches: {', '.join(added) or 'none'}")
-    outcome = run_stale(defs, instance, args.select)
+    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
+        instance = persistent_instance(settings.dagster_home)
+        added = register_batches(defs.resources, instance)
+        print(f"new ingest batches: {', '.join(added) or 'none'}")
+        outcome = run_stale(defs, instance, args.select)
     print(f"runs: {len(outcome.runs)} (in the instance at {settings.dagster_home}; `make dev` shows them)")
     print(f"checks: {outcome.checks_passed} passed, {len(outcome.warnings)} warning(s), "
           f"{len(outcome.failed_blocking_checks)} blocking failure(s)")

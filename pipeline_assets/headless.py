@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -19,6 +21,7 @@ from pipeline_assets.defs.check_helpers import partitions_failing_blocking_check
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.keys import TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
+from pipeline_assets.lib.locks import FileLock
 
 log = logging.getLogger("pipeline_assets")
 
@@ -39,16 +42,39 @@ class RunOutcome:
         return not self.failed_runs and not self.failed_blocking_checks
 
 
+# Local files under DAGSTER_HOME (always a local folder): the kernel releases them if a holder dies.
+_INSTANCE_LOCK = ".pipeline-instance.lock"
+_RUN_LOCK = ".pipeline-run.lock"
+_INSTANCE_LOCK_TIMEOUT_SECONDS = 120.0
+
+
 def persistent_instance(dagster_home: str) -> DagsterInstance:
-    """The instance under DAGSTER_HOME, created with the project's dagster.yaml when missing."""
+    """The instance under DAGSTER_HOME, created with the project's dagster.yaml when missing.
+
+    Processes that start together take turns: the first writes dagster.yaml and creates the SQLite
+    storages, the others open what it created.
+    """
     home = Path(dagster_home)
-    home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if not config.exists():
-        with files("pipeline_assets").joinpath("instance.yaml").open("rb") as template, config.open("wb") as out:
-            shutil.copyfileobj(template, out)
-    os.environ["DAGSTER_HOME"] = str(home)
-    return DagsterInstance.get()
+    with FileLock(home / _INSTANCE_LOCK, timeout=_INSTANCE_LOCK_TIMEOUT_SECONDS):
+        config = home / "dagster.yaml"
+        if not config.exists():
+            partial = home / f".dagster.yaml.{os.getpid()}"
+            with files("pipeline_assets").joinpath("instance.yaml").open("rb") as template, partial.open("wb") as out:
+                shutil.copyfileobj(template, out)
+            partial.replace(config)  # a reader never sees half a file
+        os.environ["DAGSTER_HOME"] = str(home)
+        return DagsterInstance.get()  # creates the run, event log and schedule databases
+
+
+@contextmanager
+def one_headless_run(dagster_home: str, say: Callable[[str], None]) -> Iterator[None]:
+    """One ``pipeline-assets run`` per instance at a time: a second one waits for the first, then
+    finds its batches registered and its partitions materialized."""
+    def waiting(holder: str) -> None:
+        say(f"waiting for the other `pipeline-assets run` on {dagster_home} ({holder}) to finish")
+
+    with FileLock(Path(dagster_home) / _RUN_LOCK, timeout=None, on_wait=waiting):
+        yield
 
 
 def register_batches(resources: dict, instance: DagsterInstance) -> list[str]:

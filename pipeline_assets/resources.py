@@ -26,6 +26,7 @@ from pydantic import Field
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
+from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.quality import QualityThresholds
@@ -187,12 +188,27 @@ class LakeResource(ConfigurableResource):
     """Delta tables at ``<uri>/<layer>/<name>``, on a local path or ``s3://``."""
 
     uri: str = Field(description="root of the lake: a local path or s3://bucket/prefix")
+    lock_timeout_seconds: float = Field(default=300.0, description="how long a writer waits for a table's lock")
+    lease_seconds: float = Field(
+        default=60.0, description="s3:// lake: a lock whose holder died is taken over this long after its last renewal"
+    )
 
     def table_uri(self, layer: str, name: str) -> str:
         return uris.join(self.uri, layer, name)
 
     def storage_options(self) -> dict[str, str] | None:
         return uris.delta_storage_options(self.uri)
+
+    def lock(self, layer: str, name: str) -> FileLock | S3Lease:
+        """One process at a time in a read-modify-write of a table (Delta appends never conflict):
+        ``<lake>/<layer>/_<name>.lock``, released when its holder exits or dies."""
+        lock_uri = uris.join(self.uri, layer, f"_{name}.lock")
+        if not uris.is_s3(lock_uri):
+            return FileLock(lock_uri, timeout=self.lock_timeout_seconds)
+        import boto3  # only S3 lakes need it
+
+        client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+        return S3Lease(client, lock_uri, timeout=self.lock_timeout_seconds, ttl_seconds=self.lease_seconds)
 
     def table(self, layer: str, name: str, version: int | None = None) -> DeltaTable | None:
         try:

@@ -17,15 +17,19 @@ from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 
 
-def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+def cli_environment(home: Path, **env: str) -> dict[str, str]:
+    """This process's environment with everything under ``home`` (PIPELINE_HOME)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
     # Short training, and a gate that lets any candidate through: this file tests the commands and the
     # drift story; the gate has its own tests (lib/test_promotion.py, defs/test_registry.py).
     environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_PROMOTION_MARGIN="-1",
                        PIPELINE_SLICE_TOLERANCE="1", **env)
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", *args], env=environment, capture_output=True, text=True, timeout=300
-    )
+    return environment
+
+
+def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=cli_environment(home, **env),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_path):

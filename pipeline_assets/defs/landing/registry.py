@@ -10,6 +10,7 @@ import polars as pl
 
 from pipeline_assets.contracts import LandingManifestEntry, conform, polars_schema, validate
 from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, pending_batches, unseen_files
+from pipeline_assets.lib.locks import Lock
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
 
 MANIFEST_TABLE = ("landing", "manifest")
@@ -37,7 +38,17 @@ def batch_files(lake: LakeResource, batch_id: str, version: int | None = None) -
 def register_new_batch(
     landing: LandingResource, lake: LakeResource, log: logging.Logger, now: datetime | None = None
 ) -> BatchRegistration:
-    """Hash the files the manifest has not seen and register the new or changed ones as one batch."""
+    """Hash the files the manifest has not seen and register the new or changed ones as one batch.
+
+    One registration at a time (the manifest's lock): a registration that waited reads the manifest
+    the one before it wrote, so a file version joins exactly one batch whatever runs at once.
+    """
+    with lake.lock(*MANIFEST_TABLE) as lock:
+        return _register(landing, lake, log, lock, now)
+
+
+def _register(landing: LandingResource, lake: LakeResource, log: logging.Logger, lock: Lock,
+              now: datetime | None) -> BatchRegistration:
     listing = pl.DataFrame(
         [(f.uri, f.source, f.size, f.modified) for f in landing.list_files()], schema=LISTING_SCHEMA, orient="row"
     )
@@ -63,6 +74,7 @@ def register_new_batch(
             row["uri"], row["previous_checksum"][:12], row["checksum"][:12], batch_id,
         )
     entries = to_register.with_columns(batch_id=pl.lit(batch_id), registered_at=pl.lit(now))
+    lock.confirm()
     lake.append(*MANIFEST_TABLE, validate(conform(entries, LandingManifestEntry), LandingManifestEntry))
     log.info("registered %d landing file(s) as ingest batch %s", to_register.height, batch_id)
     return BatchRegistration(
