@@ -70,7 +70,8 @@ def _register(landing: LandingResource, lake: LakeResource, log: logging.Logger,
     for row in changed.iter_rows(named=True):
         log.warning(
             "landing file %s changed after it was ingested (sha256 %s -> %s): registering the new "
-            "version in batch %s; rows of both versions stay in bronze, each with its own record_id",
+            "version in batch %s; if it grew by appending, only the new lines become records (the old "
+            "ones are set aside as already_ingested), else the whole new version is ingested",
             row["uri"], row["previous_checksum"][:12], row["checksum"][:12], batch_id,
         )
     entries = to_register.with_columns(batch_id=pl.lit(batch_id), registered_at=pl.lit(now))
