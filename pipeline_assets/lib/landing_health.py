@@ -8,7 +8,7 @@ from collections import Counter
 import orjson
 import polars as pl
 
-from pipeline_assets.lib.landing_files import KNOWN_FIELDS
+from pipeline_assets.lib.landing_contract import KNOWN_FIELDS
 
 
 def quarantine_rates(records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.DataFrame:
