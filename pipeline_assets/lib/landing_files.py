@@ -27,6 +27,7 @@ from pipeline_assets.lib.landing_contract import (
     content_hash,
     validate_landing_object,
 )
+from pipeline_assets.lib.landing_fast import split_clean_lines
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -49,7 +50,20 @@ def landing_format(name: str) -> str | None:
 
 
 def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
-    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields."""
+    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields.
+
+    Clean JSON lines take the fast path (``landing_fast``); every other line takes the exact one.
+    """
+    return _read(name, data, field_mapping, fast=True)
+
+
+def read_landing_file_exact(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
+    """``read_landing_file`` with every line on the exact per-line path: the reference the fast path
+    must match, record for record and reason for reason."""
+    return _read(name, data, field_mapping, fast=False)
+
+
+def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fast: bool) -> FileReadResult:
     builder = _FrameBuilder(field_mapping or {})
     fmt = landing_format(name)
     if fmt is None:
@@ -57,7 +71,7 @@ def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] |
     elif fmt == "parquet":
         _read_parquet(data, builder)
     else:
-        _read_jsonl(fmt, data, builder)
+        _read_jsonl(fmt, data, builder, fast=fast)
     return builder.result()
 
 
@@ -71,21 +85,26 @@ def rejected_file(reason: str, detail: str) -> FileReadResult:
 # --- JSON lines ---------------------------------------------------------------------------------
 
 
-def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder") -> None:
+def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder", *, fast: bool) -> None:
     text, failure = _decompress(fmt, data)
     if failure is not None and failure[0] == "unreadable_file":
         builder.reject(0, "", *failure)
         return
     lines = text.split(b"\n")
     tail = lines.pop()  # b"" when the text ends with a newline
-    for number, line in enumerate(lines, start=1):
-        builder.add_line(number, line)
-    if failure is None:
-        if tail:
-            builder.add_line(len(lines) + 1, tail)
-        return
-    # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
-    builder.reject(len(lines) + 1, _as_text(tail), *failure)
+    if failure is None and tail:
+        lines.append(tail)  # a last line without its newline
+    if fast:
+        clean = split_clean_lines(lines, builder.field_mapping)
+        builder.add_records(clean.records)
+        numbers = clean.other_lines
+    else:
+        numbers = range(1, len(lines) + 1)
+    for number in numbers:
+        builder.add_line(number, lines[number - 1])
+    if failure is not None:
+        # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
+        builder.reject(len(lines) + 1, _as_text(tail), *failure)
 
 
 def _decompress(fmt: str, data: bytes) -> tuple[bytes, tuple[str, str] | None]:
@@ -153,10 +172,16 @@ class _FrameBuilder:
     """Collects accepted records column by column and rejected units row by row."""
 
     def __init__(self, field_mapping: Mapping[str, str]):
-        self._mapping = dict(field_mapping)
+        self.field_mapping = dict(field_mapping)
         self._columns: dict[str, list] = {name: [] for name in RECORD_SCHEMA}
         self._rejected: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA}
+        self._bulk: list[pl.DataFrame] = []
         self.lines_read = 0
+
+    def add_records(self, records: pl.DataFrame) -> None:
+        """Records already validated in bulk (RECORD_SCHEMA), one per line read."""
+        self.lines_read += records.height
+        self._bulk.append(records)
 
     def add_line(self, number: int, line: bytes) -> None:
         line = line.removesuffix(b"\r")
@@ -169,7 +194,7 @@ class _FrameBuilder:
 
     def add_object(self, number: int, obj: object, raw: bytes | None) -> None:
         try:
-            values = validate_landing_object(obj, self._mapping)
+            values = validate_landing_object(obj, self.field_mapping)
         except Rejected as rejected:
             text = _as_text(raw) if raw is not None else _row_as_json(obj)
             self.reject(number, text, rejected.reason, rejected.detail)
@@ -187,8 +212,14 @@ class _FrameBuilder:
             self._rejected[name].append(value)
 
     def result(self) -> FileReadResult:
+        records = pl.DataFrame(self._columns, schema=RECORD_SCHEMA)
+        if self._bulk:
+            exact_rows = records.height
+            records = pl.concat([*self._bulk, records])
+            if exact_rows:  # lines of both paths: back in line order
+                records = records.sort("source_line")
         return FileReadResult(
-            records=pl.DataFrame(self._columns, schema=RECORD_SCHEMA),
+            records=records,
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),
             lines_read=self.lines_read,
         )

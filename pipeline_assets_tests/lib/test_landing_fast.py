@@ -1,0 +1,180 @@
+"""The fast path for JSON lines gives exactly what the exact per-line path gives.
+
+Generated files mix clean records (every optional field, ids as numbers, unknown fields, offsets,
+escapes, whitespace only Python strips) with a bad line of every reason code and the odd corners of
+JSON (duplicate keys, lone surrogates, invalid UTF-8 inside values, numbers orjson reads as floats,
+nesting, CRLF, blank lines, a missing last newline): record for record and reason for reason, the
+default reader and ``read_landing_file_exact`` must agree.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import orjson
+import pytest
+
+from pipeline_assets.lib.landing_fast import split_clean_lines
+from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
+from pipeline_assets_tests.conftest import jsonl_bytes, record
+
+TEXTS = [
+    "How does item 7 work?", "  leading and trailing  ", "ünïcödé ✓ 中文", "tab\there\nand a newline",
+    'a "quote" and a \\ backslash', "emoji 😀 and \u2028 a line separator", "\x1c\x1dx", "\u200b",
+    "word " * 900,
+]
+BLANKS = ["", " ", "\t\n", "\x1c\x1f", "\u3000\xa0", "\x85"]  # all strip to nothing in Python
+TIMESTAMPS = [
+    "2026-11-20T10:00:00Z", "2026-11-20T10:00:00+05:30", "2026-11-20T10:00:00.5-00:30",
+    "2026-11-20T10:00:00.123456+23:59", "2024-02-29T00:00:00Z", "2026-11-20 10:00:00Z",
+    "2026-11-20T10:00:00.1234567Z", "2026-11-20T10:00Z", "2026-11-20T10:00:00+0530", "20261120T100000Z",
+    "2026-11-20T10:00:00,5Z",  # forms Python reads but the fast path leaves to the exact one
+    "2026-11-20T10:00:00", "2026-02-30T00:00:00Z", "2026-11-20T24:00:00Z", "2026-11-20T23:59:60Z",
+    "2026-11-20T10:00:00z", "2026-11-20T10:00:00+24:00", "last tuesday", "", "0001-01-01T00:00:00-01:00",
+    "9999-12-31T23:59:59+01:00", "0002-01-01T00:00:00Z", "9998-12-30T12:00:00-11:00", "２０２６-11-20T10:00:00Z",
+    "0001-01-01T12:00:00+01:00", "9999-12-31T12:00:00-01:00", "0000-12-31T23:00:00-02:00",
+]
+IDS = ["r1", "", 17, -3, 0, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 1.5, True, None, [1]]
+METAS = [
+    {"annotator": "a7", "label_confidence": 0.99}, {"nested": {"deep": [1, 2.5, None, "ü"]}}, {},
+    {"big": 10**30, "e": 1e20, "f": 1.0}, None, "not an object", [1, 2], 3,
+]
+UNKNOWN_NAMES = ["session_id", "url", "tags", "x-y", "u0", "ñame", "completion"]
+UNKNOWN_VALUES = ["s-1", "ü\"\\", 3, 2.5, None, True, [1, {"a": None}], {"k": "v"}, 10**25]
+RAW_BAD_LINES = [
+    b"", b"   ", b"\r", b"\t", b'{"prompt": "cut in the mid', b"[1, 2]", b"42", b'"a string"', b"null",
+    b'\xef\xbb\xbf{"prompt": "p", "response": "r"}', b'{"prompt": "p", "response": "r"} trailing',
+    b'{"prompt": "p", "response": "r"}{"prompt": "p", "response": "r"}', b'{"prompt": "p", "response": NaN}',
+    b'{"prompt": "p\xff", "response": "r"}', b'{"prompt": "p", "response": "r", "meta": {"a": "\xfe"}}',
+    b'{"prompt": "p", "response": "r", "session_id": "\xc3"}', b'{"prompt": "\\ud800", "response": "r"}',
+    b'{"prompt": "p", "response": "r", "meta": {"a": "\\udc00"}}', b'{"prompt": "p", "response": "r",}',
+    b'{"prompt": "p", "response": "r", "meta": ' + b"[" * 1100 + b"]" * 1100 + b"}",
+    b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 200 + b"]" * 200 + b"}}",
+    b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 253 + b"]" * 253 + b"}}",
+    b'{"prompt": "p", "response": "r", "tags": ' + b"[" * 253 + b"]" * 253 + b"}",
+    b'{"prompt": "a", "prompt": "b", "response": "r"}', b'{"prompt": "", "response": "r", "prompt": "p"}',
+    b'{"prompt": "p", "response": "r", "meta": {"a": 1}, "meta": null}',
+    b'{"prompt": "p", "response": "r", "x": 1, "x": 2, "y": 3}', b'{"pr\\u006fmpt": "p", "response": "r"}',
+    b'{"prompt": "p", "response": "r", "id": -0}', b'{"prompt": "p", "response": "r", "id": 1e3}',
+    b'{"prompt": "p", "response": "r", "created_at": null, "system": null, "meta": null, "id": null}',
+    b'{"prompt": "p", "response": "r", "\\u00f1": 1}', b'{"prompt": "p", "response": "r", "\xff": 1}',
+]
+
+
+def _value(rng: random.Random, choices: list):
+    return rng.choice(choices)
+
+
+def _random_record(rng: random.Random, mapped: bool) -> dict:
+    fields = {}
+    text_pool = TEXTS if rng.random() < 0.85 else TEXTS + BLANKS + [7, None, ["x"], True]
+    fields["completion" if mapped and rng.random() < 0.7 else "response"] = _value(rng, text_pool)
+    if rng.random() < 0.97:
+        fields["prompt"] = _value(rng, text_pool)
+    for name, pool, share in (
+        ("system", TEXTS + [None, 1], 0.3),
+        ("id", IDS, 0.5),
+        ("created_at", TIMESTAMPS + [None, 1700000000], 0.6),
+        ("meta", METAS, 0.4),
+    ):
+        if rng.random() < share:
+            fields[name] = _value(rng, pool)
+    for name in rng.sample(UNKNOWN_NAMES, k=rng.choice([0, 0, 1, 1, 2, 3])):
+        fields[name] = _value(rng, UNKNOWN_VALUES)
+    keys = list(fields)
+    rng.shuffle(keys)
+    return {key: fields[key] for key in keys}
+
+
+def _serialize(rng: random.Random, obj: dict) -> bytes:
+    style = rng.randrange(4)
+    if style == 0:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()  # as orjson writes
+    if style == 1:
+        return json.dumps(obj, ensure_ascii=True).encode()  # \uXXXX escapes, surrogate pairs
+    if style == 2:
+        return json.dumps(obj, ensure_ascii=False, indent=None, separators=(" , ", " : ")).encode()
+    duplicated = next(iter(obj), None)  # a key given twice: the last value counts
+    if duplicated is None:
+        return b"{}"
+    first = json.dumps({duplicated: _value(rng, TEXTS + [None, 3])})[1:-1]
+    return ("{" + first + ", " + json.dumps(obj)[1:]).encode()
+
+
+def _random_file(seed: int) -> tuple[bytes, dict[str, str]]:
+    rng = random.Random(seed)
+    mapped = rng.random() < 0.25
+    lines = []
+    for _ in range(rng.randrange(1, 60)):
+        if rng.random() < 0.15:
+            line = _value(rng, RAW_BAD_LINES)
+        else:
+            line = _serialize(rng, _random_record(rng, mapped))
+        if rng.random() < 0.1:
+            line += b"\r"
+        lines.append(line)
+    data = b"\n".join(lines) + (b"\n" if rng.random() < 0.8 else b"")
+    return data, ({"completion": "response"} if mapped else {})
+
+
+# Lines the exact path fails on with an exception, not a reason code (orjson writes no deeper than
+# 254 levels; a UTC offset can push year 1 or 9999 out of datetime's range): the fast path leaves
+# them to it, so a batch holding one fails the same way either path.
+EXACT_PATH_ERRORS = [
+    (b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 254 + b"]" * 254 + b"}}", TypeError),
+    (b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 1021 + b"]" * 1021 + b"}}", TypeError),
+    (b'{"prompt": "p", "response": "r", "tags": ' + b"[" * 254 + b"]" * 254 + b"}", TypeError),
+    (b'{"prompt": "p", "response": "r", "created_at": "0001-01-01T00:00:00+01:00"}', OverflowError),
+    (b'{"prompt": "p", "response": "r", "created_at": "9999-12-31T23:59:59-01:00"}', OverflowError),
+]
+
+
+@pytest.mark.parametrize("line, error", EXACT_PATH_ERRORS)
+def test_a_line_the_exact_path_fails_on_fails_the_fast_path_alike(line, error):
+    data = jsonl_bytes([record(1), line])
+    with pytest.raises(error):
+        read_landing_file_exact("f.jsonl", data)
+    with pytest.raises(error):
+        read_landing_file("f.jsonl", data)
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_fast_path_matches_the_exact_path(seed):
+    data, mapping = _random_file(seed)
+    name = "f.jsonl"
+    if seed % 10 == 0:
+        name, data = "f.jsonl.gz", gzip.compress(data, mtime=0)
+        if seed % 20 == 0:
+            data = data[: len(data) * 3 // 4]  # cut short: a truncated_file line at the end
+    fast, exact = read_landing_file(name, data, mapping), read_landing_file_exact(name, data, mapping)
+    assert fast.records.equals(exact.records)
+    assert fast.quarantine.equals(exact.quarantine)
+    assert fast.lines_read == exact.lines_read
+
+
+def test_clean_lines_take_the_fast_path_only():
+    rng = random.Random(7)
+    rows = [
+        record(i, id=rng.choice(["r1", 17, None]), system=rng.choice(["sys", None]),
+               created_at=rng.choice(TIMESTAMPS[:5]), meta=rng.choice(METAS[:3]), session_id=f"s{i % 5}")
+        for i in range(200)
+    ]
+    lines = jsonl_bytes(rows).split(b"\n")[:-1]
+    clean = split_clean_lines(lines)
+    assert clean.other_lines == []
+    assert clean.records.height == 200
+    assert clean.records.equals(read_landing_file_exact("f.jsonl", jsonl_bytes(rows)).records)
+
+
+def test_only_the_suspect_lines_take_the_exact_path():
+    lines = jsonl_bytes([record(1), b'{"prompt": 7}', record(3), b"", record(5, created_at="2026-11-20 10:00:00Z")])
+    assert split_clean_lines(lines.split(b"\n")[:-1]).other_lines == [2, 4, 5]
+
+
+def test_a_mapped_field_takes_the_fast_path():
+    lines = [orjson.dumps({"prompt": "p", "completion": "c"}), orjson.dumps({"prompt": "p", "response": "r", "completion": "c"})]
+    clean = split_clean_lines(lines, {"completion": "response"})
+    assert clean.other_lines == []
+    assert clean.records.select("response", "extra").rows() == [("c", None), ("r", '{"completion":"c"}')]
