@@ -158,6 +158,8 @@ def _unzstd_into(data: bytes, out: io.BytesIO) -> None:
 def _read_parquet(data: bytes, builder: "_FrameBuilder") -> None:
     try:
         frame = pl.read_parquet(io.BytesIO(data))
+    except MemoryError:
+        raise  # this machine's trouble, not the file's
     except Exception as exc:  # polars raises several types for a damaged file
         builder.reject(0, "", "unreadable_file", f"parquet: {exc}")
         return
