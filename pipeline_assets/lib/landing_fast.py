@@ -23,6 +23,7 @@ which is correct, only slower.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
@@ -256,7 +257,7 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 
 def _id_texts(ids: list, unsure: set[int]) -> list:
-    if all(type(value) is not int for value in ids):
+    if int not in set(map(type, ids)):
         return ids
     texts = []
     for position, value in enumerate(ids):
@@ -302,7 +303,8 @@ def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, s
     if len(attrs) == 1:  # the common case, one extra field a source adds: no order to keep
         attr, key = attrs[0], decoded.unknown[0]
         raws = [bytes(getattr(row, attr, _ABSENT)) for row in decoded.rows]
-        return _distinct_texts(raws, lambda raw: _dumped({key: _parsed(raw)}) if raw else None, unsure)
+        key_json = orjson.dumps(key).decode()
+        return _distinct_texts(raws, lambda raw: _one_field_json(key, key_json, raw), unsure)
     texts = []
     for position, row in enumerate(decoded.rows):
         present = any(getattr(row, attr, _ABSENT) for attr in attrs)
@@ -312,6 +314,23 @@ def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, s
             unsure.add(position)
             texts.append(None)
     return texts
+
+
+def _one_field_json(key: str, key_json: str, raw: bytes) -> str | None:
+    """``{key: value}`` as orjson writes it. A string with no escape and no control character is
+    written back exactly as it was read (orjson escapes only quotes, backslashes and control
+    characters), so it is copied, not parsed: session ids and the like are mostly distinct."""
+    if not raw:
+        return None
+    if raw[:1] == b'"' and b"\\" not in raw and not _CONTROL_CHARACTER.search(raw):
+        try:
+            return "{" + key_json + ":" + raw.decode() + "}"
+        except UnicodeDecodeError:
+            raise _NotClean() from None
+    return _dumped({key: _parsed(raw)})
+
+
+_CONTROL_CHARACTER = re.compile(rb"[\x00-\x1f]")
 
 
 def _extra_in_line_order(line: bytes, mapping: dict[str, str]) -> str | None:

@@ -215,11 +215,10 @@ class _FrameBuilder:
 
     def result(self) -> FileReadResult:
         records = pl.DataFrame(self._columns, schema=RECORD_SCHEMA)
-        if self._bulk:
-            exact_rows = records.height
-            records = pl.concat([*self._bulk, records])
-            if exact_rows:  # lines of both paths: back in line order
-                records = records.sort("source_line")
+        if self._bulk and records.is_empty():
+            records = pl.concat(self._bulk)
+        elif self._bulk:  # lines of both paths: back in line order
+            records = pl.concat([*self._bulk, records]).sort("source_line")
         return FileReadResult(
             records=records,
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),

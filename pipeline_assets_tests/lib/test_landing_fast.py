@@ -48,7 +48,8 @@ RAW_BAD_LINES = [
     b'\xef\xbb\xbf{"prompt": "p", "response": "r"}', b'{"prompt": "p", "response": "r"} trailing',
     b'{"prompt": "p", "response": "r"}{"prompt": "p", "response": "r"}', b'{"prompt": "p", "response": NaN}',
     b'{"prompt": "p\xff", "response": "r"}', b'{"prompt": "p", "response": "r", "meta": {"a": "\xfe"}}',
-    b'{"prompt": "p", "response": "r", "session_id": "\xc3"}', b'{"prompt": "\\ud800", "response": "r"}',
+    b'{"prompt": "p", "response": "r", "session_id": "\xc3"}', b'{"prompt": "p", "response": "r", "session_id": "a\x01b"}',
+    b'{"prompt": "p", "response": "r", "session_id": "\xed\xa0\x80"}', b'{"prompt": "p", "response": "r", "url": "\\u00e9\\/"}', b'{"prompt": "\\ud800", "response": "r"}',
     b'{"prompt": "p", "response": "r", "meta": {"a": "\\udc00"}}', b'{"prompt": "p", "response": "r",}',
     b'{"prompt": "p", "response": "r", "meta": ' + b"[" * 1100 + b"]" * 1100 + b"}",
     b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 200 + b"]" * 200 + b"}}",
@@ -178,3 +179,20 @@ def test_a_mapped_field_takes_the_fast_path():
     clean = split_clean_lines(lines, {"completion": "response"})
     assert clean.other_lines == []
     assert clean.records.select("response", "extra").rows() == [("c", None), ("r", '{"completion":"c"}')]
+
+
+ONE_EXTRA_FIELD_VALUES = [
+    b'"plain"', '"ü ✓"'.encode(), b'"a\\u00e9"', b'"a\\"b"', b'"a\\/b"', b'"a\x01b"', b'"a\x7fb"', b'"\xff"',
+    b'"\xed\xa0\x80"', b'"a\\ud800"', b'""', b"1.0", b"1e2", b"-0", b"null", b"true", b'{"a": 1}', b"[1 ,2]",
+]
+
+
+@pytest.mark.parametrize("value", ONE_EXTRA_FIELD_VALUES)
+def test_one_extra_field_is_written_as_the_exact_path_writes_it(value):
+    """A file whose lines bring one unknown field takes a shortcut for plain strings: same result."""
+    data = b"".join(
+        b'{"prompt": "p", "response": "r", "session_id": ' + v + b"}\n" for v in (b'"s-1"', value, b'"s-1"')
+    )
+    fast, exact = read_landing_file("f.jsonl", data), read_landing_file_exact("f.jsonl", data)
+    assert fast.records.equals(exact.records)
+    assert fast.quarantine.equals(exact.quarantine)
