@@ -97,18 +97,66 @@ def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] |
     unsure: set[int] = set()  # positions in decoded.rows found unclean while building the columns
     if mapping:
         _apply_mapping(decoded, mapping, unsure)
-    hashes = _content_hashes(decoded.rows)  # on other threads, while this one builds the rest
-    frame = pl.DataFrame(_columns(decoded, lines, mapping, unsure), schema=_DECODED_SCHEMA)
+    texts = {name: [getattr(row, name) for row in decoded.rows] for name in ("prompt", "response", "system")}
+    hashes = _content_hashes(texts)  # on other threads, while this one builds the rest
+    frame = pl.DataFrame({**texts, **_columns(decoded, lines, mapping, unsure)}, schema=_DECODED_SCHEMA)
+    return _checked(frame, unsure, hashes, decoded.failed)
+
+
+def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None) -> CleanLines | None:
+    """``split_clean_lines`` for a Parquet file's rows; None when a known field's column is of a type
+    only the exact path reads (a timestamp type for ``created_at``, say): then every row takes it.
+
+    ``meta`` and unknown columns are written by orjson from the values the exact path sees."""
+    mapping = dict(field_mapping or {})
+    if not _mapping_is_supported(mapping):
+        return None
+    # Every row has every column, so a mapping applies to all rows or none: a column rename.
+    frame = frame.rename({theirs: ours for theirs, ours in mapping.items() if theirs in frame and ours not in frame})
+    known = {name: dtype for name, dtype in frame.schema.items() if name in KNOWN_FIELDS}
+    if not {"prompt", "response"} <= set(known) or not all(_is_plain(n, t) for n, t in known.items()):
+        return None
+    texts = {name: frame[name].to_list() if name in frame else [None] * frame.height for name in ("prompt", "response", "system")}
+    hashes = _content_hashes(texts)
+    unknown = [name for name in frame.columns if name not in KNOWN_FIELDS]
+    extra = None
+    if unknown:
+        values = zip(*(frame[name].to_list() for name in unknown))
+        extra = [orjson.dumps(dict(zip(unknown, row)), default=str).decode() for row in values]
+    meta = None
+    if "meta" in frame:
+        meta = [None if value is None else orjson.dumps(value, default=str).decode() for value in frame["meta"].to_list()]
+    columns = {
+        **texts,
+        "source_line": range(1, frame.height + 1),
+        "id": frame["id"].cast(pl.String) if "id" in frame else None,
+        "created_at": frame["created_at"] if "created_at" in frame else None,
+        "meta": meta,
+        "extra": extra,
+    }
+    shaped = pl.DataFrame({n: columns[n] if columns[n] is not None else [None] * frame.height for n in _DECODED_SCHEMA}, schema=_DECODED_SCHEMA)
+    return _checked(shaped, set(), hashes, [])
+
+
+def _is_plain(name: str, dtype: pl.DataType) -> bool:
+    """A known field's column the fast path reads: text (or all null), integer ids, struct meta."""
+    if name == "meta":
+        return isinstance(dtype, pl.Struct) or dtype == pl.Null
+    return dtype in (pl.String, pl.Null) or (name == "id" and dtype.is_integer())
+
+
+def _checked(frame: pl.DataFrame, unsure: set[int], hashes: list[Future], failed: list[int]) -> CleanLines:
+    """The rows that pass the vectorized checks as records; every other number for the exact path."""
     clean = _CLEAN if not unsure else _CLEAN & ~pl.int_range(pl.len()).is_in(sorted(unsure))
     checked = frame.with_columns(_PARSED_TIMESTAMP).with_columns(clean.alias("_clean"))
     content_hash = pl.Series([h for part in hashes for h in part.result()], dtype=pl.String)
     checked = checked.with_columns(content_hash=content_hash)
     as_records = [pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in RECORD_SCHEMA]
     if checked["_clean"].all():
-        return CleanLines(checked.select(as_records), decoded.failed)
+        return CleanLines(checked.select(as_records), failed)
     records = checked.filter("_clean").select(as_records)
     unclean = checked.filter(~pl.col("_clean"))["source_line"].to_list()
-    return CleanLines(records, sorted(decoded.failed + unclean))
+    return CleanLines(records, sorted(failed + unclean))
 
 
 def _mapping_is_supported(mapping: dict[str, str]) -> bool:
@@ -221,13 +269,11 @@ class _NotClean(Exception):
 
 
 def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> dict:
-    """The record columns of the decoded rows but content_hash; rows found unclean go to unsure."""
+    """The record columns of the decoded rows but the texts and content_hash; rows found unclean
+    go to unsure."""
     rows = decoded.rows
     return {
         "source_line": decoded.numbers,
-        "prompt": [row.prompt for row in rows],
-        "response": [row.response for row in rows],
-        "system": [row.system for row in rows],
         "id": _id_texts([row.id for row in rows], unsure),
         "created_at": [row.created_at for row in rows],
         "meta": _distinct_texts([bytes(row.meta) for row in rows], _object_json, unsure),
@@ -235,19 +281,20 @@ def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str],
     }
 
 
-def _content_hashes(rows: list) -> list[Future]:
+def _content_hashes(texts: dict[str, list]) -> list[Future]:
     """``landing_contract.content_hash`` of each row (inlined), in parts on as many threads as polars
     uses: hashlib lets go of the GIL while it hashes a long text, so long documents hash side by side,
-    and beside this thread's polars work."""
+    and beside this thread's polars work. A row without its texts (the exact path's) hashes as empty."""
+    rows = list(zip(texts["system"], texts["prompt"], texts["response"]))
     size = -(-len(rows) // pl.thread_pool_size()) or 1
     return [_hash_pool().submit(_hash_rows, rows[start : start + size]) for start in range(0, len(rows), size)]
 
 
-def _hash_rows(rows: list) -> list[str]:
+def _hash_rows(rows: list[tuple]) -> list[str]:
     blake2b = hashlib.blake2b
     return [
-        blake2b("\x1f".join((row.system or "", row.prompt, row.response)).encode(), digest_size=16).hexdigest()
-        for row in rows
+        blake2b("\x1f".join((system or "", prompt or "", response or "")).encode(), digest_size=16).hexdigest()
+        for system, prompt, response in rows
     ]
 
 

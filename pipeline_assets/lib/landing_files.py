@@ -27,7 +27,7 @@ from pipeline_assets.lib.landing_contract import (
     content_hash,
     validate_landing_object,
 )
-from pipeline_assets.lib.landing_fast import split_clean_lines
+from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -52,7 +52,8 @@ def landing_format(name: str) -> str | None:
 def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
     """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields.
 
-    Clean JSON lines take the fast path (``landing_fast``); every other line takes the exact one.
+    Clean JSON lines and Parquet rows take the fast path (``landing_fast``); every other line or
+    row takes the exact one.
     """
     return _read(name, data, field_mapping, fast=True)
 
@@ -69,7 +70,7 @@ def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fa
     if fmt is None:
         builder.reject(0, "", "unsupported_format", f"{name}: not one of {', '.join(FORMATS)}")
     elif fmt == "parquet":
-        _read_parquet(data, builder)
+        _read_parquet(data, builder, fast=fast)
     else:
         _read_jsonl(fmt, data, builder, fast=fast)
     return builder.result()
@@ -155,7 +156,7 @@ def _unzstd_into(data: bytes, out: io.BytesIO) -> None:
 # --- Parquet ------------------------------------------------------------------------------------
 
 
-def _read_parquet(data: bytes, builder: "_FrameBuilder") -> None:
+def _read_parquet(data: bytes, builder: "_FrameBuilder", *, fast: bool) -> None:
     try:
         frame = pl.read_parquet(io.BytesIO(data))
     except MemoryError:
@@ -163,8 +164,14 @@ def _read_parquet(data: bytes, builder: "_FrameBuilder") -> None:
     except Exception as exc:  # polars raises several types for a damaged file
         builder.reject(0, "", "unreadable_file", f"parquet: {exc}")
         return
-    for number, row in enumerate(frame.iter_rows(named=True), start=1):
-        builder.add_object(number, row, raw=None)
+    clean = split_clean_rows(frame, builder.field_mapping) if fast else None
+    if clean is None:
+        for number, row in enumerate(frame.iter_rows(named=True), start=1):
+            builder.add_object(number, row, raw=None)
+        return
+    builder.add_records(clean.records)
+    for number in clean.other_lines:
+        builder.add_object(number, frame.row(number - 1, named=True), raw=None)
 
 
 # --- Records ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fast path for JSON lines gives exactly what the exact per-line path gives.
+"""The fast path for JSON lines and Parquet rows gives exactly what the exact per-line path gives.
 
 Generated files mix clean records (every optional field, ids as numbers, unknown fields, offsets,
 escapes, whitespace only Python strips) with a bad line of every reason code and the odd corners of
@@ -10,13 +10,16 @@ default reader and ``read_landing_file_exact`` must agree.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import random
+from datetime import datetime, timezone
 
 import orjson
+import polars as pl
 import pytest
 
-from pipeline_assets.lib.landing_fast import split_clean_lines
+from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
 from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
 from pipeline_assets_tests.conftest import jsonl_bytes, record
 
@@ -196,3 +199,86 @@ def test_one_extra_field_is_written_as_the_exact_path_writes_it(value):
     fast, exact = read_landing_file("f.jsonl", data), read_landing_file_exact("f.jsonl", data)
     assert fast.records.equals(exact.records)
     assert fast.quarantine.equals(exact.quarantine)
+
+
+PARQUET_TEXTS = TEXTS + BLANKS + [None, 'a "quote"\\ \x01 control \x7f', "\u2028"]
+
+
+def _random_parquet(seed: int) -> tuple[bytes, dict[str, str]]:
+    """A Parquet file of text columns (the fast path's), now and then with a column of a type
+    only the exact path reads (booleans, floats, timestamps, a struct meta, integer extras)."""
+    rng = random.Random(seed)
+    height = rng.randrange(1, 40)
+    mapped = rng.random() < 0.2
+
+    def texts(pool):
+        return [rng.choice(pool) for _ in range(height)]
+
+    def mostly_clean_texts():
+        return pl.Series([rng.choice(TEXTS if rng.random() < 0.8 else PARQUET_TEXTS) for _ in range(height)], dtype=pl.String)
+
+    columns = {"prompt": mostly_clean_texts(), "response": mostly_clean_texts()}
+    if mapped:
+        columns["completion"] = mostly_clean_texts()
+        if rng.random() < 0.6:
+            del columns["response"]
+    if rng.random() < 0.05:
+        del columns["prompt"]
+    optional = {
+        "system": lambda: pl.Series(texts(TEXTS + [None]), dtype=pl.String),
+        "id": lambda: rng.choice([
+            pl.Series(texts(["r1", "", None]), dtype=pl.String),
+            pl.Series([rng.randrange(-(2**63), 2**63) for _ in range(height)], dtype=pl.Int64),
+            pl.Series([rng.randrange(2**64) for _ in range(height)], dtype=pl.UInt64),
+            pl.Series(texts([True, False]), dtype=pl.Boolean),
+            pl.Series(texts([1.5, None]), dtype=pl.Float64),
+        ]),
+        "created_at": lambda: rng.choice([
+            pl.Series(texts(TIMESTAMPS + [None]), dtype=pl.String),
+            pl.Series(texts([datetime(2026, 11, 1, tzinfo=timezone.utc), None]), dtype=pl.Datetime("us", "UTC")),
+            pl.Series(texts([datetime(2026, 11, 1), None]), dtype=pl.Datetime("us")),
+        ]),
+        "meta": lambda: rng.choice([
+            pl.Series([None] * height, dtype=pl.Null),
+            pl.Series(texts([{"a": 1, "b": "x\u00e9"}, {"a": None, "b": None}, None]), dtype=pl.Struct({"a": pl.Int64, "b": pl.String})),
+            pl.Series(texts(["not an object", None]), dtype=pl.String),
+            pl.DataFrame({"a": texts(["2.50", None]), "raw": texts([b"\x01", None])})
+            .select(pl.struct(pl.col("a").cast(pl.Decimal(10, 2)), "raw")).to_series(),
+        ]),
+        "url": lambda: pl.Series(texts(PARQUET_TEXTS), dtype=pl.String),
+        "tags": lambda: rng.choice([
+            pl.Series([None] * height, dtype=pl.Null),
+            pl.Series(texts([1, None, -(2**63)]), dtype=pl.Int64),
+            pl.Series(texts([0.1, 1e300, float("nan"), None]), dtype=pl.Float64),
+            pl.Series(texts([True, None]), dtype=pl.Boolean),
+            pl.Series(texts([[1, 2], [], None]), dtype=pl.List(pl.Int64)),
+            pl.Series(texts([datetime(2026, 11, 1, 12, tzinfo=timezone.utc), None]), dtype=pl.Datetime("us", "UTC")),
+            pl.Series(texts([datetime(2026, 11, 1, 12), None]), dtype=pl.Datetime("ns")),
+            pl.Series(texts([b"\x00\xff", None]), dtype=pl.Binary),
+            pl.Series(texts(["1.50", None]), dtype=pl.String).cast(pl.Decimal(10, 2)),
+        ]),
+    }
+    for name in rng.sample(list(optional), k=rng.randrange(len(optional) + 1)):
+        columns[name] = optional[name]()
+    names = list(columns)
+    rng.shuffle(names)
+    buffer = io.BytesIO()
+    pl.DataFrame({name: columns[name] for name in names}).write_parquet(buffer)
+    return buffer.getvalue(), ({"completion": "response"} if mapped else {})
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_parquet_fast_path_matches_the_exact_path(seed):
+    data, mapping = _random_parquet(seed)
+    fast, exact = read_landing_file("f.parquet", data, mapping), read_landing_file_exact("f.parquet", data, mapping)
+    assert fast.records.equals(exact.records)
+    assert fast.quarantine.equals(exact.quarantine)
+    assert fast.lines_read == exact.lines_read
+
+
+def test_text_parquet_takes_the_fast_path():
+    frame = pl.DataFrame({"id": [1, 2], "prompt": ["p1", " "], "response": ["r1", "r2"], "url": ["u1", None]})
+    clean = split_clean_rows(frame)
+    assert clean.other_lines == [2]
+    assert clean.records.select("id", "extra").rows() == [("1", '{"url":"u1"}')]
+    assert split_clean_rows(frame.with_columns(id=pl.lit(True))) is None  # a boolean id: the exact path
