@@ -10,7 +10,6 @@ Reason codes: ``invalid_json``, ``not_an_object``, ``invalid_utf8``, ``blank_lin
 
 from __future__ import annotations
 
-import hashlib
 import io
 import zlib
 from collections.abc import Mapping
@@ -21,38 +20,18 @@ import orjson
 import polars as pl
 import zstandard
 
-REQUIRED_FIELDS = ("prompt", "response")
-OPTIONAL_FIELDS = ("system", "id", "created_at", "meta")
-KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+from pipeline_assets.lib.landing_contract import (
+    QUARANTINE_SCHEMA,
+    RECORD_SCHEMA,
+    Rejected,
+    content_hash,
+    validate_landing_object,
+)
+from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
+
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
 
-RECORD_SCHEMA = pl.Schema(
-    {
-        "source_line": pl.Int64,
-        "prompt": pl.String,
-        "response": pl.String,
-        "system": pl.String,
-        "id": pl.String,
-        "created_at": pl.Datetime("us", "UTC"),
-        "meta": pl.String,
-        "extra": pl.String,
-        "content_hash": pl.String,
-    }
-)
-QUARANTINE_SCHEMA = pl.Schema(
-    {"source_line": pl.Int64, "raw": pl.String, "reason": pl.String, "detail": pl.String}
-)
-
 _CHUNK = 1 << 20
-
-
-class Rejected(Exception):
-    """A record that breaks the landing contract; ``reason`` is the short code."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -70,22 +49,30 @@ def landing_format(name: str) -> str | None:
     return None
 
 
-def content_hash(system: str | None, prompt: str, response: str) -> str:
-    """128-bit hash of what a record says (not where it came from)."""
-    payload = "\x1f".join((system or "", prompt, response)).encode()
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
-
-
 def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
-    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields."""
+    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields.
+
+    Clean JSON lines and Parquet rows take the fast path (``landing_fast``); every other line or
+    row takes the exact one.
+    """
+    return _read(name, data, field_mapping, fast=True)
+
+
+def read_landing_file_exact(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
+    """``read_landing_file`` with every line on the exact per-line path: the reference the fast path
+    must match, record for record and reason for reason."""
+    return _read(name, data, field_mapping, fast=False)
+
+
+def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fast: bool) -> FileReadResult:
     builder = _FrameBuilder(field_mapping or {})
     fmt = landing_format(name)
     if fmt is None:
         builder.reject(0, "", "unsupported_format", f"{name}: not one of {', '.join(FORMATS)}")
     elif fmt == "parquet":
-        _read_parquet(data, builder)
+        _read_parquet(data, builder, fast=fast)
     else:
-        _read_jsonl(fmt, data, builder)
+        _read_jsonl(fmt, data, builder, fast=fast)
     return builder.result()
 
 
@@ -99,21 +86,26 @@ def rejected_file(reason: str, detail: str) -> FileReadResult:
 # --- JSON lines ---------------------------------------------------------------------------------
 
 
-def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder") -> None:
+def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder", *, fast: bool) -> None:
     text, failure = _decompress(fmt, data)
     if failure is not None and failure[0] == "unreadable_file":
         builder.reject(0, "", *failure)
         return
     lines = text.split(b"\n")
     tail = lines.pop()  # b"" when the text ends with a newline
-    for number, line in enumerate(lines, start=1):
-        builder.add_line(number, line)
-    if failure is None:
-        if tail:
-            builder.add_line(len(lines) + 1, tail)
-        return
-    # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
-    builder.reject(len(lines) + 1, _as_text(tail), *failure)
+    if failure is None and tail:
+        lines.append(tail)  # a last line without its newline
+    if fast:
+        clean = split_clean_lines(lines, builder.field_mapping)
+        builder.add_records(clean.records)
+        numbers = clean.other_lines
+    else:
+        numbers = range(1, len(lines) + 1)
+    for number in numbers:
+        builder.add_line(number, lines[number - 1])
+    if failure is not None:
+        # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
+        builder.reject(len(lines) + 1, _as_text(tail), *failure)
 
 
 def _decompress(fmt: str, data: bytes) -> tuple[bytes, tuple[str, str] | None]:
@@ -164,14 +156,22 @@ def _unzstd_into(data: bytes, out: io.BytesIO) -> None:
 # --- Parquet ------------------------------------------------------------------------------------
 
 
-def _read_parquet(data: bytes, builder: "_FrameBuilder") -> None:
+def _read_parquet(data: bytes, builder: "_FrameBuilder", *, fast: bool) -> None:
     try:
         frame = pl.read_parquet(io.BytesIO(data))
+    except MemoryError:
+        raise  # this machine's trouble, not the file's
     except Exception as exc:  # polars raises several types for a damaged file
         builder.reject(0, "", "unreadable_file", f"parquet: {exc}")
         return
-    for number, row in enumerate(frame.iter_rows(named=True), start=1):
-        builder.add_object(number, row, raw=None)
+    clean = split_clean_rows(frame, builder.field_mapping) if fast else None
+    if clean is None:
+        for number, row in enumerate(frame.iter_rows(named=True), start=1):
+            builder.add_object(number, row, raw=None)
+        return
+    builder.add_records(clean.records)
+    for number in clean.other_lines:
+        builder.add_object(number, frame.row(number - 1, named=True), raw=None)
 
 
 # --- Records ------------------------------------------------------------------------------------
@@ -181,10 +181,16 @@ class _FrameBuilder:
     """Collects accepted records column by column and rejected units row by row."""
 
     def __init__(self, field_mapping: Mapping[str, str]):
-        self._mapping = dict(field_mapping)
+        self.field_mapping = dict(field_mapping)
         self._columns: dict[str, list] = {name: [] for name in RECORD_SCHEMA}
         self._rejected: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA}
+        self._bulk: list[pl.DataFrame] = []
         self.lines_read = 0
+
+    def add_records(self, records: pl.DataFrame) -> None:
+        """Records already validated in bulk (RECORD_SCHEMA), one per line read."""
+        self.lines_read += records.height
+        self._bulk.append(records)
 
     def add_line(self, number: int, line: bytes) -> None:
         line = line.removesuffix(b"\r")
@@ -197,7 +203,7 @@ class _FrameBuilder:
 
     def add_object(self, number: int, obj: object, raw: bytes | None) -> None:
         try:
-            values = validate_landing_object(obj, self._mapping)
+            values = validate_landing_object(obj, self.field_mapping)
         except Rejected as rejected:
             text = _as_text(raw) if raw is not None else _row_as_json(obj)
             self.reject(number, text, rejected.reason, rejected.detail)
@@ -215,96 +221,19 @@ class _FrameBuilder:
             self._rejected[name].append(value)
 
     def result(self) -> FileReadResult:
+        records = pl.DataFrame(self._columns, schema=RECORD_SCHEMA)
+        if self._bulk and records.is_empty():
+            records = pl.concat(self._bulk)
+        elif self._bulk:  # lines of both paths: back in line order
+            records = pl.concat([*self._bulk, records]).sort("source_line")
         return FileReadResult(
-            records=pl.DataFrame(self._columns, schema=RECORD_SCHEMA),
+            records=records,
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),
             lines_read=self.lines_read,
         )
 
 
 _VALUE_COLUMNS = ("prompt", "response", "system", "id", "created_at", "meta", "extra")
-
-
-def validate_landing_object(obj: object, field_mapping: Mapping[str, str]) -> tuple:
-    """Check one parsed record against the landing contract.
-
-    Returns ``(prompt, response, system, id, created_at, meta_json, extra_json)`` or raises
-    ``Rejected`` with the first broken rule.
-    """
-    if not isinstance(obj, dict):
-        raise Rejected("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
-    if field_mapping:
-        obj = _apply_mapping(obj, field_mapping)
-    unknown = [key for key in obj if key not in KNOWN_FIELDS]
-    prompt = _required_text(obj, "prompt", unknown)
-    response = _required_text(obj, "response", unknown)
-    system = _optional_text(obj, "system")
-    source_id = _optional_id(obj)
-    created_at = _optional_timestamp(obj, "created_at")
-    meta = _optional_object_json(obj, "meta")
-    extra = orjson.dumps({key: obj[key] for key in unknown}, default=str).decode() if unknown else None
-    return prompt, response, system, source_id, created_at, meta, extra
-
-
-def _apply_mapping(obj: dict, field_mapping: Mapping[str, str]) -> dict:
-    mapped = dict(obj)
-    for theirs, ours in field_mapping.items():
-        if theirs in mapped and ours not in mapped:
-            mapped[ours] = mapped.pop(theirs)
-    return mapped
-
-
-def _required_text(obj: dict, name: str, unknown: list[str]) -> str:
-    value = obj.get(name)
-    if value is None:
-        hint = f"; unknown field(s) present: {', '.join(unknown)}" if unknown else ""
-        raise Rejected(f"missing_field:{name}", f"required field '{name}' is absent or null{hint}")
-    if not isinstance(value, str):
-        raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
-    if not value.strip():
-        raise Rejected(f"empty_field:{name}", f"'{name}' is empty or whitespace only")
-    return value
-
-
-def _optional_text(obj: dict, name: str) -> str | None:
-    value = obj.get(name)
-    if value is None or isinstance(value, str):
-        return value
-    raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
-
-
-def _optional_id(obj: dict) -> str | None:
-    value = obj.get("id")
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)  # sources often number their records: keep the id, as text
-    raise Rejected("wrong_type:id", f"'id' must be a string or an integer, got {_json_type(value)}")
-
-
-def _optional_timestamp(obj: dict, name: str) -> datetime | None:
-    value = obj.get(name)
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value!r} is not an RFC 3339 timestamp") from None
-    if not isinstance(value, datetime):
-        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}")
-    if value.tzinfo is None:
-        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset")
-    return value.astimezone(timezone.utc)
-
-
-def _optional_object_json(obj: dict, name: str) -> str | None:
-    value = obj.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an object, got {_json_type(value)}")
-    return orjson.dumps(value, default=str).decode()
 
 
 def _classify_unparseable(line: bytes, exc: Exception) -> tuple[str, str]:
@@ -323,15 +252,6 @@ def _as_text(raw: bytes) -> str:
 
 def _row_as_json(obj: object) -> str:
     return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__
-    )
-
 
 
 def with_provenance(

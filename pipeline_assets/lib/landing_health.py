@@ -8,7 +8,7 @@ from collections import Counter
 import orjson
 import polars as pl
 
-from pipeline_assets.lib.landing_files import KNOWN_FIELDS
+from pipeline_assets.lib.landing_contract import KNOWN_FIELDS
 from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 
 # A file set aside whole, or cut short: how many of its lines were lost is unknown, so it blocks

@@ -127,3 +127,19 @@ def test_landing_format_by_suffix():
     assert [landing_format(n) for n in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "a.json")] == [
         "jsonl", "jsonl.gz", "jsonl.zst", "parquet", None
     ]
+
+
+def test_running_out_of_memory_while_reading_parquet_is_not_a_bad_file(monkeypatch):
+    """A MemoryError says nothing about the file: it must stop the run, not quarantine the file as
+    unreadable. polars cannot be made to run out of memory here on demand, so read_parquet is
+    replaced by one that does."""
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the row groups")
+
+    frame = pl.DataFrame({"prompt": ["p"], "response": ["r"]})
+    buffer = io.BytesIO()
+    frame.write_parquet(buffer)
+    monkeypatch.setattr(pl, "read_parquet", out_of_memory)
+    with pytest.raises(MemoryError):
+        read_landing_file("f.parquet", buffer.getvalue())

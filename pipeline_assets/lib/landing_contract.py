@@ -1,0 +1,140 @@
+"""The landing contract for one record: its fields, their types, and the reason code of each broken rule.
+
+Both readers use it: the exact per-line path calls ``validate_landing_object`` on every parsed
+record; the fast path (``landing_fast``) proves a clean line meets the same rules without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from datetime import datetime, timezone
+
+import orjson
+import polars as pl
+
+REQUIRED_FIELDS = ("prompt", "response")
+OPTIONAL_FIELDS = ("system", "id", "created_at", "meta")
+KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+
+RECORD_SCHEMA = pl.Schema(
+    {
+        "source_line": pl.Int64,
+        "prompt": pl.String,
+        "response": pl.String,
+        "system": pl.String,
+        "id": pl.String,
+        "created_at": pl.Datetime("us", "UTC"),
+        "meta": pl.String,
+        "extra": pl.String,
+        "content_hash": pl.String,
+    }
+)
+QUARANTINE_SCHEMA = pl.Schema(
+    {"source_line": pl.Int64, "raw": pl.String, "reason": pl.String, "detail": pl.String}
+)
+
+
+class Rejected(Exception):
+    """A record that breaks the landing contract; ``reason`` is the short code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def content_hash(system: str | None, prompt: str, response: str) -> str:
+    """128-bit hash of what a record says (not where it came from)."""
+    payload = "\x1f".join((system or "", prompt, response)).encode()
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def validate_landing_object(obj: object, field_mapping: Mapping[str, str]) -> tuple:
+    """Check one parsed record against the landing contract.
+
+    Returns ``(prompt, response, system, id, created_at, meta_json, extra_json)`` or raises
+    ``Rejected`` with the first broken rule.
+    """
+    if not isinstance(obj, dict):
+        raise Rejected("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
+    if field_mapping:
+        obj = _apply_mapping(obj, field_mapping)
+    unknown = [key for key in obj if key not in KNOWN_FIELDS]
+    prompt = _required_text(obj, "prompt", unknown)
+    response = _required_text(obj, "response", unknown)
+    system = _optional_text(obj, "system")
+    source_id = _optional_id(obj)
+    created_at = _optional_timestamp(obj, "created_at")
+    meta = _optional_object_json(obj, "meta")
+    extra = orjson.dumps({key: obj[key] for key in unknown}, default=str).decode() if unknown else None
+    return prompt, response, system, source_id, created_at, meta, extra
+
+
+def _apply_mapping(obj: dict, field_mapping: Mapping[str, str]) -> dict:
+    mapped = dict(obj)
+    for theirs, ours in field_mapping.items():
+        if theirs in mapped and ours not in mapped:
+            mapped[ours] = mapped.pop(theirs)
+    return mapped
+
+
+def _required_text(obj: dict, name: str, unknown: list[str]) -> str:
+    value = obj.get(name)
+    if value is None:
+        hint = f"; unknown field(s) present: {', '.join(unknown)}" if unknown else ""
+        raise Rejected(f"missing_field:{name}", f"required field '{name}' is absent or null{hint}")
+    if not isinstance(value, str):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
+    if not value.strip():
+        raise Rejected(f"empty_field:{name}", f"'{name}' is empty or whitespace only")
+    return value
+
+
+def _optional_text(obj: dict, name: str) -> str | None:
+    value = obj.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
+
+
+def _optional_id(obj: dict) -> str | None:
+    value = obj.get("id")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # sources often number their records: keep the id, as text
+    raise Rejected("wrong_type:id", f"'id' must be a string or an integer, got {_json_type(value)}")
+
+
+def _optional_timestamp(obj: dict, name: str) -> datetime | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value!r} is not an RFC 3339 timestamp") from None
+    if not isinstance(value, datetime):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}")
+    if value.tzinfo is None:
+        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset")
+    return value.astimezone(timezone.utc)
+
+
+def _optional_object_json(obj: dict, name: str) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an object, got {_json_type(value)}")
+    return orjson.dumps(value, default=str).decode()
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__
+    )

@@ -1,0 +1,408 @@
+"""The fast path for JSON lines: clean lines decoded in bulk, without Python work per field.
+
+``split_clean_lines`` proves most lines of a file clean and returns their records, plus the numbers
+of the lines it could not prove clean; the exact path (``landing_files``) decides those one by one,
+so a rejected line gets exactly the reason code and detail it always had. A line is proven clean,
+with the values the exact path would give it, when
+
+- msgspec decodes it into the record's types: ``prompt`` and ``response`` strings; ``system`` and
+  ``created_at`` strings or null; ``id`` a string, null, or an integer in orjson's range (beyond
+  it orjson reads a float: ``wrong_type:id``); ``meta`` and unknown fields as raw JSON;
+- ``meta``, when given and not null, is an object, and it and the unknown fields re-serialize
+  through orjson (which checks their UTF-8) into ``meta`` and ``extra`` as the exact path writes them;
+- ``prompt`` and ``response`` hold a character that ``str.strip`` keeps;
+- ``created_at`` is null, or ``YYYY-MM-DDTHH:MM:SS[.f{1,6}]`` with ``Z`` or ``±HH:MM``, naming a real
+  instant in the years 2 to 9998: the form polars and ``datetime.fromisoformat`` read alike;
+- a field mapping, if any, renames unknown fields to distinct known ones (other mappings: every
+  line takes the exact path).
+
+msgspec refuses some lines orjson reads (its nesting limit is lower); those take the exact path,
+which is correct, only slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import lru_cache
+
+import msgspec
+import orjson
+import polars as pl
+
+from pipeline_assets.lib.landing_contract import KNOWN_FIELDS, RECORD_SCHEMA
+
+_FIELD_KINDS = {
+    "prompt": str,
+    "response": str,
+    "system": str | None,
+    "id": str | int | None,
+    "created_at": str | None,
+    "meta": msgspec.Raw,
+}
+_ABSENT = msgspec.Raw()  # a raw field the line does not have: an empty buffer
+_MAX_UNKNOWN_FIELDS = 32  # per file; a line bringing more takes the exact path
+_ORJSON_INTS = (-(2**63), 2**64 - 1)  # orjson reads integers beyond these as floats
+_KEYS_IN_ORDER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# What msgspec raises for a line it refuses: DecodeError and ValidationError (ValueErrors), bad UTF-8
+# in a string (UnicodeDecodeError, a ValueError too), and RecursionError past its nesting limit.
+_REFUSED = (ValueError, RecursionError)
+
+# A character Python's str.strip() keeps: any but those str.isspace() is true for.
+_NOT_SPACE = "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(sys.maxunicode + 1)) if c.isspace()) + "]"
+_TIMESTAMP = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?"
+    r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])$"
+)
+# Within a day of the ends of datetime's years 1..9999, astimezone(utc) can overflow: exact path.
+_TIMESTAMP_RANGE = (datetime(2, 1, 1, tzinfo=timezone.utc), datetime(9998, 12, 31, tzinfo=timezone.utc))
+_PARSED_TIMESTAMP = (
+    pl.col("created_at")
+    .str.replace(r"Z$", "+00:00")
+    .str.to_datetime("%Y-%m-%dT%H:%M:%S%.f%:z", time_unit="us", time_zone="UTC", strict=False)
+    .alias("_created_at")
+)
+# Built once: building an expression with datetime literals takes about a millisecond.
+_CLEAN = (
+    pl.col("prompt").str.contains(_NOT_SPACE)
+    & pl.col("response").str.contains(_NOT_SPACE)
+    & (
+        pl.col("created_at").is_null()
+        | (pl.col("created_at").str.contains(_TIMESTAMP) & pl.col("_created_at").is_between(*_TIMESTAMP_RANGE))
+    )
+).fill_null(False)
+
+
+# The columns built from the decoded lines: created_at still text, content_hash added after.
+_DECODED_SCHEMA = {**{n: t for n, t in RECORD_SCHEMA.items() if n != "content_hash"}, "created_at": pl.String}
+
+
+@dataclass(frozen=True)
+class CleanLines:
+    records: pl.DataFrame  # RECORD_SCHEMA: the lines proven clean, in line order
+    other_lines: list[int]  # 1-based numbers of every other line, ascending
+
+
+def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] | None = None) -> CleanLines:
+    """Records of the lines proven clean, and the numbers of the lines the exact path must decide."""
+    mapping = dict(field_mapping or {})
+    if not _mapping_is_supported(mapping):
+        return CleanLines(RECORD_SCHEMA.to_frame(), list(range(1, len(lines) + 1)))
+    decoded = _decode(lines, mapping)
+    unsure: set[int] = set()  # positions in decoded.rows found unclean while building the columns
+    if mapping:
+        _apply_mapping(decoded, mapping, unsure)
+    texts = {name: [getattr(row, name) for row in decoded.rows] for name in ("prompt", "response", "system")}
+    hashes = _content_hashes(texts)  # on other threads, while this one builds the rest
+    frame = pl.DataFrame({**texts, **_columns(decoded, lines, mapping, unsure)}, schema=_DECODED_SCHEMA)
+    return _checked(frame, unsure, hashes, decoded.failed)
+
+
+def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None) -> CleanLines | None:
+    """``split_clean_lines`` for a Parquet file's rows; None when a known field's column is of a type
+    only the exact path reads (a timestamp type for ``created_at``, say): then every row takes it.
+
+    ``meta`` and unknown columns are written by orjson from the values the exact path sees."""
+    mapping = dict(field_mapping or {})
+    if not _mapping_is_supported(mapping):
+        return None
+    # Every row has every column, so a mapping applies to all rows or none: a column rename.
+    frame = frame.rename({theirs: ours for theirs, ours in mapping.items() if theirs in frame and ours not in frame})
+    known = {name: dtype for name, dtype in frame.schema.items() if name in KNOWN_FIELDS}
+    if not {"prompt", "response"} <= set(known) or not all(_is_plain(n, t) for n, t in known.items()):
+        return None
+    texts = {name: frame[name].to_list() if name in frame else [None] * frame.height for name in ("prompt", "response", "system")}
+    hashes = _content_hashes(texts)
+    unknown = [name for name in frame.columns if name not in KNOWN_FIELDS]
+    extra = None
+    if unknown:
+        values = zip(*(frame[name].to_list() for name in unknown))
+        extra = [orjson.dumps(dict(zip(unknown, row)), default=str).decode() for row in values]
+    meta = None
+    if "meta" in frame:
+        meta = [None if value is None else orjson.dumps(value, default=str).decode() for value in frame["meta"].to_list()]
+    columns = {
+        **texts,
+        "source_line": range(1, frame.height + 1),
+        "id": frame["id"].cast(pl.String) if "id" in frame else None,
+        "created_at": frame["created_at"] if "created_at" in frame else None,
+        "meta": meta,
+        "extra": extra,
+    }
+    shaped = pl.DataFrame({n: columns[n] if columns[n] is not None else [None] * frame.height for n in _DECODED_SCHEMA}, schema=_DECODED_SCHEMA)
+    return _checked(shaped, set(), hashes, [])
+
+
+def _is_plain(name: str, dtype: pl.DataType) -> bool:
+    """A known field's column the fast path reads: text (or all null), integer ids, struct meta."""
+    if name == "meta":
+        return isinstance(dtype, pl.Struct) or dtype == pl.Null
+    return dtype in (pl.String, pl.Null) or (name == "id" and dtype.is_integer())
+
+
+def _checked(frame: pl.DataFrame, unsure: set[int], hashes: list[Future], failed: list[int]) -> CleanLines:
+    """The rows that pass the vectorized checks as records; every other number for the exact path."""
+    clean = _CLEAN if not unsure else _CLEAN & ~pl.int_range(pl.len()).is_in(sorted(unsure))
+    checked = frame.with_columns(_PARSED_TIMESTAMP).with_columns(clean.alias("_clean"))
+    content_hash = pl.Series([h for part in hashes for h in part.result()], dtype=pl.String)
+    checked = checked.with_columns(content_hash=content_hash)
+    as_records = [pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in RECORD_SCHEMA]
+    if checked["_clean"].all():
+        return CleanLines(checked.select(as_records), failed)
+    records = checked.filter("_clean").select(as_records)
+    unclean = checked.filter(~pl.col("_clean"))["source_line"].to_list()
+    return CleanLines(records, sorted(failed + unclean))
+
+
+def _mapping_is_supported(mapping: dict[str, str]) -> bool:
+    """Mappings from unknown fields to distinct known ones; others are left to the exact path."""
+    distinct = len(set(mapping.values())) == len(mapping)
+    return distinct and all(theirs not in KNOWN_FIELDS and ours in KNOWN_FIELDS for theirs, ours in mapping.items())
+
+
+# --- Decoding -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Decoded:
+    rows: list  # one struct per decoded line
+    numbers: list[int]  # the 1-based line number of each row
+    failed: list[int]  # lines msgspec could not decode into the record's types
+    unknown: tuple[str, ...]  # the unknown field names the rows may hold, as attributes u0, u1, ...
+
+
+def _decode(lines: Sequence[bytes], mapping: dict[str, str]) -> _Decoded:
+    """Decode every line with a typed struct; unknown fields met on the way are added to it."""
+    unknown = tuple(mapping)  # a mapped field is read like an unknown one, then moved
+    mapped_to = frozenset(mapping.values())
+    decode = _decoder(unknown, mapped_to).decode
+    rows, failed = [], []
+    for line in lines:
+        try:
+            rows.append(decode(line))
+            continue
+        except _REFUSED:
+            pass
+        found = _new_unknown_fields(line, unknown)
+        if found:
+            unknown += found
+            decode = _decoder(unknown, mapped_to).decode
+            try:
+                rows.append(decode(line))
+                continue
+            except _REFUSED:
+                pass
+        rows.append(None)
+        failed.append(len(rows))
+    if not failed:
+        return _Decoded(rows, list(range(1, len(rows) + 1)), failed, unknown)
+    numbers = [number for number, row in enumerate(rows, start=1) if row is not None]
+    return _Decoded([row for row in rows if row is not None], numbers, failed, unknown)
+
+
+def _new_unknown_fields(line: bytes, unknown: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        keys = _KEYS_IN_ORDER.decode(line)
+    except _REFUSED:
+        return ()
+    found = tuple(key for key in keys if key not in KNOWN_FIELDS and key not in unknown)
+    return found if len(unknown) + len(found) <= _MAX_UNKNOWN_FIELDS else ()
+
+
+@lru_cache(maxsize=256)
+def _decoder(unknown: tuple[str, ...], mapped_to: frozenset[str]) -> msgspec.json.Decoder:
+    """A decoder for lines with the known fields and these unknown ones (each optional, raw).
+
+    A known field a mapping may fill is UNSET when absent, so that the mapping applies only where
+    the line lacks the field, as in the exact path (``meta``, raw, is empty when absent).
+    """
+    fields = []
+    for name, kind in _FIELD_KINDS.items():
+        if name == "meta":
+            fields.append((name, kind, _ABSENT))
+        elif name in mapped_to:
+            fields.append((name, kind | msgspec.UnsetType, msgspec.UNSET))
+        elif name in ("prompt", "response"):
+            fields.append((name, kind))
+        else:
+            fields.append((name, kind, None))
+    fields += [(f"u{i}", msgspec.Raw, _ABSENT) for i in range(len(unknown))]
+    record = msgspec.defstruct(
+        "LandingLine",
+        fields,
+        rename={f"u{i}": key for i, key in enumerate(unknown)},
+        forbid_unknown_fields=True,
+        gc=False,
+    )
+    return msgspec.json.Decoder(record)
+
+
+def _apply_mapping(decoded: _Decoded, mapping: dict[str, str], unsure: set[int]) -> None:
+    """Move each mapped field to its known name in the rows that lack that name (in place)."""
+    attrs = {theirs: f"u{decoded.unknown.index(theirs)}" for theirs in mapping}
+    for position, row in enumerate(decoded.rows):
+        for theirs, ours in mapping.items():
+            current, raw = getattr(row, ours), getattr(row, attrs[theirs])
+            if raw and (current is msgspec.UNSET or (ours == "meta" and not current)):
+                try:
+                    setattr(row, ours, msgspec.json.decode(bytes(raw), type=_FIELD_KINDS[ours]))
+                except _REFUSED:
+                    unsure.add(position)  # a wrong type: the exact path names it
+                setattr(row, attrs[theirs], _ABSENT)  # moved: no longer an unknown field
+        for ours in mapping.values():
+            if getattr(row, ours) is msgspec.UNSET:
+                if ours in ("prompt", "response"):
+                    unsure.add(position)  # missing: the exact path names it
+                setattr(row, ours, "" if ours in ("prompt", "response") else None)
+
+
+# --- Columns ------------------------------------------------------------------------------------
+
+
+class _NotClean(Exception):
+    """A value the fast path cannot vouch for: its line takes the exact path."""
+
+
+def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> dict:
+    """The record columns of the decoded rows but the texts and content_hash; rows found unclean
+    go to unsure."""
+    rows = decoded.rows
+    return {
+        "source_line": decoded.numbers,
+        "id": _id_texts([row.id for row in rows], unsure),
+        "created_at": [row.created_at for row in rows],
+        "meta": _distinct_texts([bytes(row.meta) for row in rows], _object_json, unsure),
+        "extra": _extra_texts(decoded, lines, mapping, unsure),
+    }
+
+
+def _content_hashes(texts: dict[str, list]) -> list[Future]:
+    """``landing_contract.content_hash`` of each row (inlined), in parts on as many threads as polars
+    uses: hashlib lets go of the GIL while it hashes a long text, so long documents hash side by side,
+    and beside this thread's polars work. A row without its texts (the exact path's) hashes as empty."""
+    rows = list(zip(texts["system"], texts["prompt"], texts["response"]))
+    size = -(-len(rows) // pl.thread_pool_size()) or 1
+    return [_hash_pool().submit(_hash_rows, rows[start : start + size]) for start in range(0, len(rows), size)]
+
+
+def _hash_rows(rows: list[tuple]) -> list[str]:
+    blake2b = hashlib.blake2b
+    return [
+        blake2b("\x1f".join((system or "", prompt or "", response or "")).encode(), digest_size=16).hexdigest()
+        for system, prompt, response in rows
+    ]
+
+
+@lru_cache(maxsize=1)
+def _hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=pl.thread_pool_size(), thread_name_prefix="content-hash")
+
+
+def _id_texts(ids: list, unsure: set[int]) -> list:
+    if int not in set(map(type, ids)):
+        return ids
+    texts = []
+    for position, value in enumerate(ids):
+        if type(value) is int:
+            if not _ORJSON_INTS[0] <= value <= _ORJSON_INTS[1]:
+                unsure.add(position)
+            value = str(value)
+        texts.append(value)
+    return texts
+
+
+def _distinct_texts(raws: list[bytes], to_text: Callable[[bytes], str | None], unsure: set[int]) -> list:
+    """``to_text`` of each raw value, computed once per distinct value (values repeat: annotators,
+    sessions); a value it raises ``_NotClean`` for leaves its row unsure."""
+    memo: dict[bytes, str | None] = {}
+    refused = set()
+    for raw in set(raws):
+        try:
+            memo[raw] = to_text(raw)
+        except _NotClean:
+            memo[raw] = None
+            refused.add(raw)
+    if refused:
+        unsure.update(position for position, raw in enumerate(raws) if raw in refused)
+    return [memo[raw] for raw in raws]
+
+
+def _object_json(raw: bytes) -> str | None:
+    """``meta`` as the exact path writes it: None when absent or null, else an object's JSON."""
+    if not raw or raw == b"null":
+        return None
+    value = _parsed(raw)
+    if not isinstance(value, dict):
+        raise _NotClean()
+    return _dumped(value)
+
+
+def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> list:
+    """``extra``: the unknown fields as one JSON object in the line's order, as the exact path writes it."""
+    if not decoded.unknown:
+        return [None] * len(decoded.rows)
+    attrs = [f"u{i}" for i in range(len(decoded.unknown))]
+    if len(attrs) == 1:  # the common case, one extra field a source adds: no order to keep
+        attr, key = attrs[0], decoded.unknown[0]
+        raws = [bytes(getattr(row, attr, _ABSENT)) for row in decoded.rows]
+        key_json = orjson.dumps(key).decode()
+        return _distinct_texts(raws, lambda raw: _one_field_json(key, key_json, raw), unsure)
+    texts = []
+    for position, row in enumerate(decoded.rows):
+        present = any(getattr(row, attr, _ABSENT) for attr in attrs)
+        try:
+            texts.append(_extra_in_line_order(lines[decoded.numbers[position] - 1], mapping) if present else None)
+        except _NotClean:
+            unsure.add(position)
+            texts.append(None)
+    return texts
+
+
+def _one_field_json(key: str, key_json: str, raw: bytes) -> str | None:
+    """``{key: value}`` as orjson writes it. A string with no escape and no control character is
+    written back exactly as it was read (orjson escapes only quotes, backslashes and control
+    characters), so it is copied, not parsed: session ids and the like are mostly distinct."""
+    if not raw:
+        return None
+    if raw[:1] == b'"' and b"\\" not in raw and not _CONTROL_CHARACTER.search(raw):
+        try:
+            return "{" + key_json + ":" + raw.decode() + "}"
+        except UnicodeDecodeError:
+            raise _NotClean() from None
+    return _dumped({key: _parsed(raw)})
+
+
+_CONTROL_CHARACTER = re.compile(rb"[\x00-\x1f]")
+
+
+def _extra_in_line_order(line: bytes, mapping: dict[str, str]) -> str | None:
+    try:
+        values = _KEYS_IN_ORDER.decode(line)  # a dict, like orjson's: in order, a repeated key's last value
+    except _REFUSED:
+        raise _NotClean() from None
+    for theirs, ours in mapping.items():
+        if theirs in values and ours not in values:
+            del values[theirs]
+    unknown = {key: _parsed(bytes(raw)) for key, raw in values.items() if key not in KNOWN_FIELDS}
+    return _dumped(unknown) if unknown else None
+
+
+def _parsed(raw: bytes) -> object:
+    """A raw value as orjson reads it (within its nesting limit: every value is then written, and
+    orjson writes 255 levels where it reads 1024)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise _NotClean() from None
+
+
+def _dumped(value: object) -> str:
+    try:
+        return orjson.dumps(value, default=str).decode()
+    except TypeError:  # nested deeper than orjson writes: the exact path fails the same way
+        raise _NotClean() from None
