@@ -191,13 +191,14 @@ def test_accounting_check_fails_when_the_parser_loses_a_line(instance, resources
     batch = register(instance, resources)
     assert checks_by_name(materialize_bronze(instance, resources, batch))["bronze/records:accounting"].passed
 
-    add_line = landing_files._FrameBuilder.add_line
+    decompress = landing_files._decompress
 
-    def loses_line_7(builder, number, line):
-        if number != 7:
-            add_line(builder, number, line)
+    def loses_line_7(fmt, data):  # a reader bug: one line of the decompressed stream goes missing
+        text, failure = decompress(fmt, data)
+        lines = text.split(b"\n")
+        return b"\n".join(lines[:6] + lines[7:]), failure
 
-    monkeypatch.setattr(landing_files._FrameBuilder, "add_line", loses_line_7)
+    monkeypatch.setattr(landing_files, "_decompress", loses_line_7)
     result = materialize_bronze(instance, resources, batch)
     accounting = checks_by_name(result)["bronze/records:accounting"]
     assert not accounting.passed and accounting.blocking and accounting.severity == AssetCheckSeverity.ERROR
