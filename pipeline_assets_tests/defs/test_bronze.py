@@ -133,7 +133,7 @@ def test_freshness_warns_on_old_event_times(instance, resources, landing_dir):
 def test_file_changed_after_registration_is_quarantined_not_skipped(instance, resources, landing_dir):
     path = write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(5)])
     batch = register(instance, resources)
-    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(6)])
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i, response=f"new {i}") for i in range(6)])
     result = materialize_bronze(instance, resources, batch)
     quarantine = batch_rows(resources["lake"], "quarantine", batch)
     assert quarantine["reason"].to_list() == ["unreadable_file"]
@@ -260,3 +260,16 @@ def test_a_good_copy_landed_later_releases_the_batch_a_broken_file_blocked(insta
     assert again.passed and "annotate/late.jsonl.gz" in again.description and "later batch" in again.description
     assert batch_rows(resources["lake"], "records", blocked).height == 50
     assert batch_rows(resources["lake"], "records", fixed).height == 20
+
+
+def test_an_appended_export_does_not_release_a_batch_its_bad_lines_blocked(instance, resources, landing_dir):
+    path = write_landing_file(landing_dir, "logs", "export.jsonl", [record(i) for i in range(8)] + [b"{broken"] * 2)
+    blocked = register(instance, resources)
+    assert not checks_by_name(materialize_bronze(instance, resources, blocked))["bronze/records:quarantine_rate"].passed
+    with path.open("ab") as export:
+        export.write(jsonl_bytes([record(100 + i) for i in range(5)]))
+    assert materialize_bronze(instance, resources, register(instance, resources)).success
+    again = checks_by_name(materialize_bronze(instance, resources, blocked))["bronze/records:quarantine_rate"]
+    assert not again.passed, "the file was read whole the first time: its bad lines still count there"
+    assert batch_rows(resources["lake"], "records", blocked).height == 8, "the re-run reads the registered start of the file"
+    assert sorted(batch_rows(resources["lake"], "quarantine", blocked)["reason"]) == ["invalid_json"] * 2

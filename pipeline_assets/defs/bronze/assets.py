@@ -125,8 +125,9 @@ class FileIngest:
 
 
 def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: str) -> FileIngest:
-    """Read the file version the manifest registered. A file that is gone or changed is one
-    quarantined unit; a read that fails for any other reason fails the step, to be retried."""
+    """Read the file version the manifest registered (from the start of a file that grew by appending
+    since). A file that is gone or otherwise changed is one quarantined unit; a read that fails for
+    any other reason fails the step, to be retried."""
     name = PurePosixPath(entry["uri"]).name
     try:
         data = landing.read_bytes(entry["uri"])
@@ -138,6 +139,8 @@ def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: 
             "nothing of this batch was written, and the step is retried",
         ) from exc
     checksum = sha256_hex(data)
+    if checksum != entry["checksum"] and sha256_hex(data[: entry["size"]]) == entry["checksum"]:
+        data, checksum = data[: entry["size"]], entry["checksum"]  # it grew since: the registered version is its start
     if checksum != entry["checksum"]:
         changed = rejected_file(
             "unreadable_file",

@@ -27,6 +27,7 @@ from pipeline_assets.lib.landing_health import (
     quarantine_rates,
     rows_per_mb,
     schema_drift_hints,
+    WHOLE_FILE_REASONS,
     unaccounted_files,
     unreadable_files,
 )
@@ -60,8 +61,9 @@ def bronze_quarantine_rate(
     context: AssetCheckExecutionContext, lake: LakeResource, landing: LandingResource, ingest_policy: IngestPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    superseded = _superseded_files(lake, landing, batch_id)
-    quarantine = _batch(lake, "quarantine", batch_id).filter(~pl.col("source_file").is_in(superseded))
+    quarantine = _batch(lake, "quarantine", batch_id)
+    superseded = _superseded_files(lake, landing, batch_id) & set(unreadable_files(quarantine)["source_file"])
+    quarantine = quarantine.filter(~(pl.col("source_file").is_in(superseded) & pl.col("reason").is_in(WHOLE_FILE_REASONS)))
     rates = quarantine_rates(_batch(lake, "records", batch_id).select("source"), quarantine)
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
@@ -71,7 +73,8 @@ def bronze_quarantine_rate(
     messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
     passed = over.is_empty() and unreadable.is_empty()
     if superseded:
-        messages.append(f"not judged here: {', '.join(sorted(superseded))} (a later version was registered in a later batch)")
+        messages.append(f"not read whole, but not judged here: {', '.join(sorted(superseded))} (a later version "
+                        "was registered in a later batch)")
     return AssetCheckResult(
         passed=passed,
         severity=AssetCheckSeverity.ERROR,
@@ -87,8 +90,9 @@ def bronze_quarantine_rate(
 
 
 def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: str) -> set[str]:
-    """Files of this batch that a later batch registered again: a good copy landed after a broken one
-    is judged with that batch, so the broken version no longer holds this batch back."""
+    """Files of this batch that a later batch registered again. A good copy landed after a broken one
+    is judged with that batch, so the broken version's loss no longer holds this batch back (the
+    lines it did yield are still judged here)."""
     manifest = read_manifest(lake)
     here = manifest.filter(pl.col("batch_id") == batch_id)["uri"]
     later = manifest.filter((pl.col("batch_id") > batch_id) & pl.col("uri").is_in(here.implode()))["uri"]
