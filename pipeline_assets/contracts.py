@@ -1,4 +1,4 @@
-"""Every record contract of the pipeline (pandera, polars backend), DESIGN.md §2.
+"""Every record contract of the pipeline (pandera, polars backend), as the README describes them per layer.
 
 Each layer validates its output against its contract before the Delta commit, so a frame that
 breaks a contract never becomes a table version. ``polars_schema`` gives the exact column types a

@@ -1,4 +1,4 @@
-"""Settings from the environment (DESIGN.md §3) and the resources built from them.
+"""Settings from the environment (the README's Settings table) and the resources built from them.
 
 A fresh checkout runs with no configuration: everything lives under ``./.pipeline``. Assets never
 build paths or clients themselves: they ask the lake and landing resources.

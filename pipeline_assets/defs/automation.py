@@ -1,4 +1,4 @@
-"""How downstream layers follow upstream ones without a click (DESIGN.md §1)."""
+"""How downstream layers follow upstream ones without a click (the README's asset graph)."""
 
 from dagster import AssetSelection, AutomationCondition, AutomationConditionSensorDefinition, DefaultSensorStatus
 

@@ -1,4 +1,4 @@
-"""Asset keys, exactly as DESIGN.md §1 names them."""
+"""Asset keys, exactly as the README's asset graph names them."""
 
 from dagster import AssetKey
 

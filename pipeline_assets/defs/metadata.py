@@ -1,4 +1,4 @@
-"""The metadata every Delta-writing asset records (DESIGN.md §3), built in one place."""
+"""The metadata every Delta-writing asset records, built in one place."""
 
 from __future__ import annotations
 
