@@ -87,7 +87,7 @@ def _lines(round_number: int, file_number: int) -> list[dict]:
 
 def test_two_processes_registering_a_local_landing_zone_at_once(tmp_path, landing_dir, instance):
     landing, lake = LandingResource(uri=str(landing_dir)), LakeResource(uri=str(tmp_path / "lake"))
-    rounds = 10
+    rounds = 6
 
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
@@ -103,7 +103,7 @@ def test_two_processes_registering_an_s3_landing_zone_at_once(s3_endpoint, insta
     client = boto3.client("s3")
     landing = LandingResource(uri=f"s3://{BUCKET}/landing")
     lake = LakeResource(uri=f"s3://{BUCKET}/lake")
-    rounds = 4
+    rounds = 3
 
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
