@@ -12,9 +12,9 @@ from dagster import (
     AssetRecordsFilter,
     DagsterInstance,
     MetadataValue,
+    PreviewWarning,
     asset_check,
 )
-from dagster._utils.warnings import PreviewWarning
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord
 from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result

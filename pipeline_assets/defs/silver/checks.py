@@ -3,8 +3,7 @@
 import warnings
 
 import polars as pl
-from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, asset_check
-from dagster._utils.warnings import PreviewWarning
+from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, PreviewWarning, asset_check
 
 from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject
 from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
