@@ -5,9 +5,9 @@ from collections.abc import Iterable
 import pandera.errors
 import polars as pl
 from dagster import AssetCheckResult, AssetChecksDefinition, AssetCheckSeverity, AssetKey, DagsterInstance, MetadataValue
-from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from pipeline_assets.contracts import validate
+from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.resources import LakeResource
 

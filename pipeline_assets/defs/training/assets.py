@@ -17,8 +17,8 @@ from dagster import (
     RetryPolicy,
     asset,
 )
-from dagster._core.errors import DagsterPipesExecutionError  # raised by PipesSubprocessClient, not exported
 
+from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
