@@ -10,7 +10,7 @@ from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult
 
 from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, conform, polars_schema, validate
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
-from pipeline_assets.defs.landing.registry import MANIFEST_TABLE, batch_files
+from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
@@ -47,12 +47,11 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     manifest_version = lake.version(*MANIFEST_TABLE)
-    files = batch_files(lake, batch_id, version=manifest_version)
+    manifest = lake.read(*MANIFEST_TABLE, version=manifest_version, where=pl.col("batch_id") <= batch_id)
+    files = pl.DataFrame() if manifest is None else manifest.filter(pl.col("batch_id") == batch_id).sort("uri")
     if files.is_empty():
         raise ValueError(f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})")
-
-    earlier = earlier_versions(lake.read(*MANIFEST_TABLE, version=manifest_version), batch_id)
-    files = files.join(earlier, on="uri", how="left")
+    files = files.join(earlier_versions(manifest, batch_id), on="uri", how="left")  # what an appended file grew from
     ingested_at = datetime.now(timezone.utc)
     record_parts, quarantine_parts, per_file = [], [], []
     input_bytes = 0

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 import polars as pl
 
-from pipeline_assets.contracts import LandingManifestEntry, conform, polars_schema, validate
+from pipeline_assets.contracts import LandingManifestEntry, conform, validate
 from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, pending_batches, unseen_files
 from pipeline_assets.lib.locks import Lock
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
@@ -25,14 +25,6 @@ class BatchRegistration:
 
 def read_manifest(lake: LakeResource) -> pl.DataFrame | None:
     return lake.read(*MANIFEST_TABLE)
-
-
-def batch_files(lake: LakeResource, batch_id: str, version: int | None = None) -> pl.DataFrame:
-    """The file versions registered into one batch (empty when the batch is unknown)."""
-    files = lake.read(*MANIFEST_TABLE, version=version, where=pl.col("batch_id") == batch_id)
-    if files is None:
-        return pl.DataFrame(schema=polars_schema(LandingManifestEntry))
-    return files.sort("uri")
 
 
 def register_new_batch(
