@@ -33,7 +33,7 @@ class LandingRecord(pa.DataFrameModel):
 
     @pa.check("prompt", "response", name="not_blank")
     def _not_blank(cls, data: pa.PolarsData) -> pl.LazyFrame:
-        return data.lazyframe.select(pl.col(data.key).str.strip_chars().str.len_chars() > 0)
+        return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))  # a character strip_chars keeps
 
 
 class BronzeRecord(LandingRecord):

@@ -22,10 +22,8 @@ which is correct, only slower.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,7 +33,7 @@ import msgspec
 import orjson
 import polars as pl
 
-from pipeline_assets.lib.landing_contract import KNOWN_FIELDS, RECORD_SCHEMA
+from pipeline_assets.lib.landing_contract import KNOWN_FIELDS, PARSED_SCHEMA
 
 _FIELD_KINDS = {
     "prompt": str,
@@ -63,8 +61,7 @@ _TIMESTAMP = (
 _TIMESTAMP_RANGE = (datetime(2, 1, 1, tzinfo=timezone.utc), datetime(9998, 12, 31, tzinfo=timezone.utc))
 _PARSED_TIMESTAMP = (
     pl.col("created_at")
-    .str.replace(r"Z$", "+00:00")
-    .str.to_datetime("%Y-%m-%dT%H:%M:%S%.f%:z", time_unit="us", time_zone="UTC", strict=False)
+    .str.to_datetime("%Y-%m-%dT%H:%M:%S%.f%#z", time_unit="us", time_zone="UTC", strict=False)
     .alias("_created_at")
 )
 # Built once: building an expression with datetime literals takes about a millisecond.
@@ -78,13 +75,13 @@ _CLEAN = (
 ).fill_null(False)
 
 
-# The columns built from the decoded lines: created_at still text, content_hash added after.
-_DECODED_SCHEMA = {**{n: t for n, t in RECORD_SCHEMA.items() if n != "content_hash"}, "created_at": pl.String}
+# The columns built from the decoded lines: created_at still text.
+_DECODED_SCHEMA = {**PARSED_SCHEMA, "created_at": pl.String}
 
 
 @dataclass(frozen=True)
 class CleanLines:
-    records: pl.DataFrame  # RECORD_SCHEMA: the lines proven clean, in line order
+    records: pl.DataFrame  # PARSED_SCHEMA: the lines proven clean, in line order
     other_lines: list[int]  # 1-based numbers of every other line, ascending
 
 
@@ -92,15 +89,14 @@ def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] |
     """Records of the lines proven clean, and the numbers of the lines the exact path must decide."""
     mapping = dict(field_mapping or {})
     if not _mapping_is_supported(mapping):
-        return CleanLines(RECORD_SCHEMA.to_frame(), list(range(1, len(lines) + 1)))
+        return CleanLines(PARSED_SCHEMA.to_frame(), list(range(1, len(lines) + 1)))
     decoded = _decode(lines, mapping)
     unsure: set[int] = set()  # positions in decoded.rows found unclean while building the columns
     if mapping:
         _apply_mapping(decoded, mapping, unsure)
     texts = {name: [getattr(row, name) for row in decoded.rows] for name in ("prompt", "response", "system")}
-    hashes = _content_hashes(texts)  # on other threads, while this one builds the rest
     frame = pl.DataFrame({**texts, **_columns(decoded, lines, mapping, unsure)}, schema=_DECODED_SCHEMA)
-    return _checked(frame, unsure, hashes, decoded.failed)
+    return _checked(frame, unsure, decoded.failed)
 
 
 def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None) -> CleanLines | None:
@@ -117,7 +113,6 @@ def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | Non
     if not {"prompt", "response"} <= set(known) or not all(_is_plain(n, t) for n, t in known.items()):
         return None
     texts = {name: frame[name].to_list() if name in frame else [None] * frame.height for name in ("prompt", "response", "system")}
-    hashes = _content_hashes(texts)
     unknown = [name for name in frame.columns if name not in KNOWN_FIELDS]
     extra = None
     if unknown:
@@ -135,7 +130,7 @@ def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | Non
         "extra": extra,
     }
     shaped = pl.DataFrame({n: columns[n] if columns[n] is not None else [None] * frame.height for n in _DECODED_SCHEMA}, schema=_DECODED_SCHEMA)
-    return _checked(shaped, set(), hashes, [])
+    return _checked(shaped, set(), [])
 
 
 def _is_plain(name: str, dtype: pl.DataType) -> bool:
@@ -145,13 +140,11 @@ def _is_plain(name: str, dtype: pl.DataType) -> bool:
     return dtype in (pl.String, pl.Null) or (name == "id" and dtype.is_integer())
 
 
-def _checked(frame: pl.DataFrame, unsure: set[int], hashes: list[Future], failed: list[int]) -> CleanLines:
+def _checked(frame: pl.DataFrame, unsure: set[int], failed: list[int]) -> CleanLines:
     """The rows that pass the vectorized checks as records; every other number for the exact path."""
     clean = _CLEAN if not unsure else _CLEAN & ~pl.int_range(pl.len()).is_in(sorted(unsure))
     checked = frame.with_columns(_PARSED_TIMESTAMP).with_columns(clean.alias("_clean"))
-    content_hash = pl.Series([h for part in hashes for h in part.result()], dtype=pl.String)
-    checked = checked.with_columns(content_hash=content_hash)
-    as_records = [pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in RECORD_SCHEMA]
+    as_records = [pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in PARSED_SCHEMA]
     if checked["_clean"].all():
         return CleanLines(checked.select(as_records), failed)
     records = checked.filter("_clean").select(as_records)
@@ -269,7 +262,7 @@ class _NotClean(Exception):
 
 
 def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> dict:
-    """The record columns of the decoded rows but the texts and content_hash; rows found unclean
+    """The record columns of the decoded rows but the texts; rows found unclean
     go to unsure."""
     rows = decoded.rows
     return {
@@ -279,28 +272,6 @@ def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str],
         "meta": _distinct_texts([bytes(row.meta) for row in rows], _object_json, unsure),
         "extra": _extra_texts(decoded, lines, mapping, unsure),
     }
-
-
-def _content_hashes(texts: dict[str, list]) -> list[Future]:
-    """``landing_contract.content_hash`` of each row (inlined), in parts on as many threads as polars
-    uses: hashlib lets go of the GIL while it hashes a long text, so long documents hash side by side,
-    and beside this thread's polars work. A row without its texts (the exact path's) hashes as empty."""
-    rows = list(zip(texts["system"], texts["prompt"], texts["response"]))
-    size = -(-len(rows) // pl.thread_pool_size()) or 1
-    return [_hash_pool().submit(_hash_rows, rows[start : start + size]) for start in range(0, len(rows), size)]
-
-
-def _hash_rows(rows: list[tuple]) -> list[str]:
-    blake2b = hashlib.blake2b
-    return [
-        blake2b("\x1f".join((system or "", prompt or "", response or "")).encode(), digest_size=16).hexdigest()
-        for system, prompt, response in rows
-    ]
-
-
-@lru_cache(maxsize=1)
-def _hash_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=pl.thread_pool_size(), thread_name_prefix="content-hash")
 
 
 def _id_texts(ids: list, unsure: set[int]) -> list:

@@ -21,11 +21,12 @@ import polars as pl
 import zstandard
 
 from pipeline_assets.lib.landing_contract import (
+    PARSED_SCHEMA,
     QUARANTINE_SCHEMA,
     RECORD_SCHEMA,
     Rejected,
-    content_hash,
     validate_landing_object,
+    with_content_hash,
 )
 from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
 
@@ -182,13 +183,13 @@ class _FrameBuilder:
 
     def __init__(self, field_mapping: Mapping[str, str]):
         self.field_mapping = dict(field_mapping)
-        self._columns: dict[str, list] = {name: [] for name in RECORD_SCHEMA}
+        self._columns: dict[str, list] = {name: [] for name in PARSED_SCHEMA}
         self._rejected: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA}
         self._bulk: list[pl.DataFrame] = []
         self.lines_read = 0
 
     def add_records(self, records: pl.DataFrame) -> None:
-        """Records already validated in bulk (RECORD_SCHEMA), one per line read."""
+        """Records already validated in bulk (PARSED_SCHEMA), one per line read."""
         self.lines_read += records.height
         self._bulk.append(records)
 
@@ -213,7 +214,6 @@ class _FrameBuilder:
         columns["source_line"].append(number)
         for name, value in zip(_VALUE_COLUMNS, values, strict=True):
             columns[name].append(value)
-        columns["content_hash"].append(content_hash(values[2], values[0], values[1]))
 
     def reject(self, number: int, raw: str, reason: str, detail: str) -> None:
         self.lines_read += 1
@@ -221,13 +221,13 @@ class _FrameBuilder:
             self._rejected[name].append(value)
 
     def result(self) -> FileReadResult:
-        records = pl.DataFrame(self._columns, schema=RECORD_SCHEMA)
+        records = pl.DataFrame(self._columns, schema=PARSED_SCHEMA)
         if self._bulk and records.is_empty():
             records = pl.concat(self._bulk)
         elif self._bulk:  # lines of both paths: back in line order
             records = pl.concat([*self._bulk, records]).sort("source_line")
         return FileReadResult(
-            records=records,
+            records=with_content_hash(records.lazy()).collect(),
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),
             lines_read=self.lines_read,
         )

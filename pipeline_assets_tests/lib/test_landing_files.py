@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 import zstandard
 
-from pipeline_assets.lib.landing_files import landing_format, read_landing_file
+from pipeline_assets.lib.landing_files import landing_format, read_landing_file, read_landing_file_exact
 from pipeline_assets_tests.conftest import jsonl_bytes, record
 
 GOOD = record(1, meta={"annotator": "a7"}, session="s9")
@@ -143,3 +143,14 @@ def test_running_out_of_memory_while_reading_parquet_is_not_a_bad_file(monkeypat
     monkeypatch.setattr(pl, "read_parquet", out_of_memory)
     with pytest.raises(MemoryError):
         read_landing_file("f.parquet", buffer.getvalue())
+
+
+def test_content_hash_is_blake3_of_what_the_record_says():
+    """BLAKE3-128 of system, prompt and response joined by U+001F: the same text hashes the same
+    from any file, line or path (a missing system is an empty one), and the stored values stay
+    what they are (a change of algorithm must change this test)."""
+    lines = [record(1, system=None), record(2, system=""), record(3, system="s")]
+    lines = [{**line, "prompt": "p", "response": "r"} for line in lines]
+    fast = read_landing_file("a.jsonl", jsonl_bytes(lines)).records["content_hash"].to_list()
+    exact = read_landing_file_exact("b.jsonl", jsonl_bytes(lines)).records["content_hash"].to_list()
+    assert fast == exact == ["487f2c98ea62676d85a0c6193325a788"] * 2 + ["0a1571afea35715e47acd3c81d47f84b"]

@@ -1,8 +1,11 @@
 """bronze/records and bronze/quarantine: one ingest batch of landing files, contract-checked."""
 
 
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import PurePosixPath
 
 import polars as pl
@@ -55,9 +58,9 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     ingested_at = datetime.now(timezone.utc)
     record_parts, quarantine_parts, per_file = [], [], []
     input_bytes = 0
-    for ordinal, entry in enumerate(files.iter_rows(named=True)):
-        source_file = landing.relative_name(entry["uri"])
-        ingest = _ingest_registered_file(landing, entry, source_file)
+    entries = list(files.iter_rows(named=True))
+    source_files = [landing.relative_name(entry["uri"]) for entry in entries]
+    for ordinal, (entry, source_file, ingest) in enumerate(zip(entries, source_files, _ingest_files(landing, entries, source_files))):
         input_bytes += ingest.size
         records, quarantined = with_provenance(
             ingest.result,
@@ -121,6 +124,13 @@ class FileIngest:
     size: int  # bytes read
     lines_counted: int  # units in the file by lib.unit_counts, independent of the parser
     already_ingested: int  # leading lines an earlier version of the file delivered
+
+
+def _ingest_files(landing: LandingResource, entries: list[dict], source_files: list[str]) -> Iterator[FileIngest]:
+    """Each registered file's ingest, in order. Files are read side by side: while one thread runs
+    Python, another is in polars, hashlib or I/O."""
+    with ThreadPoolExecutor(max_workers=pl.thread_pool_size(), thread_name_prefix="bronze-read") as pool:
+        yield from pool.map(partial(_ingest_registered_file, landing), entries, source_files)
 
 
 def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: str) -> FileIngest:
