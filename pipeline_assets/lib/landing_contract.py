@@ -70,7 +70,7 @@ def validate_landing_object(obj: object, field_mapping: Mapping[str, str]) -> tu
     source_id = _optional_id(obj)
     created_at = _optional_timestamp(obj, "created_at")
     meta = _optional_object_json(obj, "meta")
-    extra = orjson.dumps({key: obj[key] for key in unknown}, default=str).decode() if unknown else None
+    extra = _json_text({key: obj[key] for key in unknown}, "extra") if unknown else None
     return prompt, response, system, source_id, created_at, meta, extra
 
 
@@ -123,7 +123,10 @@ def _optional_timestamp(obj: dict, name: str) -> datetime | None:
         raise Rejected(f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}")
     if value.tzinfo is None:
         raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset")
-    return value.astimezone(timezone.utc)
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:
+        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} is outside the years 1 to 9999 in UTC") from None
 
 
 def _optional_object_json(obj: dict, name: str) -> str | None:
@@ -132,7 +135,14 @@ def _optional_object_json(obj: dict, name: str) -> str | None:
         return None
     if not isinstance(value, dict):
         raise Rejected(f"wrong_type:{name}", f"'{name}' must be an object, got {_json_type(value)}")
-    return orjson.dumps(value, default=str).decode()
+    return _json_text(value, name)
+
+
+def _json_text(value: object, name: str) -> str:
+    try:
+        return orjson.dumps(value, default=str).decode()
+    except TypeError:  # orjson writes 255 levels of nesting, where it reads 1024
+        raise Rejected(f"too_deep:{name}", f"'{name}' is nested deeper than the 255 levels a JSON text column holds") from None
 
 
 def _json_type(value: object) -> str:

@@ -5,7 +5,8 @@ read) ends up in exactly one of the two outputs, so ``lines_read == accepted + q
 
 Reason codes: ``invalid_json``, ``not_an_object``, ``invalid_utf8``, ``blank_line``,
 ``truncated_file``, ``unreadable_file``, ``unsupported_format``, and per field
-``missing_field:<f>``, ``wrong_type:<f>``, ``empty_field:<f>``, ``invalid_timestamp:<f>``.
+``missing_field:<f>``, ``wrong_type:<f>``, ``empty_field:<f>``, ``invalid_timestamp:<f>``, and
+``too_deep:meta`` / ``too_deep:extra`` for values nested deeper than orjson writes.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 
+import orjson
 import polars as pl
 import pytest
 import zstandard
@@ -154,3 +155,20 @@ def test_content_hash_is_blake3_of_what_the_record_says():
     fast = read_landing_file("a.jsonl", jsonl_bytes(lines)).records["content_hash"].to_list()
     exact = read_landing_file_exact("b.jsonl", jsonl_bytes(lines)).records["content_hash"].to_list()
     assert fast == exact == ["487f2c98ea62676d85a0c6193325a788"] * 2 + ["0a1571afea35715e47acd3c81d47f84b"]
+
+
+def test_values_past_what_bronze_can_store_are_quarantined_not_crashed():
+    """A timestamp whose offset leaves year 1..9999 in UTC, and meta or an unknown field nested
+    deeper than orjson writes, each quarantine their line; the lines around them are kept."""
+    deep = b"[" * 300 + b"]" * 300
+    lines = [
+        orjson.dumps(record(1, created_at="0001-01-01T00:30:00+01:00")),
+        b'{"prompt": "p", "response": "r", "meta": {"x": ' + deep + b"}}",
+        orjson.dumps(record(3)),
+        b'{"prompt": "p", "response": "r", "trace": ' + deep + b"}",
+    ]
+    for read in (read_landing_file, read_landing_file_exact):
+        result = read("f.jsonl", jsonl_bytes(lines))
+        assert result.records["source_line"].to_list() == [3]
+        assert result.quarantine["reason"].to_list() == ["invalid_timestamp:created_at", "too_deep:meta", "too_deep:extra"]
+        assert "outside the years 1 to 9999" in result.quarantine["detail"][0]
