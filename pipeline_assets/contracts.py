@@ -48,7 +48,7 @@ class BronzeRecord(LandingRecord):
     content_hash: str = pa.Field(str_length={"min_value": 32, "max_value": 32})
 
 
-QUARANTINE_REASON = r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file|unsupported_format|already_ingested|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
+QUARANTINE_REASON = r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file|unsupported_format|already_ingested|too_deep:(meta|extra)|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
 
 
 class QuarantineRecord(pa.DataFrameModel):
