@@ -12,7 +12,7 @@ from dagster import materialize
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
-from pipeline_assets.defs.gold.checks import gold_checks
+from pipeline_assets.defs.gold.checks import gold_checks, gold_packing_efficiency
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
@@ -114,8 +114,7 @@ def test_batches_blocked_in_silver_are_left_out(instance, resources, landing_dir
     write_landing_file(landing_dir, "logs", "bad.jsonl", [record(900 + j, response=f"ok {j}") for j in range(20)])
     blocked = register(instance, resources)
     materialize(UPSTREAM, partition_key=blocked, instance=instance, resources=resources, raise_on_error=False)
-    # 60 records of one length cannot pack to 98%; packing is not what this test is about
-    result = _gold(instance, {**resources, "gold_policy": GoldPolicy(min_packing_efficiency=0.5)})
+    result = _gold(instance, resources)
     assert result.success
     meta = _materializations(result)["gold/sequences"]
     assert meta["batches_left_out"].value == [blocked]
@@ -139,3 +138,26 @@ def test_a_snapshot_that_doubles_in_tokens_is_reported(instance, resources, land
     assert not volume.passed and "against" in volume.description and "gold-v0" in volume.description
     assert volume.metadata["change"].value > 1.0
     assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v0", "gold-v1"]
+
+
+def test_a_small_uniform_first_dataset_passes_packing_and_broken_packing_fails(instance, resources, landing_dir):
+    """300 support answers of similar length cannot fill rows to 0.98: the check judges packing by
+    what those lengths allow (first-fit of the same pieces), so the snapshot passes; the same
+    pieces one per row is broken packing and fails."""
+    answer = "Thanks for reaching out. To reset your password open settings, choose security, then reset."
+    write_landing_file(landing_dir, "support", "first.jsonl",
+                       [record(i, prompt=f"How do I reset my password, case {i}?", response=f"{answer} Ticket {i}.") for i in range(300)])
+    _ingest(instance, resources)
+    result = _gold(instance, resources)
+    packing = checks_by_name(result)["gold/sequences:packing_efficiency"]
+    assert result.success and packing.passed, packing.description
+    assert packing.metadata["packing_efficiency"].value < 0.98
+    assert packing.metadata["rows"].value <= packing.metadata["first_fit_rows"].value
+
+    lake = resources["lake"]
+    one_per_row = lake.read("gold", "sequences").explode("record_ids", "document_lengths").with_columns(
+        document_lengths=pl.concat_list("document_lengths"), record_ids=pl.concat_list("record_ids"))
+    lake.overwrite("gold", "sequences", one_per_row)
+    broken = gold_packing_efficiency(lake=lake, gold_policy=GoldPolicy())
+    assert not broken.passed and "packing is broken" in broken.description
+    assert broken.metadata["rows"].value > broken.metadata["first_fit_rows"].value

@@ -12,6 +12,8 @@ from pipeline_assets.lib.packing import (
     pack,
     packed_frame,
     plan_best_fit_decreasing,
+    first_fit_rows,
+    packing_floor,
     plan_greedy_sequential,
     shuffle_sequences,
     split_long_documents,
@@ -284,3 +286,35 @@ def test_pack_rejects_overlapping_pieces():
     )
     with pytest.raises(ValueError, match="overlap"):
         pack(overlapping, *_documents(lengths), 8)
+
+
+def _first_fit_by_definition(lengths: list[int], seq_len: int) -> int:
+    rooms: list[int] = []
+    for length in lengths:
+        fit = next((i for i, room in enumerate(rooms) if room >= length), None)
+        if fit is None:
+            rooms.append(seq_len - length)
+        else:
+            rooms[fit] -= length
+    return len(rooms)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_first_fit_rows_match_the_definition(seed):
+    rng = np.random.default_rng(seed)
+    seq_len = int(rng.integers(8, 300))
+    lengths = rng.integers(1, seq_len + 1, size=int(rng.integers(0, 400)))
+    assert first_fit_rows(lengths, seq_len) == _first_fit_by_definition(lengths.tolist(), seq_len)
+
+
+def test_packing_floor_of_uniform_short_documents():
+    """1,000 answers of about 75 tokens in rows of 512: no packing reaches 0.98, and best-fit
+    decreasing needs no more rows than first-fit; the lower bound is the tokens alone."""
+    lengths = np.random.default_rng(0).integers(70, 81, size=1000)
+    plan = plan_best_fit_decreasing(lengths, 512)
+    floor = packing_floor(plan.piece_length, 512)
+    assert floor.lower_bound_rows == -(-int(lengths.sum()) // 512)
+    assert floor.lower_bound_rows <= plan.n_sequences <= floor.first_fit_rows
+    assert plan.efficiency(512) < 0.98
+    one_per_row = packing_floor(lengths, 512)
+    assert 1000 > one_per_row.first_fit_rows  # a broken packer that puts each answer in its own row exceeds the floor
