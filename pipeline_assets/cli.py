@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--eval-sets-out", type=Path, help="where the eval sets go (default: PIPELINE_EVAL_SETS_URI)")
     sample.add_argument("--seed", type=int, default=20261121)
 
+    commands.add_parser("snapshot", help="cut a new data snapshot now, whatever its cadence says (recorded as by hand)")
+
     commands.add_parser("summary", help="rows per layer and quarantine by reason, from the lake")
 
     lineage = commands.add_parser("lineage", help="JSON: a registered model back to the landing files that fed it")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pipeline_assets").setLevel(logging.INFO)
     try:
         settings = Settings.from_env()
-        handlers = {"run": _run, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
+        handlers = {"run": _run, "snapshot": _snapshot, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
                     "promote": _promote, "rollback": _rollback, "sizer": _sizer}
         return handlers[args.command](args, settings)
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
@@ -86,6 +88,23 @@ def _run(args, settings: Settings) -> int:
         added = register_batches(defs.resources, instance)
         print(f"new ingest batches: {', '.join(added) or 'none'}")
         outcome = run_stale(defs, instance, args.select)
+    return _report(outcome, settings)
+
+
+def _snapshot(args, settings: Settings) -> int:
+    from pipeline_assets.definitions import defs
+    from pipeline_assets.headless import RunOutcome, cut_snapshot_if_due, one_headless_run, persistent_instance
+
+    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
+        instance = persistent_instance(settings.dagster_home)
+        outcome = RunOutcome()
+        cut_snapshot_if_due(defs, instance, defs.resolve_implicit_global_asset_job_def(), outcome,
+                            by_hand="requested by hand (pipeline-assets snapshot)")
+    print("`pipeline-assets run` trains it, once its blocking checks passed")
+    return _report(outcome, settings)
+
+
+def _report(outcome, settings: Settings) -> int:
     print(f"runs: {len(outcome.runs)} (in the instance at {settings.dagster_home}; `make dev` shows them)")
     print(f"checks: {outcome.checks_passed} passed, {len(outcome.warnings)} warning(s), "
           f"{len(outcome.failed_blocking_checks)} blocking failure(s)")

@@ -6,7 +6,7 @@ from pipeline_assets.defs.automation import automation_sensor
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
-from pipeline_assets.defs.gold.checks import gold_checks
+from pipeline_assets.defs.gold.sensors import snapshot_cadence, snapshot_job, snapshot_schedule
 from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
@@ -30,10 +30,10 @@ if settings.executor not in EXECUTORS:
 defs = Definitions(
     assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
             registry_model_version, pipeline_report],
-    asset_checks=[*bronze_checks, *silver_checks, *gold_checks, stage_throughput],
-    sensors=[landing_sensor, silver_in_order, automation_sensor, run_failure_recorder],
-    schedules=[nightly_retrain],
-    jobs=[ingest_job, silver_job, retrain_job],
+    asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by gold/sequences itself
+    sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder],
+    schedules=[snapshot_schedule, nightly_retrain],
+    jobs=[ingest_job, silver_job, snapshot_job, retrain_job],
     resources=build_resources(settings),
     executor=EXECUTORS[settings.executor],
 )

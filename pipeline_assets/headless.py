@@ -18,8 +18,9 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventTy
 
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
+from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.landing.registry import discover_batches
-from pipeline_assets.defs.keys import TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.lib.locks import FileLock
 
@@ -188,9 +189,11 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     selected = set(keys)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
     late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
-    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late])
+    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key != GOLD_SEQUENCES])
     if early:
         _execute(job, instance, early, outcome, partition=None)
+    if GOLD_SEQUENCES in selected:
+        cut_snapshot_if_due(defs, instance, job, outcome)
     for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
         _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     reports = stale_unpartitioned(defs, instance, late)
@@ -199,11 +202,22 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     return outcome
 
 
-def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None) -> None:
+def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outcome: RunOutcome, by_hand: str = "") -> None:
+    """gold/sequences on the snapshot_cadence sensor's rule, or at once when ``by_hand`` says why."""
+    decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction)
+    if not by_hand and not decision.due:
+        log.info("no new data snapshot: %s", decision.reason)
+        return
+    _execute(job, instance, [GOLD_SEQUENCES], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
+
+
+def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,
+             tags: dict[str, str] | None = None) -> None:
     where = (f"snapshot {partition}" if partition.startswith("gold-v") else f"batch {partition}") if partition else "all batches"
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     result = job.execute_in_process(
-        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False
+        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False,
+        tags=tags,
     )
     outcome.runs.append(result.run_id)
     if not result.success:

@@ -104,6 +104,7 @@ class Settings:
     vocab_size: int = 8192
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
+    snapshot_min_new_fraction: float = 0.10
     train_nproc: int = 2
     train_threads_per_rank: int = 1
     train_device: str = "auto"
@@ -146,6 +147,7 @@ class Settings:
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
+            snapshot_min_new_fraction=_float_env("PIPELINE_SNAPSHOT_MIN_NEW_FRACTION", 0.10),
             train_nproc=int(_float_env("PIPELINE_TRAIN_NPROC", 2)),
             train_threads_per_rank=int(_float_env("PIPELINE_TRAIN_THREADS_PER_RANK", 1)),
             train_device=_env("PIPELINE_TRAIN_DEVICE", "auto"),
@@ -394,6 +396,8 @@ class GoldPolicy(ConfigurableResource):
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
     min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
+    snapshot_min_new_fraction: float = Field(
+        default=0.10, description="cut a new snapshot when silver text changed since the last one reaches this share of it")
     psi_warn: float = 0.10
     psi_fail: float = 0.25
     volume_tolerance: float = Field(default=0.20, description="warning: tokens against the previous snapshot")
@@ -418,6 +422,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             vocab_size=settings.vocab_size,
             validation_fraction=settings.validation_fraction,
             shuffle_seed=settings.shuffle_seed,
+            snapshot_min_new_fraction=settings.snapshot_min_new_fraction,
         ),
         "launcher": TorchrunLauncher(
             checkpoint_uri=settings.checkpoint_uri,

@@ -27,7 +27,9 @@ def test_asset_keys_groups_checks_and_sensor():
     assert defs.resolve_sensor_def("landing_sensor").default_status.value == "RUNNING"
     assert defs.resolve_sensor_def("silver_in_order").default_status.value == "RUNNING"
     assert keys["silver/records"].automation_condition is None, "silver_in_order is silver's only automatic requester"
-    assert keys["gold/sequences"].automation_condition is not None
+    assert keys["gold/sequences"].automation_condition is None, "snapshot_cadence cuts snapshots, not every batch"
+    assert defs.resolve_sensor_def("snapshot_cadence").default_status.value == "RUNNING"
+    assert {"contract", "packing_efficiency"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/sequences"].key})}
     assert set(defs.resources) >= {"lake", "landing", "ingest_policy"}
 
 

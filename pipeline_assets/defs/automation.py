@@ -26,12 +26,6 @@ automation_sensor = AutomationConditionSensorDefinition(
 )
 
 
-def after_any_batch_updates() -> AutomationCondition:
-    """For an asset that reads every batch: run when any upstream partition updates, even while
-    some batch is missing or blocked (the asset itself leaves out blocked batches)."""
-    return AutomationCondition.eager().without(~AutomationCondition.any_deps_missing())
-
-
 ONCE_WHEN_MISSING = "once_when_missing"
 
 

@@ -19,12 +19,14 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
     return frame
 
 
-def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
+def contract_check_result(frame: pl.DataFrame, model, check_name: str | None = None) -> AssetCheckResult:
+    """``check_name`` names the result when an asset emits it for one of its own check specs."""
     try:
         validate(frame, model)
     except pandera.errors.SchemaErrors as errors:
         cases = errors.failure_cases
         return AssetCheckResult(
+            check_name=check_name,
             passed=False,
             metadata={
                 "rows": frame.height,
@@ -33,7 +35,7 @@ def contract_check_result(frame: pl.DataFrame, model) -> AssetCheckResult:
             },
             description=f"{model.__name__} contract broken in {len(cases)} place(s)",
         )
-    return AssetCheckResult(passed=True, metadata={"rows": frame.height, "failure_cases": 0})
+    return AssetCheckResult(check_name=check_name, passed=True, metadata={"rows": frame.height, "failure_cases": 0})
 
 
 def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, metadata_name: str) -> AssetCheckResult:

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime
 
 import polars as pl
 import pytest
-from dagster import materialize
+from dagster import AssetMaterialization, RunRequest, SkipReason, build_schedule_context, build_sensor_context, materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
-from pipeline_assets.defs.gold.checks import gold_checks, gold_packing_efficiency
+from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
+from pipeline_assets.defs.gold.checks import JudgedSnapshot, packing_result
+from pipeline_assets.defs.gold.sensors import snapshot_cadence
+from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
+from pipeline_assets.defs.ops.schedules import nightly_retrain
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.lib import gold as gold_lib
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.resources import GoldPolicy
 from pipeline_assets_tests.conftest import record, write_landing_file
@@ -32,9 +38,9 @@ def _ingest(instance, resources):
     return batch
 
 
-def _gold(instance, resources, selection=GOLD):
-    return materialize([*UPSTREAM, *GOLD, *gold_checks], selection=selection, instance=instance,
-                       resources=resources, raise_on_error=False)
+def _gold(instance, resources, selection=GOLD, tags=None):
+    return materialize([*UPSTREAM, *GOLD], selection=selection, instance=instance,
+                       resources=resources, raise_on_error=False, tags=tags)
 
 
 def _materializations(result) -> dict:
@@ -154,10 +160,60 @@ def test_a_small_uniform_first_dataset_passes_packing_and_broken_packing_fails(i
     assert packing.metadata["packing_efficiency"].value < 0.98
     assert packing.metadata["rows"].value <= packing.metadata["first_fit_rows"].value
 
-    lake = resources["lake"]
-    one_per_row = lake.read("gold", "sequences").explode("record_ids", "document_lengths").with_columns(
+    one_per_row = resources["lake"].read("gold", "sequences").explode("record_ids", "document_lengths").with_columns(
         document_lengths=pl.concat_list("document_lengths"), record_ids=pl.concat_list("record_ids"))
-    lake.overwrite("gold", "sequences", one_per_row)
-    broken = gold_packing_efficiency(lake=lake, gold_policy=GoldPolicy())
+    broken = packing_result(JudgedSnapshot.of("gold-v1", one_per_row), GoldPolicy().min_packing_efficiency)
     assert not broken.passed and "packing is broken" in broken.description
     assert broken.metadata["rows"].value > broken.metadata["first_fit_rows"].value
+
+
+def _records(first: int, count: int) -> list[dict]:
+    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    return [record(first + i, response=f"{long} Case {first + i}.") for i in range(count)]
+
+
+def test_snapshots_are_cut_on_a_cadence_and_only_checked_ones_train(instance, resources, landing_dir, monkeypatch):
+    """The first snapshot is cut once silver and the tokenizer exist; one that fails a blocking check
+    never becomes a data_snapshots partition (nothing trains it) and is not cut again for the same
+    silver; later snapshots wait until the silver changed since the last cut reaches 10% of the last
+    accepted one, and say why they were cut. The nightly retrain skips a snapshot already trained."""
+    policy = resources["gold_policy"]
+    write_landing_file(landing_dir, "logs", "a.jsonl", _records(0, 100))
+    _ingest(instance, resources)
+    assert _gold(instance, resources, selection=[gold_tokenizer]).success
+    decision = snapshot_decision(instance, policy.snapshot_min_new_fraction)
+    assert decision.due and decision.reason.startswith("first snapshot")
+
+    real_planner = gold_lib.plan_best_fit_decreasing
+    monkeypatch.setattr(gold_lib, "plan_best_fit_decreasing", lambda lengths, seq_len: real_planner(lengths, seq_len // 4))
+    broken = _gold(instance, resources, selection=[gold_sequences])
+    packing = checks_by_name(broken)["gold/sequences:packing_efficiency"]
+    assert not packing.passed and "packing is broken" in packing.description
+    assert packing.metadata["data_snapshot"].value == "gold-v0"
+    assert instance.get_dynamic_partitions(data_snapshots.name) == []
+    assert not snapshot_decision(instance, policy.snapshot_min_new_fraction).due, "the same silver is not cut again"
+
+    monkeypatch.setattr(gold_lib, "plan_best_fit_decreasing", real_planner)
+    good = _gold(instance, resources, selection=[gold_sequences], tags={SNAPSHOT_REASON_TAG: "by hand"})
+    assert good.success, [(c.check_name, c.description) for c in good.get_asset_check_evaluations()]
+    assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v1"]
+    nightly = nightly_retrain(build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 11, 25, 2)))
+    assert nightly.partition_key == "gold-v1"
+    instance.report_runless_asset_event(AssetMaterialization(TRAINING_CHECKPOINT, partition="gold-v1"))
+    skipped = nightly_retrain(build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 11, 26, 2)))
+    assert isinstance(skipped, SkipReason) and "already trained" in skipped.skip_message
+
+    write_landing_file(landing_dir, "logs", "b.jsonl", _records(1000, 5))
+    _ingest(instance, resources)
+    tick = snapshot_cadence(build_sensor_context(instance=instance, resources={"gold_policy": policy}))
+    assert isinstance(tick, SkipReason) and "cut at 10%" in tick.skip_message and "gold-v1" in tick.skip_message
+
+    write_landing_file(landing_dir, "logs", "c.jsonl", _records(2000, 20))
+    _ingest(instance, resources)
+    request = snapshot_cadence(build_sensor_context(instance=instance, resources={"gold_policy": policy}))
+    assert isinstance(request, RunRequest), "5 + 20 new records reach 10% of the 100 in gold-v1"
+    cut = _gold(instance, resources, selection=[gold_sequences], tags=request.tags)
+    meta = _materializations(cut)["gold/sequences"]
+    assert meta["snapshot_reason"].value == request.tags[SNAPSHOT_REASON_TAG] and "2 batch(es)" in meta["snapshot_reason"].value
+    assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v1", "gold-v2"]
+    assert checks_by_name(cut)["gold/sequences:token_volume"].metadata["compared_with"].value == "gold-v1"

@@ -17,7 +17,6 @@ from mlflow import MlflowClient
 
 from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
-from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
@@ -44,7 +43,7 @@ def _train_evaluate_register(instance, resources, partition: str, steps: int):
 
 
 def _new_snapshot(instance, resources) -> str:
-    built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences, *gold_checks], selection=[gold_sequences],
+    built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences], selection=[gold_sequences],
                         instance=instance, resources=resources)
     assert built.success
     return instance.get_dynamic_partitions(data_snapshots.name)[-1]

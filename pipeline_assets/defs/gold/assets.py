@@ -8,11 +8,13 @@ import polars as pl
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
-from pipeline_assets.defs.automation import after_any_batch_updates, once_when_missing
+from pipeline_assets.defs.automation import once_when_missing
+from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG
+from pipeline_assets.defs.gold.checks import GOLD_CHECK_SPECS, JudgedSnapshot, blocking_failures, judge_snapshot
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
-from pipeline_assets.defs.partitions import data_snapshots, snapshot_key
+from pipeline_assets.defs.partitions import data_snapshots, snapshot_key, snapshot_version
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences, in_snapshot_order, token_statistics
@@ -113,10 +115,12 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     group_name="gold",
     deps=[SILVER_RECORDS, GOLD_TOKENIZER],
     kinds=_KINDS,
-    automation_condition=after_any_batch_updates(),
+    check_specs=GOLD_CHECK_SPECS,
     retry_policy=TRANSIENT,
     description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation split. "
-    "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin.",
+    "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin; it becomes a "
+    "data_snapshots partition only once its blocking checks pass. Cut on a cadence (the snapshot_cadence "
+    "sensor), on the snapshot schedule, or by hand.",
 )
 def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
     stopwatch = Stopwatch()
@@ -138,10 +142,17 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         encoded, seq_len=gold_policy.seq_len, seed=gold_policy.shuffle_seed, pad_id=tokenizer.token_to_id(PAD)
     )
     sequences = validate(conform(sequences, GoldSequence), GoldSequence)
+    previous = _previous_accepted_snapshot(context.instance, lake)
     commit = lake.overwrite("gold", "sequences", sequences)
     snapshot = snapshot_key(commit.version)
-    context.instance.add_dynamic_partitions(data_snapshots.name, [snapshot])
-    context.log.info(f"data snapshot {snapshot}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
+    checks = judge_snapshot(sequences, snapshot, previous, gold_policy)
+    failed = blocking_failures(checks)
+    if failed:
+        context.log.error(f"{snapshot} is not a data snapshot: {'; '.join(r.description for r in failed)}; nothing trains on it")
+    else:
+        context.instance.add_dynamic_partitions(data_snapshots.name, [snapshot])
+    reason = context.run.tags.get(SNAPSHOT_REASON_TAG, "requested by hand")
+    context.log.info(f"data snapshot {snapshot} ({reason}): {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
 
     stats = token_statistics(encoded)
     return MaterializeResult(
@@ -152,6 +163,8 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
                 input_bytes=int(silver.estimated_size()), stopwatch=stopwatch,
             ),
             "data_snapshot": snapshot,
+            "snapshot_accepted": not failed,
+            "snapshot_reason": reason,
             "tokenizer_version": tokenizer_version,
             "batches_left_out": MetadataValue.json(blocked),
             "packing_efficiency": round(packing["efficiency"], 5),
@@ -163,5 +176,15 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "tokens_by_source": table_metadata(stats["by_source"]),
             "tokens_per_record": MetadataValue.json(stats["per_record_quantiles"]),
             "validation_share_by_source": table_metadata(split_shares(records)),
-        }
+        },
+        check_results=checks,
     )
+
+
+def _previous_accepted_snapshot(instance, lake: LakeResource) -> JudgedSnapshot | None:
+    """The newest snapshot that passed its blocking checks: what drift and volume compare with."""
+    accepted = instance.get_dynamic_partitions(data_snapshots.name)
+    if not accepted:
+        return None
+    key = max(accepted, key=snapshot_version)
+    return JudgedSnapshot.of(key, lake.scan("gold", "sequences", snapshot_version(key)))

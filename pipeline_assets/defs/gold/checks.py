@@ -1,103 +1,122 @@
-"""Asset checks on the latest gold snapshot: contract and packing block; drift and volume report."""
+"""Gold's checks, judged by gold/sequences itself on the snapshot it just wrote, so each result
+belongs to that snapshot. Contract and packing block: a snapshot that fails one never becomes a
+``data_snapshots`` partition, so nothing trains it. Token-length drift and token volume, against the
+previous accepted snapshot, report."""
 
+from dataclasses import dataclass
+
+import numpy as np
 import polars as pl
-from dagster import AssetCheckResult, AssetCheckSeverity, asset_check
+from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec
 
 from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
-from pipeline_assets.defs.gold.assets import read_snapshot
 from pipeline_assets.defs.keys import GOLD_SEQUENCES
-from pipeline_assets.defs.partitions import snapshot_key
 from pipeline_assets.lib.drift import psi_numeric
-from pipeline_assets.lib.packing import PackingFloor, packing_floor
-from pipeline_assets.resources import GoldPolicy, LakeResource
+from pipeline_assets.lib.packing import packing_floor
+from pipeline_assets.resources import GoldPolicy
+
+GOLD_CHECK_SPECS = [
+    AssetCheckSpec("contract", asset=GOLD_SEQUENCES, blocking=True,
+                   description="The snapshot satisfies the GoldSequence contract."),
+    AssetCheckSpec("packing_efficiency", asset=GOLD_SEQUENCES, blocking=True,
+                   description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
+                   "required share of real tokens, or needs no more rows than first-fit of the same pieces (per split)."),
+    AssetCheckSpec("token_length_drift", asset=GOLD_SEQUENCES,
+                   description="PSI of document token lengths against the previous accepted snapshot."),
+    AssetCheckSpec("token_volume", asset=GOLD_SEQUENCES,
+                   description="Real tokens are within tolerance of the previous accepted snapshot's."),
+]
 
 
-def _columns(lake: LakeResource, version: int | None, *columns: str | pl.Expr) -> pl.DataFrame:
-    """Only what a check needs from a snapshot: its token-id lists are most of its bytes."""
-    scan = lake.scan("gold", "sequences", version)
-    if scan is None:
-        raise ValueError("gold/sequences does not exist yet: materialize it first")
-    return scan.select(*columns).collect()
+@dataclass(frozen=True)
+class JudgedSnapshot:
+    """What the checks read of a snapshot: its token-id lists, most of its bytes, are not needed."""
+
+    key: str
+    document_lengths: np.ndarray  # every piece's length, row after row
+    split_lengths: dict[str, np.ndarray]  # the same, per split: each split is packed on its own
+    rows: int
+    seq_len: int
+
+    @classmethod
+    def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame) -> "JudgedSnapshot":
+        pieces = sequences.lazy().select("split", "document_lengths").explode("document_lengths").drop_nulls().collect()
+        shape = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect()
+        rows, seq_len = shape.row(0)
+        splits = {split: part["document_lengths"].to_numpy() for (split,), part in pieces.group_by("split")}
+        return cls(key, pieces["document_lengths"].to_numpy(), splits, int(rows), int(seq_len or 0))
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.document_lengths.sum())
 
 
-def _real_and_total(lake: LakeResource, version: int | None = None) -> tuple[int, int]:
-    totals = _columns(lake, version, pl.col("real_tokens").sum(), pl.len(), pl.col("input_ids").list.len().max())
-    real, rows, seq_len = totals.row(0)
-    return int(real or 0), int(rows) * int(seq_len or 0)
+def judge_snapshot(sequences: pl.DataFrame, key: str, previous: JudgedSnapshot | None,
+                   policy: GoldPolicy) -> list[AssetCheckResult]:
+    """Every gold check's result for the snapshot ``key`` (``sequences``), each naming it."""
+    snapshot = JudgedSnapshot.of(key, sequences)
+    results = [
+        contract_check_result(sequences, GoldSequence, check_name="contract"),
+        packing_result(snapshot, policy.min_packing_efficiency),
+        _first_snapshot("token_length_drift") if previous is None else _drift_result(snapshot, previous, policy),
+        _first_snapshot("token_volume") if previous is None else _volume_result(snapshot, previous, policy),
+    ]
+    return [_naming(result, key) for result in results]
 
 
-def _against_previous(lake: LakeResource, judge) -> AssetCheckResult:
-    """``judge(previous_version)``, or a pass when this is the first snapshot."""
-    current = lake.version("gold", "sequences")
-    if not current:
-        return AssetCheckResult(passed=True, description="first snapshot: nothing to compare with")
-    return judge(current - 1)
+def blocking_failures(results: list[AssetCheckResult]) -> list[AssetCheckResult]:
+    blocking = {spec.name for spec in GOLD_CHECK_SPECS if spec.blocking}
+    return [r for r in results if r.check_name in blocking and not r.passed and r.severity == AssetCheckSeverity.ERROR]
 
 
-@asset_check(asset=GOLD_SEQUENCES, name="contract", blocking=True, description="The snapshot satisfies the GoldSequence contract.")
-def gold_contract(lake: LakeResource) -> AssetCheckResult:
-    return contract_check_result(read_snapshot(lake), GoldSequence)
-
-
-@asset_check(asset=GOLD_SEQUENCES, name="packing_efficiency", blocking=True,
-             description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
-             "required share of real tokens, or needs no more rows than first-fit of the same pieces.")
-def gold_packing_efficiency(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    pieces = _columns(lake, None, pl.col("document_lengths").explode(), pl.col("input_ids").list.len().max().alias("seq_len"))
-    lengths, seq_len = pieces["document_lengths"].drop_nulls().to_numpy(), int(pieces["seq_len"].max() or 0)
-    rows = _columns(lake, None, pl.len()).item()
-    efficiency = float(lengths.sum()) / (rows * seq_len) if rows and seq_len else 0.0
-    floor = packing_floor(lengths, seq_len) if seq_len else PackingFloor(0, 0)
-    limit = gold_policy.min_packing_efficiency
-    passed = efficiency >= limit or rows <= floor.first_fit_rows
-    verdict = (f"at least {limit}" if efficiency >= limit
-               else f"below {limit}, but {rows} rows where first-fit needs {floor.first_fit_rows} and the tokens alone "
-               f"fill {floor.lower_bound_rows}: {'what these lengths allow' if passed else 'packing is broken'}")
+def packing_result(snapshot: JudgedSnapshot, minimum: float) -> AssetCheckResult:
+    rows, seq_len = snapshot.rows, snapshot.seq_len
+    efficiency = snapshot.real_tokens / (rows * seq_len) if rows and seq_len else 0.0
+    floors = [packing_floor(lengths, seq_len) for lengths in snapshot.split_lengths.values()] if seq_len else []
+    first_fit, lower_bound = sum(f.first_fit_rows for f in floors), sum(f.lower_bound_rows for f in floors)
+    passed = efficiency >= minimum or rows <= first_fit
+    verdict = (f"at least {minimum}" if efficiency >= minimum
+               else f"below {minimum}, but {rows} rows where first-fit needs {first_fit} and the tokens alone fill "
+               f"{lower_bound}: {'what these lengths allow' if passed else 'packing is broken'}")
     return AssetCheckResult(
+        check_name="packing_efficiency",
         passed=passed,
         description=f"packing efficiency {efficiency:.4f} ({verdict})",
-        metadata={"packing_efficiency": round(efficiency, 5), "rows": rows, "first_fit_rows": floor.first_fit_rows,
-                  "lower_bound_rows": floor.lower_bound_rows, "minimum": limit},
+        metadata={"packing_efficiency": round(efficiency, 5), "rows": rows, "first_fit_rows": first_fit,
+                  "lower_bound_rows": lower_bound, "minimum": minimum},
     )
 
 
-@asset_check(asset=GOLD_SEQUENCES, name="token_length_drift",
-             description="PSI of document token lengths against the previous snapshot.")
-def gold_token_length_drift(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    def judge(previous: int) -> AssetCheckResult:
-        before, now = (
-            _columns(lake, version, pl.col("document_lengths").explode())["document_lengths"].to_numpy()
-            for version in (previous, previous + 1)
-        )
-        psi = psi_numeric(before, now)
-        return AssetCheckResult(
-            passed=psi < gold_policy.psi_warn,
-            severity=AssetCheckSeverity.ERROR if psi >= gold_policy.psi_fail else AssetCheckSeverity.WARN,
-            description=f"document token lengths PSI {psi:.3f} against {snapshot_key(previous)} "
-            f"(warn at {gold_policy.psi_warn}, fail at {gold_policy.psi_fail})",
-            metadata={"psi": round(psi, 4), "compared_with": snapshot_key(previous)},
-        )
-
-    return _against_previous(lake, judge)
+def _drift_result(snapshot: JudgedSnapshot, previous: JudgedSnapshot, policy: GoldPolicy) -> AssetCheckResult:
+    psi = psi_numeric(previous.document_lengths, snapshot.document_lengths)
+    return AssetCheckResult(
+        check_name="token_length_drift",
+        passed=psi < policy.psi_warn,
+        severity=AssetCheckSeverity.ERROR if psi >= policy.psi_fail else AssetCheckSeverity.WARN,
+        description=f"document token lengths PSI {psi:.3f} against {previous.key} "
+        f"(warn at {policy.psi_warn}, fail at {policy.psi_fail})",
+        metadata={"psi": round(psi, 4), "compared_with": previous.key},
+    )
 
 
-@asset_check(asset=GOLD_SEQUENCES, name="token_volume",
-             description="Real tokens are within tolerance of the previous snapshot's.")
-def gold_token_volume(lake: LakeResource, gold_policy: GoldPolicy) -> AssetCheckResult:
-    def judge(previous: int) -> AssetCheckResult:
-        (before, _), (now, _) = (_real_and_total(lake, version) for version in (previous, previous + 1))
-        change = (now - before) / before if before else float("inf")
-        tolerance = gold_policy.volume_tolerance
-        return AssetCheckResult(
-            passed=abs(change) <= tolerance,
-            severity=AssetCheckSeverity.WARN,
-            description=f"{now:,} real tokens against {before:,} in {snapshot_key(previous)} "
-            f"({change:+.0%}, tolerance ±{tolerance:.0%})",
-            metadata={"real_tokens": now, "previous_real_tokens": before, "change": round(change, 4)},
-        )
-
-    return _against_previous(lake, judge)
+def _volume_result(snapshot: JudgedSnapshot, previous: JudgedSnapshot, policy: GoldPolicy) -> AssetCheckResult:
+    before, now = previous.real_tokens, snapshot.real_tokens
+    change = (now - before) / before if before else float("inf")
+    return AssetCheckResult(
+        check_name="token_volume",
+        passed=abs(change) <= policy.volume_tolerance,
+        severity=AssetCheckSeverity.WARN,
+        description=f"{now:,} real tokens against {before:,} in {previous.key} "
+        f"({change:+.0%}, tolerance ±{policy.volume_tolerance:.0%})",
+        metadata={"real_tokens": now, "previous_real_tokens": before, "change": round(change, 4),
+                  "compared_with": previous.key},
+    )
 
 
-gold_checks = [gold_contract, gold_packing_efficiency, gold_token_length_drift, gold_token_volume]
+def _first_snapshot(check_name: str) -> AssetCheckResult:
+    return AssetCheckResult(check_name=check_name, passed=True, description="first snapshot: nothing to compare with")
+
+
+def _naming(result: AssetCheckResult, key: str) -> AssetCheckResult:
+    return result.with_metadata({**result.metadata, "data_snapshot": key})

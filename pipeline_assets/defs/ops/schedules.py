@@ -34,14 +34,19 @@ retrain_job = define_asset_job(
     cron_schedule="0 2 * * *",
     execution_timezone="UTC",
     default_status=DefaultScheduleStatus.STOPPED,  # a retrain costs GPU hours: turned on deliberately
-    description="Every night at 02:00 UTC, retrain the newest data snapshot: the registry's gate decides "
-    "whether the result replaces the champion.",
+    description="Every night at 02:00 UTC, train the newest data snapshot (only snapshots whose blocking checks "
+    "passed exist) unless it is already trained; the registry's gate decides whether the result replaces the champion.",
 )
 def nightly_retrain(context: ScheduleEvaluationContext):
     snapshots = context.instance.get_dynamic_partitions(data_snapshots.name)
     if not snapshots:
         return SkipReason("no data snapshot yet: gold/sequences has never been materialized")
     newest = max(snapshots, key=snapshot_version)
+    if newest in context.instance.get_materialized_partitions(TRAINING_CHECKPOINT):
+        reason = (f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings would "
+                  "train the same model; a new snapshot (cut on its cadence) is what a retrain needs")
+        context.log.info(reason)
+        return SkipReason(reason)
     night = context.scheduled_execution_time.strftime("%Y-%m-%d")
     return RunRequest(run_key=f"{newest}-{night}", partition_key=newest, tags={"pipeline/trigger": "nightly_retrain"})
 

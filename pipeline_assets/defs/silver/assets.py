@@ -72,6 +72,7 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "bronze_rows": bronze.height,
         "input_chars": text_chars(bronze),
         "silver_rows": kept.height,
+        "output_chars": text_chars(kept),  # what the snapshot cadence weighs
         "rejected_rows": rejects.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),

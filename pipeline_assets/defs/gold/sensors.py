@@ -1,0 +1,56 @@
+"""When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand."""
+
+from dagster import (
+    AssetSelection,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    RunRequest,
+    ScheduleEvaluationContext,
+    SensorEvaluationContext,
+    SkipReason,
+    define_asset_job,
+    schedule,
+    sensor,
+)
+
+from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
+from pipeline_assets.defs.keys import GOLD_SEQUENCES
+from pipeline_assets.resources import GoldPolicy
+
+snapshot_job = define_asset_job(
+    "cut_snapshot",
+    selection=AssetSelection.assets(GOLD_SEQUENCES),
+    description="Cut a data snapshot from every usable silver batch (gold/sequences and its checks).",
+)
+
+
+@sensor(
+    name="snapshot_cadence",
+    target=snapshot_job,
+    minimum_interval_seconds=30,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Cuts the first snapshot once silver and the tokenizer exist, then a new one whenever the silver "
+    "text changed since the last cut reaches PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+)
+def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
+    decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction)
+    if not decision.due:
+        return SkipReason(decision.reason)
+    context.log.info(decision.reason)
+    return RunRequest(run_key=f"snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
+
+
+@schedule(
+    job=snapshot_job,
+    cron_schedule="0 1 * * *",
+    execution_timezone="UTC",
+    default_status=DefaultScheduleStatus.STOPPED,
+    description="Every night at 01:00 UTC, a snapshot of whatever silver changed since the last one, however "
+    "little (turn it on for a fixed cadence; the sensor's share rule keeps running beside it).",
+)
+def snapshot_schedule(context: ScheduleEvaluationContext):
+    decision = snapshot_decision(context.instance, min_new_fraction=0.0)
+    if not decision.due:
+        return SkipReason(decision.reason)
+    night = context.scheduled_execution_time.strftime("%Y-%m-%d")
+    return RunRequest(run_key=f"snapshot-schedule-{night}", tags={SNAPSHOT_REASON_TAG: f"schedule: {decision.reason}"})
