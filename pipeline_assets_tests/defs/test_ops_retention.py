@@ -13,7 +13,7 @@ from dagster import DefaultScheduleStatus
 
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
 from pipeline_assets.lineage import model_lineage
-from pipeline_assets.resources import LakeResource, MlflowResource, RetentionPolicy, TorchrunLauncher
+from pipeline_assets.resources import LakeResource, MlflowResource, RetentionPolicy, Settings, TorchrunLauncher
 from pipeline_assets_tests.conftest import BUCKET
 
 MODEL = "sft-model"
@@ -118,3 +118,9 @@ def test_on_s3_published_staging_goes_and_the_lake_is_vacuumed(tmp_path, s3_endp
     assert store.exists("final/COMPLETE.json"), "the registered snapshot's export stays"
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/")["Contents"]]
     assert sorted(keys) == ["checkpoints/gold-v0/final/COMPLETE.json", "checkpoints/gold-v0/final/shard.distcp"]
+
+
+def test_a_negative_retention_window_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PIPELINE_RETENTION_DAYS", "-1")
+    with pytest.raises(ValueError, match="PIPELINE_RETENTION_DAYS=-1 must be zero or more"):
+        Settings.from_env()
