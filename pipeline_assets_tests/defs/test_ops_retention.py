@@ -3,7 +3,6 @@ it deletes what nothing registered needs, and lineage of a registered version st
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import boto3
