@@ -9,6 +9,7 @@ from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.sensors import snapshot_cadence, snapshot_job, snapshot_schedule
 from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
+from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
@@ -32,8 +33,8 @@ defs = Definitions(
             registry_model_version, pipeline_report],
     asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by gold/sequences itself
     sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder],
-    schedules=[snapshot_schedule, nightly_retrain],
-    jobs=[ingest_job, silver_job, snapshot_job, retrain_job],
+    schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
+    jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job],
     resources=build_resources(settings),
     executor=EXECUTORS[settings.executor],
 )

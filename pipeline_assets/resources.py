@@ -30,6 +30,7 @@ from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.quality import QualityThresholds
+from pipeline_assets.lib.retention import Removed
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import PRESETS, TrainConfig
@@ -49,6 +50,13 @@ def _float_env(name: str, default: float) -> float:
         return float(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _non_negative_env(name: str, default: float) -> float:
+    value = _float_env(name, default)
+    if value < 0:
+        raise ValueError(f"{name}={value:g} must be zero or more")
+    return value
 
 
 def _json_env(name: str) -> dict:
@@ -83,6 +91,7 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
 
 
 _PRICES = Prices()  # the default prices, one place
+_RETENTION_DAYS = 7.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class Settings:
     executor: str = "in_process"
     retry_delay_seconds: float = 10.0
     s3_max_attempts: int = 6  # AWS_MAX_ATTEMPTS: tries of one S3 request, the first included
+    retention_days: float = _RETENTION_DAYS
 
     def prices(self) -> Prices:
         return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
@@ -165,6 +175,7 @@ class Settings:
             executor=_env("PIPELINE_EXECUTOR", "in_process"),
             retry_delay_seconds=_float_env("PIPELINE_RETRY_DELAY_SECONDS", 10.0),
             s3_max_attempts=int(_float_env("AWS_MAX_ATTEMPTS", 6)),
+            retention_days=_non_negative_env("PIPELINE_RETENTION_DAYS", _RETENTION_DAYS),
         )
 
 
@@ -207,10 +218,7 @@ class LakeResource(ConfigurableResource):
         lock_uri = uris.join(self.uri, layer, f"_{name}.lock")
         if not uris.is_s3(lock_uri):
             return FileLock(lock_uri, timeout=self.lock_timeout_seconds)
-        import boto3  # only S3 lakes need it
-
-        client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
-        return S3Lease(client, lock_uri, timeout=self.lock_timeout_seconds, ttl_seconds=self.lease_seconds)
+        return S3Lease(self._s3_client(), lock_uri, timeout=self.lock_timeout_seconds, ttl_seconds=self.lease_seconds)
 
     def table(self, layer: str, name: str, version: int | None = None) -> DeltaTable | None:
         try:
@@ -249,6 +257,59 @@ class LakeResource(ConfigurableResource):
     def overwrite(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
         """A new version holding only ``frame``; earlier versions stay readable by time travel."""
         return self._write(layer, name, frame, mode="overwrite")
+
+    def tables(self) -> list[tuple[str, str]]:
+        """Every Delta table of the lake, as (layer, name)."""
+        if not uris.is_s3(self.uri):
+            return sorted((log.parent.parent.name, log.parent.name) for log in Path(self.uri).glob("*/*/_delta_log"))
+        bucket, prefix = uris.split_s3(self.uri)
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        pages = self._s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        found = set()
+        for page in pages:
+            for item in page.get("Contents", []):
+                parts = item["Key"][len(prefix):].split("/")
+                if len(parts) > 3 and parts[2] == "_delta_log":
+                    found.add((parts[0], parts[1]))
+        return sorted(found)
+
+    def vacuum(self, layer: str, name: str, retention_hours: float, keep_versions: list[int]) -> Removed:
+        """Delete the files no version newer than ``retention_hours`` and none of ``keep_versions``
+        reads. Delta's vacuum picks them; they are deleted here, so that the table gains no version
+        (a ``gold-v<N>`` snapshot stays the table's newest version until the next one is cut)."""
+        table = self.table(layer, name)
+        if table is None:
+            return Removed()
+        doomed = table.vacuum(retention_hours=int(retention_hours), dry_run=True, enforce_retention_duration=False,
+                              keep_versions=keep_versions)
+        table_uri = self.table_uri(layer, name)
+        paths = [path if path.startswith(("/", uris.S3_PREFIX)) else uris.join(table_uri, path) for path in doomed]
+        return self._delete_files(paths)
+
+    def _delete_files(self, paths: list[str]) -> Removed:
+        """Delete these files; a file already gone counts for nothing."""
+        removed = Removed()
+        for path in paths:
+            if not uris.is_s3(path):
+                local = Path(path)
+                if local.is_file():
+                    removed += Removed(1, local.stat().st_size)
+                    local.unlink()
+                continue
+            bucket, key = uris.split_s3(path)
+            client = self._s3_client()
+            try:
+                size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+            except ClientError:
+                continue  # already gone
+            client.delete_object(Bucket=bucket, Key=key)
+            removed += Removed(1, size)
+        return removed
+
+    def _s3_client(self):
+        import boto3  # only S3 lakes need it
+
+        return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
 
     def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
@@ -444,6 +505,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             model_name=settings.model_name, promotion_margin=settings.promotion_margin,
             slice_tolerance=settings.slice_tolerance,
         ),
+        "retention_policy": RetentionPolicy(days=settings.retention_days),
     }
 
 
@@ -548,6 +610,10 @@ class TorchrunLauncher(ConfigurableResource):
     def store(self, partition: str, root: str | None = None) -> CheckpointStore:
         return CheckpointStore(root or self.checkpoint_uri, partition, self.scratch())
 
+    def partitions(self) -> list[str]:
+        """The folders directly under the checkpoint root: one per trained snapshot."""
+        return self.store("").folders()
+
 
 def _trainer_default(name: str):
     """The trainer's own default: one source for a by-hand run and for the Dagster resource."""
@@ -594,6 +660,12 @@ class RegistryPolicy(ConfigurableResource):
     model_name: str = "sft-model"
     promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
     slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
+
+
+class RetentionPolicy(ConfigurableResource):
+    """How long the retention job keeps what nothing registered needs."""
+
+    days: float = Field(default=_RETENTION_DAYS, ge=0, description="old Delta files, checkpoints: kept this many days")
 
 
 CHAMPION_HISTORY_TAG = "champion_history"
@@ -663,6 +735,16 @@ class MlflowResource(ConfigurableResource):
         version = client.create_model_version(model_name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
                                               tags={k: str(v) for k, v in tags.items()})
         return str(version.version)
+
+    def all_registered_versions(self) -> list:
+        """Every version of every registered model on this tracking server."""
+        client, found, token = self.client(), [], None
+        while True:
+            page = client.search_model_versions(page_token=token)
+            found += list(page)
+            token = page.token
+            if not token:
+                return found
 
     def version_by_alias(self, model_name: str, alias: str):
         from mlflow.exceptions import MlflowException

@@ -57,7 +57,11 @@ class CheckpointStore:
 
     def local_folder(self, name: str) -> Path:
         """Where the files of folder ``name`` are written (and, on S3, staged before upload)."""
-        return (self.scratch / "staging" / name) if self.is_s3 else Path(self.uri) / name
+        return self.staging_folder(name) if self.is_s3 else Path(self.uri) / name
+
+    def staging_folder(self, name: str) -> Path:
+        """S3 only: the local folder where ``name`` is staged before upload."""
+        return self.scratch / "staging" / name
 
     # --- writing --------------------------------------------------------------------------------
     def prepare(self, name: str) -> Path:
@@ -134,6 +138,7 @@ class CheckpointStore:
             (Path(self.uri) / relative).unlink(missing_ok=True)
 
     def delete(self, name: str) -> None:
+        """Delete folder ``name`` (the whole partition when empty)."""
         if not self.is_s3:
             shutil.rmtree(Path(self.uri) / name, ignore_errors=True)
             return
@@ -141,6 +146,36 @@ class CheckpointStore:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/"):
             for item in page.get("Contents", []):
                 self.client.delete_object(Bucket=bucket, Key=item["Key"])
+
+    def usage(self, name: str = "") -> tuple[int, int, float]:
+        """Files, bytes and the newest modification (epoch seconds) under folder ``name`` (the whole
+        partition when empty); (0, 0, 0.0) when there is nothing."""
+        objects = list(self._objects(name))
+        return len(objects), sum(size for size, _ in objects), max((mtime for _, mtime in objects), default=0.0)
+
+    def remove(self, name: str = "") -> tuple[int, int]:
+        """Delete folder ``name`` (the whole partition when empty); the files and bytes it held."""
+        files, size, _ = self.usage(name)
+        self.delete(name)
+        return files, size
+
+    def _objects(self, name: str):
+        """(bytes, modified epoch seconds) of every file under folder ``name``."""
+        if not self.is_s3:
+            root = Path(self.uri) / name if name else Path(self.uri)
+            for path in root.rglob("*") if root.is_dir() else []:
+                if path.is_file():
+                    stat = path.stat()
+                    yield stat.st_size, stat.st_mtime
+            return
+        bucket, key = uris.split_s3(uris.join(self.uri, name))
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/"):
+            for item in page.get("Contents", []):
+                yield item["Size"], item["LastModified"].timestamp()
+
+    def folders(self) -> list[str]:
+        """Names of the folders directly under this store (``step-N``, ``final``, ``search``)."""
+        return self._folders()
 
     # --- small JSON files -----------------------------------------------------------------------
     def write_json(self, relative: str, value: dict) -> None:
