@@ -15,6 +15,7 @@ import math
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, counted_targets, flops_per_token, loss_sum_and_count
 from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
 from pipeline_assets.lib.charts import loss_curve_png
+from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.storage import CheckpointStore, describe_files
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code, metadata = Trainer(config, env, reporter).run()
     except Exception as exc:
-        log.error(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}", exc_info=True)
+        log.error(redact(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         if reporter:
             reporter.finish({}, succeeded=False)
         return 1
