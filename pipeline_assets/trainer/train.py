@@ -199,9 +199,8 @@ class Trainer:
         return {
             "model": model_state,
             "optimizer": optimizer_state,
-            # JSON strings: DCP stores them whole, where it would flatten nested lists and dicts
-            "scheduler": json.dumps(self.scheduler.state_dict()),
-            "progress": json.dumps(dataclasses.asdict(self.progress)),
+            "scheduler": self.scheduler.state_dict(),  # not tensors: the checkpoint's JSON part
+            "progress": dataclasses.asdict(self.progress),
             f"rng/rank{self.env.rank}": torch.get_rng_state(),
         }
 
@@ -222,8 +221,8 @@ class Trainer:
             self._info(f"no checkpoint under {self.store.uri}: starting from step 0")
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(json.loads(state["scheduler"]))
-        self.progress = Progress(**json.loads(state["progress"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.progress = Progress(**state["progress"])
         torch.set_rng_state(state[f"rng/rank{self.env.rank}"])
         self._info(f"resumed from {self.store.folder_uri(f'step-{step}')}: step {step}, "
                    f"{self.progress.position} sequences consumed")
