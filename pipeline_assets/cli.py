@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline_assets.lib.sample_corpus import SAMPLE_RECORDS
+from pipeline_assets.lib.uris import redact
 from pipeline_assets.resources import Settings
 
 
@@ -70,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
                     "promote": _promote, "rollback": _rollback, "sizer": _sizer}
         return handlers[args.command](args, settings)
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
-        print(f"pipeline-assets {args.command}: error: {exc}", file=sys.stderr)
+        print(f"pipeline-assets {args.command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except Exception as exc:
         if type(exc).__name__ != "MlflowException":  # imported lazily: most commands never load mlflow
             raise
-        print(f"pipeline-assets {args.command}: MLflow: {exc.message}", file=sys.stderr)
+        print(f"pipeline-assets {args.command}: MLflow: {redact(exc.message)}", file=sys.stderr)
         return 2
 
 

@@ -24,17 +24,21 @@ from pipeline_assets.resources import Settings, build_resources
 # One process per run by default: on one machine a process per step costs seconds of imports each and
 # gains little (training runs in torchrun's own processes). A cluster picks its executor.
 EXECUTORS = {"in_process": in_process_executor, "multiprocess": multiprocess_executor}
-settings = Settings.from_env()
-if settings.executor not in EXECUTORS:
-    raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
 
-defs = Definitions(
-    assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
-            registry_model_version, pipeline_report],
-    asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by gold/sequences itself
-    sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder],
-    schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
-    jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job],
-    resources=build_resources(settings),
-    executor=EXECUTORS[settings.executor],
-)
+
+def build_definitions(settings: Settings) -> Definitions:
+    if settings.executor not in EXECUTORS:
+        raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
+    return Definitions(
+        assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint,
+                evaluation_report, registry_model_version, pipeline_report],
+        asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by gold/sequences itself
+        sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder],
+        schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
+        jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job],
+        resources=build_resources(settings),
+        executor=EXECUTORS[settings.executor],
+    )
+
+
+defs = build_definitions(Settings.from_env())

@@ -6,17 +6,20 @@ build paths or clients themselves: they ask the lake and landing resources.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
-from dagster import ConfigurableResource, PipesSubprocessClient
+from dagster import ConfigurableResource, EnvVar, PipesSubprocessClient
 from botocore.exceptions import ClientError
 from dagster_aws.s3 import S3Resource
 from deltalake import DeltaTable, write_deltalake
@@ -40,6 +43,18 @@ from pipeline_assets.trainer.storage import CheckpointStore, local_scratch
 def _env(name: str, default: str) -> str:
     value = os.environ.get(name, "").strip()
     return value or default
+
+
+def _through_env(name: str, value: str) -> str:
+    """``value`` as a resource's config: ``EnvVar(name)`` when it came from that variable, so Dagster
+    shows the name, never the value (a URI with a password), in the UI, run config and events."""
+    return EnvVar(name) if os.environ.get(name, "").strip() == value else value
+
+
+def _resolved(value: str) -> str:
+    """A config value as the resource sees it: Dagster resolves an ``EnvVar`` when it runs the resource;
+    a resource used outside a run (the CLI) reads the variable itself."""
+    return (value.get_value() or "").strip() if isinstance(value, EnvVar) else value
 
 
 def _float_env(name: str, default: float) -> float:
@@ -494,7 +509,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "training_policy": TrainingPolicy(preset=settings.train_preset, steps=settings.train_steps),
         "mlflow_tracking": MlflowResource(
-            tracking_uri=settings.mlflow_tracking_uri, artifact_root=settings.mlflow_artifact_root,
+            tracking_uri=_through_env("MLFLOW_TRACKING_URI", settings.mlflow_tracking_uri),
+            artifact_root=settings.mlflow_artifact_root,
             experiment=settings.mlflow_experiment, ui_url=settings.mlflow_ui_url,
         ),
         "pipes_subprocess_client": PipesSubprocessClient(),
@@ -688,18 +704,67 @@ class HparamSearchPolicy(ConfigurableResource):
     nproc_per_node: int = Field(default=1, description="ranks per trial: trials are short, one rank each")
 
 
+@contextmanager
+def redacted_errors():
+    """Re-raise an error with every URI password in its message redacted (MLflow's errors show the
+    tracking URI as configured); the original, which holds it, is not chained."""
+    try:
+        yield
+    except Exception as exc:
+        if uris.redact(str(exc)) == str(exc):
+            raise
+        raise _redacted_copy(exc) from None
+
+
+def _redacted_copy(exc: Exception) -> Exception:
+    """The same error (type, MLflow's error code) with its message redacted, or a RuntimeError saying it."""
+    redacted = copy.copy(exc)
+    redacted.args = tuple(uris.redact(arg) if isinstance(arg, str) else arg for arg in exc.args)
+    if isinstance(getattr(exc, "message", None), str):
+        redacted.message = uris.redact(exc.message)
+    if uris.redact(str(redacted)) != str(redacted):
+        return RuntimeError(f"{type(exc).__name__}: {uris.redact(str(exc))}")
+    return redacted.with_traceback(None)
+
+
+class _RedactedClient:
+    """An ``MlflowClient`` whose errors never show the tracking URI's password."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        found = getattr(self._client, name)
+        if not callable(found):
+            return found
+
+        @functools.wraps(found)
+        def call(*args, **kwargs):
+            with redacted_errors():
+                return found(*args, **kwargs)
+
+        return call
+
+
 class MlflowResource(ConfigurableResource):
     """Experiment tracking and the model registry (SQLite by default)."""
 
-    tracking_uri: str
+    tracking_uri: str = Field(description="MLFLOW_TRACKING_URI; given as an EnvVar, so a password in it is never shown")
     artifact_root: str = Field(description="where run artifacts go: a local path or s3://bucket/prefix")
     experiment: str = "pipeline_assets"
     ui_url: str = Field(default="http://127.0.0.1:5000", description="where `make dev` serves the MLflow UI")
 
+    def resolved_tracking_uri(self) -> str:
+        """The URI to connect with (it may hold a password: pass it on, never show it)."""
+        return _resolved(self.tracking_uri)
+
+    def shown_tracking_uri(self) -> str:
+        return uris.redact(self.resolved_tracking_uri())
+
     def client(self):
         from mlflow import MlflowClient
 
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        return _RedactedClient(MlflowClient(tracking_uri=self.resolved_tracking_uri()))
 
     def experiment_id(self) -> str:
         client = self.client()
@@ -721,7 +786,7 @@ class MlflowResource(ConfigurableResource):
         return client.create_run(experiment_id, run_name=name, tags={**tags, **reuse_key}).info.run_id
 
     def run_url(self, run_id: str) -> str:
-        return f"{self.ui_url.rstrip('/')}/#/experiments/{self.experiment_id()}/runs/{run_id}"
+        return uris.redact(f"{self.ui_url.rstrip('/')}/#/experiments/{self.experiment_id()}/runs/{run_id}")
 
     # --- the model registry: aliases only (stages are deprecated) ---------------------------------
     def registered_version(self, model_name: str, run_id: str, artifact_path: str, tags: dict[str, str]) -> str:
@@ -781,5 +846,6 @@ class MlflowResource(ConfigurableResource):
         import mlflow.artifacts
 
         found = self.client().get_model_version(model_name, version)
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=found.source, dst_path=str(destination),
-                                                        tracking_uri=self.tracking_uri))
+        with redacted_errors():
+            return Path(mlflow.artifacts.download_artifacts(artifact_uri=found.source, dst_path=str(destination),
+                                                            tracking_uri=self.resolved_tracking_uri()))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import polars as pl
 from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
 
+from pipeline_assets.lib.uris import redact
 from pipeline_assets.resources import DeltaCommit
 
 
@@ -42,7 +43,7 @@ def delta_write_metadata(
     wall = max(stopwatch.wall(), 1e-9)
     return {
         "delta_version": commit.version,
-        "dagster/uri": MetadataValue.path(commit.uri),
+        "dagster/uri": MetadataValue.path(redact(commit.uri)),
         "dagster/row_count": commit.rows,
         "dagster/column_schema": column_schema(schema),
         "upstream_delta_versions": MetadataValue.json(upstream_versions),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 S3_PREFIX = "s3://"
@@ -18,6 +19,21 @@ _DELTA_S3_ENV = (
     "AWS_ALLOW_HTTP",
     "AWS_S3_ALLOW_UNSAFE_RENAME",
 )
+
+
+# ``scheme://user:password@`` anywhere in a text; the password ends at the last ``@`` before the host.
+_USERINFO_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^/?#\s]*@")
+# query parameters that carry a secret, e.g. ``?password=...`` or a presigned URL's signature
+_SECRET_QUERY = re.compile(r"(?P<head>[?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey|sig|signature|"
+                           r"x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&;#\s]*", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URI in it (``postgresql://user:secret@host/db``) and any
+    secret query parameter replaced by ``***``: the one way a URI, a log line or an error is shown."""
+    text = _USERINFO_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}@", text)
+    return _SECRET_QUERY.sub(lambda m: f"{m['head']}{REDACTED}", text)
 
 
 def is_s3(uri: str) -> bool:

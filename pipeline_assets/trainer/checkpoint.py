@@ -2,18 +2,23 @@
 last K and the best, and load the newest checkpoint that verifies.
 
 Every rank writes its own shard files; once all are written, rank 0 publishes the manifest.
+Only tensors go through ``torch.distributed.checkpoint`` (which would pickle anything else); the rest
+of the state (positions, schedules, optimizer settings) is JSON, one file a rank. A checkpoint is
+loaded only once every file matches the manifest's checksums.
 An asynchronous save returns once the state is copied off the training tensors; the write and
 the publication finish in the background and are awaited before the next save or the exit.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -24,6 +29,36 @@ log = logging.getLogger("pipeline_assets.trainer")
 
 def step_folder(step: int) -> str:
     return f"step-{step}"
+
+
+def plain_state_file(rank: int) -> str:
+    return f"__{rank}_state.json"
+
+
+def split_state(state: dict) -> tuple[dict, dict]:
+    """``state`` as (its tensors, everything else), each keeping the nesting of dicts."""
+    tensors, plain = {}, {}
+    for key, value in state.items():
+        if isinstance(value, dict) and value:
+            inner_tensors, inner_plain = split_state(value)
+            if inner_tensors:
+                tensors[key] = inner_tensors
+            if inner_plain:
+                plain[key] = inner_plain
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            plain[key] = value
+    return tensors, plain
+
+
+def merge_plain(state: dict, plain: dict) -> None:
+    """Put the JSON part of a checkpoint back into ``state`` (whose tensors DCP has filled)."""
+    for key, value in plain.items():
+        if isinstance(value, dict) and isinstance(state.get(key), dict) and value:
+            merge_plain(state[key], value)
+        else:
+            state[key] = value
 
 
 @dataclass
@@ -53,11 +88,13 @@ class Checkpointer:
         dist.barrier(group=self.group)
         path = self.store.local_folder(folder)
         self.saved_step = step
+        tensors, plain = split_state(state)
+        (path / plain_state_file(self.rank)).write_text(json.dumps(plain, sort_keys=True))
         if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
+            future = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self.group)
             self._pending = _Pending(step, future, extra)
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+            dcp.save(tensors, checkpoint_id=str(path), process_group=self.group)
             self._pending = _Pending(step, None, extra)
             self.finish()
         return time.perf_counter() - started
@@ -71,7 +108,7 @@ class Checkpointer:
             pending.future.result()
         folder = step_folder(pending.step)
         local = self.store.local_folder(folder)
-        mine = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp"))
+        mine = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp")) + [plain_state_file(self.rank)]
         if self.rank == 0:
             dist.barrier(group=self.group)  # every other rank has checksummed and uploaded its files
             mine.append(".metadata")
@@ -96,7 +133,8 @@ class Checkpointer:
 
     def load_newest(self, state: dict) -> int | None:
         """Load the newest checkpoint that verifies into ``state``; a partial or corrupt one is skipped
-        with a warning. Returns its step, or None when there is none to resume from."""
+        with a warning before anything of it is read (DCP's ``.metadata`` is a pickle). Returns its
+        step, or None when there is none to resume from."""
         steps = [self.store.complete_steps() if self.rank == 0 else None]
         dist.broadcast_object_list(steps, src=0, group=self.group)
         for step in steps[0]:
@@ -108,7 +146,9 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning(f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: {problems[0]}")
                 continue
-            dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
+            tensors, _ = split_state(state)
+            dcp.load(tensors, checkpoint_id=str(folder), process_group=self.group)
+            merge_plain(state, json.loads((folder / plain_state_file(self.rank)).read_text()))
             self.saved_step = step
             return step
         return None

@@ -119,7 +119,7 @@ class CheckpointStore:
             if not path.exists():
                 return None, f"{file} is missing"
             if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
-                return None, f"{file} does not match its checksum"
+                return None, f"{file} does not match its checksum in {MANIFEST}: refused, nothing of it is loaded"
         return folder, ""
 
     def clear(self) -> None:

@@ -15,6 +15,7 @@ import math
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, counted_targets, flops_per_token, loss_sum_and_count
 from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
 from pipeline_assets.lib.charts import loss_curve_png
+from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.storage import CheckpointStore, describe_files
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code, metadata = Trainer(config, env, reporter).run()
     except Exception as exc:
-        log.error(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}", exc_info=True)
+        log.error(redact(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         if reporter:
             reporter.finish({}, succeeded=False)
         return 1
@@ -197,9 +199,8 @@ class Trainer:
         return {
             "model": model_state,
             "optimizer": optimizer_state,
-            # JSON strings: DCP stores them whole, where it would flatten nested lists and dicts
-            "scheduler": json.dumps(self.scheduler.state_dict()),
-            "progress": json.dumps(dataclasses.asdict(self.progress)),
+            "scheduler": self.scheduler.state_dict(),  # not tensors: the checkpoint's JSON part
+            "progress": dataclasses.asdict(self.progress),
             f"rng/rank{self.env.rank}": torch.get_rng_state(),
         }
 
@@ -220,8 +221,8 @@ class Trainer:
             self._info(f"no checkpoint under {self.store.uri}: starting from step 0")
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(json.loads(state["scheduler"]))
-        self.progress = Progress(**json.loads(state["progress"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.progress = Progress(**state["progress"])
         torch.set_rng_state(state[f"rng/rank{self.env.rank}"])
         self._info(f"resumed from {self.store.folder_uri(f'step-{step}')}: step {step}, "
                    f"{self.progress.position} sequences consumed")

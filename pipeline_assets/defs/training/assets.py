@@ -23,7 +23,7 @@ from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_C
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.provenance import git_commit
-from pipeline_assets.lib.uris import join
+from pipeline_assets.lib.uris import join, redact
 from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
 from pipeline_assets.trainer.storage import OWNER, CheckpointStore
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, TrainConfig
@@ -92,13 +92,13 @@ def training_checkpoint(
         reuse_key={"dagster_run_id": context.run_id, "partition": partition},
     )
     command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], config.nproc_per_node)
-    context.log.info(f"launching (rerun by hand with the same arguments to debug): {shlex.join(command)}")
-    env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.tracking_uri}
+    context.log.info(f"launching (rerun by hand with the same arguments to debug): {redact(shlex.join(command))}")
+    env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     started, children_cpu = time.perf_counter(), _children_cpu_seconds()
     try:
         invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
     except DagsterPipesExecutionError as exc:
-        raise Failure(description=_failure_reason(str(exc), train_config)) from exc
+        raise Failure(description=redact(_failure_reason(str(exc), train_config))) from None
     reported = invocation.get_materialize_result().metadata or {}
     wall = time.perf_counter() - started
     export, problem = store.fetch_verified("final")
@@ -113,7 +113,7 @@ def training_checkpoint(
             "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
             "upstream_delta_versions": MetadataValue.json(versions),
             "git_commit": commit,
-            "command": MetadataValue.text(shlex.join(command)),
+            "command": MetadataValue.text(redact(shlex.join(command))),
             "preset": train_config.preset,
             "hyperparameters_from_search": MetadataValue.json(searched or {}),
             "wall_seconds": round(wall, 2),
