@@ -231,14 +231,20 @@ class LakeResource(ConfigurableResource):
             return None
         return (scan if where is None else scan.filter(where)).collect()
 
-    def replace_partition(self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str) -> DeltaCommit:
-        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere)."""
+    def replace_partition(
+        self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str, add_columns: bool = False
+    ) -> DeltaCommit:
+        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
+
+        ``add_columns``: columns the table lacks are added (null in its older rows), for a table
+        written before its contract gained a nullable column."""
         if not set(value) <= _PARTITION_VALUE_CHARS:
             raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
         if frame.height and frame[column].unique().to_list() != [value]:
             raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
         return self._write(
-            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'"
+            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'",
+            **({"schema_mode": "merge"} if add_columns else {}),
         )
 
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
