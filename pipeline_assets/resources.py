@@ -26,6 +26,7 @@ from pydantic import Field
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
+from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
@@ -49,6 +50,13 @@ def _float_env(name: str, default: float) -> float:
         return float(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = _env(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+    return value
 
 
 def _json_env(name: str) -> dict:
@@ -102,6 +110,7 @@ class Settings:
     tokenizer_path: str = ""
     seq_len: int = 512
     vocab_size: int = 8192
+    long_records: str = DEFAULT_LONG_RECORDS
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
     train_nproc: int = 2
@@ -144,6 +153,7 @@ class Settings:
             tokenizer_path=_env("PIPELINE_TOKENIZER", ""),
             seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
+            long_records=_choice_env("PIPELINE_LONG_RECORDS", DEFAULT_LONG_RECORDS, LONG_RECORD_MODES),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
             train_nproc=int(_float_env("PIPELINE_TRAIN_NPROC", 2)),
@@ -397,6 +407,10 @@ class GoldPolicy(ConfigurableResource):
     tokenizer_path: str = Field(default="", description="a tokenizer.json to use; empty: train byte-level BPE on silver")
     vocab_size: int = 8192
     seq_len: int = 512
+    long_records: str = Field(
+        default=DEFAULT_LONG_RECORDS,
+        description="a record longer than seq_len: truncate its response, or drop it; either way it keeps its prompt",
+    )
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
     min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
@@ -421,6 +435,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "gold_policy": GoldPolicy(
             tokenizer_path=settings.tokenizer_path,
             seq_len=settings.seq_len,
+            long_records=settings.long_records,
             vocab_size=settings.vocab_size,
             validation_fraction=settings.validation_fraction,
             shuffle_seed=settings.shuffle_seed,
