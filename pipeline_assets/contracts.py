@@ -127,6 +127,9 @@ class MinhashIndexEntry(pa.DataFrameModel):
     batch_id: str
     exact_hash: str = pa.Field(**HASH_128)
     signature: pl.Binary = pa.Field(description="MinHash signature: num_perm little-endian uint32")
+    response_signature: pl.Binary = pa.Field(
+        nullable=True, description="MinHash signature of the response alone; null in entries written before it was stored"
+    )
     band_keys: Annotated[pl.List, pl.Int64()] = pa.Field(description="one LSH key per band")
     lsh_params: str
 

@@ -29,6 +29,7 @@ from pydantic import Field
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
+from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
@@ -71,6 +72,13 @@ def _non_negative_env(name: str, default: float) -> float:
     value = _float_env(name, default)
     if value < 0:
         raise ValueError(f"{name}={value:g} must be zero or more")
+    return value
+
+
+def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = _env(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
     return value
 
 
@@ -126,6 +134,7 @@ class Settings:
     tokenizer_path: str = ""
     seq_len: int = 512
     vocab_size: int = 8192
+    long_records: str = DEFAULT_LONG_RECORDS
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
     snapshot_min_new_fraction: float = 0.10
@@ -170,6 +179,7 @@ class Settings:
             tokenizer_path=_env("PIPELINE_TOKENIZER", ""),
             seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
+            long_records=_choice_env("PIPELINE_LONG_RECORDS", DEFAULT_LONG_RECORDS, LONG_RECORD_MODES),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
             snapshot_min_new_fraction=_float_env("PIPELINE_SNAPSHOT_MIN_NEW_FRACTION", 0.10),
@@ -256,14 +266,20 @@ class LakeResource(ConfigurableResource):
             return None
         return (scan if where is None else scan.filter(where)).collect()
 
-    def replace_partition(self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str) -> DeltaCommit:
-        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere)."""
+    def replace_partition(
+        self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str, add_columns: bool = False
+    ) -> DeltaCommit:
+        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
+
+        ``add_columns``: columns the table lacks are added (null in its older rows), for a table
+        written before its contract gained a nullable column."""
         if not set(value) <= _PARTITION_VALUE_CHARS:
             raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
         if frame.height and frame[column].unique().to_list() != [value]:
             raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
         return self._write(
-            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'"
+            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'",
+            **({"schema_mode": "merge"} if add_columns else {}),
         )
 
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
@@ -469,6 +485,10 @@ class GoldPolicy(ConfigurableResource):
     tokenizer_path: str = Field(default="", description="a tokenizer.json to use; empty: train byte-level BPE on silver")
     vocab_size: int = 8192
     seq_len: int = 512
+    long_records: str = Field(
+        default=DEFAULT_LONG_RECORDS,
+        description="a record longer than seq_len: truncate its response, or drop it; either way it keeps its prompt",
+    )
     validation_fraction: float = 0.02
     shuffle_seed: int = 20261121
     min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
@@ -495,6 +515,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "gold_policy": GoldPolicy(
             tokenizer_path=settings.tokenizer_path,
             seq_len=settings.seq_len,
+            long_records=settings.long_records,
             vocab_size=settings.vocab_size,
             validation_fraction=settings.validation_fraction,
             shuffle_seed=settings.shuffle_seed,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from pipeline_assets.definitions import defs
 
@@ -47,6 +48,18 @@ def test_resources_follow_settings(monkeypatch, tmp_path):
     built = build_resources(settings)
     assert built["lake"].uri == "s3://bucket/lake"
     assert built["landing"].mapping_for("logs") == {"completion": "response"}
+
+
+def test_long_records_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch, tmp_path):
+    from pipeline_assets.resources import Settings, build_resources
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    assert build_resources(Settings.from_env())["gold_policy"].long_records == "truncate"
+    monkeypatch.setenv("PIPELINE_LONG_RECORDS", "drop")
+    assert build_resources(Settings.from_env())["gold_policy"].long_records == "drop"
+    monkeypatch.setenv("PIPELINE_LONG_RECORDS", "split")
+    with pytest.raises(ValueError, match="PIPELINE_LONG_RECORDS='split' is not one of 'truncate', 'drop'"):
+        Settings.from_env()
 
 
 def test_dagster_definitions_validate(tmp_path):

@@ -7,6 +7,10 @@ after later ones (it was blocked) yields to the copies they kept. The other batc
 contribute hashes (exact hashes, MinHash signatures and LSH band keys from
 ``silver/minhash_index``), looked up with polars joins, so memory grows with the batch and with
 the matches, not with the history.
+
+A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
+the LSH over prompt + response, and are verified on both texts' signatures, so different answers
+to one long shared prompt (retrieval contexts, several completions of one prompt) all survive.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ HISTORY_SCHEMA = pl.Schema(
         "batch_id": pl.String,
         "exact_hash": pl.String,
         "signature": pl.Binary,
+        "response_signature": pl.Binary,  # null in entries written before responses were signed
         "band_keys": pl.List(pl.Int64),
         "lsh_params": pl.String,
     }
@@ -148,11 +153,17 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     """
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     sigs = signatures(batch.select(DEDUP_TEXT).to_series().to_list(), config)
+    response_sigs = signatures(batch["response"].to_list(), config)
     keys = band_keys(sigs, params)
     matched = _history_matches(history, keys, params, config)
-    matched_sigs = _signature_matrix(matched, config)
+    matched_sigs = _signature_matrix(matched["signature"], config)
     all_sigs = np.vstack([sigs, matched_sigs])
-    pairs = _verified_pairs(all_sigs, np.vstack([keys, band_keys(matched_sigs, params)]), batch.height, config.threshold)
+    all_responses = _ResponseSignatures(
+        np.vstack([response_sigs, _signature_matrix(matched["response_signature"], config)]),
+        np.concatenate([np.ones(batch.height, dtype=bool), matched["response_signature"].is_not_null().to_numpy()]),
+    )
+    all_keys = np.vstack([keys, band_keys(matched_sigs, params)])
+    pairs = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
     node_ids = batch["record_id"].to_list() + matched["record_id"].to_list()
     node_batches = batch["batch_id"].to_list() + matched["batch_id"].to_list()
     yields = [1] * batch.height + [0] * matched.height  # this batch's copies yield to records others kept
@@ -164,6 +175,7 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     judged = batch.with_columns(
         cluster_id=pl.Series(cluster_ids, dtype=pl.String),
         jaccard=pl.Series(similarity, dtype=pl.Float64),
+        response_jaccard=pl.Series(all_responses.jaccard(np.arange(batch.height), survivor_of), dtype=pl.Float64, nan_to_null=True),
         duplicate_of=pl.Series([None if s == i else node_ids[s] for i, s in enumerate(survivor_of)], dtype=pl.String),
         duplicate_of_batch=pl.Series([node_batches[s] for s in survivor_of], dtype=pl.String),
     )
@@ -171,11 +183,11 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
         stage=pl.lit("near_dup"),
         evidence=pl.struct(
             duplicate_of="duplicate_of", duplicate_of_batch="duplicate_of_batch", jaccard=pl.col("jaccard").round(4),
-            cluster_id="cluster_id",
+            response_jaccard=pl.col("response_jaccard").round(4), cluster_id="cluster_id",
         ).struct.json_encode(),
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
-    index = _index_rows(batch, sigs, keys, params.label(config))
+    index = _index_rows(batch, sigs, response_sigs, keys, params.label(config))
     counters = {
         "rows_in": batch.height,
         "kept": kept.height,
@@ -196,7 +208,8 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
 
 def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:
     """Other batches' records sharing at least one band key with this batch, with their signatures."""
-    empty = pl.DataFrame(schema={"record_id": pl.String, "batch_id": pl.String, "signature": pl.Binary})
+    columns = ["record_id", "batch_id", "signature", "response_signature"]
+    empty = pl.DataFrame(schema={name: HISTORY_SCHEMA[name] for name in columns})
     if history is None:
         return empty
     wanted = pl.DataFrame(
@@ -221,21 +234,38 @@ def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: Lsh
     )
     if matched_ids.is_empty():
         return empty
+    if "response_signature" not in history.collect_schema():
+        history = history.with_columns(response_signature=pl.lit(None, dtype=pl.Binary))
     return (
         history.filter(pl.col("record_id").is_in(matched_ids["record_id"].implode()))
-        .select("record_id", "batch_id", "signature")
+        .select(columns)
         .sort("batch_id", "record_id")
         .collect()
     )
 
 
-def _signature_matrix(frame: pl.DataFrame, config: MinHashConfig) -> np.ndarray:
-    """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix."""
-    return np.frombuffer(b"".join(frame["signature"].to_list()), dtype="<u4").reshape(-1, config.num_perm)
+def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
+    """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix; a null (a
+    signature never stored) becomes a row of zeros."""
+    padded = b"".join(value or bytes(4 * config.num_perm) for value in stored.to_list())
+    return np.frombuffer(padded, dtype="<u4").reshape(-1, config.num_perm)
 
 
-def _verified_pairs(sigs: np.ndarray, keys: np.ndarray, n_new: int, threshold: float) -> list[tuple[int, int]]:
-    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the threshold.
+@dataclass(frozen=True)
+class _ResponseSignatures:
+    sigs: np.ndarray
+    known: np.ndarray  # False for index entries written before responses were signed
+
+    def jaccard(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """Estimated response Jaccard of paired nodes; NaN where either signature is unknown."""
+        return np.where(self.known[left] & self.known[right], jaccard(self.sigs[left], self.sigs[right]), np.nan)
+
+
+def _verified_pairs(
+    sigs: np.ndarray, responses: _ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
+) -> list[tuple[int, int]]:
+    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the threshold
+    on prompt + response and on the response alone (where both responses were signed).
 
     Nodes 0..n_new-1 are this batch's rows, the rest the matched records of other batches.
     """
@@ -255,7 +285,8 @@ def _verified_pairs(sigs: np.ndarray, keys: np.ndarray, n_new: int, threshold: f
     if candidates.is_empty():
         return []
     left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
-    keep = jaccard(sigs[left], sigs[right]) >= threshold
+    response_similarity = responses.jaccard(left, right)
+    keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (np.isnan(response_similarity) | (response_similarity >= threshold))
     return list(zip(left[keep].tolist(), right[keep].tolist(), strict=True))
 
 
@@ -277,13 +308,14 @@ def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: l
     return [root(node) for node in range(n_nodes)]
 
 
-def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:
+def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:
     return pl.DataFrame(
         {
             "record_id": batch["record_id"],
             "batch_id": batch["batch_id"],
             "exact_hash": batch["exact_hash"],
             "signature": [row.astype("<u4").tobytes() for row in sigs],
+            "response_signature": [row.astype("<u4").tobytes() for row in response_sigs],
             "band_keys": keys.tolist(),
             "lsh_params": label,
         },

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import polars as pl
 
@@ -9,6 +11,46 @@ from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_be
 from pipeline_assets.lib.splits import TRAIN, VALIDATION
 
 SNAPSHOT_ORDER = ("split", "sequence_index")
+LONG_RECORD_MODES = ("truncate", "drop")
+DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
+LEFT_OUT_SCHEMA = pl.Schema(
+    {"record_id": pl.String, "split": pl.String, "n_tokens": pl.Int32, "prompt_tokens": pl.Int32, "reason": pl.String}
+)
+
+
+@dataclass(frozen=True)
+class FittedRecords:
+    records: pl.DataFrame  # every record fits in seq_len with its whole prompt and >= 1 response token
+    left_out: pl.DataFrame  # LEFT_OUT_SCHEMA; reason: prompt_too_long | too_long
+    truncated_documents: int
+
+
+def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRecords:
+    """Make every encoded record fit one sequence without losing its prompt, so packing never
+    splits a record and trains a response piece with no prompt before it.
+
+    A record whose prompt (everything the loss mask leaves out) fills ``seq_len`` on its own is left
+    out as ``prompt_too_long``; a longer record is cut to ``seq_len`` tokens, the response losing its
+    end (``truncate``), or left out as ``too_long`` (``drop``).
+    """
+    if mode not in LONG_RECORD_MODES:
+        raise ValueError(f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not {mode!r}")
+    prompt_tokens = pl.col("n_tokens") - pl.col("n_response_tokens")
+    reason = (
+        pl.when(prompt_tokens >= seq_len).then(pl.lit("prompt_too_long"))
+        .when((pl.col("n_tokens") > seq_len) & (mode == "drop")).then(pl.lit("too_long"))
+    )
+    judged = encoded.with_columns(reason=reason, prompt_tokens=prompt_tokens.cast(pl.Int32))
+    kept = judged.filter(pl.col("reason").is_null())
+    truncated = int((kept["n_tokens"] > seq_len).sum())
+    fitted = kept.drop("reason", "prompt_tokens").with_columns(
+        pl.col("input_ids").list.head(seq_len),
+        pl.col("loss_mask").list.head(seq_len),
+        n_tokens=pl.min_horizontal("n_tokens", pl.lit(seq_len, pl.Int32)),
+        n_response_tokens=pl.min_horizontal("n_response_tokens", pl.lit(seq_len, pl.Int32) - prompt_tokens.cast(pl.Int32)),
+    )
+    left_out = judged.filter(pl.col("reason").is_not_null()).select(LEFT_OUT_SCHEMA.names()).cast(dict(LEFT_OUT_SCHEMA))
+    return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
 def in_snapshot_order(scan: pl.LazyFrame, columns: tuple[str, ...] | None = None) -> pl.DataFrame:

@@ -75,14 +75,15 @@ def test_gold_snapshot_from_silver(sample_in_two_batches, instance, resources):
     )
     assert set(per_record["record_ids"]) == set(lake.read("silver", "records")["record_id"])
     assert (per_record["splits"] == 1).all(), "a record lives in one split"
-    assert (per_record["pieces"] == (per_record["tokens"] + 511) // 512).all(), "split only when longer than seq_len"
+    assert (per_record["pieces"] == 1).all() and (per_record["tokens"] <= 512).all(), "a record is never split"
     assert set(sequences["split"]) == {"train", "validation"}
     assert (sequences["input_ids"].list.len() == 512).all()
     assert (sequences["real_tokens"] == sequences["document_lengths"].list.sum()).all()
 
     metadata = _materializations(result)
     gold_meta = metadata["gold/sequences"]
-    assert gold_meta["split_documents"].value == int((per_record["pieces"] > 1).sum())
+    assert gold_meta["long_records"].value == "truncate" and gold_meta["dropped_long_records"].value == 0
+    assert gold_meta["truncated_documents"].value == int((per_record["tokens"] == 512).sum())
     assert gold_meta["data_snapshot"].value == "gold-v0"
     assert gold_meta["upstream_delta_versions"].value == {"silver/records": lake.version("silver", "records"), "gold/tokenizer": 0}
     assert gold_meta["tokens"].value == sum(r.data["tokens"] for r in gold_meta["tokens_by_source"].value.records)
@@ -217,3 +218,26 @@ def test_snapshots_are_cut_on_a_cadence_and_only_checked_ones_train(instance, re
     assert meta["snapshot_reason"].value == request.tags[SNAPSHOT_REASON_TAG] and "2 batch(es)" in meta["snapshot_reason"].value
     assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v1", "gold-v2"]
     assert checks_by_name(cut)["gold/sequences:token_volume"].metadata["compared_with"].value == "gold-v1"
+
+@pytest.mark.parametrize("mode", ["truncate", "drop"])
+def test_long_records_keep_their_prompt_or_are_left_out_by_name(instance, resources, landing_dir, mode):
+    words = " ".join(f"word{i % 97} term{i % 89}" for i in range(300))
+    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    rows = [record(j, response=f"{long} Case {j}.") for j in range(20)]
+    rows += [record(100, response=f"{long} {words}"), record(101, prompt=f"Read this: {words}", response=f"{long} Short.")]
+    write_landing_file(landing_dir, "logs", "long.jsonl", rows)
+    _ingest(instance, resources)
+    policy = GoldPolicy(seq_len=128, long_records=mode, min_packing_efficiency=0.1)
+    result = _gold(instance, {**resources, "gold_policy": policy})
+    assert result.success
+    meta = _materializations(result)["gold/sequences"]
+    ids = dict(resources["lake"].read("bronze", "records").select("id", "record_id").iter_rows())
+    left_out = {row.data["record_id"]: row.data["reason"] for row in meta["long_records_left_out"].value.records}
+    expected = {ids["r101"]: "prompt_too_long", **({ids["r100"]: "too_long"} if mode == "drop" else {})}
+    assert left_out == expected and meta["dropped_long_records"].value == len(expected)
+    assert meta["truncated_documents"].value == (1 if mode == "truncate" else 0)
+    sequences = resources["lake"].read("gold", "sequences")
+    assert set(sequences["record_ids"].explode()) == set(ids.values()) - set(expected)
+    for mask, lengths in sequences.select("loss_mask", "document_lengths").iter_rows():
+        starts = [sum(lengths[:k]) for k in range(len(lengths))]
+        assert not any(mask[start] for start in starts), "every piece opens with its prompt (no loss there)"

@@ -7,6 +7,7 @@ import shutil
 
 import polars as pl
 import pytest
+from deltalake import write_deltalake
 from dagster import AssetCheckSeverity, DagsterRunStatus, Definitions, RunRequest, build_sensor_context, materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
@@ -82,7 +83,7 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(two_sa
         assert checks["silver/records:pass_rate"].passed
 
     index = lake.read("silver", "minhash_index")
-    assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "band_keys", "lsh_params"}
+    assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "response_signature", "band_keys", "lsh_params"}
     assert sorted(index["record_id"]) == sorted(lake.read("silver", "records")["record_id"])
 
 
@@ -270,3 +271,33 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
     outcome = run_stale(defs, instance, None)
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
     assert "every batch is done or excluded" in _sensor_says(instance).skip_message
+
+
+def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_signatures(instance, resources, landing_dir):
+    """Batch 1's index is rewritten as tables were before responses were signed: batch 2 still dedups
+    against it (on prompt + response), keeps every different answer to its own shared prompt, and the
+    index gains the column."""
+    rng = random.Random(11)
+    words = [f"{stem}{i}" for stem in ("data", "model", "token", "layer", "query") for i in range(400)]
+
+    def answers(start: int, count: int) -> list[dict]:
+        context = " ".join(rng.choice(words) for _ in range(600))
+        return [record(start + j, prompt=context, response=" ".join(rng.choice(words) for _ in range(40))) for j in range(count)]
+
+    first = answers(0, 20)
+    write_landing_file(landing_dir, "synth", "b1.jsonl", first)
+    assert _materialize(instance, resources, register(instance, resources)).success
+    lake = resources["lake"]
+    legacy = lake.read("silver", "minhash_index").drop("response_signature")
+    write_deltalake(lake.table_uri("silver", "minhash_index"), legacy.to_arrow(), mode="overwrite", schema_mode="overwrite",
+                    partition_by=["batch_id"])
+
+    write_landing_file(landing_dir, "synth", "b2.jsonl", answers(100, 20) + [{**first[3], "id": "copy"}])
+    batch = register(instance, resources)
+    result = _materialize(instance, resources, batch)
+    assert result.success and checks_by_name(result)["silver/minhash_index:contract"].passed
+    assert lake.read("silver", "records", where=pl.col("batch_id") == batch).height == 20
+    rejects = lake.read("silver", "rejects", where=pl.col("batch_id") == batch)
+    assert rejects["stage"].to_list() == ["exact_dup"]
+    index = lake.read("silver", "minhash_index")
+    assert index.group_by("batch_id").agg(pl.col("response_signature").is_null().all()).sort("batch_id")[:, 1].to_list() == [True, False]

@@ -131,3 +131,29 @@ def test_index_built_with_other_settings_is_refused():
     config = MinHashConfig(threshold=0.5)
     with pytest.raises(ValueError, match="MinHash settings changed"):
         near_dedup(_batch(_texts(5), batch_id="b2"), index.lazy(), config)
+
+
+def test_different_answers_to_one_long_shared_prompt_all_survive():
+    rng = random.Random(5)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(2000))
+    answers = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(50)]
+    batch = _batch(answers).with_columns(prompt=pl.lit(prompt))
+    result, index = near_dedup(batch, None)
+    assert result.rejected.is_empty() and result.kept.height == 50
+    assert result.counters["candidate_pairs_verified"] == 0
+
+    later, _ = near_dedup(_batch([answers[3], answers[0][::-1]], batch_id="b2", prefix="s")
+                          .with_columns(prompt=pl.lit(prompt)), index.lazy())
+    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00003")]
+    assert '"response_jaccard":1.0' in later.rejected["evidence"].item()
+
+
+def test_an_index_written_before_responses_were_signed_still_dedups():
+    """Entries without response_signature (older silver/minhash_index rows) are judged on prompt + response."""
+    rng = random.Random(6)
+    originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(5)]
+    _, index = near_dedup(_batch(originals), None)
+    legacy = index.drop("response_signature")
+    later, _ = near_dedup(_batch([_edited(originals[1], rng)], batch_id="b2", prefix="s"), legacy.lazy())
+    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00001")]
+    assert '"response_jaccard":null' in later.rejected["evidence"].item()

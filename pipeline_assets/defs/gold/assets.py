@@ -17,13 +17,14 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_key, snapshot_version
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import build_sequences, in_snapshot_order, token_statistics
+from pipeline_assets.lib.gold import build_sequences, fit_long_records, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.splits import TRAIN, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _KINDS = {"delta", "polars"}
+_LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 
 
 def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
@@ -138,6 +139,8 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction)
     encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
     context.log.info(f"tokenized {encoded.height} records: {int(encoded['n_tokens'].sum())} tokens")
+    fitted = _fit_long_records(context, encoded, gold_policy)
+    encoded = fitted.records
     sequences, packing = build_sequences(
         encoded, seq_len=gold_policy.seq_len, seed=gold_policy.shuffle_seed, pad_id=tokenizer.token_to_id(PAD)
     )
@@ -169,7 +172,11 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "batches_left_out": MetadataValue.json(blocked),
             "packing_efficiency": round(packing["efficiency"], 5),
             "sequences_by_split": MetadataValue.json(packing["sequences_by_split"]),
-            "split_documents": packing["split_documents"],
+            "long_records": gold_policy.long_records,
+            "truncated_documents": fitted.truncated_documents,
+            "dropped_long_records": fitted.left_out.height,
+            "dropped_long_records_by_reason": MetadataValue.json(dict(fitted.left_out["reason"].value_counts().iter_rows())),
+            "long_records_left_out": table_metadata(fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)),
             "tokens": stats["tokens"],
             "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
             "input_chars": text_chars(silver),
@@ -188,3 +195,18 @@ def _previous_accepted_snapshot(instance, lake: LakeResource) -> JudgedSnapshot 
         return None
     key = max(accepted, key=snapshot_version)
     return JudgedSnapshot.of(key, lake.scan("gold", "sequences", snapshot_version(key)))
+
+
+def _fit_long_records(context: AssetExecutionContext, encoded: pl.DataFrame, gold_policy: GoldPolicy):
+    """Every record fits one sequence with its prompt (PIPELINE_LONG_RECORDS); what was cut or left out is logged."""
+    try:
+        fitted = fit_long_records(encoded, gold_policy.seq_len, gold_policy.long_records)
+    except ValueError as exc:
+        raise Failure(allow_retries=False, description=str(exc)) from exc
+    if fitted.truncated_documents or fitted.left_out.height:
+        reasons = dict(fitted.left_out["reason"].value_counts().iter_rows())
+        context.log.warning(
+            f"records longer than seq_len {gold_policy.seq_len} ({gold_policy.long_records}): {fitted.truncated_documents} "
+            f"truncated, {fitted.left_out.height} left out {reasons} (record ids in long_records_left_out)"
+        )
+    return fitted

@@ -61,8 +61,8 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     index = validate(conform(curated.index, MinhashIndexEntry), MinhashIndexEntry)
     if bronze.height != kept.height + rejects.height:
         raise RuntimeError(f"accounting broken: {bronze.height} bronze rows != {kept.height} kept + {rejects.height} rejected")
-    commits = {
-        key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id)
+    commits = {  # add_columns: an index written before response_signature existed takes the column
+        key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id, add_columns=True)
         for key, frame in ((SILVER_RECORDS, kept), (SILVER_REJECTS, rejects), (SILVER_MINHASH_INDEX, index))
     }
 
