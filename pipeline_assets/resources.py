@@ -83,6 +83,7 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
 
 
 _PRICES = Prices()  # the default prices, one place
+_SEARCH_FRACTION = 0.02  # the default share of records hyperparameter search selects on, one place
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Settings:
     seq_len: int = 512
     vocab_size: int = 8192
     validation_fraction: float = 0.02
+    search_fraction: float = _SEARCH_FRACTION
     shuffle_seed: int = 20261121
     train_nproc: int = 2
     train_threads_per_rank: int = 1
@@ -145,6 +147,7 @@ class Settings:
             seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
+            search_fraction=_float_env("PIPELINE_SEARCH_FRACTION", _SEARCH_FRACTION),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
             train_nproc=int(_float_env("PIPELINE_TRAIN_NPROC", 2)),
             train_threads_per_rank=int(_float_env("PIPELINE_TRAIN_THREADS_PER_RANK", 1)),
@@ -392,6 +395,8 @@ class GoldPolicy(ConfigurableResource):
     vocab_size: int = 8192
     seq_len: int = 512
     validation_fraction: float = 0.02
+    search_fraction: float = Field(default=_SEARCH_FRACTION, description="records hyperparameter search selects on, "
+                                   "taken from train only (validation, the promotion gate's rows, never changes)")
     shuffle_seed: int = 20261121
     min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
     psi_warn: float = 0.10
@@ -417,6 +422,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             seq_len=settings.seq_len,
             vocab_size=settings.vocab_size,
             validation_fraction=settings.validation_fraction,
+            search_fraction=settings.search_fraction,
             shuffle_seed=settings.shuffle_seed,
         ),
         "launcher": TorchrunLauncher(
