@@ -46,7 +46,7 @@ def test_successive_halving_stops_bad_trials_early_and_finds_the_full_grids_best
     full_grid = {outcome.best_trial: outcome.best_search_loss}
     for trial in stopped_first:
         config = dataclasses.replace(base, **CONFIGURATIONS[trial], checkpoint_uri=str(tmp_path / "grid"),
-                                     partition=f"c{trial}", steps=MAX_STEPS, eval_every=MAX_STEPS)
+                                     partition=f"c{trial}", steps=MAX_STEPS, eval_every=MAX_STEPS, eval_split="search")
         full_grid[trial] = _launcher(tmp_path, [])(config, trial)
     assert outcome.best_trial == min(full_grid, key=full_grid.get) == 1
 
