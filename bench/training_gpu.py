@@ -1,8 +1,10 @@
 """Trainer on one GPU: tokens/s and MFU of the ``base`` preset (~110M parameters) in bf16.
 
-Runs the trainer's own model, FSDP2 sharding, mixed-precision policy, loss and AdamW on packed
-synthetic rows (several documents per row, so attention is document-masked as in training). It
-leaves out the Delta loader so that it runs on a bare GPU machine with nothing but torch:
+Runs what the trainer runs: its own model (not compiled: the trainer does not compile), FSDP2
+sharding, mixed-precision policy, loss and AdamW, at gold's default sequence length and the
+trainer's default micro-batch, on packed synthetic rows (several documents per row, so attention is
+document-masked as in training). It leaves out the Delta loader so that it runs on a bare GPU
+machine with nothing but torch:
 
     python -m bench.training_gpu --out bench/results
 
@@ -22,13 +24,16 @@ from pathlib import Path
 
 import torch
 
-from pipeline_assets.trainer.config import PRESETS
+from pipeline_assets.resources import GoldPolicy
+from pipeline_assets.trainer.config import PRESETS, TrainConfig
 from pipeline_assets.trainer.metrics import peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token, loss_sum_and_count
-from pipeline_assets.trainer.parallel import compile_blocks, init_distributed, mixed_precision_policy, shard_model
+from pipeline_assets.trainer.parallel import init_distributed, mixed_precision_policy, shard_model
 
 MFU_TARGET = 0.40
-VOCAB, SEQ_LEN, MICRO_BATCH = 8192, 2048, 8
+# The trainer's defaults, read from where they are set, so the benchmark follows them.
+VOCAB, SEQ_LEN = GoldPolicy.model_fields["vocab_size"].default, GoldPolicy.model_fields["seq_len"].default
+MICRO_BATCH = TrainConfig.__dataclass_fields__["micro_batch_size"].default
 WARMUP_STEPS, TIMED_STEPS = 8, 20
 
 
@@ -47,14 +52,12 @@ def packed_batch(device: torch.device, documents_per_row: int = 4) -> dict[str, 
     }
 
 
-def measure(preset: str, compiled: bool) -> dict:
+def measure(preset: str) -> dict:
     env = init_distributed("cuda")
     config = dataclasses.replace(PRESETS[preset], vocab_size=VOCAB, max_seq_len=SEQ_LEN)
     torch.manual_seed(0)
     model = Transformer(config).to(env.device)
     parameters = count_parameters(model)
-    if compiled:
-        compile_blocks(model)
     model = shard_model(model, mixed_precision_policy("bf16", env.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batch = packed_batch(env.device)
@@ -76,7 +79,7 @@ def measure(preset: str, compiled: bool) -> dict:
     tokens_per_second = TIMED_STEPS * MICRO_BATCH * SEQ_LEN / (time.perf_counter() - start)
     mfu = tokens_per_second * flops_per_token(config, SEQ_LEN) / peak_flops(env.device)
     torch.distributed.destroy_process_group()
-    return {"preset": preset, "compiled": compiled, "parameters": parameters, "tokens_per_second": round(tokens_per_second),
+    return {"preset": preset, "compiled": False, "parameters": parameters, "tokens_per_second": round(tokens_per_second),
             "mfu": round(mfu, 4), "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1)}
 
 
@@ -85,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--preset", default="base")
-    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.training_gpu needs a CUDA GPU: torch.cuda.is_available() is False", file=sys.stderr)
         return 1
-    result = measure(args.preset, args.compiled)
+    result = measure(args.preset)
     device = torch.cuda.get_device_name()
     summary = {
         "benchmark": "training_gpu",

@@ -185,7 +185,8 @@ def _sizer(args, settings: Settings) -> int:
         per_gpu, assumed = _assumed_gpu_speed(args, settings)
     target = Target(records=args.records, cpu_cores=args.cpu_workers, gpus=args.gpus, avg_chars=args.avg_chars,
                     batch_records=args.batch_records, epochs=args.epochs, train_tokens=args.train_tokens,
-                    models_scored=1 if args.first_model else 2, gpu_tokens_per_second=per_gpu)
+                    models_scored=1 if args.first_model else 2, gpu_tokens_per_second=per_gpu,
+                    parameters=_preset_parameters(args.preset or settings.train_preset, settings))
     table, totals = predict(calibration, target, settings.prices())
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     picture = time_breakdown_png(
@@ -200,6 +201,22 @@ def _sizer(args, settings: Settings) -> int:
         return 0
     _print_sizing(table, totals)
     return 0
+
+
+def _preset_parameters(preset: str, settings: Settings) -> int:
+    """The parameter count of the preset's model (built on the meta device: no memory, no time)."""
+    import dataclasses
+
+    import torch
+
+    from pipeline_assets.trainer.config import PRESETS
+    from pipeline_assets.trainer.model import Transformer, count_parameters
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(PRESETS[preset], vocab_size=settings.vocab_size, max_seq_len=settings.seq_len))
+    return count_parameters(model)
 
 
 def _assumed_gpu_speed(args, settings: Settings) -> tuple[float, str]:

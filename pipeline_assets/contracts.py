@@ -155,7 +155,7 @@ class GoldTokenizer(pa.DataFrameModel):
 class GoldSequence(pa.DataFrameModel):
     """One packed training sequence of ``seq_len`` tokens."""
 
-    split: str = pa.Field(isin=["train", "validation"])
+    split: str = pa.Field(isin=["train", "validation", "search"])
     sequence_index: pl.Int64 = pa.Field(ge=0, description="position after the seeded shuffle, per split")
     input_ids: Annotated[pl.List, pl.Int32()]
     loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(description="true on response tokens (Delta has no unsigned ints)")
@@ -194,7 +194,7 @@ class HparamTrial(pa.DataFrameModel):
     trial: pl.Int64 = pa.Field(ge=0)
     rung: pl.Int64 = pa.Field(ge=0)
     steps: pl.Int64 = pa.Field(ge=1)
-    validation_loss: float = pa.Field(nullable=True, description="null when the trial failed")
+    search_loss: float = pa.Field(nullable=True, description="loss on gold's search split; null when the trial failed")
     hyperparameters: str = pa.Field(description="JSON object")
     continued: bool = pa.Field(description="survived this rung")
     mlflow_run_id: str

@@ -21,7 +21,7 @@ class TrialResult:
     trial: int
     rung: int
     steps: int
-    validation_loss: float  # NaN when the trial failed
+    search_loss: float  # on gold's search split; NaN when the trial failed
     hyperparameters: dict
     continued: bool = False  # survived this rung (set once the rung is judged)
 
@@ -33,13 +33,14 @@ class SearchOutcome:
     full_grid_steps: int = 0
     best_trial: int | None = None
     best_hyperparameters: dict = field(default_factory=dict)
-    best_validation_loss: float = math.nan
+    best_search_loss: float = math.nan
 
 
 def trial_config(base: TrainConfig, search_root: str, trial: int, hyperparameters: dict, steps: int, max_steps: int) -> TrainConfig:
-    """A trial: its own checkpoint folder, validated and saved at the end of each rung, on the longest schedule."""
+    """A trial: its own checkpoint folder, scored on the search split (never the promotion gate's validation rows)
+    and saved at the end of each rung, on the longest schedule."""
     return dataclasses.replace(
-        base, **hyperparameters, checkpoint_uri=search_root, partition=f"trial-{trial}", steps=steps,
+        base, **hyperparameters, eval_split="search", checkpoint_uri=search_root, partition=f"trial-{trial}", steps=steps,
         schedule_steps=max_steps, eval_every=steps, checkpoint_every_steps=steps, log_every=max(1, steps // 5),
         warmup_steps=min(hyperparameters.get("warmup_steps", base.warmup_steps), max_steps),
     )
@@ -57,7 +58,7 @@ def successive_halving(
 ) -> SearchOutcome:
     """Train every configuration ``min_steps``, keep the best 1/eta, train those eta times longer
     (continuing from their checkpoints), until ``max_steps``. ``launch(config, trial)`` trains one
-    trial up to ``config.steps`` and returns its validation loss (NaN on failure)."""
+    trial up to ``config.steps`` and returns its loss on the search split (NaN on failure)."""
     search_root = join(base.checkpoint_uri, base.partition, "search")
     rungs = rung_steps(min_steps, max_steps, eta)
     outcome = SearchOutcome(full_grid_steps=len(configurations) * max_steps)
@@ -79,6 +80,6 @@ def successive_halving(
             if finite:
                 outcome.best_trial = min(finite, key=lambda t: (finite[t], t))
                 outcome.best_hyperparameters = configurations[outcome.best_trial]
-                outcome.best_validation_loss = finite[outcome.best_trial]
+                outcome.best_search_loss = finite[outcome.best_trial]
         alive = kept
     return outcome

@@ -115,6 +115,7 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
 
 _PRICES = Prices()  # the default prices, one place
 _RETENTION_DAYS = 7.0
+_SEARCH_FRACTION = 0.02  # the default share of records hyperparameter search selects on, one place
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Settings:
     vocab_size: int = 8192
     long_records: str = DEFAULT_LONG_RECORDS
     validation_fraction: float = 0.02
+    search_fraction: float = _SEARCH_FRACTION
     shuffle_seed: int = 20261121
     snapshot_min_new_fraction: float = 0.10
     train_nproc: int = 2
@@ -181,6 +183,7 @@ class Settings:
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
             long_records=_choice_env("PIPELINE_LONG_RECORDS", DEFAULT_LONG_RECORDS, LONG_RECORD_MODES),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
+            search_fraction=_float_env("PIPELINE_SEARCH_FRACTION", _SEARCH_FRACTION),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
             snapshot_min_new_fraction=_float_env("PIPELINE_SNAPSHOT_MIN_NEW_FRACTION", 0.10),
             train_nproc=int(_float_env("PIPELINE_TRAIN_NPROC", 2)),
@@ -490,6 +493,8 @@ class GoldPolicy(ConfigurableResource):
         description="a record longer than seq_len: truncate its response, or drop it; either way it keeps its prompt",
     )
     validation_fraction: float = 0.02
+    search_fraction: float = Field(default=_SEARCH_FRACTION, description="records hyperparameter search selects on, "
+                                   "taken from train only (validation, the promotion gate's rows, never changes)")
     shuffle_seed: int = 20261121
     min_packing_efficiency: float = Field(default=0.98, description="blocking: real tokens / all tokens")
     snapshot_min_new_fraction: float = Field(
@@ -518,6 +523,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             long_records=settings.long_records,
             vocab_size=settings.vocab_size,
             validation_fraction=settings.validation_fraction,
+            search_fraction=settings.search_fraction,
             shuffle_seed=settings.shuffle_seed,
             snapshot_min_new_fraction=settings.snapshot_min_new_fraction,
         ),

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
-from pipeline_assets.lib.splits import TRAIN, VALIDATION
+from pipeline_assets.lib.splits import SPLITS
 
 SNAPSHOT_ORDER = ("split", "sequence_index")
 LONG_RECORD_MODES = ("truncate", "drop")
@@ -66,7 +66,7 @@ def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int)
     plan does not depend on the order silver stored its rows). Each split is packed best-fit
     decreasing, then shuffled with ``seed``."""
     frames, by_split, split_documents = [], {}, 0
-    for number, split in enumerate((TRAIN, VALIDATION)):
+    for number, split in enumerate(SPLITS):
         part = encoded.filter(pl.col("split") == split)
         if part.is_empty():
             by_split[split] = 0

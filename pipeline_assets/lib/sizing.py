@@ -1,9 +1,11 @@
 """The pipeline sizer: from measured stages to a prediction for a corpus of any size.
 
-Each stage's wall time is modelled as ``fixed * materializations + per_unit * work``, fitted by
-least squares on what its past materializations recorded (their own work and wall seconds). Work
-is the text a data stage read (characters), the tokens training trained on, or the tokens
-evaluation scored. A target corpus (records, average characters) is turned into each stage's work
+Each stage's wall time is modelled as ``fixed * materializations + per_unit * work`` (silver adds
+``per_row * earlier_index_rows``: each batch dedups against the index of every batch before it),
+fitted by least squares on what its past materializations recorded (their own work and wall
+seconds). Work is the text a data stage read (characters), or, for training and evaluation, the
+model FLOPs of the tokens trained (6 x parameters a token) or scored (2 x parameters a token), so
+a bigger preset is predicted at its own speed, not at the calibration's. A target corpus (records, average characters) is turned into each stage's work
 with the ratios the newest snapshot measured (how much text survives silver, tokens per character,
 the validation share), then into time with the stage's parallelism:
 
@@ -32,7 +34,9 @@ STAGES = {  # stage -> (unit of work, parallelism)
     "training": ("tokens", DEVICES),
     "evaluation": ("tokens", SINGLE),
 }
-POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, "wall_seconds": pl.Float64}
+POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, "wall_seconds": pl.Float64,
+          "history": pl.Float64}  # history: rows of the earlier batches' index a silver batch read (0 elsewhere)
+TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = 6, 2  # a token's forward + backward, forward only
 
 
 def text_chars(frame: pl.DataFrame) -> int:
@@ -45,15 +49,16 @@ def text_chars(frame: pl.DataFrame) -> int:
 
 @dataclass(frozen=True)
 class StageFit:
-    """wall = fixed_seconds * materializations + seconds_per_unit * work."""
+    """wall = fixed_seconds * materializations + seconds_per_unit * work + seconds_per_history_row * history."""
 
     fixed_seconds: float
     seconds_per_unit: float
     points: int
     note: str
+    seconds_per_history_row: float = 0.0
 
-    def seconds(self, materializations: float, work: float) -> float:
-        return self.fixed_seconds * materializations + self.seconds_per_unit * work
+    def seconds(self, materializations: float, work: float, history: float = 0.0) -> float:
+        return self.fixed_seconds * materializations + self.seconds_per_unit * work + self.seconds_per_history_row * history
 
 
 def fit_stage(points: pl.DataFrame) -> StageFit:
@@ -61,6 +66,10 @@ def fit_stage(points: pl.DataFrame) -> StageFit:
     (a partition materialized again) count once, at their median: one slow run does not tilt the
     line. With a single size seen, the fixed part cannot be told from the rate, and all the time is
     charged to the rate (which over-predicts a larger corpus slightly: the safe side)."""
+    if "history" in points.columns and points["history"].fill_null(0).max() > 0:
+        with_history = _fit_with_history(points)
+        if with_history is not None:
+            return with_history
     runs = len(points)
     points = points.group_by("materializations", "work").agg(pl.median("wall_seconds")).sort("work")
     n = points["materializations"].cast(pl.Float64).to_numpy()
@@ -79,6 +88,22 @@ def fit_stage(points: pl.DataFrame) -> StageFit:
     return StageFit(float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes ({runs} runs)")
 
 
+def _fit_with_history(points: pl.DataFrame) -> StageFit | None:
+    """The three-term fit; None when it is not determined or a term comes out negative (then the
+    two-term fit stands)."""
+    runs = len(points)
+    points = points.group_by("materializations", "work", "history").agg(pl.median("wall_seconds"))
+    design = np.column_stack([points["materializations"].cast(pl.Float64).to_numpy(), points["work"].to_numpy(),
+                              points["history"].to_numpy()])
+    if len(points) < 3 or np.linalg.matrix_rank(design) < 3:
+        return None
+    (fixed, rate, per_row), *_ = np.linalg.lstsq(design, points["wall_seconds"].to_numpy(), rcond=None)
+    if min(fixed, rate, per_row) < 0:
+        return None
+    return StageFit(float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes ({runs} runs), with the index read",
+                    float(per_row))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the measured run says about the data and the machine it ran on."""
@@ -93,6 +118,8 @@ class Calibration:
     train_ranks: int
     train_gpus: int
     validation_fraction: float
+    parameters: int  # of the model the measured training run trained (training's and evaluation's FLOPs)
+    silver_row_keep: float = 1.0  # silver rows / bronze rows: what a batch adds to the dedup index
 
 
 @dataclass(frozen=True)
@@ -106,6 +133,7 @@ class Target:
     train_tokens: float | None = None  # None: epochs over the training split
     models_scored: int = 2  # the candidate and the champion; 1 for a first model
     gpu_tokens_per_second: float | None = None  # per GPU; None: measured if the calibration had GPUs
+    parameters: int | None = None  # of the model to train (its preset); None: the calibration's
 
 
 def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[pl.DataFrame, dict]:
@@ -118,13 +146,16 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
     train_tokens = target.train_tokens if target.train_tokens is not None else target.epochs * tokens * (1 - c.validation_share)
     scored = target.models_scored * (tokens * c.validation_share + c.eval_set_tokens)
     side_by_side = min(batches, max(1, target.cpu_cores // max(c.cores, 1)))
+    parameters = target.parameters or c.parameters
+    kept_per_batch = target.records / batches * c.silver_row_keep
     rows = [
         _cpu_row("bronze", c.fits["bronze"], batches, chars, c.cores, side_by_side),
-        _cpu_row("silver", c.fits["silver"], batches, chars, c.cores, 1),
+        _cpu_row("silver", c.fits["silver"], batches, chars, c.cores, 1,
+                 history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
         _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, gold_chars * (1 - c.validation_fraction), c.cores, 1),
         _cpu_row("gold/sequences", c.fits["gold/sequences"], 1, gold_chars, c.cores, 1),
-        _training_row(c, target, train_tokens),
-        _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1),
+        _training_row(c, target, train_tokens, TRAIN_FLOPS_PER_PARAMETER * parameters),
+        _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters),
     ]
     table = pl.DataFrame(rows).with_columns(
         cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),
@@ -140,24 +171,26 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
     return table, totals
 
 
-def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, cores: int, side_by_side: int) -> dict:
-    """Materializations split the work evenly; ``side_by_side`` of them run at once, ``cores`` each."""
+def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, cores: int, side_by_side: int,
+             history: float = 0.0, flops_per_work: float = 1.0) -> dict:
+    """Materializations split the work evenly; ``side_by_side`` of them run at once, ``cores`` each.
+    ``history``: index rows read in all; ``flops_per_work``: the fit's units per unit of work."""
     rounds = math.ceil(materializations / side_by_side)
-    seconds = rounds * fit.seconds(1, work / materializations)
+    seconds = rounds * fit.seconds(1, work * flops_per_work / materializations, history / materializations)
     return _row(stage, work, f"{side_by_side} x {cores} cores" if side_by_side > 1 else f"{cores} cores",
                 seconds, cpu_core_seconds=seconds * cores * side_by_side, gpu_seconds=0.0)
 
 
-def _training_row(c: Calibration, target: Target, train_tokens: float) -> dict:
+def _training_row(c: Calibration, target: Target, train_tokens: float, flops_per_token: float) -> dict:
     fit = c.fits["training"]
-    if target.gpus == 0:  # as measured: the same CPU ranks
-        seconds = fit.seconds(1, train_tokens)
+    if target.gpus == 0:  # as measured: the same CPU ranks, at the target model's FLOPs per token
+        seconds = fit.seconds(1, train_tokens * flops_per_token)
         return _row("training", train_tokens, f"{c.train_ranks} CPU rank(s)", seconds, seconds * c.cores, 0.0)
     per_gpu = target.gpu_tokens_per_second
     if per_gpu is None:
         if not c.train_gpus or fit.seconds_per_unit <= 0:
             raise ValueError("the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)")
-        per_gpu = 1.0 / (fit.seconds_per_unit * c.train_gpus)
+        per_gpu = 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
     seconds = fit.fixed_seconds + train_tokens / (per_gpu * target.gpus)
     return _row("training", train_tokens, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # The trainer's exit code after a SIGTERM/SIGINT stop that saved a checkpoint (128 + SIGTERM, as a
 # shell reports a process SIGTERM ended): the same command resumes.
 EXIT_PREEMPTED = 143
+EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.splits)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_max_sequences: int = 256
+    eval_split: str = "validation"  # the held-out split the loss is measured on; hparam search's trials use "search"
     checkpoint_every_steps: int = 50
     checkpoint_every_minutes: float = 10.0
     keep_checkpoints: int = 2
@@ -78,6 +80,8 @@ class TrainConfig:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.width and self.width % PRESETS[self.preset].n_heads:
             raise ValueError(f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads")
+        if self.eval_split not in EVAL_SPLITS:
+            raise ValueError(f"unknown eval split {self.eval_split!r}; choose one of {', '.join(EVAL_SPLITS)}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
         for name in ("steps", "micro_batch_size", "warmup_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):

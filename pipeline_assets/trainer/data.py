@@ -44,7 +44,12 @@ class PackedSequences:
 class Snapshot:
     train: PackedSequences
     validation: PackedSequences
+    search: PackedSequences
     seq_len: int
+
+    def held_out(self, split: str) -> PackedSequences:
+        """The held-out split a loss is measured on: validation (the promotion gate's rows) or search."""
+        return {"validation": self.validation, "search": self.search}[split]
 
 
 def sequences_table_uri(lake_uri: str) -> str:
@@ -60,7 +65,8 @@ def read_snapshot(lake_uri: str, version: int) -> Snapshot:
     seq_len = int(frame["input_ids"].list.len().max())
     if frame["input_ids"].list.len().min() != seq_len:
         raise ValueError(f"gold/sequences v{version} mixes sequence lengths")
-    return Snapshot(train=_packed(frame, "train", seq_len), validation=_packed(frame, "validation", seq_len), seq_len=seq_len)
+    return Snapshot(train=_packed(frame, "train", seq_len), validation=_packed(frame, "validation", seq_len),
+                    search=_packed(frame, "search", seq_len), seq_len=seq_len)
 
 
 def _packed(frame: pl.DataFrame, split: str, seq_len: int) -> PackedSequences:

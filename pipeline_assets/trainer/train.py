@@ -54,7 +54,7 @@ class Progress:
 
     step: int = 0
     position: int = 0  # training sequences consumed: the loader's place in its stream
-    best_validation_loss: float = math.inf
+    best_validation_loss: float = math.inf  # on the config's eval_split (the name predates the search split)
     history: list = field(default_factory=list)
 
 
@@ -96,6 +96,9 @@ class Trainer:
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
                                                 max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
         self._check_vocabulary()
+        if config.eval_split == "search" and self.eval_sequences == 0:
+            raise ValueError(f"gold v{config.gold_version} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
+                             f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config).to(env.device)
         self.n_parameters = count_parameters(model)
@@ -173,25 +176,31 @@ class Trainer:
 
     @torch.no_grad()
     def _validate(self) -> float | None:
-        """Mean loss per loss token over the validation split (the same sequences every time)."""
-        validation: PackedSequences = self.snapshot.validation
-        usable = min(len(validation), self.config.eval_max_sequences) // self.env.world_size * self.env.world_size
+        """Mean loss per loss token over the held-out split ``eval_split`` (the same sequences every time)."""
+        split, held_out = self.config.eval_split, self.snapshot.held_out(self.config.eval_split)
+        usable = self.eval_sequences
         if usable == 0:
             return None
-        mine = validation_shard(len(validation), usable, self.env.rank, self.env.world_size)
+        mine = validation_shard(len(held_out), usable, self.env.rank, self.env.world_size)
         totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         self.model.eval()
         for start in range(0, len(mine), self.config.micro_batch_size):
-            batch = validation.batch(mine[start:start + self.config.micro_batch_size], self.env.device)
+            batch = held_out.batch(mine[start:start + self.config.micro_batch_size], self.env.device)
             logits = self.model(batch["input_ids"], batch["position_ids"])
             loss_sum, count = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
             totals += torch.stack([loss_sum.double(), count.double()])
         self.model.train()
         dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
-        self._report_metrics({"validation_loss": loss})
-        self._info(f"step {self.progress.step}: validation loss {loss:.4f} over {usable} sequences")
+        self._report_metrics({f"{split}_loss": loss})
+        self._info(f"step {self.progress.step}: {split} loss {loss:.4f} over {usable} sequences")
         return loss
+
+    @property
+    def eval_sequences(self) -> int:
+        """How many held-out sequences each evaluation scores: a whole number per rank."""
+        held_out = len(self.snapshot.held_out(self.config.eval_split))
+        return min(held_out, self.config.eval_max_sequences) // self.env.world_size * self.env.world_size
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -250,8 +259,9 @@ class Trainer:
         metadata = {}
         if self.env.rank == 0:
             folder = self.store.prepare("final")
-            about = {"gold_version": self.config.gold_version, "partition": self.config.partition,
-                     "steps": self.progress.step, "validation_loss": _finite(self.progress.best_validation_loss)}
+            about = {"gold_version": self.config.gold_version, "partition": self.config.partition, "steps": self.progress.step,
+                     "eval_split": self.config.eval_split, "eval_sequences": self.eval_sequences,
+                     f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss)}
             files = save_exported(full_state, self.model_config, folder, about)
             metadata = self._summary(export_uri, folder)
             files += [LOSS_CURVE] if (folder / LOSS_CURVE).exists() else []
@@ -333,7 +343,7 @@ class Trainer:
         (self.reporter.warning if self.reporter else log.warning)(message)
 
     def _check_vocabulary(self) -> None:
-        largest = int(max(self.snapshot.train.input_ids.max(initial=0), self.snapshot.validation.input_ids.max(initial=0)))
+        largest = int(max(part.input_ids.max(initial=0) for part in (self.snapshot.train, self.snapshot.validation, self.snapshot.search)))
         if largest >= self.config.vocab_size:
             raise ValueError(f"gold v{self.config.gold_version} holds token id {largest}, beyond --vocab-size "
                              f"{self.config.vocab_size}: pass the tokenizer's vocabulary size")

@@ -76,7 +76,7 @@ def test_gold_snapshot_from_silver(sample_in_two_batches, instance, resources):
     assert set(per_record["record_ids"]) == set(lake.read("silver", "records")["record_id"])
     assert (per_record["splits"] == 1).all(), "a record lives in one split"
     assert (per_record["pieces"] == 1).all() and (per_record["tokens"] <= 512).all(), "a record is never split"
-    assert set(sequences["split"]) == {"train", "validation"}
+    assert set(sequences["split"]) == {"train", "validation", "search"}
     assert (sequences["input_ids"].list.len() == 512).all()
     assert (sequences["real_tokens"] == sequences["document_lengths"].list.sum()).all()
 

@@ -3,12 +3,14 @@ import math
 import polars as pl
 import pytest
 
+from pipeline_assets.defs.ops.sizing import _earlier_index_rows
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.sizing import POINTS, Calibration, StageFit, Target, fit_stage, gpu_tokens_per_second, predict, text_chars
 
 
-def points(*rows: tuple[int, float, float]) -> pl.DataFrame:
-    return pl.DataFrame([{"stage": "s", "materializations": n, "work": w, "wall_seconds": s} for n, w, s in rows], schema=POINTS)
+def points(*rows: tuple) -> pl.DataFrame:
+    return pl.DataFrame([{"stage": "s", "materializations": n, "work": w, "wall_seconds": s, "history": h[0] if h else 0.0}
+                         for n, w, s, *h in rows], schema=POINTS)
 
 
 def test_text_chars_counts_prompt_response_and_system_and_nothing_else():
@@ -55,7 +57,7 @@ def calibration(**fits: StageFit) -> Calibration:
     return Calibration(
         fits={stage: fits.get(stage.replace("/", "_"), linear) for stage in stages},
         avg_chars=500.0, silver_keep=0.8, tokens_per_char=0.25, validation_share=0.02, eval_set_tokens=10_000,
-        cores=2, train_ranks=2, train_gpus=0, validation_fraction=0.02,
+        cores=2, train_ranks=2, train_gpus=0, validation_fraction=0.02, parameters=1,
     )
 
 
@@ -83,7 +85,7 @@ def test_a_prediction_follows_each_stages_parallelism():
     assert rows["training"]["gpu_seconds"] == pytest.approx(rows["training"]["wall_seconds"] * 8)
     # evaluation: the candidate and the champion, each on the validation tokens and the eval sets
     assert rows["evaluation"]["work"] == pytest.approx(2 * (tokens * 0.02 + 10_000))
-    assert rows["evaluation"]["wall_seconds"] == pytest.approx(1.0 + 1e-6 * 2 * (tokens * 0.02 + 10_000))
+    assert rows["evaluation"]["wall_seconds"] == pytest.approx(1.0 + 1e-6 * 2 * 2 * (tokens * 0.02 + 10_000))  # 2 FLOPs a parameter
 
     assert totals["wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in rows.values()))
     assert totals["bottleneck"] == "silver"  # 5,010 s, one batch after another; training 4,930 s
@@ -98,7 +100,7 @@ def test_without_gpus_training_runs_as_measured_and_more_cores_do_not_speed_up_o
     fits = {"training": StageFit(5.0, 1e-3, 2, "")}
     small, _ = predict(calibration(**fits), Target(records=1000, cpu_cores=2, gpus=0, train_tokens=10_000), Prices())
     big, _ = predict(calibration(**fits), Target(records=1000, cpu_cores=64, gpus=0, train_tokens=10_000), Prices())
-    assert small.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(5.0 + 10.0)
+    assert small.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(5.0 + 1e-3 * 10_000 * 6)
     assert small["wall_seconds"].to_list() == pytest.approx(big["wall_seconds"].to_list())  # one batch: nothing to spread
 
 
@@ -118,7 +120,7 @@ def test_gpus_without_a_gpu_speed_are_refused_when_the_calibration_trained_on_cp
 
 def test_a_gpu_calibration_gives_the_speed_per_gpu():
     gpu = Calibration(**{**vars(calibration()), "train_gpus": 2,
-                         "fits": {**calibration().fits, "training": StageFit(10.0, 1 / 20_000, 2, "")}})
+                         "fits": {**calibration().fits, "training": StageFit(10.0, 1 / 20_000 / 6, 2, "")}})
     table, _ = predict(gpu, Target(records=1000, cpu_cores=2, gpus=8, train_tokens=1e9), Prices())
     per_gpu = 20_000 / 2
     assert table.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(10.0 + 1e9 / (per_gpu * 8))
@@ -127,3 +129,42 @@ def test_a_gpu_calibration_gives_the_speed_per_gpu():
 def test_assumed_gpu_speed_is_mfu_times_peak_over_flops_per_token():
     assert gpu_tokens_per_second(6e8, 1e15, 0.4) == pytest.approx(0.4 * 1e15 / 6e8)
     assert math.isclose(gpu_tokens_per_second(1.0, 2.0, 0.5), 1.0)
+
+
+def test_a_bigger_preset_trains_and_is_scored_slower_by_its_flops_per_token():
+    fits = {"training": StageFit(5.0, 1e-9, 2, ""), "evaluation": StageFit(1.0, 1e-9, 2, "")}
+    tiny = Calibration(**{**vars(calibration(**fits)), "parameters": 1_000_000})
+    target = Target(records=1000, cpu_cores=2, gpus=0, train_tokens=10_000)
+    as_measured, _ = predict(tiny, target, Prices())
+    base, _ = predict(tiny, Target(**{**vars(target), "parameters": 100_000_000}), Prices())
+    wall = {name: dict(frame.select("stage", "wall_seconds").iter_rows()) for name, frame in (("tiny", as_measured), ("base", base))}
+    assert wall["tiny"]["training"] == pytest.approx(5.0 + 1e-9 * 10_000 * 6 * 1e6)
+    assert wall["base"]["training"] - 5.0 == pytest.approx(100 * (wall["tiny"]["training"] - 5.0))
+    assert wall["base"]["evaluation"] - 1.0 == pytest.approx(100 * (wall["tiny"]["evaluation"] - 1.0))
+
+
+def test_a_measured_gpu_speed_is_scaled_to_the_target_models_flops():
+    gpu = Calibration(**{**vars(calibration()), "train_gpus": 1, "parameters": 1_000_000,
+                         "fits": {**calibration().fits, "training": StageFit(0.0, 1e-12, 2, "")}})
+    table, _ = predict(gpu, Target(records=1000, cpu_cores=2, gpus=1, train_tokens=1e9, parameters=10_000_000), Prices())
+    assert table.filter(pl.col("stage") == "training")["wall_seconds"][0] == pytest.approx(1e9 * 6 * 1e7 * 1e-12)
+
+
+def test_silver_fit_has_a_term_for_the_earlier_index_each_batch_reads():
+    fixed, per_char, per_row = 2.0, 1e-5, 1e-4
+    fit = fit_stage(points(*[(1, chars, fixed + per_char * chars + per_row * rows, rows)
+                             for chars, rows in [(1e5, 0), (2e5, 1000), (1e5, 3000), (3e5, 5000)]]))
+    assert (fit.fixed_seconds, fit.seconds_per_unit, fit.seconds_per_history_row) == (
+        pytest.approx(fixed), pytest.approx(per_char), pytest.approx(per_row))
+    silver = Calibration(**{**vars(calibration(silver=fit)), "silver_row_keep": 0.5})
+    table, _ = predict(silver, Target(records=4_000, cpu_cores=2, gpus=0, batch_records=1_000), Prices())
+    chars = 4_000 * 500.0
+    index_rows_read = 500 * (0 + 1 + 2 + 3)  # each batch keeps 500 rows and reads every earlier batch's
+    assert table.filter(pl.col("stage") == "silver")["wall_seconds"][0] == pytest.approx(
+        4 * fixed + per_char * chars + per_row * index_rows_read)
+
+
+def test_each_silver_run_read_the_index_of_the_other_batches_before_it():
+    newest_first = [{"partition": "b1", "silver_rows": 7}, {"partition": "b2", "silver_rows": 20},
+                    {"partition": "b1", "silver_rows": 10}]  # b1, then b2, then b1 again
+    assert _earlier_index_rows(newest_first) == {2: 0, 1: 10, 0: 20}

@@ -24,7 +24,7 @@ def synthetic_records(n_records: int, seed: int = 0, max_len: int = 40) -> pl.Da
         prefix = length // 3
         rows.append({
             "record_id": f"r{number:06d}",
-            "split": "validation" if number % 10 == 0 else "train",
+            "split": {0: "validation", 5: "search"}.get(number % 10, "train"),
             "input_ids": ids,
             "loss_mask": [False] * prefix + [True] * (length - prefix),
             "n_tokens": length,

@@ -114,7 +114,7 @@ def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
     return np.array(frame[column].to_list(), dtype=dtype)
 
 
-@pytest.mark.parametrize("split", ["train", "validation"])
+@pytest.mark.parametrize("split", ["train", "validation", "search"])
 def test_read_snapshot_returns_the_pinned_versions_rows_in_order(lake_uri, split):
     snapshot = read_snapshot(lake_uri, 0)
     packed: PackedSequences = getattr(snapshot, split)
@@ -131,7 +131,7 @@ def test_read_snapshot_arrays_have_the_sequence_shape_and_dtypes(lake_uri):
 
     assert isinstance(snapshot, Snapshot)
     assert snapshot.seq_len == SEQ_LEN
-    for packed in (snapshot.train, snapshot.validation):
+    for packed in (snapshot.train, snapshot.validation, snapshot.search):
         assert packed.input_ids.shape == packed.loss_mask.shape == packed.position_ids.shape == (len(packed), SEQ_LEN)
         assert packed.input_ids.dtype == np.int32
         assert packed.position_ids.dtype == np.int32
@@ -139,13 +139,14 @@ def test_read_snapshot_arrays_have_the_sequence_shape_and_dtypes(lake_uri):
         assert packed.tokens == len(packed) * SEQ_LEN
 
 
-def test_read_snapshot_splits_every_row_into_train_or_validation(lake_uri):
+def test_read_snapshot_splits_every_row_into_train_validation_or_search(lake_uri):
     snapshot = read_snapshot(lake_uri, 0)
     rows = pl.read_delta(sequences_table_uri(lake_uri), version=0)
 
     assert len(snapshot.train) == rows.filter(pl.col("split") == "train").height
     assert len(snapshot.validation) == rows.filter(pl.col("split") == "validation").height
-    assert len(snapshot.train) + len(snapshot.validation) == rows.height
+    assert len(snapshot.search) == rows.filter(pl.col("split") == "search").height
+    assert len(snapshot.train) + len(snapshot.validation) + len(snapshot.search) == rows.height
     assert len(snapshot.train) > len(snapshot.validation)
 
 

@@ -19,7 +19,7 @@ from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import build_sequences, fit_long_records, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.lib.splits import TRAIN, VALIDATION, assign_split, split_shares
+from pipeline_assets.lib.splits import SEARCH, TRAIN, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
@@ -63,7 +63,7 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
         origin, silver_version, trained_on_chars = gold_policy.tokenizer_path, None, 0
     else:
         silver, silver_version, _ = usable_silver(context, lake)
-        train = assign_split(silver, gold_policy.validation_fraction).filter(pl.col("split") == TRAIN)
+        train = assign_split(silver, gold_policy.validation_fraction, search_fraction=gold_policy.search_fraction).filter(pl.col("split") == TRAIN)
         if train.is_empty():
             raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
         context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
@@ -118,7 +118,7 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     kinds=_KINDS,
     check_specs=GOLD_CHECK_SPECS,
     retry_policy=TRANSIENT,
-    description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation split. "
+    description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation/search split. "
     "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin; it becomes a "
     "data_snapshots partition only once its blocking checks pass. Cut on a cadence (the snapshot_cadence "
     "sensor), on the snapshot schedule, or by hand.",
@@ -136,7 +136,8 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     if silver.is_empty():
         raise Failure(allow_retries=False, description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
                       f"{len(blocked)} batch(es) left out as blocked)")
-    records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction)
+    records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
+                           search_fraction=gold_policy.search_fraction)
     encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
     context.log.info(f"tokenized {encoded.height} records: {int(encoded['n_tokens'].sum())} tokens")
     fitted = _fit_long_records(context, encoded, gold_policy)
@@ -179,6 +180,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "long_records_left_out": table_metadata(fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)),
             "tokens": stats["tokens"],
             "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
+            "search_tokens": int(encoded.filter(pl.col("split") == SEARCH)["n_tokens"].sum()),
             "input_chars": text_chars(silver),
             "tokens_by_source": table_metadata(stats["by_source"]),
             "tokens_per_record": MetadataValue.json(stats["per_record_quantiles"]),

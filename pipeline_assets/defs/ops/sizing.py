@@ -14,9 +14,10 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
-from pipeline_assets.lib.sizing import POINTS, Calibration, fit_stage
+from pipeline_assets.lib.sizing import EVAL_FLOPS_PER_PARAMETER, POINTS, TRAIN_FLOPS_PER_PARAMETER, Calibration, fit_stage
 
 # stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
+_FLOPS_PER_PARAMETER = {"training": TRAIN_FLOPS_PER_PARAMETER, "evaluation": EVAL_FLOPS_PER_PARAMETER}
 _MEASURED = {
     "bronze": (BRONZE_RECORDS, "input_chars"),
     "silver": (SILVER_RECORDS, "input_chars"),
@@ -30,8 +31,9 @@ _MEASURED = {
 def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
     history = {key: materialization_history(instance, key) for key, _ in _MEASURED.values()}
+    parameters = {m["partition"]: m["parameters"] for m in reversed(history[TRAINING_CHECKPOINT]) if m.get("parameters")}
     points = pl.DataFrame(
-        [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work)],
+        [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work, parameters)],
         schema=POINTS,
     )
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
@@ -44,7 +46,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibrat
     bronze = latest_per_partition(history[BRONZE_RECORDS])
     landed_chars = sum(m.get("input_chars") or 0 for m in bronze)
     landed_records = sum(m.get("lines_read") or 0 for m in bronze)
-    training, evaluation = history[TRAINING_CHECKPOINT][0], _newest_with(history[EVALUATION_REPORT], "tokens_scored")
+    training, evaluation = _newest_with(history[TRAINING_CHECKPOINT], "parameters"), _newest_with(history[EVALUATION_REPORT], "tokens_scored")
+    silver = latest_per_partition(history[SILVER_RECORDS])
     return Calibration(
         fits=fits,
         avg_chars=landed_chars / max(landed_records, 1),
@@ -56,12 +59,39 @@ def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibrat
         train_ranks=int(training.get("world_size") or 1),
         train_gpus=int(training.get("gpus") or 0),
         validation_fraction=validation_fraction,
+        parameters=int(training["parameters"]),
+        silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver) / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
 
 
-def _points(stage: str, history: list[dict], work: str) -> list[dict]:
-    return [{"stage": stage, "materializations": 1, "work": float(m[work]), "wall_seconds": float(m["wall_seconds"])}
-            for m in history if m.get(work) and m.get("wall_seconds") is not None]
+def _points(stage: str, history: list[dict], work: str, parameters: dict[str, int]) -> list[dict]:
+    """One point a materialization. Training's and evaluation's work in model FLOPs (the parameters of the
+    partition's trained model; a run without them is left out); silver's with the index rows it read."""
+    earlier = _earlier_index_rows(history) if stage == "silver" else {}
+    points = []
+    for number, m in enumerate(history):
+        if not m.get(work) or m.get("wall_seconds") is None:
+            continue
+        amount = float(m[work])
+        if stage in _FLOPS_PER_PARAMETER:
+            if not parameters.get(m["partition"]):
+                continue
+            amount *= _FLOPS_PER_PARAMETER[stage] * parameters[m["partition"]]
+        points.append({"stage": stage, "materializations": 1, "work": amount, "wall_seconds": float(m["wall_seconds"]),
+                       "history": float(earlier.get(number, 0))})
+    return points
+
+
+def _earlier_index_rows(history: list[dict]) -> dict[int, int]:
+    """Per silver materialization (its place in the newest-first ``history``): the rows the other batches
+    had in the index when it ran (each batch's latest kept rows before then)."""
+    kept: dict[str, int] = {}
+    earlier = {}
+    for number in range(len(history) - 1, -1, -1):
+        m = history[number]
+        earlier[number] = sum(rows for batch, rows in kept.items() if batch != m["partition"])
+        kept[m["partition"]] = int(m.get("silver_rows") or 0)
+    return earlier
 
 
 def _newest_with(history: list[dict], field: str) -> dict:

@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import polars as pl
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import HparamTrial, conform, polars_schema, validate
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH
@@ -30,7 +30,8 @@ from pipeline_assets.trainer.config import TrainConfig
     pool="training",
     kinds={"delta", "pytorch", "mlflow"},
     description="Successive halving over the search space on one data snapshot: short torchrun trials, bad ones "
-    "stopped early, each a nested MLflow run. Its best configuration feeds training/checkpoint. Run by hand: "
+    "stopped early, each a nested MLflow run, selected by loss on gold's search split (the promotion gate keeps "
+    "validation). Its best configuration feeds training/checkpoint. Run by hand: "
     "it costs several training runs.",
 )
 def hparam_search(
@@ -45,6 +46,7 @@ def hparam_search(
     partition, policy = context.partition_key, hparam_search_policy
     versions = snapshot_versions(context.instance, partition)
     base = train_config_for(partition, TrainingRunConfig(), lake, launcher, training_policy, versions)
+    _require_search_rows(lake, base.gold_version, policy.nproc_per_node)
     launcher.store("search", root=join(launcher.checkpoint_uri, partition)).clear()
     configurations = sample_configurations(policy.space, policy.trials, policy.seed)
     parent = mlflow_tracking.open_run(name=f"hparam_search {partition}", tags={"search_space": json.dumps(policy.space)},
@@ -59,7 +61,7 @@ def hparam_search(
     def report(result: TrialResult) -> None:
         verdict = "continues" if result.continued else "stops here"
         context.log.info(f"rung {result.rung} ({result.steps} steps): trial {result.trial} {result.hyperparameters} "
-                         f"validation loss {result.validation_loss:.4f}: {verdict}")
+                         f"search loss {result.search_loss:.4f}: {verdict}")
         if not result.continued:
             mlflow_tracking.client().set_tag(trial_runs[result.trial], "search.stopped_at_steps", result.steps)
 
@@ -68,7 +70,7 @@ def hparam_search(
     trials = _trials_frame(partition, outcome.results, trial_runs)
     commit = lake.replace_partition("training", "hparam_search", trials, column="partition", value=partition)
     client = mlflow_tracking.client()
-    client.log_metric(parent, "best_validation_loss", outcome.best_validation_loss)
+    client.log_metric(parent, "best_search_loss", outcome.best_search_loss)
     client.log_metric(parent, "steps_trained", outcome.steps_trained)
     client.set_tag(parent, "best_hyperparameters", json.dumps(outcome.best_hyperparameters))
     client.set_terminated(parent)
@@ -76,13 +78,21 @@ def hparam_search(
         **delta_write_metadata(commit, polars_schema(HparamTrial), upstream_versions=versions, input_bytes=0,
                                stopwatch=stopwatch),
         "best_config": MetadataValue.json(outcome.best_hyperparameters),
-        "best_validation_loss": outcome.best_validation_loss,
+        "best_search_loss": outcome.best_search_loss,
         "steps_trained": outcome.steps_trained,
         "full_grid_steps": outcome.full_grid_steps,
         "steps_saved": round(1 - outcome.steps_trained / outcome.full_grid_steps, 3),
         "trials": table_metadata(trials.drop("partition", "mlflow_run_id")),
         "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(parent)),
     })
+
+
+def _require_search_rows(lake: LakeResource, gold_version: int, ranks: int) -> None:
+    """Trials select on the search split: a snapshot without enough of it cannot be searched on."""
+    rows = lake.scan("gold", "sequences", gold_version).filter(pl.col("split") == "search").select(pl.len()).collect().item()
+    if rows < ranks:
+        raise Failure(allow_retries=False, description=f"gold/sequences v{gold_version} has {rows} search sequence(s), fewer "
+                      f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
 
 
 def _trial_run(mlflow_tracking: MlflowResource, parent: str, partition: str, trial: int, hyperparameters: dict) -> str:
@@ -105,18 +115,20 @@ def _run_trial(context: AssetExecutionContext, launcher: TorchrunLauncher, mlflo
     if export is None:
         context.log.warning(f"trial {config.partition}: no usable export ({problem})")
         return math.nan
-    loss = json.loads((export / "config.json").read_text()).get("validation_loss")
+    about = json.loads((export / "config.json").read_text())
+    loss = about.get("search_loss")
+    context.log.info(f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} {about.get('eval_split')} sequences")
     return math.nan if loss is None else float(loss)
 
 
 def _trials_frame(partition: str, results: list[TrialResult], trial_runs: dict[int, str]) -> pl.DataFrame:
     frame = pl.DataFrame(
         [{"partition": partition, "trial": r.trial, "rung": r.rung, "steps": r.steps,
-          "validation_loss": None if math.isnan(r.validation_loss) else r.validation_loss,
+          "search_loss": None if math.isnan(r.search_loss) else r.search_loss,
           "hyperparameters": json.dumps(r.hyperparameters, sort_keys=True), "continued": r.continued,
           "mlflow_run_id": trial_runs[r.trial]} for r in results],
         schema={"partition": pl.String, "trial": pl.Int64, "rung": pl.Int64, "steps": pl.Int64,
-                "validation_loss": pl.Float64, "hyperparameters": pl.String, "continued": pl.Boolean,
+                "search_loss": pl.Float64, "hyperparameters": pl.String, "continued": pl.Boolean,
                 "mlflow_run_id": pl.String},
     )
     return validate(conform(frame, HparamTrial), HparamTrial)
