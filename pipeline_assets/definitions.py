@@ -10,7 +10,7 @@ from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
-from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.reference.assets import eval_sets, eval_sets_watcher, observe_eval_sets_job
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import silver_in_order, silver_job
@@ -31,9 +31,9 @@ defs = Definitions(
     assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint, evaluation_report,
             registry_model_version, pipeline_report],
     asset_checks=[*bronze_checks, *silver_checks, *gold_checks, stage_throughput],
-    sensors=[landing_sensor, silver_in_order, automation_sensor, run_failure_recorder],
+    sensors=[landing_sensor, silver_in_order, automation_sensor, run_failure_recorder, eval_sets_watcher],
     schedules=[nightly_retrain],
-    jobs=[ingest_job, silver_job, retrain_job],
+    jobs=[ingest_job, silver_job, retrain_job, observe_eval_sets_job],
     resources=build_resources(settings),
     executor=EXECUTORS[settings.executor],
 )

@@ -19,7 +19,7 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventTy
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
-from pipeline_assets.defs.keys import TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.lib.locks import FileLock
 
@@ -126,7 +126,7 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     stale = []
     for key in keys:
         node = graph.get(key)
-        if not node.is_executable or node.partitions_def is not None:
+        if not node.is_materializable or node.partitions_def is not None:
             continue
         own = latest(key)
         if own is not None and _made_once(node):
@@ -183,6 +183,7 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
+    observe_eval_sets(defs, instance, outcome)
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
@@ -199,11 +200,27 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     return outcome
 
 
-def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None) -> None:
+def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:
+    """Observe reference/eval_sets (when the definitions hold it), so silver records the version it
+    decontaminates against; returns that data version, or None when it could not be observed."""
+    graph = defs.resolve_asset_graph()
+    if not graph.has(REFERENCE_EVAL_SETS) or not graph.get(REFERENCE_EVAL_SETS).is_observable:
+        return None
+    runs_before = len(outcome.failed_runs)
+    _execute(defs.resolve_implicit_global_asset_job_def(), instance, [REFERENCE_EVAL_SETS], outcome, partition=None)
+    if len(outcome.failed_runs) > runs_before:
+        return None
+    [latest] = instance.fetch_observations(REFERENCE_EVAL_SETS, limit=1).records
+    return latest.asset_observation.tags.get("dagster/data_version")
+
+
+def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,
+             tags: dict[str, str] | None = None) -> None:
     where = (f"snapshot {partition}" if partition.startswith("gold-v") else f"batch {partition}") if partition else "all batches"
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     result = job.execute_in_process(
-        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False
+        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False,
+        tags=tags,
     )
     outcome.runs.append(result.run_id)
     if not result.success:
