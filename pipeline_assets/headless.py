@@ -19,6 +19,7 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventTy
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.landing.registry import discover_batches
+from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.lib.locks import FileLock
@@ -183,7 +184,8 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
-    observe_eval_sets(defs, instance, outcome)
+    if _reads_eval_sets(defs, keys):
+        observe_eval_sets(defs, instance, outcome)
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
@@ -201,17 +203,23 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
 
 
 def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:
-    """Observe reference/eval_sets (when the definitions hold it), so silver records the version it
-    decontaminates against; returns that data version, or None when it could not be observed."""
+    """Observe reference/eval_sets when its files differ from the version last observed, so silver records
+    the version it decontaminates against; returns that data version (None: not observable or not observed)."""
     graph = defs.resolve_asset_graph()
     if not graph.has(REFERENCE_EVAL_SETS) or not graph.get(REFERENCE_EVAL_SETS).is_observable:
         return None
-    runs_before = len(outcome.failed_runs)
+    resource = defs.resources["eval_sets"]
+    current = resource.fingerprint(resource.files())
+    if current == observed_version(instance):
+        return current
+    failures = len(outcome.failed_runs)
     _execute(defs.resolve_implicit_global_asset_job_def(), instance, [REFERENCE_EVAL_SETS], outcome, partition=None)
-    if len(outcome.failed_runs) > runs_before:
-        return None
-    [latest] = instance.fetch_observations(REFERENCE_EVAL_SETS, limit=1).records
-    return latest.asset_observation.tags.get("dagster/data_version")
+    return None if len(outcome.failed_runs) > failures else observed_version(instance)
+
+
+def _reads_eval_sets(defs: Definitions, keys: list[AssetKey]) -> bool:
+    graph = defs.resolve_asset_graph()
+    return graph.has(REFERENCE_EVAL_SETS) and bool({REFERENCE_EVAL_SETS, *graph.get(REFERENCE_EVAL_SETS).child_keys} & set(keys))
 
 
 def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,

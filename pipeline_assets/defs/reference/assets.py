@@ -6,8 +6,10 @@ silver as stale ("upstream data changed") until `pipeline-assets backfill-decont
 
 from dagster import (
     AssetSelection,
+    DagsterInstance,
     DataVersion,
     DefaultSensorStatus,
+    EventLogRecord,
     ObserveResult,
     RunRequest,
     SensorEvaluationContext,
@@ -19,6 +21,8 @@ from dagster import (
 
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
 from pipeline_assets.resources import EvalSetsResource
+
+_DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version is stored under
 
 
 @observable_source_asset(
@@ -59,10 +63,24 @@ observe_eval_sets_job = define_asset_job(
 )
 def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResource):
     current = eval_sets.fingerprint(eval_sets.files())
-    latest = context.instance.fetch_observations(REFERENCE_EVAL_SETS, limit=1).records
-    observed = latest[0].asset_observation.tags.get("dagster/data_version") if latest else None
-    if current == observed:
+    latest = _latest_observation(context.instance)
+    if latest is not None and current == _data_version(latest):
         return SkipReason(f"eval sets unchanged (data version {current[:12]})")
     # One request per change: the same files after the same observation give the same run key.
-    after = latest[0].storage_id if latest else 0
+    after = latest.storage_id if latest else 0
     return RunRequest(run_key=f"{current}@after-{after}")
+
+
+def observed_version(instance: DagsterInstance) -> str | None:
+    """The data version reference/eval_sets was last observed at (None: never observed)."""
+    latest = _latest_observation(instance)
+    return None if latest is None else _data_version(latest)
+
+
+def _latest_observation(instance: DagsterInstance) -> EventLogRecord | None:
+    records = instance.fetch_observations(REFERENCE_EVAL_SETS, limit=1).records
+    return records[0] if records else None
+
+
+def _data_version(record: EventLogRecord) -> str | None:
+    return record.asset_observation.tags.get(_DATA_VERSION_TAG)
