@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="turn new landing files into batches and materialize everything stale")
     run.add_argument("--select", help='Dagster asset selection, e.g. "key:bronze/*" (default: everything stale)')
 
+    commands.add_parser(
+        "backfill-decontamination", help="after the eval sets changed: redo silver's decontamination of every batch, "
+        "oldest first, then cut the next snapshot")
+
     sample = commands.add_parser("sample-data", help="write the deterministic sample corpus")
     sample.add_argument("--records", type=int, default=SAMPLE_RECORDS)
     sample.add_argument("--out", type=Path, help="landing zone to write into (default: PIPELINE_LANDING_URI)")
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pipeline_assets").setLevel(logging.INFO)
     try:
         settings = Settings.from_env()
-        handlers = {"run": _run, "snapshot": _snapshot, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
+        handlers = {"run": _run, "snapshot": _snapshot, "backfill-decontamination": _backfill_decontamination, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
                     "promote": _promote, "rollback": _rollback, "sizer": _sizer}
         return handlers[args.command](args, settings)
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
@@ -111,6 +115,19 @@ def _report(outcome, settings: Settings) -> int:
           f"{len(outcome.failed_blocking_checks)} blocking failure(s)")
     for warning in outcome.warnings:
         print(f"WARNING: {warning}")
+    for problem in outcome.failed_runs + outcome.failed_blocking_checks:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 0 if outcome.ok else 1
+
+
+def _backfill_decontamination(args, settings: Settings) -> int:
+    from pipeline_assets.backfill import backfill_decontamination
+    from pipeline_assets.definitions import defs
+    from pipeline_assets.headless import one_headless_run, persistent_instance
+
+    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
+        outcome = backfill_decontamination(defs, persistent_instance(settings.dagster_home))
+    print(f"runs: {len(outcome.runs)} (the eval sets' observation, silver per batch oldest first, the next snapshot)")
     for problem in outcome.failed_runs + outcome.failed_blocking_checks:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 0 if outcome.ok else 1

@@ -11,7 +11,7 @@ from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
-from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.reference.assets import eval_sets, eval_sets_watcher, observe_eval_sets_job
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import silver_in_order, silver_job
@@ -33,9 +33,9 @@ def build_definitions(settings: Settings) -> Definitions:
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, hparam_search, training_checkpoint,
                 evaluation_report, registry_model_version, pipeline_report],
         asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by gold/sequences itself
-        sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder],
+        sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder, eval_sets_watcher],
         schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
-        jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job],
+        jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job, observe_eval_sets_job],
         resources=build_resources(settings),
         executor=EXECUTORS[settings.executor],
     )

@@ -20,7 +20,8 @@ from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.landing.registry import discover_batches
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.reference.assets import observed_version
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.lib.locks import FileLock
 
@@ -127,7 +128,7 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     stale = []
     for key in keys:
         node = graph.get(key)
-        if not node.is_executable or node.partitions_def is not None:
+        if not node.is_materializable or node.partitions_def is not None:
             continue
         own = latest(key)
         if own is not None and _made_once(node):
@@ -184,6 +185,8 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
+    if _reads_eval_sets(defs, keys):
+        observe_eval_sets(defs, instance, outcome)
     for batch, batch_keys in stale_partitions(defs, instance, keys).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
@@ -209,6 +212,26 @@ def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outco
         log.info("no new data snapshot: %s", decision.reason)
         return
     _execute(job, instance, [GOLD_SEQUENCES], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
+
+
+def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:
+    """Observe reference/eval_sets when its files differ from the version last observed, so silver records
+    the version it decontaminates against; returns that data version (None: not observable or not observed)."""
+    graph = defs.resolve_asset_graph()
+    if not graph.has(REFERENCE_EVAL_SETS) or not graph.get(REFERENCE_EVAL_SETS).is_observable:
+        return None
+    resource = defs.resources["eval_sets"]
+    current = resource.fingerprint(resource.files())
+    if current == observed_version(instance):
+        return current
+    failures = len(outcome.failed_runs)
+    _execute(defs.resolve_implicit_global_asset_job_def(), instance, [REFERENCE_EVAL_SETS], outcome, partition=None)
+    return None if len(outcome.failed_runs) > failures else observed_version(instance)
+
+
+def _reads_eval_sets(defs: Definitions, keys: list[AssetKey]) -> bool:
+    graph = defs.resolve_asset_graph()
+    return graph.has(REFERENCE_EVAL_SETS) and bool({REFERENCE_EVAL_SETS, *graph.get(REFERENCE_EVAL_SETS).child_keys} & set(keys))
 
 
 def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,

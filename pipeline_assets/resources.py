@@ -580,11 +580,11 @@ class EvalSetsResource(ConfigurableResource):
             return read_eval_sets(Path(folder))
 
     def fingerprint(self, files: dict[str, bytes]) -> str:
-        """A version for lineage: sha256 over names and contents."""
+        """The eval sets' data version: sha256 over each file's name and the sha256 of its bytes."""
         digest = hashlib.sha256()
         for name, data in sorted(files.items()):
             digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-        return digest.hexdigest()[:16]
+        return digest.hexdigest()
 
 
 class SilverPolicy(ConfigurableResource):

@@ -27,6 +27,8 @@ def test_asset_keys_groups_checks_and_sensor():
             ("bronze/quarantine", "contract", True)} <= checks
     assert defs.resolve_sensor_def("landing_sensor").default_status.value == "RUNNING"
     assert defs.resolve_sensor_def("silver_in_order").default_status.value == "RUNNING"
+    assert keys["reference/eval_sets"].is_observable, "observed: its data version is the sha256 of its files"
+    assert defs.resolve_sensor_def("eval_sets_watcher").default_status.value == "RUNNING"
     assert keys["silver/records"].automation_condition is None, "silver_in_order is silver's only automatic requester"
     assert keys["gold/sequences"].automation_condition is None, "snapshot_cadence cuts snapshots, not every batch"
     assert defs.resolve_sensor_def("snapshot_cadence").default_status.value == "RUNNING"

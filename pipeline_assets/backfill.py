@@ -1,0 +1,70 @@
+"""``pipeline-assets backfill-decontamination``: redo silver for every batch decontaminated against
+other eval sets than the current ones, oldest first, then cut the next data snapshot."""
+
+from __future__ import annotations
+
+import logging
+
+from dagster import AssetRecordsFilter, DagsterInstance, Definitions
+
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, SILVER_RECORDS
+from pipeline_assets.defs.silver.order import batch_events
+from pipeline_assets.headless import RunOutcome, _execute, cut_snapshot_if_due, observe_eval_sets
+from pipeline_assets.lib.silver_order import BatchEvents, Stage, stage, unsettled_before
+
+log = logging.getLogger("pipeline_assets")
+
+_TAGS = {"pipeline/trigger": "backfill-decontamination"}
+
+
+def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> RunOutcome:
+    """Observe the eval sets; re-materialize silver, one batch at a time in arrival order, for every batch
+    whose silver was decontaminated against another version of them; then materialize gold/sequences
+    (a new snapshot without the newly contaminated records). Batches not done in silver are left to
+    silver_in_order and ``pipeline-assets run``, which use the current sets anyway."""
+    outcome = RunOutcome()
+    current = observe_eval_sets(defs, instance, outcome)
+    if current is None:
+        if not outcome.failed_runs:
+            raise ValueError("these definitions have no observable reference/eval_sets")
+        return outcome
+    events = batch_events(instance)
+    batches = _decontaminated_against_other_sets(instance, events, current)
+    log.info("eval sets at data version %s: %d silver batch(es) to decontaminate again", current[:12], len(batches))
+    if batches:
+        _require_settled_before(events, batches[-1])
+    graph = defs.resolve_asset_graph()
+    job = defs.resolve_implicit_global_asset_job_def()
+    silver_keys = sorted(graph.get(SILVER_RECORDS).execution_set_asset_keys, key=lambda key: key.to_user_string())
+    for batch in batches:
+        _execute(job, instance, silver_keys, outcome, partition=batch, tags=_TAGS)
+    if batches and graph.has(GOLD_SEQUENCES):
+        cut_snapshot_if_due(defs, instance, job, outcome,
+                            by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against new eval sets")
+    return outcome
+
+
+def _decontaminated_against_other_sets(instance: DagsterInstance, events: list[BatchEvents], current: str) -> list[str]:
+    """Batches done in silver whose latest silver read eval sets of another fingerprint, oldest first."""
+    done = {batch.batch_id: batch.silver.storage_id for batch in events if stage(batch) is Stage.DONE}
+    if not done:
+        return []
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=SILVER_RECORDS, storage_ids=list(done.values())), limit=len(done)
+    ).records
+    used = {r.partition_key: _eval_sets_version(r.asset_materialization.metadata) for r in records}
+    return sorted(batch for batch in done if used.get(batch) != current)
+
+
+def _eval_sets_version(metadata) -> str | None:
+    upstream = metadata.get("upstream_delta_versions")
+    return None if upstream is None else upstream.value.get(REFERENCE_EVAL_SETS.to_user_string())
+
+
+def _require_settled_before(events: list[BatchEvents], last: str) -> None:
+    """Silver takes batches in arrival order: an earlier batch still pending or running would fail the redo."""
+    unsettled = unsettled_before(events, last)
+    if unsettled:
+        named = ", ".join(f"{batch} ({state.value})" for batch, state in unsettled[:3])
+        raise ValueError(f"{len(unsettled)} batch(es) are not through silver yet: {named}. Run `pipeline-assets run` "
+                         "(or let silver_in_order finish), then run backfill-decontamination again.")
