@@ -19,7 +19,7 @@ class GateDecision:
     numbers: dict = field(default_factory=dict)
 
 
-def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | None, *, vocab_size: int,
+def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | None, *, vocab_size: int | None,
                    margin: float = 0.005, slice_tolerance: float = 0.02) -> GateDecision:
     """Promote when the candidate's overall loss is lower by at least ``margin`` (relative) and no
     slice is worse by more than ``slice_tolerance`` (relative). Without a champion, the candidate
@@ -27,6 +27,8 @@ def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | Non
     if OVERALL not in candidate:
         raise ValueError(f"the candidate has no {OVERALL!r} slice")
     if champion is None:
+        if vocab_size is None:
+            raise ValueError("a first model is judged against ln(vocab_size): pass the vocabulary size")
         baseline = math.log(vocab_size)
         passed = candidate[OVERALL] < baseline
         return GateDecision(passed, (
