@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     promote.add_argument("model", help="MODEL/VERSION, e.g. sft-model/3")
     promote.add_argument("--reason", default="promoted by hand")
 
-    rollback = commands.add_parser("rollback", help="move the champion alias back to the previous champion (recorded)")
+    rollback = commands.add_parser("rollback", help="move the champion alias back to the champion before it (recorded); again goes further back")
     rollback.add_argument("model_name", help="e.g. sft-model")
     rollback.add_argument("--reason", default="rolled back by hand")
 
@@ -291,24 +291,33 @@ def _lineage(args, settings: Settings) -> int:
 
 
 def _promote(args, settings: Settings) -> int:
-    from pipeline_assets.lineage import resolve_version
+    from pipeline_assets.lineage import parse_model_spec
     from pipeline_assets.resources import build_resources
 
-    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
-    version = resolve_version(mlflow_tracking, args.model)
-    mlflow_tracking.move_champion(version.name, str(version.version), by="pipeline-assets promote", reason=args.reason)
-    print(json.dumps({"model": version.name, "champion": str(version.version), "reason": args.reason}))
+    name, alias, number = parse_model_spec(args.model)
+    if alias:
+        raise ValueError(f"{args.model!r}: promote takes MODEL/VERSION, e.g. {name}/3")
+    resources = build_resources(settings)
+    mlflow_tracking = resources["mlflow_tracking"]
+    with resources["lake"].lock("registry", name):  # the gate's lock: no move between its read and its write
+        version = mlflow_tracking.existing_version(name, number)
+        mlflow_tracking.move_champion(name, str(version.version), by="pipeline-assets promote", reason=args.reason)
+    print(json.dumps({"model": name, "champion": str(version.version), "reason": args.reason}))
     return 0
 
 
 def _rollback(args, settings: Settings) -> int:
     from pipeline_assets.resources import build_resources
 
-    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
-    previous = mlflow_tracking.previous_champion(args.model_name)
-    if previous is None:
-        raise ValueError(f"{args.model_name} has no earlier champion to roll back to")
-    mlflow_tracking.move_champion(args.model_name, previous, by="pipeline-assets rollback", reason=args.reason)
+    resources = build_resources(settings)
+    mlflow_tracking = resources["mlflow_tracking"]
+    mlflow_tracking.require_model(args.model_name)
+    with resources["lake"].lock("registry", args.model_name):
+        previous = mlflow_tracking.rollback_target(args.model_name)
+        if previous is None:
+            raise ValueError(f"{args.model_name} has no earlier champion to roll back to (see its champion_history tag)")
+        mlflow_tracking.move_champion(args.model_name, previous, by="pipeline-assets rollback", reason=args.reason,
+                                      kind="rollback")
     print(json.dumps({"model": args.model_name, "champion": previous, "reason": args.reason}))
     return 0
 

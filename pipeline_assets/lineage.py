@@ -27,7 +27,7 @@ def parse_model_spec(spec: str) -> tuple[str, str | None, str | None]:
 
 def resolve_version(mlflow_tracking: MlflowResource, spec: str):
     name, alias, number = parse_model_spec(spec)
-    found = mlflow_tracking.version_by_alias(name, alias) if alias else mlflow_tracking.client().get_model_version(name, number)
+    found = mlflow_tracking.version_by_alias(name, alias) if alias else mlflow_tracking.existing_version(name, number)
     if found is None:
         raise ValueError(f"{spec}: no such model version in the registry at {mlflow_tracking.shown_tracking_uri()}")
     return found

@@ -33,6 +33,7 @@ from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
+from pipeline_assets.lib.promotion import rollback_target
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.retention import Removed
 from pipeline_assets.lib.silver import SilverConfig
@@ -853,21 +854,41 @@ class MlflowResource(ConfigurableResource):
         tags = self.client().get_registered_model(model_name).tags
         return json.loads(tags.get(CHAMPION_HISTORY_TAG, "[]"))
 
-    def move_champion(self, model_name: str, version: str, *, by: str, reason: str) -> None:
-        """Point ``champion`` at ``version`` and record who moved it and why (newest last)."""
+    def move_champion(self, model_name: str, version: str, *, by: str, reason: str, kind: str = "promote") -> None:
+        """Point ``champion`` at ``version`` and record who moved it, why and how (``promote`` or
+        ``rollback``), newest last."""
         client = self.client()
         previous = self.version_by_alias(model_name, "champion")
         client.set_registered_model_alias(model_name, "champion", version)
-        entry = {"version": str(version), "previous": str(previous.version) if previous else None, "by": by,
-                 "reason": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        entry = {"version": str(version), "previous": str(previous.version) if previous else None, "kind": kind,
+                 "by": by, "reason": reason, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         history = (self.champion_history(model_name) + [entry])[-_HISTORY_KEPT:]
         client.set_registered_model_tag(model_name, CHAMPION_HISTORY_TAG, json.dumps(history))
         client.set_model_version_tag(model_name, version, "champion_since", entry["at"])
 
-    def previous_champion(self, model_name: str) -> str | None:
-        """The version that was champion before the current one, from the recorded history."""
-        history = self.champion_history(model_name)
-        return history[-1]["previous"] if history else None
+    def rollback_target(self, model_name: str) -> str | None:
+        """The champion before the current one in the recorded history, skipping those rollbacks left."""
+        current = self.version_by_alias(model_name, "champion")
+        return rollback_target(self.champion_history(model_name), current=str(current.version) if current else None)
+
+    def existing_version(self, model_name: str, version: str):
+        """The registered version, or ``ValueError`` naming what the registry holds."""
+        from mlflow.exceptions import MlflowException
+
+        client = self.client()
+        try:
+            return client.get_model_version(model_name, version)
+        except MlflowException:
+            pass
+        held = sorted(int(v.version) for v in client.search_model_versions(f"name = '{model_name}'"))
+        if not held:
+            raise ValueError(f"no registered model {model_name!r} in the registry at {self.tracking_uri}")
+        raise ValueError(f"{model_name} has no version {version} (registered versions: {', '.join(map(str, held))})")
+
+    def require_model(self, model_name: str) -> None:
+        """``ValueError`` unless ``model_name`` is registered."""
+        if not self.client().search_registered_models(filter_string=f"name = '{model_name}'"):
+            raise ValueError(f"no registered model {model_name!r} in the registry at {self.tracking_uri}")
 
     def download_model(self, model_name: str, version: str, destination: Path) -> Path:
         import mlflow.artifacts

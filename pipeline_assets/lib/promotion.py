@@ -19,7 +19,7 @@ class GateDecision:
     numbers: dict = field(default_factory=dict)
 
 
-def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | None, *, vocab_size: int,
+def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | None, *, vocab_size: int | None,
                    margin: float = 0.005, slice_tolerance: float = 0.02) -> GateDecision:
     """Promote when the candidate's overall loss is lower by at least ``margin`` (relative) and no
     slice is worse by more than ``slice_tolerance`` (relative). Without a champion, the candidate
@@ -27,6 +27,8 @@ def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | Non
     if OVERALL not in candidate:
         raise ValueError(f"the candidate has no {OVERALL!r} slice")
     if champion is None:
+        if vocab_size is None:
+            raise ValueError("a first model is judged against ln(vocab_size): pass the vocabulary size")
         baseline = math.log(vocab_size)
         passed = candidate[OVERALL] < baseline
         return GateDecision(passed, (
@@ -55,3 +57,45 @@ def promotion_gate(candidate: dict[str, float], champion: dict[str, float] | Non
     return GateDecision(True, f"overall loss improves {improvement:.2%} (required {margin:.2%}); the worst slice "
                               f"{worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance {slice_tolerance:.2%})",
                         numbers)
+
+
+def champion_moved(*, seen: str | None, current: str | None, candidate: str) -> str | None:
+    """Why an evaluation's numbers no longer judge the champion (None while they still do): the
+    report measured the candidate against ``seen``, but ``current`` holds the alias now."""
+    if current in (seen, candidate):
+        return None
+    then = f"v{seen}" if seen else "no champion"
+    now = f"v{current}" if current else "none"
+    return (f"the champion moved since evaluation/report measured this candidate (then {then}, now {now}): "
+            "its numbers do not judge the current champion; materialize evaluation/report and "
+            "registry/model_version for this snapshot again")
+
+
+def _is_rollback(entry: dict) -> bool:
+    # Entries written before `kind` existed name the rollback command in `by`.
+    return entry.get("kind", "rollback" if entry.get("by") == "pipeline-assets rollback" else "promote") == "rollback"
+
+
+def champion_chain(history: list[dict]) -> list[str]:
+    """The champions still to roll back to, oldest first, replayed from the recorded moves (oldest
+    first): a promotion stacks its version, a rollback removes the version it left."""
+    chain: list[str] = []
+    for entry in history:
+        version = str(entry["version"])
+        if _is_rollback(entry):
+            while chain and chain[-1] != version:
+                chain.pop()
+            if not chain:
+                chain.append(version)
+        elif not chain or chain[-1] != version:
+            chain.append(version)
+    return chain
+
+
+def rollback_target(history: list[dict], *, current: str | None) -> str | None:
+    """The version a rollback from ``current`` goes to: the champion before it in the chain, never
+    ``current`` itself; None when there is none."""
+    chain = champion_chain(history)
+    while chain and chain[-1] == current:
+        chain.pop()
+    return chain[-1] if chain else None

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline_assets.lib.promotion import promotion_gate
+from pipeline_assets.lib.promotion import champion_moved, promotion_gate, rollback_target
 
 CHAMPION = {"overall": 2.00, "source:annotate": 2.10, "source:logs": 1.90, "eval:trivia": 3.00}
 
@@ -47,3 +47,40 @@ def test_a_first_model_must_beat_the_uniform_baseline():
     assert promotion_gate({"overall": math.log(8192) - 0.01}, None, vocab_size=8192).passed
     refused = promotion_gate({"overall": math.log(8192) + 0.01}, None, vocab_size=8192)
     assert not refused.passed and refused.numbers["uniform_baseline_loss"] == pytest.approx(math.log(8192))
+
+
+def _entry(version: str, previous: str | None, kind: str = "promote") -> dict:
+    return {"version": version, "previous": previous, "kind": kind}
+
+
+def test_numbers_measured_against_the_current_champion_still_judge():
+    assert champion_moved(seen="1", current="1", candidate="3") is None
+    assert champion_moved(seen=None, current=None, candidate="1") is None
+    assert champion_moved(seen="1", current="3", candidate="3") is None, "a candidate already champion (a rerun)"
+
+
+def test_a_champion_that_moved_since_evaluation_refuses_with_both_versions():
+    reason = champion_moved(seen="1", current="2", candidate="3")
+    assert reason is not None and "v1" in reason and "v2" in reason and "evaluation/report" in reason
+    assert "no champion" in champion_moved(seen=None, current="2", candidate="3")
+
+
+def test_rollbacks_walk_back_through_the_champion_history():
+    promotions = [_entry("1", None), _entry("2", "1"), _entry("3", "2")]
+    assert rollback_target(promotions, current="3") == "2"
+    once = promotions + [_entry("2", "3", "rollback")]
+    assert rollback_target(once, current="2") == "1", "a second rollback goes one further back, never to v3"
+    twice = once + [_entry("1", "2", "rollback")]
+    assert rollback_target(twice, current="1") is None, "nothing before the first champion"
+
+
+def test_a_rollback_after_a_hand_promotion_returns_to_the_version_it_replaced():
+    history = [_entry("1", None), _entry("2", "1"), _entry("2", "2"), _entry("3", "2", "promote")]
+    assert rollback_target(history, current="3") == "2"
+    assert rollback_target(history + [_entry("2", "3", "rollback")], current="2") == "1"
+
+
+def test_an_old_history_without_kinds_reads_its_rollbacks_by_who_made_them():
+    history = [_entry("1", None), _entry("2", "1"), _entry("3", "2"),
+               {"version": "2", "previous": "3", "by": "pipeline-assets rollback"}]
+    assert rollback_target(history, current="2") == "1"

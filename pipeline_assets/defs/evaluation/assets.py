@@ -29,6 +29,7 @@ from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowReso
     kinds={"delta", "pytorch", "mlflow"},
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
+    pool="model_registry",  # with registry/model_version: one of them at a time (the instance's pool limit)
     description="Loss and perplexity on gold's validation split (overall and per source) and on the eval-set "
     "responses, for the candidate and the current champion on the same rows.",
 )
@@ -55,7 +56,8 @@ def evaluation_report(
 
     frames = [data.evaluate(load_exported(candidate_dir)[0], partition, "candidate", None)]
     context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
-    champion, champion_note = _champion(mlflow_tracking, registry_policy.model_name, trained["mlflow_run_id"], versions)
+    seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
+    champion, champion_note = _champion(seen, registry_policy.model_name, trained["mlflow_run_id"], versions)
     if champion is not None:
         with tempfile.TemporaryDirectory() as folder:
             model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(champion.version), Path(folder))
@@ -81,6 +83,8 @@ def evaluation_report(
             "candidate_perplexity": overall["candidate_perplexity"],
             "champion_loss": overall["champion"],
             "champion_version": str(champion.version) if champion else None,
+            # registry/model_version refuses to promote on these numbers once the alias has moved
+            "champion_at_evaluation": str(seen.version) if seen else None,
             "champion": champion_note,
             "slices": table_metadata(comparison),
             "picture": MetadataValue.path(str(picture)),
@@ -141,9 +145,8 @@ class EvaluationData:
         )
 
 
-def _champion(mlflow_tracking: MlflowResource, model_name: str, candidate_run_id: str, versions: dict):
-    """The champion to compare with, or None with the reason."""
-    champion = mlflow_tracking.version_by_alias(model_name, "champion")
+def _champion(champion, model_name: str, candidate_run_id: str, versions: dict):
+    """The champion to compare with (``champion``, the alias's version now), or None with the reason."""
     if champion is None:
         return None, f"no champion of {model_name} yet: the candidate is judged against the uniform baseline"
     if champion.run_id == candidate_run_id:

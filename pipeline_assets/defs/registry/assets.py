@@ -19,7 +19,7 @@ from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
-from pipeline_assets.lib.promotion import OVERALL, GateDecision, promotion_gate
+from pipeline_assets.lib.promotion import OVERALL, GateDecision, champion_moved, promotion_gate
 from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy
 
 PROMOTION_GATE = "promotion_gate"
@@ -33,6 +33,7 @@ PROMOTION_GATE = "promotion_gate"
     kinds={"mlflow"},
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
+    pool="model_registry",  # with evaluation/report: one of them at a time (the instance's pool limit)
     check_specs=[AssetCheckSpec(
         PROMOTION_GATE, asset=REGISTRY_MODEL_VERSION, blocking=True,
         description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
@@ -61,19 +62,26 @@ def registry_model_version(
         **{f"loss.{slice_name}": round(loss, 5) for slice_name, loss in losses["candidate"].items()},
     })
     mlflow_tracking.set_alias(name, "challenger", version)
-    previous = mlflow_tracking.version_by_alias(name, "champion")
-    previous_version = str(previous.version) if previous else None
-    decision = _decide(losses, version, previous_version, lake, versions, registry_policy)
-    promoted = decision.passed and previous_version != version
-    if promoted:
-        mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
+    evaluated = partition_metadata(context.instance, EVALUATION_REPORT, partition) or {}
+    measured = evaluated.get("champion_at_evaluation", _scored_champion(report))
+    with lake.lock("registry", name):  # the champion read, judged and moved as one step (the CLI takes it too)
+        previous = mlflow_tracking.version_by_alias(name, "champion")
+        previous_version = str(previous.version) if previous else None
+        moved = champion_moved(seen=measured, current=previous_version, candidate=version)
+        decision = (GateDecision(False, moved, {"champion_at_evaluation": measured, "champion_now": previous_version})
+                    if moved else _decide(losses, version, previous_version, lake, versions, registry_policy))
+        promoted = decision.passed and previous_version != version
+        if promoted:
+            mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
     context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
     return MaterializeResult(
         metadata={
             "model_name": name,
             "model_version": version,
             "champion_version": version if decision.passed else previous_version,
+            "champion_at_evaluation": measured,
             "promoted": promoted,
+            "gate": decision.reason,
             "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(trained["mlflow_run_id"])),
             "candidate_loss": losses["candidate"][OVERALL],
         },
@@ -84,6 +92,12 @@ def registry_model_version(
     )
 
 
+def _scored_champion(report: pl.DataFrame) -> str | None:
+    """The champion version the report scored (reports written before evaluation recorded the champion it saw)."""
+    scored = report.filter(pl.col("model") == "champion")["model_version"].unique().to_list()
+    return scored[0] if scored else None
+
+
 def _decide(losses: dict, version: str, champion: str | None, lake: LakeResource, versions: dict,
             policy: RegistryPolicy) -> GateDecision:
     if champion == version:
@@ -92,10 +106,12 @@ def _decide(losses: dict, version: str, champion: str | None, lake: LakeResource
         # Scored on other tokens (another tokenizer): never beaten automatically; promote by hand.
         return GateDecision(False, f"champion v{champion} could not be scored on the same rows (see "
                                    "evaluation/report): compare by hand and use `pipeline-assets promote`")
-    tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+    vocab_size = None
+    if champion is None:  # a first model is judged against the uniform baseline over the vocabulary
+        vocab_size = int(lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])["vocab_size"][0])
     return promotion_gate(
         losses["candidate"], losses["champion"] if champion is not None else None,
-        vocab_size=int(tokenizer["vocab_size"][0]), margin=policy.promotion_margin, slice_tolerance=policy.slice_tolerance,
+        vocab_size=vocab_size, margin=policy.promotion_margin, slice_tolerance=policy.slice_tolerance,
     )
 
 
