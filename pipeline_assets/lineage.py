@@ -7,6 +7,8 @@ ingest batches: those with records in the snapshot), and the landing manifest (w
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 
 from pipeline_assets.resources import LakeResource, MlflowResource
@@ -55,6 +57,7 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
         "silver": {"records_version": silver_version, "batches": batches, "uri": lake.table_uri("silver", "records")},
         "bronze": {"records_version": _int(tags.get("delta.bronze/records")), "batches": batches,
                    "uri": lake.table_uri("bronze", "records")},
+        "cost": json.loads(tags["cost_usd"]) if "cost_usd" in tags else None,  # versions registered before it was recorded: None
         "landing_files": files.to_dicts(),
     }
 

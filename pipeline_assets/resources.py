@@ -882,13 +882,13 @@ class MlflowResource(ConfigurableResource):
             pass
         held = sorted(int(v.version) for v in client.search_model_versions(f"name = '{model_name}'"))
         if not held:
-            raise ValueError(f"no registered model {model_name!r} in the registry at {self.tracking_uri}")
+            raise ValueError(f"no registered model {model_name!r} in the registry at {self.shown_tracking_uri()}")
         raise ValueError(f"{model_name} has no version {version} (registered versions: {', '.join(map(str, held))})")
 
     def require_model(self, model_name: str) -> None:
         """``ValueError`` unless ``model_name`` is registered."""
         if not self.client().search_registered_models(filter_string=f"name = '{model_name}'"):
-            raise ValueError(f"no registered model {model_name!r} in the registry at {self.tracking_uri}")
+            raise ValueError(f"no registered model {model_name!r} in the registry at {self.shown_tracking_uri()}")
 
     def download_model(self, model_name: str, version: str, destination: Path) -> Path:
         import mlflow.artifacts

@@ -16,7 +16,9 @@ import zstandard
 from dagster import instance_for_test
 from moto.server import ThreadedMotoServer
 
-from pipeline_assets.resources import EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy
+from pipeline_assets.resources import (
+    CostPolicy, EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy,
+)
 
 # The end-to-end files that take minutes (a daemon, dagster dev, several torchrun jobs), longest
 # first: started last, as alphabetical order would, they leave one pytest-xdist worker running alone.
@@ -102,6 +104,7 @@ def resources(lake, landing, eval_sets_dir) -> dict:
         "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
         "silver_policy": SilverPolicy(),
         "gold_policy": GoldPolicy(),
+        "cost_policy": CostPolicy(),
     }
 
 

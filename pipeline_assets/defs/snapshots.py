@@ -4,8 +4,9 @@ from collections.abc import Callable, Iterator
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, SILVER_RECORDS
+from pipeline_assets.defs.keys import BRONZE_RECORDS, GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.partitions import snapshot_version
+from pipeline_assets.lib.cost import Compute
 
 _SEARCH_LIMIT = 1000
 
@@ -65,3 +66,34 @@ def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: 
     if not records:
         return None
     return plain_metadata(records[0].asset_materialization)
+
+
+def data_compute_behind(instance: DagsterInstance, partition_key: str) -> Compute:
+    """CPU and GPU seconds of the data stages behind a snapshot: bronze and silver of every batch it
+    holds (the writes at the Delta versions it read), the tokenizer it used, and its own gold build."""
+    built = latest_materialization_metadata(instance, GOLD_SEQUENCES, lambda m: m.get("data_snapshot") == partition_key)
+    if built is None:
+        return Compute()
+    upstream = built.get("upstream_delta_versions") or {}
+    left_out = set(built.get("batches_left_out") or [])
+    silver = _per_batch_at_or_before(instance, SILVER_RECORDS, upstream.get("silver/records"), left_out)
+    bronze_version = max(((m.get("upstream_delta_versions") or {}).get("bronze/records", -1) for m in silver), default=-1)
+    bronze = _per_batch_at_or_before(instance, BRONZE_RECORDS, bronze_version, left_out, {m["partition"] for m in silver})
+    tokenizer = latest_materialization_metadata(
+        instance, GOLD_TOKENIZER, lambda m: m.get("tokenizer_version") == built.get("tokenizer_version"))
+    stages = [*silver, *bronze, *([tokenizer] if tokenizer else []), built]
+    return Compute(sum(float(m.get("cpu_seconds") or 0) for m in stages), sum(float(m.get("gpu_seconds") or 0) for m in stages))
+
+
+def _per_batch_at_or_before(instance: DagsterInstance, key: AssetKey, version: int | None, left_out: set[str],
+                            only: set[str] | None = None) -> list[dict]:
+    """Per batch, the newest write of ``key`` at or before Delta ``version``."""
+    if version is None:
+        return []
+    found: dict[str, dict] = {}
+    for metadata in materialization_history(instance, key):
+        batch = metadata["partition"]
+        if batch in left_out or (only is not None and batch not in only) or metadata.get("delta_version", version + 1) > version:
+            continue
+        found.setdefault(batch, metadata)
+    return list(found.values())

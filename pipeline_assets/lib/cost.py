@@ -21,8 +21,30 @@ class Prices:
     gpu_hour: float = 3.00  # $ per GPU-hour, on-demand
     spot_discount: float = 0.0  # 0.6: spot capacity at 40% of the on-demand price
 
-    def cost(self, cpu_seconds: pl.Expr, gpu_seconds: pl.Expr) -> pl.Expr:
+    def cost(self, cpu_seconds: pl.Expr | float, gpu_seconds: pl.Expr | float) -> pl.Expr | float:
         return (cpu_seconds * self.core_hour + gpu_seconds * self.gpu_hour) / 3600 * (1 - self.spot_discount)
+
+
+@dataclass(frozen=True)
+class Compute:
+    cpu_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+
+    def __add__(self, other: "Compute") -> "Compute":
+        return Compute(self.cpu_seconds + other.cpu_seconds, self.gpu_seconds + other.gpu_seconds)
+
+
+def model_version_cost(training: Compute, data: Compute, prices: Prices) -> dict:
+    """What a model version cost: its training run, and the data stages behind its snapshot, in $."""
+    training_usd, data_usd = prices.cost(training.cpu_seconds, training.gpu_seconds), prices.cost(data.cpu_seconds, data.gpu_seconds)
+    return {
+        "total_usd": round(training_usd + data_usd, 6),
+        "training_usd": round(training_usd, 6),
+        "data_usd": round(data_usd, 6),
+        "cpu_seconds": round(training.cpu_seconds + data.cpu_seconds, 2),
+        "gpu_seconds": round(training.gpu_seconds + data.gpu_seconds, 2),
+        "prices": {"core_hour": prices.core_hour, "gpu_hour": prices.gpu_hour, "spot_discount": prices.spot_discount},
+    }
 
 
 def stage_report(measured: pl.DataFrame, prices: Prices, dataset_tokens: int) -> pl.DataFrame:

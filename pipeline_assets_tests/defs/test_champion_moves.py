@@ -4,6 +4,7 @@ refuse what does not exist."""
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 
@@ -13,10 +14,12 @@ from dagster import AssetMaterialization, materialize
 
 from pipeline_assets.cli import main
 from pipeline_assets.contracts import EvaluationSlice, conform
-from pipeline_assets.defs.keys import EVALUATION_REPORT, TRAINING_CHECKPOINT
-from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.keys import (
+    BRONZE_RECORDS, EVALUATION_REPORT, GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS, TRAINING_CHECKPOINT,
+)
+from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
-from pipeline_assets.resources import MlflowResource, RegistryPolicy
+from pipeline_assets.resources import CostPolicy, MlflowResource, RegistryPolicy
 
 MODEL = "sft-model"
 CHAMPION_LOSS = 2.0
@@ -34,12 +37,14 @@ def _tiny_version(mlflow_tracking: MlflowResource, partition: str) -> str:
     return mlflow_tracking.registered_version(MODEL, run_id, "model", tags={"partition": partition})
 
 
-def _evaluated(instance, lake, mlflow_tracking, partition: str, candidate_loss: float, champion: str) -> None:
+def _evaluated(instance, lake, mlflow_tracking, partition: str, candidate_loss: float, champion: str,
+               cpu_seconds: float = 0.0) -> None:
     """What training and evaluation leave behind for a snapshot: a run, and a report against ``champion``."""
     client = mlflow_tracking.client()
     run_id = client.create_run(mlflow_tracking.experiment_id(), run_name=partition).info.run_id
     instance.report_runless_asset_event(AssetMaterialization(
-        TRAINING_CHECKPOINT, partition=partition, metadata={"mlflow_run_id": run_id, "git_commit": "test"}))
+        TRAINING_CHECKPOINT, partition=partition,
+        metadata={"mlflow_run_id": run_id, "git_commit": "test", "cpu_seconds": cpu_seconds, "gpu_seconds": 0.0}))
     instance.report_runless_asset_event(AssetMaterialization(
         EVALUATION_REPORT, partition=partition, metadata={"champion_at_evaluation": champion}))
     rows = [("candidate", None, candidate_loss), ("champion", champion, CHAMPION_LOSS)]
@@ -53,7 +58,7 @@ def _evaluated(instance, lake, mlflow_tracking, partition: str, candidate_loss: 
 def _register(instance, lake, mlflow_tracking, partition: str):
     return materialize([registry_model_version], partition_key=partition, instance=instance, raise_on_error=False,
                        resources={"lake": lake, "mlflow_tracking": mlflow_tracking,
-                                  "registry_policy": RegistryPolicy(model_name=MODEL)})
+                                  "registry_policy": RegistryPolicy(model_name=MODEL), "cost_policy": CostPolicy()})
 
 
 def _gate(result):
@@ -122,3 +127,27 @@ def test_rollbacks_walk_back_and_missing_versions_are_refused(tmp_path, mlflow_t
     assert code == 0, err
     code, err = _cli(capsys, "rollback", MODEL)
     assert code == 0 and _champion(mlflow_tracking) == "1", "back to the champion the promotion replaced"
+
+
+def test_a_version_carries_its_training_and_data_cost(instance, lake, mlflow_tracking):
+    """An hour of training CPU, and 50 minutes of data stages behind the snapshot (its gold build, its
+    tokenizer, bronze and silver of its batch at the Delta versions it read; a later redo of silver
+    is not its cost), at the default $0.048 per core-hour."""
+    instance.add_dynamic_partitions(data_snapshots.name, ["gold-v0", "gold-v1"])
+    instance.add_dynamic_partitions(ingest_batches.name, ["b1"])
+    mlflow_tracking.move_champion(MODEL, _tiny_version(mlflow_tracking, "gold-v0"), by="test", reason="first champion")
+    for key, partition, metadata in [
+        (BRONZE_RECORDS, "b1", {"delta_version": 0, "cpu_seconds": 600.0}),
+        (SILVER_RECORDS, "b1", {"delta_version": 0, "cpu_seconds": 600.0, "upstream_delta_versions": {"bronze/records": 0}}),
+        (GOLD_TOKENIZER, None, {"tokenizer_version": 0, "cpu_seconds": 300.0}),
+        (GOLD_SEQUENCES, None, {"data_snapshot": "gold-v1", "cpu_seconds": 1500.0, "tokenizer_version": 0,
+                                "upstream_delta_versions": {"silver/records": 0}}),
+        (SILVER_RECORDS, "b1", {"delta_version": 1, "cpu_seconds": 9999.0, "upstream_delta_versions": {"bronze/records": 0}}),
+    ]:
+        instance.report_runless_asset_event(AssetMaterialization(key, partition=partition, metadata=metadata))
+    _evaluated(instance, lake, mlflow_tracking, "gold-v1", candidate_loss=1.80, champion="1", cpu_seconds=3600.0)
+    assert _register(instance, lake, mlflow_tracking, "gold-v1").success
+    version = mlflow_tracking.version_by_alias(MODEL, "champion")
+    cost = json.loads(version.tags["cost_usd"])
+    assert cost["training_usd"] == pytest.approx(0.048) and cost["data_usd"] == pytest.approx(0.04)
+    assert cost["total_usd"] == pytest.approx(0.088) and cost["cpu_seconds"] == pytest.approx(6600)

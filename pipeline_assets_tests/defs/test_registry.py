@@ -126,6 +126,9 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     landed = sorted(str(p) for p in landing_dir.rglob("*") if p.is_file() and not p.name.startswith(("_", ".")))
     assert sorted(f["uri"] for f in lineage["landing_files"]) == landed
     assert all(len(f["checksum"]) == 64 for f in lineage["landing_files"])
+    cost = lineage["cost"]  # the training run and the data stages behind its snapshot, at the report's prices
+    assert cost["training_usd"] > 0 and cost["data_usd"] > 0
+    assert cost["total_usd"] == pytest.approx(cost["training_usd"] + cost["data_usd"], abs=1e-6)
     assert _cli(registry_resources, tmp_path, "lineage", f"{MODEL}/99").returncode == 2
 
     # Training a snapshot again (a new materialization, from step 0) sees identical data.

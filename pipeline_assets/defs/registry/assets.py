@@ -1,6 +1,8 @@
 """registry/model_version: register the candidate, alias it `challenger`, and move `champion` to it
 only when the promotion gate passes."""
 
+import json
+
 import polars as pl
 from dagster import (
     AssetCheckResult,
@@ -17,10 +19,11 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
-from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
+from pipeline_assets.defs.snapshots import data_compute_behind, partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
+from pipeline_assets.lib.cost import Compute, model_version_cost
 from pipeline_assets.lib.promotion import OVERALL, GateDecision, champion_moved, promotion_gate
-from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy
+from pipeline_assets.resources import CostPolicy, LakeResource, MlflowResource, RegistryPolicy
 
 PROMOTION_GATE = "promotion_gate"
 
@@ -43,7 +46,8 @@ PROMOTION_GATE = "promotion_gate"
     "snapshot's lineage in its tags.",
 )
 def registry_model_version(
-    context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy
+    context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy,
+    cost_policy: CostPolicy,
 ) -> MaterializeResult:
     partition = context.partition_key
     versions = snapshot_versions(context.instance, partition)
@@ -54,7 +58,10 @@ def registry_model_version(
     losses = {role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
               for role in ("candidate", "champion")}
     name = registry_policy.model_name
+    training = Compute(float(trained.get("cpu_seconds") or 0), float(trained.get("gpu_seconds") or 0))
+    cost = model_version_cost(training, data_compute_behind(context.instance, partition), cost_policy.prices())
     version = mlflow_tracking.registered_version(name, trained["mlflow_run_id"], MODEL_ARTIFACT_PATH, tags={
+        "cost_usd": json.dumps(cost, sort_keys=True),
         "partition": partition,
         "git_commit": trained.get("git_commit"),
         "dagster_run_id": context.run_id,
@@ -84,6 +91,8 @@ def registry_model_version(
             "gate": decision.reason,
             "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(trained["mlflow_run_id"])),
             "candidate_loss": losses["candidate"][OVERALL],
+            "cost_usd": cost["total_usd"],
+            "cost": MetadataValue.json(cost),
         },
         check_results=[AssetCheckResult(
             check_name=PROMOTION_GATE, passed=decision.passed, severity=AssetCheckSeverity.ERROR,

@@ -106,7 +106,7 @@ def _trial_run(mlflow_tracking: MlflowResource, parent: str, partition: str, tri
 
 def _run_trial(context: AssetExecutionContext, launcher: TorchrunLauncher, mlflow_tracking: MlflowResource,
                config: TrainConfig, nproc: int) -> float:
-    env = {**os.environ, **launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.tracking_uri}
+    env = {**os.environ, **launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     done = subprocess.run(launcher.command(config.to_args(), nproc), env=env, capture_output=True, text=True)
     if done.returncode != 0:
         context.log.warning(f"trial {config.partition} failed (exit {done.returncode}): {done.stderr[-2000:]}")
