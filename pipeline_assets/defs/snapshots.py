@@ -2,7 +2,7 @@
 
 from collections.abc import Callable, Iterator
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
+from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS, GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.partitions import snapshot_version
@@ -24,6 +24,17 @@ def materialization_history(instance: DagsterInstance, key: AssetKey, limit: int
 def _history(instance: DagsterInstance, key: AssetKey, limit: int) -> Iterator[dict]:
     for record in instance.fetch_materializations(key, limit=limit).records:
         yield {**plain_metadata(record.asset_materialization), "partition": record.asset_materialization.partition}
+
+
+def latest_records_by_partition(instance: DagsterInstance, key: AssetKey) -> dict[str, object]:
+    """Per partition of ``key``, the event-log record of its latest materialization (storage id, run id, metadata)."""
+    latest = instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION)
+    if not latest:
+        return {}
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=key, storage_ids=list(latest.values())), limit=len(latest)
+    ).records
+    return {record.partition_key: record for record in records if record.partition_key}
 
 
 def latest_per_partition(history: list[dict]) -> list[dict]:

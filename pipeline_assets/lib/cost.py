@@ -30,9 +30,6 @@ class Compute:
     cpu_seconds: float = 0.0
     gpu_seconds: float = 0.0
 
-    def __add__(self, other: "Compute") -> "Compute":
-        return Compute(self.cpu_seconds + other.cpu_seconds, self.gpu_seconds + other.gpu_seconds)
-
 
 def model_version_cost(training: Compute, data: Compute, prices: Prices) -> dict:
     """What a model version cost: its training run, and the data stages behind its snapshot, in $."""

@@ -2,12 +2,12 @@
 
 from dataclasses import dataclass
 
-from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance
+from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.silver.order import blocked_batches
-from pipeline_assets.defs.snapshots import latest_materialization_metadata, plain_metadata
+from pipeline_assets.defs.snapshots import latest_materialization_metadata, latest_records_by_partition, plain_metadata
 from pipeline_assets.lib.snapshot_cadence import CadenceInputs, snapshot_due
 
 SNAPSHOT_REASON_TAG = "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold records it
@@ -35,16 +35,10 @@ def snapshot_decision(instance: DagsterInstance, min_new_fraction: float) -> Sna
 
 def _latest_silver_by_batch(instance: DagsterInstance) -> dict[str, tuple[int, int]]:
     """Per batch, its latest silver/records write: (storage id, text characters kept)."""
-    latest = instance.event_log_storage.get_latest_storage_id_by_partition(SILVER_RECORDS, DagsterEventType.ASSET_MATERIALIZATION)
-    if not latest:
-        return {}
-    records = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=SILVER_RECORDS, storage_ids=list(latest.values())), limit=len(latest)
-    ).records
     found = {}
-    for record in records:
+    for batch, record in latest_records_by_partition(instance, SILVER_RECORDS).items():
         metadata = plain_metadata(record.asset_materialization)
-        found[record.partition_key] = (record.storage_id, int(metadata.get("output_chars", metadata.get("input_chars", 0))))
+        found[batch] = (record.storage_id, int(metadata.get("output_chars", metadata.get("input_chars", 0))))
     return found
 
 

@@ -1,12 +1,13 @@
 """What the instance knows about each ingest batch's bronze and silver, for lib.silver_order."""
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
 from pipeline_assets.defs.keys import BRONZE_RECORDS, SILVER_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.snapshots import latest_records_by_partition
 from pipeline_assets.lib.silver_order import BatchEvents, Event
 
 
@@ -38,13 +39,8 @@ def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
 
 def _materializations(instance: DagsterInstance, key: AssetKey, unfinished: set[str]) -> dict[str, Event]:
     """Per batch, the latest materialization of ``key``."""
-    latest = instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION)
-    if not latest:
-        return {}
-    records = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=key, storage_ids=list(latest.values())), limit=len(latest)
-    ).records
-    return {r.partition_key: Event(r.storage_id, r.run_id, r.run_id not in unfinished) for r in records if r.partition_key}
+    return {batch: Event(r.storage_id, r.run_id, r.run_id not in unfinished)
+            for batch, r in latest_records_by_partition(instance, key).items()}
 
 
 def _attempts(instance: DagsterInstance, key: AssetKey, unfinished: set[str]) -> dict[str, Event]:
