@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
+from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG
 from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
 from pipeline_assets.headless import persistent_instance
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
@@ -34,9 +35,10 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     )
     try:
         instance = DagsterInstance.from_config(str(home / "dagster"))
-        run = _wait_for_finished_run(instance)
-        silver_run = _wait_for_finished_run(instance, not_sensor="landing_sensor")
+        run = _wait_for_finished_run(instance, sensor="landing_sensor")
+        silver_run = _wait_for_finished_run(instance, sensor="silver_in_order")
         snapshots = _wait_for_snapshot(instance)
+        snapshot_run = _wait_for_finished_run(instance, sensor="snapshot_cadence")
         trained = _wait_for_run_of(instance, TRAINING_CHECKPOINT, snapshots[0])
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
@@ -60,6 +62,7 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     gold = pl.read_delta(str(home / "lake" / "gold" / "sequences"))
     assert set(gold["record_ids"].explode()) == set(silver["record_id"])
 
+    assert snapshot_run.tags["dagster/sensor_name"] == "snapshot_cadence" and "first snapshot" in snapshot_run.tags[SNAPSHOT_REASON_TAG]
     assert trained.status == DagsterRunStatus.SUCCESS, "automation trains the new snapshot without a click"
     assert (home / "checkpoints" / "gold-v0" / "final" / "model.safetensors").exists()
     # Evaluation and registration follow by the same kind of condition as silver; `pipeline-assets run`
@@ -87,15 +90,13 @@ def _wait_for_snapshot(instance: DagsterInstance) -> list[str]:
     raise AssertionError(f"no data snapshot within {DEADLINE_SECONDS} s")
 
 
-def _wait_for_finished_run(instance: DagsterInstance, not_sensor: str | None = None):
-    """The first finished run (of a sensor other than ``not_sensor``, when given)."""
+def _wait_for_finished_run(instance: DagsterInstance, sensor: str):
+    """The first finished run that ``sensor`` requested."""
     finished = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
-        runs = [
-            run for run in instance.get_runs(RunsFilter(statuses=list(finished)))
-            if not_sensor is None or run.tags.get("dagster/sensor_name") != not_sensor
-        ]
+        runs = [run for run in instance.get_runs(RunsFilter(statuses=list(finished)))
+                if run.tags.get("dagster/sensor_name") == sensor]
         if runs:
             return runs[-1]
         time.sleep(2)

@@ -16,7 +16,6 @@ from dagster._time import get_current_datetime
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
-from pipeline_assets.defs.gold.checks import gold_checks
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, SILVER_RECORDS
 from pipeline_assets.defs.reference.assets import eval_sets, eval_sets_watcher, observe_eval_sets_job
 from pipeline_assets.defs.silver.assets import silver
@@ -34,7 +33,7 @@ UNRELATED = {"eval_set": "bench", "item_id": "b0", "prompt": "Name the largest p
 def _defs(resources) -> Definitions:
     return Definitions(
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences],
-        asset_checks=[*bronze_checks, *silver_checks, *gold_checks],
+        asset_checks=[*bronze_checks, *silver_checks],
         jobs=[observe_eval_sets_job, silver_job], sensors=[eval_sets_watcher], resources=resources,
     )
 
