@@ -1,0 +1,112 @@
+"""`pipeline-assets run` killed or stopped mid-training: the next run recovers, resumes and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dagster import DagsterInstance, DagsterRunStatus
+
+from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.trainer.storage import CheckpointStore
+from pipeline_assets_tests.test_cli import cli_environment
+
+# Long enough that the kill lands between the first published checkpoint (step 50) and the end.
+STEPS = {"PIPELINE_TRAIN_STEPS": "150"}
+_NEVER = 600.0  # a bound for a hung test, not a timing expectation
+
+
+def _environment(home: Path) -> dict[str, str]:
+    return {**cli_environment(home), **STEPS}
+
+
+def _start_run(home: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "run"], env=_environment(home),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=_environment(home),
+                          capture_output=True, text=True, timeout=_NEVER)
+
+
+def _wait_for(condition, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + _NEVER
+    while not condition():
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) too early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "hung"
+        time.sleep(0.05)
+
+
+def _tree(pid: int) -> list[ProcessIdentity]:
+    """``pid`` and its descendants (torchrun's ranks run in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(ProcessIdentity(pid=current, host="", boot_id="", started=start_ticks(current)))
+        stack.extend(parents.get(current, []))
+    return found
+
+
+def _alive(processes: list[ProcessIdentity]) -> list[int]:
+    return [p.pid for p in processes if p.started and start_ticks(p.pid) == p.started
+            and "Z" not in Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]]
+
+
+def _corpus(home: Path) -> None:
+    write_sample_corpus(home / "landing", records=1000, eval_sets_dir=home / "reference" / "eval_sets")
+
+
+def test_a_killed_run_is_recovered_and_its_training_resumed(tmp_path):
+    _corpus(tmp_path)
+    store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
+    first = _start_run(tmp_path, tmp_path / "first.log")
+    _wait_for(lambda: store.complete_steps(), first, tmp_path / "first.log")
+    tree = _tree(first.pid)
+    for process in tree:  # the whole tree at once, as the OOM killer or a lost machine would
+        os.kill(process.pid, signal.SIGKILL)
+    first.wait()
+    resumed_step = store.complete_steps()[0]
+    assert 0 < resumed_step < 150
+
+    second = _cli(tmp_path, "run")
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-3000:]
+    assert "is gone: marked failed, freed its training slot" in output
+    assert f"resumed from step {resumed_step} of run" in output
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    killed = [run for run in instance.get_runs() if f"pid {first.pid} " in output and run.status == DagsterRunStatus.FAILURE]
+    assert killed, "the killed run is marked failed"
+    summary = json.loads(_cli(tmp_path, "summary").stdout)
+    assert summary["model"]["champion_version"] == "1", "the resumed training is registered as champion"
+
+
+def test_sigterm_stops_the_run_cleanly(tmp_path):
+    _corpus(tmp_path)
+    store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
+    log = tmp_path / "run.log"
+    run = _start_run(tmp_path, log)
+    _wait_for(lambda: store.complete_steps(), run, log)
+    tree = _tree(run.pid)
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=_NEVER)
+    output = log.read_text()
+    assert code != 0
+    assert "stopped by a signal" in output and "Run the same command again" in output, output[-3000:]
+    assert _alive(tree) == [], "torchrun and its ranks are gone with the command"
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    assert not [r for r in instance.get_runs() if r.status in (DagsterRunStatus.STARTED, DagsterRunStatus.STARTING)]
