@@ -17,8 +17,9 @@ from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.trainer.storage import CheckpointStore
 from pipeline_assets_tests.test_cli import cli_environment
 
-# Long enough that the kill lands between the first published checkpoint (step 50) and the end.
-STEPS = {"PIPELINE_TRAIN_STEPS": "150"}
+# A checkpoint is published when the next one starts (saves are asynchronous): the kill lands after
+# step-5 is published, long before the last step.
+STEPS = {"PIPELINE_TRAIN_STEPS": "40", "PIPELINE_TRAIN_CHECKPOINT_EVERY": "5"}
 _NEVER = 600.0  # a bound for a hung test, not a timing expectation
 
 
@@ -81,7 +82,7 @@ def test_a_killed_run_is_recovered_and_its_training_resumed(tmp_path):
         os.kill(process.pid, signal.SIGKILL)
     first.wait()
     resumed_step = store.complete_steps()[0]
-    assert 0 < resumed_step < 150
+    assert 0 < resumed_step < 40
 
     second = _cli(tmp_path, "run")
     output = second.stdout + second.stderr
