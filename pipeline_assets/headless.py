@@ -23,6 +23,7 @@ from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
+from pipeline_assets.defs.retries import STOP_REQUESTED
 from pipeline_assets.lib.locks import FileLock
 from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_dead_runs
 
@@ -254,7 +255,7 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
         tags={**process_tags(), **(tags or {})},
     )
     outcome.runs.append(result.run_id)
-    if _interrupted(result):
+    if _interrupted(result) or STOP_REQUESTED.is_set():
         raise RunInterrupted(f"run {result.run_id} for {where} was interrupted and is marked "
                              f"{instance.get_run_by_id(result.run_id).status.value.lower()}")
     if not result.success:

@@ -72,42 +72,40 @@ def _corpus(home: Path) -> None:
     write_sample_corpus(home / "landing", records=1000, eval_sets_dir=home / "reference" / "eval_sets")
 
 
-def test_a_killed_run_is_recovered_and_its_training_resumed(tmp_path):
+def test_a_stopped_then_killed_run_is_recovered_and_its_training_resumed(tmp_path):
+    """One corpus, three commands: SIGTERM stops the first cleanly mid-training; the second resumes
+    its training and is killed outright (the whole process tree, as the OOM killer or a lost
+    machine would); the third finds the dead run, frees its slot, resumes and registers a champion."""
     _corpus(tmp_path)
     store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
-    first = _start_run(tmp_path, tmp_path / "first.log")
-    _wait_for(lambda: store.complete_steps(), first, tmp_path / "first.log")
-    tree = _tree(first.pid)
-    for process in tree:  # the whole tree at once, as the OOM killer or a lost machine would
-        os.kill(process.pid, signal.SIGKILL)
-    first.wait()
-    resumed_step = store.complete_steps()[0]
-    assert 0 < resumed_step < 40
 
-    second = _cli(tmp_path, "run")
-    output = second.stdout + second.stderr
-    assert second.returncode == 0, output[-3000:]
-    assert "is gone: marked failed, freed its training slot" in output
-    assert f"resumed from step {resumed_step} of run" in output
-    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
-    killed = [run for run in instance.get_runs() if f"pid {first.pid} " in output and run.status == DagsterRunStatus.FAILURE]
-    assert killed, "the killed run is marked failed"
-    summary = json.loads(_cli(tmp_path, "summary").stdout)
-    assert summary["model"]["champion_version"] == "1", "the resumed training is registered as champion"
-
-
-def test_sigterm_stops_the_run_cleanly(tmp_path):
-    _corpus(tmp_path)
-    store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
-    log = tmp_path / "run.log"
-    run = _start_run(tmp_path, log)
-    _wait_for(lambda: store.complete_steps(), run, log)
-    tree = _tree(run.pid)
-    run.send_signal(signal.SIGTERM)
-    code = run.wait(timeout=_NEVER)
-    output = log.read_text()
-    assert code != 0
+    stopped_log = tmp_path / "stopped.log"
+    stopped = _start_run(tmp_path, stopped_log)
+    _wait_for(lambda: store.complete_steps(), stopped, stopped_log)
+    tree = _tree(stopped.pid)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=_NEVER) != 0
+    output = stopped_log.read_text()
     assert "stopped by a signal" in output and "Run the same command again" in output, output[-3000:]
     assert _alive(tree) == [], "torchrun and its ranks are gone with the command"
     instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
     assert not [r for r in instance.get_runs() if r.status in (DagsterRunStatus.STARTED, DagsterRunStatus.STARTING)]
+    stopped_at = store.complete_steps()[0]
+
+    killed_log = tmp_path / "killed.log"
+    killed = _start_run(tmp_path, killed_log)
+    _wait_for(lambda: store.complete_steps() and store.complete_steps()[0] > stopped_at, killed, killed_log)
+    assert f"resumed from step {stopped_at} of run" in killed_log.read_text()
+    for process in _tree(killed.pid):
+        os.kill(process.pid, signal.SIGKILL)
+    killed.wait()
+    killed_at = store.complete_steps()[0]
+    assert stopped_at < killed_at < 40
+
+    last = _cli(tmp_path, "run")
+    output = last.stdout + last.stderr
+    assert last.returncode == 0, output[-3000:]
+    assert f"(pid {killed.pid} on host" in output and "is gone: marked failed, freed its training slot" in output
+    assert f"resumed from step {killed_at} of run" in output
+    summary = json.loads(_cli(tmp_path, "summary").stdout)
+    assert summary["model"]["champion_version"] == "1", "the resumed training is registered as champion"

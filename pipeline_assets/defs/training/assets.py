@@ -22,6 +22,7 @@ from dagster import (
 )
 
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
+from pipeline_assets.defs.retries import STOP_REQUESTED, STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
@@ -102,6 +103,8 @@ def training_checkpoint(
     try:
         invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
     except DagsterPipesExecutionError as exc:
+        if STOP_REQUESTED.is_set():  # saved and stopped because the command was asked to stop: not a preemption
+            raise Failure(description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved and exited ({exc})", allow_retries=False) from None
         raise Failure(description=redact(_failure_reason(str(exc), train_config))) from None
     reported = invocation.get_materialize_result().metadata or {}
     wall = time.perf_counter() - started
