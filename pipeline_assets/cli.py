@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -69,11 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("pipeline_assets").setLevel(logging.INFO)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stop request takes Ctrl-C's path
     try:
         settings = Settings.from_env()
         handlers = {"run": _run, "snapshot": _snapshot, "backfill-decontamination": _backfill_decontamination, "sample-data": _sample_data, "summary": _summary, "lineage": _lineage,
                     "promote": _promote, "rollback": _rollback, "sizer": _sizer}
         return handlers[args.command](args, settings)
+    except KeyboardInterrupt as exc:
+        print(f"pipeline-assets {args.command}: stopped by a signal{f': {exc}' if str(exc) else ''}. "
+              "Run the same command again to go on (training resumes from its newest checkpoint).", file=sys.stderr)
+        return 130
     except (ValueError, OSError) as exc:  # bad settings or paths: a message, not a traceback
         print(f"pipeline-assets {args.command}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -86,22 +92,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, settings: Settings) -> int:
     from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import one_headless_run, persistent_instance, register_batches, run_stale
+    from pipeline_assets.headless import headless_instance, one_headless_run, register_batches, run_stale
 
-    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
-        instance = persistent_instance(settings.dagster_home)
+    with one_headless_run(settings.dagster_home, say=_say):
+        instance = headless_instance(settings.dagster_home, say=_say)
         added = register_batches(defs.resources, instance)
         print(f"new ingest batches: {', '.join(added) or 'none'}")
         outcome = run_stale(defs, instance, args.select)
     return _report(outcome, settings)
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM as SIGINT: Dagster turns it into a run interruption (the training job gets SIGINT and
+    saves a checkpoint), outside a run it is a KeyboardInterrupt."""
+    from pipeline_assets.defs.retries import STOP_REQUESTED
+
+    STOP_REQUESTED.set()
+    signal.raise_signal(signal.SIGINT)
+
+
 def _snapshot(args, settings: Settings) -> int:
     from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import RunOutcome, cut_snapshot_if_due, one_headless_run, persistent_instance
+    from pipeline_assets.headless import RunOutcome, cut_snapshot_if_due, headless_instance, one_headless_run
 
-    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
-        instance = persistent_instance(settings.dagster_home)
+    with one_headless_run(settings.dagster_home, say=_say):
+        instance = headless_instance(settings.dagster_home, say=_say)
         outcome = RunOutcome()
         cut_snapshot_if_due(defs, instance, defs.resolve_implicit_global_asset_job_def(), outcome,
                             by_hand="requested by hand (pipeline-assets snapshot)")
@@ -123,10 +142,10 @@ def _report(outcome, settings: Settings) -> int:
 def _backfill_decontamination(args, settings: Settings) -> int:
     from pipeline_assets.backfill import backfill_decontamination
     from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import one_headless_run, persistent_instance
+    from pipeline_assets.headless import headless_instance, one_headless_run
 
-    with one_headless_run(settings.dagster_home, say=lambda message: print(message, flush=True)):
-        outcome = backfill_decontamination(defs, persistent_instance(settings.dagster_home))
+    with one_headless_run(settings.dagster_home, say=_say):
+        outcome = backfill_decontamination(defs, headless_instance(settings.dagster_home, say=_say))
     print(f"runs: {len(outcome.runs)} (the eval sets' observation, silver per batch oldest first, the next snapshot)")
     for problem in outcome.failed_runs + outcome.failed_blocking_checks:
         print(f"FAILED: {problem}", file=sys.stderr)

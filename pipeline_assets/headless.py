@@ -23,7 +23,9 @@ from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
+from pipeline_assets.defs.retries import STOP_REQUESTED
 from pipeline_assets.lib.locks import FileLock
+from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_dead_runs
 
 log = logging.getLogger("pipeline_assets")
 
@@ -66,6 +68,14 @@ def persistent_instance(dagster_home: str) -> DagsterInstance:
             partial.replace(config)  # a reader never sees half a file
         os.environ["DAGSTER_HOME"] = str(home)
         return DagsterInstance.get()  # creates the run, event log and schedule databases
+
+
+def headless_instance(dagster_home: str, say: Callable[[str], None]) -> DagsterInstance:
+    """The persistent instance, after marking failed the runs of ``pipeline-assets run`` processes
+    that died and freeing their pool slots (see recovery.py)."""
+    instance = persistent_instance(dagster_home)
+    recover_dead_runs(instance, say)
+    return instance
 
 
 @contextmanager
@@ -238,11 +248,16 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
              tags: dict[str, str] | None = None) -> None:
     where = (f"snapshot {partition}" if partition.startswith("gold-v") else f"batch {partition}") if partition else "all batches"
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
+    graph = job.asset_layer.asset_graph
+    announce_pool_waits(instance, [pool for key in keys for pool in graph.get(key).pools or ()], log.info)
     result = job.execute_in_process(
         run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False,
-        tags=tags,
+        tags={**process_tags(), **(tags or {})},
     )
     outcome.runs.append(result.run_id)
+    if _interrupted(result) or STOP_REQUESTED.is_set():
+        raise RunInterrupted(f"run {result.run_id} for {where} was interrupted and is marked "
+                             f"{instance.get_run_by_id(result.run_id).status.value.lower()}")
     if not result.success:
         reasons = [_failure_reason(event.event_specific_data.error) for event in result.get_step_failure_events()]
         outcome.failed_runs.append(f"run {result.run_id} for {where} failed: {'; '.join(reasons) or 'see the run in the UI'}")
@@ -254,6 +269,20 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
             outcome.failed_blocking_checks.append(said)
         else:
             outcome.warnings.append(said)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run: the headless command stops too, instead of starting the next."""
+
+
+def _interrupted(result) -> bool:
+    for event in result.get_step_failure_events():
+        error = event.event_specific_data.error
+        while error is not None:
+            if error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
+                return True
+            error = error.cause
+    return False
 
 
 def _failure_reason(error) -> str:

@@ -146,6 +146,7 @@ class Settings:
     train_device: str = "auto"
     train_preset: str = "tiny"
     train_steps: int = 200
+    train_checkpoint_every: int = 50
     mlflow_artifact_root: str = ""
     model_name: str = "sft-model"
     core_hour_usd: float = _PRICES.core_hour
@@ -192,6 +193,7 @@ class Settings:
             train_device=_env("PIPELINE_TRAIN_DEVICE", "auto"),
             train_preset=_env("PIPELINE_TRAIN_PRESET", "tiny"),
             train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
+            train_checkpoint_every=int(_float_env("PIPELINE_TRAIN_CHECKPOINT_EVERY", 50)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
             model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
             core_hour_usd=_float_env("PIPELINE_PRICE_CORE_HOUR", _PRICES.core_hour),
@@ -535,7 +537,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             device=settings.train_device,
             scratch_dir=str(Path(settings.home) / "scratch"),
         ),
-        "training_policy": TrainingPolicy(preset=settings.train_preset, steps=settings.train_steps),
+        "training_policy": TrainingPolicy(preset=settings.train_preset, steps=settings.train_steps,
+                                          checkpoint_every_steps=settings.train_checkpoint_every),
         "mlflow_tracking": MlflowResource(
             tracking_uri=_through_env("MLFLOW_TRACKING_URI", settings.mlflow_tracking_uri),
             artifact_root=settings.mlflow_artifact_root,

@@ -22,7 +22,7 @@ from pipeline_assets.resources import (
 
 # The end-to-end files that take minutes (a daemon, dagster dev, several torchrun jobs), longest
 # first: started last, as alphabetical order would, they leave one pytest-xdist worker running alone.
-LONGEST_FIRST = ["defs/test_registry.py", "test_daemon.py", "test_cli.py", "test_ui_browser.py", "trainer/test_torchrun.py",
+LONGEST_FIRST = ["test_recovery.py", "defs/test_registry.py", "test_daemon.py", "test_cli.py", "test_ui_browser.py", "trainer/test_torchrun.py",
                  "test_s3_end_to_end.py", "test_graphql.py", "defs/test_training.py", "trainer/test_hparam_search.py",
                  "defs/test_registration_race.py", "test_appended_export.py", "test_concurrent_runs.py",
                  "test_ingest_faults.py"]

@@ -4,6 +4,8 @@ A failure that would repeat (bad input, a missing upstream) is raised as
 ``Failure(allow_retries=False)`` in those stages, so it is reported at once instead of retried.
 """
 
+import threading
+
 from dagster import Backoff, RetryPolicy
 
 from pipeline_assets.resources import Settings
@@ -12,3 +14,8 @@ from pipeline_assets.resources import Settings
 # for a throttled S3 or a busy SQLite writer; a real error (a bad file, a failed contract) fails the
 # same way each time and is then reported.
 TRANSIENT = RetryPolicy(max_retries=3, delay=Settings.from_env().retry_delay_seconds, backoff=Backoff.EXPONENTIAL)
+
+# Set by `pipeline-assets` when it is asked to stop (SIGTERM, Ctrl-C): a step that fails because its
+# job was stopped (torchrun saving and exiting 143) is then not retried, and the command stops.
+STOP_REQUESTED = threading.Event()
+STOPPED_BY_A_SIGNAL = "stopped by a signal"

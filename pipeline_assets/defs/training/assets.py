@@ -1,5 +1,8 @@
 """training/checkpoint: one torchrun FSDP2 job per data snapshot, launched through Dagster Pipes."""
 
+import dataclasses
+import hashlib
+import json
 import resource
 import shlex
 import time
@@ -19,6 +22,7 @@ from dagster import (
 )
 
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
+from pipeline_assets.defs.retries import STOP_REQUESTED, STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
@@ -84,7 +88,8 @@ def training_checkpoint(
         context.log.info(f"using training/hparam_search's best configuration for {partition}: {searched}")
     train_config = train_config_for(partition, config, lake, launcher, training_policy, versions, searched)
     store = launcher.store(partition)
-    _claim_checkpoints(context, store)
+    settings = _settings_fingerprint(train_config, config.nproc_per_node or launcher.nproc_per_node)
+    resumed = _claim_checkpoints(context, store, settings)
     commit = git_commit()
     run_id = mlflow_tracking.open_run(
         name=f"train {partition}",
@@ -98,6 +103,8 @@ def training_checkpoint(
     try:
         invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
     except DagsterPipesExecutionError as exc:
+        if STOP_REQUESTED.is_set():  # saved and stopped because the command was asked to stop: not a preemption
+            raise Failure(description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved and exited ({exc})", allow_retries=False) from None
         raise Failure(description=redact(_failure_reason(str(exc), train_config))) from None
     reported = invocation.get_materialize_result().metadata or {}
     wall = time.perf_counter() - started
@@ -105,9 +112,11 @@ def training_checkpoint(
     if export is None:
         raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
     mlflow_tracking.client().log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
+    store.write_json(OWNER, {**store.read_json(OWNER), "finished": True})
     return MaterializeResult(
         metadata={
             **reported,
+            **({"resumed_from": resumed} if resumed else {}),
             "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(run_id)),
             "mlflow_run_id": run_id,
             "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
@@ -129,15 +138,34 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore) -> None:
-    """A retry of this materialization resumes its checkpoints; a new materialization of the
-    partition starts from step 0 (it must train on the same rows from scratch, not continue)."""
+def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore, settings: str) -> str | None:
+    """A retry of this materialization resumes its checkpoints, and so does a new materialization of
+    the partition whose previous one never finished with the same settings (its process was killed);
+    otherwise the partition starts from step 0 (a finished one is not continued). Returns what was
+    resumed ("step N of run R"), None for a fresh start or a retry."""
     root_run = context.dagster_run.root_run_id or context.run_id
     owner = store.read_json(OWNER)
+    resumed = None
     if owner is not None and owner.get("root_run_id") != root_run:
-        context.log.info(f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')}")
-        store.clear()
-    store.write_json(OWNER, {"root_run_id": root_run})
+        steps = store.complete_steps()
+        if not owner.get("finished") and owner.get("settings") == settings and steps:
+            resumed = f"step {steps[0]} of run {owner['root_run_id']}"
+            context.log.info(f"resumed from {resumed}: that materialization of {context.partition_key} never "
+                             "finished, and its snapshot and settings are the same")
+        else:
+            why = "finished" if owner.get("finished") else ("trained with other settings" if steps else "no checkpoint")
+            context.log.info(f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')} ({why})")
+            store.clear()
+    store.write_json(OWNER, {"root_run_id": root_run, "settings": settings})
+    return resumed
+
+
+def _settings_fingerprint(config: TrainConfig, nproc_per_node: int) -> str:
+    """What decides the trained weights, step by step (the MLflow run and the scratch folder do not)."""
+    decisive = {**dataclasses.asdict(config), "nproc_per_node": nproc_per_node}
+    for incidental in ("mlflow_run_id", "scratch_dir"):
+        decisive.pop(incidental)
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
 
 def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResource, launcher: TorchrunLauncher,

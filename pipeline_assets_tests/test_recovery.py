@@ -1,0 +1,111 @@
+"""`pipeline-assets run` killed or stopped mid-training: the next run recovers, resumes and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dagster import DagsterInstance, DagsterRunStatus
+
+from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
+from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.trainer.storage import CheckpointStore
+from pipeline_assets_tests.test_cli import cli_environment
+
+# A checkpoint is published when the next one starts (saves are asynchronous): the kill lands after
+# step-5 is published, long before the last step.
+STEPS = {"PIPELINE_TRAIN_STEPS": "40", "PIPELINE_TRAIN_CHECKPOINT_EVERY": "5"}
+_NEVER = 600.0  # a bound for a hung test, not a timing expectation
+
+
+def _environment(home: Path) -> dict[str, str]:
+    return {**cli_environment(home), **STEPS}
+
+
+def _start_run(home: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "run"], env=_environment(home),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=_environment(home),
+                          capture_output=True, text=True, timeout=_NEVER)
+
+
+def _wait_for(condition, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + _NEVER
+    while not condition():
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) too early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "hung"
+        time.sleep(0.05)
+
+
+def _tree(pid: int) -> list[ProcessIdentity]:
+    """``pid`` and its descendants (torchrun's ranks run in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(ProcessIdentity(pid=current, host="", boot_id="", started=start_ticks(current)))
+        stack.extend(parents.get(current, []))
+    return found
+
+
+def _alive(processes: list[ProcessIdentity]) -> list[int]:
+    return [p.pid for p in processes if p.started and start_ticks(p.pid) == p.started
+            and "Z" not in Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]]
+
+
+def _corpus(home: Path) -> None:
+    write_sample_corpus(home / "landing", records=1000, eval_sets_dir=home / "reference" / "eval_sets")
+
+
+def test_a_stopped_then_killed_run_is_recovered_and_its_training_resumed(tmp_path):
+    """One corpus, three commands: SIGTERM stops the first cleanly mid-training; the second resumes
+    its training and is killed outright (the whole process tree, as the OOM killer or a lost
+    machine would); the third finds the dead run, frees its slot, resumes and registers a champion."""
+    _corpus(tmp_path)
+    store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
+
+    stopped_log = tmp_path / "stopped.log"
+    stopped = _start_run(tmp_path, stopped_log)
+    _wait_for(lambda: store.complete_steps(), stopped, stopped_log)
+    tree = _tree(stopped.pid)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=_NEVER) != 0
+    output = stopped_log.read_text()
+    assert "stopped by a signal" in output and "Run the same command again" in output, output[-3000:]
+    assert _alive(tree) == [], "torchrun and its ranks are gone with the command"
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    assert not [r for r in instance.get_runs() if r.status in (DagsterRunStatus.STARTED, DagsterRunStatus.STARTING)]
+    stopped_at = store.complete_steps()[0]
+
+    killed_log = tmp_path / "killed.log"
+    killed = _start_run(tmp_path, killed_log)
+    _wait_for(lambda: store.complete_steps() and store.complete_steps()[0] > stopped_at, killed, killed_log)
+    assert f"resumed from step {stopped_at} of run" in killed_log.read_text()
+    for process in _tree(killed.pid):
+        os.kill(process.pid, signal.SIGKILL)
+    killed.wait()
+    killed_at = store.complete_steps()[0]
+    assert stopped_at < killed_at < 40
+
+    last = _cli(tmp_path, "run")
+    output = last.stdout + last.stderr
+    assert last.returncode == 0, output[-3000:]
+    assert f"(pid {killed.pid} on host" in output and "is gone: marked failed, freed its training slot" in output
+    assert f"resumed from step {killed_at} of run" in output
+    summary = json.loads(_cli(tmp_path, "summary").stdout)
+    assert summary["model"]["champion_version"] == "1", "the resumed training is registered as champion"
