@@ -109,9 +109,6 @@ def _say(message: str) -> None:
 def _interrupt(signum, frame) -> None:
     """SIGTERM as SIGINT: Dagster turns it into a run interruption (the training job gets SIGINT and
     saves a checkpoint), outside a run it is a KeyboardInterrupt."""
-    from pipeline_assets.defs.retries import STOP_REQUESTED
-
-    STOP_REQUESTED.set()
     signal.raise_signal(signal.SIGINT)
 
 

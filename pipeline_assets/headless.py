@@ -23,7 +23,7 @@ from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
-from pipeline_assets.defs.retries import STOP_REQUESTED
+from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
 from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_dead_runs
 
@@ -255,7 +255,7 @@ def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunO
         tags={**process_tags(), **(tags or {})},
     )
     outcome.runs.append(result.run_id)
-    if _interrupted(result) or STOP_REQUESTED.is_set():
+    if _interrupted(result):
         raise RunInterrupted(f"run {result.run_id} for {where} was interrupted and is marked "
                              f"{instance.get_run_by_id(result.run_id).status.value.lower()}")
     if not result.success:
@@ -279,7 +279,7 @@ def _interrupted(result) -> bool:
     for event in result.get_step_failure_events():
         error = event.event_specific_data.error
         while error is not None:
-            if error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt"):
+            if error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt") or STOPPED_BY_A_SIGNAL in error.message:
                 return True
             error = error.cause
     return False

@@ -4,8 +4,6 @@ A failure that would repeat (bad input, a missing upstream) is raised as
 ``Failure(allow_retries=False)`` in those stages, so it is reported at once instead of retried.
 """
 
-import threading
-
 from dagster import Backoff, RetryPolicy
 
 from pipeline_assets.resources import Settings
@@ -15,7 +13,5 @@ from pipeline_assets.resources import Settings
 # same way each time and is then reported.
 TRANSIENT = RetryPolicy(max_retries=3, delay=Settings.from_env().retry_delay_seconds, backoff=Backoff.EXPONENTIAL)
 
-# Set by `pipeline-assets` when it is asked to stop (SIGTERM, Ctrl-C): a step that fails because its
-# job was stopped (torchrun saving and exiting 143) is then not retried, and the command stops.
-STOP_REQUESTED = threading.Event()
+# How a step says it stopped because its process was asked to (not retried); headless stops on it.
 STOPPED_BY_A_SIGNAL = "stopped by a signal"

@@ -15,7 +15,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.gold.checks import JudgedSnapshot, packing_result
-from pipeline_assets.defs.gold.sensors import snapshot_cadence
+from pipeline_assets.defs.gold.sensors import snapshot_cadence, snapshot_schedule
 from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
 from pipeline_assets.defs.ops.schedules import nightly_retrain
 from pipeline_assets.defs.partitions import data_snapshots
@@ -208,6 +208,8 @@ def test_snapshots_are_cut_on_a_cadence_and_only_checked_ones_train(instance, re
     _ingest(instance, resources)
     tick = snapshot_cadence(build_sensor_context(instance=instance, resources={"gold_policy": policy}))
     assert isinstance(tick, SkipReason) and "cut at 10%" in tick.skip_message and "gold-v1" in tick.skip_message
+    nightly_cut = snapshot_schedule(build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 11, 26, 1)))
+    assert nightly_cut.tags[SNAPSHOT_REASON_TAG].startswith("schedule: "), "the schedule cuts whatever changed"
 
     write_landing_file(landing_dir, "logs", "c.jsonl", _records(2000, 20))
     _ingest(instance, resources)

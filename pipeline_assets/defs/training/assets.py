@@ -21,8 +21,8 @@ from dagster import (
     asset,
 )
 
-from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
-from pipeline_assets.defs.retries import STOP_REQUESTED, STOPPED_BY_A_SIGNAL
+from pipeline_assets.defs.dagster_private import DagsterExecutionInterruptedError, DagsterPipesExecutionError
+from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
@@ -102,9 +102,13 @@ def training_checkpoint(
     started, children_cpu = time.perf_counter(), _children_cpu_seconds()
     try:
         invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
-    except DagsterPipesExecutionError as exc:
-        if STOP_REQUESTED.is_set():  # saved and stopped because the command was asked to stop: not a preemption
-            raise Failure(description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved and exited ({exc})", allow_retries=False) from None
+    except DagsterExecutionInterruptedError:
+        # This process was asked to stop (Ctrl-C, SIGTERM to the command or to its run worker): the
+        # trainer saved and exited; retrying here would only be stopped again. The next
+        # materialization resumes from the saved step.
+        raise Failure(description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved its newest checkpoint and exited; "
+                      "materializing this partition again resumes from it", allow_retries=False) from None
+    except DagsterPipesExecutionError as exc:  # the trainer failed, or was preempted on its own (exit 143): retried
         raise Failure(description=redact(_failure_reason(str(exc), train_config))) from None
     reported = invocation.get_materialize_result().metadata or {}
     wall = time.perf_counter() - started
