@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from dagster import DagsterInstance, DagsterRunStatus
 from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.trainer.storage import CheckpointStore
+from pipeline_assets_tests.conftest import write_landing_file
 from pipeline_assets_tests.test_cli import cli_environment
 
 # A checkpoint is published when the next one starts (saves are asynchronous): the kill lands after
@@ -69,11 +71,46 @@ def _alive(processes: list[ProcessIdentity]) -> list[int]:
 
 
 def _corpus(home: Path) -> None:
-    write_sample_corpus(home / "landing", records=1000, eval_sets_dir=home / "reference" / "eval_sets")
+    """A small, uniform first dataset (issue 14: it must reach a champion although its rows cannot
+    be packed to 0.98), beside the sample corpus's eval sets."""
+    write_sample_corpus(home / "sample", records=200, eval_sets_dir=home / "reference" / "eval_sets")
+    write_landing_file(home / "landing", "support", "first.jsonl", support_answers(1000))
+
+
+_OPENERS = ["Thanks for reaching out about", "Sorry for the trouble with", "Happy to help with", "Good question about",
+            "We looked into", "Here is how to handle"]
+_TOPICS = ["your password", "the billing page", "a failed payment", "the mobile app", "two-factor login", "an export",
+           "the invoice email", "a locked account", "the team plan", "a refund request", "the API key", "notifications"]
+_STEPS = ["open {place} and choose {item}", "sign out, wait {n} minutes and sign in again", "clear the cache of {item} on {place}",
+          "check that {item} matches the one on {place}", "ask an admin to confirm {item} from {place}",
+          "update the app, then retry {item} from {place}", "send us {item} shown on {place}",
+          "turn {item} off and on again under {place}"]
+_PLACES = ["settings", "the dashboard", "your profile", "the security tab", "the billing tab", "the help center",
+           "the account menu", "the admin console"]
+_ITEMS = ["the reset link", "the card number", "the device", "the email address", "the backup code", "the workspace",
+          "the browser", "the subscription", "the token", "the region"]
+_CLOSERS = ["Reply here if it still fails.", "Let us know how it goes.", "We are here if you need more help.",
+            "That should fix it for good.", "Tell us the error text if one appears."]
+
+
+def support_answers(count: int, seed: int = 7) -> list[dict]:
+    """``count`` support answers of similar length (about 75 tokens), each different in its steps:
+    a small, uniform first dataset."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        topic = rng.choice(_TOPICS)
+        steps = [step.format(place=rng.choice(_PLACES), item=rng.choice(_ITEMS), n=rng.randint(2, 30))
+                 for step in rng.sample(_STEPS, 3)]
+        answer = (f"{rng.choice(_OPENERS)} {topic} (case {i}). First, {steps[0]}. Then {steps[1]}. "
+                  f"If that does not work, {steps[2]}. {rng.choice(_CLOSERS)}")
+        rows.append({"id": f"support-{i}", "prompt": f"Case {i}: I have a problem with {topic}, what should I do?",
+                     "response": answer})
+    return rows
 
 
 def test_a_stopped_then_killed_run_is_recovered_and_its_training_resumed(tmp_path):
-    """One corpus, three commands: SIGTERM stops the first cleanly mid-training; the second resumes
+    """One small uniform corpus, three commands: SIGTERM stops the first cleanly mid-training; the second resumes
     its training and is killed outright (the whole process tree, as the OOM killer or a lost
     machine would); the third finds the dead run, frees its slot, resumes and registers a champion."""
     _corpus(tmp_path)
@@ -109,3 +146,4 @@ def test_a_stopped_then_killed_run_is_recovered_and_its_training_resumed(tmp_pat
     assert f"resumed from step {killed_at} of run" in output
     summary = json.loads(_cli(tmp_path, "summary").stdout)
     assert summary["model"]["champion_version"] == "1", "the resumed training is registered as champion"
+    assert summary["data_snapshot"]["packing_efficiency"] < 0.98, "a small uniform dataset reaches a champion"

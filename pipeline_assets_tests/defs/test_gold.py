@@ -159,7 +159,7 @@ def test_a_small_uniform_first_dataset_passes_packing_and_broken_packing_fails(i
     packing = checks_by_name(result)["gold/sequences:packing_efficiency"]
     assert result.success and packing.passed, packing.description
     assert packing.metadata["packing_efficiency"].value < 0.98
-    assert packing.metadata["rows"].value <= packing.metadata["first_fit_rows"].value
+    assert packing.metadata["rows"].value <= packing.metadata["allowed_rows"].value
 
     one_per_row = resources["lake"].read("gold", "sequences").explode("record_ids", "document_lengths").with_columns(
         document_lengths=pl.concat_list("document_lengths"), record_ids=pl.concat_list("record_ids"))

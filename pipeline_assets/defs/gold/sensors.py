@@ -27,7 +27,7 @@ snapshot_job = define_asset_job(
 @sensor(
     name="snapshot_cadence",
     target=snapshot_job,
-    minimum_interval_seconds=30,
+    minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
     description="Cuts the first snapshot once silver and the tokenizer exist, then a new one whenever the silver "
     "text changed since the last cut reaches PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
