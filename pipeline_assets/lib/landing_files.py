@@ -24,7 +24,6 @@ import zstandard
 from pipeline_assets.lib.landing_contract import (
     PARSED_SCHEMA,
     QUARANTINE_SCHEMA,
-    RECORD_SCHEMA,
     Rejected,
     validate_landing_object,
     with_content_hash,
@@ -38,7 +37,7 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class FileReadResult:
-    records: pl.DataFrame  # RECORD_SCHEMA
+    records: pl.DataFrame  # landing_contract.RECORD_SCHEMA
     quarantine: pl.DataFrame  # QUARANTINE_SCHEMA
     lines_read: int
 

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from pipeline_assets.trainer.checkpoint import Checkpointer
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, parse_args
 from pipeline_assets.trainer.data import (
-    PackedSequences,
     rank_micro_batches,
     read_snapshot,
     sequences_table_uri,

@@ -26,7 +26,8 @@ def snapshot_decision(instance: DagsterInstance, min_new_fraction: float) -> Sna
     silver = _latest_silver_by_batch(instance)
     last_cut = instance.fetch_materializations(GOLD_SEQUENCES, limit=1).records
     since = last_cut[0].storage_id if last_cut else -1
-    usable = {batch: written for batch, written in silver.items() if batch not in blocked_batches(instance)}
+    blocked = blocked_batches(instance)
+    usable = {batch: written for batch, written in silver.items() if batch not in blocked}
     changed = {batch: chars for batch, (storage_id, chars) in usable.items() if storage_id > since}
     last_key, last_chars = _last_accepted(instance)
     due, reason = snapshot_due(CadenceInputs(changed, last_key, last_chars), min_new_fraction)
