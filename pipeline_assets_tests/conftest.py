@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import socket
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,19 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file, and among the rest, stays
+
+
+def cli_environment(home: Path, **env: str) -> dict[str, str]:
+    """This process's environment for the project's commands, with everything under ``home`` (PIPELINE_HOME).
+
+    Short one-rank training, and a gate that lets any candidate through: the end-to-end tests check
+    the commands, the sensors and the story between them. The two-rank FSDP path has its own tests
+    (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py, defs/test_registry.py).
+    """
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
+    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_TRAIN_NPROC="1",
+                       PIPELINE_PROMOTION_MARGIN="-1", PIPELINE_SLICE_TOLERANCE="1", **env)
+    return environment
 
 
 def record(i: int, **fields) -> dict:

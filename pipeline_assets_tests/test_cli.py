@@ -14,17 +14,7 @@ from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets_tests.conftest import record, write_landing_file
-
-
-def cli_environment(home: Path, **env: str) -> dict[str, str]:
-    """This process's environment with everything under ``home`` (PIPELINE_HOME)."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    # Short training, and a gate that lets any candidate through: this file tests the commands and the
-    # drift story; the gate has its own tests (lib/test_promotion.py, defs/test_registry.py).
-    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_PROMOTION_MARGIN="-1",
-                       PIPELINE_SLICE_TOLERANCE="1", **env)
-    return environment
+from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
 
 
 def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -34,7 +24,7 @@ def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_path):
     landing = tmp_path / "landing"
-    manifest = write_sample_corpus(landing, records=3000, eval_sets_dir=tmp_path / "reference" / "eval_sets")
+    manifest = write_sample_corpus(landing, records=1500, eval_sets_dir=tmp_path / "reference" / "eval_sets")
     first = _cli(tmp_path, "run")
     assert first.returncode == 0, first.stderr
     assert "new ingest batches: 2" in first.stdout  # the key starts with the year
@@ -91,7 +81,8 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     cores = len(os.sched_getaffinity(0))  # what the calibration's processes ran on
     assert stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores" and stages["silver"]["runs_on"] == f"{cores} cores"
     assert stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
-    assert totals["fits"]["bronze"]["note"] == "fitted on 2 sizes (2 runs)", "two batches of different sizes"
+    # Two batches of different sizes: two points (how the fit reads them depends on this machine's timing).
+    assert totals["fits"]["bronze"]["points"] == 2 and not totals["fits"]["bronze"]["note"].startswith("one size")
     assert totals["fits"]["training"]["note"].startswith("one size"), "both snapshots trained the same 6 steps"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = _cli(tmp_path, "sizer", "--records", "50000", "--first-model")

@@ -11,9 +11,7 @@ from pathlib import Path
 import polars as pl
 
 from pipeline_assets.headless import persistent_instance
-
-from pipeline_assets_tests.conftest import record, write_landing_file
-from pipeline_assets_tests.test_cli import cli_environment
+from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
 
 
 def test_two_runs_started_together_ingest_each_file_once(tmp_path):

@@ -18,6 +18,7 @@ from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG
 from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
 from pipeline_assets.headless import persistent_instance
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets_tests.conftest import cli_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_SECONDS = 240
@@ -26,8 +27,7 @@ DEADLINE_SECONDS = 240
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     home = tmp_path / "home"
     manifest = write_sample_corpus(home / "landing", records=800, eval_sets_dir=home / "reference" / "eval_sets")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"), PIPELINE_TRAIN_STEPS="6")
+    env = cli_environment(home, DAGSTER_HOME=str(home / "dagster"))
     persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does
     daemon = subprocess.Popen(
         [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],

@@ -16,8 +16,7 @@ from dagster import DagsterInstance, DagsterRunStatus
 from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.trainer.storage import CheckpointStore
-from pipeline_assets_tests.conftest import write_landing_file
-from pipeline_assets_tests.test_cli import cli_environment
+from pipeline_assets_tests.conftest import cli_environment, write_landing_file
 
 # A checkpoint is published when the next one starts (saves are asynchronous): the kill lands after
 # step-5 is published, long before the last step.

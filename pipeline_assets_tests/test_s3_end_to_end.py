@@ -5,7 +5,6 @@ layer as a local run of the same files (the split hashes content, not ingest-tim
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import boto3
 
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets_tests.conftest import BUCKET
+from pipeline_assets_tests.conftest import BUCKET, cli_environment
 
 RECORDS = 800  # enough for gold's packing check on one batch
 
@@ -22,8 +21,7 @@ DATA_LAYERS = "group:bronze or group:silver or group:gold or group:reference"
 
 
 def _pipeline(home: Path, *run_args: str, **settings: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    env.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", **settings)
+    env = cli_environment(home, **settings)
     for command in (["run", *run_args], ["summary"]):
         done = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *command], env=env, capture_output=True,
                               text=True, timeout=600)

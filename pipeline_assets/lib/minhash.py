@@ -18,7 +18,6 @@ from functools import lru_cache, partial
 import numpy as np
 import polars as pl
 import polars_hash as plh
-from datasketch import MinHash
 
 _HASH_CHUNK_DOCS = 20_000  # shingled and hashed at once in polars
 _PERMUTE_CHUNK_DOCS = 4096  # a block's shingle hashes (~1 MB) stay in cache across permutations
@@ -52,6 +51,8 @@ def shingles(text: str, config: MinHashConfig = MinHashConfig()) -> set[bytes]:
 
 @lru_cache(maxsize=8)
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from datasketch import MinHash  # imported here: it pulls in scipy, which every command would otherwise load
+
     a, b = MinHash(num_perm=num_perm, seed=seed).permutations
     return a.astype(np.uint32), b.astype(np.uint32)
 

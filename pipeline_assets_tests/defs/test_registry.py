@@ -22,18 +22,23 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
-from pipeline_assets.resources import HparamSearchPolicy, RegistryPolicy
+from pipeline_assets.resources import HparamSearchPolicy, RegistryPolicy, TorchrunLauncher
 from pipeline_assets_tests.defs.test_gold import UPSTREAM
 from pipeline_assets_tests.defs.test_training import snapshot, training_resources  # noqa: F401 (fixtures)
 
 MODEL = "sft-model"
+FIRST_STEPS = 12  # the first champion's; the better candidate trains three times as long
 DOWNSTREAM = [training_checkpoint, evaluation_report, registry_model_version]
 
 
 @pytest.fixture
-def registry_resources(training_resources) -> dict:  # noqa: F811
+def registry_resources(training_resources, tmp_path) -> dict:  # noqa: F811
+    """One rank per job: this file is about the registry (the two-rank path: defs/test_training.py)."""
     search = HparamSearchPolicy(space={"lr": [1e-4, 6e-3]}, trials=2, min_steps=5, max_steps=10, eta=2)
-    return {**training_resources, "registry_policy": RegistryPolicy(model_name=MODEL), "hparam_search_policy": search}
+    launcher = TorchrunLauncher(checkpoint_uri=str(tmp_path / "checkpoints"), nproc_per_node=1,
+                                scratch_dir=str(tmp_path / "scratch"))
+    return {**training_resources, "launcher": launcher, "registry_policy": RegistryPolicy(model_name=MODEL),
+            "hparam_search_policy": search}
 
 
 def _train_evaluate_register(instance, resources, partition: str, steps: int):
@@ -70,7 +75,7 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
         snapshot, instance, registry_resources, landing_dir, tmp_path):  # noqa: F811
     mlflow_tracking = registry_resources["mlflow_tracking"]
 
-    first = _train_evaluate_register(instance, registry_resources, snapshot, steps=30)
+    first = _train_evaluate_register(instance, registry_resources, snapshot, steps=FIRST_STEPS)
     assert first.success
     assert _gate(first).passed, "a first model becomes champion when it beats the uniform baseline"
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 1
@@ -88,7 +93,7 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     parent = MlflowClient(mlflow_tracking.tracking_uri).get_run(trials["mlflow_run_id"][0]).data.tags["mlflow.parentRunId"]
     assert MlflowClient(mlflow_tracking.tracking_uri).get_run(parent).data.tags["kind"] == "hparam_search"
 
-    better = _train_evaluate_register(instance, registry_resources, better_snapshot, steps=90)
+    better = _train_evaluate_register(instance, registry_resources, better_snapshot, steps=3 * FIRST_STEPS)
     trained_with = MlflowClient(mlflow_tracking.tracking_uri).get_run(_metadata(better, "training__checkpoint")["mlflow_run_id"])
     assert float(trained_with.data.params["lr"]) == found["best_config"]["lr"], "the search's best feeds training"
     assert better.success and _gate(better).passed, _gate(better).description
@@ -133,8 +138,8 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
 
     # Training a snapshot again (a new materialization, from step 0) sees identical data.
     again = materialize([training_checkpoint], partition_key=snapshot, instance=instance, resources=registry_resources,
-                        run_config={"ops": {"training__checkpoint": {"config": {"steps": 30}}}})
+                        run_config={"ops": {"training__checkpoint": {"config": {"steps": FIRST_STEPS}}}})
     before, after = _metadata(first, "training__checkpoint"), _metadata(again, "training__checkpoint")
     assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["first_batch_sha256"] == before["first_batch_sha256"]
-    assert after["steps"] == 30 and after["final_loss"] == before["final_loss"], "from step 0, on the same rows, same seed"
+    assert after["steps"] == FIRST_STEPS and after["final_loss"] == before["final_loss"], "from step 0, on the same rows, same seed"

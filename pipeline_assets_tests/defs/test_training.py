@@ -25,7 +25,7 @@ from pipeline_assets.trainer.export import load_exported
 from pipeline_assets_tests.defs.test_gold import UPSTREAM, _ingest
 from pipeline_assets_tests.trainer.launch import descendants
 
-STEPS = 60
+STEPS = 30
 
 
 @pytest.fixture

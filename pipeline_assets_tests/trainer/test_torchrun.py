@@ -39,7 +39,7 @@ def gold_version(workspace) -> int:
 
 @pytest.fixture(scope="module")
 def config(workspace, gold_version):
-    return tiny_config(str(workspace / "lake"), gold_version, str(workspace / "uninterrupted"))
+    return tiny_config(str(workspace / "lake"), gold_version, str(workspace / "uninterrupted"), steps=60)
 
 
 @pytest.fixture(scope="module")
