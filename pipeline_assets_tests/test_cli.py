@@ -102,13 +102,14 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
 
 
 def test_sample_data_command_is_deterministic(tmp_path):
-    outputs = []
-    for name in ("one", "two"):
-        done = _cli(tmp_path, "sample-data", "--records", "400", "--out", str(tmp_path / name),
-                    "--eval-sets-out", str(tmp_path / f"{name}-eval"))
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout)["lines"] == 400
-        outputs.append({p.relative_to(tmp_path / name): p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()})
+    """The command in a fresh process writes the same bytes as this process does (no hash seed, no clock)."""
+    done = _cli(tmp_path, "sample-data", "--records", "400", "--out", str(tmp_path / "command"),
+                "--eval-sets-out", str(tmp_path / "command-eval"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["lines"] == 400
+    write_sample_corpus(tmp_path / "here", records=400, eval_sets_dir=tmp_path / "here-eval")
+    outputs = [{p.relative_to(tmp_path / name): p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()}
+               for name in ("command", "here")]
     assert outputs[0] == outputs[1]
     suffixes = {"".join(path.suffixes) for path in outputs[0]}
     assert {".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"} <= suffixes

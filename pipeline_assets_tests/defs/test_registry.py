@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import polars as pl
@@ -15,6 +14,7 @@ import pytest
 from dagster import materialize
 from mlflow import MlflowClient
 
+from pipeline_assets import cli
 from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.partitions import data_snapshots
@@ -63,16 +63,25 @@ def _gate(result):
     return evaluation
 
 
-def _cli(resources, tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "MLFLOW_"))}
-    env.update(PIPELINE_HOME=str(tmp_path / "home"), PIPELINE_LAKE_URI=resources["lake"].uri,
-               MLFLOW_TRACKING_URI=resources["mlflow_tracking"].tracking_uri)
-    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+def _cli(monkeypatch, capsys, resources, tmp_path, *args: str) -> tuple[int, str, str]:
+    """The command run in this process (test_cli.py runs it as a subprocess): exit code, stdout, stderr."""
+    for name in [k for k in os.environ if k.startswith(("PIPELINE_", "MLFLOW_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIPELINE_LAKE_URI", resources["lake"].uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", resources["mlflow_tracking"].tracking_uri)
+    capsys.readouterr()  # what the materializations before printed
+    handler = signal.getsignal(signal.SIGTERM)  # the command takes SIGTERM's path over; the test worker keeps its own
+    try:
+        code = cli.main(list(args))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def test_gate_rollback_lineage_and_retraining_on_identical_data(
-        snapshot, instance, registry_resources, landing_dir, tmp_path):  # noqa: F811
+        snapshot, instance, registry_resources, landing_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
     mlflow_tracking = registry_resources["mlflow_tracking"]
 
     first = _train_evaluate_register(instance, registry_resources, snapshot, steps=FIRST_STEPS)
@@ -113,18 +122,18 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     assert mlflow_tracking.version_by_alias(MODEL, "challenger").version == 3
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 2, "the champion does not move"
 
-    rolled = _cli(registry_resources, tmp_path, "rollback", MODEL)
-    assert rolled.returncode == 0, rolled.stderr
+    code, _, err = _cli(monkeypatch, capsys, registry_resources, tmp_path, "rollback", MODEL)
+    assert code == 0, err
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 1
-    promoted = _cli(registry_resources, tmp_path, "promote", f"{MODEL}/2", "--reason", "rollback drill over")
-    assert promoted.returncode == 0, promoted.stderr
+    code, _, err = _cli(monkeypatch, capsys, registry_resources, tmp_path, "promote", f"{MODEL}/2", "--reason", "rollback drill over")
+    assert code == 0, err
     history = mlflow_tracking.champion_history(MODEL)
     assert [(h["version"], h["by"]) for h in history[-2:]] == [("1", "pipeline-assets rollback"), ("2", "pipeline-assets promote")]
     assert history[-1]["reason"] == "rollback drill over"
 
-    traced = _cli(registry_resources, tmp_path, "lineage", f"{MODEL}@champion")
-    assert traced.returncode == 0, traced.stderr
-    lineage = json.loads(traced.stdout)
+    code, out, err = _cli(monkeypatch, capsys, registry_resources, tmp_path, "lineage", f"{MODEL}@champion")
+    assert code == 0, err
+    lineage = json.loads(out)
     assert lineage["model"]["version"] == "2" and lineage["checkpoint"]["partition"] == better_snapshot
     assert lineage["gold"]["sequences_version"] == int(better_snapshot.removeprefix("gold-v"))
     assert lineage["mlflow_run"]["run_id"] == _metadata(better, "training__checkpoint")["mlflow_run_id"]
@@ -134,7 +143,6 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     cost = lineage["cost"]  # the training run and the data stages behind its snapshot, at the report's prices
     assert cost["training_usd"] > 0 and cost["data_usd"] > 0
     assert cost["total_usd"] == pytest.approx(cost["training_usd"] + cost["data_usd"], abs=1e-6)
-    assert _cli(registry_resources, tmp_path, "lineage", f"{MODEL}/99").returncode == 2
 
     # Training a snapshot again (a new materialization, from step 0) sees identical data.
     again = materialize([training_checkpoint], partition_key=snapshot, instance=instance, resources=registry_resources,
