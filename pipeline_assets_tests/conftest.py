@@ -21,8 +21,8 @@ from pipeline_assets.resources import (
     CostPolicy, EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy,
 )
 
-# The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), by their time
-# in a full run, longest first: started last, as alphabetical order would, they leave one pytest-xdist worker running alone.
+# The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest first by
+# their time in a full run: started last, as alphabetical order would, they leave one pytest-xdist worker alone.
 LONGEST_FIRST = ["defs/test_registry.py", "test_cli.py", "defs/test_silver.py", "trainer/test_torchrun.py", "test_recovery.py",
                  "test_s3_end_to_end.py", "test_daemon.py", "defs/test_gold.py", "defs/test_training.py",
                  "trainer/test_hparam_search.py", "defs/test_bronze.py", "test_ui_browser.py", "defs/test_registration_race.py",

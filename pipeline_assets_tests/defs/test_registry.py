@@ -125,7 +125,8 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     code, _, err = _cli(monkeypatch, capsys, registry_resources, tmp_path, "rollback", MODEL)
     assert code == 0, err
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 1
-    code, _, err = _cli(monkeypatch, capsys, registry_resources, tmp_path, "promote", f"{MODEL}/2", "--reason", "rollback drill over")
+    code, _, err = _cli(monkeypatch, capsys, registry_resources, tmp_path,
+                        "promote", f"{MODEL}/2", "--reason", "rollback drill over")
     assert code == 0, err
     history = mlflow_tracking.champion_history(MODEL)
     assert [(h["version"], h["by"]) for h in history[-2:]] == [("1", "pipeline-assets rollback"), ("2", "pipeline-assets promote")]
