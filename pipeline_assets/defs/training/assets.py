@@ -13,6 +13,7 @@ from dagster import (
     AssetSelection,
     AutomationCondition,
     Config,
+    DagsterExecutionInterruptedError,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -21,7 +22,7 @@ from dagster import (
     asset,
 )
 
-from pipeline_assets.defs.dagster_private import DagsterExecutionInterruptedError, DagsterPipesExecutionError
+from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
