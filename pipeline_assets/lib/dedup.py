@@ -291,21 +291,20 @@ def _verified_pairs(
 
 
 def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple]) -> list[int]:
-    """Union-find; every node maps to its component's smallest order key."""
-    parent = list(range(n_nodes))
+    """Connected components of the verified pairs; every node maps to its component's node with the
+    smallest order key."""
+    from scipy.sparse import coo_array  # scipy comes with datasketch, which near dedup has loaded
+    from scipy.sparse.csgraph import connected_components
 
-    def root(node: int) -> int:
-        while parent[node] != node:
-            parent[node] = parent[parent[node]]
-            node = parent[node]
-        return node
-
-    for left, right in pairs:
-        a, b = root(left), root(right)
-        if a != b:
-            winner, loser = (a, b) if order_keys[a] <= order_keys[b] else (b, a)
-            parent[loser] = winner
-    return [root(node) for node in range(n_nodes)]
+    left, right = (np.asarray(side, dtype=np.int64) for side in zip(*pairs)) if pairs else (np.empty(0, np.int64),) * 2
+    graph = coo_array((np.ones(len(left), dtype=np.int8), (left, right)), shape=(n_nodes, n_nodes))
+    _, component = connected_components(graph, directed=False)
+    rank = np.empty(n_nodes, dtype=np.int64)
+    rank[sorted(range(n_nodes), key=order_keys.__getitem__)] = np.arange(n_nodes)
+    best_rank = np.full(component.max(initial=-1) + 1, n_nodes, dtype=np.int64)
+    np.minimum.at(best_rank, component, rank)
+    node_of_rank = np.argsort(rank)
+    return node_of_rank[best_rank[component]].tolist()
 
 
 def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:

@@ -10,7 +10,7 @@ import pytest
 from datasketch import MinHash
 from datasketch.lsh import _optimal_param
 
-from pipeline_assets.lib.dedup import exact_dedup, lsh_params, near_dedup
+from pipeline_assets.lib.dedup import _cluster_survivors, exact_dedup, lsh_params, near_dedup
 from pipeline_assets.lib.minhash import MinHashConfig, shingles, signatures
 
 WORDS = [f"word{i}" for i in range(2000)] + ["Straße", "café", "naïve", "ÉCOLE", "東京", "x"]
@@ -157,3 +157,11 @@ def test_an_index_written_before_responses_were_signed_still_dedups():
     later, _ = near_dedup(_batch([_edited(originals[1], rng)], batch_id="b2", prefix="s"), legacy.lazy())
     assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00001")]
     assert '"response_jaccard":null' in later.rejected["evidence"].item()
+
+
+def test_clusters_are_connected_components_led_by_their_smallest_order_key():
+    # 0-1-2 is a chain (0 and 2 never matched directly), 3-4 a pair, 5 alone
+    order_keys = [(1, "b2", "r0"), (0, "b1", "r9"), (1, "b2", "r2"), (1, "b3", "r3"), (1, "b2", "r4"), (1, "b1", "r5")]
+    survivors = _cluster_survivors(6, [(0, 1), (2, 1), (3, 4)], order_keys)
+    assert survivors == [1, 1, 1, 4, 4, 5]
+    assert _cluster_survivors(3, [], order_keys[:3]) == [0, 1, 2]
