@@ -154,6 +154,7 @@ class Settings:
     spot_discount: float = _PRICES.spot_discount
     promotion_margin: float = 0.005
     slice_tolerance: float = 0.02
+    eval_max_tokens: int = 2_000_000
     mlflow_experiment: str = "pipeline_assets"
     mlflow_ui_url: str = "http://127.0.0.1:5000"
     executor: str = "in_process"
@@ -201,6 +202,7 @@ class Settings:
             spot_discount=_float_env("PIPELINE_SPOT_DISCOUNT", _PRICES.spot_discount),
             promotion_margin=_float_env("PIPELINE_PROMOTION_MARGIN", 0.005),
             slice_tolerance=_float_env("PIPELINE_SLICE_TOLERANCE", 0.02),
+            eval_max_tokens=int(_float_env("PIPELINE_EVAL_MAX_TOKENS", 2_000_000)),
             mlflow_experiment=_env("PIPELINE_MLFLOW_EXPERIMENT", "pipeline_assets"),
             mlflow_ui_url=_env("PIPELINE_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
             executor=_env("PIPELINE_EXECUTOR", "in_process"),
@@ -550,7 +552,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
                                   spot_discount=settings.spot_discount),
         "registry_policy": RegistryPolicy(
             model_name=settings.model_name, promotion_margin=settings.promotion_margin,
-            slice_tolerance=settings.slice_tolerance,
+            slice_tolerance=settings.slice_tolerance, eval_max_tokens=settings.eval_max_tokens,
         ),
         "retention_policy": RetentionPolicy(days=settings.retention_days),
     }
@@ -707,6 +709,7 @@ class RegistryPolicy(ConfigurableResource):
     model_name: str = "sft-model"
     promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
     slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
+    eval_max_tokens: int = Field(default=2_000_000, description="validation tokens scored per model (a fixed sample)")
 
 
 class RetentionPolicy(ConfigurableResource):

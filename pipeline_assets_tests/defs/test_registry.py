@@ -114,8 +114,16 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     assert tracked.data.metrics["eval_champion/overall_loss"] == pytest.approx(evaluated["champion_loss"])
     assert mlflow_tracking.version_by_alias(MODEL, "champion").version == 2
 
+    assert evaluated["validation_sequences_scored"] == evaluated["validation_sequences"], "the default cap scores all here"
+
     worse_snapshot = _new_snapshot(instance, registry_resources)
-    worse = _train_evaluate_register(instance, registry_resources, worse_snapshot, steps=4)
+    cap = evaluated["validation_tokens"] // 2
+    capped = {**registry_resources, "registry_policy": RegistryPolicy(model_name=MODEL, eval_max_tokens=cap)}
+    worse = _train_evaluate_register(instance, capped, worse_snapshot, steps=4)
+    sampled = _metadata(worse, "evaluation__report")
+    assert 0 < sampled["validation_tokens_scored"] <= cap < sampled["validation_tokens"]
+    assert sampled["validation_sequences_scored"] < sampled["validation_sequences"]
+    assert sampled["models_scored"] == 2, "the candidate and the champion, on the same capped sample"
     gate = _gate(worse)
     assert not gate.passed and not worse.success, "a refused candidate fails the blocking gate"
     assert gate.metadata["champion_loss"].value < gate.metadata["candidate_loss"].value

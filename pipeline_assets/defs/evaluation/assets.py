@@ -16,6 +16,7 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
+from pipeline_assets.lib.eval_sample import capped_sample
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
@@ -49,7 +50,11 @@ def evaluation_report(
         raise Failure(allow_retries=False, description=f"training/checkpoint has no materialization for {partition}: train it first")
     from pipeline_assets.trainer.export import load_exported  # torch: loaded by the run, not by every code-location load
 
-    data = EvaluationData.load(lake, eval_sets, versions)
+    data = EvaluationData.load(lake, eval_sets, versions, registry_policy.eval_max_tokens)
+    context.log.info(
+        f"scoring {data.validation_sequences[0]} of {data.validation_sequences[1]} validation sequences "
+        f"({data.validation_tokens[0]:,} of {data.validation_tokens[1]:,} tokens; cap {registry_policy.eval_max_tokens:,})"
+    )
     candidate_dir, problem = launcher.store(partition).fetch_verified("final")
     if candidate_dir is None:
         raise Failure(allow_retries=False, description=f"the exported model of {partition} is not usable: {problem}")
@@ -89,6 +94,11 @@ def evaluation_report(
             "slices": table_metadata(comparison),
             "picture": MetadataValue.path(str(picture)),
             "validation_records": data.validation_records,
+            "validation_sequences_scored": data.validation_sequences[0],
+            "validation_sequences": data.validation_sequences[1],
+            "validation_tokens_scored": data.validation_tokens[0],
+            "validation_tokens": data.validation_tokens[1],
+            "eval_max_tokens": registry_policy.eval_max_tokens,
             "eval_items": data.eval_items,
             "eval_set_tokens": data.eval_set_tokens,
             "models_scored": len(frames),
@@ -100,8 +110,12 @@ def evaluation_report(
 class EvaluationData:
     """The rows both models are scored on, loaded once at the snapshot's pinned versions."""
 
-    def __init__(self, validation: pl.DataFrame, eval_encoded: pl.DataFrame, slices: pl.DataFrame, seq_len: int, pad_id: int):
+    def __init__(self, validation: pl.DataFrame, all_validation: pl.DataFrame, eval_encoded: pl.DataFrame,
+                 slices: pl.DataFrame, seq_len: int, pad_id: int):
+        """validation: the sampled sequences; all_validation: sequence_index and real_tokens of every one."""
         self.validation, self.eval_encoded, self.slices = validation, eval_encoded, slices
+        self.validation_sequences = (validation.height, all_validation.height)  # (scored, in the snapshot)
+        self.validation_tokens = (int(validation["real_tokens"].sum()), int(all_validation["real_tokens"].sum()))
         self.seq_len, self.pad_id = seq_len, pad_id
         self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
         self.eval_items = eval_encoded.height
@@ -109,11 +123,13 @@ class EvaluationData:
         self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
-    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict) -> "EvaluationData":
-        validation = lake.read("gold", "sequences", version=versions["gold/sequences"],
-                               where=pl.col("split") == "validation").sort("sequence_index")
-        if validation.is_empty():
+    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict, max_tokens: int) -> "EvaluationData":
+        scan = lake.scan("gold", "sequences", version=versions["gold/sequences"]).filter(pl.col("split") == "validation")
+        sizes = scan.select("sequence_index", "real_tokens").collect()
+        if sizes.is_empty():
             raise Failure(allow_retries=False, description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
+        chosen = capped_sample(sizes["sequence_index"].to_numpy(), sizes["real_tokens"].to_numpy(), max_tokens)
+        validation = scan.filter(pl.col("sequence_index").is_in(chosen.tolist())).sort("sequence_index").collect()
         record_ids = validation["record_ids"].explode().unique()
         sources = (lake.scan("silver", "records", version=versions["silver/records"])
                    .select("record_id", "source")  # two columns of silver, not its text
@@ -130,7 +146,7 @@ class EvaluationData:
             items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")),
         ])
         seq_len = int(validation["input_ids"].list.len().max())
-        return cls(validation, encode_records(tokenizer, items), slices, seq_len, tokenizer.token_to_id(PAD))
+        return cls(validation, sizes, encode_records(tokenizer, items), slices, seq_len, tokenizer.token_to_id(PAD))
 
     def evaluate(self, model, partition: str, role: str, version: str | None) -> pl.DataFrame:
         from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
