@@ -22,7 +22,7 @@ import polars as pl
 from dagster import ConfigurableResource, EnvVar, PipesSubprocessClient
 from botocore.exceptions import ClientError
 from dagster_aws.s3 import S3Resource
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
@@ -293,9 +293,11 @@ class LakeResource(ConfigurableResource):
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
         return self._write(layer, name, frame, mode="append")
 
-    def overwrite(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
-        """A new version holding only ``frame``; earlier versions stay readable by time travel."""
-        return self._write(layer, name, frame, mode="overwrite")
+    def overwrite(self, layer: str, name: str, frame: pl.DataFrame, rows_per_group: int | None = None) -> DeltaCommit:
+        """A new version holding only ``frame``; earlier versions stay readable by time travel.
+        ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a time."""
+        options = {"writer_properties": WriterProperties(max_row_group_size=rows_per_group)} if rows_per_group else {}
+        return self._write(layer, name, frame, mode="overwrite", **options)
 
     def tables(self) -> list[tuple[str, str]]:
         """Every Delta table of the lake, as (layer, name)."""

@@ -38,3 +38,14 @@ def test_a_categorical_nested_in_a_struct_reads_back_as_text(lake: LakeResource)
     )
     lake.overwrite("silver", "labels", frame)
     assert lake.read("silver", "labels")["pair"].struct.field("label").to_list() == ["u", None]
+
+
+def test_an_overwrite_can_bound_its_parquet_row_groups(lake: LakeResource):
+    import pyarrow.parquet as pq
+
+    frame = pl.DataFrame({"sequence_index": range(1000), "input_ids": [[1, 2, 3]] * 1000})
+    commit = lake.overwrite("gold", "sequences", frame, rows_per_group=128)
+    [path] = lake.table("gold", "sequences").file_uris()
+    groups = pq.ParquetFile(path).metadata
+    assert commit.rows == 1000 and groups.num_row_groups == 8
+    assert max(groups.row_group(i).num_rows for i in range(groups.num_row_groups)) == 128

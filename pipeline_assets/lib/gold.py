@@ -11,6 +11,9 @@ from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_be
 from pipeline_assets.lib.splits import SPLITS
 
 SNAPSHOT_ORDER = ("split", "sequence_index")
+# Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
+# block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
+SEQUENCES_PER_BLOCK = 4096
 LONG_RECORD_MODES = ("truncate", "drop")
 DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
 LEFT_OUT_SCHEMA = pl.Schema(

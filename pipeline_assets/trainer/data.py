@@ -1,12 +1,20 @@
-"""Gold sequences at a pinned Delta version, and the per-rank batches of a resumable stream.
+"""Gold sequences at a pinned Delta version, read a block at a time, and the per-rank batches of a
+resumable stream.
 
-The global order is a stream: epoch e is a permutation of the training sequences seeded with
-(seed, e), and the stream is the epochs end to end. A position in the stream (sequences consumed)
-is the whole loader state: resuming at position p, from any world size, continues the same order.
+The global order is a stream: epoch e visits the training sequences block by block (blocks of
+STREAM_BLOCK consecutive ``sequence_index`` values, in an order seeded with (seed, e)), each block's
+sequences in an order seeded with (seed, e, block). Gold already shuffles the sequences it packs, so
+a block holds a random sample of the split. A position in the stream (sequences consumed) is the
+whole loader state: resuming at position p, from any world size, continues the same order.
+
+A rank holds at most CACHED_BLOCKS blocks of a split in memory, whatever the snapshot's size: the
+ranks of one step read the same block (its row groups; Parquet reads no less) and keep the rows
+they were dealt.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,9 +22,11 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.gold import in_snapshot_order
+from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
+STREAM_BLOCK = SEQUENCES_PER_BLOCK  # the unit of the stream's shuffle and of reading: gold's row groups
+CACHED_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -40,14 +50,69 @@ class PackedSequences:
         }
 
 
+class SplitRows:
+    """One split of a snapshot, ``sequence_index`` 0..n-1, read from Delta a block at a time (the
+    most recently used CACHED_BLOCKS blocks kept)."""
+
+    def __init__(self, scan: pl.LazyFrame, split: str, n_sequences: int, seq_len: int, describe: str,
+                 vocab_size: int | None = None, block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS):
+        self._scan, self.split, self.n_sequences, self.seq_len = scan, split, n_sequences, seq_len
+        self._describe, self.vocab_size, self.block, self.cached_blocks = describe, vocab_size, block, cached_blocks
+        self._cache: OrderedDict[int, PackedSequences] = OrderedDict()
+        self.blocks_read = 0
+
+    def __len__(self) -> int:
+        return self.n_sequences
+
+    @property
+    def cached_sequences(self) -> int:
+        return sum(len(block) for block in self._cache.values())
+
+    def batch(self, indexes: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+        """The rows at these positions (sequence_index values), in this order, as tensors."""
+        indexes = np.asarray(indexes, dtype=np.int64)
+        if indexes.size and (indexes.min() < 0 or indexes.max() >= self.n_sequences):
+            raise IndexError(f"{self.split} has {self.n_sequences} sequences, asked for {indexes.min()}..{indexes.max()}")
+        parts = {name: np.empty((indexes.size, self.seq_len), dtype=bool if name == "loss_mask" else np.int32) for name in COLUMNS}
+        blocks, offsets = np.divmod(indexes, self.block)
+        for number in np.unique(blocks):
+            chosen = blocks == number
+            rows = self._block(int(number))
+            for name in COLUMNS:
+                parts[name][chosen] = getattr(rows, name)[offsets[chosen]]
+        return PackedSequences(**parts).batch(np.arange(indexes.size), device)
+
+    def _block(self, number: int) -> PackedSequences:
+        if number in self._cache:
+            self._cache.move_to_end(number)
+            return self._cache[number]
+        first = number * self.block
+        frame = (self._scan.filter((pl.col("split") == self.split) & pl.col("sequence_index").is_between(first, first + self.block - 1))
+                 .select("sequence_index", *COLUMNS).collect().sort("sequence_index"))
+        expected = min(self.block, self.n_sequences - first)
+        if frame.height != expected or frame["input_ids"].list.len().min() != self.seq_len or frame["input_ids"].list.len().max() != self.seq_len:
+            raise ValueError(f"{self._describe} {self.split} sequences {first}..{first + expected - 1}: expected {expected} rows "
+                             f"of {self.seq_len} tokens, found {frame.height} (a snapshot mixing sequence lengths or with gaps)")
+        rows = PackedSequences(**{name: frame[name].list.to_array(self.seq_len).to_numpy() for name in COLUMNS})
+        largest = int(rows.input_ids.max(initial=0))
+        if self.vocab_size is not None and largest >= self.vocab_size:
+            raise ValueError(f"{self._describe} holds token id {largest}, beyond --vocab-size {self.vocab_size}: "
+                             "pass the tokenizer's vocabulary size")
+        self._cache[number] = rows
+        self.blocks_read += 1
+        while len(self._cache) > self.cached_blocks:
+            self._cache.popitem(last=False)
+        return rows
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    train: PackedSequences
-    validation: PackedSequences
-    search: PackedSequences
+    train: SplitRows
+    validation: SplitRows
+    search: SplitRows
     seq_len: int
 
-    def held_out(self, split: str) -> PackedSequences:
+    def held_out(self, split: str) -> SplitRows:
         """The held-out split a loss is measured on: validation (the promotion gate's rows) or search."""
         return {"validation": self.validation, "search": self.search}[split]
 
@@ -56,28 +121,27 @@ def sequences_table_uri(lake_uri: str) -> str:
     return uris.join(lake_uri, "gold", "sequences")
 
 
-def read_snapshot(lake_uri: str, version: int) -> Snapshot:
-    """gold/sequences exactly as Delta version ``version`` holds it, in (split, sequence_index) order."""
+def read_snapshot(lake_uri: str, version: int, vocab_size: int | None = None,
+                  block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS) -> Snapshot:
+    """gold/sequences exactly as Delta version ``version`` holds it, each split in sequence_index
+    order; only the sizes are read here, the rows when a batch asks for them (a block with a token id
+    beyond ``vocab_size`` is an error)."""
     scan = pl.scan_delta(sequences_table_uri(lake_uri), version=version, storage_options=uris.delta_storage_options(lake_uri))
-    frame = in_snapshot_order(scan, COLUMNS)
-    if frame.is_empty():
-        raise ValueError(f"gold/sequences v{version} has no rows")
-    seq_len = int(frame["input_ids"].list.len().max())
-    if frame["input_ids"].list.len().min() != seq_len:
-        raise ValueError(f"gold/sequences v{version} mixes sequence lengths")
-    return Snapshot(train=_packed(frame, "train", seq_len), validation=_packed(frame, "validation", seq_len),
-                    search=_packed(frame, "search", seq_len), seq_len=seq_len)
+    describe = f"gold/sequences v{version}"
+    sizes = scan.group_by("split").agg(n=pl.len(), low=pl.col("sequence_index").min(), high=pl.col("sequence_index").max()).collect()
+    if sizes.is_empty():
+        raise ValueError(f"{describe} has no rows")
+    gaps = sizes.filter((pl.col("low") != 0) | (pl.col("high") != pl.col("n") - 1))
+    if not gaps.is_empty():
+        raise ValueError(f"{describe}: sequence_index is not 0..n-1 in split(s) {', '.join(gaps['split'])}")
+    seq_len = int(scan.select(pl.col("input_ids").list.len()).head(1).collect().item())
+    counts = dict(zip(sizes["split"], sizes["n"]))
+    parts = {split: SplitRows(scan, split, int(counts.get(split, 0)), seq_len, describe, vocab_size, block, cached_blocks)
+             for split in ("train", "validation", "search")}
+    return Snapshot(**parts, seq_len=seq_len)
 
 
-def _packed(frame: pl.DataFrame, split: str, seq_len: int) -> PackedSequences:
-    part = frame.filter(pl.col("split") == split)
-    arrays = {name: part[name].list.to_array(seq_len).to_numpy() for name in COLUMNS}
-    if part.is_empty():
-        arrays = {name: np.zeros((0, seq_len), dtype=bool if name == "loss_mask" else np.int32) for name in COLUMNS}
-    return PackedSequences(**arrays)
-
-
-def stream_indexes(n_sequences: int, seed: int, start: int, count: int) -> np.ndarray:
+def stream_indexes(n_sequences: int, seed: int, start: int, count: int, block: int = STREAM_BLOCK) -> np.ndarray:
     """Positions [start, start + count) of the stream, as sequence indexes."""
     if n_sequences == 0:
         raise ValueError("the snapshot has no training sequences")
@@ -85,9 +149,25 @@ def stream_indexes(n_sequences: int, seed: int, start: int, count: int) -> np.nd
     epochs, offsets = np.divmod(positions, n_sequences)
     out = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs):
-        order = np.random.default_rng([seed, int(epoch)]).permutation(n_sequences)
         chosen = epochs == epoch
-        out[chosen] = order[offsets[chosen]]
+        out[chosen] = _epoch_order(n_sequences, seed, int(epoch), block, offsets[chosen])
+    return out
+
+
+def _epoch_order(n_sequences: int, seed: int, epoch: int, block: int, offsets: np.ndarray) -> np.ndarray:
+    """The sequence at each offset of one epoch: blocks in a seeded order, each block's own
+    sequences in a seeded order."""
+    n_blocks = -(-n_sequences // block)
+    block_order = np.random.default_rng([seed, epoch]).permutation(n_blocks)
+    sizes = np.minimum(block, n_sequences - block_order * block)
+    starts = np.cumsum(sizes) - sizes  # where each visited block begins in the epoch
+    visit = np.searchsorted(starts, offsets, side="right") - 1
+    out = np.empty(offsets.size, dtype=np.int64)
+    for k in np.unique(visit):
+        chosen = visit == k
+        number = int(block_order[k])
+        within = np.random.default_rng([seed, epoch, number]).permutation(int(sizes[k]))
+        out[chosen] = number * block + within[offsets[chosen] - starts[k]]
     return out
 
 

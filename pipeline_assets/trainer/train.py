@@ -91,10 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 class Trainer:
     def __init__(self, config: TrainConfig, env: Distributed, reporter: Reporter | None):
         self.config, self.env, self.reporter = config, env, reporter
-        self.snapshot = read_snapshot(config.lake_uri, config.gold_version)
+        self.snapshot = read_snapshot(config.lake_uri, config.gold_version, vocab_size=config.vocab_size)
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
                                                 max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
-        self._check_vocabulary()
         if config.eval_split == "search" and self.eval_sequences == 0:
             raise ValueError(f"gold v{config.gold_version} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
                              f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
@@ -320,7 +319,8 @@ class Trainer:
     def first_batch_fingerprint(self) -> str:
         """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data order."""
         first = stream_indexes(len(self.snapshot.train), self.config.seed, 0, self.global_batch)
-        return hashlib.sha256(np.ascontiguousarray(self.snapshot.train.input_ids[first]).tobytes()).hexdigest()
+        token_ids = self.snapshot.train.batch(first, torch.device("cpu"))["input_ids"].numpy()
+        return hashlib.sha256(np.ascontiguousarray(token_ids.astype(np.int32)).tobytes()).hexdigest()
 
     def _log_step(self, loss: float, grad_norm: float, speed: dict) -> None:
         values = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
@@ -340,12 +340,6 @@ class Trainer:
 
     def _warning(self, message: str) -> None:
         (self.reporter.warning if self.reporter else log.warning)(message)
-
-    def _check_vocabulary(self) -> None:
-        largest = int(max(part.input_ids.max(initial=0) for part in (self.snapshot.train, self.snapshot.validation, self.snapshot.search)))
-        if largest >= self.config.vocab_size:
-            raise ValueError(f"gold v{self.config.gold_version} holds token id {largest}, beyond --vocab-size "
-                             f"{self.config.vocab_size}: pass the tokenizer's vocabulary size")
 
 
 def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.optim.AdamW:

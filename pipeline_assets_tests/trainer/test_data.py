@@ -11,6 +11,7 @@ import torch
 from pipeline_assets.trainer.data import (
     PackedSequences,
     Snapshot,
+    SplitRows,
     read_snapshot,
     rank_micro_batches,
     sequences_table_uri,
@@ -77,6 +78,16 @@ def test_ranks_together_read_the_global_batch_in_stream_order(world_size, micro_
     assert np.array_equal(concatenated, stream_indexes(N, 7, position, global_batch))
 
 
+@pytest.mark.parametrize("block", [4, 10, 37, 4096])
+def test_the_stream_visits_one_block_at_a_time(block):
+    epoch = stream_indexes(N, 7, 0, N, block=block)
+    assert np.array_equal(np.sort(epoch), np.arange(N))
+    visited = epoch // block
+    assert (np.diff(visited) != 0).sum() == -(-N // block) - 1, "each block's sequences are consecutive in the stream"
+    again = stream_indexes(N, 7, N, N, block=block)
+    assert np.array_equal(np.sort(again), np.arange(N)) and (N <= block or not np.array_equal(again // block, visited))
+
+
 def test_ranks_read_distinct_sequences_within_an_epoch():
     batches = [rank_micro_batches(N, 7, 0, rank, 4, 2, 2) for rank in range(4)]
     ranks = [set(np.concatenate(b).tolist()) for b in batches]
@@ -114,29 +125,32 @@ def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
     return np.array(frame[column].to_list(), dtype=dtype)
 
 
+def _all_rows(rows: SplitRows) -> dict[str, np.ndarray]:
+    return {name: tensor.numpy() for name, tensor in rows.batch(np.arange(len(rows)), torch.device("cpu")).items()}
+
+
 @pytest.mark.parametrize("split", ["train", "validation", "search"])
 def test_read_snapshot_returns_the_pinned_versions_rows_in_order(lake_uri, split):
-    snapshot = read_snapshot(lake_uri, 0)
-    packed: PackedSequences = getattr(snapshot, split)
+    rows: SplitRows = getattr(read_snapshot(lake_uri, 0, block=16), split)
     expected = _delta_rows(lake_uri, 0, split)
 
-    assert len(packed) == expected.height > 0
-    assert np.array_equal(packed.input_ids, _as_array(expected, "input_ids", np.int32))
-    assert np.array_equal(packed.loss_mask, _as_array(expected, "loss_mask", bool))
-    assert np.array_equal(packed.position_ids, _as_array(expected, "position_ids", np.int32))
+    assert len(rows) == expected.height > 0
+    got = _all_rows(rows)
+    assert np.array_equal(got["input_ids"], _as_array(expected, "input_ids", np.int64))
+    assert np.array_equal(got["loss_mask"], _as_array(expected, "loss_mask", bool))
+    assert np.array_equal(got["position_ids"], _as_array(expected, "position_ids", np.int64))
 
 
-def test_read_snapshot_arrays_have_the_sequence_shape_and_dtypes(lake_uri):
+def test_read_snapshot_batches_have_the_sequence_shape_and_dtypes(lake_uri):
     snapshot = read_snapshot(lake_uri, 0)
 
     assert isinstance(snapshot, Snapshot)
     assert snapshot.seq_len == SEQ_LEN
-    for packed in (snapshot.train, snapshot.validation, snapshot.search):
-        assert packed.input_ids.shape == packed.loss_mask.shape == packed.position_ids.shape == (len(packed), SEQ_LEN)
-        assert packed.input_ids.dtype == np.int32
-        assert packed.position_ids.dtype == np.int32
-        assert packed.loss_mask.dtype == np.bool_
-        assert packed.tokens == len(packed) * SEQ_LEN
+    for rows in (snapshot.train, snapshot.validation, snapshot.search):
+        batch = rows.batch(np.array([len(rows) - 1, 0]), torch.device("cpu"))
+        assert all(tensor.shape == (2, SEQ_LEN) for tensor in batch.values())
+        assert batch["input_ids"].dtype == batch["position_ids"].dtype == torch.int64
+        assert batch["loss_mask"].dtype == torch.bool
 
 
 def test_read_snapshot_splits_every_row_into_train_validation_or_search(lake_uri):
@@ -154,10 +168,28 @@ def test_read_snapshot_at_another_version_differs(lake_uri):
     first, second = read_snapshot(lake_uri, 0), read_snapshot(lake_uri, 1)
     expected = _delta_rows(lake_uri, 1, "train")
 
-    assert np.array_equal(second.train.input_ids, _as_array(expected, "input_ids", np.int32))
-    assert first.train.input_ids.shape != second.train.input_ids.shape or not np.array_equal(
-        first.train.input_ids, second.train.input_ids
+    assert np.array_equal(_all_rows(second.train)["input_ids"], _as_array(expected, "input_ids", np.int64))
+    assert len(first.train) != len(second.train) or not np.array_equal(
+        _all_rows(first.train)["input_ids"], _all_rows(second.train)["input_ids"]
     )
+
+
+def test_a_rank_holds_a_bounded_number_of_blocks_over_a_whole_epoch(lake_uri):
+    train = read_snapshot(lake_uri, 0, block=8, cached_blocks=2).train
+    blocks = -(-len(train) // 8)
+    assert blocks > 4
+    expected = _all_rows(read_snapshot(lake_uri, 0).train)["input_ids"]
+    for start in range(0, len(train), 6):  # the first epoch, six sequences a step
+        indexes = stream_indexes(len(train), 7, start, min(6, len(train) - start), block=8)
+        assert np.array_equal(train.batch(indexes, torch.device("cpu"))["input_ids"].numpy(), expected[indexes])
+        assert train.cached_sequences <= 2 * 8
+    assert train.blocks_read <= 2 * blocks, "a step's rows come from one or two blocks: each is read about once per epoch"
+
+
+def test_a_token_beyond_the_vocabulary_is_an_error_when_its_block_is_read(lake_uri):
+    snapshot = read_snapshot(lake_uri, 0, vocab_size=3)
+    with pytest.raises(ValueError, match="beyond --vocab-size 3"):
+        snapshot.train.batch(np.array([0]), torch.device("cpu"))
 
 
 def test_batch_returns_the_requested_rows_as_tensors():

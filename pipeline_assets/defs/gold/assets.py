@@ -17,7 +17,7 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_key, snapshot_version
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import build_sequences, fit_long_records, in_snapshot_order, token_statistics
+from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, build_sequences, fit_long_records, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.splits import SEARCH, TRAIN, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
@@ -147,7 +147,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     )
     sequences = validate(conform(sequences, GoldSequence), GoldSequence)
     previous = _previous_accepted_snapshot(context.instance, lake)
-    commit = lake.overwrite("gold", "sequences", sequences)
+    commit = lake.overwrite("gold", "sequences", sequences, rows_per_group=SEQUENCES_PER_BLOCK)
     snapshot = snapshot_key(commit.version)
     checks = judge_snapshot(sequences, snapshot, previous, gold_policy)
     failed = blocking_failures(checks)
