@@ -76,6 +76,13 @@ def _non_negative_env(name: str, default: float) -> float:
     return value
 
 
+def _count_env(name: str, default: int) -> int:
+    value = _float_env(name, default)
+    if value < 1:
+        raise ValueError(f"{name}={value:g} must be 1 or more")
+    return int(value)
+
+
 def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = _env(name, default)
     if value not in choices:
@@ -117,6 +124,7 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
 _PRICES = Prices()  # the default prices, one place
 _RETENTION_DAYS = 7.0
 _SEARCH_FRACTION = 0.02  # the default share of records hyperparameter search selects on, one place
+_TOKENIZER_SAMPLE_CHARS = 100_000_000  # the default cap on the tokenizer's training text, one place
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class Settings:
     tokenizer_path: str = ""
     seq_len: int = 512
     vocab_size: int = 8192
+    tokenizer_sample_chars: int = _TOKENIZER_SAMPLE_CHARS
     long_records: str = DEFAULT_LONG_RECORDS
     validation_fraction: float = 0.02
     search_fraction: float = _SEARCH_FRACTION
@@ -184,6 +193,7 @@ class Settings:
             tokenizer_path=_env("PIPELINE_TOKENIZER", ""),
             seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
+            tokenizer_sample_chars=_count_env("PIPELINE_TOKENIZER_SAMPLE_CHARS", _TOKENIZER_SAMPLE_CHARS),
             long_records=_choice_env("PIPELINE_LONG_RECORDS", DEFAULT_LONG_RECORDS, LONG_RECORD_MODES),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
             search_fraction=_float_env("PIPELINE_SEARCH_FRACTION", _SEARCH_FRACTION),
@@ -494,6 +504,9 @@ class GoldPolicy(ConfigurableResource):
 
     tokenizer_path: str = Field(default="", description="a tokenizer.json to use; empty: train byte-level BPE on silver")
     vocab_size: int = 8192
+    tokenizer_sample_chars: int = Field(
+        default=_TOKENIZER_SAMPLE_CHARS, ge=1,
+        description="the trained tokenizer's sample of silver's training split: its texts total at most this many characters")
     seq_len: int = 512
     long_records: str = Field(
         default=DEFAULT_LONG_RECORDS,
@@ -529,6 +542,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             seq_len=settings.seq_len,
             long_records=settings.long_records,
             vocab_size=settings.vocab_size,
+            tokenizer_sample_chars=settings.tokenizer_sample_chars,
             validation_fraction=settings.validation_fraction,
             search_fraction=settings.search_fraction,
             shuffle_seed=settings.shuffle_seed,

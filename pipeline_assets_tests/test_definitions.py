@@ -64,6 +64,18 @@ def test_long_records_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch,
         Settings.from_env()
 
 
+def test_tokenizer_sample_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch, tmp_path):
+    from pipeline_assets.resources import Settings, build_resources
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    assert build_resources(Settings.from_env())["gold_policy"].tokenizer_sample_chars == 100_000_000
+    monkeypatch.setenv("PIPELINE_TOKENIZER_SAMPLE_CHARS", "2e6")
+    assert build_resources(Settings.from_env())["gold_policy"].tokenizer_sample_chars == 2_000_000
+    monkeypatch.setenv("PIPELINE_TOKENIZER_SAMPLE_CHARS", "0")
+    with pytest.raises(ValueError, match="PIPELINE_TOKENIZER_SAMPLE_CHARS=0 must be 1 or more"):
+        Settings.from_env()
+
+
 def test_dagster_definitions_validate(tmp_path):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "PIPELINE_HOME": str(tmp_path)}
     done = subprocess.run(

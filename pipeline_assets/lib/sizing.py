@@ -18,6 +18,7 @@ the validation share), then into time with the stage's parallelism:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,12 +40,20 @@ POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, 
 TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = 6, 2  # a token's forward + backward, forward only
 
 
+TEXT_COLUMNS = ("prompt", "response", "system")
+
+
+def record_chars(columns: Iterable[str] = TEXT_COLUMNS) -> pl.Expr:
+    """Characters of each record's text (prompt, response and system): the work a data stage does."""
+    return pl.sum_horizontal(pl.col(c).str.len_chars().fill_null(0) for c in columns)
+
+
 def text_chars(frame: pl.DataFrame) -> int:
-    """Characters of a record's text (prompt, response and system): the work a data stage does."""
-    columns = [c for c in ("prompt", "response", "system") if c in frame.columns]
+    """Characters of every record's text in ``frame``, as ``record_chars`` counts them."""
+    columns = [c for c in TEXT_COLUMNS if c in frame.columns]
     if frame.is_empty() or not columns:
         return 0
-    return int(frame.select(pl.sum_horizontal(pl.col(c).str.len_chars().fill_null(0) for c in columns)).to_series().sum())
+    return int(frame.select(record_chars(columns)).to_series().sum())
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,19 @@ records with train, so adding or resizing the search split leaves validation exa
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import polars as pl
 import polars_hash as plh
 
 TRAIN, VALIDATION, SEARCH = "train", "validation", "search"
 SPLITS = (TRAIN, VALIDATION, SEARCH)  # the order gold packs them in (and seeds their shuffles by)
 _BUCKETS = 1_000_000
+Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
 
-def assign_split(frame: pl.DataFrame, validation_fraction: float, salt: str = "split-v1", key: str = "exact_hash",
-                 search_fraction: float = 0.0) -> pl.DataFrame:
+def assign_split(frame: Frame, validation_fraction: float, salt: str = "split-v1", key: str = "exact_hash",
+                 search_fraction: float = 0.0) -> Frame:
     """``frame`` plus ``split`` (train / validation / search), from xxh3 of salt + ``key``. The default key is
     the record's content (silver's exact-dedup hash), not its id: the same text lands in the same
     split however and whenever it was ingested (a rebuild, another store), and never moves from

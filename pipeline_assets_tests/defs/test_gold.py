@@ -24,6 +24,7 @@ from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib import gold as gold_lib
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.lib.splits import assign_split
 from pipeline_assets.resources import GoldPolicy
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
@@ -46,6 +47,15 @@ def _gold(instance, resources, selection=GOLD, tags=None):
 def _materializations(result) -> dict:
     events = (e.event_specific_data.materialization for e in result.get_asset_materialization_events())
     return {m.asset_key.to_user_string(): m.metadata for m in events}
+
+
+def _tokenizer_metadata(result) -> dict:
+    return {key: value.value for key, value in _materializations(result)["gold/tokenizer"].items()}
+
+
+def _training_split_size(silver: pl.DataFrame) -> int:
+    policy = GoldPolicy()
+    return int((assign_split(silver, policy.validation_fraction, search_fraction=policy.search_fraction)["split"] == "train").sum())
 
 
 @pytest.fixture
@@ -87,7 +97,11 @@ def test_gold_snapshot_from_silver(sample_in_two_batches, instance, resources):
     assert gold_meta["data_snapshot"].value == "gold-v0"
     assert gold_meta["upstream_delta_versions"].value == {"silver/records": lake.version("silver", "records"), "gold/tokenizer": 0}
     assert gold_meta["tokens"].value == sum(r.data["tokens"] for r in gold_meta["tokens_by_source"].value.records)
-    assert metadata["gold/tokenizer"]["vocab_size"].value == 8192
+    tokenizer_meta = _tokenizer_metadata(result)
+    assert tokenizer_meta["vocab_size"] == 8192
+    assert tokenizer_meta["sample_chars_cap"] == 100_000_000, "the default cap is above this corpus: all of train"
+    assert tokenizer_meta["sample_records"] == tokenizer_meta["training_split_records"] == _training_split_size(lake.read("silver", "records"))
+    assert tokenizer_meta["sample_chars"] == tokenizer_meta["training_split_chars"] == tokenizer_meta["input_chars"]
 
 
 def test_same_inputs_give_identical_snapshots_and_a_new_version(sample_in_two_batches, instance, resources):
@@ -121,13 +135,19 @@ def test_batches_blocked_in_silver_are_left_out(instance, resources, landing_dir
     write_landing_file(landing_dir, "logs", "bad.jsonl", [record(900 + j, response=f"ok {j}") for j in range(20)])
     blocked = register(instance, resources)
     materialize(UPSTREAM, partition_key=blocked, instance=instance, resources=resources, raise_on_error=False)
-    result = _gold(instance, resources)
+    result = _gold(instance, {**resources, "gold_policy": GoldPolicy(tokenizer_sample_chars=3000)})
     assert result.success
     meta = _materializations(result)["gold/sequences"]
     assert meta["batches_left_out"].value == [blocked]
     packed = set(resources["lake"].read("gold", "sequences")["record_ids"].explode())
     assert not packed & set(resources["lake"].read("silver", "records", where=pl.col("batch_id") == blocked)["record_id"])
     assert json.dumps(meta["batches_left_out"].value)
+
+    usable = resources["lake"].read("silver", "records", where=pl.col("batch_id") != blocked)
+    tokenizer_meta = _tokenizer_metadata(result)
+    assert tokenizer_meta["training_split_records"] == _training_split_size(usable)
+    assert tokenizer_meta["sample_chars_cap"] == 3000 and 0 < tokenizer_meta["sample_chars"] <= 3000
+    assert 0 < tokenizer_meta["sample_records"] < tokenizer_meta["training_split_records"]
 
 
 def test_a_snapshot_that_doubles_in_tokens_is_reported(instance, resources, landing_dir, eval_sets_dir, tmp_path):

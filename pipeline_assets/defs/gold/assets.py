@@ -19,8 +19,9 @@ from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, build_sequences, fit_long_records, in_snapshot_order, token_statistics
 from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.lib.splits import SEARCH, TRAIN, VALIDATION, assign_split, split_shares
+from pipeline_assets.lib.splits import SEARCH, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
+from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tokenizer
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _KINDS = {"delta", "polars"}
@@ -38,12 +39,17 @@ def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFram
 def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:
     """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version; and the
     batches left out. Silver's dedup leaves out the same batches."""
+    scan, version, blocked = scan_usable_silver(context, lake)
+    return scan.collect(), version, blocked
+
+
+def scan_usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.LazyFrame, int, list[str]]:
+    """``usable_silver``, not read yet."""
     version = lake.version("silver", "records")
     if version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
     blocked = sorted(blocked_batches(context.instance))
-    frame = lake.read("silver", "records", version=version, where=~pl.col("batch_id").is_in(blocked))
-    return frame, version, blocked
+    return lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)), version, blocked
 
 
 @asset(
@@ -53,24 +59,23 @@ def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[p
     kinds={"delta", "tokenizers"},
     automation_condition=once_when_missing(),
     retry_policy=TRANSIENT,
-    description="tokenizer.json (byte-level BPE trained on silver's training split, or the file PIPELINE_TOKENIZER names); "
-    "each Delta version is one tokenizer.",
+    description="tokenizer.json (byte-level BPE trained on a sample of silver's training split capped at "
+    "PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names); each Delta version is one tokenizer.",
 )
 def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
     stopwatch = Stopwatch()
     if gold_policy.tokenizer_path:
         tokenizer = _provided_tokenizer(gold_policy.tokenizer_path)
-        origin, silver_version, trained_on_chars = gold_policy.tokenizer_path, None, 0
+        origin, silver_version, sample_metadata = gold_policy.tokenizer_path, None, {"input_chars": 0}
     else:
-        silver, silver_version, _ = usable_silver(context, lake)
-        train = assign_split(silver, gold_policy.validation_fraction, search_fraction=gold_policy.search_fraction).filter(pl.col("split") == TRAIN)
-        if train.is_empty():
-            raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
-        context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {train.height} training records")
-        texts = _chat_texts(train)
-        tokenizer = train_bpe(texts, vocab_size=gold_policy.vocab_size)
-        origin = "trained on silver/records (training split)"
-        trained_on_chars = sum(len(text) for text in texts)
+        silver, silver_version, _ = scan_usable_silver(context, lake)
+        sample = _tokenizer_sample(silver, silver_version, gold_policy)
+        context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} of "
+                         f"{sample.train_records} training records ({sample.chars:,} of {sample.train_chars:,} characters, "
+                         f"capped at {sample.max_chars:,})")
+        tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
+        origin = "trained on silver/records (a capped sample of the training split)"
+        sample_metadata = _sample_metadata(sample)
     text = tokenizer_to_json(tokenizer)
     row = pl.DataFrame({
         "tokenizer_json": [text],
@@ -90,9 +95,32 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "vocab_size": tokenizer.get_vocab_size(),
             "sha256": row["sha256"][0],
             "origin": origin,
-            "input_chars": trained_on_chars,
+            **sample_metadata,
         }
     )
+
+
+def _tokenizer_sample(silver: pl.LazyFrame, silver_version: int, gold_policy: GoldPolicy) -> TokenizerSample:
+    sample = sample_for_tokenizer(silver, gold_policy.tokenizer_sample_chars, gold_policy.validation_fraction,
+                                  gold_policy.search_fraction)
+    if sample.train_records == 0:
+        raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
+    if sample.records.is_empty():
+        raise Failure(allow_retries=False, description=f"no training record fits the tokenizer sample's cap of {sample.max_chars:,} "
+                      "characters (PIPELINE_TOKENIZER_SAMPLE_CHARS): the first record in sample order is longer")
+    return sample
+
+
+def _sample_metadata(sample: TokenizerSample) -> dict:
+    """What the tokenizer trained on; input_chars (the sizer's measure of the stage's work) is the sample's text."""
+    return {
+        "sample_records": sample.records.height,
+        "sample_chars": sample.chars,
+        "training_split_records": sample.train_records,
+        "training_split_chars": sample.train_chars,
+        "sample_chars_cap": sample.max_chars,
+        "input_chars": sample.chars,
+    }
 
 
 def _provided_tokenizer(path: str):
