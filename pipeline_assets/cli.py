@@ -212,7 +212,8 @@ def _sizer(args, settings: Settings) -> int:
 
     if args.records <= 0 or args.cpu_workers <= 0 or args.gpus < 0 or args.batch_records <= 0:
         raise ValueError("--records, --cpu-workers and --batch-records must be positive, --gpus at least 0")
-    calibration = calibrate(persistent_instance(settings.dagster_home), settings.validation_fraction)
+    calibration = calibrate(persistent_instance(settings.dagster_home), settings.validation_fraction,
+                            settings.tokenizer_sample_chars, settings.eval_max_tokens)
     per_gpu, assumed = args.gpu_tokens_per_second, None
     if args.gpus and per_gpu is None and not calibration.train_gpus:
         per_gpu, assumed = _assumed_gpu_speed(args, settings)

@@ -129,6 +129,8 @@ class Calibration:
     validation_fraction: float
     parameters: int  # of the model the measured training run trained (training's and evaluation's FLOPs)
     silver_row_keep: float = 1.0  # silver rows / bronze rows: what a batch adds to the dedup index
+    tokenizer_sample_chars: float = math.inf  # the tokenizer trains on at most this many characters
+    eval_max_tokens: float = math.inf  # validation tokens evaluation scores per model
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
     gold_chars = chars * c.silver_keep
     tokens = gold_chars * c.tokens_per_char
     train_tokens = target.train_tokens if target.train_tokens is not None else target.epochs * tokens * (1 - c.validation_share)
-    scored = target.models_scored * (tokens * c.validation_share + c.eval_set_tokens)
+    scored = target.models_scored * (min(tokens * c.validation_share, c.eval_max_tokens) + c.eval_set_tokens)
     side_by_side = min(batches, max(1, target.cpu_cores // max(c.cores, 1)))
     parameters = target.parameters or c.parameters
     kept_per_batch = target.records / batches * c.silver_row_keep
@@ -161,7 +163,8 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
         _cpu_row("bronze", c.fits["bronze"], batches, chars, c.cores, side_by_side),
         _cpu_row("silver", c.fits["silver"], batches, chars, c.cores, 1,
                  history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
-        _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, gold_chars * (1 - c.validation_fraction), c.cores, 1),
+        _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, min(gold_chars * (1 - c.validation_fraction), c.tokenizer_sample_chars),
+                 c.cores, 1),
         _cpu_row("gold/sequences", c.fits["gold/sequences"], 1, gold_chars, c.cores, 1),
         _training_row(c, target, train_tokens, TRAIN_FLOPS_PER_PARAMETER * parameters),
         _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters),

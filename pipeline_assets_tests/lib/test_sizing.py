@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import polars as pl
@@ -168,3 +169,14 @@ def test_each_silver_run_read_the_index_of_the_other_batches_before_it():
     newest_first = [{"partition": "b1", "silver_rows": 7}, {"partition": "b2", "silver_rows": 20},
                     {"partition": "b1", "silver_rows": 10}]  # b1, then b2, then b1 again
     assert _earlier_index_rows(newest_first) == {2: 0, 1: 10, 0: 20}
+
+
+def test_the_tokenizer_sample_and_the_evaluation_sample_cap_their_stages_work():
+    capped = dataclasses.replace(calibration(), tokenizer_sample_chars=1e8, eval_max_tokens=2e6)
+    target = Target(records=10_000_000, cpu_cores=16, gpus=0, train_tokens=10_000)
+    rows = {row["stage"]: row for row in predict(capped, target, Prices())[0].iter_rows(named=True)}
+    uncapped = {row["stage"]: row for row in predict(calibration(), target, Prices())[0].iter_rows(named=True)}
+    assert uncapped["gold/tokenizer"]["work"] == pytest.approx(10_000_000 * 500.0 * 0.8 * 0.98)
+    assert rows["gold/tokenizer"]["work"] == 1e8
+    assert rows["evaluation"]["work"] == pytest.approx(2 * (2e6 + 10_000))
+    assert uncapped["evaluation"]["work"] == pytest.approx(2 * (10_000_000 * 500.0 * 0.8 * 0.25 * 0.02 + 10_000))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import polars as pl
 from dagster import DagsterInstance
 
@@ -28,7 +30,8 @@ _MEASURED = {
 }
 
 
-def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibration:
+def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_sample_chars: float = math.inf,
+              eval_max_tokens: float = math.inf) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
     history = {key: materialization_history(instance, key) for key, _ in _MEASURED.values()}
     parameters = {m["partition"]: m["parameters"] for m in reversed(history[TRAINING_CHECKPOINT]) if m.get("parameters")}
@@ -59,6 +62,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float) -> Calibrat
         train_ranks=int(training.get("world_size") or 1),
         train_gpus=int(training.get("gpus") or 0),
         validation_fraction=validation_fraction,
+        tokenizer_sample_chars=tokenizer_sample_chars,
+        eval_max_tokens=eval_max_tokens,
         parameters=int(training["parameters"]),
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver) / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
