@@ -18,6 +18,7 @@ from pipeline_assets.trainer.model import (
     flops_per_token,
     loss_sum_and_count,
 )
+from pipeline_assets.trainer.parallel import attention_kernel
 
 CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=32)
 FIRST, SECOND, PADDING = 10, 12, 10
@@ -170,6 +171,23 @@ def test_flex_attention_gives_the_dense_masks_loss_and_gradients(monkeypatch):
     assert flex_gradients.keys() == dense_gradients.keys()
     for name, gradient in dense_gradients.items():
         torch.testing.assert_close(flex_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize(("setting", "device", "head_dim", "expected"), [
+    ("auto", "cuda", 16, "flex"),
+    ("auto", "cuda", 8, "dense"),
+    ("auto", "cpu", 64, "dense"),
+    ("flex", "cuda", 16, "flex"),
+    ("dense", "cuda", 64, "dense"),
+])
+def test_attention_kernel_is_flex_only_where_flex_trains(setting, device, head_dim, expected):
+    assert attention_kernel(setting, torch.device(device), head_dim) == expected
+
+
+@pytest.mark.parametrize(("device", "head_dim"), [("cpu", 64), ("cuda", 8)])
+def test_flex_where_it_cannot_train_is_refused(device, head_dim):
+    with pytest.raises(ValueError, match="--attention flex needs a CUDA device"):
+        attention_kernel("flex", torch.device(device), head_dim)
 
 
 def _loss_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
