@@ -11,6 +11,7 @@ from dataclasses import dataclass
 # shell reports a process SIGTERM ended): the same command resumes.
 EXIT_PREEMPTED = 143
 EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.splits)
+ATTENTION_SETTINGS = ("auto", "flex", "dense")  # the attention kernel (parallel.attention_kernel resolves auto)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    attention: str = "auto"  # auto: flex on GPU, dense on CPU (ATTENTION_SETTINGS)
     device: str = "auto"
     scratch_dir: str = ""
     mlflow_run_id: str = ""
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads")
         if self.eval_split not in EVAL_SPLITS:
             raise ValueError(f"unknown eval split {self.eval_split!r}; choose one of {', '.join(EVAL_SPLITS)}")
+        if self.attention not in ATTENTION_SETTINGS:
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_SETTINGS)}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
         for name in ("steps", "micro_batch_size", "warmup_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):

@@ -3,15 +3,21 @@
 RMSNorm before each sublayer, rotary positions, SwiGLU feed-forward, tied input and output
 embeddings. Sequences arrive packed (several documents per row); ``position_ids`` restart at 0 at
 each document, and attention is masked so that a token sees only earlier tokens of its own document.
+
+Two attention kernels keep documents apart, with the same result: ``dense`` builds a (B, 1, T, T)
+boolean mask for scaled_dot_product_attention; ``flex`` gives FlexAttention a block mask, so that a
+fused kernel skips every block of scores outside a document (compiled, on CUDA).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from pipeline_assets.trainer.config import ModelConfig
 
@@ -42,15 +48,54 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
-def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) boolean: query i may attend key j when j <= i and both lie in the same document.
+ATTENTION_KERNELS = ("dense", "flex")
 
-    A document starts wherever ``position_ids`` is 0 (the padding tail is one more document)."""
-    document = torch.cumsum(position_ids == 0, dim=-1)
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T): the document of its row each token belongs to. A document starts wherever
+    ``position_ids`` is 0 (the padding tail is one more document)."""
+    return torch.cumsum(position_ids == 0, dim=-1)
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean: query i may attend key j when j <= i and both lie in the same document."""
+    document = document_ids(position_ids)
     same_document = document[:, :, None] == document[:, None, :]
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return (same_document & causal)[:, None]
+
+
+def document_causal_mask_mod(position_ids: torch.Tensor):
+    """The same mask as FlexAttention's ``mask_mod``: a function of (batch, head, query, key) indexes."""
+    document = document_ids(position_ids)
+
+    def causal_within_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+    return causal_within_document
+
+
+def document_block_mask(position_ids: torch.Tensor) -> BlockMask:
+    """The mask as FlexAttention's block mask, built once per forward and shared by every layer."""
+    batch, length = position_ids.shape
+    build = _compiled(create_block_mask) if position_ids.is_cuda else create_block_mask
+    return build(document_causal_mask_mod(position_ids), batch, None, length, length, device=position_ids.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+    """Masked attention of q, k, v (B, H, T, D): FlexAttention for a block mask, SDPA for a dense one."""
+    if isinstance(mask, BlockMask):
+        kernel = _compiled(flex_attention) if q.is_cuda else flex_attention
+        return kernel(q, k, v, block_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@functools.cache
+def _compiled(function):
+    # Compiled on first use, and only on CUDA: uncompiled, flex_attention materializes every score as
+    # the dense path does; on CPU, compiling costs 20 s or more and FlexAttention has no backward.
+    return torch.compile(function)
 
 
 class Attention(nn.Module):
@@ -65,7 +110,7 @@ class Attention(nn.Module):
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, dim))
 
 
@@ -96,11 +141,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attention_kernel: str = "dense"):
         super().__init__()
         if config.dim % config.n_heads:
             raise ValueError(f"dim {config.dim} is not a multiple of n_heads {config.n_heads}")
+        if attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"unknown attention kernel {attention_kernel!r}; choose {' or '.join(ATTENTION_KERNELS)}")
         self.config = config
+        self.attention_kernel = attention_kernel
         self.embedding = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -124,7 +172,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids and their in-document positions, both (B, T)."""
         cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
-        mask = document_causal_mask(position_ids)
+        flex = self.attention_kernel == "flex"
+        mask = document_block_mask(position_ids) if flex else document_causal_mask(position_ids)
         x = self.embedding(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)

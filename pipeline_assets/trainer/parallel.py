@@ -57,6 +57,22 @@ def mixed_precision_policy(setting: str, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernel (Triton's tl.dot) needs at least 16 channels per head
+
+
+def attention_kernel(setting: str, device: torch.device, head_dim: int) -> str:
+    """The model's attention kernel: ``auto`` is FlexAttention on CUDA and the dense mask elsewhere.
+    ``flex`` where it cannot train is refused before training starts: FlexAttention has no backward on
+    CPU, and no CUDA kernel for heads narrower than 16."""
+    flex_trains = device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+    if setting == "auto":
+        return "flex" if flex_trains else "dense"
+    if setting == "flex" and not flex_trains:
+        raise ValueError(f"--attention flex needs a CUDA device and heads of at least {FLEX_MIN_HEAD_DIM} channels "
+                         f"(this run: {device.type}, {head_dim} channels per head); use --attention auto or dense")
+    return setting
+
+
 def compile_blocks(model: Transformer) -> Transformer:
     """torch.compile each block on its own (before sharding), as torchtitan does: one graph per block
     fuses the norms, rotary and SwiGLU's elementwise work."""

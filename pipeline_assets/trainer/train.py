@@ -37,13 +37,23 @@ from pipeline_assets.trainer.data import (
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, counted_targets, flops_per_token, loss_sum_and_count
-from pipeline_assets.trainer.parallel import Distributed, init_distributed, mixed_precision_policy, shard_model
+from pipeline_assets.trainer.parallel import (
+    Distributed,
+    attention_kernel,
+    init_distributed,
+    mixed_precision_policy,
+    shard_model,
+)
 from pipeline_assets.lib.charts import loss_curve_png
 from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.storage import CheckpointStore, describe_files
 
 log = logging.getLogger("pipeline_assets.trainer")
+ATTENTION_DESCRIPTIONS = {
+    "flex": "flex, FlexAttention with a document block mask (torch.compile'd on first use)",
+    "dense": "dense, scaled_dot_product_attention with a (batch, 1, T, T) document mask",
+}
 LOSS_CURVE = "loss_curve.png"
 
 
@@ -94,11 +104,13 @@ class Trainer:
         self.snapshot = read_snapshot(config.lake_uri, config.gold_version, vocab_size=config.vocab_size)
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
                                                 max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
+        head_dim = self.model_config.dim // self.model_config.n_heads
+        self.attention_kernel = attention_kernel(config.attention, env.device, head_dim)
         if config.eval_split == "search" and self.eval_sequences == 0:
             raise ValueError(f"gold v{config.gold_version} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
                              f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
-        model = Transformer(self.model_config).to(env.device)
+        model = Transformer(self.model_config, self.attention_kernel).to(env.device)
         self.n_parameters = count_parameters(model)
         self.model = shard_model(model, mixed_precision_policy(config.mixed_precision, env.device))
         self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
@@ -288,6 +300,7 @@ class Trainer:
             "first_batch_sha256": self.first_batch_fingerprint,
             "tokens_trained": self.progress.position * self.snapshot.seq_len,
             "gpus": self.env.world_size if self.env.device.type == "cuda" else 0,
+            "attention_kernel": self.attention_kernel,
         }
         if self.reporter:
             self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],
@@ -305,13 +318,14 @@ class Trainer:
                    f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
                    f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
                    f"(gold v{config.gold_version}), steps {self.progress.step} -> {config.steps}")
+        self._info(f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention {config.attention})")
         if self.reporter and self.progress.step == 0:
             self.reporter.params({**dataclasses.asdict(config), "world_size": self.env.world_size,
                                   "parameters": self.n_parameters, "global_batch": self.global_batch,
                                   "seq_len": self.snapshot.seq_len, "model": dataclasses.asdict(self.model_config)})
             self.reporter.tags({"partition": config.partition, "gold_version": config.gold_version,
                                 "torch_version": torch.__version__, "device": _device_name(self.env.device),
-                                "backend": self.env.backend})
+                                "backend": self.env.backend, "attention_kernel": self.attention_kernel})
             self.reporter.dataset(sequences_table_uri(config.lake_uri), config.gold_version, f"gold/sequences@v{config.gold_version}")
             self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint})
 

@@ -1,19 +1,24 @@
-"""The transformer in-process: document masking, rotary positions, the loss, parameter and FLOP counts."""
+"""The transformer in-process: document masking (dense and FlexAttention), rotary positions, the loss,
+parameter and FLOP counts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 
+from pipeline_assets.trainer import model as model_module
 from pipeline_assets.trainer.config import PRESETS, ModelConfig
 from pipeline_assets.trainer.model import (
     Transformer,
     count_parameters,
     document_causal_mask,
+    document_causal_mask_mod,
     flops_per_token,
     loss_sum_and_count,
 )
+from pipeline_assets.trainer.parallel import attention_kernel
 
 CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=32)
 FIRST, SECOND, PADDING = 10, 12, 10
@@ -91,7 +96,13 @@ def test_a_later_token_does_not_change_earlier_logits(model):
     _assert_differs(after[changed_at:FIRST + SECOND], before[changed_at:FIRST + SECOND])
 
 
-def test_document_causal_mask_matches_a_hand_written_matrix():
+def _flex_mask_at_every_pair(position_ids: torch.Tensor) -> torch.Tensor:
+    batch, length = position_ids.shape
+    return flex_module.create_mask(document_causal_mask_mod(position_ids), batch, 1, length, length, device="cpu")
+
+
+@pytest.mark.parametrize("build", [document_causal_mask, _flex_mask_at_every_pair], ids=["dense", "flex_mask_mod"])
+def test_document_causal_mask_matches_a_hand_written_matrix(build):
     position_ids = torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 0]])
     expected = torch.tensor([
         [
@@ -110,10 +121,73 @@ def test_document_causal_mask_matches_a_hand_written_matrix():
         ],
     ], dtype=torch.bool)[:, None]
 
-    mask = document_causal_mask(position_ids)
+    mask = build(position_ids)
 
     assert mask.dtype == torch.bool
     assert torch.equal(mask, expected)
+
+
+def _packed_rows() -> dict[str, torch.Tensor]:
+    """Three full rows of several documents each, a one-token document among them."""
+    lengths = [[5, 1, 12, 9, 5], [20, 12], [3, 3, 3, 3, 3, 3, 14]]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    generator = torch.Generator().manual_seed(6)
+    return {
+        "input_ids": torch.randint(1, CONFIG.vocab_size, position_ids.shape, generator=generator),
+        "loss_mask": torch.rand(position_ids.shape, generator=generator) > 0.2,
+        "position_ids": position_ids,
+    }
+
+
+def _loss_and_gradients(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Transformer(CONFIG, attention_kernel=kernel)
+    rows = _packed_rows()
+    loss_sum, count = loss_sum_and_count(model(rows["input_ids"], rows["position_ids"]), **rows)
+    loss = loss_sum / count
+    loss.backward()
+    return loss.detach(), {name: parameter.grad for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_gives_the_dense_masks_loss_and_gradients(monkeypatch):
+    # torch refuses FlexAttention's backward on CPU (its fused kernels are CUDA's). Lifting that guard
+    # runs flex_attention's own reference forward and backward, which the CUDA kernel implements, on
+    # this model's block mask.
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    calls = []
+
+    def counted_flex_attention(*args, **kwargs):
+        calls.append(1)
+        return flex_module.flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "flex_attention", counted_flex_attention)
+
+    dense_loss, dense_gradients = _loss_and_gradients("dense")
+    flex_loss, flex_gradients = _loss_and_gradients("flex")
+
+    assert len(calls) == CONFIG.n_layers
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-6, atol=1e-6)
+    assert flex_gradients.keys() == dense_gradients.keys()
+    for name, gradient in dense_gradients.items():
+        torch.testing.assert_close(flex_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize(("setting", "device", "head_dim", "expected"), [
+    ("auto", "cuda", 16, "flex"),
+    ("auto", "cuda", 8, "dense"),
+    ("auto", "cpu", 64, "dense"),
+    ("flex", "cuda", 16, "flex"),
+    ("dense", "cuda", 64, "dense"),
+])
+def test_attention_kernel_is_flex_only_where_flex_trains(setting, device, head_dim, expected):
+    assert attention_kernel(setting, torch.device(device), head_dim) == expected
+
+
+@pytest.mark.parametrize(("device", "head_dim"), [("cpu", 64), ("cuda", 8)])
+def test_flex_where_it_cannot_train_is_refused(device, head_dim):
+    with pytest.raises(ValueError, match="--attention flex needs a CUDA device"):
+        attention_kernel("flex", torch.device(device), head_dim)
 
 
 def _loss_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

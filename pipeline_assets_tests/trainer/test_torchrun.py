@@ -48,6 +48,7 @@ def uninterrupted(config, workspace) -> dict:
     output = run_job(config, workspace / "uninterrupted.log")
     losses = [float(x) for x in re.findall(r"step \d+/\d+: loss ([0-9.]+)", output)]
     assert losses[-1] < losses[0] * 0.7, "the tiny model should learn the counting documents"
+    assert "attention: dense" in output, "a CPU run trains with the dense mask, and says so"
     return final_weights(config)
 
 
