@@ -25,6 +25,7 @@ import polars_hash as plh
 from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
 
 DEDUP_TEXT = pl.concat_str([pl.col("prompt"), pl.col("response")], separator="\n")
+SIGNATURE_COLUMNS = ("_signature", "_response_signature")  # with_signatures' columns, dropped by near dedup
 HISTORY_SCHEMA = pl.Schema(
     {
         "record_id": pl.String,
@@ -152,8 +153,10 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
     """
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
-    sigs = signatures(batch.select(DEDUP_TEXT).to_series().to_list(), config)
-    response_sigs = signatures(batch["response"].to_list(), config)
+    if SIGNATURE_COLUMNS[0] not in batch.columns:
+        batch = with_signatures(batch, config)
+    sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
+    batch = batch.drop(SIGNATURE_COLUMNS)
     keys = band_keys(sigs, params)
     matched = _history_matches(history, keys, params, config)
     matched_sigs = _signature_matrix(matched["signature"], config)
@@ -204,6 +207,17 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
         counters=counters,
     )
     return result, index
+
+
+def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig()) -> pl.DataFrame:
+    """``frame`` plus its rows' MinHash signatures (prompt + response, and the response alone) as
+    little-endian bytes: computed block by block, before near dedup looks across the batch."""
+    sigs = signatures(frame.select(DEDUP_TEXT).to_series().to_list(), config)
+    response_sigs = signatures(frame["response"].to_list(), config)
+    return frame.with_columns(
+        pl.Series(name, [row.astype("<u4").tobytes() for row in matrix], dtype=pl.Binary)
+        for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)
+    )
 
 
 def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:

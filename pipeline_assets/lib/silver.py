@@ -3,20 +3,31 @@
 normalize -> exact dedup -> near dedup -> decontaminate -> quality gate. Every record removed by
 a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
 ``bronze rows == silver rows + rejected rows``.
+
+The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
+MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
+them block by block (in this process, or on Ray); the dedup stages look across the batch and its
+history, on hashes and signatures, in the calling process.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import polars as pl
 
 from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, find_contamination
-from pipeline_assets.lib.dedup import exact_dedup, near_dedup
+from pipeline_assets.lib.dedup import SIGNATURE_COLUMNS, exact_dedup, near_dedup, with_signatures
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
 from pipeline_assets.lib.quality import QualityThresholds, quality_gate
+from pipeline_assets.lib.stages import BlockStage, StagesResult, run_in_process
+
+ROWS_PER_BLOCK = 20_000  # a block stage's unit of work: a few tens of MB of text
+RunBlocks = Callable[[Sequence[BlockStage], pl.DataFrame], StagesResult]
 
 
 @dataclass(frozen=True)
@@ -36,37 +47,51 @@ class CuratedBatch:
     stages: dict[str, dict]  # per stage: counters and seconds
 
 
-def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalNgramIndex, config: SilverConfig) -> CuratedBatch:
-    """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of the batches it dedups against."""
-    stages: dict[str, dict] = {}
+def before_dedup(config: SilverConfig) -> list[BlockStage]:
+    return [
+        BlockStage("normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)),
+        BlockStage("minhash", lambda block: (with_signatures(block, config.minhash), None, {"rows_in": block.height})),
+    ]
+
+
+def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex) -> list[BlockStage]:
+    return [
+        BlockStage("decontaminate", partial(find_contamination, index=eval_index)),
+        BlockStage("quality", partial(quality_gate, thresholds=config.quality_by_source, default=config.quality_default)),
+    ]
+
+
+def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalNgramIndex, config: SilverConfig,
+           run_blocks: RunBlocks | None = None) -> CuratedBatch:
+    """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of the batches it
+    dedups against; ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
+    run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
+    prepared = run_blocks(before_dedup(config), bronze)
+    stages = dict(prepared.counters)
 
     started = time.perf_counter()
-    normalized, counters = normalize_records(bronze, config.normalize)
-    stages["normalize"] = _finished(counters, started)
-
-    started = time.perf_counter()
-    exact = exact_dedup(normalized, history)
+    exact = exact_dedup(prepared.kept, history)
     stages["exact_dedup"] = _finished(exact.counters, started)
 
     started = time.perf_counter()
     near, index = near_dedup(exact.kept, history, config.minhash)
     stages["near_dedup"] = _finished(near.counters, started)
 
-    started = time.perf_counter()
-    clean, contaminated, counters = find_contamination(near.kept, eval_index)
-    stages["decontaminate"] = _finished(counters, started)
+    judged = run_blocks(after_dedup(config, eval_index), near.kept)
+    stages.update(judged.counters)
 
-    started = time.perf_counter()
-    kept, low_quality, counters = quality_gate(clean, config.quality_by_source, config.quality_default)
-    stages["quality"] = _finished(counters, started)
-
-    rejects = pl.concat([exact.rejected, near.rejected, contaminated, low_quality], how="diagonal_relaxed")
+    rejects = pl.concat([exact.rejected.drop(SIGNATURE_COLUMNS), near.rejected, *judged.removed.values()], how="diagonal_relaxed")
     return CuratedBatch(
-        kept=kept,
+        kept=judged.kept,
         rejects=rejects,
-        index=index.filter(pl.col("record_id").is_in(kept["record_id"].implode())),
-        stages=stages,
+        index=index.filter(pl.col("record_id").is_in(judged.kept["record_id"].implode())),
+        stages={name: stages[name] for name in ("normalize", "minhash", "exact_dedup", "near_dedup", "decontaminate", "quality")},
     )
+
+
+def _no_rejects(normalized: tuple[pl.DataFrame, dict]) -> tuple[pl.DataFrame, None, dict]:
+    frame, counters = normalized
+    return frame, None, counters
 
 
 def _finished(counters: dict, started: float) -> dict:
