@@ -26,6 +26,7 @@ from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
+from pipeline_assets.engine import RAY_MIN_ROWS, RayEngine
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
@@ -170,6 +171,7 @@ class Settings:
     retry_delay_seconds: float = 10.0
     s3_max_attempts: int = 6  # AWS_MAX_ATTEMPTS: tries of one S3 request, the first included
     retention_days: float = _RETENTION_DAYS
+    ray_min_rows: int = RAY_MIN_ROWS
 
     def prices(self) -> Prices:
         return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
@@ -219,6 +221,7 @@ class Settings:
             retry_delay_seconds=_float_env("PIPELINE_RETRY_DELAY_SECONDS", 10.0),
             s3_max_attempts=int(_float_env("AWS_MAX_ATTEMPTS", 6)),
             retention_days=_non_negative_env("PIPELINE_RETENTION_DAYS", _RETENTION_DAYS),
+            ray_min_rows=int(_non_negative_env("PIPELINE_RAY_MIN_ROWS", RAY_MIN_ROWS)),
         )
 
 
@@ -537,6 +540,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds),
+        "ray_engine": RayEngine(home=settings.home, min_rows=settings.ray_min_rows),
         "gold_policy": GoldPolicy(
             tokenizer_path=settings.tokenizer_path,
             seq_len=settings.seq_len,

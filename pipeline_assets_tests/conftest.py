@@ -17,6 +17,7 @@ import zstandard
 from dagster import instance_for_test
 from moto.server import ThreadedMotoServer
 
+from pipeline_assets.engine import RayEngine
 from pipeline_assets.resources import (
     CostPolicy, EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy,
 )
@@ -111,13 +112,14 @@ def eval_sets_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def resources(lake, landing, eval_sets_dir) -> dict:
+def resources(lake, landing, eval_sets_dir, tmp_path) -> dict:
     return {
         "lake": lake,
         "landing": landing,
         "ingest_policy": IngestPolicy(),
         "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
         "silver_policy": SilverPolicy(),
+        "ray_engine": RayEngine(home=str(tmp_path / "home")),
         "gold_policy": GoldPolicy(),
         "cost_policy": CostPolicy(),
     }

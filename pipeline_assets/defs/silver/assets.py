@@ -14,6 +14,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
+from pipeline_assets.engine import RayEngine
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import curate
 from pipeline_assets.lib.silver_order import unsettled_before
@@ -38,7 +39,8 @@ def _spec(key, description: str) -> AssetSpec:
     partitions_def=ingest_batches,
     pool="silver",  # one batch at a time: each dedups against the index the others wrote
 )
-def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy):
+def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy,
+           ray_engine: RayEngine):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     _require_earlier_batches(context.instance, batch_id)
@@ -52,7 +54,7 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         f"{len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
 
-    curated = curate(bronze, history, eval_index, silver_policy.silver_config())
+    curated = curate(bronze, history, eval_index, silver_policy.silver_config(), ray_engine.run)
     for stage, counters in curated.stages.items():
         context.log.info(f"{stage}: {counters}")
 
@@ -76,6 +78,7 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "rejected_rows": rejects.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
+        "block_stages_ran_on": _engine_used(curated.stages),
     }
     extra = {
         SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
@@ -121,6 +124,11 @@ def _dedup_history(context: AssetExecutionContext, lake: LakeResource, batch_id:
     if blocked:
         context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")
     return scan.filter((pl.col("batch_id") != batch_id) & ~pl.col("batch_id").is_in(blocked))
+
+
+def _engine_used(stages: dict[str, dict]) -> str:
+    nodes = stages["normalize"].get("ray_nodes")
+    return f"Ray, {len(nodes)} node(s)" if nodes else "this process"
 
 
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:

@@ -1,0 +1,119 @@
+"""The data layers' engine: block stages on Ray Data, through dagster-ray's resource.
+
+With ``RAY_ADDRESS`` set, every batch's block stages run on that cluster. Without it, a batch of at
+least ``PIPELINE_RAY_MIN_ROWS`` rows starts a local Ray on this machine's cores for the step (its
+temporary files and its token under ``PIPELINE_HOME/ray``, bound to 127.0.0.1, no dashboard, no
+usage reporting) and stops it when the step ends; a smaller batch runs its blocks in the step's own
+process, where starting Ray (10 to 30 s on two cores) would cost more than the work. The stages,
+the blocks and the result are the same either way (``lib.stages``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+from dagster import InitResourceContext
+from dagster_ray import LocalRay
+from pydantic import Field, PrivateAttr
+
+from pipeline_assets.lib.silver import ROWS_PER_BLOCK
+from pipeline_assets.lib.stages import BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
+
+RAY_MIN_ROWS = 100_000  # PIPELINE_RAY_MIN_ROWS: the default, one place
+
+
+class RayEngine(LocalRay):
+    """Runs block stages: on the Ray cluster ``RAY_ADDRESS`` names, on a local Ray for large
+    batches, or in this process."""
+
+    home: str = Field(description="PIPELINE_HOME: a local Ray keeps its temporary files and token under <home>/ray")
+    min_rows: int = Field(default=RAY_MIN_ROWS, description="without RAY_ADDRESS, batches this large start a local Ray")
+    rows_per_block: int = ROWS_PER_BLOCK
+
+    _init_context: InitResourceContext | None = PrivateAttr(default=None)
+
+    @property
+    def cluster_address(self) -> str | None:
+        return os.environ.get("RAY_ADDRESS") or None
+
+    @property
+    def ray_address(self) -> str:  # dagster-ray's ray.init address: "local" starts a new local Ray
+        return self.cluster_address or "local"
+
+    @property
+    def name(self) -> str:
+        return f"Ray at {self.cluster_address}" if self.cluster_address else "a local Ray"
+
+    def yield_for_execution(self, context: InitResourceContext):
+        self._init_context = context
+        return super().yield_for_execution(context)
+
+    def _connect(self, context) -> None:
+        """Not at the step's start: ``run`` connects when a batch needs Ray."""
+
+    def uses_ray(self, rows: int) -> bool:
+        return self.cluster_address is not None or rows >= self.min_rows
+
+    def run(self, stages: Sequence[BlockStage], frame: pl.DataFrame) -> StagesResult:
+        if frame.is_empty() or not self.uses_ray(frame.height):
+            return run_in_process(stages, frame, self.rows_per_block)
+        self._ensure_connected()
+        return run_on_ray(stages, frame, self.rows_per_block)
+
+    def _ensure_connected(self) -> None:
+        """ray.init once per step; dagster-ray's cleanup disconnects (and stops a local Ray) when the step ends."""
+        options = {} if self.cluster_address else local_ray_options(Path(self.home))  # before ray reads its environment
+        import ray
+
+        if ray.is_initialized():
+            return
+        self.data_execution_options.apply()
+        self._context = ray.init(address=self.ray_address, **options, **self.ray_init_options)
+        self.data_execution_options.apply()
+        if self._init_context is not None and self._init_context.log is not None:
+            self._init_context.log.info(f"block stages run on {self.name}")
+
+
+def local_ray_options(home: Path) -> dict:
+    """ray.init options (and environment) for a Ray on this machine that keeps to PIPELINE_HOME."""
+    folder = home / "ray"
+    folder.mkdir(parents=True, exist_ok=True)
+    token = folder / "auth_token"
+    if not token.exists():
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_hex(32))
+    # Read by ray.init and inherited by the processes it starts; Ray would otherwise write a token
+    # under the user's home.
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    return {
+        "num_cpus": os.cpu_count(),
+        "include_dashboard": False,
+        "_temp_dir": str(folder / "tmp"),
+        "_node_ip_address": "127.0.0.1",
+        "logging_level": "WARNING",
+    }
+
+
+def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
+    """One Ray Data task per block, results back in block order; the nodes that ran them are in
+    each stage's counters (``ray_nodes``)."""
+    import pyarrow as pa
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+
+    def run_block(table: pa.Table) -> pa.Table:
+        result = run_stages(stages, pl.from_arrow(table))
+        return pa.Table.from_pylist([{**to_row(result), "node": ray.get_runtime_context().get_node_id()}])
+
+    blocks = [block.to_arrow(compat_level=pl.CompatLevel.oldest()) for block in split_blocks(frame, rows_per_block)]
+    rows = ray.data.from_arrow(blocks).map_batches(run_block, batch_size=None, batch_format="pyarrow").take_all()
+    merged = merge([from_row(row) for row in rows])
+    nodes = sorted({row["node"] for row in rows})
+    return StagesResult(merged.kept, merged.removed, {name: {**c, "ray_nodes": nodes} for name, c in merged.counters.items()})

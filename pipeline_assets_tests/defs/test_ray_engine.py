@@ -1,0 +1,102 @@
+"""Silver's block stages on a two-node Ray cluster (RAY_ADDRESS): the same rows as in one process."""
+
+from __future__ import annotations
+
+import random
+
+import polars as pl
+import pytest
+from dagster import materialize
+
+from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.silver.assets import silver
+from pipeline_assets.engine import RayEngine
+from pipeline_assets.resources import EvalSetsResource, LakeResource, LandingResource, SilverPolicy
+from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.defs.bronze_helpers import register
+
+BATCHES = 2
+WORDS = [f"w{i}" for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[list[dict]]:
+    """Two batches of 150 records: near duplicates within each, and an exact copy of the first
+    batch's first record in the second."""
+    rng = random.Random(11)
+    batches = []
+    for batch in range(BATCHES):
+        rows = [record(i, response=" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))))
+                for i in range(batch * 1000, batch * 1000 + 150)]
+        rows[7]["response"] = rows[3]["response"]
+        batches.append(rows)
+    for rows in batches[1:]:
+        rows[11] = {**batches[0][0], "id": rows[11]["id"]}
+    return batches
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    """A head and a worker node, one CPU each, in this test's process tree."""
+    from ray.cluster_utils import Cluster
+
+    folder = tmp_path_factory.mktemp("ray")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")  # no token file under the user's home
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        env.setenv("RAY_TMPDIR", str(folder))  # Ray's session files, and the address file of the newest cluster
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False, "object_store_memory": 200 * 1024**2})
+        cluster.add_node(num_cpus=1, object_store_memory=200 * 1024**2)
+        try:
+            yield cluster.address
+        finally:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _silver_tables(root, rows_by_batch, instance) -> tuple[dict[str, pl.DataFrame], list[dict]]:
+    landing_dir = root / "landing"
+    resources = {
+        "lake": LakeResource(uri=str(root / "lake")),
+        "landing": LandingResource(uri=str(landing_dir)),
+        "eval_sets": EvalSetsResource(uri=str(root / "eval")),
+        "silver_policy": SilverPolicy(),
+        "ray_engine": RayEngine(home=str(root / "home"), rows_per_block=40),
+    }
+    (root / "eval").mkdir(parents=True, exist_ok=True)
+    metadata = []
+    for number, rows in enumerate(rows_by_batch):
+        write_landing_file(landing_dir, "synth", f"part-{number}.jsonl", rows)
+        batch = register(instance, resources)
+        result = materialize([eval_sets, bronze, silver], partition_key=batch, instance=instance, resources=resources)
+        assert result.success
+        metadata.append({k: v.value for k, v in result.asset_materializations_for_node("silver")[0].metadata.items()})
+    lake = resources["lake"]
+    where = {rid: f"{file}:{line}" for rid, file, line in lake.read("bronze", "records").select("record_id", "source_file", "source_line").iter_rows()}
+    return {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index")}, metadata
+
+
+def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
+    """Record ids (which name the batch's registration time) as the file and line they came from;
+    the columns that say when a run happened, dropped."""
+    ids = [c for c in ("record_id", "cluster_id", "duplicate_of") if c in frame.columns]
+    return (frame.with_columns(pl.col(c).replace_strict(where, default=None) for c in ids)
+            .drop([c for c in ("batch_id", "ingested_at", "evidence", "duplicate_of_batch") if c in frame.columns])
+            .sort("record_id"))
+
+
+def test_silver_on_a_two_node_ray_cluster_equals_silver_in_one_process(two_node_cluster, batches, instance, tmp_path, monkeypatch):
+    local, local_metadata = _silver_tables(tmp_path / "local", batches, instance)
+    assert {m["block_stages_ran_on"] for m in local_metadata} == {"this process"}
+
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
+    on_ray, ray_metadata = _silver_tables(tmp_path / "ray", batches, instance)
+
+    assert {m["block_stages_ran_on"] for m in ray_metadata} == {"Ray, 2 node(s)"}, "four blocks a batch, on both nodes"
+    assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
+    for name, frame in local.items():
+        assert on_ray[name].equals(frame), name
