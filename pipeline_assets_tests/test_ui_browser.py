@@ -2,7 +2,11 @@
 `dagster dev` on loopback: every asset key in the catalog, a partition of bronze/records
 materialized from its page through the partition dialog, its run watched in the runs list until
 its run page shows Success, and an asset's lineage (its page, then the Lineage tab's upstream and
-downstream graphs). Each step leaves a screenshot in test-output/ui/, also when it fails."""
+downstream graphs). Each step leaves a screenshot in test-output/ui/, also when it fails.
+
+Before the browser, on the same server: a run submitted through Dagster's GraphQL API
+(`DagsterGraphQLClient`), as an external scheduler or a CI job would submit one, watched until it
+succeeds."""
 
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from dagster import DagsterRunStatus
+from dagster_graphql import DagsterGraphQLClient
 from playwright.sync_api import Page, expect, sync_playwright
 
-from pipeline_assets_tests.dagster_dev import ROOT, running_dagster_dev
+from pipeline_assets_tests.dagster_dev import DEADLINE_SECONDS, ROOT, DagsterDev, running_dagster_dev
 
 CHROMIUM = shutil.which("chromium")  # where `make test` looks for it, and installs it when missing
 CHROMIUM_ARGS = [
@@ -90,6 +96,31 @@ def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
         page.wait_for_timeout(250)
 
 
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory) -> Iterator[DagsterDev]:
+    """One `dagster dev` for this file's tests (starting one, with its sample corpus, takes half a minute)."""
+    with pytest.MonkeyPatch.context() as monkeypatch, running_dagster_dev(tmp_path_factory.mktemp("dev"), monkeypatch) as server:
+        yield server
+
+
+def _bronze_holds_the_batch(dev: DagsterDev) -> None:
+    records = pl.read_delta(str(dev.home / "lake" / "bronze" / "records"))
+    assert records.height == dev.manifest["expected"]["bronze_rows"] > 0
+    assert records["batch_id"].unique().to_list() == [dev.batch]
+
+
+def test_a_run_submitted_through_graphql_succeeds(dev):
+    client = DagsterGraphQLClient("127.0.0.1", port_number=dev.port)
+    run_id = client.submit_job_execution("ingest_batch", repository_location_name="pipeline_assets",
+                                         tags={"dagster/partition": dev.batch})
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while (status := client.get_run_status(run_id)) not in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE):
+        assert time.monotonic() < deadline, f"run {run_id} still {status} after {DEADLINE_SECONDS} s"
+        time.sleep(2)
+    assert status == DagsterRunStatus.SUCCESS
+    _bronze_holds_the_batch(dev)
+
+
 @pytest.fixture
 def patient_expect() -> Iterator[None]:
     """Playwright's assertions give up after 5 s by default: too soon on a loaded 2-core machine."""
@@ -98,13 +129,13 @@ def patient_expect() -> Iterator[None]:
     expect.set_options(timeout=None)
 
 
-def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(tmp_path, monkeypatch, patient_expect):
+def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, tmp_path, patient_expect):
     if CHROMIUM is None:
         pytest.fail("chromium is not on PATH: `make test` installs Debian's chromium (apt-get install chromium)")
     shutil.rmtree(SHOTS, ignore_errors=True)
     SHOTS.mkdir(parents=True)
 
-    with running_dagster_dev(tmp_path, monkeypatch) as dev, sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
             viewport={"width": 1600, "height": 1200},
@@ -191,6 +222,4 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(tmp_p
         finally:
             browser.close()
 
-    records = pl.read_delta(str(dev.home / "lake" / "bronze" / "records"))
-    assert records.height == dev.manifest["expected"]["bronze_rows"] > 0
-    assert records["batch_id"].unique().to_list() == [dev.batch]
+    _bronze_holds_the_batch(dev)
