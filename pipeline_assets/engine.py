@@ -10,8 +10,10 @@ the blocks and the result are the same either way (``lib.stages``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from pipeline_assets.lib.silver import ROWS_PER_BLOCK
 from pipeline_assets.lib.stages import BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
 
 RAY_MIN_ROWS = 100_000  # PIPELINE_RAY_MIN_ROWS: the default, one place
+_MAX_TEMP_DIR_CHARS = 36
 
 
 class RayEngine(LocalRay):
@@ -92,7 +95,7 @@ def local_ray_options(home: Path) -> dict:
     return {
         "num_cpus": os.cpu_count(),
         "include_dashboard": False,
-        "_temp_dir": str(folder / "tmp"),
+        "_temp_dir": _short_path(folder / "tmp"),
         "_node_ip_address": "127.0.0.1",
         "logging_level": "WARNING",
     }
@@ -117,3 +120,16 @@ def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block
     merged = merge([from_row(row) for row in rows])
     nodes = sorted({row["node"] for row in rows})
     return StagesResult(merged.kept, merged.removed, {name: {**c, "ray_nodes": nodes} for name, c in merged.counters.items()})
+
+
+def _short_path(folder: Path) -> str:
+    """``folder``, or a link to it in the system's temporary directory when the folder's path is too
+    long for Ray's sockets (a Unix socket path holds at most 107 bytes, and Ray's session folder
+    adds about 70)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(str(folder)) <= _MAX_TEMP_DIR_CHARS:
+        return str(folder)
+    link = Path(tempfile.gettempdir()) / f"pipeline-ray-{hashlib.sha256(str(folder).encode()).hexdigest()[:12]}"
+    if not link.is_symlink():
+        link.symlink_to(folder, target_is_directory=True)
+    return str(link)

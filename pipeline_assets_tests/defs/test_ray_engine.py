@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -29,7 +32,8 @@ def batches() -> list[list[dict]]:
     for batch in range(BATCHES):
         rows = [record(i, response=" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))))
                 for i in range(batch * 1000, batch * 1000 + 150)]
-        rows[7]["response"] = rows[3]["response"]
+        rows[3]["response"] = " ".join(rng.choice(WORDS) for _ in range(120))
+        rows[7] = {**rows[3], "id": rows[7]["id"], "response": rows[3]["response"] + " again"}  # one word more
         batches.append(rows)
     for rows in batches[1:]:
         rows[11] = {**batches[0][0], "id": rows[11]["id"]}
@@ -37,11 +41,11 @@ def batches() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(tmp_path_factory):
+def two_node_cluster():
     """A head and a worker node, one CPU each, in this test's process tree."""
     from ray.cluster_utils import Cluster
 
-    folder = tmp_path_factory.mktemp("ray")
+    folder = Path(tempfile.mkdtemp(prefix="ray-"))  # short: Ray's socket paths must fit in 107 bytes
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")  # no token file under the user's home
         env.setenv("RAY_USAGE_STATS_ENABLED", "0")
@@ -56,6 +60,7 @@ def two_node_cluster(tmp_path_factory):
 
             ray.shutdown()
             cluster.shutdown()
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _silver_tables(root, rows_by_batch, instance) -> tuple[dict[str, pl.DataFrame], list[dict]]:
