@@ -30,6 +30,7 @@ def build(table: str, records: int) -> None:
                 "batch_id": f"b{start // CHUNK:04d}",
                 "exact_hash": [f"{i:032x}" for i in range(start, start + len(sigs))],
                 "signature": [row.tobytes() for row in sigs],
+                "response_signature": [row.tobytes() for row in sigs[:, ::-1]],  # as many bytes as a real one
                 "band_keys": band_keys(sigs, params).tolist(),
                 "lsh_params": params.label(config),
             },

@@ -11,14 +11,28 @@ from datasketch import MinHash
 from datasketch.lsh import _optimal_param
 
 from pipeline_assets.lib.dedup import _cluster_survivors, exact_dedup, lsh_params, near_dedup
-from pipeline_assets.lib.minhash import MinHashConfig, shingles, signatures
+from pipeline_assets.lib.minhash import MinHashConfig, shingle_hashes, shingles, signatures
 
 WORDS = [f"word{i}" for i in range(2000)] + ["Straße", "café", "naïve", "ÉCOLE", "東京", "x"]
+SEPARATORS = [" "] * 20 + ["  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u2003", "\u3000"]
 
 
 def _texts(n: int, seed: int = 7) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 150))) for _ in range(n)]
+
+
+def _long_text(rng: random.Random, chars: int) -> str:
+    """About ``chars`` characters of words, mostly one space apart, sometimes other whitespace."""
+    words = [rng.choice(WORDS) for _ in range(chars // 8)]
+    separators = rng.choices(SEPARATORS, k=len(words))
+    return "".join(word + separator for word, separator in zip(words, separators, strict=True))
+
+
+def _datasketch_signature(text: str) -> np.ndarray:
+    reference = MinHash(num_perm=128, seed=1)
+    reference.update_batch(list(shingles(text)))
+    return reference.hashvalues
 
 
 def _batch(texts: list[str], batch_id: str = "b1", prefix: str = "r") -> pl.DataFrame:
@@ -60,6 +74,27 @@ def test_signatures_follow_num_perm_and_seed_and_load_into_datasketch():
     for minhash, text in zip(reference, texts[:2], strict=True):
         minhash.update_batch(list(shingles(text)))
     assert loaded[0].jaccard(loaded[1]) == reference[0].jaccard(reference[1])
+
+
+def test_signatures_equal_datasketch_on_long_documents_in_chunks_blocks_and_threads(monkeypatch):
+    rng = random.Random(11)
+    texts = [_long_text(rng, chars) for chars in (2_000, 7_000, 20_000)] + _texts(30)
+    expected = np.array([_datasketch_signature(text) for text in texts])
+    assert np.array_equal(signatures(texts, threads=1), expected)
+    monkeypatch.setattr("pipeline_assets.lib.minhash._CHUNK_CHARS", 3_000)  # several chunks of several blocks
+    monkeypatch.setattr("pipeline_assets.lib.minhash._BLOCK_HASHES", 400)
+    assert np.array_equal(signatures(texts, threads=1), expected)
+    assert np.array_equal(signatures(texts, threads=2), expected)
+
+
+def test_words_split_at_the_whitespace_polars_matches_with_backslash_s():
+    code_points = [c for c in range(0x10000) if not 0xD800 <= c < 0xE000]  # White_Space has none above
+    texts = [f"x{chr(c)}y" for c in code_points]
+    split_by_polars = pl.Series(texts).str.extract_all(r"\S+").list.len().to_numpy() == 2
+    hashes, bounds = shingle_hashes(texts)
+    assert np.array_equal(np.diff(bounds), np.ones(len(texts)))
+    assert np.array_equal(hashes == shingle_hashes(["x y"])[0][0], split_by_polars)
+    assert split_by_polars.sum() == 25  # \t \n \v \f \r, space and 19 beyond ASCII
 
 
 def test_lsh_params_match_datasketch_at_equal_weights():
