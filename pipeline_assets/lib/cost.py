@@ -33,11 +33,12 @@ class Compute:
 
 def model_version_cost(training: Compute, data: Compute, prices: Prices) -> dict:
     """What a model version cost: its training run, and the data stages behind its snapshot, in $."""
-    training_usd, data_usd = prices.cost(training.cpu_seconds, training.gpu_seconds), prices.cost(data.cpu_seconds, data.gpu_seconds)
+    training_usd = round(prices.cost(training.cpu_seconds, training.gpu_seconds), 6)
+    data_usd = round(prices.cost(data.cpu_seconds, data.gpu_seconds), 6)
     return {
-        "total_usd": round(training_usd + data_usd, 6),
-        "training_usd": round(training_usd, 6),
-        "data_usd": round(data_usd, 6),
+        "total_usd": round(training_usd + data_usd, 6),  # the sum of the parts as shown: they add up
+        "training_usd": training_usd,
+        "data_usd": data_usd,
         "cpu_seconds": round(training.cpu_seconds + data.cpu_seconds, 2),
         "gpu_seconds": round(training.gpu_seconds + data.gpu_seconds, 2),
         "prices": {"core_hour": prices.core_hour, "gpu_hour": prices.gpu_hour, "spot_discount": prices.spot_discount},

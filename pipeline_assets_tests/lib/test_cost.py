@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from pipeline_assets.lib.cost import MEASURED, Prices, bottleneck, headline_throughput, stage_report
+from pipeline_assets.lib.cost import MEASURED, Compute, Prices, bottleneck, headline_throughput, model_version_cost, stage_report
 
 MEASURED_ROWS = [
     {"stage": "bronze", "rows": 20_000, "input_mb": 10.0, "tokens": 0, "wall_seconds": 4.0, "cpu_seconds": 6.0, "gpu_seconds": 0.0},
@@ -32,3 +32,13 @@ def test_spot_discount_lowers_every_price():
     on_demand = stage_report(frame, Prices(), 1_000_000)["cost_usd"].sum()
     spot = stage_report(frame, Prices(spot_discount=0.6), 1_000_000)["cost_usd"].sum()
     assert spot == pytest.approx(on_demand * 0.4)
+
+
+def test_a_model_versions_cost_adds_up_as_shown():
+    # 0.0004 + 0.0004 rounds each part down but the exact total up: the total must be the parts' sum
+    prices = Prices(core_hour=3.6, gpu_hour=0.0, spot_discount=0.0)  # a dollar a thousand cpu seconds
+    cost = model_version_cost(Compute(cpu_seconds=0.0004), Compute(cpu_seconds=0.0004), prices)
+    assert cost["training_usd"] == cost["data_usd"] == 0.0
+    assert cost["total_usd"] == cost["training_usd"] + cost["data_usd"]
+    cost = model_version_cost(Compute(cpu_seconds=0.7254), Compute(cpu_seconds=0.0004), prices)
+    assert cost["total_usd"] == round(cost["training_usd"] + cost["data_usd"], 6) == 0.000725
