@@ -637,7 +637,15 @@ class _Record:
 
 
 def _timestamp(seconds: int) -> str:
-    return (BASE_TIME + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """BASE_TIME + seconds as RFC 3339 (a datetime and strftime per record cost ~15 us)."""
+    days, rest = divmod(seconds, 86_400)
+    hours, rest = divmod(rest, 3600)
+    return f"{_date(days)}T{hours:02d}:{rest // 60:02d}:{rest % 60:02d}Z"
+
+
+@lru_cache(maxsize=4096)
+def _date(days: int) -> str:
+    return (BASE_TIME + timedelta(days=days)).strftime("%Y-%m-%d")
 
 
 class _SourceVoice:
@@ -713,7 +721,9 @@ def _record_object(record: _Record) -> dict:
 
 def word_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
     words = text.split()
-    return {tuple(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
+    if len(words) < n:
+        return {tuple(words)}
+    return set(zip(*(words[i:] for i in range(n))))
 
 
 def shingle_jaccard(a: str, b: str, n: int = 5) -> float:
@@ -722,6 +732,9 @@ def shingle_jaccard(a: str, b: str, n: int = 5) -> float:
     return len(left & right) / len(left | right)
 
 
+_WORD_CHAR = re.compile(r"\w")
+_NON_WORD_CHAR = re.compile(r"\W")
+_PLAIN_WORD = re.compile(r"\w+")
 _FILLER_WORDS = (
     "also", "simply", "actually", "usually", "generally", "really", "just", "typically",
 )  # fmt: skip
@@ -744,7 +757,7 @@ def near_duplicate_response(response: str, rng: random.Random) -> tuple[str, flo
         paragraphs = [p.split(" ") for p in response.split("\n\n")]
         for n in range(rng.randint(1, most_edits)):
             words = rng.choice([p for p in paragraphs if len(p) > 3] or paragraphs)
-            index = rng.choice([i for i, w in enumerate(words) if re.search(r"\w", w)])
+            index = rng.choice([i for i, w in enumerate(words) if _WORD_CHAR.search(w)])
             if n == 0 or rng.random() < 0.5:
                 _edit_word(words, index, rng)
             else:
@@ -764,7 +777,7 @@ def _edit_word(words: list[str], index: int, rng: random.Random) -> None:
     elif action == "delete":
         del words[index]
     else:
-        core = re.sub(r"\W", "", words[index]).lower()
+        core = _NON_WORD_CHAR.sub("", words[index]).lower()
         words[index] = _SUBSTITUTES.get(core) or rng.choice([w for w in _FILLER_WORDS if w != core])
 
 
@@ -776,7 +789,7 @@ def _edit_punctuation_or_case(word: str) -> str:
 
 
 def _plain_words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
+    return _PLAIN_WORD.findall(text.lower())
 
 
 _SHORT_REPLIES = (
