@@ -287,7 +287,8 @@ class _DocPool:
                     return self._docs[:doc_count]
             raise RuntimeError(
                 f"the installed docstrings hold {self._words} words of unique prose and "
-                f"{min_words} are needed: ask for fewer records"
+                f"{min_words} are needed: ask for fewer records, or for Markov text "
+                "(markov_corpus, `sample-data --text markov`), which has no such limit"
             )
 
     @property
@@ -556,6 +557,7 @@ class _Slot:
 
 
 SAMPLE_RECORDS = 20_000  # the sample corpus: what make demo lands and the benchmarks measure
+MARKOV_FILE_RECORDS = 125_000  # lines per file of a Markov-text corpus: 4 sources make 500,000
 
 
 def _landing_files(records: int) -> list[LandingFile]:
