@@ -57,7 +57,7 @@ TRAINING_WORDS = 500_000
 RESERVOIR_PER_SOURCE = 4096  # earlier clean records a duplicate may copy
 CONTINUED_PROMPT_ODDS = 0.2  # "tell me more about X" instead of a first question
 EVAL_RESPONSE_MAX_WORDS = 60
-_WRITES_IN_FLIGHT = 2
+_WRITES_IN_FLIGHT = 1  # files handed to the writer and not yet written
 ANSWER_BATCH = 8192
 PARALLEL_MIN_RECORDS = 100_000  # below, starting processes costs more than they save
 
@@ -123,36 +123,39 @@ def landing_shards(records: int, file_records: int = MARKOV_FILE_RECORDS) -> lis
 
 
 class _OriginalReservoir:
-    """A uniform sample of the clean records written so far, per source; each one is copied at
-    most once. A copy takes its original from its own source or one before it in path order."""
+    """A uniform sample of the clean records written so far, per source and apart for the long
+    ones (a near duplicate needs NEAR_DUPLICATE_MIN_WORDS: drawn from one pool, near duplicates
+    would use up its long records faster than new ones come in); each is copied at most once.
+    A copy takes its original from its own source or one before it in path order."""
 
     def __init__(self, rng: _FastRandom) -> None:
         self._rng = rng
-        self._kept: dict[str, list[_Record]] = {s: [] for s in SOURCES}
-        self._seen = dict.fromkeys(SOURCES, 0)
+        self._kept: dict[tuple[str, bool], list[_Record]] = {
+            (s, long): [] for s in SOURCES for long in (False, True)
+        }
+        self._seen = dict.fromkeys(self._kept, 0)
 
     def add(self, record: _Record) -> None:
-        kept = self._kept[record.source]
-        self._seen[record.source] += 1
+        pool = (record.source, record.words >= NEAR_DUPLICATE_MIN_WORDS)
+        kept = self._kept[pool]
+        self._seen[pool] += 1
         if len(kept) < RESERVOIR_PER_SOURCE:
             kept.append(record)
-        elif (slot := self._rng.randrange(self._seen[record.source])) < RESERVOIR_PER_SOURCE:
+        elif (slot := self._rng.randrange(self._seen[pool])) < RESERVOIR_PER_SOURCE:
             kept[slot] = record
 
-    def pick(self, source: str, other_source_odds: float, min_words: int = 0) -> _Record | None:
+    def pick(self, source: str, other_source_odds: float, long: bool = False) -> _Record | None:
         rng = self._rng
         others = [s for s in SOURCES if s < source]
         groups = [others, [source]] if rng.random() < other_source_odds else [[source], others]
         for group in groups:
-            for _ in range(60):
-                sizes = [len(self._kept[s]) for s in group]
-                if not sum(sizes):
-                    break
-                candidates = self._kept[rng.choices(group, weights=sizes)[0]]
+            pools = [(s, True) for s in group] + ([] if long else [(s, False) for s in group])
+            sizes = [len(self._kept[pool]) for pool in pools]
+            if sum(sizes):
+                candidates = self._kept[rng.choices(pools, weights=sizes)[0]]
                 index = rng.randrange(len(candidates))
-                if candidates[index].words >= min_words:
-                    candidates[index], candidates[-1] = candidates[-1], candidates[index]
-                    return candidates.pop()
+                candidates[index], candidates[-1] = candidates[-1], candidates[index]
+                return candidates.pop()
         return None
 
 
@@ -327,9 +330,7 @@ class _MarkovCorpusBuilder:
         return self._copy_of(original, slot, original.response), {"duplicate_of": original.id}
 
     def _near_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        original = self._originals.pick(
-            slot.file.source, other_source_odds=0.5, min_words=NEAR_DUPLICATE_MIN_WORDS
-        )
+        original = self._originals.pick(slot.file.source, other_source_odds=0.5, long=True)
         edit = near_duplicate_response(original.response, self._rng) if original else None
         if edit is None:
             return None
