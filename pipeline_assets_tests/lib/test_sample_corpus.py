@@ -24,7 +24,11 @@ import pytest
 import zstandard
 from datasketch import MinHash, MinHashLSH
 
+from pipeline_assets.lib.decontam import EvalNgramIndex, read_eval_sets
+from pipeline_assets.lib.landing_files import read_landing_file
+from pipeline_assets.lib.markov_corpus import write_markov_corpus
 from pipeline_assets.lib.sample_corpus import RESPONSE_MAX_WORDS, RESPONSE_MIN_WORDS, SOURCES, write_sample_corpus
+from pipeline_assets.lib.silver import SilverConfig, curate
 
 RECORDS = 3000
 
@@ -437,3 +441,98 @@ def test_default_size_has_the_promised_shares(tmp_path):
     per_file = Counter(e["file"] for e in injected["malformed"])
     assert all(per_file[entry["path"]] < 0.03 * entry["lines"] for entry in manifest["files"])
     assert Counter(e["source"] for e in injected["near_duplicate"]).keys() == set(SOURCES)
+
+
+# --- Markov text: any size ------------------------------------------------------------------------
+# Last in this file: the docstrings the chain learns from are parsed by then (once per process).
+
+MARKOV_RECORDS = 2000
+MARKOV_FILE_RECORDS = 150  # 500 lines a source: 4 files each, 4 shards
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("markov")
+    write_markov_corpus(out, records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS)
+    return out, json.loads((out / "_sample_manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def markov_records(markov) -> pl.DataFrame:
+    """Every valid record, in path order, with where it is and its place in each landing order."""
+    out, manifest = markov
+    frames = []
+    for entry in manifest["files"]:
+        result = read_landing_file(entry["path"], (out / entry["path"]).read_bytes())
+        frames.append(result.records.with_columns(
+            source=pl.lit(entry["source"]), file=pl.lit(entry["path"]), shard=pl.lit(entry["shard"])
+        ))  # fmt: skip
+    return pl.concat(frames, how="diagonal_relaxed").with_columns(
+        record_id=pl.int_range(pl.len()).cast(pl.String).str.zfill(12), batch_id=pl.lit("b1")
+    )
+
+
+def test_markov_same_seed_gives_identical_bytes_and_another_seed_does_not(tmp_path, markov):
+    out, _ = markov
+    write_markov_corpus(tmp_path / "again", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS)
+    assert file_digests(tmp_path / "again") == file_digests(out)
+    write_markov_corpus(tmp_path / "other", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS, seed=7)
+    other = file_digests(tmp_path / "other")
+    assert other.keys() == file_digests(out).keys()
+    assert all(other[path] != digest for path, digest in file_digests(out).items())
+
+
+def test_markov_layout_and_injected_counts_follow_the_rates(markov, markov_records):
+    out, manifest = markov
+    files = manifest["files"]
+    assert sum(f["lines"] for f in files) == MARKOV_RECORDS and manifest["text"] == "markov"
+    assert all(f["lines"] <= MARKOV_FILE_RECORDS for f in files)
+    for shard in range(4):
+        assert sorted(f["source"] for f in files if f["shard"] == shard) == sorted(SOURCES)
+    for entry in files:
+        assert hashlib.sha256((out / entry["path"]).read_bytes()).hexdigest() == entry["sha256"]
+    injected = manifest["injected"]
+    rates = {"exact_duplicate": 0.03, "near_duplicate": 0.03, "eval_copy": 0.01, "low_quality": 0.02, "malformed": 0.01}
+    assert {kind: len(injected[kind]) for kind in rates} == {k: round(r * MARKOV_RECORDS) for k, r in rates.items()}
+    assert manifest["injected_counts"] == {kind: len(entries) for kind, entries in injected.items()}
+    assert manifest["clean_records"] + sum(map(len, injected.values())) == MARKOV_RECORDS
+    assert markov_records.height == MARKOV_RECORDS - len(injected["malformed"])
+    assert [e["items"] for e in manifest["eval_sets"]] == [20, 20]
+
+
+def test_markov_clean_answers_are_distinct_and_long_tailed(markov, markov_records):
+    _, manifest = markov
+    injected = {e["id"] for kind, entries in manifest["injected"].items() for e in entries if "id" in e}
+    clean = markov_records.filter(~pl.col("id").is_in(list(injected)))
+    assert clean.height == manifest["clean_records"]
+    folded = clean["response"].map_elements(lambda r: " ".join(r.lower().split()), return_dtype=pl.String)
+    assert folded.n_unique() == clean.height
+    words = clean["response"].str.extract_all(r"\S+").list.len()
+    assert (words < 30).mean() >= 0.2 and (words > 100).mean() >= 0.03
+
+
+def test_markov_duplicates_copy_a_record_that_precedes_them_in_every_landing_order(markov, markov_records):
+    _, manifest = markov
+    place = {
+        row["id"]: (row["shard"], row["file"], row["source_line"])
+        for row in markov_records.select("id", "shard", "file", "source_line").iter_rows(named=True)
+    }
+    entries = manifest["injected"]["exact_duplicate"] + manifest["injected"]["near_duplicate"]
+    for entry in entries:
+        original, copy = place[entry["duplicate_of"]], place[entry["id"]]
+        assert original < copy, entry  # landed shard by shard
+        assert original[1:] < copy[1:], entry  # landed at once, in path order
+    assert sum(place[e["duplicate_of"]][0] < place[e["id"]][0] for e in entries) > 0  # across shards
+
+
+def test_markov_curation_removes_exactly_the_injected_records(markov, markov_records):
+    out, manifest = markov
+    index = EvalNgramIndex.build(read_eval_sets(out / "_eval_sets"))
+    curated = curate(markov_records, None, index, SilverConfig())
+    stage = dict(zip(curated.rejects["id"], curated.rejects["stage"].str.replace(r"quality:.*", "quality"), strict=True))
+    expected = manifest["expected"]["silver_rejects"]
+    for kind, stage_name in {"exact_duplicate": "exact_dup", "eval_copy": "decontaminated", "low_quality": "quality"}.items():
+        assert [stage.get(e["id"]) for e in manifest["injected"][kind]] == [stage_name] * expected[stage_name]
+    near = [stage.get(e["id"]) for e in manifest["injected"]["near_duplicate"]]
+    assert set(near) <= {"near_dup", None} and near.count("near_dup") >= 0.9 * len(near)  # MinHash estimates
+    assert len(stage) == sum(expected.values()) - near.count(None)  # no clean record removed
