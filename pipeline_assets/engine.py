@@ -26,6 +26,9 @@ from pipeline_assets.lib.silver import ROWS_PER_BLOCK
 from pipeline_assets.lib.stages import BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
 
 RAY_MIN_ROWS = 100_000  # PIPELINE_RAY_MIN_ROWS: the default, one place
+# A block task holds one CPU (map_batches' default); polars would otherwise start a thread per core
+# of its node in every task, and a node runs as many tasks as it has cores.
+BLOCK_TASK_ENV = {"POLARS_MAX_THREADS": "1"}
 _MAX_TEMP_DIR_CHARS = 36
 
 
@@ -74,8 +77,11 @@ class RayEngine(LocalRay):
 
         if ray.is_initialized():
             return
+        init_options = dict(self.ray_init_options)
+        runtime_env = dict(init_options.pop("runtime_env", None) or {})
+        runtime_env["env_vars"] = {**BLOCK_TASK_ENV, **(runtime_env.get("env_vars") or {}), **self.get_env_vars_to_inject()}
         self.data_execution_options.apply()
-        self._context = ray.init(address=self.ray_address, **options, **self.ray_init_options)
+        self._context = ray.init(address=self.ray_address, runtime_env=runtime_env, **options, **init_options)
         self.data_execution_options.apply()
         if self._init_context is not None and self._init_context.log is not None:
             self._init_context.log.info(f"block stages run on {self.name}")
@@ -102,8 +108,8 @@ def local_ray_options(home: Path) -> dict:
 
 
 def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
-    """One Ray Data task per block, results back in block order; the nodes that ran them are in
-    each stage's counters (``ray_nodes``)."""
+    """One Ray Data task per block, results back in block order; the nodes that ran them and the
+    polars threads each task had are in each stage's counters (``ray_nodes``, ``ray_polars_threads``)."""
     import pyarrow as pa
     import ray.data
 
@@ -113,13 +119,14 @@ def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block
 
     def run_block(table: pa.Table) -> pa.Table:
         result = run_stages(stages, pl.from_arrow(table))
-        return pa.Table.from_pylist([{**to_row(result), "node": ray.get_runtime_context().get_node_id()}])
+        where = {"node": ray.get_runtime_context().get_node_id(), "polars_threads": pl.thread_pool_size()}
+        return pa.Table.from_pylist([{**to_row(result), **where}])
 
     blocks = [block.to_arrow(compat_level=pl.CompatLevel.oldest()) for block in split_blocks(frame, rows_per_block)]
     rows = ray.data.from_arrow(blocks).map_batches(run_block, batch_size=None, batch_format="pyarrow").take_all()
     merged = merge([from_row(row) for row in rows])
-    nodes = sorted({row["node"] for row in rows})
-    return StagesResult(merged.kept, merged.removed, {name: {**c, "ray_nodes": nodes} for name, c in merged.counters.items()})
+    where = {"ray_nodes": sorted({row["node"] for row in rows}), "ray_polars_threads": sorted({row["polars_threads"] for row in rows})}
+    return StagesResult(merged.kept, merged.removed, {name: {**c, **where} for name, c in merged.counters.items()})
 
 
 def _short_path(folder: Path) -> str:

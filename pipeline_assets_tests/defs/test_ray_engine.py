@@ -101,7 +101,8 @@ def test_silver_on_a_two_node_ray_cluster_equals_silver_in_one_process(two_node_
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     on_ray, ray_metadata = _silver_tables(tmp_path / "ray", batches, instance)
 
-    assert {m["block_stages_ran_on"] for m in ray_metadata} == {"Ray, 2 node(s)"}, "four blocks a batch, on both nodes"
+    assert {m["block_stages_ran_on"] for m in ray_metadata} == {"Ray, 2 node(s), 1 polars thread(s) a task"}, (
+        "four blocks a batch, on both nodes, each task's polars on its one CPU")
     assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
     for name, frame in local.items():
         assert on_ray[name].equals(frame), name

@@ -127,8 +127,11 @@ def _dedup_history(context: AssetExecutionContext, lake: LakeResource, batch_id:
 
 
 def _engine_used(stages: dict[str, dict]) -> str:
-    nodes = stages["normalize"].get("ray_nodes")
-    return f"Ray, {len(nodes)} node(s)" if nodes else "this process"
+    normalize = stages["normalize"]
+    if not normalize.get("ray_nodes"):
+        return "this process"
+    threads = "/".join(map(str, normalize["ray_polars_threads"]))
+    return f"Ray, {len(normalize['ray_nodes'])} node(s), {threads} polars thread(s) a task"
 
 
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
