@@ -104,7 +104,7 @@ def _variant_figures(files: list[Path], ingest: tuple[float, float], floor: floa
         "stages": {
             "read_seconds": round(best_seconds(lambda: [read_landing_file(n, d) for n, d in blobs], REPEATS), 3),
             "read_exact_path_seconds": round(best_seconds(lambda: [read_landing_file_exact(n, d) for n, d in blobs], REPEATS), 3),
-            "delta_write_seconds": round(write_seconds, 3),
+            "records_streamed_to_delta_seconds": round(write_seconds, 3),
         },
     }
 
@@ -138,7 +138,8 @@ class _BronzeBatch:
         self.instance.add_dynamic_partitions(ingest_batches.name, [self.batch])
 
     def materialize(self) -> tuple[float, float]:
-        """The asset's wall time (read to Delta commit) and its Delta writes' share (both tables)."""
+        """The asset's wall time (read to Delta commit) and its Delta writes' (both tables). The records
+        are written as the files are read, so their write's time holds the reading too."""
         result = materialize([bronze], partition_key=self.batch, instance=self.instance, resources=self.resources)
         records, quarantine = (m.metadata for m in result.asset_materializations_for_node("bronze"))
         return records["wall_seconds"].value, records["write_seconds"].value + quarantine["write_seconds"].value

@@ -12,13 +12,16 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 from dagster import ConfigurableResource, EnvVar, PipesSubprocessClient
 from botocore.exceptions import ClientError
 from dagster_aws.s3 import S3Resource
@@ -294,14 +297,21 @@ class LakeResource(ConfigurableResource):
 
         ``add_columns``: columns the table lacks are added (null in its older rows), for a table
         written before its contract gained a nullable column."""
-        if not set(value) <= _PARTITION_VALUE_CHARS:
-            raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
-        if frame.height and frame[column].unique().to_list() != [value]:
-            raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
+        _check_partition(layer, name, frame, column, value)
         return self._write(
             layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'",
             **({"schema_mode": "merge"} if add_columns else {}),
         )
+
+    def replace_partition_streaming(
+        self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, *, column: str, value: str
+    ) -> DeltaCommit:
+        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they come:
+        the Parquet encoding of one frame overlaps the making of the next. Nothing is committed
+        unless every frame was made; an exception raised while making one is raised here."""
+        checked = (_check_partition(layer, name, frame, column, value) for frame in frames)
+        return self._write_frames(layer, name, checked, schema, mode="overwrite", partition_by=[column],
+                                  predicate=f"{column} = '{value}'")
 
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
         return self._write(layer, name, frame, mode="append")
@@ -368,12 +378,8 @@ class LakeResource(ConfigurableResource):
     def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
         wall, cpu = time.perf_counter(), time.process_time()
-        # Text as Arrow string views: handed over without a copy, which takes a fifth off writing a
-        # text-heavy table. The Parquet writer cannot take a categorical's views: those keep the
-        # old layout.
-        categorical = any(isinstance(t, (pl.Categorical, pl.Enum)) for t in _all_dtypes(frame.schema.dtypes()))
-        compat = pl.CompatLevel.oldest() if categorical else pl.CompatLevel.newest()
-        write_deltalake(table_uri, frame.to_arrow(compat_level=compat), storage_options=self.storage_options(), **options)
+        write_deltalake(table_uri, frame.to_arrow(compat_level=_arrow_layout(frame.schema)),
+                        storage_options=self.storage_options(), **options)
         version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
         return DeltaCommit(
             uri=table_uri,
@@ -383,6 +389,64 @@ class LakeResource(ConfigurableResource):
             wall_seconds=time.perf_counter() - wall,
             cpu_seconds=time.process_time() - cpu,
         )
+
+
+    def _write_frames(self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, **options) -> DeltaCommit:
+        table_uri = self.table_uri(layer, name)
+        wall, cpu = time.perf_counter(), time.process_time()
+        compat = _arrow_layout(schema)
+        arrow_schema = schema.to_frame().to_arrow(compat_level=compat).schema
+        written = {"rows": 0, "bytes": 0}
+        failed: list[BaseException] = []
+
+        def batches():
+            try:
+                for frame in frames:
+                    written["rows"] += frame.height
+                    written["bytes"] += frame.estimated_size()
+                    yield from frame.to_arrow(compat_level=compat).cast(arrow_schema).to_batches()
+            except BaseException as exc:  # delta-rs reports it as its own error, without the type
+                failed.append(exc)
+                raise
+
+        existed = self.table(layer, name) is not None
+        try:
+            write_deltalake(table_uri, pa.RecordBatchReader.from_batches(arrow_schema, batches()),
+                            storage_options=self.storage_options(), **options)
+        except Exception:
+            if not existed:
+                _remove_uncommitted(table_uri)
+            if failed:
+                raise failed[0] from None
+            raise
+        version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
+        return DeltaCommit(uri=table_uri, version=version, rows=written["rows"], bytes_in_memory=written["bytes"],
+                           wall_seconds=time.perf_counter() - wall, cpu_seconds=time.process_time() - cpu)
+
+
+def _remove_uncommitted(table_uri: str) -> None:
+    """A first write that failed leaves its folder (and any data files it had flushed) without a log:
+    a table no reader can open. On S3 there are no folders; flushed objects stay invisible to Delta
+    (as a crashed writer's do) until vacuum."""
+    folder = Path(table_uri)
+    if not uris.is_s3(table_uri) and folder.is_dir() and not (folder / "_delta_log").exists():
+        shutil.rmtree(folder)
+
+
+def _check_partition(layer: str, name: str, frame: pl.DataFrame, column: str, value: str) -> pl.DataFrame:
+    if not set(value) <= _PARTITION_VALUE_CHARS:
+        raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
+    if frame.height and frame[column].unique().to_list() != [value]:
+        raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
+    return frame
+
+
+def _arrow_layout(schema: pl.Schema) -> pl.CompatLevel:
+    """Text as Arrow string views: handed over without a copy, which takes a fifth off writing a
+    text-heavy table. The Parquet writer cannot take a categorical's views: those keep the old
+    layout."""
+    categorical = any(isinstance(t, (pl.Categorical, pl.Enum)) for t in _all_dtypes(schema.dtypes()))
+    return pl.CompatLevel.oldest() if categorical else pl.CompatLevel.newest()
 
 
 def _all_dtypes(dtypes) -> list[pl.DataType]:

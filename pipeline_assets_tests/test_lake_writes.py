@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import date, datetime, timezone
 
 import polars as pl
+import pytest
 
 from pipeline_assets.resources import LakeResource
 
@@ -49,3 +50,25 @@ def test_an_overwrite_can_bound_its_parquet_row_groups(lake: LakeResource):
     groups = pq.ParquetFile(path).metadata
     assert commit.rows == 1000 and groups.num_row_groups == 8
     assert max(groups.row_group(i).num_rows for i in range(groups.num_row_groups)) == 128
+
+
+def test_a_streamed_partition_is_committed_whole_or_not_at_all(lake: LakeResource, tmp_path):
+    frame = _frame().drop("label")
+    schema = frame.schema
+
+    def frames(fail: bool):
+        yield frame
+        if fail:
+            raise ValueError("the second chunk broke its contract")
+        yield frame
+
+    with pytest.raises(ValueError, match="^the second chunk broke its contract$"):  # the maker's own error
+        lake.replace_partition_streaming("bronze", "records", frames(fail=True), schema, column="batch_id", value="b1")
+    assert lake.version("bronze", "records") is None and not (tmp_path / "lake" / "bronze" / "records").exists()
+
+    first = lake.replace_partition_streaming("bronze", "records", frames(fail=False), schema, column="batch_id", value="b1")
+    assert first.rows == 6 and lake.read("bronze", "records").height == 6
+    with pytest.raises(ValueError):
+        lake.replace_partition_streaming("bronze", "records", frames(fail=True), schema, column="batch_id", value="b1")
+    assert lake.version("bronze", "records") == first.version, "a failed replacement commits nothing"
+    assert lake.read("bronze", "records").select(frame.columns).equals(pl.concat([frame, frame]))

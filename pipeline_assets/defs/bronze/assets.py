@@ -55,52 +55,39 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     if files.is_empty():
         raise ValueError(f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})")
     files = files.join(earlier_versions(manifest, batch_id), on="uri", how="left")  # what an appended file grew from
-    ingested_at = datetime.now(timezone.utc)
-    record_parts, quarantine_parts, per_file = [], [], []
-    input_bytes = 0
     entries = list(files.iter_rows(named=True))
-    source_files = [landing.relative_name(entry["uri"]) for entry in entries]
-    for ordinal, (entry, source_file, ingest) in enumerate(zip(entries, source_files, _ingest_files(landing, entries, source_files))):
-        input_bytes += ingest.size
-        records, quarantined = with_provenance(
-            ingest.result,
-            source=entry["source"],
-            source_file=source_file,
-            file_ordinal=ordinal,
-            batch_id=batch_id,
-            ingested_at=ingested_at,
-        )
-        record_parts.append(records)
-        quarantine_parts.append(quarantined)
-        per_file.append(_file_accounting(source_file, entry["source"], ingest))
-        context.log.info(_describe(source_file, ingest))
-
-    records = validate(conform(pl.concat(record_parts), BronzeRecord), BronzeRecord)
-    quarantine = validate(conform(pl.concat(quarantine_parts), QuarantineRecord), QuarantineRecord)
-    records_commit = lake.replace_partition("bronze", "records", records, column="batch_id", value=batch_id)
+    read = _BatchRead(context, batch_id, entries, [landing.relative_name(entry["uri"]) for entry in entries])
+    # Each file's records are written as they are read: Delta encodes one chunk while the next is parsed.
+    records_commit = lake.replace_partition_streaming(
+        "bronze", "records", read.record_chunks(_ingest_files(landing, entries, read.source_files)),
+        polars_schema(BronzeRecord), column="batch_id", value=batch_id,
+    )
+    quarantine = validate(conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord)
     quarantine_commit = lake.replace_partition("bronze", "quarantine", quarantine, column="batch_id", value=batch_id)
 
-    accounting = pl.DataFrame(per_file)
+    accounting = pl.DataFrame(read.per_file)
     shared = {
         "batch_id": batch_id,
-        "files": len(per_file),
+        "files": len(read.per_file),
         "lines_read": int(accounting["lines_read"].sum()),
         "lines_counted": int(accounting["lines_counted"].sum()),
         "already_ingested": int(accounting["already_ingested"].sum()),
         "lines_counted_by_file": MetadataValue.json(dict(zip(accounting["source_file"], accounting["lines_counted"]))),
-        "input_chars": text_chars(records),
+        "input_chars": read.chars,
         "per_file_accounting": table_metadata(accounting),
     }
     upstream = {"landing/manifest": manifest_version}
+    rows_by_source = pl.DataFrame({"source": list(read.rows_by_source), "rows": list(read.rows_by_source.values())},
+                                  schema={"source": pl.String, "rows": pl.UInt32})
     yield MaterializeResult(
         asset_key=BRONZE_RECORDS,
         metadata={
             **delta_write_metadata(
                 records_commit, polars_schema(BronzeRecord),
-                upstream_versions=upstream, input_bytes=input_bytes, stopwatch=stopwatch,
+                upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
             ),
             **shared,
-            "rows_by_source": table_metadata(records.group_by("source").len("rows").sort("source")),
+            "rows_by_source": table_metadata(rows_by_source.filter(pl.col("rows") > 0).sort("source")),
         },
     )
     yield MaterializeResult(
@@ -108,7 +95,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         metadata={
             **delta_write_metadata(
                 quarantine_commit, polars_schema(QuarantineRecord),
-                upstream_versions=upstream, input_bytes=input_bytes, stopwatch=stopwatch,
+                upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
             ),
             **shared,
             "quarantined_by_reason": table_metadata(
@@ -116,6 +103,49 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
             ),
         },
     )
+
+
+class _BatchRead:
+    """A batch's files read in order into contract-checked chunks of records, with what the
+    metadata and the accounting need of them tallied on the way."""
+
+    CHUNK_ROWS = 25_000  # records validated at once: the contract's fixed cost per call, against overlap
+
+    def __init__(self, context: AssetExecutionContext, batch_id: str, entries: list[dict], source_files: list[str]):
+        self.context, self.batch_id, self.entries, self.source_files = context, batch_id, entries, source_files
+        self.ingested_at = datetime.now(timezone.utc)
+        self.quarantine_parts: list[pl.DataFrame] = []
+        self.per_file: list[dict] = []
+        self.rows_by_source: dict[str, int] = {}
+        self.input_bytes = 0
+        self.chars = 0
+
+    def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
+        pending: list[pl.DataFrame] = []
+        for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
+            pending.append(self._add(ordinal, entry, source_file, ingest))
+            if sum(part.height for part in pending) >= self.CHUNK_ROWS:
+                yield self._checked(pending)
+                pending = []
+        yield self._checked(pending)
+
+    def _add(self, ordinal: int, entry: dict, source_file: str, ingest: "FileIngest") -> pl.DataFrame:
+        records, quarantined = with_provenance(
+            ingest.result, source=entry["source"], source_file=source_file, file_ordinal=ordinal,
+            batch_id=self.batch_id, ingested_at=self.ingested_at,
+        )
+        self.input_bytes += ingest.size
+        self.quarantine_parts.append(quarantined)
+        self.per_file.append(_file_accounting(source_file, entry["source"], ingest))
+        self.rows_by_source[entry["source"]] = self.rows_by_source.get(entry["source"], 0) + records.height
+        self.context.log.info(_describe(source_file, ingest))
+        return records
+
+    def _checked(self, parts: list[pl.DataFrame]) -> pl.DataFrame:
+        frame = conform(pl.concat(parts), BronzeRecord) if parts else polars_schema(BronzeRecord).to_frame()
+        frame = validate(frame, BronzeRecord)
+        self.chars += text_chars(frame)
+        return frame
 
 
 @dataclass(frozen=True)
