@@ -49,9 +49,9 @@ from pipeline_assets.lib.sample_corpus import (
     JSON_MALFORMED_REASONS, LOW_QUALITY_KINDS, MANIFEST_NAME, MARKOV_FILE_RECORDS,
     NEAR_DUPLICATE_MIN_WORDS, PARQUET_MALFORMED_REASONS, RESPONSE_LENGTH_SIGMA, RESPONSE_MAX_WORDS,
     RESPONSE_MEDIAN_WORDS, RESPONSE_MIN_WORDS, SOURCE_FORMATS, SOURCES, SYNTH_SYSTEM_PROMPTS,
-    TIME_SPREAD_S, Doc, LandingFile, _cycled, _doc_pool, _dumps, _encode_file, _eval_items_per_set,
+    TIME_SPREAD_S, Doc, LandingFile, _CopyInjection, _cycled, _doc_pool, _dumps, _encode_file, _eval_items_per_set,
     _injection_counts, _malformed_line, _prompt, _Record, _record_object, _Slot, _SourceVoice, _write,
-    eval_copy_text, low_quality_response, near_duplicate_response,
+    low_quality_response,
 )  # fmt: skip
 
 # Words of docstring prose the chains learn from: the stdlib and the first packages in
@@ -225,7 +225,7 @@ def _batch_size(answers: int) -> int:
     return min(ANSWER_BATCH, max(256, answers))
 
 
-class _MarkovCorpusBuilder:
+class _MarkovCorpusBuilder(_CopyInjection):
     """Fills the slots of one file after another and notes what went where."""
 
     def __init__(self, records: int, seed: int, spool: dict, workers: int) -> None:
@@ -332,35 +332,8 @@ class _MarkovCorpusBuilder:
         record.words = words
         return record
 
-    def _exact_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        original = self._originals.pick(slot.file.source, other_source_odds=2 / 3)
-        if original is None:
-            return None
-        return self._copy_of(original, slot, original.response), {"duplicate_of": original.id}
-
-    def _near_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        original = self._originals.pick(slot.file.source, other_source_odds=0.5, long=True)
-        edit = near_duplicate_response(original.response, self._rng) if original else None
-        if edit is None:
-            return None
-        response, jaccard = edit
-        facts = {"duplicate_of": original.id, "jaccard": round(jaccard, 4)}
-        return self._copy_of(original, slot, response), facts
-
-    def _copy_of(self, original: _Record, slot: _Slot, response: str) -> _Record:
-        later = original.created_s + self._rng.randint(600, 3 * 86_400)
-        return self._voice.record(
-            slot.file.source, original.prompt, response, later, original.system
-        )
-
-    def _eval_copy(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        if not self._eval_queue:
-            return None
-        item = self._eval_queue.pop()
-        prompt, response = eval_copy_text(item["prompt"], item["response"], self._rng)
-        created = self._rng.randrange(TIME_SPREAD_S)
-        record = self._voice.record(slot.file.source, prompt, response, created)
-        return record, {"eval_set": item["eval_set"], "item_id": item["item_id"]}
+    def _original(self, source: str, other_source_odds: float, near: bool) -> _Record | None:
+        return self._originals.pick(source, other_source_odds=other_source_odds, long=near)
 
     def _low_quality(self, slot: _Slot) -> tuple[_Record, dict]:
         """A real question with a useless answer; never the same question with the same kind of

@@ -965,7 +965,43 @@ class _Corpus:
     clean_ids: list[str]
 
 
-class _CorpusBuilder:
+class _CopyInjection:
+    """The injected copies every corpus builder makes alike (``markov_corpus``'s too): exact and near
+    duplicates of an earlier clean record, and eval-set items in a disguise decontamination must
+    see through. A builder has ``_rng``, ``_voice``, ``_eval_queue`` (taken from its end) and
+    ``_original(source, other_source_odds, near)``, the earlier record a copy is made of."""
+
+    def _exact_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
+        original = self._original(slot.file.source, other_source_odds=2 / 3, near=False)
+        if original is None:
+            return None
+        return self._copy_of(original, slot, original.response), {"duplicate_of": original.id}
+
+    def _near_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
+        original = self._original(slot.file.source, other_source_odds=0.5, near=True)
+        edit = near_duplicate_response(original.response, self._rng) if original else None
+        if edit is None:
+            return None
+        response, jaccard = edit
+        facts = {"duplicate_of": original.id, "jaccard": round(jaccard, 4)}
+        return self._copy_of(original, slot, response), facts
+
+    def _copy_of(self, original: _Record, slot: _Slot, response: str) -> _Record:
+        """A later record with the original's prompt (and system) and ``response``."""
+        later = original.created_s + self._rng.randint(600, 3 * 86_400)
+        return self._voice.record(slot.file.source, original.prompt, response, later, original.system)
+
+    def _eval_copy(self, slot: _Slot) -> tuple[_Record, dict] | None:
+        if not self._eval_queue:
+            return None
+        item = self._eval_queue.pop()
+        prompt, response = eval_copy_text(item["prompt"], item["response"], self._rng)
+        created = self._rng.randrange(TIME_SPREAD_S)
+        record = self._voice.record(slot.file.source, prompt, response, created)
+        return record, {"eval_set": item["eval_set"], "item_id": item["item_id"]}
+
+
+class _CorpusBuilder(_CopyInjection):
     """Fills every slot of every file, in path order, and notes what went where."""
 
     def __init__(self, records: int, seed: int, docs: list[Doc]):
@@ -980,8 +1016,8 @@ class _CorpusBuilder:
         eval_sets, stream_docs = _pick_eval_items(
             _shuffled_by_module(docs, rng), _eval_items_per_set(records), rng
         )
-        self._eval_items = [item for items in eval_sets.values() for item in items]
-        rng.shuffle(self._eval_items)
+        self._eval_queue = [item for items in eval_sets.values() for item in items]
+        rng.shuffle(self._eval_queue)
         self._stream = _TextStream(stream_docs)
         self._voice = _SourceVoice(rng)
         self._originals = _OriginalPicker()
@@ -1036,38 +1072,9 @@ class _CorpusBuilder:
         record.words = _word_count(response)
         return record
 
-    def _exact_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        original = self._originals.pick(self._rng, slot.file.source, other_source_odds=2 / 3)
-        if original is None:
-            return None
-        return self._copy_of(original, slot, original.response), {"duplicate_of": original.id}
-
-    def _near_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        original = self._originals.pick(
-            self._rng, slot.file.source, other_source_odds=0.5, min_words=NEAR_DUPLICATE_MIN_WORDS
-        )
-        edit = near_duplicate_response(original.response, self._rng) if original else None
-        if edit is None:
-            return None
-        response, jaccard = edit
-        facts = {"duplicate_of": original.id, "jaccard": round(jaccard, 4)}
-        return self._copy_of(original, slot, response), facts
-
-    def _copy_of(self, original: _Record, slot: _Slot, response: str) -> _Record:
-        """A later record with the original's prompt (and system) and ``response``."""
-        later = original.created_s + self._rng.randint(600, 3 * 86_400)
-        return self._voice.record(
-            slot.file.source, original.prompt, response, later, original.system
-        )
-
-    def _eval_copy(self, slot: _Slot) -> tuple[_Record, dict] | None:
-        if not self._eval_items:
-            return None
-        item = self._eval_items.pop()
-        prompt, response = eval_copy_text(item["prompt"], item["response"], self._rng)
-        created = self._rng.randrange(TIME_SPREAD_S)
-        record = self._voice.record(slot.file.source, prompt, response, created)
-        return record, {"eval_set": item["eval_set"], "item_id": item["item_id"]}
+    def _original(self, source: str, other_source_odds: float, near: bool) -> _Record | None:
+        min_words = NEAR_DUPLICATE_MIN_WORDS if near else 0
+        return self._originals.pick(self._rng, source, other_source_odds=other_source_odds, min_words=min_words)
 
     def _low_quality(self, slot: _Slot) -> tuple[_Record, dict]:
         rng = self._rng
