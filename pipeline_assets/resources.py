@@ -390,7 +390,6 @@ class LakeResource(ConfigurableResource):
             cpu_seconds=time.process_time() - cpu,
         )
 
-
     def _write_frames(self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
         wall, cpu = time.perf_counter(), time.process_time()
