@@ -45,12 +45,11 @@ import zstandard
 
 from pipeline_assets.lib import markov_text
 from pipeline_assets.lib.sample_corpus import (
-    _EVAL_PROMPTS, EVAL_RESPONSE_MIN_WORDS, EVAL_SETS, FILES_PER_SOURCE, INJECTION_RATES,
-    JSON_MALFORMED_REASONS, LOW_QUALITY_KINDS, MANIFEST_NAME, MARKOV_FILE_RECORDS,
-    NEAR_DUPLICATE_MIN_WORDS, PARQUET_MALFORMED_REASONS, RESPONSE_LENGTH_SIGMA, RESPONSE_MAX_WORDS,
+    _EVAL_PROMPTS, EVAL_RESPONSE_MIN_WORDS, EVAL_SETS, FILES_PER_SOURCE, INJECTION_RATES, MANIFEST_NAME,
+    MARKOV_FILE_RECORDS, NEAR_DUPLICATE_MIN_WORDS, RESPONSE_LENGTH_SIGMA, RESPONSE_MAX_WORDS,
     RESPONSE_MEDIAN_WORDS, RESPONSE_MIN_WORDS, SOURCE_FORMATS, SOURCES, SYNTH_SYSTEM_PROMPTS,
-    TIME_SPREAD_S, Doc, LandingFile, _CopyInjection, _cycled, _doc_pool, _dumps, _encode_file, _eval_items_per_set,
-    _injection_counts, _malformed_line, _prompt, _Record, _record_object, _Slot, _SourceVoice, _write,
+    TIME_SPREAD_S, Doc, LandingFile, _CopyInjection, _doc_pool, _dumps, _encode_file, _eval_items_per_set,
+    _injection_counts, _malformed_line, _prompt, _Record, _record_object, _Slot, _slot_kinds, _SourceVoice, _write,
     low_quality_response,
 )  # fmt: skip
 
@@ -284,14 +283,8 @@ class _MarkovCorpusBuilder(_CopyInjection):
 
     def _slot_plan(self, file: LandingFile, counts: dict[str, int]) -> list[tuple[str, str | None]]:
         """(kind, detail) of each line, in a seeded-random order (as ``_file_slots``, faster)."""
-        rng = self._rng
-        reasons = PARQUET_MALFORMED_REASONS if file.format == "parquet" else JSON_MALFORMED_REASONS
-        kinds = _cycled("malformed", reasons, counts["malformed"], rng)
-        kinds += _cycled("low_quality", LOW_QUALITY_KINDS, counts["low_quality"], rng)
-        for kind in ("exact_duplicate", "near_duplicate", "eval_copy"):
-            kinds += [(kind, None)] * counts[kind]
-        kinds += [("clean", None)] * (file.lines - len(kinds))
-        order = np.random.default_rng(rng.getrandbits(64)).permutation(len(kinds))
+        kinds = _slot_kinds(file, counts, self._rng)
+        order = np.random.default_rng(self._rng.getrandbits(64)).permutation(len(kinds))
         return [kinds[i] for i in order.tolist()]
 
     def _clean_unit(self, file: LandingFile):

@@ -594,14 +594,19 @@ def _injection_counts(files: list[LandingFile]) -> list[dict[str, int]]:
     return counts
 
 
-def _file_slots(file: LandingFile, counts: dict[str, int], rng: random.Random) -> list[_Slot]:
-    """What each line of ``file`` will hold, in a seeded-random order."""
+def _slot_kinds(file: LandingFile, counts: dict[str, int], rng: random.Random) -> list[tuple[str, str | None]]:
+    """(kind, detail) of every line ``file`` will hold, grouped by kind: the caller shuffles them."""
     reasons = PARQUET_MALFORMED_REASONS if file.format == "parquet" else JSON_MALFORMED_REASONS
     kinds = _cycled("malformed", reasons, counts["malformed"], rng)
     kinds += _cycled("low_quality", LOW_QUALITY_KINDS, counts["low_quality"], rng)
     for kind in ("exact_duplicate", "near_duplicate", "eval_copy"):
         kinds += [(kind, None)] * counts[kind]
-    kinds += [("clean", None)] * (file.lines - len(kinds))
+    return kinds + [("clean", None)] * (file.lines - len(kinds))
+
+
+def _file_slots(file: LandingFile, counts: dict[str, int], rng: random.Random) -> list[_Slot]:
+    """What each line of ``file`` will hold, in a seeded-random order."""
+    kinds = _slot_kinds(file, counts, rng)
     rng.shuffle(kinds)
     return [_Slot(file, line, kind, detail) for line, (kind, detail) in enumerate(kinds, start=1)]
 
