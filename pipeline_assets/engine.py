@@ -136,7 +136,9 @@ def _short_path(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     if len(str(folder)) <= _MAX_TEMP_DIR_CHARS:
         return str(folder)
-    link = Path(tempfile.gettempdir()) / f"pipeline-ray-{hashlib.sha256(str(folder).encode()).hexdigest()[:12]}"
+    name = f"pipeline-ray-{hashlib.sha256(str(folder).encode()).hexdigest()[:12]}"
+    system_temp = Path(tempfile.gettempdir())  # long on macOS (/var/folders/...): then /tmp
+    link = (system_temp if len(str(system_temp / name)) <= _MAX_TEMP_DIR_CHARS else Path("/tmp")) / name
     if not link.is_symlink():
         link.symlink_to(folder, target_is_directory=True)
     return str(link)
