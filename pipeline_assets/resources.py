@@ -377,22 +377,14 @@ class LakeResource(ConfigurableResource):
 
     def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
-        wall, cpu = time.perf_counter(), time.process_time()
+        started = (time.perf_counter(), time.process_time())
         write_deltalake(table_uri, frame.to_arrow(compat_level=_arrow_layout(frame.schema)),
                         storage_options=self.storage_options(), **options)
-        version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
-        return DeltaCommit(
-            uri=table_uri,
-            version=version,
-            rows=frame.height,
-            bytes_in_memory=frame.estimated_size(),
-            wall_seconds=time.perf_counter() - wall,
-            cpu_seconds=time.process_time() - cpu,
-        )
+        return self._committed(table_uri, frame.height, frame.estimated_size(), started)
 
     def _write_frames(self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, **options) -> DeltaCommit:
         table_uri = self.table_uri(layer, name)
-        wall, cpu = time.perf_counter(), time.process_time()
+        started = (time.perf_counter(), time.process_time())
         compat = _arrow_layout(schema)
         arrow_schema = schema.to_frame().to_arrow(compat_level=compat).schema
         written = {"rows": 0, "bytes": 0}
@@ -418,8 +410,13 @@ class LakeResource(ConfigurableResource):
             if failed:
                 raise failed[0] from None
             raise
+        return self._committed(table_uri, written["rows"], written["bytes"], started)
+
+    def _committed(self, table_uri: str, rows: int, bytes_in_memory: int, started: tuple[float, float]) -> DeltaCommit:
+        """The write just committed: the table's new version, and the write's wall and CPU seconds since ``started``."""
+        wall, cpu = started
         version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
-        return DeltaCommit(uri=table_uri, version=version, rows=written["rows"], bytes_in_memory=written["bytes"],
+        return DeltaCommit(uri=table_uri, version=version, rows=rows, bytes_in_memory=bytes_in_memory,
                            wall_seconds=time.perf_counter() - wall, cpu_seconds=time.process_time() - cpu)
 
 

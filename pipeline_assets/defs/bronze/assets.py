@@ -87,7 +87,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
                 upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
             ),
             **shared,
-            "rows_by_source": table_metadata(rows_by_source.filter(pl.col("rows") > 0).sort("source")),
+            "rows_by_source": table_metadata(rows_by_source.sort("source")),
         },
     )
     yield MaterializeResult(
@@ -121,12 +121,13 @@ class _BatchRead:
         self.chars = 0
 
     def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
-        pending: list[pl.DataFrame] = []
+        pending, pending_rows = [], 0
         for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
             pending.append(self._add(ordinal, entry, source_file, ingest))
-            if sum(part.height for part in pending) >= self.CHUNK_ROWS:
+            pending_rows += pending[-1].height
+            if pending_rows >= self.CHUNK_ROWS:
                 yield self._checked(pending)
-                pending = []
+                pending, pending_rows = [], 0
         yield self._checked(pending)
 
     def _add(self, ordinal: int, entry: dict, source_file: str, ingest: "FileIngest") -> pl.DataFrame:
@@ -137,7 +138,8 @@ class _BatchRead:
         self.input_bytes += ingest.size
         self.quarantine_parts.append(quarantined)
         self.per_file.append(_file_accounting(source_file, entry["source"], ingest))
-        self.rows_by_source[entry["source"]] = self.rows_by_source.get(entry["source"], 0) + records.height
+        if records.height:
+            self.rows_by_source[entry["source"]] = self.rows_by_source.get(entry["source"], 0) + records.height
         self.context.log.info(_describe(source_file, ingest))
         return records
 
