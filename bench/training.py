@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.contracts import GoldSequence, conform, validate
+from pipeline_assets.defs.gold.manifest import cut_manifest
 from pipeline_assets.lib.gold import build_sequences
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.resources import LakeResource
@@ -77,10 +78,14 @@ def counting_documents(n_records: int, max_len: int, seed: int) -> pl.DataFrame:
 
 
 def write_gold(lake_uri: str, n_records: int, seq_len: int, seed: int = 0) -> int:
-    """gold/sequences packed from counting documents up to seq_len tokens; returns its Delta version."""
+    """One gold shard packed from counting documents up to seq_len tokens, and a snapshot of it;
+    returns the snapshot's number."""
     sequences, _ = build_sequences(counting_documents(n_records, seq_len, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID)
-    sequences = validate(conform(sequences, GoldSequence), GoldSequence)
-    return LakeResource(uri=lake_uri).overwrite("gold", "sequences", sequences).version
+    sequences = sequences.with_columns(batch_id=pl.lit("bench"), tokenizer_version=pl.lit(0, pl.Int64))
+    lake = LakeResource(uri=lake_uri)
+    lake.replace_partition("gold", "sequences", validate(conform(sequences, GoldSequence), GoldSequence),
+                           column="batch_id", value="bench")
+    return cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=seq_len, reason="bench")[0].number
 
 
 # --- the jobs ---------------------------------------------------------------------------------
@@ -90,7 +95,7 @@ class Workspace:
     def __init__(self, root: Path, n_records: int, seq_len: int):
         self.root = root
         self.lake_uri = str(root / "lake")
-        self.gold_version = write_gold(self.lake_uri, n_records, seq_len)
+        self.snapshot = write_gold(self.lake_uri, n_records, seq_len)
         self._jobs = 0
 
     def train(self, nproc: int, threads_per_rank: int, **overrides) -> str:
@@ -101,7 +106,7 @@ class Workspace:
         values.update(overrides)
         values.setdefault("eval_every", values["steps"])
         values.setdefault("checkpoint_every_steps", values["steps"] + 1)  # only the final save
-        config = TrainConfig(lake_uri=self.lake_uri, gold_version=self.gold_version, checkpoint_uri=str(self.root / name),
+        config = TrainConfig(lake_uri=self.lake_uri, snapshot=self.snapshot, checkpoint_uri=str(self.root / name),
                              partition="bench", **values)
         return run_torchrun(nproc, threads_per_rank, config.to_args())
 

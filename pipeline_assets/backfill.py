@@ -7,7 +7,7 @@ import logging
 
 from dagster import AssetRecordsFilter, DagsterInstance, Definitions
 
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, SILVER_RECORDS
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS, REFERENCE_EVAL_SETS, SILVER_RECORDS
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.headless import RunOutcome, _execute, cut_snapshot_if_due, observe_eval_sets
 from pipeline_assets.lib.silver_order import BatchEvents, Stage, stage, unsettled_before
@@ -19,8 +19,8 @@ _TAGS = {"pipeline/trigger": "backfill-decontamination"}
 
 def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> RunOutcome:
     """Observe the eval sets; re-materialize silver, one batch at a time in arrival order, for every batch
-    whose silver was decontaminated against another version of them; then materialize gold/sequences
-    (a new snapshot without the newly contaminated records). Batches not done in silver are left to
+    whose silver was decontaminated against another version of them; then rebuild their gold
+    shards and cut a new snapshot without the newly contaminated records. Batches not done in silver are left to
     silver_in_order and ``pipeline-assets run``, which use the current sets anyway."""
     outcome = RunOutcome()
     current = observe_eval_sets(defs, instance, outcome)
@@ -38,7 +38,10 @@ def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> Ru
     silver_keys = sorted(graph.get(SILVER_RECORDS).execution_set_asset_keys, key=lambda key: key.to_user_string())
     for batch in batches:
         _execute(job, instance, silver_keys, outcome, partition=batch, tags=_TAGS)
-    if batches and graph.has(GOLD_SEQUENCES):
+    if graph.has(GOLD_SEQUENCES):
+        for batch in batches:
+            _execute(job, instance, [GOLD_SEQUENCES], outcome, partition=batch, tags=_TAGS)
+    if batches and graph.has(GOLD_SNAPSHOTS):
         cut_snapshot_if_due(defs, instance, job, outcome,
                             by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against new eval sets")
     return outcome

@@ -183,7 +183,8 @@ def _summary(args, settings: Settings) -> int:
     report: dict = {"lake": settings.lake_uri, "tables": {}}
     tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
               ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index"),
-              ("gold", "tokenizer"), ("gold", "sequences"), ("evaluation", "report"), ("ops", "pipeline_report")]
+              ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"), ("evaluation", "report"),
+              ("ops", "pipeline_report")]
     for layer, name in tables:
         scan = lake.scan(layer, name)
         report["tables"][f"{layer}/{name}"] = None if scan is None else {
@@ -197,15 +198,9 @@ def _summary(args, settings: Settings) -> int:
         scan = lake.scan(layer, name)
         if scan is not None:
             report[key] = dict(scan.group_by(column).len().sort("len", descending=True).collect().iter_rows())
-    gold_version = lake.version("gold", "sequences")
-    if gold_version is not None:
-        sequences = lake.read("gold", "sequences")
-        report["data_snapshot"] = {
-            "partition": f"gold-v{gold_version}",
-            "sequences_by_split": dict(sequences.group_by("split").len().iter_rows()),
-            "real_tokens": int(sequences["real_tokens"].sum()),
-            "packing_efficiency": round(int(sequences["real_tokens"].sum()) / (sequences.height * sequences["input_ids"].list.len().max()), 4),
-        }
+    newest = lake.version("gold", "snapshots")
+    if newest is not None:
+        report["data_snapshot"] = _snapshot_summary(lake, newest)
     report["pipeline"] = _latest_pipeline_report(lake)
     report["model"] = _champion_summary(settings)
     report["look_next"] = {
@@ -215,6 +210,19 @@ def _summary(args, settings: Settings) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _snapshot_summary(lake, number: int) -> dict:
+    """The newest data snapshot: its shards, sequences per split and packing, from small columns only."""
+    import polars as pl
+
+    from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
+
+    manifest = read_manifest(lake.uri, number)
+    real_tokens = sequences_scan(lake.uri, manifest).select(pl.col("real_tokens").sum()).collect().item()
+    rows = sum(manifest.sequences_by_split().values())
+    return {"partition": manifest.key, "batches": len(manifest.batches), "sequences_by_split": manifest.sequences_by_split(),
+            "real_tokens": int(real_tokens), "packing_efficiency": round(real_tokens / (rows * manifest.seq_len), 4) if rows else 0.0}
 
 
 def _sizer(args, settings: Settings) -> int:

@@ -153,16 +153,38 @@ class GoldTokenizer(pa.DataFrameModel):
 
 
 class GoldSequence(pa.DataFrameModel):
-    """One packed training sequence of ``seq_len`` tokens."""
+    """One packed training sequence of ``seq_len`` tokens, in its ingest batch's shard."""
 
+    batch_id: str = pa.Field(str_length={"min_value": 1}, description="the shard: one ingest batch, packed on its own")
+    tokenizer_version: pl.Int64 = pa.Field(ge=0, description="the gold/tokenizer Delta version that encoded it")
     split: str = pa.Field(isin=["train", "validation", "search"])
-    sequence_index: pl.Int64 = pa.Field(ge=0, description="position after the seeded shuffle, per split")
+    sequence_index: pl.Int64 = pa.Field(ge=0, description="position after the seeded shuffle, per shard and split")
     input_ids: Annotated[pl.List, pl.Int32()]
     loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(description="true on response tokens (Delta has no unsigned ints)")
     position_ids: Annotated[pl.List, pl.Int32()] = pa.Field(description="restart at 0 at every document")
     document_lengths: Annotated[pl.List, pl.Int32()] = pa.Field(description="lengths of the packed pieces, in order")
     record_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver record of each piece")
     real_tokens: pl.Int32 = pa.Field(ge=1)
+
+    class Config:
+        strict = True
+        coerce = False
+
+
+class GoldSnapshotManifest(pa.DataFrameModel):
+    """One data snapshot: which gold shards, at which versions (lib.snapshot_manifest)."""
+
+    snapshot: str = pa.Field(str_startswith="gold-v", unique=True)
+    number: pl.Int64 = pa.Field(ge=0, description="N of gold-v<N>: the Delta version of gold/snapshots this row was added in")
+    sequences_version: pl.Int64 = pa.Field(ge=0, description="the gold/sequences Delta version the shards are read at")
+    tokenizer_version: pl.Int64 = pa.Field(ge=0)
+    seq_len: pl.Int64 = pa.Field(ge=1)
+    batches: Annotated[pl.List, pl.String()] = pa.Field(description="the shards, in arrival order: the global order per split")
+    train_sequences: Annotated[pl.List, pl.Int64()] = pa.Field(description="per batch, in the order of batches")
+    validation_sequences: Annotated[pl.List, pl.Int64()]
+    search_sequences: Annotated[pl.List, pl.Int64()]
+    reason: str = pa.Field(description="why it was cut: the cadence, the schedule, or by hand")
+    created_at: UTC_TIMESTAMP
 
     class Config:
         strict = True

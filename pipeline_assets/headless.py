@@ -17,11 +17,11 @@ from pathlib import Path
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventType, DagsterInstance, Definitions
 
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
-from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
+from pipeline_assets.defs.check_helpers import partitions_failing
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
@@ -102,29 +102,57 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
     """Per ingest batch, the selected batch-partitioned assets to (re)materialize.
 
     Stale: never materialized for that batch, older than a batch-partitioned upstream's
-    materialization of it (silver after bronze was redone by hand), or its latest blocking check
-    failed there (so a batch blocked by schema drift is retried once the mapping is fixed).
+    materialization of it (silver after bronze was redone by hand) or than an unpartitioned
+    upstream's latest (every gold shard after a new tokenizer), or its latest blocking check failed
+    there (so a batch blocked by schema drift is retried once the mapping is fixed).
     """
     graph = defs.resolve_asset_graph()
     batches = instance.get_dynamic_partitions(ingest_batches.name)
-    blocked = partitions_failing_blocking_checks(instance, defs.asset_checks or [])
+    blocked = partitions_failing(instance, _check_specs(defs))
     plan: dict[str, set[AssetKey]] = {}
-    for key in keys:
+    for key in [key for key in graph.toposorted_asset_keys if key in set(keys)]:
         node = graph.get(key)
         if not node.is_executable or node.partitions_def != ingest_batches:
             continue
         own = _latest_by_batch(instance, key)
         parents = [_latest_by_batch(instance, p) for p in node.parent_keys if graph.get(p).partitions_def == ingest_batches]
+        whole = [_latest_storage_id(instance, p) for p in node.parent_keys if _is_made_unpartitioned(graph, p)]
         for batch in batches:
+            if any((batch, p) in blocked and p not in plan.get(batch, ()) for p in node.parent_keys):
+                continue  # its upstream failed a blocking check, and is not being redone here
             older = any(parent.get(batch, -1) > own.get(batch, -1) for parent in parents)
+            older = older or any(latest > own.get(batch, -1) for latest in whole)
             if batch not in own or older or (batch, key) in blocked:
                 plan.setdefault(batch, set()).update(node.execution_set_asset_keys)
     return {batch: sorted(plan[batch], key=AssetKey.to_user_string) for batch in sorted(plan)}
 
 
+def _check_specs(defs: Definitions) -> list:
+    """Every check spec: the checks defined apart and those an asset judges itself (gold's)."""
+    return [spec for definition in [*(defs.assets or []), *(defs.asset_checks or [])]
+            for spec in getattr(definition, "check_specs", ())]
+
+
 def _latest_by_batch(instance: DagsterInstance, key: AssetKey) -> dict[str, int]:
     """Per batch, the storage id (which orders events) of the latest materialization of ``key``."""
     return dict(instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION))
+
+
+def _latest_storage_id(instance: DagsterInstance, key: AssetKey) -> int:
+    record = instance.fetch_materializations(key, limit=1).records
+    return record[0].storage_id if record else -1
+
+
+def _is_made_unpartitioned(graph, key: AssetKey) -> bool:
+    node = graph.get(key)
+    return node.is_materializable and node.partitions_def is None
+
+
+def _reads_unpartitioned(graph, key: AssetKey) -> bool:
+    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes (gold/sequences reads
+    gold/tokenizer): it runs after that one."""
+    node = graph.get(key)
+    return node.partitions_def == ingest_batches and any(_is_made_unpartitioned(graph, p) for p in node.parent_keys)
 
 
 def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> list[AssetKey]:
@@ -197,15 +225,18 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     outcome = RunOutcome()
     if _reads_eval_sets(defs, keys):
         observe_eval_sets(defs, instance, outcome)
-    for batch, batch_keys in stale_partitions(defs, instance, keys).items():
+    shards = [key for key in keys if _reads_unpartitioned(graph, key)]  # gold/sequences: after the tokenizer
+    for batch, batch_keys in stale_partitions(defs, instance, [key for key in keys if key not in shards]).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
     late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
-    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key != GOLD_SEQUENCES])
+    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key != GOLD_SNAPSHOTS])
     if early:
         _execute(job, instance, early, outcome, partition=None)
-    if GOLD_SEQUENCES in selected:
+    for batch, batch_keys in stale_partitions(defs, instance, shards).items():
+        _execute(job, instance, batch_keys, outcome, partition=batch)
+    if GOLD_SNAPSHOTS in selected:
         cut_snapshot_if_due(defs, instance, job, outcome)
     for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
         _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
@@ -216,12 +247,12 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
 
 
 def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outcome: RunOutcome, by_hand: str = "") -> None:
-    """gold/sequences on the snapshot_cadence sensor's rule, or at once when ``by_hand`` says why."""
+    """gold/snapshots on the snapshot_cadence sensor's rule, or at once when ``by_hand`` says why."""
     decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction)
     if not by_hand and not decision.due:
         log.info("no new data snapshot: %s", decision.reason)
         return
-    _execute(job, instance, [GOLD_SEQUENCES], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
+    _execute(job, instance, [GOLD_SNAPSHOTS], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
 
 
 def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:

@@ -1,8 +1,8 @@
 """From a registered model version back to the landing files that fed it (``pipeline-assets lineage``).
 
 Every link is read from where it was recorded: the model version's tags (partition, Delta versions),
-its MLflow run (checkpoint and export URIs, metrics), silver/records at the pinned version (which
-ingest batches: those with records in the snapshot), and the landing manifest (which file versions, with their checksums).
+its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in gold/snapshots (which
+ingest batches' shards), and the landing manifest (which file versions, with their checksums).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 
 import polars as pl
 
+from pipeline_assets.lib.snapshot_manifest import read_manifest, snapshot_number
 from pipeline_assets.resources import LakeResource, MlflowResource
 
 
@@ -40,7 +41,8 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     tags = version.tags
     run = mlflow_tracking.client().get_run(version.run_id)
     silver_version, gold_version = int(tags["delta.silver/records"]), int(tags["delta.gold/sequences"])
-    batches = contributing_batches(lake, gold_version, silver_version)
+    snapshot = read_manifest(lake.uri, snapshot_number(tags["partition"]))
+    batches = list(snapshot.batches)
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
     files = manifest.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri")
     return {
@@ -52,7 +54,8 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
                                    if k in ("loss", "validation_loss") or k.startswith("eval/")}},
         "checkpoint": {"partition": tags["partition"], "export_uri": run.data.tags.get("export_uri"),
                        "best_checkpoint_uri": run.data.tags.get("best_checkpoint_uri")},
-        "gold": {"sequences_version": gold_version, "tokenizer_version": _int(tags.get("delta.gold/tokenizer")),
+        "gold": {"snapshot": snapshot.key, "snapshots_version": snapshot.number, "sequences_version": gold_version,
+                 "tokenizer_version": _int(tags.get("delta.gold/tokenizer")), "batches": batches,
                  "uri": lake.table_uri("gold", "sequences")},
         "silver": {"records_version": silver_version, "batches": batches, "uri": lake.table_uri("silver", "records")},
         "bronze": {"records_version": _int(tags.get("delta.bronze/records")), "batches": batches,
@@ -60,14 +63,6 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
         "cost": json.loads(tags["cost_usd"]) if "cost_usd" in tags else None,  # versions registered before it was recorded: None
         "landing_files": files.to_dicts(),
     }
-
-
-def contributing_batches(lake: LakeResource, gold_version: int, silver_version: int) -> list[str]:
-    """The ingest batches whose records are in the snapshot (a batch blocked in silver is not)."""
-    in_gold = lake.scan("gold", "sequences", gold_version).select(pl.col("record_ids").explode().alias("record_id"))
-    silver = lake.scan("silver", "records", silver_version).select("record_id", "batch_id")
-    found = silver.join(in_gold.unique(), on="record_id", how="semi").select("batch_id").unique().collect()
-    return sorted(found["batch_id"].to_list())
 
 
 def _int(value: str | None) -> int | None:

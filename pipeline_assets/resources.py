@@ -291,16 +291,17 @@ class LakeResource(ConfigurableResource):
         return (scan if where is None else scan.filter(where)).collect()
 
     def replace_partition(
-        self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str, add_columns: bool = False
+        self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str, add_columns: bool = False,
+        rows_per_group: int | None = None,
     ) -> DeltaCommit:
         """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
 
         ``add_columns``: columns the table lacks are added (null in its older rows), for a table
-        written before its contract gained a nullable column."""
+        written before its contract gained a nullable column. ``rows_per_group``: as in ``overwrite``."""
         _check_partition(layer, name, frame, column, value)
         return self._write(
             layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'",
-            **({"schema_mode": "merge"} if add_columns else {}),
+            **({"schema_mode": "merge"} if add_columns else {}), **_row_groups(rows_per_group),
         )
 
     def replace_partition_streaming(
@@ -319,8 +320,7 @@ class LakeResource(ConfigurableResource):
     def overwrite(self, layer: str, name: str, frame: pl.DataFrame, rows_per_group: int | None = None) -> DeltaCommit:
         """A new version holding only ``frame``; earlier versions stay readable by time travel.
         ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a time."""
-        options = {"writer_properties": WriterProperties(max_row_group_size=rows_per_group)} if rows_per_group else {}
-        return self._write(layer, name, frame, mode="overwrite", **options)
+        return self._write(layer, name, frame, mode="overwrite", **_row_groups(rows_per_group))
 
     def tables(self) -> list[tuple[str, str]]:
         """Every Delta table of the lake, as (layer, name)."""
@@ -427,6 +427,10 @@ def _remove_uncommitted(table_uri: str) -> None:
     folder = Path(table_uri)
     if not uris.is_s3(table_uri) and folder.is_dir() and not (folder / "_delta_log").exists():
         shutil.rmtree(folder)
+
+
+def _row_groups(rows_per_group: int | None) -> dict:
+    return {"writer_properties": WriterProperties(max_row_group_size=rows_per_group)} if rows_per_group else {}
 
 
 def _check_partition(layer: str, name: str, frame: pl.DataFrame, column: str, value: str) -> pl.DataFrame:

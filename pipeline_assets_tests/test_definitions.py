@@ -30,7 +30,10 @@ def test_asset_keys_groups_checks_and_sensor():
     assert keys["reference/eval_sets"].is_observable, "observed: its data version is the sha256 of its files"
     assert defs.resolve_sensor_def("eval_sets_watcher").default_status.value == "RUNNING"
     assert keys["silver/records"].automation_condition is None, "silver_in_order is silver's only automatic requester"
-    assert keys["gold/sequences"].automation_condition is None, "snapshot_cadence cuts snapshots, not every batch"
+    assert keys["gold/sequences"].partitions_def.name == "ingest_batches", "one gold shard per ingest batch"
+    assert keys["gold/sequences"].automation_condition is not None, "a batch's shard follows its silver"
+    assert keys["gold/snapshots"].automation_condition is None, "snapshot_cadence cuts snapshots, not every batch"
+    assert {"token_length_drift", "token_volume"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/snapshots"].key})}
     assert defs.resolve_sensor_def("snapshot_cadence").default_status.value == "RUNNING"
     assert {"contract", "packing_efficiency"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/sequences"].key})}
     assert set(defs.resources) >= {"lake", "landing", "ingest_policy"}

@@ -4,7 +4,15 @@ from collections.abc import Iterable
 
 import pandera.errors
 import polars as pl
-from dagster import AssetCheckResult, AssetChecksDefinition, AssetCheckSeverity, AssetKey, DagsterInstance, MetadataValue
+from dagster import (
+    AssetCheckResult,
+    AssetChecksDefinition,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetKey,
+    DagsterInstance,
+    MetadataValue,
+)
 
 from pipeline_assets.contracts import validate
 from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
@@ -62,7 +70,12 @@ def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, me
 
 def partitions_failing_blocking_checks(instance: DagsterInstance, checks: Iterable[AssetChecksDefinition]) -> set[tuple[str, AssetKey]]:
     """(partition, asset) pairs whose latest run of a blocking check failed."""
-    blocking = [spec.key for definition in checks for spec in definition.check_specs if spec.blocking]
+    return partitions_failing(instance, [spec for definition in checks for spec in definition.check_specs])
+
+
+def partitions_failing(instance: DagsterInstance, specs: Iterable[AssetCheckSpec]) -> set[tuple[str, AssetKey]]:
+    """``partitions_failing_blocking_checks`` of these check specs (the blocking ones)."""
+    blocking = [spec.key for spec in specs if spec.blocking]
     infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []
     return {
         (info.partition_key, info.check_key.asset_key)

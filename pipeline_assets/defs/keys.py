@@ -10,6 +10,7 @@ SILVER_REJECTS = AssetKey(["silver", "rejects"])
 SILVER_MINHASH_INDEX = AssetKey(["silver", "minhash_index"])
 GOLD_TOKENIZER = AssetKey(["gold", "tokenizer"])
 GOLD_SEQUENCES = AssetKey(["gold", "sequences"])
+GOLD_SNAPSHOTS = AssetKey(["gold", "snapshots"])  # the manifests the README's graph draws between gold and training
 TRAINING_HPARAM_SEARCH = AssetKey(["training", "hparam_search"])
 TRAINING_CHECKPOINT = AssetKey(["training", "checkpoint"])
 EVALUATION_REPORT = AssetKey(["evaluation", "report"])

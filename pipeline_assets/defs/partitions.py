@@ -2,21 +2,13 @@
 
 from dagster import DynamicPartitionsDefinition
 
+from pipeline_assets.lib.snapshot_manifest import snapshot_key, snapshot_number
+
 # One partition per ingest batch; keys sort in arrival order (see lib.batches.batch_key).
 ingest_batches = DynamicPartitionsDefinition(name="ingest_batches")
 
-# One partition per gold Delta version, "gold-v<N>": training on it reads exactly that version.
+# One partition per data snapshot, "gold-v<N>" (row N of gold/snapshots): training on it reads exactly
+# the shards and versions its manifest names.
 data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 
-
-def snapshot_key(gold_version: int) -> str:
-    return f"gold-v{gold_version}"
-
-
-
-def snapshot_version(partition_key: str) -> int:
-    """``gold-v<N>`` -> N."""
-    prefix = "gold-v"
-    if not partition_key.startswith(prefix) or not partition_key[len(prefix):].isdigit():
-        raise ValueError(f"{partition_key!r} is not a data snapshot key (gold-v<N>)")
-    return int(partition_key[len(prefix):])
+__all__ = ["data_snapshots", "ingest_batches", "snapshot_key", "snapshot_number"]

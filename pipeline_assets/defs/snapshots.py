@@ -1,11 +1,12 @@
 """What a data snapshot was built from, read back from the materializations that built it."""
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance
 
-from pipeline_assets.defs.keys import BRONZE_RECORDS, GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
-from pipeline_assets.defs.partitions import snapshot_version
+from pipeline_assets.defs.keys import BRONZE_RECORDS, GOLD_SEQUENCES, GOLD_SNAPSHOTS, GOLD_TOKENIZER, SILVER_RECORDS
+from pipeline_assets.defs.partitions import snapshot_number
 from pipeline_assets.lib.cost import Compute
 
 _SEARCH_LIMIT = 1000
@@ -50,23 +51,47 @@ def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, ma
     return next((m for m in _history(instance, key, _SEARCH_LIMIT) if matches(m)), None)
 
 
+@dataclass(frozen=True)
+class Behind:
+    """The materializations a snapshot was built from: its cut, and per batch its shard, silver and bronze writes."""
+
+    cut: dict | None
+    shards: list[dict]
+    silver: list[dict]
+    bronze: list[dict]
+
+
+def behind_snapshot(instance: DagsterInstance, partition_key: str) -> Behind:
+    """Per batch of the snapshot's manifest, the newest writes at or before the Delta versions it read."""
+    cut = latest_materialization_metadata(instance, GOLD_SNAPSHOTS, lambda m: m.get("data_snapshot") == partition_key)
+    if cut is None:
+        return Behind(None, [], [], [])
+    batches = set(cut.get("batches") or [])
+    shards = _per_batch_at_or_before(instance, GOLD_SEQUENCES, _upstream(cut, "gold/sequences"), batches)
+    silver = _per_batch_at_or_before(instance, SILVER_RECORDS, _newest_upstream(shards, "silver/records"), batches)
+    bronze = _per_batch_at_or_before(instance, BRONZE_RECORDS, _newest_upstream(silver, "bronze/records"), batches)
+    return Behind(cut, shards, silver, bronze)
+
+
 def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:
-    """Delta versions of gold/sequences, gold/tokenizer, silver/records and bronze/records behind a snapshot."""
-    gold = snapshot_version(partition_key)
-    versions: dict[str, int | None] = {"gold/sequences": gold, "gold/tokenizer": None, "silver/records": None,
-                                       "bronze/records": None}
-    built = latest_materialization_metadata(instance, GOLD_SEQUENCES, lambda m: m.get("data_snapshot") == partition_key)
-    if built is None:
-        return versions
-    upstream = built.get("upstream_delta_versions") or {}
-    versions["gold/tokenizer"] = upstream.get("gold/tokenizer")
-    versions["silver/records"] = upstream.get("silver/records")
-    silver = latest_materialization_metadata(
-        instance, SILVER_RECORDS, lambda m: m.get("delta_version") == versions["silver/records"]
-    )
-    if silver:
-        versions["bronze/records"] = (silver.get("upstream_delta_versions") or {}).get("bronze/records")
-    return versions
+    """Delta versions behind a snapshot: its manifest row (gold/snapshots), gold/sequences and gold/tokenizer
+    as the manifest pins them, and the newest silver/records and bronze/records versions its shards read."""
+    behind = behind_snapshot(instance, partition_key)
+    return {
+        "gold/snapshots": snapshot_number(partition_key),
+        "gold/sequences": _upstream(behind.cut, "gold/sequences"),
+        "gold/tokenizer": _upstream(behind.cut, "gold/tokenizer"),
+        "silver/records": _newest_upstream(behind.shards, "silver/records"),
+        "bronze/records": _newest_upstream(behind.silver, "bronze/records"),
+    }
+
+
+def _upstream(metadata: dict | None, table: str) -> int | None:
+    return None if metadata is None else (metadata.get("upstream_delta_versions") or {}).get(table)
+
+
+def _newest_upstream(writes: list[dict], table: str) -> int | None:
+    return max((v for v in (_upstream(m, table) for m in writes) if v is not None), default=None)
 
 
 def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: str) -> dict | None:
@@ -80,31 +105,25 @@ def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: 
 
 
 def data_compute_behind(instance: DagsterInstance, partition_key: str) -> Compute:
-    """CPU and GPU seconds of the data stages behind a snapshot: bronze and silver of every batch it
-    holds (the writes at the Delta versions it read), the tokenizer it used, and its own gold build."""
-    built = latest_materialization_metadata(instance, GOLD_SEQUENCES, lambda m: m.get("data_snapshot") == partition_key)
-    if built is None:
+    """CPU and GPU seconds of the data stages behind a snapshot: bronze, silver and the gold shard of
+    every batch it holds (the writes at the Delta versions it read), the tokenizer it used, and its cut."""
+    behind = behind_snapshot(instance, partition_key)
+    if behind.cut is None:
         return Compute()
-    upstream = built.get("upstream_delta_versions") or {}
-    left_out = set(built.get("batches_left_out") or [])
-    silver = _per_batch_at_or_before(instance, SILVER_RECORDS, upstream.get("silver/records"), left_out)
-    bronze_version = max(((m.get("upstream_delta_versions") or {}).get("bronze/records", -1) for m in silver), default=-1)
-    bronze = _per_batch_at_or_before(instance, BRONZE_RECORDS, bronze_version, left_out, {m["partition"] for m in silver})
     tokenizer = latest_materialization_metadata(
-        instance, GOLD_TOKENIZER, lambda m: m.get("tokenizer_version") == built.get("tokenizer_version"))
-    stages = [*silver, *bronze, *([tokenizer] if tokenizer else []), built]
+        instance, GOLD_TOKENIZER, lambda m: m.get("tokenizer_version") == behind.cut.get("tokenizer_version"))
+    stages = [*behind.bronze, *behind.silver, *behind.shards, *([tokenizer] if tokenizer else []), behind.cut]
     return Compute(sum(float(m.get("cpu_seconds") or 0) for m in stages), sum(float(m.get("gpu_seconds") or 0) for m in stages))
 
 
-def _per_batch_at_or_before(instance: DagsterInstance, key: AssetKey, version: int | None, left_out: set[str],
-                            only: set[str] | None = None) -> list[dict]:
-    """Per batch, the newest write of ``key`` at or before Delta ``version``."""
+def _per_batch_at_or_before(instance: DagsterInstance, key: AssetKey, version: int | None, batches: set[str]) -> list[dict]:
+    """Per batch of ``batches``, the newest write of ``key`` at or before Delta ``version``."""
     if version is None:
         return []
     found: dict[str, dict] = {}
     for metadata in materialization_history(instance, key):
         batch = metadata["partition"]
-        if batch in left_out or (only is not None and batch not in only) or metadata.get("delta_version", version + 1) > version:
+        if batch not in batches or metadata.get("delta_version", version + 1) > version:
             continue
         found.setdefault(batch, metadata)
     return list(found.values())

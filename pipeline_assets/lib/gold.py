@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,6 @@ import polars as pl
 from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
 from pipeline_assets.lib.splits import SPLITS
 
-SNAPSHOT_ORDER = ("split", "sequence_index")
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
 # block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
 SEQUENCES_PER_BLOCK = 4096
@@ -56,12 +56,10 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
-def in_snapshot_order(scan: pl.LazyFrame, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
-    """A scan of gold/sequences collected in the snapshot's defined order, (split, sequence_index):
-    Delta keeps rows, not their order. The one rule the gold checks and the trainer share."""
-    if columns is not None:
-        scan = scan.select(*SNAPSHOT_ORDER, *columns)
-    return scan.collect().sort(*SNAPSHOT_ORDER)
+def shard_seed(seed: int, batch_id: str) -> int:
+    """The shuffle seed of one batch's shard: a rebuild of the batch shuffles it the same way, and no
+    two batches share an order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{batch_id}".encode()).digest()[:4], "big")
 
 
 def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int) -> tuple[pl.DataFrame, dict]:

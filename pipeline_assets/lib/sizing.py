@@ -9,9 +9,10 @@ a bigger preset is predicted at its own speed, not at the calibration's. A targe
 with the ratios the newest snapshot measured (how much text survives silver, tokens per character,
 the validation share), then into time with the stage's parallelism:
 
-- bronze: batches run side by side, one process per ``calibration_cores`` cores;
+- bronze and gold/sequences (a shard per batch): batches run side by side, one process per
+  ``calibration_cores`` cores;
 - silver: batches run one at a time (each dedups against the ones before it: the "silver" pool);
-- gold/tokenizer, gold/sequences, evaluation: one process, as fast as the one measured;
+- gold/tokenizer (a capped sample), evaluation (a capped sample): one process, as fast as the one measured;
 - training: data parallel over the GPUs (or the measured CPU ranks when there are no GPUs).
 """
 
@@ -31,7 +32,7 @@ STAGES = {  # stage -> (unit of work, parallelism)
     "bronze": ("characters", BATCHES),
     "silver": ("characters", SEQUENTIAL),
     "gold/tokenizer": ("characters", SINGLE),
-    "gold/sequences": ("characters", SINGLE),
+    "gold/sequences": ("characters", BATCHES),
     "training": ("tokens", DEVICES),
     "evaluation": ("tokens", SINGLE),
 }
@@ -165,7 +166,7 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
                  history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
         _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, min(gold_chars * (1 - c.validation_fraction), c.tokenizer_sample_chars),
                  c.cores, 1),
-        _cpu_row("gold/sequences", c.fits["gold/sequences"], 1, gold_chars, c.cores, 1),
+        _cpu_row("gold/sequences", c.fits["gold/sequences"], batches, gold_chars, c.cores, side_by_side),
         _training_row(c, target, train_tokens, TRAIN_FLOPS_PER_PARAMETER * parameters),
         _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters),
     ]

@@ -1,5 +1,5 @@
-"""When to cut a new data snapshot: when the silver text changed since the last one reaches a share
-of what that snapshot was built from. A day of small batches is then one snapshot and one training,
+"""When to cut a new data snapshot: when the tokens of the gold shards built since the last one reach
+a share of that snapshot's tokens. A day of small batches is then one snapshot and one training,
 not one per batch."""
 
 from __future__ import annotations
@@ -9,22 +9,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CadenceInputs:
-    changed_batches: dict[str, int]  # usable silver batches written since the last cut: their text characters
-    last_snapshot: str | None  # the newest accepted snapshot's key, None before the first
-    last_snapshot_chars: int  # the silver text characters that snapshot was built from
+    changed_batches: dict[str, int]  # usable gold shards built since the last cut: their real tokens
+    last_snapshot: str | None  # the newest snapshot's key, None before the first
+    last_snapshot_tokens: int  # the real tokens that snapshot holds
 
 
 def snapshot_due(inputs: CadenceInputs, min_new_fraction: float) -> tuple[bool, str]:
-    """Whether to cut, and why (or why not), in words for a sensor tick or a snapshot's metadata.
-
-    Characters stand in for tokens: the snapshot's tokenizer turns text into tokens at a steady
-    rate, and silver records its characters per batch without tokenizing."""
+    """Whether to cut, and why (or why not), in words for a sensor tick or a snapshot's metadata."""
     if not inputs.changed_batches:
         since = f" since {inputs.last_snapshot}" if inputs.last_snapshot else ""
-        return False, f"no usable silver batch changed{since}"
-    if inputs.last_snapshot is None or inputs.last_snapshot_chars <= 0:
-        return True, f"first snapshot ({len(inputs.changed_batches)} silver batch(es))"
-    share = sum(inputs.changed_batches.values()) / inputs.last_snapshot_chars
-    words = (f"silver changed since {inputs.last_snapshot}: {len(inputs.changed_batches)} batch(es), "
-             f"{share:.1%} of its text (cut at {min_new_fraction:.0%})")
+        return False, f"no usable gold shard built{since}"
+    if inputs.last_snapshot is None or inputs.last_snapshot_tokens <= 0:
+        return True, f"first snapshot ({len(inputs.changed_batches)} batch shard(s))"
+    share = sum(inputs.changed_batches.values()) / inputs.last_snapshot_tokens
+    words = (f"gold shards built since {inputs.last_snapshot}: {len(inputs.changed_batches)} batch(es), "
+             f"{share:.1%} of its tokens (cut at {min_new_fraction:.0%})")
     return share >= min_new_fraction, words

@@ -44,7 +44,7 @@ PRESETS: dict[str, ModelConfig] = {
 @dataclass(frozen=True)
 class TrainConfig:
     lake_uri: str
-    gold_version: int
+    snapshot: int  # N of the data snapshot gold-v<N>: the gold/snapshots manifest row the trainer reads
     checkpoint_uri: str
     partition: str
     preset: str = "tiny"

@@ -1,5 +1,5 @@
-"""Gold sequences at a pinned Delta version, read a block at a time, and the per-rank batches of a
-resumable stream.
+"""A data snapshot's sequences (its manifest's gold shards), read a block at a time, and the
+per-rank batches of a resumable stream.
 
 The global order is a stream: epoch e visits the training sequences block by block (blocks of
 STREAM_BLOCK consecutive ``sequence_index`` values, in an order seeded with (seed, e)), each block's
@@ -21,8 +21,8 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline_assets.lib import uris
 from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK
+from pipeline_assets.lib.snapshot_manifest import Manifest, SplitLayout, read_manifest, sequences_scan
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
 STREAM_BLOCK = SEQUENCES_PER_BLOCK  # the unit of the stream's shuffle and of reading: gold's row groups
@@ -51,12 +51,13 @@ class PackedSequences:
 
 
 class SplitRows:
-    """One split of a snapshot, ``sequence_index`` 0..n-1, read from Delta a block at a time (the
-    most recently used CACHED_BLOCKS blocks kept)."""
+    """One split of a snapshot, global ``sequence_index`` 0..n-1 over its shards, read from Delta a
+    block at a time (the most recently used CACHED_BLOCKS blocks kept)."""
 
-    def __init__(self, scan: pl.LazyFrame, split: str, n_sequences: int, seq_len: int, describe: str,
+    def __init__(self, scan: pl.LazyFrame, layout: SplitLayout, seq_len: int, describe: str,
                  vocab_size: int | None = None, block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS):
-        self._scan, self.split, self.n_sequences, self.seq_len = scan, split, n_sequences, seq_len
+        self._scan, self.layout, self.split, self.seq_len = scan, layout, layout.split, seq_len
+        self.n_sequences = layout.n_sequences
         self._describe, self.vocab_size, self.block, self.cached_blocks = describe, vocab_size, block, cached_blocks
         self._cache: OrderedDict[int, PackedSequences] = OrderedDict()
         self.blocks_read = 0
@@ -87,12 +88,15 @@ class SplitRows:
             self._cache.move_to_end(number)
             return self._cache[number]
         first = number * self.block
-        frame = (self._scan.filter((pl.col("split") == self.split) & pl.col("sequence_index").is_between(first, first + self.block - 1))
-                 .select("sequence_index", *COLUMNS).collect().sort("sequence_index"))
-        expected = min(self.block, self.n_sequences - first)
-        if frame.height != expected or frame["input_ids"].list.len().min() != self.seq_len or frame["input_ids"].list.len().max() != self.seq_len:
-            raise ValueError(f"{self._describe} {self.split} sequences {first}..{first + expected - 1}: expected {expected} rows "
-                             f"of {self.seq_len} tokens, found {frame.height} (a snapshot mixing sequence lengths or with gaps)")
+        wanted = np.arange(first, min(first + self.block, self.n_sequences))
+        try:
+            frame = self.layout.take(self._scan, wanted, list(COLUMNS))
+        except ValueError as exc:
+            raise ValueError(f"{self._describe}: {exc}") from None
+        lengths = frame["input_ids"].list.len()
+        if lengths.min() != self.seq_len or lengths.max() != self.seq_len:
+            raise ValueError(f"{self._describe} {self.split} sequences {first}..{wanted[-1]}: expected rows of {self.seq_len} "
+                             f"tokens, found {lengths.min()}..{lengths.max()} (shards packed to other sequence lengths)")
         rows = PackedSequences(**{name: frame[name].list.to_array(self.seq_len).to_numpy() for name in COLUMNS})
         largest = int(rows.input_ids.max(initial=0))
         if self.vocab_size is not None and largest >= self.vocab_size:
@@ -111,34 +115,26 @@ class Snapshot:
     validation: SplitRows
     search: SplitRows
     seq_len: int
+    manifest: Manifest
 
     def held_out(self, split: str) -> SplitRows:
         """The held-out split a loss is measured on: validation (the promotion gate's rows) or search."""
         return {"validation": self.validation, "search": self.search}[split]
 
 
-def sequences_table_uri(lake_uri: str) -> str:
-    return uris.join(lake_uri, "gold", "sequences")
-
-
-def read_snapshot(lake_uri: str, version: int, vocab_size: int | None = None,
+def read_snapshot(lake_uri: str, number: int, vocab_size: int | None = None,
                   block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS) -> Snapshot:
-    """gold/sequences exactly as Delta version ``version`` holds it, each split in sequence_index
-    order; only the sizes are read here, the rows when a batch asks for them (a block with a token id
-    beyond ``vocab_size`` is an error)."""
-    scan = pl.scan_delta(sequences_table_uri(lake_uri), version=version, storage_options=uris.delta_storage_options(lake_uri))
-    describe = f"gold/sequences v{version}"
-    sizes = scan.group_by("split").agg(n=pl.len(), low=pl.col("sequence_index").min(), high=pl.col("sequence_index").max()).collect()
-    if sizes.is_empty():
-        raise ValueError(f"{describe} has no rows")
-    gaps = sizes.filter((pl.col("low") != 0) | (pl.col("high") != pl.col("n") - 1))
-    if not gaps.is_empty():
-        raise ValueError(f"{describe}: sequence_index is not 0..n-1 in split(s) {', '.join(gaps['split'])}")
-    seq_len = int(scan.select(pl.col("input_ids").list.len()).head(1).collect().item())
-    counts = dict(zip(sizes["split"], sizes["n"]))
-    parts = {split: SplitRows(scan, split, int(counts.get(split, 0)), seq_len, describe, vocab_size, block, cached_blocks)
+    """Data snapshot gold-v<number>: its manifest's shards of gold/sequences, exactly as the pinned
+    Delta version holds them, each split in global sequence_index order; only the manifest is read
+    here, the rows when a batch asks for them (a block with a token id beyond ``vocab_size`` is an error)."""
+    manifest = read_manifest(lake_uri, number)
+    if not any(manifest.sequences_by_split().values()):
+        raise ValueError(f"{manifest.key} has no sequences")
+    scan = sequences_scan(lake_uri, manifest)
+    describe = f"{manifest.key} (gold/sequences v{manifest.sequences_version})"
+    parts = {split: SplitRows(scan, manifest.split(split), manifest.seq_len, describe, vocab_size, block, cached_blocks)
              for split in ("train", "validation", "search")}
-    return Snapshot(**parts, seq_len=seq_len)
+    return Snapshot(**parts, seq_len=manifest.seq_len, manifest=manifest)
 
 
 def stream_indexes(n_sequences: int, seed: int, start: int, count: int, block: int = STREAM_BLOCK) -> np.ndarray:

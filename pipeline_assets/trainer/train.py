@@ -25,12 +25,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.snapshot_manifest import SEQUENCES_TABLE
 from pipeline_assets.trainer.checkpoint import Checkpointer
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, parse_args
 from pipeline_assets.trainer.data import (
     rank_micro_batches,
     read_snapshot,
-    sequences_table_uri,
     stream_indexes,
     validation_shard,
 )
@@ -101,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
 class Trainer:
     def __init__(self, config: TrainConfig, env: Distributed, reporter: Reporter | None):
         self.config, self.env, self.reporter = config, env, reporter
-        self.snapshot = read_snapshot(config.lake_uri, config.gold_version, vocab_size=config.vocab_size)
+        self.snapshot = read_snapshot(config.lake_uri, config.snapshot, vocab_size=config.vocab_size)
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
                                                 max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
         head_dim = self.model_config.dim // self.model_config.n_heads
         self.attention_kernel = attention_kernel(config.attention, env.device, head_dim)
         if config.eval_split == "search" and self.eval_sequences == 0:
-            raise ValueError(f"gold v{config.gold_version} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
+            raise ValueError(f"{self.snapshot.manifest.key} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
                              f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config, self.attention_kernel).to(env.device)
@@ -269,7 +270,7 @@ class Trainer:
         metadata = {}
         if self.env.rank == 0:
             folder = self.store.prepare("final")
-            about = {"gold_version": self.config.gold_version, "partition": self.config.partition, "steps": self.progress.step,
+            about = {"snapshot": self.config.snapshot, "partition": self.config.partition, "steps": self.progress.step,
                      "eval_split": self.config.eval_split, "eval_sequences": self.eval_sequences,
                      f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss)}
             files = save_exported(full_state, self.model_config, folder, about)
@@ -317,16 +318,18 @@ class Trainer:
         self._info(f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size {self.env.world_size} "
                    f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
                    f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
-                   f"(gold v{config.gold_version}), steps {self.progress.step} -> {config.steps}")
+                   f"({self.snapshot.manifest.key}), steps {self.progress.step} -> {config.steps}")
         self._info(f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention {config.attention})")
         if self.reporter and self.progress.step == 0:
             self.reporter.params({**dataclasses.asdict(config), "world_size": self.env.world_size,
                                   "parameters": self.n_parameters, "global_batch": self.global_batch,
                                   "seq_len": self.snapshot.seq_len, "model": dataclasses.asdict(self.model_config)})
-            self.reporter.tags({"partition": config.partition, "gold_version": config.gold_version,
+            self.reporter.tags({"partition": config.partition, "data_snapshot": self.snapshot.manifest.key,
                                 "torch_version": torch.__version__, "device": _device_name(self.env.device),
                                 "backend": self.env.backend, "attention_kernel": self.attention_kernel})
-            self.reporter.dataset(sequences_table_uri(config.lake_uri), config.gold_version, f"gold/sequences@v{config.gold_version}")
+            manifest = self.snapshot.manifest
+            self.reporter.dataset(uris.join(config.lake_uri, *SEQUENCES_TABLE), manifest.sequences_version,
+                                  f"{manifest.key}: gold/sequences@v{manifest.sequences_version}, {len(manifest.batches)} shard(s)")
             self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint})
 
     @functools.cached_property

@@ -15,7 +15,7 @@ from dagster import AssetMaterialization, materialize
 from pipeline_assets.cli import main
 from pipeline_assets.contracts import EvaluationSlice, conform
 from pipeline_assets.defs.keys import (
-    BRONZE_RECORDS, EVALUATION_REPORT, GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS, TRAINING_CHECKPOINT,
+    BRONZE_RECORDS, EVALUATION_REPORT, GOLD_SEQUENCES, GOLD_SNAPSHOTS, GOLD_TOKENIZER, SILVER_RECORDS, TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
@@ -130,8 +130,8 @@ def test_rollbacks_walk_back_and_missing_versions_are_refused(tmp_path, mlflow_t
 
 
 def test_a_version_carries_its_training_and_data_cost(instance, lake, mlflow_tracking):
-    """An hour of training CPU, and 50 minutes of data stages behind the snapshot (its gold build, its
-    tokenizer, bronze and silver of its batch at the Delta versions it read; a later redo of silver
+    """An hour of training CPU, and 50 minutes of data stages behind the snapshot (its batch's gold shard,
+    its tokenizer, bronze and silver of its batch at the Delta versions it read; a later redo of silver
     is not its cost), at the default $0.048 per core-hour."""
     instance.add_dynamic_partitions(data_snapshots.name, ["gold-v0", "gold-v1"])
     instance.add_dynamic_partitions(ingest_batches.name, ["b1"])
@@ -140,8 +140,10 @@ def test_a_version_carries_its_training_and_data_cost(instance, lake, mlflow_tra
         (BRONZE_RECORDS, "b1", {"delta_version": 0, "cpu_seconds": 600.0}),
         (SILVER_RECORDS, "b1", {"delta_version": 0, "cpu_seconds": 600.0, "upstream_delta_versions": {"bronze/records": 0}}),
         (GOLD_TOKENIZER, None, {"tokenizer_version": 0, "cpu_seconds": 300.0}),
-        (GOLD_SEQUENCES, None, {"data_snapshot": "gold-v1", "cpu_seconds": 1500.0, "tokenizer_version": 0,
-                                "upstream_delta_versions": {"silver/records": 0}}),
+        (GOLD_SEQUENCES, "b1", {"delta_version": 0, "cpu_seconds": 1500.0, "tokenizer_version": 0,
+                                "upstream_delta_versions": {"silver/records": 0, "gold/tokenizer": 0}}),
+        (GOLD_SNAPSHOTS, None, {"data_snapshot": "gold-v1", "batches": ["b1"], "tokenizer_version": 0, "cpu_seconds": 0.0,
+                                "upstream_delta_versions": {"gold/sequences": 0, "gold/tokenizer": 0}}),
         (SILVER_RECORDS, "b1", {"delta_version": 1, "cpu_seconds": 9999.0, "upstream_delta_versions": {"bronze/records": 0}}),
     ]:
         instance.report_runless_asset_event(AssetMaterialization(key, partition=partition, metadata=metadata))

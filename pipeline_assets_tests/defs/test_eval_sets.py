@@ -16,6 +16,7 @@ from dagster._time import get_current_datetime
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
+from pipeline_assets.defs.gold.manifest import gold_snapshots
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, SILVER_RECORDS
 from pipeline_assets.defs.reference.assets import eval_sets, eval_sets_watcher, observe_eval_sets_job
 from pipeline_assets.defs.silver.assets import silver
@@ -32,7 +33,7 @@ UNRELATED = {"eval_set": "bench", "item_id": "b0", "prompt": "Name the largest p
 
 def _defs(resources) -> Definitions:
     return Definitions(
-        assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences],
+        assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, gold_snapshots],
         asset_checks=[*bronze_checks, *silver_checks],
         jobs=[observe_eval_sets_job, silver_job], sensors=[eval_sets_watcher], resources=resources,
     )
@@ -83,7 +84,7 @@ def test_a_new_eval_item_makes_silver_stale_and_the_backfill_removes_its_copy(in
 
     silver_rows = lake.read("silver", "records", where=pl.col("batch_id") == batches[0])
     copied = silver_rows.row(0, named=True)
-    assert copied["record_id"] in set(read_snapshot(lake)["record_ids"].explode())
+    assert copied["record_id"] in set(read_snapshot(lake, "gold-v0")["record_ids"].explode())
     copy = {"eval_set": "bench", "item_id": "b1", "prompt": copied["prompt"], "response": copied["response"]}
     new_version = _write_eval_items(eval_sets_dir, [UNRELATED, copy])
 
@@ -95,18 +96,19 @@ def test_a_new_eval_item_makes_silver_stale_and_the_backfill_removes_its_copy(in
     assert status == StaleStatus.STALE
     assert [cause.key.asset_key for cause in causes] == [REFERENCE_EVAL_SETS]
 
-    snapshots_before = lake.version("gold", "sequences")
+    snapshots_before = lake.version("gold", "snapshots")
     outcome = backfill_decontamination(defs, instance)
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
     runs = [instance.get_run_by_id(run) for run in outcome.runs]
     assert [sorted(key.to_user_string() for key in run.asset_selection) for run in runs] == [
-        *[["silver/minhash_index", "silver/records", "silver/rejects"]] * 2, ["gold/sequences"]], "observed already: no new observation"
-    assert [run.tags.get("dagster/partition") for run in runs[:2]] == batches, "batch by batch, oldest first"
+        *[["silver/minhash_index", "silver/records", "silver/rejects"]] * 2, *[["gold/sequences"]] * 2, ["gold/snapshots"]
+    ], "observed already: no new observation"
+    assert [run.tags.get("dagster/partition") for run in runs[:4]] == batches * 2, "batch by batch, oldest first: silver, then shards"
 
     rejected = lake.read("silver", "rejects", where=pl.col("record_id") == copied["record_id"])
     assert rejected.select("stage", "eval_set", "eval_item_id").rows() == [("decontaminated", "bench", "b1")]
     assert copied["record_id"] not in set(lake.read("silver", "records")["record_id"])
-    assert lake.version("gold", "sequences") == snapshots_before + 1
-    assert copied["record_id"] not in set(read_snapshot(lake)["record_ids"].explode())
+    assert lake.version("gold", "snapshots") == snapshots_before + 1
+    assert copied["record_id"] not in set(read_snapshot(lake, f"gold-v{snapshots_before + 1}")["record_ids"].explode())
     assert all(_silver_status(defs, instance, batch)[0] == StaleStatus.FRESH for batch in batches)
     assert backfill_decontamination(defs, instance).runs == [], "every batch is decontaminated against these sets"

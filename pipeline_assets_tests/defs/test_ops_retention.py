@@ -3,6 +3,7 @@ it deletes what nothing registered needs, and lineage of a registered version st
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 
 import boto3
@@ -11,6 +12,8 @@ import pytest
 from dagster import DefaultScheduleStatus
 
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
+from pipeline_assets.lib.snapshot_manifest import Manifest
+from pipeline_assets.lib.splits import SPLITS
 from pipeline_assets.lineage import model_lineage
 from pipeline_assets.resources import LakeResource, MlflowResource, RetentionPolicy, Settings, TorchrunLauncher
 from pipeline_assets_tests.conftest import BUCKET
@@ -19,11 +22,15 @@ MODEL = "sft-model"
 
 
 def _lake_history(lake: LakeResource) -> None:
-    """silver/records v0..v2 and gold/sequences v0..v1; the registered model read silver v0 and gold v0."""
+    """silver/records v0..v2, gold/sequences v0..v1 and two snapshots of them; the registered model read
+    silver v0 and gold v0."""
     for rows in (["a1", "b1"], ["a1", "b1", "c1"], ["a1", "b1", "c1", "d1"]):
         lake.overwrite("silver", "records", pl.DataFrame({"record_id": rows, "batch_id": [r[0].upper() for r in rows]}))
     lake.overwrite("gold", "sequences", pl.DataFrame({"record_ids": [["a1"], ["b1"]]}))
     lake.overwrite("gold", "sequences", pl.DataFrame({"record_ids": [["a1", "c1"], ["b1", "d1"]]}))
+    for number, batches in enumerate((("A", "B"), ("A", "B", "C", "D"))):  # gold-v0 and gold-v1's manifests
+        manifest = Manifest(number, number, 0, 8, batches, {split: (1,) * len(batches) for split in SPLITS})
+        lake.append("gold", "snapshots", manifest.frame("test", datetime.now(timezone.utc)))
     lake.append("landing", "manifest", pl.DataFrame({
         "uri": ["landing/src/a.jsonl", "landing/src/b.jsonl"], "source": ["src", "src"], "batch_id": ["A", "B"],
         "checksum": ["x", "y"], "size": [1, 2]}))
@@ -65,7 +72,7 @@ def test_the_daily_retention_schedule_is_on_by_default():
 def test_retention_deletes_what_nothing_registered_needs_and_lineage_still_resolves(tmp_path, lake, instance):
     _lake_history(lake)
     resources = _resources(tmp_path, lake, str(tmp_path / "checkpoints"))
-    version = _register(resources["mlflow_tracking"], "gold-v0", {"silver/records": 0, "gold/sequences": 0})
+    version = _register(resources["mlflow_tracking"], "gold-v0", {"silver/records": 0, "gold/sequences": 0, "gold/snapshots": 0})
     launcher = resources["launcher"]
     registered, unregistered = launcher.store("gold-v0"), launcher.store("gold-v1")
     for name in ("step-10", "step-20", "final"):

@@ -16,13 +16,14 @@ from mlflow import MlflowClient
 
 from pipeline_assets import cli
 from pipeline_assets.defs.evaluation.assets import evaluation_report
-from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
+from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.resources import HparamSearchPolicy, RegistryPolicy, TorchrunLauncher
+from pipeline_assets_tests.defs.gold_helpers import shard_new_batches_and_cut
 from pipeline_assets_tests.defs.test_gold import UPSTREAM
 from pipeline_assets_tests.defs.test_training import snapshot, training_resources  # noqa: F401 (fixtures)
 
@@ -48,9 +49,7 @@ def _train_evaluate_register(instance, resources, partition: str, steps: int):
 
 
 def _new_snapshot(instance, resources) -> str:
-    built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences], selection=[gold_sequences],
-                        instance=instance, resources=resources)
-    assert built.success
+    assert shard_new_batches_and_cut(instance, resources, UPSTREAM).success
     return instance.get_dynamic_partitions(data_snapshots.name)[-1]
 
 
@@ -144,7 +143,9 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     assert code == 0, err
     lineage = json.loads(out)
     assert lineage["model"]["version"] == "2" and lineage["checkpoint"]["partition"] == better_snapshot
-    assert lineage["gold"]["sequences_version"] == int(better_snapshot.removeprefix("gold-v"))
+    manifest = read_manifest(registry_resources["lake"].uri, int(better_snapshot.removeprefix("gold-v")))
+    assert lineage["gold"]["snapshot"] == better_snapshot and lineage["gold"]["sequences_version"] == manifest.sequences_version
+    assert lineage["gold"]["batches"] == lineage["silver"]["batches"] == list(manifest.batches)
     assert lineage["mlflow_run"]["run_id"] == _metadata(better, "training__checkpoint")["mlflow_run_id"]
     landed = sorted(str(p) for p in landing_dir.rglob("*") if p.is_file() and not p.name.startswith(("_", ".")))
     assert sorted(f["uri"] for f in lineage["landing_files"]) == landed

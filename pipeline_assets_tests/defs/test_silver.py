@@ -12,7 +12,7 @@ from dagster import AssetCheckSeverity, DagsterRunStatus, Definitions, RunReques
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
-from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
+from pipeline_assets.defs.gold.assets import read_snapshot
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
@@ -21,6 +21,7 @@ from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.resources import LandingResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, materialize_bronze, register
+from pipeline_assets_tests.defs.gold_helpers import build_gold
 
 GRAPH = [eval_sets, bronze, silver, *bronze_checks, *silver_checks]
 
@@ -202,10 +203,8 @@ def test_a_blocked_batch_neither_holds_silver_back_nor_decides_dedup(instance, r
     assert set(rejects["stage"]) == {"exact_dup"}
     assert set(rejects["duplicate_of"]) <= set(kept["record_id"]), "the re-run batch yields to the copies kept before"
 
-    gold = materialize([*GRAPH, gold_tokenizer, gold_sequences], selection=[gold_tokenizer, gold_sequences],
-                       instance=instance, resources=resources)
-    assert gold.success
-    in_snapshot = lake.read("gold", "sequences")["record_ids"].explode()
+    assert build_gold(instance, resources, GRAPH).success
+    in_snapshot = read_snapshot(lake, "gold-v0")["record_ids"].explode()
     silver = lake.read("silver", "records")
     prompts = silver.filter(pl.col("record_id").is_in(in_snapshot.implode()))["prompt"]
     assert prompts.is_in([row["prompt"] for row in vendor]).sum() == len(vendor), "each vendor record exactly once"

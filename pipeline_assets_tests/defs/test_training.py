@@ -16,12 +16,13 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, PipesSubprocessClient, materialize
 from mlflow import MlflowClient
 
-from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.resources import GoldPolicy, MlflowResource, TorchrunLauncher, TrainingPolicy
 from pipeline_assets.trainer.export import load_exported
+from pipeline_assets_tests.defs.gold_helpers import build_gold
 from pipeline_assets_tests.defs.test_gold import UPSTREAM, _ingest
 from pipeline_assets_tests.trainer.launch import descendants
 
@@ -49,9 +50,7 @@ def snapshot(instance, training_resources, landing_dir, eval_sets_dir, tmp_path)
     write_sample_corpus(staging, records=1500, eval_sets_dir=eval_sets_dir)
     shutil.copytree(staging, landing_dir, dirs_exist_ok=True)
     _ingest(instance, training_resources)
-    built = materialize([*UPSTREAM, gold_tokenizer, gold_sequences], selection=[gold_tokenizer, gold_sequences],
-                        instance=instance, resources=training_resources)
-    assert built.success
+    assert build_gold(instance, training_resources, UPSTREAM).success
     return instance.get_dynamic_partitions(data_snapshots.name)[-1]
 
 
@@ -112,7 +111,9 @@ def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snaps
     assert run.data.params["preset"] == "tiny" and run.data.params["world_size"] == "2" and "seed" in run.data.params
     tags = run.data.tags
     assert tags["dagster_run_id"] == result.run_id and tags["partition"] == snapshot
-    assert tags["delta.gold/sequences"] == snapshot.removeprefix("gold-v")
+    assert tags["delta.gold/snapshots"] == snapshot.removeprefix("gold-v")
+    assert tags["delta.gold/sequences"] == str(read_manifest(training_resources["lake"].uri, 0).sequences_version)
+    assert tags["data_snapshot"] == snapshot
     assert tags["delta.silver/records"].isdigit() and tags["delta.bronze/records"].isdigit()
     assert tags["git_commit"] and tags["torch_version"] and tags["device"] == "cpu"
     assert tags["export_uri"].endswith(f"{snapshot}/final") and f"{snapshot}/step-{STEPS}" in tags["checkpoint_uris"]
@@ -121,10 +122,10 @@ def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(snaps
         assert client.get_metric_history(run.info.run_id, metric), metric
     assert "loss_curve.png" in {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert run.info.artifact_uri.startswith(str(tmp_path / "mlartifacts"))
-    assert [d.dataset.name for d in run.inputs.dataset_inputs] == [f"gold/sequences@v{snapshot.removeprefix('gold-v')}"]
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == [f"{snapshot}: gold/sequences@v{tags['delta.gold/sequences']}, 1 shard(s)"]
 
     partition_dir = tmp_path / "checkpoints" / snapshot
     assert (partition_dir / f"step-{STEPS}" / "COMPLETE.json").exists()
     model, config = load_exported(partition_dir / "final")
-    assert config["gold_version"] == int(snapshot.removeprefix("gold-v")) and config["steps"] == STEPS
+    assert config["snapshot"] == int(snapshot.removeprefix("gold-v")) and config["steps"] == STEPS
     assert sum(p.numel() for p in model.parameters()) == metadata["parameters"]

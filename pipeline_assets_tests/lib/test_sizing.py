@@ -77,7 +77,9 @@ def test_a_prediction_follows_each_stages_parallelism():
     assert rows["bronze"]["runs_on"] == "8 x 2 cores"
     # silver: the 10 batches one after another
     assert rows["silver"]["wall_seconds"] == pytest.approx(10 * 1.0 + 1e-6 * chars)
-    assert rows["gold/sequences"]["wall_seconds"] == pytest.approx(1.0 + 1e-6 * chars * 0.8)
+    # gold/sequences: a shard per batch, side by side like bronze, on the text silver kept
+    assert rows["gold/sequences"]["wall_seconds"] == pytest.approx(2 * (1.0 + 1e-6 * chars * 0.8 / 10))
+    assert rows["gold/sequences"]["runs_on"] == "8 x 2 cores"
     assert rows["gold/tokenizer"]["work"] == pytest.approx(chars * 0.8 * 0.98)
     # training: two epochs of the training split over 8 GPUs, plus the measured fixed part
     train_tokens = 2 * tokens * 0.98

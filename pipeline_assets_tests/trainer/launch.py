@@ -16,8 +16,8 @@ from pipeline_assets.trainer.config import TrainConfig
 from pipeline_assets_tests.trainer.synthetic import VOCAB
 
 
-def tiny_config(lake_uri: str, gold_version: int, checkpoint_uri: str, **overrides) -> TrainConfig:
-    values = dict(lake_uri=lake_uri, gold_version=gold_version, checkpoint_uri=checkpoint_uri, partition=f"gold-v{gold_version}",
+def tiny_config(lake_uri: str, snapshot: int, checkpoint_uri: str, **overrides) -> TrainConfig:
+    values = dict(lake_uri=lake_uri, snapshot=snapshot, checkpoint_uri=checkpoint_uri, partition=f"gold-v{snapshot}",
                   preset="tiny", vocab_size=VOCAB, steps=120, micro_batch_size=2, grad_accum_steps=2, lr=3e-3,
                   warmup_steps=10, log_every=1, eval_every=40, checkpoint_every_steps=10, keep_checkpoints=2,
                   scratch_dir=str(Path(checkpoint_uri).parent / "scratch") if "://" not in checkpoint_uri else "")

@@ -7,6 +7,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.contracts import GoldSequence, conform, validate
+from pipeline_assets.defs.gold.manifest import cut_manifest
 from pipeline_assets.lib.gold import build_sequences
 from pipeline_assets.resources import LakeResource
 
@@ -32,8 +33,17 @@ def synthetic_records(n_records: int, seed: int = 0, max_len: int = 40) -> pl.Da
     return pl.DataFrame(rows, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Boolean)})
 
 
-def write_synthetic_gold(lake_uri: str, n_records: int = 400, seq_len: int = 64, seed: int = 0) -> int:
-    """Write gold/sequences; returns its Delta version."""
-    sequences, _ = build_sequences(synthetic_records(n_records, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID)
-    sequences = validate(conform(sequences, GoldSequence), GoldSequence)
-    return LakeResource(uri=lake_uri).overwrite("gold", "sequences", sequences).version
+def write_synthetic_gold(lake_uri: str, n_records: int = 400, seq_len: int = 64, seed: int = 0, shards: int = 1) -> int:
+    """Write ``shards`` gold shards (the records dealt round-robin to batches b0, b1, ...) and cut a data
+    snapshot of them; returns its number N (gold-v<N>)."""
+    lake = LakeResource(uri=lake_uri)
+    records = synthetic_records(n_records, seed).with_row_index("row")
+    batches = [f"b{k}" for k in range(shards)]
+    for k, batch in enumerate(batches):
+        part = records.filter(pl.col("row") % shards == k).drop("row")
+        sequences, _ = build_sequences(part, seq_len=seq_len, seed=seed + k, pad_id=PAD_ID)
+        sequences = sequences.with_columns(batch_id=pl.lit(batch), tokenizer_version=pl.lit(0, pl.Int64))
+        lake.replace_partition("gold", "sequences", validate(conform(sequences, GoldSequence), GoldSequence),
+                               column="batch_id", value=batch)
+    manifest, _ = cut_manifest(lake, batches, tokenizer_version=0, seq_len=seq_len, reason="synthetic")
+    return manifest.number

@@ -14,10 +14,11 @@ from pipeline_assets.trainer.data import (
     SplitRows,
     read_snapshot,
     rank_micro_batches,
-    sequences_table_uri,
     stream_indexes,
     validation_shard,
 )
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets_tests.trainer.synthetic import write_synthetic_gold
 
 SEQ_LEN = 32
@@ -108,17 +109,20 @@ def test_validation_shards_are_disjoint_and_cover_the_first_limit(n_sequences, l
 @pytest.fixture(scope="module")
 def lake_uri(tmp_path_factory) -> str:
     uri = str(tmp_path_factory.mktemp("data") / "lake")
-    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=0) == 0
-    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=1) == 1
+    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=0, shards=3) == 0
+    assert write_synthetic_gold(uri, n_records=200, seq_len=SEQ_LEN, seed=1, shards=3) == 1
     return uri
 
 
-def _delta_rows(lake_uri: str, version: int, split: str) -> pl.DataFrame:
-    return (
-        pl.read_delta(sequences_table_uri(lake_uri), version=version)
-        .sort("split", "sequence_index")
-        .filter(pl.col("split") == split)
-    )
+def _snapshot_rows(lake_uri: str, number: int) -> pl.DataFrame:
+    """The snapshot's rows as Delta holds them at its manifest's version."""
+    manifest = read_manifest(lake_uri, number)
+    return pl.read_delta(uris.join(lake_uri, "gold", "sequences"), version=manifest.sequences_version)
+
+
+def _delta_rows(lake_uri: str, number: int, split: str) -> pl.DataFrame:
+    """A split in its defined global order: the shards in batch order, each in its own sequence_index order."""
+    return _snapshot_rows(lake_uri, number).filter(pl.col("split") == split).sort("batch_id", "sequence_index")
 
 
 def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
@@ -135,6 +139,7 @@ def test_read_snapshot_returns_the_pinned_versions_rows_in_order(lake_uri, split
     expected = _delta_rows(lake_uri, 0, split)
 
     assert len(rows) == expected.height > 0
+    assert expected["batch_id"].n_unique() == 3, "the split's rows come from three shards"
     got = _all_rows(rows)
     assert np.array_equal(got["input_ids"], _as_array(expected, "input_ids", np.int64))
     assert np.array_equal(got["loss_mask"], _as_array(expected, "loss_mask", bool))
@@ -155,7 +160,7 @@ def test_read_snapshot_batches_have_the_sequence_shape_and_dtypes(lake_uri):
 
 def test_read_snapshot_splits_every_row_into_train_validation_or_search(lake_uri):
     snapshot = read_snapshot(lake_uri, 0)
-    rows = pl.read_delta(sequences_table_uri(lake_uri), version=0)
+    rows = _snapshot_rows(lake_uri, 0)
 
     assert len(snapshot.train) == rows.filter(pl.col("split") == "train").height
     assert len(snapshot.validation) == rows.filter(pl.col("split") == "validation").height

@@ -33,13 +33,13 @@ def workspace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gold_version(workspace) -> int:
+def gold_snapshot(workspace) -> int:
     return write_synthetic_gold(str(workspace / "lake"), n_records=600, seq_len=SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
-def config(workspace, gold_version):
-    return tiny_config(str(workspace / "lake"), gold_version, str(workspace / "uninterrupted"), steps=60)
+def config(workspace, gold_snapshot):
+    return tiny_config(str(workspace / "lake"), gold_snapshot, str(workspace / "uninterrupted"), steps=60)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_fsdp2_gradients_equal_a_single_process_on_the_same_global_batch(config,
     sharded = torch.load(out, weights_only=True)
 
     global_batch = config.global_batch(world_size=2)
-    snapshot = read_snapshot(config.lake_uri, config.gold_version)
+    snapshot = read_snapshot(config.lake_uri, config.snapshot)
     batch = snapshot.train.batch(stream_indexes(len(snapshot.train), config.seed, 0, global_batch), torch.device("cpu"))
     torch.manual_seed(config.seed)
     model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB, max_seq_len=SEQ_LEN))

@@ -18,8 +18,11 @@ from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
 from pipeline_assets.lib.eval_sample import capped_sample
 from pipeline_assets.lib.promotion import OVERALL
+from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
+
+_SCORED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
 
 
 @asset(
@@ -124,12 +127,14 @@ class EvaluationData:
 
     @classmethod
     def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict, max_tokens: int) -> "EvaluationData":
-        scan = lake.scan("gold", "sequences", version=versions["gold/sequences"]).filter(pl.col("split") == "validation")
-        sizes = scan.select("sequence_index", "real_tokens").collect()
+        manifest = read_manifest(lake.uri, versions["gold/snapshots"])
+        scan = sequences_scan(lake.uri, manifest)
+        sizes = manifest.in_order(scan.filter(pl.col("split") == "validation")
+                                  .select("batch_id", "split", "sequence_index", "real_tokens")).collect()
         if sizes.is_empty():
-            raise Failure(allow_retries=False, description=f"gold/sequences v{versions['gold/sequences']} has no validation sequences")
+            raise Failure(allow_retries=False, description=f"{manifest.key} has no validation sequences")
         chosen = capped_sample(sizes["sequence_index"].to_numpy(), sizes["real_tokens"].to_numpy(), max_tokens)
-        validation = scan.filter(pl.col("sequence_index").is_in(chosen.tolist())).sort("sequence_index").collect()
+        validation = manifest.split("validation").take(scan, chosen, list(_SCORED_COLUMNS))
         record_ids = validation["record_ids"].explode().unique()
         sources = (lake.scan("silver", "records", version=versions["silver/records"])
                    .select("record_id", "source")  # two columns of silver, not its text

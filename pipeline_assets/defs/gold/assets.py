@@ -1,4 +1,4 @@
-"""gold/tokenizer and gold/sequences: every silver batch, tokenized and packed into one data snapshot."""
+"""gold/tokenizer, and gold/sequences: each ingest batch's silver records tokenized and packed into its own shard."""
 
 import hashlib
 from datetime import datetime, timezone
@@ -8,16 +8,16 @@ import polars as pl
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
-from pipeline_assets.defs.automation import once_when_missing
-from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG
-from pipeline_assets.defs.gold.checks import GOLD_CHECK_SPECS, JudgedSnapshot, blocking_failures, judge_snapshot
+from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
+from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
-from pipeline_assets.defs.partitions import data_snapshots, snapshot_key, snapshot_version
+from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, build_sequences, fit_long_records, in_snapshot_order, token_statistics
+from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, build_sequences, fit_long_records, shard_seed, token_statistics
+from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.splits import SEARCH, VALIDATION, assign_split, split_shares
 from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
@@ -28,23 +28,15 @@ _KINDS = {"delta", "polars"}
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 
 
-def read_snapshot(lake: LakeResource, version: int | None = None) -> pl.DataFrame:
-    """A data snapshot in its defined order (split, sequence_index): Delta keeps rows, not their order."""
-    scan = lake.scan("gold", "sequences", version)
-    if scan is None:
-        raise ValueError("gold/sequences does not exist yet: materialize it first")
-    return in_snapshot_order(scan)
-
-
-def usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.DataFrame, int, list[str]]:
-    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version; and the
-    batches left out. Silver's dedup leaves out the same batches."""
-    scan, version, blocked = scan_usable_silver(context, lake)
-    return scan.collect(), version, blocked
+def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
+    """A whole data snapshot (every shard its manifest lists) in its defined order, global sequence_index."""
+    manifest = read_manifest(lake.uri, snapshot_number(key))
+    return manifest.in_order(sequences_scan(lake.uri, manifest)).collect()
 
 
 def scan_usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.LazyFrame, int, list[str]]:
-    """``usable_silver``, not read yet."""
+    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version, not
+    read yet; and the batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
@@ -143,49 +135,37 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     key=GOLD_SEQUENCES,
     group_name="gold",
     deps=[SILVER_RECORDS, GOLD_TOKENIZER],
+    partitions_def=ingest_batches,
     kinds=_KINDS,
-    check_specs=GOLD_CHECK_SPECS,
+    check_specs=SHARD_CHECK_SPECS,
     retry_policy=TRANSIENT,
-    description="Tokenized, packed (best-fit decreasing) and shuffled sequences with a train/validation/search split. "
-    "Each Delta version is one data snapshot, gold-v<N>, which the training assets pin; it becomes a "
-    "data_snapshots partition only once its blocking checks pass. Cut on a cadence (the snapshot_cadence "
-    "sensor), on the snapshot schedule, or by hand.",
+    automation_condition=after_upstream_passes(),
+    description="One ingest batch's silver records, tokenized, packed (best-fit decreasing) and shuffled, per "
+    "train/validation/search split: the batch's shard, built once, as soon as its silver passes. A data "
+    "snapshot (gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
 )
 def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
     stopwatch = Stopwatch()
-    silver, silver_version, blocked = usable_silver(context, lake)
-    tokenizer_version = lake.version("gold", "tokenizer")
-    if tokenizer_version is None:
-        raise ValueError("gold/tokenizer does not exist yet: materialize it first")
-    tokenizer = tokenizer_from_json(lake.read("gold", "tokenizer", version=tokenizer_version)["tokenizer_json"][0])
-    if blocked:
-        context.log.warning(f"left out {len(blocked)} batch(es) whose bronze or silver blocking checks failed: {', '.join(blocked)}")
-
-    if silver.is_empty():
-        raise Failure(allow_retries=False, description=f"no silver records to build a snapshot from (silver/records v{silver_version}, "
-                      f"{len(blocked)} batch(es) left out as blocked)")
+    batch = context.partition_key
+    silver_version = lake.version("silver", "records")
+    if silver_version is None:
+        raise ValueError("silver/records does not exist yet: materialize silver first")
+    silver = lake.read("silver", "records", version=silver_version, where=pl.col("batch_id") == batch)
+    tokenizer_version, tokenizer = _current_tokenizer(lake)
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
                            search_fraction=gold_policy.search_fraction)
     encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
-    context.log.info(f"tokenized {encoded.height} records: {int(encoded['n_tokens'].sum())} tokens")
+    context.log.info(f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} tokens "
+                     f"(gold/tokenizer v{tokenizer_version})")
     fitted = _fit_long_records(context, encoded, gold_policy)
     encoded = fitted.records
-    sequences, packing = build_sequences(
-        encoded, seq_len=gold_policy.seq_len, seed=gold_policy.shuffle_seed, pad_id=tokenizer.token_to_id(PAD)
-    )
-    sequences = validate(conform(sequences, GoldSequence), GoldSequence)
-    previous = _previous_accepted_snapshot(context.instance, lake)
-    commit = lake.overwrite("gold", "sequences", sequences, rows_per_group=SEQUENCES_PER_BLOCK)
-    snapshot = snapshot_key(commit.version)
-    checks = judge_snapshot(sequences, snapshot, previous, gold_policy)
-    failed = blocking_failures(checks)
-    if failed:
-        context.log.error(f"{snapshot} is not a data snapshot: {'; '.join(r.description for r in failed)}; nothing trains on it")
-    else:
-        context.instance.add_dynamic_partitions(data_snapshots.name, [snapshot])
-    reason = context.run.tags.get(SNAPSHOT_REASON_TAG, "requested by hand")
-    context.log.info(f"data snapshot {snapshot} ({reason}): {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
-
+    sequences, packing = build_sequences(encoded, seq_len=gold_policy.seq_len, pad_id=tokenizer.token_to_id(PAD),
+                                         seed=shard_seed(gold_policy.shuffle_seed, batch))
+    sequences = validate(conform(_shard_rows(sequences, batch, tokenizer_version), GoldSequence), GoldSequence)
+    commit = lake.replace_partition("gold", "sequences", sequences, column="batch_id", value=batch,
+                                    rows_per_group=SEQUENCES_PER_BLOCK)
+    checks = judge_shard(sequences, gold_policy)
+    context.log.info(f"batch {batch}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
     stats = token_statistics(encoded)
     return MaterializeResult(
         metadata={
@@ -194,11 +174,9 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
                 upstream_versions={"silver/records": silver_version, "gold/tokenizer": tokenizer_version},
                 input_bytes=int(silver.estimated_size()), stopwatch=stopwatch,
             ),
-            "data_snapshot": snapshot,
-            "snapshot_accepted": not failed,
-            "snapshot_reason": reason,
             "tokenizer_version": tokenizer_version,
-            "batches_left_out": MetadataValue.json(blocked),
+            "sequences": sequences.height,
+            "seq_len": gold_policy.seq_len,
             "packing_efficiency": round(packing["efficiency"], 5),
             "sequences_by_split": MetadataValue.json(packing["sequences_by_split"]),
             "long_records": gold_policy.long_records,
@@ -207,6 +185,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "dropped_long_records_by_reason": MetadataValue.json(dict(fitted.left_out["reason"].value_counts().iter_rows())),
             "long_records_left_out": table_metadata(fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)),
             "tokens": stats["tokens"],
+            "real_tokens": int(sequences["real_tokens"].sum()),
             "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
             "search_tokens": int(encoded.filter(pl.col("split") == SEARCH)["n_tokens"].sum()),
             "input_chars": text_chars(silver),
@@ -218,13 +197,18 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     )
 
 
-def _previous_accepted_snapshot(instance, lake: LakeResource) -> JudgedSnapshot | None:
-    """The newest snapshot that passed its blocking checks: what drift and volume compare with."""
-    accepted = instance.get_dynamic_partitions(data_snapshots.name)
-    if not accepted:
-        return None
-    key = max(accepted, key=snapshot_version)
-    return JudgedSnapshot.of(key, lake.scan("gold", "sequences", snapshot_version(key)))
+def _current_tokenizer(lake: LakeResource):
+    version = lake.version("gold", "tokenizer")
+    if version is None:
+        raise ValueError("gold/tokenizer does not exist yet: materialize it first")
+    return version, tokenizer_from_json(lake.read("gold", "tokenizer", version=version)["tokenizer_json"][0])
+
+
+def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> pl.DataFrame:
+    """The packed rows, labelled with their shard; a batch with no silver record left is an empty shard."""
+    if sequences.width == 0:
+        return pl.DataFrame(schema=polars_schema(GoldSequence))
+    return sequences.with_columns(batch_id=pl.lit(batch), tokenizer_version=pl.lit(tokenizer_version, pl.Int64))
 
 
 def _fit_long_records(context: AssetExecutionContext, encoded: pl.DataFrame, gold_policy: GoldPolicy):

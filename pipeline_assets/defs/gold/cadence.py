@@ -1,52 +1,82 @@
-"""What the instance says about silver since the last data snapshot, for lib.snapshot_cadence."""
+"""What the instance says about gold shards: which a snapshot can hold, and whether one is due (lib.snapshot_cadence)."""
 
 from dataclasses import dataclass
 
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
-from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
+from pipeline_assets.defs.check_helpers import partitions_failing
+from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS, GOLD_TOKENIZER
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.defs.snapshots import latest_materialization_metadata, latest_records_by_partition, plain_metadata
 from pipeline_assets.lib.snapshot_cadence import CadenceInputs, snapshot_due
 
-SNAPSHOT_REASON_TAG = "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold records it
+SNAPSHOT_REASON_TAG = "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold/snapshots records it
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One batch's latest gold/sequences write, as the instance recorded it."""
+
+    batch: str
+    storage_id: int
+    tokenizer_version: int | None
+    sequences: int
+    metadata: dict
+
+
+@dataclass(frozen=True)
+class ShardStates:
+    """Every batch's shard, sorted into those a snapshot can hold and those it cannot (with why)."""
+
+    usable: dict[str, Shard]
+    left_out: dict[str, str]  # batch -> reason
+    stale: dict[str, Shard]  # usable but encoded by another tokenizer version: they wait for their rebuild
+
+
+def shard_states(instance: DagsterInstance, tokenizer_version: int | None) -> ShardStates:
+    """A shard is usable when its blocking checks and its batch's (bronze, silver) passed, it holds
+    rows, and it was encoded by ``tokenizer_version``."""
+    failing = {batch for batch, _ in partitions_failing(instance, SHARD_CHECK_SPECS)}
+    blocked = blocked_batches(instance)
+    usable, left_out, stale = {}, {}, {}
+    for batch, record in sorted(latest_records_by_partition(instance, GOLD_SEQUENCES).items()):
+        metadata = plain_metadata(record.asset_materialization)
+        shard = Shard(batch, record.storage_id, metadata.get("tokenizer_version"), int(metadata.get("sequences", 0)), metadata)
+        if batch in blocked:
+            left_out[batch] = "a blocking check on its bronze or silver failed"
+        elif batch in failing:
+            left_out[batch] = "a blocking check on its shard failed"
+        elif shard.sequences == 0:
+            left_out[batch] = "no sequences (no silver record left in the batch)"
+        elif shard.tokenizer_version != tokenizer_version:
+            stale[batch] = shard
+        else:
+            usable[batch] = shard
+    return ShardStates(usable, left_out, stale)
 
 
 @dataclass(frozen=True)
 class SnapshotDecision:
     due: bool
     reason: str
-    state: str  # names what was judged (the newest silver write), so one state asks once
+    state: str  # names what was judged (the newest shard write), so one state asks once
 
 
 def snapshot_decision(instance: DagsterInstance, min_new_fraction: float) -> SnapshotDecision:
-    if instance.get_latest_materialization_event(GOLD_TOKENIZER) is None:
+    tokenizer = latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)
+    if tokenizer is None:
         return SnapshotDecision(False, "gold/tokenizer is not built yet", "")
-    silver = _latest_silver_by_batch(instance)
-    last_cut = instance.fetch_materializations(GOLD_SEQUENCES, limit=1).records
+    states = shard_states(instance, tokenizer.get("tokenizer_version"))
+    state = f"shards-{max((s.storage_id for s in (*states.usable.values(), *states.stale.values())), default=0)}"
+    if states.stale:
+        return SnapshotDecision(False, f"{len(states.stale)} shard(s) still encoded by an older gold/tokenizer than "
+                                f"v{tokenizer.get('tokenizer_version')}: waiting for their rebuild", state)
+    last_cut = instance.fetch_materializations(GOLD_SNAPSHOTS, limit=1).records
     since = last_cut[0].storage_id if last_cut else -1
-    blocked = blocked_batches(instance)
-    usable = {batch: written for batch, written in silver.items() if batch not in blocked}
-    changed = {batch: chars for batch, (storage_id, chars) in usable.items() if storage_id > since}
-    last_key, last_chars = _last_accepted(instance)
-    due, reason = snapshot_due(CadenceInputs(changed, last_key, last_chars), min_new_fraction)
-    return SnapshotDecision(due, reason, f"silver-{max((s for s, _ in silver.values()), default=0)}")
-
-
-def _latest_silver_by_batch(instance: DagsterInstance) -> dict[str, tuple[int, int]]:
-    """Per batch, its latest silver/records write: (storage id, text characters kept)."""
-    found = {}
-    for batch, record in latest_records_by_partition(instance, SILVER_RECORDS).items():
-        metadata = plain_metadata(record.asset_materialization)
-        found[batch] = (record.storage_id, int(metadata.get("output_chars", metadata.get("input_chars", 0))))
-    return found
-
-
-def _last_accepted(instance: DagsterInstance) -> tuple[str | None, int]:
-    snapshots = instance.get_dynamic_partitions(data_snapshots.name)
-    if not snapshots:
-        return None, 0
-    key = max(snapshots, key=snapshot_version)
-    built = latest_materialization_metadata(instance, GOLD_SEQUENCES, lambda m: m.get("data_snapshot") == key)
-    return key, int((built or {}).get("input_chars", 0))
+    changed = {batch: int(shard.metadata.get("real_tokens", 0)) for batch, shard in states.usable.items() if shard.storage_id > since}
+    last = None if not last_cut else last_cut[0].asset_materialization
+    last_key = None if last is None else last.metadata["data_snapshot"].value
+    last_tokens = 0 if last is None else int(last.metadata["real_tokens"].value)
+    due, reason = snapshot_due(CadenceInputs(changed, last_key, last_tokens), min_new_fraction)
+    return SnapshotDecision(due, reason, state)

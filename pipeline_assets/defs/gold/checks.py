@@ -1,7 +1,7 @@
-"""Gold's checks, judged by gold/sequences itself on the snapshot it just wrote, so each result
-belongs to that snapshot. Contract and packing block: a snapshot that fails one never becomes a
-``data_snapshots`` partition, so nothing trains it. Token-length drift and token volume, against the
-previous accepted snapshot, report."""
+"""Gold's checks. Each shard (one batch's gold/sequences partition) is judged by the asset that wrote
+it: contract and packing block, so a shard that fails one is left out of every snapshot. Each
+snapshot (gold/snapshots) is judged when it is cut: token-length drift and token volume against the
+previous snapshot, which report."""
 
 from dataclasses import dataclass
 
@@ -11,21 +11,24 @@ from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec
 
 from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
-from pipeline_assets.defs.keys import GOLD_SEQUENCES
+from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS
+from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import psi_numeric
 from pipeline_assets.lib.packing import packing_floor
 from pipeline_assets.resources import GoldPolicy
 
-GOLD_CHECK_SPECS = [
-    AssetCheckSpec("contract", asset=GOLD_SEQUENCES, blocking=True,
-                   description="The snapshot satisfies the GoldSequence contract."),
-    AssetCheckSpec("packing_efficiency", asset=GOLD_SEQUENCES, blocking=True,
+SHARD_CHECK_SPECS = [
+    AssetCheckSpec("contract", asset=GOLD_SEQUENCES, blocking=True, partitions_def=ingest_batches,
+                   description="The batch's shard satisfies the GoldSequence contract."),
+    AssetCheckSpec("packing_efficiency", asset=GOLD_SEQUENCES, blocking=True, partitions_def=ingest_batches,
                    description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
                    "required share of real tokens, or needs at most one row per split more than first-fit of the same pieces."),
-    AssetCheckSpec("token_length_drift", asset=GOLD_SEQUENCES,
-                   description="PSI of document token lengths against the previous accepted snapshot."),
-    AssetCheckSpec("token_volume", asset=GOLD_SEQUENCES,
-                   description="Real tokens are within tolerance of the previous accepted snapshot's."),
+]
+SNAPSHOT_CHECK_SPECS = [
+    AssetCheckSpec("token_length_drift", asset=GOLD_SNAPSHOTS,
+                   description="PSI of document token lengths against the previous snapshot."),
+    AssetCheckSpec("token_volume", asset=GOLD_SNAPSHOTS,
+                   description="Real tokens are within tolerance of the previous snapshot's."),
 ]
 
 
@@ -40,10 +43,13 @@ class JudgedSnapshot:
     seq_len: int
 
     @classmethod
-    def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame) -> "JudgedSnapshot":
+    def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame, seq_len: int | None = None) -> "JudgedSnapshot":
+        """``seq_len``: known already (a manifest's), so the token-id lists are not read at all."""
         pieces = sequences.lazy().select("split", "document_lengths").explode("document_lengths").drop_nulls().collect()
-        shape = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect()
-        rows, seq_len = shape.row(0)
+        if seq_len is None:
+            rows, seq_len = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect().row(0)
+        else:
+            rows = sequences.lazy().select(pl.len()).collect().item()
         splits = {split: part["document_lengths"].to_numpy() for (split,), part in pieces.group_by("split")}
         return cls(key, pieces["document_lengths"].to_numpy(), splits, int(rows), int(seq_len or 0))
 
@@ -52,22 +58,21 @@ class JudgedSnapshot:
         return int(self.document_lengths.sum())
 
 
-def judge_snapshot(sequences: pl.DataFrame, key: str, previous: JudgedSnapshot | None,
-                   policy: GoldPolicy) -> list[AssetCheckResult]:
-    """Every gold check's result for the snapshot ``key`` (``sequences``), each naming it."""
-    snapshot = JudgedSnapshot.of(key, sequences)
-    results = [
+def judge_shard(sequences: pl.DataFrame, policy: GoldPolicy) -> list[AssetCheckResult]:
+    """The blocking checks of one batch's shard: a shard that fails one is left out of every snapshot."""
+    return [
         contract_check_result(sequences, GoldSequence, check_name="contract"),
-        packing_result(snapshot, policy.min_packing_efficiency),
+        packing_result(JudgedSnapshot.of("shard", sequences), policy.min_packing_efficiency),
+    ]
+
+
+def judge_snapshot(snapshot: JudgedSnapshot, previous: JudgedSnapshot | None, policy: GoldPolicy) -> list[AssetCheckResult]:
+    """Drift and volume of a snapshot against the previous one, each result naming the snapshot."""
+    results = [
         _first_snapshot("token_length_drift") if previous is None else _drift_result(snapshot, previous, policy),
         _first_snapshot("token_volume") if previous is None else _volume_result(snapshot, previous, policy),
     ]
-    return [_naming(result, key) for result in results]
-
-
-def blocking_failures(results: list[AssetCheckResult]) -> list[AssetCheckResult]:
-    blocking = {spec.name for spec in GOLD_CHECK_SPECS if spec.blocking}
-    return [r for r in results if r.check_name in blocking and not r.passed and r.severity == AssetCheckSeverity.ERROR]
+    return [_naming(result, snapshot.key) for result in results]
 
 
 def packing_result(snapshot: JudgedSnapshot, minimum: float) -> AssetCheckResult:

@@ -14,13 +14,13 @@ from dagster import (
 )
 
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
-from pipeline_assets.defs.keys import GOLD_SEQUENCES
+from pipeline_assets.defs.keys import GOLD_SNAPSHOTS
 from pipeline_assets.resources import GoldPolicy
 
 snapshot_job = define_asset_job(
     "cut_snapshot",
-    selection=AssetSelection.assets(GOLD_SEQUENCES),
-    description="Cut a data snapshot from every usable silver batch (gold/sequences and its checks).",
+    selection=AssetSelection.assets(GOLD_SNAPSHOTS),
+    description="Cut a data snapshot from every usable gold shard (gold/snapshots and its checks).",
 )
 
 
@@ -29,8 +29,8 @@ snapshot_job = define_asset_job(
     target=snapshot_job,
     minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Cuts the first snapshot once silver and the tokenizer exist, then a new one whenever the silver "
-    "text changed since the last cut reaches PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+    description="Cuts the first snapshot once a gold shard exists, then a new one whenever the tokens of the shards "
+    "built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
 )
 def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
     decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction)
@@ -45,7 +45,7 @@ def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
     cron_schedule="0 1 * * *",
     execution_timezone="UTC",
     default_status=DefaultScheduleStatus.STOPPED,
-    description="Every night at 01:00 UTC, a snapshot of whatever silver changed since the last one, however "
+    description="Every night at 01:00 UTC, a snapshot of whatever shards were built since the last one, however "
     "little (turn it on for a fixed cadence; the sensor's share rule keeps running beside it).",
 )
 def snapshot_schedule(context: ScheduleEvaluationContext):

@@ -22,7 +22,7 @@ from pipeline_assets.contracts import PipelineStage, conform, validate
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     EVALUATION_REPORT,
-    GOLD_SEQUENCES,
+    GOLD_SNAPSHOTS,
     GOLD_TOKENIZER,
     OPS_PIPELINE_REPORT,
     SILVER_RECORDS,
@@ -30,6 +30,7 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.snapshots import (
+    behind_snapshot,
     latest_materialization_metadata,
     latest_per_partition,
     materialization_history,
@@ -44,17 +45,17 @@ from pipeline_assets.resources import CostPolicy, LakeResource, TorchrunLauncher
 @asset(
     key=OPS_PIPELINE_REPORT,
     group_name="ops",
-    deps=[BRONZE_RECORDS, SILVER_RECORDS, GOLD_TOKENIZER, GOLD_SEQUENCES, TRAINING_CHECKPOINT, EVALUATION_REPORT],
+    deps=[BRONZE_RECORDS, SILVER_RECORDS, GOLD_TOKENIZER, GOLD_SNAPSHOTS, TRAINING_CHECKPOINT, EVALUATION_REPORT],
     kinds={"delta", "polars"},
     automation_condition=AutomationCondition.on_cron("0 * * * *"),  # hourly, once its stages have updated
-    description="Per stage of the latest pass (every batch's bronze and silver, the newest snapshot's gold, training "
+    description="Per stage of the latest pass (every batch's bronze and silver, the newest snapshot's gold shards, training "
     "and evaluation): rows/s, MB/s, tokens/s, wall and CPU seconds, cost and $ per million tokens; the bottleneck.",
 )
 def pipeline_report(context: AssetExecutionContext, lake: LakeResource, cost_policy: CostPolicy,
                     launcher: TorchrunLauncher) -> MaterializeResult:
-    gold = latest_materialization_metadata(context.instance, GOLD_SEQUENCES, lambda m: True)
+    gold = latest_materialization_metadata(context.instance, GOLD_SNAPSHOTS, lambda m: True)
     if gold is None:
-        raise Failure(allow_retries=False, description="nothing to report: gold/sequences was never materialized")
+        raise Failure(allow_retries=False, description="nothing to report: no data snapshot was cut yet (gold/snapshots)")
     snapshot = gold["data_snapshot"]
     measured = pl.DataFrame(measure_stages(context.instance, snapshot), schema=MEASURED)
     report = stage_report(measured, cost_policy.prices(), dataset_tokens=int(gold.get("tokens") or 0))
@@ -89,9 +90,7 @@ def measure_stages(instance: DagsterInstance, snapshot: str) -> list[dict]:
         _stage("bronze", latest_per_partition(materialization_history(instance, BRONZE_RECORDS))),
         _stage("silver", latest_per_partition(materialization_history(instance, SILVER_RECORDS))),
         _stage("gold/tokenizer", [latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)]),
-        _stage("gold/sequences", [latest_materialization_metadata(instance, GOLD_SEQUENCES,
-                                                                  lambda m: m.get("data_snapshot") == snapshot)],
-               tokens="tokens"),
+        _stage("gold/sequences", behind_snapshot(instance, snapshot).shards, tokens="tokens"),
         _stage("training", [partition_metadata(instance, TRAINING_CHECKPOINT, snapshot)], tokens="tokens_trained"),
         _stage("evaluation", [partition_metadata(instance, EVALUATION_REPORT, snapshot)]),
     ]

@@ -18,7 +18,7 @@ from dagster import (
 
 from pipeline_assets.contracts import RunFailure, conform, validate
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
-from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
+from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.resources import LakeResource
 
 retrain_job = define_asset_job(
@@ -41,7 +41,7 @@ def nightly_retrain(context: ScheduleEvaluationContext):
     snapshots = context.instance.get_dynamic_partitions(data_snapshots.name)
     if not snapshots:
         return SkipReason("no data snapshot yet: gold/sequences has never been materialized")
-    newest = max(snapshots, key=snapshot_version)
+    newest = max(snapshots, key=snapshot_number)
     if newest in context.instance.get_materialized_partitions(TRAINING_CHECKPOINT):
         reason = (f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings would "
                   "train the same model; a new snapshot (cut on its cadence) is what a retrain needs")

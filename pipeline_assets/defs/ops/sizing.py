@@ -11,6 +11,7 @@ from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     EVALUATION_REPORT,
     GOLD_SEQUENCES,
+    GOLD_SNAPSHOTS,
     GOLD_TOKENIZER,
     SILVER_RECORDS,
     TRAINING_CHECKPOINT,
@@ -33,7 +34,7 @@ _MEASURED = {
 def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_sample_chars: float = math.inf,
               eval_max_tokens: float = math.inf) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
-    history = {key: materialization_history(instance, key) for key, _ in _MEASURED.values()}
+    history = {key: materialization_history(instance, key) for key in [*(key for key, _ in _MEASURED.values()), GOLD_SNAPSHOTS]}
     parameters = {m["partition"]: m["parameters"] for m in reversed(history[TRAINING_CHECKPOINT]) if m.get("parameters")}
     points = pl.DataFrame(
         [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work, parameters)],
@@ -45,7 +46,7 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
                          "(pipeline-assets run, or make demo), with this version of the code, then size")
     fits = {stage: fit_stage(points.filter(pl.col("stage") == stage)) for stage in _MEASURED}
 
-    gold = _newest_with(history[GOLD_SEQUENCES], "input_chars")
+    gold = _newest_with(history[GOLD_SNAPSHOTS], "input_chars")  # the newest snapshot: its shards' sums
     bronze = latest_per_partition(history[BRONZE_RECORDS])
     landed_chars = sum(m.get("input_chars") or 0 for m in bronze)
     landed_records = sum(m.get("lines_read") or 0 for m in bronze)

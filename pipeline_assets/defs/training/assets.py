@@ -24,8 +24,8 @@ from dagster import (
 
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
-from pipeline_assets.defs.partitions import data_snapshots, snapshot_version
+from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
@@ -64,13 +64,13 @@ def when_snapshot_added() -> AutomationCondition:
 @asset(
     key=TRAINING_CHECKPOINT,
     group_name="training",
-    deps=[GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH],
+    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH],
     partitions_def=data_snapshots,
     pool="training",  # one job at a time by default: the instance's pool limit
     retry_policy=RetryPolicy(max_retries=2, delay=5),  # a preempted job resumes from its newest checkpoint
     kinds={"pytorch", "mlflow"},
     automation_condition=when_snapshot_added(),
-    description="A torchrun FSDP2 job on one data snapshot (gold Delta version pinned): checkpoints, the exported "
+    description="A torchrun FSDP2 job on one data snapshot (its manifest's shards, Delta versions pinned): checkpoints, the exported "
     "model (safetensors) and an MLflow run.",
 )
 def training_checkpoint(
@@ -181,7 +181,7 @@ def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResour
         raise Failure(description="gold/tokenizer does not exist: materialize gold first")
     return TrainConfig(
         lake_uri=lake.uri,
-        gold_version=snapshot_version(partition),
+        snapshot=snapshot_number(partition),
         checkpoint_uri=launcher.checkpoint_uri,
         partition=partition,
         vocab_size=int(tokenizer["vocab_size"][0]),

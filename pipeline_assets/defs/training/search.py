@@ -10,13 +10,14 @@ import polars as pl
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import HparamTrial, conform, polars_schema, validate
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.snapshots import snapshot_versions
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_config_for
 from pipeline_assets.hparam_search import TrialResult, successive_halving
 from pipeline_assets.lib.search import sample_configurations
+from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.lib.uris import join
 from pipeline_assets.resources import HparamSearchPolicy, LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
 from pipeline_assets.trainer.config import TrainConfig
@@ -25,7 +26,7 @@ from pipeline_assets.trainer.config import TrainConfig
 @asset(
     key=TRAINING_HPARAM_SEARCH,
     group_name="training",
-    deps=[GOLD_SEQUENCES, GOLD_TOKENIZER],
+    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER],
     partitions_def=data_snapshots,
     pool="training",
     kinds={"delta", "pytorch", "mlflow"},
@@ -46,7 +47,7 @@ def hparam_search(
     partition, policy = context.partition_key, hparam_search_policy
     versions = snapshot_versions(context.instance, partition)
     base = train_config_for(partition, TrainingRunConfig(), lake, launcher, training_policy, versions)
-    _require_search_rows(lake, base.gold_version, policy.nproc_per_node)
+    _require_search_rows(lake, base.snapshot, policy.nproc_per_node)
     launcher.store("search", root=join(launcher.checkpoint_uri, partition)).clear()
     configurations = sample_configurations(policy.space, policy.trials, policy.seed)
     parent = mlflow_tracking.open_run(name=f"hparam_search {partition}", tags={"search_space": json.dumps(policy.space)},
@@ -87,11 +88,12 @@ def hparam_search(
     })
 
 
-def _require_search_rows(lake: LakeResource, gold_version: int, ranks: int) -> None:
+def _require_search_rows(lake: LakeResource, snapshot: int, ranks: int) -> None:
     """Trials select on the search split: a snapshot without enough of it cannot be searched on."""
-    rows = lake.scan("gold", "sequences", gold_version).filter(pl.col("split") == "search").select(pl.len()).collect().item()
+    manifest = read_manifest(lake.uri, snapshot)
+    rows = manifest.sequences_by_split()["search"]
     if rows < ranks:
-        raise Failure(allow_retries=False, description=f"gold/sequences v{gold_version} has {rows} search sequence(s), fewer "
+        raise Failure(allow_retries=False, description=f"{manifest.key} has {rows} search sequence(s), fewer "
                       f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
 
 
