@@ -148,11 +148,11 @@ def _is_made_unpartitioned(graph, key: AssetKey) -> bool:
     return node.is_materializable and node.partitions_def is None
 
 
-def _reads_unpartitioned(graph, key: AssetKey) -> bool:
-    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes (gold/sequences reads
-    gold/tokenizer): it runs after that one."""
+def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey) -> bool:
+    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes and has not made yet."""
     node = graph.get(key)
-    return node.partitions_def == ingest_batches and any(_is_made_unpartitioned(graph, p) for p in node.parent_keys)
+    return node.partitions_def == ingest_batches and any(
+        _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0 for p in node.parent_keys)
 
 
 def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> list[AssetKey]:
@@ -225,7 +225,9 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     outcome = RunOutcome()
     if _reads_eval_sets(defs, keys):
         observe_eval_sets(defs, instance, outcome)
-    shards = [key for key in keys if _reads_unpartitioned(graph, key)]  # gold/sequences: after the tokenizer
+    # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is made;
+    # otherwise a batch's shard is built in the same run as its bronze and silver.
+    shards = [key for key in keys if _reads_missing_unpartitioned(graph, instance, key)]
     for batch, batch_keys in stale_partitions(defs, instance, [key for key in keys if key not in shards]).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)

@@ -25,6 +25,30 @@ def psi_numeric(reference: Sequence[float], current: Sequence[float], bins: int 
     return _psi(expected / len(reference), actual / len(current))
 
 
+def psi_numeric_counts(reference: np.ndarray, current: np.ndarray, bins: int = 10) -> float:
+    """``psi_numeric`` of two samples of small non-negative integers given as their bincounts (count of
+    value v at index v): the same edges and the same result, in memory bounded by the largest value,
+    not by the samples (a snapshot's document lengths, summed over its shards)."""
+    reference, current = np.asarray(reference, dtype=np.int64), np.asarray(current, dtype=np.int64)
+    n_reference, n_current = int(reference.sum()), int(current.sum())
+    if not n_reference or not n_current:
+        return 0.0
+    cumulative = np.cumsum(reference)
+    positions = np.linspace(0, 1, bins + 1)[1:-1] * (n_reference - 1)  # np.quantile's linear interpolation
+
+    def sorted_value(i: np.ndarray) -> np.ndarray:  # the i-th smallest reference value
+        return np.searchsorted(cumulative, i, side="right").astype(float)
+
+    low, high = sorted_value(np.floor(positions)), sorted_value(np.ceil(positions))
+    edges = np.unique(low + (positions - np.floor(positions)) * (high - low))
+
+    def shares(counts: np.ndarray, total: int) -> np.ndarray:
+        which = np.searchsorted(edges, np.arange(counts.size), side="right")
+        return np.bincount(which, weights=counts, minlength=len(edges) + 1) / total
+
+    return _psi(shares(reference, n_reference), shares(current, n_current))
+
+
 def psi_categorical(reference: Sequence[str], current: Sequence[str]) -> float:
     """PSI over the categories seen in either sample (a new category counts fully)."""
     categories = sorted(set(reference) | set(current))

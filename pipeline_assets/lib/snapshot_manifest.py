@@ -42,7 +42,7 @@ def shard_counts(sequences: pl.LazyFrame, batches: list[str]) -> pl.DataFrame:
     return (sequences.filter(pl.col("batch_id").is_in(batches))
             .group_by("batch_id", "split", "tokenizer_version")
             .agg(n=pl.len(), low=pl.col("sequence_index").min(), high=pl.col("sequence_index").max())
-            .collect())
+            .collect(engine="streaming"))
 
 
 class SplitLayout:

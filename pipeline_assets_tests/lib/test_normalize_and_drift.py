@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pytest
 
-from pipeline_assets.lib.drift import psi_categorical, psi_numeric
+from pipeline_assets.lib.drift import psi_categorical, psi_numeric, psi_numeric_counts
 from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
 
 
@@ -39,3 +40,14 @@ def test_categorical_psi_counts_a_new_category():
     reference = ["a"] * 50 + ["b"] * 50
     assert psi_categorical(reference, ["b"] * 50 + ["a"] * 50) == 0.0
     assert psi_categorical(reference, ["a"] * 40 + ["b"] * 40 + ["c"] * 20) > 0.25
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_psi_from_bincounts_equals_psi_of_the_samples(seed):
+    rng = np.random.default_rng(seed)
+    reference = rng.integers(1, 512, 3000)
+    current = np.concatenate([rng.integers(1, 512, 1000), rng.integers(400, 512, 500 * seed + 1)])
+    counts = [np.bincount(sample, minlength=513) for sample in (reference, current)]
+    assert psi_numeric_counts(*counts) == pytest.approx(psi_numeric(reference, current), rel=1e-12)
+    assert psi_numeric_counts(counts[0], counts[0]) == 0.0
+    assert psi_numeric_counts(np.zeros(513), counts[1]) == 0.0

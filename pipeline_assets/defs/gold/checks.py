@@ -13,7 +13,7 @@ from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.lib.drift import psi_numeric
+from pipeline_assets.lib.drift import psi_numeric_counts
 from pipeline_assets.lib.packing import packing_floor
 from pipeline_assets.resources import GoldPolicy
 
@@ -34,7 +34,7 @@ SNAPSHOT_CHECK_SPECS = [
 
 @dataclass(frozen=True)
 class JudgedSnapshot:
-    """What the checks read of a snapshot: its token-id lists, most of its bytes, are not needed."""
+    """What the packing check reads of a shard (bounded by its batch): piece lengths per split and its shape."""
 
     key: str
     document_lengths: np.ndarray  # every piece's length, row after row
@@ -43,13 +43,9 @@ class JudgedSnapshot:
     seq_len: int
 
     @classmethod
-    def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame, seq_len: int | None = None) -> "JudgedSnapshot":
-        """``seq_len``: known already (a manifest's), so the token-id lists are not read at all."""
+    def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame) -> "JudgedSnapshot":
         pieces = sequences.lazy().select("split", "document_lengths").explode("document_lengths").drop_nulls().collect()
-        if seq_len is None:
-            rows, seq_len = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect().row(0)
-        else:
-            rows = sequences.lazy().select(pl.len()).collect().item()
+        rows, seq_len = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect().row(0)
         splits = {split: part["document_lengths"].to_numpy() for (split,), part in pieces.group_by("split")}
         return cls(key, pieces["document_lengths"].to_numpy(), splits, int(rows), int(seq_len or 0))
 
@@ -66,7 +62,28 @@ def judge_shard(sequences: pl.DataFrame, policy: GoldPolicy) -> list[AssetCheckR
     ]
 
 
-def judge_snapshot(snapshot: JudgedSnapshot, previous: JudgedSnapshot | None, policy: GoldPolicy) -> list[AssetCheckResult]:
+@dataclass(frozen=True)
+class SnapshotLengths:
+    """What drift and volume read of a whole snapshot: how many pieces of each token length it holds
+    (a streaming count over its shards: memory bounded by seq_len, not by the snapshot)."""
+
+    key: str
+    counts: np.ndarray  # counts[n]: pieces of n tokens
+
+    @classmethod
+    def of(cls, key: str, sequences: pl.LazyFrame, seq_len: int) -> "SnapshotLengths":
+        found = (sequences.select(pl.col("document_lengths").explode().alias("length")).drop_nulls()
+                 .group_by("length").len().collect(engine="streaming"))
+        counts = np.zeros(seq_len + 1, dtype=np.int64)
+        counts[found["length"].to_numpy()] = found["len"].to_numpy()
+        return cls(key, counts)
+
+    @property
+    def real_tokens(self) -> int:
+        return int((self.counts * np.arange(self.counts.size)).sum())
+
+
+def judge_snapshot(snapshot: SnapshotLengths, previous: SnapshotLengths | None, policy: GoldPolicy) -> list[AssetCheckResult]:
     """Drift and volume of a snapshot against the previous one, each result naming the snapshot."""
     results = [
         _first_snapshot("token_length_drift") if previous is None else _drift_result(snapshot, previous, policy),
@@ -95,8 +112,10 @@ def packing_result(snapshot: JudgedSnapshot, minimum: float) -> AssetCheckResult
     )
 
 
-def _drift_result(snapshot: JudgedSnapshot, previous: JudgedSnapshot, policy: GoldPolicy) -> AssetCheckResult:
-    psi = psi_numeric(previous.document_lengths, snapshot.document_lengths)
+def _drift_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy) -> AssetCheckResult:
+    size = max(snapshot.counts.size, previous.counts.size)  # two snapshots may differ in seq_len
+    psi = psi_numeric_counts(np.pad(previous.counts, (0, size - previous.counts.size)),
+                             np.pad(snapshot.counts, (0, size - snapshot.counts.size)))
     return AssetCheckResult(
         check_name="token_length_drift",
         passed=psi < policy.psi_warn,
@@ -107,7 +126,7 @@ def _drift_result(snapshot: JudgedSnapshot, previous: JudgedSnapshot, policy: Go
     )
 
 
-def _volume_result(snapshot: JudgedSnapshot, previous: JudgedSnapshot, policy: GoldPolicy) -> AssetCheckResult:
+def _volume_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy) -> AssetCheckResult:
     before, now = previous.real_tokens, snapshot.real_tokens
     change = (now - before) / before if before else float("inf")
     return AssetCheckResult(

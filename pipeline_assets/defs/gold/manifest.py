@@ -17,7 +17,7 @@ from dagster import (
 
 from pipeline_assets.contracts import GoldSnapshotManifest, conform, polars_schema, validate
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, ShardStates, shard_states
-from pipeline_assets.defs.gold.checks import SNAPSHOT_CHECK_SPECS, JudgedSnapshot, judge_snapshot
+from pipeline_assets.defs.gold.checks import SNAPSHOT_CHECK_SPECS, SnapshotLengths, judge_snapshot
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS, GOLD_TOKENIZER
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.partitions import data_snapshots
@@ -61,7 +61,7 @@ def gold_snapshots(context: AssetExecutionContext, lake: LakeResource, gold_poli
     reason = context.run.tags.get(SNAPSHOT_REASON_TAG, "requested by hand")
     manifest, commit = cut_manifest(lake, sorted(states.usable), tokenizer_version, _one_seq_len(states), reason)
     previous = _previous_snapshot(context.instance, lake)
-    judged = JudgedSnapshot.of(manifest.key, sequences_scan(lake.uri, manifest), seq_len=manifest.seq_len)
+    judged = SnapshotLengths.of(manifest.key, sequences_scan(lake.uri, manifest), manifest.seq_len)
     context.instance.add_dynamic_partitions(data_snapshots.name, [manifest.key])
     shards = states.usable.values()
     context.log.info(f"data snapshot {manifest.key} ({reason}): {len(manifest.batches)} shard(s) of gold/sequences "
@@ -119,10 +119,10 @@ def cut_manifest(lake: LakeResource, batches: list[str], tokenizer_version: int,
     return manifest, commit
 
 
-def _previous_snapshot(instance: DagsterInstance, lake: LakeResource) -> JudgedSnapshot | None:
+def _previous_snapshot(instance: DagsterInstance, lake: LakeResource) -> SnapshotLengths | None:
     """The newest snapshot before this one: what drift and volume compare with."""
     keys = instance.get_dynamic_partitions(data_snapshots.name)
     if not keys:
         return None
     manifest = read_manifest(lake.uri, max(snapshot_number(key) for key in keys))
-    return JudgedSnapshot.of(manifest.key, sequences_scan(lake.uri, manifest), seq_len=manifest.seq_len)
+    return SnapshotLengths.of(manifest.key, sequences_scan(lake.uri, manifest), manifest.seq_len)
