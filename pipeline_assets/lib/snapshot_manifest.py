@@ -57,30 +57,26 @@ class SplitLayout:
     def n_sequences(self) -> int:
         return int(self.counts.sum())
 
-    def local(self, indexes: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """Per shard holding some of these global indexes: (batch, the local indexes, their positions in ``indexes``)."""
+    def local(self, indexes: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Per shard holding some of these global indexes: (its place in the manifest, the distinct local indexes)."""
         indexes = np.asarray(indexes, dtype=np.int64)
         if indexes.size and (indexes.min() < 0 or indexes.max() >= self.n_sequences):
             raise IndexError(f"{self.split} has {self.n_sequences} sequences, asked for {indexes.min()}..{indexes.max()}")
         shard = np.searchsorted(self.starts, indexes, side="right") - 1
-        found = []
-        for k in np.unique(shard):
-            positions = np.flatnonzero(shard == k)
-            found.append((self.batches[k], indexes[positions] - self.starts[k], positions))
-        return found
+        return [(int(k), np.unique(indexes[shard == k]) - self.starts[k]) for k in np.unique(shard)]
 
     def take(self, sequences: pl.LazyFrame, indexes: np.ndarray, columns: list[str]) -> pl.DataFrame:
         """The rows at these global indexes, in this order, with ``sequence_index`` global. Each shard's
         read is pruned to its partition and its range of local indexes (its row groups)."""
         indexes = np.asarray(indexes, dtype=np.int64)
         parts = []
-        for batch, local, _ in self.local(indexes):
-            low, high = int(local.min()), int(local.max())
-            rows = sequences.filter((pl.col("batch_id") == batch) & (pl.col("split") == self.split)
+        for k, local in self.local(indexes):
+            low, high = int(local[0]), int(local[-1])
+            rows = sequences.filter((pl.col("batch_id") == self.batches[k]) & (pl.col("split") == self.split)
                                     & pl.col("sequence_index").is_between(low, high))
-            if high - low + 1 != np.unique(local).size:
-                rows = rows.filter(pl.col("sequence_index").is_in(np.unique(local).tolist()))
-            offset = int(self.starts[self.batches.index(batch)])
+            if high - low + 1 != local.size:
+                rows = rows.filter(pl.col("sequence_index").is_in(local.tolist()))
+            offset = int(self.starts[k])
             parts.append(rows.select("sequence_index", *columns).collect().with_columns(pl.col("sequence_index") + offset))
         if not parts:
             return sequences.select("sequence_index", *columns).head(0).collect()
