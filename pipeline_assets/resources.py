@@ -430,7 +430,9 @@ def _remove_uncommitted(table_uri: str) -> None:
 
 
 def _row_groups(rows_per_group: int | None) -> dict:
-    return {"writer_properties": WriterProperties(max_row_group_size=rows_per_group)} if rows_per_group else {}
+    # Given any WriterProperties, delta-rs writes columns uncompressed unless told: snappy is its default.
+    properties = WriterProperties(max_row_group_size=rows_per_group, compression="SNAPPY")
+    return {"writer_properties": properties} if rows_per_group else {}
 
 
 def _check_partition(layer: str, name: str, frame: pl.DataFrame, column: str, value: str) -> pl.DataFrame:
