@@ -129,6 +129,14 @@ def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block
     return StagesResult(merged.kept, merged.removed, {name: {**c, **where} for name, c in merged.counters.items()})
 
 
+def engine_used(counters: dict) -> str:
+    """Where a block stage ran, from its counters: this process, or Ray's nodes and each task's polars threads."""
+    if not counters.get("ray_nodes"):
+        return "this process"
+    threads = "/".join(map(str, counters["ray_polars_threads"]))
+    return f"Ray, {len(counters['ray_nodes'])} node(s), {threads} polars thread(s) a task"
+
+
 def _short_path(folder: Path) -> str:
     """``folder``, or a link to it in the system's temporary directory when the folder's path is too
     long for Ray's sockets (a Unix socket path holds at most 107 bytes, and Ray's session folder

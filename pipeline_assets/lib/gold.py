@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache, partial
 
 import numpy as np
 import polars as pl
 
 from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
 from pipeline_assets.lib.splits import SPLITS
+from pipeline_assets.lib.stages import BlockStage
+from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
 # block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
@@ -54,6 +57,24 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     )
     left_out = judged.filter(pl.col("reason").is_not_null()).select(LEFT_OUT_SCHEMA.names()).cast(dict(LEFT_OUT_SCHEMA))
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
+
+
+def tokenize_stage(tokenizer_json: str) -> BlockStage:
+    """Gold's block stage: records (record_id, system, prompt, response, source, split) -> their
+    encodings (``lib.tokenizer.ENCODED_SCHEMA`` plus source and split), in the block's order. It
+    removes nothing; an engine runs it block by block, here or on Ray."""
+    return BlockStage("tokenize", partial(_tokenize_block, tokenizer_json=tokenizer_json))
+
+
+def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
+    encoded = encode_records(_tokenizer(tokenizer_json), block).with_columns(block.select("source", "split"))
+    return encoded, None, {"rows_in": block.height, "tokens": int(encoded["n_tokens"].sum())}
+
+
+@lru_cache(maxsize=2)
+def _tokenizer(tokenizer_json: str):
+    """Built once per process (a Ray worker keeps it for every block it runs), not once per block."""
+    return tokenizer_from_json(tokenizer_json)
 
 
 def shard_seed(seed: int, batch_id: str) -> int:

@@ -1,4 +1,5 @@
-"""Silver's block stages on a two-node Ray cluster (RAY_ADDRESS): the same rows as in one process."""
+"""Silver's and gold's block stages on a two-node Ray cluster (RAY_ADDRESS): three batches from landing
+to gold, the same rows as in one process."""
 
 from __future__ import annotations
 
@@ -12,21 +13,24 @@ import pytest
 from dagster import materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.engine import RayEngine
-from pipeline_assets.resources import EvalSetsResource, LakeResource, LandingResource, SilverPolicy
+from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.resources import EvalSetsResource, GoldPolicy, LakeResource, LandingResource, SilverPolicy
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 
-BATCHES = 2
+BATCHES = 3
+SEQ_LEN = 128
 WORDS = [f"w{i}" for i in range(400)]
 
 
 @pytest.fixture(scope="module")
 def batches() -> list[list[dict]]:
-    """Two batches of 150 records: near duplicates within each, and an exact copy of the first
-    batch's first record in the second."""
+    """Three batches of 150 records: near duplicates within each, and an exact copy of the first
+    batch's first record in each later one."""
     rng = random.Random(11)
     batches = []
     for batch in range(BATCHES):
@@ -63,26 +67,50 @@ def two_node_cluster():
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _silver_tables(root, rows_by_batch, instance) -> tuple[dict[str, pl.DataFrame], list[dict]]:
+@pytest.fixture(scope="module")
+def tokenizer_file(batches, tmp_path_factory) -> str:
+    """One tokenizer both runs encode with (PIPELINE_TOKENIZER), trained on the batches' text."""
+    texts = [f"{row['prompt']} {row['response']}" for rows in batches for row in rows]
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    path.write_text(tokenizer_to_json(train_bpe(texts, vocab_size=300)))
+    return str(path)
+
+
+def _landing_to_gold(root, rows_by_batch, instance, tokenizer_file) -> tuple[dict[str, pl.DataFrame], list[dict]]:
+    """Each batch from landing to its gold shard, one run a batch; the tables by record origin, and
+    each run's silver and gold metadata."""
     landing_dir = root / "landing"
     resources = {
         "lake": LakeResource(uri=str(root / "lake")),
         "landing": LandingResource(uri=str(landing_dir)),
         "eval_sets": EvalSetsResource(uri=str(root / "eval")),
         "silver_policy": SilverPolicy(),
+        "gold_policy": GoldPolicy(tokenizer_path=tokenizer_file, seq_len=SEQ_LEN),
         "ray_engine": RayEngine(home=str(root / "home"), rows_per_block=40),
     }
     (root / "eval").mkdir(parents=True, exist_ok=True)
+    assets = [eval_sets, bronze, silver, gold_tokenizer, gold_sequences]
+    assert materialize(assets, selection=[gold_tokenizer], instance=instance, resources=resources).success
     metadata = []
     for number, rows in enumerate(rows_by_batch):
         write_landing_file(landing_dir, "synth", f"part-{number}.jsonl", rows)
         batch = register(instance, resources)
-        result = materialize([eval_sets, bronze, silver], partition_key=batch, instance=instance, resources=resources)
+        result = materialize(assets, selection=[eval_sets, bronze, silver, gold_sequences], partition_key=batch,
+                             instance=instance, resources=resources)
         assert result.success
-        metadata.append({k: v.value for k, v in result.asset_materializations_for_node("silver")[0].metadata.items()})
+        metadata.append({step: {k: v.value for k, v in result.asset_materializations_for_node(step)[0].metadata.items()}
+                         for step in ("silver", "gold__sequences")})
     lake = resources["lake"]
     where = {rid: f"{file}:{line}" for rid, file, line in lake.read("bronze", "records").select("record_id", "source_file", "source_line").iter_rows()}
-    return {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index")}, metadata
+    tables = {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index")}
+    return {**tables, "gold/sequences": _sequences_by_origin(lake.read("gold", "sequences"), where)}, metadata
+
+
+def _sequences_by_origin(sequences: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
+    """Each shard's sequences with their records named by origin. A shard's shuffle is seeded by its batch
+    key, which names the registration time, so the sequences are compared in the order of their records."""
+    return (sequences.with_columns(pl.col("record_ids").list.eval(pl.element().replace_strict(where, default=None)))
+            .drop("batch_id", "sequence_index").sort("split", "record_ids"))
 
 
 def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
@@ -94,15 +122,19 @@ def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
             .sort("record_id"))
 
 
-def test_silver_on_a_two_node_ray_cluster_equals_silver_in_one_process(two_node_cluster, batches, instance, tmp_path, monkeypatch):
-    local, local_metadata = _silver_tables(tmp_path / "local", batches, instance)
-    assert {m["block_stages_ran_on"] for m in local_metadata} == {"this process"}
+def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_cluster, batches, tokenizer_file, instance,
+                                                                       tmp_path, monkeypatch):
+    local, local_metadata = _landing_to_gold(tmp_path / "local", batches, instance, tokenizer_file)
+    assert {m["silver"]["block_stages_ran_on"] for m in local_metadata} == {"this process"}
+    assert {m["gold__sequences"]["tokenized_on"] for m in local_metadata} == {"this process"}
 
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
-    on_ray, ray_metadata = _silver_tables(tmp_path / "ray", batches, instance)
+    on_ray, ray_metadata = _landing_to_gold(tmp_path / "ray", batches, instance, tokenizer_file)
 
-    assert {m["block_stages_ran_on"] for m in ray_metadata} == {"Ray, 2 node(s), 1 polars thread(s) a task"}, (
-        "four blocks a batch, on both nodes, each task's polars on its one CPU")
+    both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"  # four blocks a batch, each task's polars on its one CPU
+    assert {m["silver"]["block_stages_ran_on"] for m in ray_metadata} == {both_nodes}
+    assert {m["gold__sequences"]["tokenized_on"] for m in ray_metadata} == {both_nodes}
     assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
+    assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, "every silver record in a shard"
     for name, frame in local.items():
         assert on_ray[name].equals(frame), name

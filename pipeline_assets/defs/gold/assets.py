@@ -16,11 +16,19 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, build_sequences, fit_long_records, shard_seed, token_statistics
+from pipeline_assets.engine import RayEngine, engine_used
+from pipeline_assets.lib.gold import (
+    SEQUENCES_PER_BLOCK,
+    build_sequences,
+    fit_long_records,
+    shard_seed,
+    token_statistics,
+    tokenize_stage,
+)
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.splits import SEARCH, VALIDATION, assign_split, split_shares
-from pipeline_assets.lib.tokenizer import check_tokenizer, encode_records, tokenizer_from_json, tokenizer_to_json, train_bpe
+from pipeline_assets.lib.tokenizer import check_tokenizer, tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tokenizer
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
@@ -144,19 +152,23 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     "train/validation/search split: the batch's shard, built once, as soon as its silver passes. A data "
     "snapshot (gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
 )
-def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
+def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy,
+                   ray_engine: RayEngine) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
     silver_version = lake.version("silver", "records")
     if silver_version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
     silver = lake.read("silver", "records", version=silver_version, where=pl.col("batch_id") == batch)
-    tokenizer_version, tokenizer = _current_tokenizer(lake)
+    tokenizer_version, tokenizer_json = _current_tokenizer(lake)
+    tokenizer = tokenizer_from_json(tokenizer_json)
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
                            search_fraction=gold_policy.search_fraction)
-    encoded = encode_records(tokenizer, records).join(records.select("record_id", "source", "split"), on="record_id")
+    tokenized = ray_engine.run([tokenize_stage(tokenizer_json)],
+                               records.select("record_id", "system", "prompt", "response", "source", "split"))
+    encoded = tokenized.kept
     context.log.info(f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} tokens "
-                     f"(gold/tokenizer v{tokenizer_version})")
+                     f"(gold/tokenizer v{tokenizer_version}) in {engine_used(tokenized.counters['tokenize'])}")
     fitted = _fit_long_records(context, encoded, gold_policy)
     encoded = fitted.records
     sequences, packing = build_sequences(encoded, seq_len=gold_policy.seq_len, pad_id=tokenizer.token_to_id(PAD),
@@ -185,6 +197,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "dropped_long_records_by_reason": MetadataValue.json(dict(fitted.left_out["reason"].value_counts().iter_rows())),
             "long_records_left_out": table_metadata(fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)),
             "tokens": stats["tokens"],
+            "tokenized_on": engine_used(tokenized.counters["tokenize"]),
             "real_tokens": int(sequences["real_tokens"].sum()),
             "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
             "search_tokens": int(encoded.filter(pl.col("split") == SEARCH)["n_tokens"].sum()),
@@ -197,11 +210,12 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     )
 
 
-def _current_tokenizer(lake: LakeResource):
+def _current_tokenizer(lake: LakeResource) -> tuple[int, str]:
+    """The newest gold/tokenizer version and its tokenizer.json text."""
     version = lake.version("gold", "tokenizer")
     if version is None:
         raise ValueError("gold/tokenizer does not exist yet: materialize it first")
-    return version, tokenizer_from_json(lake.read("gold", "tokenizer", version=version)["tokenizer_json"][0])
+    return version, lake.read("gold", "tokenizer", version=version)["tokenizer_json"][0]
 
 
 def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> pl.DataFrame:

@@ -14,7 +14,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
-from pipeline_assets.engine import RayEngine
+from pipeline_assets.engine import RayEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import curate
 from pipeline_assets.lib.silver_order import unsettled_before
@@ -78,7 +78,7 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "rejected_rows": rejects.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
-        "block_stages_ran_on": _engine_used(curated.stages),
+        "block_stages_ran_on": engine_used(curated.stages["normalize"]),
     }
     extra = {
         SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
@@ -124,14 +124,6 @@ def _dedup_history(context: AssetExecutionContext, lake: LakeResource, batch_id:
     if blocked:
         context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")
     return scan.filter((pl.col("batch_id") != batch_id) & ~pl.col("batch_id").is_in(blocked))
-
-
-def _engine_used(stages: dict[str, dict]) -> str:
-    normalize = stages["normalize"]
-    if not normalize.get("ray_nodes"):
-        return "this process"
-    threads = "/".join(map(str, normalize["ray_polars_threads"]))
-    return f"Ray, {len(normalize['ray_nodes'])} node(s), {threads} polars thread(s) a task"
 
 
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
