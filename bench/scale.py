@@ -1,0 +1,213 @@
+"""Landing to a data snapshot at scale: per stage wall time and rows/s, and the peak RSS of every process.
+
+``python -m bench.scale`` (in ``make bench``; not in ``make test``): the sample corpus as Markov text
+(``pipeline-assets sample-data --text markov``) at 1 million and at 4 million records, landed in
+batches of 500,000 (one shard of the corpus a batch: 4 sources x 125,000-line files). Each batch
+is landed, then ``pipeline-assets run --select`` the data layers (bronze, silver, gold, the
+snapshot) runs as its own process, in a fresh ``PIPELINE_HOME`` per size, exactly as a user would
+run it. While it runs, the bench reads the peak RSS (``VmHWM``) of that process and of every process
+under it (the local Ray's raylet, GCS and workers included) from ``/proc`` (Linux).
+
+Per stage, the wall seconds and rows come from each materialization's own metadata in the Dagster
+instance. Goals (the issue's): the peak RSS of each kind of process grows by at most 25% from the
+smallest to the largest size; silver's last batch takes at most 1.5 times its first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+SIZES = (1_000_000, 4_000_000)
+BATCH_RECORDS = 500_000
+SOURCES = 4  # the Markov corpus' sources: a shard (one file of each) is one batch
+DATA_LAYERS = "group:bronze or group:silver or group:gold"
+STAGES = {"bronze/records": "bronze", "silver/records": "silver", "gold/sequences": "gold/sequences",
+          "gold/tokenizer": "gold/tokenizer", "gold/snapshots": "gold/snapshots"}
+RSS_GROWTH_GOAL = 1.25
+SILVER_SLOWDOWN_GOAL = 1.5
+POLL_SECONDS = 0.2
+
+
+def run(sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root: Path | None = None) -> dict:
+    by_size = {}
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        for records in sizes:
+            by_size[records] = _one_size(Path(tmp) / f"n{records}", records, batch_records)
+    small, large = by_size[min(sizes)], by_size[max(sizes)]
+    growth = {kind: round(large["peak_rss_mb"][kind] / small["peak_rss_mb"][kind], 3)
+              for kind in small["peak_rss_mb"] if kind in large["peak_rss_mb"]}
+    silver = [b["stages"]["silver"]["seconds"] for b in large["batches"] if "silver" in b["stages"]]
+    slowdown = round(silver[-1] / silver[0], 3) if len(silver) > 1 else None
+    worst_growth = max(growth.values()) if growth else None
+    return {
+        "sizes": by_size,
+        "peak_rss_growth": growth,
+        "silver_last_over_first_batch": slowdown,
+        "measured": f"{max(sizes):,} records: peak RSS growth {worst_growth}x over {min(sizes):,} (worst process kind); "
+        f"silver's last batch {slowdown}x its first",
+        "baseline": f"{min(sizes):,} records landed the same way",
+        "ratio": worst_growth if worst_growth is not None else float("nan"),
+        "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; silver's last batch <= {SILVER_SLOWDOWN_GOAL}x its first",
+        "target_met": bool(growth) and worst_growth <= RSS_GROWTH_GOAL and slowdown is not None
+        and slowdown <= SILVER_SLOWDOWN_GOAL,
+    }
+
+
+def _one_size(home: Path, records: int, batch_records: int) -> dict:
+    corpus, landing = home / "corpus", home / "landing"
+    env = {**os.environ, "PIPELINE_HOME": str(home), "PIPELINE_LANDING_URI": str(landing),
+           "PIPELINE_EVAL_SETS_URI": str(corpus / "_eval_sets")}
+    for name in ("PIPELINE_LAKE_URI", "DAGSTER_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(name, None)
+    started = time.perf_counter()
+    subprocess.run([_cli(), "sample-data", "--text", "markov", "--records", str(records), "--out", str(corpus),
+                    "--eval-sets-out", str(corpus / "_eval_sets"), "--file-records", str(batch_records // SOURCES)],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    generated = time.perf_counter() - started
+    manifest = json.loads((corpus / "_sample_manifest.json").read_text())
+    shards = sorted({f["shard"] for f in manifest["files"]})
+    batches = []
+    for shard in shards:
+        for entry in (f for f in manifest["files"] if f["shard"] == shard):
+            target = landing / entry["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(corpus / entry["path"], target)
+        print(f"scale {records:,}: batch {shard + 1}/{len(shards)}", file=sys.stderr, flush=True)
+        batches.append(_run_batch(env))
+    stages = _stage_figures(home / "dagster")
+    for batch, figures in zip(batches, _per_batch(stages), strict=False):
+        batch["stages"] = figures
+    peak = defaultdict(float)
+    for batch in batches:
+        for kind, mb in batch.pop("rss_mb").items():
+            peak[kind] = max(peak[kind], mb)
+    return {"records": records, "batches": batches, "corpus_seconds": round(generated, 1),
+            "peak_rss_mb": dict(sorted(peak.items())), "snapshot_stages": stages["unpartitioned"]}
+
+
+def _run_batch(env: dict) -> dict:
+    started = time.perf_counter()
+    process = subprocess.Popen([_cli(), "run", "--select", DATA_LAYERS], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, tuple[str, float]] = {}
+    watcher = threading.Thread(target=_watch_tree, args=(process, peaks), daemon=True)
+    watcher.start()
+    _, stderr = process.communicate()
+    watcher.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"pipeline-assets run exited {process.returncode}:\n{stderr[-4000:]}")
+    by_kind: dict[str, float] = defaultdict(float)
+    for kind, mb in peaks.values():
+        by_kind[kind] = max(by_kind[kind], mb)
+    return {"run_seconds": round(time.perf_counter() - started, 1), "rss_mb": dict(by_kind)}
+
+
+def _watch_tree(process: subprocess.Popen, peaks: dict[int, tuple[str, float]]) -> None:
+    """Until ``process`` ends: every process under it, by pid, with its kind and peak RSS (MB)."""
+    while process.poll() is None:
+        for pid in _tree(process.pid):
+            status = _status(pid)
+            if status is not None:
+                peaks[pid] = (_kind(pid), max(status, peaks.get(pid, ("", 0.0))[1]))
+        time.sleep(POLL_SECONDS)
+
+
+def _tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _status(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _kind(pid: int) -> str:
+    """What a process is: the run itself, a Ray worker, or another Ray process (raylet, gcs_server...)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    if "pipeline-assets" in command and " run" in command:
+        return "pipeline-assets run"
+    if "default_worker.py" in command or command.startswith("ray::"):
+        return "ray worker"
+    for name in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
+        if name in command:
+            return f"ray {name.removesuffix('.py')}"
+    return Path(command.split(" ", 1)[0]).name or "other"
+
+
+def _stage_figures(dagster_home: Path) -> dict:
+    """Per batch partition and for the unpartitioned assets: each stage's wall seconds, rows and rows/s."""
+    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    from dagster import AssetKey, DagsterInstance
+
+    figures: dict = {"partitioned": defaultdict(dict), "unpartitioned": {}}
+    with DagsterInstance.get() as instance:
+        for key, stage in STAGES.items():
+            records = instance.fetch_materializations(AssetKey(key.split("/")), limit=1000).records
+            for record in sorted(records, key=lambda r: r.storage_id):
+                event = record.asset_materialization
+                metadata = {k: v.value for k, v in event.metadata.items()}
+                seconds = metadata.get("wall_seconds")
+                rows = metadata.get("dagster/row_count")
+                entry = {"seconds": seconds, "rows": rows,
+                         "rows_per_second": round(rows / seconds) if rows and seconds else None}
+                if event.partition:
+                    figures["partitioned"][event.partition][stage] = entry
+                else:
+                    figures["unpartitioned"].setdefault(stage, []).append(entry)
+    return figures
+
+
+def _per_batch(stages: dict) -> list[dict]:
+    return [stages["partitioned"][batch] for batch in sorted(stages["partitioned"])]
+
+
+def _cli() -> str:
+    return str(Path(sys.executable).with_name("pipeline-assets"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale")
+    parser.add_argument("--records", type=int, nargs="+", default=list(SIZES), help="corpus sizes, smallest first")
+    parser.add_argument("--batch-records", type=int, default=BATCH_RECORDS)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
+    args = parser.parse_args(argv)
+    result = {"benchmark": "scale", **run(tuple(args.records), args.batch_records)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
