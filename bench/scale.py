@@ -9,8 +9,10 @@ run it. While it runs, the bench reads the peak RSS (``VmHWM``) of that process 
 under it (the local Ray's raylet, GCS and workers included) from ``/proc`` (Linux).
 
 Per stage, the wall seconds and rows come from each materialization's own metadata in the Dagster
-instance. Goals (the issue's): the peak RSS of each kind of process grows by at most 25% from the
-smallest to the largest size; silver's last batch takes at most 1.5 times its first.
+instance. Then the trainer runs TRAIN_STEPS steps on the newest snapshot, TRAIN_RANKS ranks under
+torchrun, each streaming its share. Goals: the peak RSS of each kind of process grows by at most 25%
+from the smallest to the largest size; silver's last batch takes at most 1.5 times its first; a
+training rank's peak RSS at the largest size is at most 2 GB.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ STAGES = {"bronze/records": "bronze", "silver/records": "silver", "gold/sequence
 RSS_GROWTH_GOAL = 1.25
 SILVER_SLOWDOWN_GOAL = 1.5
 POLL_SECONDS = 0.2
+TRAIN_RANKS, TRAIN_STEPS = 2, 20
+TRAINING_RANK_RSS_GOAL_MB = 2048
 
 
 def run(sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root: Path | None = None) -> dict:
@@ -49,17 +53,20 @@ def run(sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root
     silver = [b["stages"]["silver"]["seconds"] for b in large["batches"] if "silver" in b["stages"]]
     slowdown = round(silver[-1] / silver[0], 3) if len(silver) > 1 else None
     worst_growth = max(growth.values()) if growth else None
+    rank_rss = large["training"]["rank_peak_rss_mb"]
     return {
         "sizes": by_size,
         "peak_rss_growth": growth,
         "silver_last_over_first_batch": slowdown,
+        "training_rank_peak_rss_mb": rank_rss,
         "measured": f"{max(sizes):,} records: peak RSS growth {worst_growth}x over {min(sizes):,} (worst process kind); "
-        f"silver's last batch {slowdown}x its first",
+        f"silver's last batch {slowdown}x its first; a training rank's peak RSS {rank_rss} MB",
         "baseline": f"{min(sizes):,} records landed the same way",
         "ratio": worst_growth if worst_growth is not None else float("nan"),
-        "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; silver's last batch <= {SILVER_SLOWDOWN_GOAL}x its first",
+        "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; silver's last batch <= {SILVER_SLOWDOWN_GOAL}x "
+        f"its first; a training rank <= {TRAINING_RANK_RSS_GOAL_MB} MB",
         "target_met": bool(growth) and worst_growth <= RSS_GROWTH_GOAL and slowdown is not None
-        and slowdown <= SILVER_SLOWDOWN_GOAL,
+        and slowdown <= SILVER_SLOWDOWN_GOAL and rank_rss is not None and rank_rss <= TRAINING_RANK_RSS_GOAL_MB,
     }
 
 
@@ -91,25 +98,50 @@ def _one_size(home: Path, records: int, batch_records: int) -> dict:
     for batch in batches:
         for kind, mb in batch.pop("rss_mb").items():
             peak[kind] = max(peak[kind], mb)
+    print(f"scale {records:,}: training", file=sys.stderr, flush=True)
     return {"records": records, "batches": batches, "corpus_seconds": round(generated, 1),
-            "peak_rss_mb": dict(sorted(peak.items())), "snapshot_stages": stages["unpartitioned"]}
+            "peak_rss_mb": dict(sorted(peak.items())), "snapshot_stages": stages["unpartitioned"],
+            "training": _train_ranks(home, env)}
 
 
 def _run_batch(env: dict) -> dict:
+    seconds, rss = _watched([_cli(), "run", "--select", DATA_LAYERS], env)
+    return {"run_seconds": seconds, "rss_mb": rss}
+
+
+def _train_ranks(home: Path, env: dict) -> dict:
+    """TRAIN_STEPS of the trainer on the newest snapshot, TRAIN_RANKS ranks under torchrun: each rank
+    streams its share of the snapshot; its peak RSS is the goal's."""
+    from deltalake import DeltaTable
+
+    from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+    from pipeline_assets.trainer.config import TrainConfig
+
+    lake = home / "lake"
+    snapshot = DeltaTable(str(lake / "gold" / "snapshots")).version()
+    config = TrainConfig(lake_uri=str(lake), snapshot=snapshot, checkpoint_uri=str(home / "checkpoints"),
+                         partition=f"gold-v{snapshot}", steps=TRAIN_STEPS, eval_every=TRAIN_STEPS, log_every=TRAIN_STEPS,
+                         checkpoint_every_steps=TRAIN_STEPS, scratch_dir=str(home / "scratch"))
+    seconds, rss = _watched(torchrun_command(TRAIN_RANKS, config.to_args()), {**env, **torchrun_env(1)})
+    return {"snapshot": f"gold-v{snapshot}", "ranks": TRAIN_RANKS, "steps": TRAIN_STEPS, "seconds": seconds,
+            "rank_peak_rss_mb": rss.get("training rank"), "rss_mb": rss}
+
+
+def _watched(command: list[str], env: dict) -> tuple[float, dict[str, float]]:
+    """Run ``command`` to its end; its wall seconds and the peak RSS (MB) of each kind of process under it."""
     started = time.perf_counter()
-    process = subprocess.Popen([_cli(), "run", "--select", DATA_LAYERS], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, tuple[str, float]] = {}
     watcher = threading.Thread(target=_watch_tree, args=(process, peaks), daemon=True)
     watcher.start()
     _, stderr = process.communicate()
     watcher.join()
     if process.returncode != 0:
-        raise RuntimeError(f"pipeline-assets run exited {process.returncode}:\n{stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(command[:3])} exited {process.returncode}:\n{stderr[-4000:]}")
     by_kind: dict[str, float] = defaultdict(float)
     for kind, mb in peaks.values():
-        by_kind[kind] = max(by_kind[kind], mb)
-    return {"run_seconds": round(time.perf_counter() - started, 1), "rss_mb": dict(by_kind)}
+        by_kind[kind] = round(max(by_kind[kind], mb), 1)
+    return round(time.perf_counter() - started, 1), dict(by_kind)
 
 
 def _watch_tree(process: subprocess.Popen, peaks: dict[int, tuple[str, float]]) -> None:
@@ -157,6 +189,10 @@ def _kind(pid: int) -> str:
         return "gone"
     if "pipeline-assets" in command and " run" in command:
         return "pipeline-assets run"
+    if "torchrun" in command:
+        return "torchrun agent"
+    if "-m pipeline_assets.trainer" in command:
+        return "training rank"
     if "default_worker.py" in command or command.startswith("ray::"):
         return "ray worker"
     for name in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py"):
