@@ -41,7 +41,7 @@ from pipeline_assets.lib.promotion import rollback_target
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.retention import Removed
 from pipeline_assets.lib.silver import SilverConfig
-from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+from pipeline_assets.lib.torchrun import TRAINER_MODULE, torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import PRESETS, TrainConfig
 from pipeline_assets.trainer.storage import CheckpointStore, local_scratch
 
@@ -732,8 +732,8 @@ class TorchrunLauncher(ConfigurableResource):
     max_restarts: int = Field(default=0, description="torchrun's own restarts; Dagster's retry policy also resumes")
     scratch_dir: str = Field(default="", description="local staging for checkpoints on S3")
 
-    def command(self, trainer_args: list[str], nproc_per_node: int | None = None) -> list[str]:
-        return torchrun_command(nproc_per_node or self.nproc_per_node, trainer_args, self.max_restarts)
+    def command(self, trainer_args: list[str], nproc_per_node: int | None = None, module: str = TRAINER_MODULE) -> list[str]:
+        return torchrun_command(nproc_per_node or self.nproc_per_node, trainer_args, self.max_restarts, module)
 
     def env(self) -> dict[str, str]:
         return torchrun_env(self.threads_per_rank)

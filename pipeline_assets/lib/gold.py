@@ -17,6 +17,7 @@ from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
 # block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
 SEQUENCES_PER_BLOCK = 4096
+SCORED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "record_ids")  # what a packed row is scored on
 LONG_RECORD_MODES = ("truncate", "drop")
 DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
 LEFT_OUT_SCHEMA = pl.Schema(
@@ -120,6 +121,17 @@ def pack_records(records: pl.DataFrame, seq_len: int, pad_id: int) -> tuple[pl.D
         pl.col("loss_mask").cast(pl.List(pl.Boolean)),
         record_ids=_record_ids_per_sequence(plan, records["record_id"].to_numpy()),
     ), plan
+
+
+def pack_documents(encoded: pl.DataFrame, max_len: int, pad_id: int) -> pl.DataFrame:
+    """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> packed rows
+    as ``pack_records`` makes them, each document cut to ``max_len`` tokens first (it still attends
+    only to itself): short items padded one to a row would cost ``max_len`` positions each."""
+    cut = encoded.with_columns(
+        pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
+    ).with_columns(n_tokens=pl.col("input_ids").list.len()).filter(pl.col("n_tokens") > 0)
+    packed, _ = pack_records(cut, max_len, pad_id)
+    return packed
 
 
 def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 TRAINER_MODULE = "pipeline_assets.trainer"
+SCORER_MODULE = "pipeline_assets.trainer.score"  # evaluation's scoring program
 
 
 def torchrun_executable() -> list[str]:
@@ -19,15 +20,16 @@ def torchrun_executable() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def torchrun_command(nproc_per_node: int, trainer_args: list[str], max_restarts: int = 0) -> list[str]:
-    """One node, a free rendezvous port (``--standalone``), the trainer as a module."""
+def torchrun_command(nproc_per_node: int, trainer_args: list[str], max_restarts: int = 0,
+                     module: str = TRAINER_MODULE) -> list[str]:
+    """One node, a free rendezvous port (``--standalone``), the trainer (or ``module``) as a module."""
     return [
         *torchrun_executable(),
         "--standalone",
         f"--nproc-per-node={nproc_per_node}",
         f"--max-restarts={max_restarts}",
         "-m",
-        TRAINER_MODULE,
+        module,
         *trainer_args,
     ]
 

@@ -1,8 +1,9 @@
 """Held-out loss per document, so that any slice (a source, an eval set) can be summed from it.
 
 Packed rows are evaluated as they were trained: attention stays within each document, so a
-document's loss does not depend on what it was packed with. Pure torch and polars: the evaluation
-asset calls it in-process for the candidate and the champion on exactly the same rows.
+document's loss does not depend on what it was packed with. Pure torch and polars: the scoring
+program (``trainer/score.py``, under torchrun) calls it for the candidate and the champion on
+exactly the same rows.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline_assets.lib.gold import pack_records
+from pipeline_assets.lib.gold import pack_documents
 from pipeline_assets.trainer.model import Transformer, counted_targets, token_losses
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
@@ -22,11 +23,12 @@ def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: i
     """rows: input_ids, loss_mask, position_ids, record_ids (gold sequences) -> per record: summed
     loss over its counted targets and how many there are. A record split over several rows is summed."""
     model.eval()
+    device = next(model.parameters()).device
     parts = []
     for start in range(0, rows.height, batch_size):
         chunk = rows.slice(start, batch_size)
         input_ids, loss_mask, position_ids = (_matrix(chunk[name]) for name in ("input_ids", "loss_mask", "position_ids"))
-        token_losses, counted = _token_losses(model, input_ids, loss_mask, position_ids)
+        token_losses, counted = _token_losses(model, input_ids.to(device), loss_mask.to(device), position_ids.to(device))
         piece = np.cumsum(position_ids.numpy() == 0, axis=1)[:, 1:] - 1  # the piece each target belongs to
         parts.append(_per_piece(token_losses, counted, piece, chunk["record_ids"]))
     if not parts:
@@ -36,13 +38,8 @@ def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: i
 
 def sequence_losses(model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
-    same per-record sums. Each document is cut to ``max_len`` tokens, then packed like gold (it still
-    attends only to itself): short items padded one to a row would cost ``max_len`` positions each."""
-    cut = encoded.with_columns(
-        pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
-    ).with_columns(n_tokens=pl.col("input_ids").list.len()).filter(pl.col("n_tokens") > 0)
-    packed, _ = pack_records(cut, max_len, pad_id)
-    return packed_document_losses(model, packed, batch_size)
+    same per-record sums, each document cut to ``max_len`` tokens and packed (``lib.gold.pack_documents``)."""
+    return packed_document_losses(model, pack_documents(encoded, max_len, pad_id), batch_size)
 
 
 def slice_losses(document_losses: pl.DataFrame, slices: pl.DataFrame) -> pl.DataFrame:
@@ -67,7 +64,7 @@ def _matrix(column: pl.Series) -> torch.Tensor:
 def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray, np.ndarray]:
     """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule)."""
     logits = model(input_ids, position_ids)
-    return token_losses(logits, input_ids).numpy(), counted_targets(loss_mask, position_ids).numpy()
+    return token_losses(logits, input_ids).cpu().numpy(), counted_targets(loss_mask, position_ids).cpu().numpy()
 
 
 def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: pl.Series) -> pl.DataFrame:

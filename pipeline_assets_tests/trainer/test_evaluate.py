@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 
 import polars as pl
 import pytest
 import torch
 
+from pipeline_assets.lib.gold import SCORED_COLUMNS
+from pipeline_assets.lib.torchrun import SCORER_MODULE, torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import ModelConfig
 from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
+from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.model import Transformer
 
 CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=32)
@@ -110,3 +115,31 @@ def test_short_items_are_packed_and_a_long_one_is_cut(model):
     loss_sum, tokens = alone(model, long_ids[:SEQ_LEN], [True] * SEQ_LEN)
     assert cut["tokens"] == tokens == SEQ_LEN - 1
     assert cut["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
+
+
+def test_the_scoring_program_under_torchrun_gives_each_model_the_in_process_losses(model, tmp_path):
+    """Two ranks split the rows; summed per record, each model's losses are those scored here."""
+    torch.manual_seed(1)
+    other = Transformer(CONFIG).eval()
+    rows = pl.concat([packed_rows(documents())] * 3).select(SCORED_COLUMNS)  # 6 rows, a record in several
+    rows.write_parquet(tmp_path / "rows.parquet")
+    for name, net in (("candidate", model), ("champion", other)):
+        (tmp_path / name).mkdir()
+        save_exported(net.state_dict(), CONFIG, tmp_path / name, {})
+    command = torchrun_command(2, ["--rows", str(tmp_path / "rows.parquet"), "--out", str(tmp_path / "scores"),
+                                   "--model", f"candidate={tmp_path / 'candidate'}",
+                                   "--model", f"champion={tmp_path / 'champion'}"], module=SCORER_MODULE)
+    finished = subprocess.run(command, env={**os.environ, **torchrun_env(1)}, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+
+    for name, net in (("candidate", model), ("champion", other)):
+        parts = sorted((tmp_path / "scores").glob(f"{name}-rank*.parquet"))
+        assert [p.name for p in parts] == [f"{name}-rank0.parquet", f"{name}-rank1.parquet"]
+        scored = pl.concat([pl.read_parquet(p) for p in parts]).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens"))
+        expected = packed_document_losses(net, rows)
+        got = scored.sort("record_id")
+        assert got["record_id"].to_list() == expected["record_id"].to_list()
+        assert got["tokens"].to_list() == expected["tokens"].to_list()
+        assert got["loss_sum"].to_numpy() == pytest.approx(expected["loss_sum"].to_numpy(), rel=1e-5)
+    candidate = pl.read_parquet(tmp_path / "scores" / "candidate-rank0.parquet")["loss_sum"].sum()
+    assert candidate != pytest.approx(pl.read_parquet(tmp_path / "scores" / "champion-rank0.parquet")["loss_sum"].sum())

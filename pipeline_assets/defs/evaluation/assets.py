@@ -1,5 +1,7 @@
 """evaluation/report: the candidate and the champion on exactly the same held-out data, per slice."""
 
+import os
+import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,12 +19,14 @@ from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
 from pipeline_assets.lib.eval_sample import capped_sample
+from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.lib.torchrun import SCORER_MODULE
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
 
-_SCORED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
+_SAMPLED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
 
 
 @asset(
@@ -51,8 +55,6 @@ def evaluation_report(
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     if trained is None:
         raise Failure(allow_retries=False, description=f"training/checkpoint has no materialization for {partition}: train it first")
-    from pipeline_assets.trainer.export import load_exported  # torch: loaded by the run, not by every code-location load
-
     data = EvaluationData.load(lake, eval_sets, versions, registry_policy.eval_max_tokens)
     context.log.info(
         f"scoring {data.validation_sequences[0]} of {data.validation_sequences[1]} validation sequences "
@@ -62,14 +64,19 @@ def evaluation_report(
     if candidate_dir is None:
         raise Failure(allow_retries=False, description=f"the exported model of {partition} is not usable: {problem}")
 
-    frames = [data.evaluate(load_exported(candidate_dir)[0], partition, "candidate", None)]
-    context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
     seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
     champion, champion_note = _champion(seen, registry_policy.model_name, trained["mlflow_run_id"], versions)
-    if champion is not None:
-        with tempfile.TemporaryDirectory() as folder:
+    models = {"candidate": (candidate_dir, None)}
+    scratch = Path(launcher.scratch()) / "evaluation"
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as folder:
+        if champion is not None:
             model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(champion.version), Path(folder))
-            frames.append(data.evaluate(load_exported(model_dir)[0], partition, "champion", str(champion.version)))
+            models["champion"] = (model_dir, str(champion.version))
+        losses = score_under_torchrun(context, launcher, data.rows, {role: path for role, (path, _) in models.items()},
+                                      Path(folder))
+    frames = [data.report(losses[role], partition, role, version) for role, (_, version) in models.items()]
+    context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
     context.log.info(champion_note)
 
     report = validate(conform(pl.concat(frames), EvaluationSlice), EvaluationSlice)
@@ -113,16 +120,16 @@ def evaluation_report(
 class EvaluationData:
     """The rows both models are scored on, loaded once at the snapshot's pinned versions."""
 
-    def __init__(self, validation: pl.DataFrame, all_validation: pl.DataFrame, eval_encoded: pl.DataFrame,
-                 slices: pl.DataFrame, seq_len: int, pad_id: int):
-        """validation: the sampled sequences; all_validation: sequence_index and real_tokens of every one."""
-        self.validation, self.eval_encoded, self.slices = validation, eval_encoded, slices
+    def __init__(self, validation: pl.DataFrame, all_validation: pl.DataFrame, eval_packed: pl.DataFrame,
+                 eval_tokens: int, eval_items: int, slices: pl.DataFrame):
+        """validation: the sampled sequences; all_validation: sequence_index and real_tokens of every one;
+        eval_packed: the eval-set items' responses, packed like gold."""
+        self.validation, self.slices = validation, slices
+        self.rows = pl.concat([frame.select(SCORED_COLUMNS) for frame in (validation, eval_packed)])
         self.validation_sequences = (validation.height, all_validation.height)  # (scored, in the snapshot)
         self.validation_tokens = (int(validation["real_tokens"].sum()), int(all_validation["real_tokens"].sum()))
-        self.seq_len, self.pad_id = seq_len, pad_id
         self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
-        self.eval_items = eval_encoded.height
-        self.eval_set_tokens = int(eval_encoded["n_tokens"].sum())
+        self.eval_items, self.eval_set_tokens = eval_items, eval_tokens
         self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
@@ -134,7 +141,7 @@ class EvaluationData:
         if sizes.is_empty():
             raise Failure(allow_retries=False, description=f"{manifest.key} has no validation sequences")
         chosen = capped_sample(sizes["sequence_index"].to_numpy(), sizes["real_tokens"].to_numpy(), max_tokens)
-        validation = manifest.split("validation").take(scan, chosen, list(_SCORED_COLUMNS))
+        validation = manifest.split("validation").take(scan, chosen, list(_SAMPLED_COLUMNS))
         record_ids = validation["record_ids"].explode().unique()
         sources = (lake.scan("silver", "records", version=versions["silver/records"])
                    .select("record_id", "source")  # two columns of silver, not its text
@@ -151,19 +158,41 @@ class EvaluationData:
             items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")),
         ])
         seq_len = int(validation["input_ids"].list.len().max())
-        return cls(validation, sizes, encode_records(tokenizer, items), slices, seq_len, tokenizer.token_to_id(PAD))
+        encoded = encode_records(tokenizer, items)
+        eval_packed = pack_documents(encoded, seq_len, tokenizer.token_to_id(PAD))
+        return cls(validation, sizes, eval_packed, int(encoded["n_tokens"].sum()), encoded.height, slices)
 
-    def evaluate(self, model, partition: str, role: str, version: str | None) -> pl.DataFrame:
-        from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
+    def report(self, document_losses: pl.DataFrame, partition: str, role: str, version: str | None) -> pl.DataFrame:
+        """One model's slices from its per-document losses on ``rows``."""
+        from pipeline_assets.trainer.evaluate import slice_losses  # polars only, but its module loads torch
 
-        documents = pl.concat([
-            packed_document_losses(model, self.validation),
-            sequence_losses(model, self.eval_encoded, self.seq_len, self.pad_id),
-        ])
-        return slice_losses(documents, self.slices).with_columns(
+        return slice_losses(document_losses, self.slices).with_columns(
             partition=pl.lit(partition), model=pl.lit(role), model_version=pl.lit(version, pl.String),
             evaluated_at=pl.lit(datetime.now(timezone.utc)),
         )
+
+
+def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLauncher, rows: pl.DataFrame,
+                         models: dict[str, Path], folder: Path) -> dict[str, pl.DataFrame]:
+    """Per model, its per-document losses on ``rows``, scored by the scoring program under torchrun
+    (``launcher``'s ranks and device: the GPUs when there are), not in this process."""
+    rows_file, out = folder / "rows.parquet", folder / "scores"
+    rows.write_parquet(rows_file)
+    command = launcher.command(
+        ["--rows", str(rows_file), "--out", str(out), "--device", launcher.device,
+         *(arg for role, path in models.items() for arg in ("--model", f"{role}={path}"))],
+        module=SCORER_MODULE,
+    )
+    context.log.info(f"scoring {len(models)} model(s) on {rows.height} sequences: {' '.join(command)}")
+    finished = subprocess.run(command, env={**os.environ, **launcher.env()}, capture_output=True, text=True)
+    for line in finished.stdout.splitlines():
+        context.log.info(line)
+    if finished.returncode != 0:
+        raise Failure(description=f"the scoring program exited {finished.returncode} (run the logged command to "
+                      f"debug):\n{finished.stderr[-3000:]}")
+    return {role: (pl.concat([pl.read_parquet(part) for part in sorted(out.glob(f"{role}-rank*.parquet"))])
+                   .group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")))
+            for role in models}
 
 
 def _champion(champion, model_name: str, candidate_run_id: str, versions: dict):
