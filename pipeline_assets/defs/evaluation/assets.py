@@ -188,8 +188,7 @@ def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLaunc
     for line in finished.stdout.splitlines():
         context.log.info(line)
     if finished.returncode != 0:
-        raise Failure(description=f"the scoring program exited {finished.returncode} (run the logged command to "
-                      f"debug):\n{finished.stderr[-3000:]}")
+        raise Failure(description=f"the scoring program exited {finished.returncode}:\n{finished.stderr[-3000:]}")
     return {role: (pl.concat([pl.read_parquet(part) for part in sorted(out.glob(f"{role}-rank*.parquet"))])
                    .group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")))
             for role in models}
