@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 SIZES = (1_000_000, 4_000_000)
@@ -238,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-records", type=int, default=BATCH_RECORDS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)
-    result = {"benchmark": "scale", **run(tuple(args.records), args.batch_records)}
+    from bench.run import machine
+
+    result = {"benchmark": "scale", "at": datetime.now(timezone.utc).isoformat(), "machine": machine(),
+              **run(tuple(args.records), args.batch_records)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
