@@ -738,6 +738,15 @@ class TorchrunLauncher(ConfigurableResource):
     def env(self) -> dict[str, str]:
         return torchrun_env(self.threads_per_rank)
 
+    def scoring_ranks(self) -> tuple[int, int]:
+        """(ranks, threads a rank) for evaluation's scoring: a rank a GPU; on CPU, one rank with the
+        threads all the ranks would have, since a second process gains nothing on CPU and costs a start."""
+        import torch  # only where a run scores, not at every code-location load
+
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            return self.nproc_per_node, self.threads_per_rank
+        return 1, self.nproc_per_node * self.threads_per_rank
+
     def scratch(self) -> str:
         """Local working space: staged checkpoints for S3, fetched exports, report pictures."""
         return local_scratch(self.scratch_dir)

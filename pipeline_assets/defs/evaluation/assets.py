@@ -23,7 +23,7 @@ from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
-from pipeline_assets.lib.torchrun import SCORER_MODULE
+from pipeline_assets.lib.torchrun import SCORER_MODULE, torchrun_env
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
 
 _SAMPLED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
@@ -175,16 +175,18 @@ class EvaluationData:
 def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLauncher, rows: pl.DataFrame,
                          models: dict[str, Path], folder: Path) -> dict[str, pl.DataFrame]:
     """Per model, its per-document losses on ``rows``, scored by the scoring program under torchrun
-    (``launcher``'s ranks and device: the GPUs when there are), not in this process."""
+    (a rank a GPU of the launcher's, else one rank with its threads), not in this process."""
     rows_file, out = folder / "rows.parquet", folder / "scores"
     rows.write_parquet(rows_file)
+    ranks, threads = launcher.scoring_ranks()
     command = launcher.command(
         ["--rows", str(rows_file), "--out", str(out), "--device", launcher.device,
          *(arg for role, path in models.items() for arg in ("--model", f"{role}={path}"))],
-        module=SCORER_MODULE,
+        nproc_per_node=ranks, module=SCORER_MODULE,
     )
-    context.log.info(f"scoring {len(models)} model(s) on {rows.height} sequences: {' '.join(command)}")
-    finished = subprocess.run(command, env={**os.environ, **launcher.env()}, capture_output=True, text=True)
+    context.log.info(f"scoring {len(models)} model(s) on {rows.height} sequences, {ranks} rank(s) x {threads} "
+                     f"thread(s): {' '.join(command)}")
+    finished = subprocess.run(command, env={**os.environ, **torchrun_env(threads)}, capture_output=True, text=True)
     for line in finished.stdout.splitlines():
         context.log.info(line)
     if finished.returncode != 0:
