@@ -36,10 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def score_file(name: str, rank: int) -> str:
-    return f"{name}-rank{rank}.parquet"
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -52,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--model takes NAME=DIR, got {named!r}")
         model, _ = load_exported(Path(folder), device=str(device))
         losses = packed_document_losses(model, rows, args.batch_size)
-        losses.write_parquet(args.out / score_file(name, rank))
+        losses.write_parquet(args.out / f"{name}-rank{rank}.parquet")  # the name evaluation's asset reads
         print(f"rank {rank}/{world_size}: {name} scored {rows.height} sequences, {int(losses['tokens'].sum()):,} tokens "
               f"on {device}", flush=True)
 
