@@ -6,6 +6,10 @@ temporary files and its token under ``PIPELINE_HOME/ray``, bound to 127.0.0.1, n
 usage reporting) and stops it when the step ends; a smaller batch runs its blocks in the step's own
 process, where starting Ray (10 to 30 s on two cores) would cost more than the work. The stages,
 the blocks and the result are the same either way (``lib.stages``).
+
+With ``PIPELINE_KUBERAY`` naming a file of dagster-ray ``KubeRayInteractiveJob`` settings, each step
+that runs block stages gets its own KubeRay ``RayJob`` instead (created, waited for and connected to
+by dagster-ray when the step starts), and every batch runs on it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
+import yaml
 from dagster import InitResourceContext
-from dagster_ray import LocalRay
+from dagster_ray import LocalRay, RayResource
+from dagster_ray.kuberay import KubeRayInteractiveJob
+from dagster_ray.kuberay.resources.rayjob import InteractiveRayJobConfig
 from pydantic import Field, PrivateAttr
 
 from pipeline_assets.lib.silver import ROWS_PER_BLOCK
@@ -32,13 +39,31 @@ BLOCK_TASK_ENV = {"POLARS_MAX_THREADS": "1"}
 _MAX_TEMP_DIR_CHARS = 36
 
 
-class RayEngine(LocalRay):
+class BlockEngine(RayResource):
+    """What silver and gold ask for: run block stages on Ray, or in this process where Ray would cost
+    more than the work."""
+
+    rows_per_block: int = ROWS_PER_BLOCK
+
+    def uses_ray(self, rows: int) -> bool:
+        return True
+
+    def run(self, stages: Sequence[BlockStage], frame: pl.DataFrame) -> StagesResult:
+        if frame.is_empty() or not self.uses_ray(frame.height):
+            return run_in_process(stages, frame, self.rows_per_block)
+        self._ensure_connected()
+        return run_on_ray(stages, frame, self.rows_per_block)
+
+    def _ensure_connected(self) -> None:
+        """Connected when the step started (dagster-ray's lifecycle)."""
+
+
+class RayEngine(BlockEngine, LocalRay):
     """Runs block stages: on the Ray cluster ``RAY_ADDRESS`` names, on a local Ray for large
     batches, or in this process."""
 
     home: str = Field(description="PIPELINE_HOME: a local Ray keeps its temporary files and token under <home>/ray")
     min_rows: int = Field(default=RAY_MIN_ROWS, description="without RAY_ADDRESS, batches this large start a local Ray")
-    rows_per_block: int = ROWS_PER_BLOCK
 
     _init_context: InitResourceContext | None = PrivateAttr(default=None)
 
@@ -64,12 +89,6 @@ class RayEngine(LocalRay):
     def uses_ray(self, rows: int) -> bool:
         return self.cluster_address is not None or rows >= self.min_rows
 
-    def run(self, stages: Sequence[BlockStage], frame: pl.DataFrame) -> StagesResult:
-        if frame.is_empty() or not self.uses_ray(frame.height):
-            return run_in_process(stages, frame, self.rows_per_block)
-        self._ensure_connected()
-        return run_on_ray(stages, frame, self.rows_per_block)
-
     def _ensure_connected(self) -> None:
         """ray.init once per step; dagster-ray's cleanup disconnects (and stops a local Ray) when the step ends."""
         options = {} if self.cluster_address else local_ray_options(Path(self.home))  # before ray reads its environment
@@ -85,6 +104,36 @@ class RayEngine(LocalRay):
         self.data_execution_options.apply()
         if self._init_context is not None and self._init_context.log is not None:
             self._init_context.log.info(f"block stages run on {self.name}")
+
+
+class KubeRayEngine(BlockEngine, KubeRayInteractiveJob):
+    """Runs every batch's block stages on a KubeRay ``RayJob`` that dagster-ray creates for the step
+    (in interactive mode: the step's process is the Ray client) and cleans up after it."""
+
+    def get_env_vars_to_inject(self) -> dict[str, str]:  # into the RayJob's pods and the job's runtime_env
+        return {**BLOCK_TASK_ENV, **super().get_env_vars_to_inject()}
+
+    @classmethod
+    def from_file(cls, path: str) -> KubeRayEngine:
+        """The engine from a YAML (or JSON) file of ``KubeRayInteractiveJob`` settings; a file that is
+        missing, unreadable or has a field dagster-ray does not know fails here, naming the setting."""
+        try:
+            settings = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(settings, dict):
+                raise ValueError("expected a mapping of KubeRayInteractiveJob fields")
+            _refuse_unknown(settings, cls.model_fields, "")
+            _refuse_unknown(settings.get("ray_job") or {}, InteractiveRayJobConfig.model_fields, "ray_job.")
+            return cls(**settings)
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ValueError(f"PIPELINE_KUBERAY={path}: not a KubeRayInteractiveJob configuration: {exc}") from exc
+
+
+def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
+    """Dagster's config would ignore a misspelt field; below ``ray_job.spec`` dagster-ray passes
+    unknown fields on to the Kubernetes manifest, as KubeRay's own."""
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(prefix + name for name in unknown)}; known: {', '.join(sorted(fields))}")
 
 
 def local_ray_options(home: Path) -> dict:

@@ -29,7 +29,7 @@ from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
-from pipeline_assets.engine import RAY_MIN_ROWS, RayEngine
+from pipeline_assets.engine import RAY_MIN_ROWS, BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
@@ -92,6 +92,13 @@ def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
     return value
+
+
+def _kuberay_env() -> str:
+    path = _env("PIPELINE_KUBERAY", "")
+    if path and os.environ.get("RAY_ADDRESS"):
+        raise ValueError("RAY_ADDRESS and PIPELINE_KUBERAY are both set: the data layers run on one Ray cluster, name one")
+    return path
 
 
 def _json_env(name: str) -> dict:
@@ -175,6 +182,7 @@ class Settings:
     s3_max_attempts: int = 6  # AWS_MAX_ATTEMPTS: tries of one S3 request, the first included
     retention_days: float = _RETENTION_DAYS
     ray_min_rows: int = RAY_MIN_ROWS
+    kuberay_config: str = ""  # a file of dagster-ray KubeRayInteractiveJob settings; empty: RAY_ADDRESS or a local Ray
 
     def prices(self) -> Prices:
         return Prices(core_hour=self.core_hour_usd, gpu_hour=self.gpu_hour_usd, spot_discount=self.spot_discount)
@@ -225,6 +233,7 @@ class Settings:
             s3_max_attempts=int(_float_env("AWS_MAX_ATTEMPTS", 6)),
             retention_days=_non_negative_env("PIPELINE_RETENTION_DAYS", _RETENTION_DAYS),
             ray_min_rows=int(_non_negative_env("PIPELINE_RAY_MIN_ROWS", RAY_MIN_ROWS)),
+            kuberay_config=_kuberay_env(),
         )
 
 
@@ -593,6 +602,12 @@ class GoldPolicy(ConfigurableResource):
     volume_tolerance: float = Field(default=0.20, description="warning: tokens against the previous snapshot")
 
 
+def _block_engine(settings: Settings) -> BlockEngine:
+    if settings.kuberay_config:
+        return KubeRayEngine.from_file(settings.kuberay_config)
+    return RayEngine(home=settings.home, min_rows=settings.ray_min_rows)
+
+
 def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableResource]:
     settings = settings or Settings.from_env()
     return {
@@ -606,7 +621,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds),
-        "ray_engine": RayEngine(home=settings.home, min_rows=settings.ray_min_rows),
+        "ray_engine": _block_engine(settings),
         "gold_policy": GoldPolicy(
             tokenizer_path=settings.tokenizer_path,
             seq_len=settings.seq_len,

@@ -99,6 +99,9 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
     bad = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS="{not json")
     assert bad.returncode == 2 and "PIPELINE_FIELD_MAPPINGS is not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr
+    (tmp_path / "kuberay.yaml").write_text("imagee: registry.example.com/pipeline-assets:1.4\n")
+    misspelt = _cli(tmp_path, "run", PIPELINE_KUBERAY=str(tmp_path / "kuberay.yaml"))
+    assert misspelt.returncode == 2 and "unknown field(s) imagee" in misspelt.stderr and "Traceback" not in misspelt.stderr
 
 
 def test_sample_data_command_is_deterministic(tmp_path):

@@ -7,6 +7,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from pipeline_assets.engine import local_ray_options
 
 RAY_SESSION_CHARS = 70  # what Ray's session folder and socket names add to its temporary folder
@@ -32,3 +34,63 @@ def test_a_long_home_and_a_long_system_temp_still_give_ray_a_short_folder_under_
     finally:
         if folder.is_symlink():
             folder.unlink()
+
+
+KUBERAY_SETTINGS = """\
+image: registry.example.com/pipeline-assets:1.4
+ray_job:
+  metadata: {namespace: ml-data}
+  spec:
+    ray_cluster_spec:
+      worker_group_specs:
+        - groupName: cpu
+          replicas: 4
+          rayStartParams: {}
+          template:
+            spec:
+              containers:
+                - name: ray-worker
+                  resources: {requests: {cpu: "8", memory: 32Gi}}
+"""
+
+
+def test_the_kuberay_setting_gives_silver_and_gold_a_rayjob_for_every_batch(tmp_path, monkeypatch):
+    """No Kubernetes here: what is shown is the engine the setting chooses, wired into the code location,
+    and the RayJob it would create; dagster-ray creates and connects to it when a step starts."""
+    from dagster import DagsterInstance, build_init_resource_context
+
+    from pipeline_assets.definitions import build_definitions
+    from pipeline_assets.defs.keys import GOLD_SEQUENCES, SILVER_RECORDS
+    from pipeline_assets.engine import BLOCK_TASK_ENV, KubeRayEngine
+    from pipeline_assets.resources import Settings
+
+    settings_file = tmp_path / "kuberay.yaml"
+    settings_file.write_text(KUBERAY_SETTINGS)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    monkeypatch.setenv("PIPELINE_KUBERAY", str(settings_file))
+    defs = build_definitions(Settings.from_env())
+    engine = defs.resources["ray_engine"]
+    assert isinstance(engine, KubeRayEngine) and engine.uses_ray(1), "on KubeRay every batch runs on the cluster"
+    assert {"ray_engine"} <= defs.resolve_assets_def(SILVER_RECORDS).required_resource_keys
+    assert {"ray_engine"} <= defs.resolve_assets_def(GOLD_SEQUENCES).required_resource_keys
+
+    manifest = engine.ray_job.to_k8s(build_init_resource_context(instance=DagsterInstance.ephemeral()),
+                                     image=engine.image, env_vars=engine.get_env_vars_to_inject())
+    assert manifest["kind"] == "RayJob" and manifest["spec"]["submissionMode"] == "InteractiveMode"
+    assert engine.namespace == "ml-data"
+    cluster = manifest["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"], *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]
+    for pod in pods:
+        container = pod["containers"][0]
+        assert container["image"] == "registry.example.com/pipeline-assets:1.4"
+        assert {"name": "POLARS_MAX_THREADS", "value": BLOCK_TASK_ENV["POLARS_MAX_THREADS"]} in container["env"]
+    assert cluster["workerGroupSpecs"][0]["replicas"] == 4
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(ValueError, match="RAY_ADDRESS and PIPELINE_KUBERAY are both set"):
+        Settings.from_env()
+    monkeypatch.delenv("RAY_ADDRESS")
+    settings_file.write_text(KUBERAY_SETTINGS.replace("  metadata: {namespace: ml-data}", "  namespace: ml-data"))
+    with pytest.raises(ValueError, match=r"PIPELINE_KUBERAY=.*unknown field\(s\) ray_job.namespace"):
+        build_definitions(Settings.from_env())

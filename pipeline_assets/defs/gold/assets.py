@@ -16,7 +16,7 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.engine import RayEngine, engine_used
+from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.gold import (
     SEQUENCES_PER_BLOCK,
     build_sequences,
@@ -153,7 +153,7 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     "snapshot (gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
 )
 def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy,
-                   ray_engine: RayEngine) -> MaterializeResult:
+                   ray_engine: BlockEngine) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
     silver_version = lake.version("silver", "records")

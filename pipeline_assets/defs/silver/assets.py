@@ -14,7 +14,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
-from pipeline_assets.engine import RayEngine, engine_used
+from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import curate
 from pipeline_assets.lib.silver_order import unsettled_before
@@ -40,7 +40,7 @@ def _spec(key, description: str) -> AssetSpec:
     pool="silver",  # one batch at a time: each dedups against the index the others wrote
 )
 def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy,
-           ray_engine: RayEngine):
+           ray_engine: BlockEngine):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     _require_earlier_batches(context.instance, batch_id)
