@@ -30,9 +30,8 @@ from dagster_ray.kuberay.resources.rayjob import InteractiveRayJobConfig
 from pydantic import Field, PrivateAttr
 
 from pipeline_assets.lib.silver import ROWS_PER_BLOCK
-from pipeline_assets.lib.stages import BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
+from pipeline_assets.lib.stages import RAY_MIN_ROWS, BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
 
-RAY_MIN_ROWS = 100_000  # PIPELINE_RAY_MIN_ROWS: the default, one place
 # A block task holds one CPU (map_batches' default); polars would otherwise start a thread per core
 # of its node in every task, and a node runs as many tasks as it has cores.
 BLOCK_TASK_ENV = {"POLARS_MAX_THREADS": "1"}

@@ -29,7 +29,7 @@ from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 from pydantic import Field
 
-from pipeline_assets.engine import RAY_MIN_ROWS, BlockEngine, KubeRayEngine, RayEngine
+from pipeline_assets.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
@@ -38,6 +38,7 @@ from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.promotion import rollback_target
+from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.retention import Removed
 from pipeline_assets.lib.silver import SilverConfig

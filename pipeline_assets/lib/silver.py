@@ -45,6 +45,8 @@ class CuratedBatch:
     rejects: pl.DataFrame  # bronze columns + stage, evidence and the stage's own evidence columns
     index: pl.DataFrame  # MinHash index entries of the kept rows
     stages: dict[str, dict]  # per stage: counters and seconds
+    block_wall_seconds: float = 0.0  # waiting for the block stages, wherever they ran
+    block_stage_seconds: float = 0.0  # the block stages' own seconds summed over every block: their work
 
 
 def before_dedup(config: SilverConfig) -> list[BlockStage]:
@@ -66,7 +68,9 @@ def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalN
     """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of the batches it
     dedups against; ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
+    started = time.perf_counter()
     prepared = run_blocks(before_dedup(config), bronze)
+    block_wall = time.perf_counter() - started
     stages = dict(prepared.counters)
 
     started = time.perf_counter()
@@ -77,7 +81,9 @@ def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalN
     near, index = near_dedup(exact.kept, history, config.minhash)
     stages["near_dedup"] = _finished(near.counters, started)
 
+    started = time.perf_counter()
     judged = run_blocks(after_dedup(config, eval_index), near.kept)
+    block_wall += time.perf_counter() - started
     stages.update(judged.counters)
 
     rejects = pl.concat([exact.rejected.drop(SIGNATURE_COLUMNS), near.rejected, *judged.removed.values()], how="diagonal_relaxed")
@@ -86,6 +92,8 @@ def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalN
         rejects=rejects,
         index=index.filter(pl.col("record_id").is_in(judged.kept["record_id"].implode())),
         stages={name: stages[name] for name in ("normalize", "minhash", "exact_dedup", "near_dedup", "decontaminate", "quality")},
+        block_wall_seconds=round(block_wall, 3),
+        block_stage_seconds=round(sum(c["seconds"] for c in (*prepared.counters.values(), *judged.counters.values())), 3),
     )
 
 

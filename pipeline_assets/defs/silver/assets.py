@@ -79,6 +79,8 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
         "block_stages_ran_on": engine_used(curated.stages["normalize"]),
+        "block_stage_seconds": curated.block_stage_seconds,  # the sizer spreads these over a cluster's cores
+        "block_wall_seconds": curated.block_wall_seconds,
     }
     extra = {
         SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
