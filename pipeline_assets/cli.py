@@ -243,7 +243,8 @@ def _sizer(args, settings: Settings) -> int:
     target = Target(records=args.records, cpu_cores=args.cpu_workers, gpus=args.gpus, avg_chars=args.avg_chars,
                     batch_records=args.batch_records, epochs=args.epochs, train_tokens=args.train_tokens,
                     models_scored=1 if args.first_model else 2, gpu_tokens_per_second=per_gpu,
-                    parameters=_preset_parameters(args.preset or settings.train_preset, settings))
+                    parameters=_preset_parameters(args.preset or settings.train_preset, settings),
+                    ray_min_rows=0 if os.environ.get("RAY_ADDRESS") or settings.kuberay_config else settings.ray_min_rows)
     table, totals = predict(calibration, target, settings.prices())
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     picture = time_breakdown_png(
@@ -251,8 +252,8 @@ def _sizer(args, settings: Settings) -> int:
         args.picture or Path(settings.home) / "reports" / f"sizer-{stamp}.png",
         f"{args.records:,} records, {args.cpu_workers} cores, {args.gpus} GPUs: {_duration(totals['wall_seconds'])}, "
         f"bottleneck {totals['bottleneck']}")
-    totals.update(picture=str(picture), gpu_speed_assumed=assumed,
-                  fits={stage: vars(fit) for stage, fit in calibration.fits.items()})
+    fits = {**calibration.fits, **({"silver/block stages": calibration.silver_blocks} if calibration.silver_blocks else {})}
+    totals.update(picture=str(picture), gpu_speed_assumed=assumed, fits={stage: vars(fit) for stage, fit in fits.items()})
     if args.json:
         print(json.dumps({"stages": table.to_dicts(), "totals": totals}, indent=2))
         return 0

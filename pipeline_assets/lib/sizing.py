@@ -11,8 +11,14 @@ the validation share), then into time with the stage's parallelism:
 
 - bronze and gold/sequences (a shard per batch): batches run side by side, one process per
   ``calibration_cores`` cores;
-- silver: batches run one at a time (each dedups against the ones before it: the "silver" pool);
-- gold/tokenizer (a capped sample), evaluation (a capped sample): one process, as fast as the one measured;
+- silver: batches run one at a time (each dedups against the ones before it: the "silver" pool). Its
+  block stages (normalize, signatures, decontamination, quality) are fitted apart, on their own
+  seconds summed over blocks, and spread over all the target's cores when a batch runs them on Ray
+  (at least ``ray_min_rows`` rows); the rest (reading, dedup across the batch and its history,
+  the Delta commits) runs in the step's process;
+- gold/tokenizer (a capped sample): one process, as fast as the one measured;
+- evaluation (a capped sample): on GPUs, one rank a GPU at the training speed a GPU has (a forward
+  pass: a third of a training token's FLOPs); without GPUs one process, as measured;
 - training: data parallel over the GPUs (or the measured CPU ranks when there are no GPUs).
 """
 
@@ -26,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.lib.cost import Prices, bottleneck
+from pipeline_assets.lib.stages import RAY_MIN_ROWS
 
 BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
 STAGES = {  # stage -> (unit of work, parallelism)
@@ -132,6 +139,7 @@ class Calibration:
     silver_row_keep: float = 1.0  # silver rows / bronze rows: what a batch adds to the dedup index
     tokenizer_sample_chars: float = math.inf  # the tokenizer trains on at most this many characters
     eval_max_tokens: float = math.inf  # validation tokens evaluation scores per model
+    silver_blocks: StageFit | None = None  # silver's block stages on their own seconds; None: inside silver's fit
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,7 @@ class Target:
     models_scored: int = 2  # the candidate and the champion; 1 for a first model
     gpu_tokens_per_second: float | None = None  # per GPU; None: measured if the calibration had GPUs
     parameters: int | None = None  # of the model to train (its preset); None: the calibration's
+    ray_min_rows: int = RAY_MIN_ROWS  # batches this large run their block stages on Ray (0: a Ray cluster, always)
 
 
 def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[pl.DataFrame, dict]:
@@ -162,13 +171,12 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
     kept_per_batch = target.records / batches * c.silver_row_keep
     rows = [
         _cpu_row("bronze", c.fits["bronze"], batches, chars, c.cores, side_by_side),
-        _cpu_row("silver", c.fits["silver"], batches, chars, c.cores, 1,
-                 history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
+        _silver_row(c, target, batches, chars, history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
         _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, min(gold_chars * (1 - c.validation_fraction), c.tokenizer_sample_chars),
                  c.cores, 1),
         _cpu_row("gold/sequences", c.fits["gold/sequences"], batches, gold_chars, c.cores, side_by_side),
         _training_row(c, target, train_tokens, TRAIN_FLOPS_PER_PARAMETER * parameters),
-        _cpu_row("evaluation", c.fits["evaluation"], 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters),
+        _evaluation_row(c, target, scored, parameters),
     ]
     table = pl.DataFrame(rows).with_columns(
         cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),
@@ -194,18 +202,47 @@ def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, core
                 seconds, cpu_core_seconds=seconds * cores * side_by_side, gpu_seconds=0.0)
 
 
+def _silver_row(c: Calibration, target: Target, batches: int, chars: float, history: float) -> dict:
+    """One batch after another: each batch's own part in the step's process, its block stages on every
+    core of the target when the batch is large enough for Ray (else in that process too)."""
+    per_batch_chars = chars / batches
+    driver = c.fits["silver"].seconds(1, per_batch_chars, history / batches)
+    on_ray = c.silver_blocks is not None and target.records / batches >= target.ray_min_rows
+    block_cores = target.cpu_cores if on_ray else 1
+    block_core_seconds = c.silver_blocks.seconds(1, per_batch_chars) if c.silver_blocks else 0.0
+    seconds = batches * (driver + block_core_seconds / block_cores)
+    runs_on = f"{c.cores} cores, block stages on {target.cpu_cores}" if on_ray else f"{c.cores} cores"
+    return _row("silver", chars, runs_on, seconds, cpu_core_seconds=batches * (driver * c.cores + block_core_seconds),
+                gpu_seconds=0.0)
+
+
+def _evaluation_row(c: Calibration, target: Target, scored: float, parameters: int) -> dict:
+    fit = c.fits["evaluation"]
+    if target.gpus == 0:
+        return _cpu_row("evaluation", fit, 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters)
+    train_tokens_per_second = _gpu_speed(c, target, TRAIN_FLOPS_PER_PARAMETER * parameters)
+    tokens_per_second = train_tokens_per_second * TRAIN_FLOPS_PER_PARAMETER / EVAL_FLOPS_PER_PARAMETER
+    seconds = fit.fixed_seconds + scored / (tokens_per_second * target.gpus)
+    return _row("evaluation", scored, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
+
+
 def _training_row(c: Calibration, target: Target, train_tokens: float, flops_per_token: float) -> dict:
     fit = c.fits["training"]
     if target.gpus == 0:  # as measured: the same CPU ranks, at the target model's FLOPs per token
         seconds = fit.seconds(1, train_tokens * flops_per_token)
         return _row("training", train_tokens, f"{c.train_ranks} CPU rank(s)", seconds, seconds * c.cores, 0.0)
-    per_gpu = target.gpu_tokens_per_second
-    if per_gpu is None:
-        if not c.train_gpus or fit.seconds_per_unit <= 0:
-            raise ValueError("the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)")
-        per_gpu = 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
-    seconds = fit.fixed_seconds + train_tokens / (per_gpu * target.gpus)
+    seconds = fit.fixed_seconds + train_tokens / (_gpu_speed(c, target, flops_per_token) * target.gpus)
     return _row("training", train_tokens, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
+
+
+def _gpu_speed(c: Calibration, target: Target, flops_per_token: float) -> float:
+    """Training tokens/s of one GPU: given, or measured by a calibration that trained on GPUs."""
+    if target.gpu_tokens_per_second is not None:
+        return target.gpu_tokens_per_second
+    fit = c.fits["training"]
+    if not c.train_gpus or fit.seconds_per_unit <= 0:
+        raise ValueError("the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)")
+    return 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
 
 
 def _row(stage: str, work: float, runs_on: str, seconds: float, cpu_core_seconds: float, gpu_seconds: float) -> dict:

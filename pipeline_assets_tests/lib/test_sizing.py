@@ -4,7 +4,7 @@ import math
 import polars as pl
 import pytest
 
-from pipeline_assets.defs.ops.sizing import _earlier_index_rows
+from pipeline_assets.defs.ops.sizing import _earlier_index_rows, _silver_points
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.sizing import POINTS, Calibration, StageFit, Target, fit_stage, gpu_tokens_per_second, predict, text_chars
 
@@ -88,7 +88,9 @@ def test_a_prediction_follows_each_stages_parallelism():
     assert rows["training"]["gpu_seconds"] == pytest.approx(rows["training"]["wall_seconds"] * 8)
     # evaluation: the candidate and the champion, each on the validation tokens and the eval sets
     assert rows["evaluation"]["work"] == pytest.approx(2 * (tokens * 0.02 + 10_000))
-    assert rows["evaluation"]["wall_seconds"] == pytest.approx(1.0 + 1e-6 * 2 * 2 * (tokens * 0.02 + 10_000))  # 2 FLOPs a parameter
+    # ... scored on the 8 GPUs, a forward pass three times as many tokens a second as training's
+    assert rows["evaluation"]["wall_seconds"] == pytest.approx(1.0 + 2 * (tokens * 0.02 + 10_000) / (3 * 50_000 * 8))
+    assert rows["evaluation"]["runs_on"] == "8 GPUs"
 
     assert totals["wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in rows.values()))
     assert totals["bottleneck"] == "silver"  # 5,010 s, one batch after another; training 4,930 s
@@ -182,3 +184,31 @@ def test_the_tokenizer_sample_and_the_evaluation_sample_cap_their_stages_work():
     assert rows["gold/tokenizer"]["work"] == 1e8
     assert rows["evaluation"]["work"] == pytest.approx(2 * (2e6 + 10_000))
     assert uncapped["evaluation"]["work"] == pytest.approx(2 * (10_000_000 * 500.0 * 0.8 * 0.25 * 0.02 + 10_000))
+
+
+def test_silvers_block_stages_spread_over_the_cluster_when_a_batch_runs_them_on_ray():
+    own, blocks = StageFit(2.0, 1e-6, 2, ""), StageFit(0.0, 4e-6, 2, "")
+    spread = Calibration(**{**vars(calibration(silver=own)), "silver_blocks": blocks})
+    chars = 4_000_000 * 500.0  # 4 batches of 1,000,000 records
+    target = Target(records=4_000_000, cpu_cores=64, gpus=0, batch_records=1_000_000)
+    on_ray, _ = predict(spread, target, Prices())
+    silver = on_ray.filter(pl.col("stage") == "silver").row(0, named=True)
+    assert silver["wall_seconds"] == pytest.approx(4 * 2.0 + 1e-6 * chars + 4e-6 * chars / 64)
+    assert silver["runs_on"] == "2 cores, block stages on 64"
+    assert silver["cpu_core_seconds"] == pytest.approx((4 * 2.0 + 1e-6 * chars) * 2 + 4e-6 * chars)
+    in_process, _ = predict(spread, Target(**{**vars(target), "ray_min_rows": 2_000_000}), Prices())
+    assert in_process.filter(pl.col("stage") == "silver")["wall_seconds"][0] == pytest.approx(4 * 2.0 + 5e-6 * chars)
+
+
+def test_silver_is_fitted_on_its_own_part_and_its_block_stages_apart():
+    newest_first = [
+        {"partition": "b2", "input_chars": 200.0, "wall_seconds": 9.0, "block_wall_seconds": 5.0, "block_stage_seconds": 8.0},
+        {"partition": "b1", "input_chars": 100.0, "wall_seconds": 6.0, "block_wall_seconds": 4.0, "block_stage_seconds": 7.0},
+        {"partition": "b1", "input_chars": 100.0, "wall_seconds": 5.0},  # recorded before block stages were timed
+    ]
+    points = _silver_points(newest_first, "input_chars")
+    own = [(p["work"], p["wall_seconds"]) for p in points if p["stage"] == "silver"]
+    blocks = [(p["work"], p["wall_seconds"]) for p in points if p["stage"] != "silver"]
+    assert own == [(200.0, 4.0), (100.0, 2.0)] and blocks == [(200.0, 8.0), (100.0, 7.0)]
+    untimed = _silver_points(newest_first[2:], "input_chars")
+    assert [(p["stage"], p["wall_seconds"]) for p in untimed] == [("silver", 5.0)]

@@ -21,6 +21,7 @@ from pipeline_assets.lib.sizing import EVAL_FLOPS_PER_PARAMETER, POINTS, TRAIN_F
 
 # stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
 _FLOPS_PER_PARAMETER = {"training": TRAIN_FLOPS_PER_PARAMETER, "evaluation": EVAL_FLOPS_PER_PARAMETER}
+_SILVER_BLOCKS = "silver/block stages"
 _MEASURED = {
     "bronze": (BRONZE_RECORDS, "input_chars"),
     "silver": (SILVER_RECORDS, "input_chars"),
@@ -40,6 +41,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
         [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work, parameters)],
         schema=POINTS,
     )
+    blocks = points.filter(pl.col("stage") == _SILVER_BLOCKS)
+    points = points.filter(pl.col("stage") != _SILVER_BLOCKS)
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
     if missing:
         raise ValueError(f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
@@ -66,6 +69,7 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
         tokenizer_sample_chars=tokenizer_sample_chars,
         eval_max_tokens=eval_max_tokens,
         parameters=int(training["parameters"]),
+        silver_blocks=fit_stage(blocks) if not blocks.is_empty() else None,
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver) / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
 
@@ -73,9 +77,10 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
 def _points(stage: str, history: list[dict], work: str, parameters: dict[str, int]) -> list[dict]:
     """One point a materialization. Training's and evaluation's work in model FLOPs (the parameters of the
     partition's trained model; a run without them is left out); silver's with the index rows it read."""
-    earlier = _earlier_index_rows(history) if stage == "silver" else {}
+    if stage == "silver":
+        return _silver_points(history, work)
     points = []
-    for number, m in enumerate(history):
+    for m in history:
         if not m.get(work) or m.get("wall_seconds") is None:
             continue
         amount = float(m[work])
@@ -84,7 +89,26 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
                 continue
             amount *= _FLOPS_PER_PARAMETER[stage] * parameters[m["partition"]]
         points.append({"stage": stage, "materializations": 1, "work": amount, "wall_seconds": float(m["wall_seconds"]),
+                       "history": 0.0})
+    return points
+
+
+def _silver_points(history: list[dict], work: str) -> list[dict]:
+    """Silver's own part (its wall less the wait on its block stages, with the index rows it read) and,
+    apart, its block stages' seconds (``_SILVER_BLOCKS``). Runs recorded before block stages were timed
+    count whole, and only while no run was timed: the two kinds do not mix in one fit."""
+    earlier = _earlier_index_rows(history)
+    timed = any(m.get("block_stage_seconds") is not None for m in history)
+    points = []
+    for number, m in enumerate(history):
+        if not m.get(work) or m.get("wall_seconds") is None or (timed and m.get("block_stage_seconds") is None):
+            continue
+        own = float(m["wall_seconds"]) - float(m.get("block_wall_seconds") or 0.0)
+        points.append({"stage": "silver", "materializations": 1, "work": float(m[work]), "wall_seconds": own,
                        "history": float(earlier.get(number, 0))})
+        if timed:
+            points.append({"stage": _SILVER_BLOCKS, "materializations": 1, "work": float(m[work]),
+                           "wall_seconds": float(m["block_stage_seconds"]), "history": 0.0})
     return points
 
 
