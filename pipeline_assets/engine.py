@@ -54,7 +54,12 @@ class BlockEngine(RayResource):
         return run_on_ray(stages, frame, self.rows_per_block)
 
     def _ensure_connected(self) -> None:
-        """Connected when the step started (dagster-ray's lifecycle)."""
+        """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data would
+        start on this machine by itself."""
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(f"{self.display_name} is not connected: leave lifecycle.connect on (the default)")
 
 
 class RayEngine(BlockEngine, LocalRay):
