@@ -211,7 +211,7 @@ def _silver_row(c: Calibration, target: Target, batches: int, chars: float, hist
     block_cores = target.cpu_cores if on_ray else 1
     block_core_seconds = c.silver_blocks.seconds(1, per_batch_chars) if c.silver_blocks else 0.0
     seconds = batches * (driver + block_core_seconds / block_cores)
-    runs_on = f"{c.cores} cores, block stages on {target.cpu_cores}" if on_ray else f"{c.cores} cores"
+    runs_on = f"{c.cores} + {target.cpu_cores} on Ray" if on_ray else f"{c.cores} cores"
     return _row("silver", chars, runs_on, seconds, cpu_core_seconds=batches * (driver * c.cores + block_core_seconds),
                 gpu_seconds=0.0)
 

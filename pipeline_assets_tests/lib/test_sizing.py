@@ -194,7 +194,7 @@ def test_silvers_block_stages_spread_over_the_cluster_when_a_batch_runs_them_on_
     on_ray, _ = predict(spread, target, Prices())
     silver = on_ray.filter(pl.col("stage") == "silver").row(0, named=True)
     assert silver["wall_seconds"] == pytest.approx(4 * 2.0 + 1e-6 * chars + 4e-6 * chars / 64)
-    assert silver["runs_on"] == "2 cores, block stages on 64"
+    assert silver["runs_on"] == "2 + 64 on Ray"
     assert silver["cpu_core_seconds"] == pytest.approx((4 * 2.0 + 1e-6 * chars) * 2 + 4e-6 * chars)
     in_process, _ = predict(spread, Target(**{**vars(target), "ray_min_rows": 2_000_000}), Prices())
     assert in_process.filter(pl.col("stage") == "silver")["wall_seconds"][0] == pytest.approx(4 * 2.0 + 5e-6 * chars)
