@@ -223,7 +223,7 @@ def _evaluation_row(c: Calibration, target: Target, scored: float, parameters: i
     train_tokens_per_second = _gpu_speed(c, target, TRAIN_FLOPS_PER_PARAMETER * parameters)
     tokens_per_second = train_tokens_per_second * TRAIN_FLOPS_PER_PARAMETER / EVAL_FLOPS_PER_PARAMETER
     seconds = fit.fixed_seconds + scored / (tokens_per_second * target.gpus)
-    return _row("evaluation", scored, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
+    return _row("evaluation", scored, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus, parallelism=DEVICES)
 
 
 def _training_row(c: Calibration, target: Target, train_tokens: float, flops_per_token: float) -> dict:
@@ -245,8 +245,9 @@ def _gpu_speed(c: Calibration, target: Target, flops_per_token: float) -> float:
     return 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
 
 
-def _row(stage: str, work: float, runs_on: str, seconds: float, cpu_core_seconds: float, gpu_seconds: float) -> dict:
-    unit, parallelism = STAGES[stage]
+def _row(stage: str, work: float, runs_on: str, seconds: float, cpu_core_seconds: float, gpu_seconds: float,
+         parallelism: str | None = None) -> dict:
+    unit, parallelism = STAGES[stage][0], parallelism or STAGES[stage][1]
     return {"stage": stage, "work": float(work), "unit": unit, "parallelism": parallelism, "runs_on": runs_on,
             "wall_seconds": float(seconds), "cpu_core_seconds": float(cpu_core_seconds), "gpu_seconds": float(gpu_seconds)}
 

@@ -90,7 +90,7 @@ def test_a_prediction_follows_each_stages_parallelism():
     assert rows["evaluation"]["work"] == pytest.approx(2 * (tokens * 0.02 + 10_000))
     # ... scored on the 8 GPUs, a forward pass three times as many tokens a second as training's
     assert rows["evaluation"]["wall_seconds"] == pytest.approx(1.0 + 2 * (tokens * 0.02 + 10_000) / (3 * 50_000 * 8))
-    assert rows["evaluation"]["runs_on"] == "8 GPUs"
+    assert (rows["evaluation"]["runs_on"], rows["evaluation"]["parallelism"]) == ("8 GPUs", "data parallel")
 
     assert totals["wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in rows.values()))
     assert totals["bottleneck"] == "silver"  # 5,010 s, one batch after another; training 4,930 s
