@@ -79,7 +79,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert totals["batches"] == 1000 and totals["bottleneck"] == max(stages, key=lambda s: stages[s]["wall_seconds"])
     assert totals["wall_seconds"] == pytest.approx(sum(row["wall_seconds"] for row in stages.values()))
     cores = len(os.sched_getaffinity(0))  # what the calibration's processes ran on
-    assert stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores" and stages["silver"]["runs_on"] == f"{cores} cores"
+    assert stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores" and stages["silver"]["runs_on"] == f"{cores} + 256 on Ray"
     assert stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
     # Two batches of different sizes: two points (how the fit reads them depends on this machine's timing).
     assert totals["fits"]["bronze"]["points"] == 2 and not totals["fits"]["bronze"]["note"].startswith("one size")
