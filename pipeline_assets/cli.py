@@ -183,7 +183,7 @@ def _summary(args, settings: Settings) -> int:
     report: dict = {"lake": settings.lake_uri, "tables": {}}
     tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
               ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index"),
-              ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"), ("evaluation", "report"),
+              ("silver", "minhash_bands"), ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"), ("evaluation", "report"),
               ("ops", "pipeline_report")]
     for layer, name in tables:
         scan = lake.scan(layer, name)

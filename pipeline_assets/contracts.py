@@ -138,6 +138,21 @@ class MinhashIndexEntry(pa.DataFrameModel):
         coerce = False
 
 
+class MinhashBandEntry(pa.DataFrameModel):
+    """One key of one kept silver record in ``silver/minhash_bands``: an LSH band's, or (band -1)
+    the first 60 bits of its exact hash."""
+
+    band: pl.Int16 = pa.Field(ge=-1)
+    band_key: pl.Int64
+    record_id: str = pa.Field(**HASH_128)
+    batch_id: str
+
+    class Config:
+        strict = True
+        coerce = False
+        unique = ["band", "record_id"]
+
+
 class GoldTokenizer(pa.DataFrameModel):
     """One row: the tokenizer of this Delta version of gold/tokenizer."""
 

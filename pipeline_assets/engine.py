@@ -18,8 +18,10 @@ import hashlib
 import os
 import secrets
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import polars as pl
 import yaml
@@ -35,6 +37,7 @@ from pipeline_assets.lib.stages import RAY_MIN_ROWS, BlockStage, StagesResult, f
 # A block task holds one CPU (map_batches' default); polars would otherwise start a thread per core
 # of its node in every task, and a node runs as many tasks as it has cores.
 BLOCK_TASK_ENV = {"POLARS_MAX_THREADS": "1"}
+T = TypeVar("T")
 _MAX_TEMP_DIR_CHARS = 36
 
 
@@ -52,6 +55,18 @@ class BlockEngine(RayResource):
             return run_in_process(stages, frame, self.rows_per_block)
         self._ensure_connected()
         return run_on_ray(stages, frame, self.rows_per_block)
+
+    def map_tasks(self, function: Callable[..., T], calls: Sequence[tuple], batch_rows: int) -> TaskResults[T]:
+        """``function`` on each call's arguments, as Ray tasks wherever a batch of ``batch_rows``
+        runs its block stages on Ray, else here one after the other; results in call order."""
+        if not calls or not self.uses_ray(batch_rows):
+            return TaskResults([function(*args) for args in calls], "this process")
+        self._ensure_connected()
+        import ray
+
+        remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_on_node)  # the bands over every node
+        done = ray.get([remote.remote(function, args) for args in calls])
+        return TaskResults([result for result, _ in done], f"Ray, {len({node for _, node in done})} node(s)")
 
     def _ensure_connected(self) -> None:
         """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data would
@@ -158,6 +173,18 @@ def local_ray_options(home: Path) -> dict:
         "_node_ip_address": "127.0.0.1",
         "logging_level": "WARNING",
     }
+
+
+@dataclass(frozen=True)
+class TaskResults(Generic[T]):
+    results: list[T]
+    ran_on: str  # "this process", or how many Ray nodes
+
+
+def _on_node(function: Callable, args: tuple) -> tuple:
+    import ray
+
+    return function(*args), ray.get_runtime_context().get_node_id()
 
 
 def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:

@@ -302,15 +302,16 @@ class LakeResource(ConfigurableResource):
 
     def replace_partition(
         self, layer: str, name: str, frame: pl.DataFrame, *, column: str, value: str, add_columns: bool = False,
-        rows_per_group: int | None = None,
+        rows_per_group: int | None = None, partition_by: tuple[str, ...] = (),
     ) -> DeltaCommit:
         """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
 
         ``add_columns``: columns the table lacks are added (null in its older rows), for a table
-        written before its contract gained a nullable column. ``rows_per_group``: as in ``overwrite``."""
+        written before its contract gained a nullable column. ``rows_per_group``: as in ``overwrite``.
+        ``partition_by``: the table's partition columns, when more than ``column``."""
         _check_partition(layer, name, frame, column, value)
         return self._write(
-            layer, name, frame, mode="overwrite", partition_by=[column], predicate=f"{column} = '{value}'",
+            layer, name, frame, mode="overwrite", partition_by=list(partition_by or [column]), predicate=f"{column} = '{value}'",
             **({"schema_mode": "merge"} if add_columns else {}), **_row_groups(rows_per_group),
         )
 

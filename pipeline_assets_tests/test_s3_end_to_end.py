@@ -47,6 +47,7 @@ def test_the_whole_graph_runs_on_s3_from_landing_files_to_a_champion(tmp_path, s
     assert rows["bronze/quarantine"] == manifest["expected"]["quarantined"]
     assert rows["silver/records"] + rows["silver/rejects"] == rows["bronze/records"]
     assert rows["silver/minhash_index"] == rows["silver/records"]
+    assert rows["silver/minhash_bands"] == 17 * rows["silver/records"]  # read by band from S3 by the later batches
     assert rows["gold/sequences"] > 0 and rows["evaluation/report"] > 0 and rows["ops/pipeline_report"] == 6
     assert remote["model"]["champion_version"] == "1" and remote["model"]["partition"] == "gold-v0"
     keys = {item["Key"] for item in client.list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/gold-v0/final/")["Contents"]}
@@ -57,7 +58,7 @@ def test_the_whole_graph_runs_on_s3_from_landing_files_to_a_champion(tmp_path, s
                       PIPELINE_EVAL_SETS_URI=str(corpus / "eval_sets"))
     local_rows = {table: counts["rows"] for table, counts in local["tables"].items() if counts}
     for table in ("bronze/records", "bronze/quarantine", "silver/records", "silver/rejects", "silver/minhash_index",
-                  "gold/tokenizer", "gold/sequences"):
+                  "silver/minhash_bands", "gold/tokenizer", "gold/sequences"):
         assert rows[table] == local_rows[table], f"{table}: {rows[table]} rows on S3, {local_rows[table]} locally"
     assert remote["data_snapshot"]["sequences_by_split"] == local["data_snapshot"]["sequences_by_split"]
     assert remote["data_snapshot"]["real_tokens"] == local["data_snapshot"]["real_tokens"]

@@ -34,10 +34,10 @@ SHOTS = ROOT / "test-output" / "ui"
 UI_TIMEOUT_MS = 60_000    # a page, a dialog, a graph layout: seconds normally, more on a loaded 2-core machine
 RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its 5 checks): under a minute on 2 cores, more when loaded
 
-# DESIGN.md section 1: every asset key of the graph (gold/snapshots: the manifests it draws between gold and training).
+# Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold and training).
 ASSET_KEYS = [
     "bronze/records", "bronze/quarantine",
-    "silver/records", "silver/rejects", "silver/minhash_index",
+    "silver/records", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
     "reference/eval_sets",
     "gold/tokenizer", "gold/sequences", "gold/snapshots",
     "training/hparam_search", "training/checkpoint",

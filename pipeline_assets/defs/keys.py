@@ -8,6 +8,7 @@ REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
 SILVER_RECORDS = AssetKey(["silver", "records"])
 SILVER_REJECTS = AssetKey(["silver", "rejects"])
 SILVER_MINHASH_INDEX = AssetKey(["silver", "minhash_index"])
+SILVER_MINHASH_BANDS = AssetKey(["silver", "minhash_bands"])  # the index by band: what a new batch is joined with
 GOLD_TOKENIZER = AssetKey(["gold", "tokenizer"])
 GOLD_SEQUENCES = AssetKey(["gold", "sequences"])
 GOLD_SNAPSHOTS = AssetKey(["gold", "snapshots"])  # the manifests the README's graph draws between gold and training

@@ -8,6 +8,11 @@ contribute hashes (exact hashes, MinHash signatures and LSH band keys from
 ``silver/minhash_index``), looked up with polars joins, so memory grows with the batch and with
 the matches, not with the history.
 
+The other batches are found through ``silver/minhash_bands``: every kept record's LSH band keys and
+the first 60 bits of its exact hash, one row a band, partitioned by band. A batch looks up its own
+keys one band at a time (``find_in_band``: one task a band, on Ray where the batch runs its block
+stages), and only the entries that share a key come back with their signatures (``IndexLookup``).
+
 A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
 the LSH over prompt + response, and are verified on both texts' signatures, so different answers
 to one long shared prompt (retrieval contexts, several completions of one prompt) all survive.
@@ -15,6 +20,7 @@ to one long shared prompt (retrieval contexts, several completions of one prompt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,6 +43,12 @@ HISTORY_SCHEMA = pl.Schema(
         "lsh_params": pl.String,
     }
 )
+
+
+EXACT_BAND = -1  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
+BAND_SCHEMA = pl.Schema({"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String})
+IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
+"""(band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA) holding one."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ def exact_hashes(frame: pl.DataFrame) -> pl.Series:
 
 def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
     """Drop records whose exact_hash another batch kept, or that repeat one in this batch."""
-    hashed = batch.with_columns(exact_hashes(batch))
+    hashed = batch if "exact_hash" in batch.columns else batch.with_columns(exact_hashes(batch))
     kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
     survivor = (
         hashed.sort("record_id").group_by("exact_hash", maintain_order=True)
@@ -87,7 +99,7 @@ def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResul
         ).struct.json_encode(),
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
-    columns = [*batch.columns, "exact_hash"]
+    columns = hashed.columns
     return StageResult(
         kept=kept.select(columns),
         rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
@@ -229,13 +241,7 @@ def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: Lsh
     wanted = pl.DataFrame(
         {"band": np.tile(np.arange(params.bands, dtype=np.int32), len(keys)), "band_key": keys.ravel()}
     ).unique()
-    label = params.label(config)
-    built_with = history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list()
-    if set(built_with) - {label}:
-        raise ValueError(
-            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, not {label}: "
-            "MinHash settings changed; rebuild silver from the first batch"
-        )
+    refuse_other_settings(history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list(), config)
     matched_ids = (
         history.select("record_id", "band_keys")
         .with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
@@ -256,6 +262,71 @@ def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: Lsh
         .sort("batch_id", "record_id")
         .collect()
     )
+
+
+def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
+    """Band keys are comparable only between signatures made with the same MinHash and LSH settings."""
+    label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(config)
+    if set(built_with) - {label}:
+        raise ValueError(
+            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, not {label}: "
+            "MinHash settings changed; rebuild silver from the first batch"
+        )
+
+
+# --- the index, partitioned by band -----------------------------------------------------------
+
+
+def band_entries(index: pl.DataFrame) -> pl.DataFrame:
+    """Index entries as ``silver/minhash_bands`` rows: one a record for its exact hash, one a band."""
+    exact = index.select("record_id", "batch_id", band=pl.lit(EXACT_BAND, pl.Int16), band_key=_exact_key("exact_hash"))
+    lsh = (
+        index.select("record_id", "batch_id", band_key="band_keys",
+                     band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int16))
+        .explode("band_key", "band")
+    )
+    return pl.concat([exact, lsh], how="diagonal").select(BAND_SCHEMA.names()).cast(dict(BAND_SCHEMA))
+
+
+def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig()) -> pl.DataFrame:
+    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up."""
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params)
+    lsh = pl.DataFrame({"band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)), "band_key": keys.ravel()})
+    exact = batch.select(band=pl.lit(EXACT_BAND, pl.Int16), band_key=_exact_key("exact_hash"))
+    return pl.concat([exact, lsh]).unique()
+
+
+def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, excluded: list[str]) -> pl.DataFrame:
+    """(record_id, batch_id) of the entries of ``band`` that hold one of ``keys``, batches in
+    ``excluded`` left out: one task's work, on one partition of ``silver/minhash_bands``."""
+    return (
+        bands.filter((pl.col("band") == band) & ~pl.col("batch_id").is_in(excluded))
+        .join(pl.LazyFrame({"band_key": keys}), on="band_key", how="semi")
+        .select("record_id", "batch_id")
+        .collect()
+    )
+
+
+def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
+    """An ``IndexLookup`` over index entries held here (a whole index in memory: for tests and small runs)."""
+    if index is None:
+        return None
+    entries = index.collect()
+    bands = band_entries(entries).lazy()
+
+    def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
+        found = pl.concat(
+            [find_in_band(bands, band, keys["band_key"], []) for (band,), keys in wanted.group_by("band")],
+            how="vertical",
+        )
+        return entries.filter(pl.col("record_id").is_in(found["record_id"].implode()))
+
+    return look_up
+
+
+def _exact_key(column: str) -> pl.Expr:
+    return pl.col(column).str.slice(0, 15).str.to_integer(base=16).cast(pl.Int64)  # 60 bits: no sign to mind
 
 
 def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:

@@ -6,8 +6,9 @@ a stage is kept in ``rejects`` with the stage and its evidence, so for every bat
 
 The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
 MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
-them block by block (in this process, or on Ray); the dedup stages look across the batch and its
-history, on hashes and signatures, in the calling process.
+them block by block (in this process, or on Ray); the dedup stages look across the batch and the
+entries of other batches that share one of its keys (``IndexLookup``: one task a band, on Ray with
+the block stages), on hashes and signatures, in the calling process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import partial
 import polars as pl
 
 from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, find_contamination
-from pipeline_assets.lib.dedup import SIGNATURE_COLUMNS, exact_dedup, near_dedup, with_signatures
+from pipeline_assets.lib.dedup import SIGNATURE_COLUMNS, IndexLookup, exact_dedup, exact_hashes, near_dedup, wanted_keys, with_signatures
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
 from pipeline_assets.lib.quality import QualityThresholds, quality_gate
@@ -47,6 +48,7 @@ class CuratedBatch:
     stages: dict[str, dict]  # per stage: counters and seconds
     block_wall_seconds: float = 0.0  # waiting for the block stages, wherever they ran
     block_stage_seconds: float = 0.0  # the block stages' own seconds summed over every block: their work
+    index_lookup: dict = field(default_factory=dict)  # keys looked up, other batches' entries found, seconds
 
 
 def before_dedup(config: SilverConfig) -> list[BlockStage]:
@@ -63,10 +65,11 @@ def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex) -> list[BlockS
     ]
 
 
-def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalNgramIndex, config: SilverConfig,
+def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNgramIndex, config: SilverConfig,
            run_blocks: RunBlocks | None = None) -> CuratedBatch:
-    """Run the stages on one batch of bronze rows; ``history`` is the MinHash index of the batches it
-    dedups against; ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
+    """Run the stages on one batch of bronze rows; ``look_up`` finds the index entries of the batches
+    it dedups against (None: there are none); ``run_blocks`` runs block stages (default: here,
+    ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
     started = time.perf_counter()
     prepared = run_blocks(before_dedup(config), bronze)
@@ -74,7 +77,12 @@ def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalN
     stages = dict(prepared.counters)
 
     started = time.perf_counter()
-    exact = exact_dedup(prepared.kept, history)
+    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept))
+    history, lookup_counters = _history(hashed, look_up, config)
+    lookup_counters["seconds"] = round(time.perf_counter() - started, 3)
+
+    started = time.perf_counter()
+    exact = exact_dedup(hashed, history)
     stages["exact_dedup"] = _finished(exact.counters, started)
 
     started = time.perf_counter()
@@ -94,7 +102,17 @@ def curate(bronze: pl.DataFrame, history: pl.LazyFrame | None, eval_index: EvalN
         stages={name: stages[name] for name in ("normalize", "minhash", "exact_dedup", "near_dedup", "decontaminate", "quality")},
         block_wall_seconds=round(block_wall, 3),
         block_stage_seconds=round(sum(c["seconds"] for c in (*prepared.counters.values(), *judged.counters.values())), 3),
+        index_lookup=lookup_counters,
     )
+
+
+def _history(batch: pl.DataFrame, look_up: IndexLookup | None, config: SilverConfig) -> tuple[pl.LazyFrame | None, dict]:
+    """The other batches' index entries sharing a key with ``batch``: all its dedup stages read of them."""
+    if look_up is None or batch.is_empty():
+        return None, {"keys": 0, "entries_found": 0}
+    wanted = wanted_keys(batch, config.minhash)
+    found = look_up(wanted)
+    return found.lazy(), {"keys": wanted.height, "entries_found": found.height}
 
 
 def _no_rejects(normalized: tuple[pl.DataFrame, dict]) -> tuple[pl.DataFrame, None, dict]:

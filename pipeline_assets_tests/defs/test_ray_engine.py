@@ -102,7 +102,7 @@ def _landing_to_gold(root, rows_by_batch, instance, tokenizer_file) -> tuple[dic
                          for step in ("silver", "gold__sequences")})
     lake = resources["lake"]
     where = {rid: f"{file}:{line}" for rid, file, line in lake.read("bronze", "records").select("record_id", "source_file", "source_line").iter_rows()}
-    tables = {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index")}
+    tables = {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index", "minhash_bands")}
     return {**tables, "gold/sequences": _sequences_by_origin(lake.read("gold", "sequences"), where)}, metadata
 
 
@@ -119,7 +119,7 @@ def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
     ids = [c for c in ("record_id", "cluster_id", "duplicate_of") if c in frame.columns]
     return (frame.with_columns(pl.col(c).replace_strict(where, default=None) for c in ids)
             .drop([c for c in ("batch_id", "ingested_at", "evidence", "duplicate_of_batch") if c in frame.columns])
-            .sort("record_id"))
+            .sort("record_id", *(["band"] if "band" in frame.columns else [])))
 
 
 def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_cluster, batches, tokenizer_file, instance,
@@ -127,6 +127,7 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_c
     local, local_metadata = _landing_to_gold(tmp_path / "local", batches, instance, tokenizer_file)
     assert {m["silver"]["block_stages_ran_on"] for m in local_metadata} == {"this process"}
     assert {m["gold__sequences"]["tokenized_on"] for m in local_metadata} == {"this process"}
+    assert [m["silver"]["index_lookup_ran_on"] for m in local_metadata] == ["nothing to look up", *["this process"] * 2]
 
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     on_ray, ray_metadata = _landing_to_gold(tmp_path / "ray", batches, instance, tokenizer_file)
@@ -134,6 +135,9 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_c
     both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"  # four blocks a batch, each task's polars on its one CPU
     assert {m["silver"]["block_stages_ran_on"] for m in ray_metadata} == {both_nodes}
     assert {m["gold__sequences"]["tokenized_on"] for m in ray_metadata} == {both_nodes}
+    assert [m["silver"]["index_lookup_ran_on"] for m in ray_metadata] == ["nothing to look up", *["Ray, 2 node(s)"] * 2]  # a task a band
+    found = [m["silver"]["index_entries_found"] for m in ray_metadata]
+    assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[0] == 0 < min(found[1:])
     assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
     assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, "every silver record in a shard"
     for name, frame in local.items():

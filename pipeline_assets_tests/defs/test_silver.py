@@ -79,21 +79,26 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(two_sa
             0 if batch == batches[1][0] else 1
         )
         assert metadata["silver/records"]["silver_rows"].value == kept
+        found = metadata["silver/records"]["index_entries_found"].value
+        assert found == 0 if batch == batches[0][0] else found > 0, "batch 2 finds batch 1's entries by band"
         checks = checks_by_name(result)
-        assert all(checks[f"silver/{t}:contract"].passed for t in ("records", "rejects", "minhash_index"))
+        assert all(checks[f"silver/{t}:contract"].passed for t in ("records", "rejects", "minhash_index", "minhash_bands"))
         assert checks["silver/records:pass_rate"].passed
 
     index = lake.read("silver", "minhash_index")
     assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "response_signature", "band_keys", "lsh_params"}
     assert sorted(index["record_id"]) == sorted(lake.read("silver", "records")["record_id"])
+    assert lake.table("silver", "minhash_bands").metadata().partition_columns == ["band", "batch_id"]
+    assert lake.read("silver", "minhash_bands").group_by("record_id").len()["len"].unique().to_list() == [17]
 
 
 def test_rematerializing_a_silver_batch_replaces_rows_and_index_entries(two_sample_batches, instance, resources):
     _, batches = two_sample_batches
     lake = resources["lake"]
-    before = {t: lake.read("silver", t).height for t in ("records", "rejects", "minhash_index")}
+    tables = ("records", "rejects", "minhash_index", "minhash_bands")
+    before = {t: lake.read("silver", t).height for t in tables}
     assert _materialize(instance, resources, batches[0][0]).success
-    assert {t: lake.read("silver", t).height for t in ("records", "rejects", "minhash_index")} == before
+    assert {t: lake.read("silver", t).height for t in tables} == before
 
 
 def test_pass_rate_collapse_blocks_and_names_the_rule(instance, resources, landing_dir):
@@ -265,7 +270,7 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
     second = register(instance, resources)
 
     plan = stale_partitions(defs, instance, list(defs.resolve_asset_graph().get_all_asset_keys()))
-    assert [k.to_user_string() for k in plan[first]] == ["silver/minhash_index", "silver/records", "silver/rejects"]
+    assert [k.to_user_string() for k in plan[first]] == ["silver/minhash_bands", "silver/minhash_index", "silver/records", "silver/rejects"]
     assert list(plan) == [first, second]
     outcome = run_stale(defs, instance, None)
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
@@ -273,9 +278,10 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
 
 
 def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_signatures(instance, resources, landing_dir):
-    """Batch 1's index is rewritten as tables were before responses were signed: batch 2 still dedups
-    against it (on prompt + response), keeps every different answer to its own shared prompt, and the
-    index gains the column."""
+    """Batch 1's index is rewritten as tables were before responses were signed, and before the index
+    had a table by band: batch 2 adds batch 1's keys to silver/minhash_bands, still dedups against it
+    (on prompt + response), keeps every different answer to its own shared prompt, and the index
+    gains the column."""
     rng = random.Random(11)
     words = [f"{stem}{i}" for stem in ("data", "model", "token", "layer", "query") for i in range(400)]
 
@@ -290,6 +296,7 @@ def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_
     legacy = lake.read("silver", "minhash_index").drop("response_signature")
     write_deltalake(lake.table_uri("silver", "minhash_index"), legacy.to_arrow(), mode="overwrite", schema_mode="overwrite",
                     partition_by=["batch_id"])
+    shutil.rmtree(lake.table_uri("silver", "minhash_bands"))
 
     write_landing_file(landing_dir, "synth", "b2.jsonl", answers(100, 20) + [{**first[3], "id": "copy"}])
     batch = register(instance, resources)
@@ -298,5 +305,6 @@ def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_
     assert lake.read("silver", "records", where=pl.col("batch_id") == batch).height == 20
     rejects = lake.read("silver", "rejects", where=pl.col("batch_id") == batch)
     assert rejects["stage"].to_list() == ["exact_dup"]
+    assert lake.read("silver", "minhash_bands").group_by("batch_id").len().sort("batch_id")["len"].to_list() == [17 * 20, 17 * 20]
     index = lake.read("silver", "minhash_index")
     assert index.group_by("batch_id").agg(pl.col("response_signature").is_null().all()).sort("batch_id")[:, 1].to_list() == [True, False]

@@ -1,18 +1,20 @@
-"""silver/records, silver/rejects, silver/minhash_index: one ingest batch, curated."""
+"""silver/records, silver/rejects, silver/minhash_index, silver/minhash_bands: one ingest batch, curated."""
 
 import polars as pl
 from dagster import AssetDep, AssetExecutionContext, AssetSpec, DagsterInstance, Failure, MaterializeResult, multi_asset
 
-from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
+from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     REFERENCE_EVAL_SETS,
+    SILVER_MINHASH_BANDS,
     SILVER_MINHASH_INDEX,
     SILVER_RECORDS,
     SILVER_REJECTS,
 )
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
@@ -35,6 +37,8 @@ def _spec(key, description: str) -> AssetSpec:
         _spec(SILVER_RECORDS, "Normalized, exact and near deduplicated, decontaminated, quality-gated records."),
         _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
+        _spec(SILVER_MINHASH_BANDS, "The index's keys by band (and the exact hashes' first 60 bits, band -1), "
+              "partitioned by band: what a new batch is joined with, one task a band."),
     ],
     partitions_def=ingest_batches,
     pool="silver",  # one batch at a time: each dedups against the index the others wrote
@@ -48,13 +52,17 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     bronze = lake.read("bronze", "records", version=bronze_version, where=pl.col("batch_id") == batch_id)
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
-    history = _dedup_history(context, lake, batch_id)
+    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=bronze.height,
+                                          excluded=_left_out_of_dedup(context, batch_id),
+                                          config=silver_policy.silver_config().minhash)
     context.log.info(
         f"batch {batch_id}: {bronze.height} bronze rows (bronze/records v{bronze_version}); "
         f"{len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
 
-    curated = curate(bronze, history, eval_index, silver_policy.silver_config(), ray_engine.run)
+    curated = curate(bronze, look_up, eval_index, silver_policy.silver_config(), ray_engine.run)
+    context.log.info(f"index lookup: {curated.index_lookup}, {lookup_report.get('tasks', 0)} task(s) on "
+                     f"{lookup_report.get('ran_on', 'nothing')}")
     for stage, counters in curated.stages.items():
         context.log.info(f"{stage}: {counters}")
 
@@ -67,8 +75,10 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id, add_columns=True)
         for key, frame in ((SILVER_RECORDS, kept), (SILVER_REJECTS, rejects), (SILVER_MINHASH_INDEX, index))
     }
+    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
 
-    upstream = {"bronze/records": bronze_version, "reference/eval_sets": eval_sets.fingerprint(eval_files)}
+    upstream = {"bronze/records": bronze_version, "reference/eval_sets": eval_sets.fingerprint(eval_files),
+                **lookup_report.get("versions", {})}
     shared = {
         "batch_id": batch_id,
         "bronze_rows": bronze.height,
@@ -81,13 +91,20 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "block_stages_ran_on": engine_used(curated.stages["normalize"]),
         "block_stage_seconds": curated.block_stage_seconds,  # the sizer spreads these over a cluster's cores
         "block_wall_seconds": curated.block_wall_seconds,
+        "index_keys_looked_up": curated.index_lookup["keys"],
+        "index_entries_found": curated.index_lookup["entries_found"],
+        "index_lookup_seconds": curated.index_lookup.get("seconds", 0.0),
+        "index_lookup_ran_on": lookup_report.get("ran_on", "nothing to look up"),
     }
     extra = {
         SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
         SILVER_REJECTS: {"rejected_by_stage": table_metadata(rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
         SILVER_MINHASH_INDEX: {"lsh_params": index["lsh_params"][0] if index.height else None},
+        SILVER_MINHASH_BANDS: {},
     }
-    for key, model in ((SILVER_RECORDS, SilverRecord), (SILVER_REJECTS, SilverReject), (SILVER_MINHASH_INDEX, MinhashIndexEntry)):
+    contracts = {SILVER_RECORDS: SilverRecord, SILVER_REJECTS: SilverReject, SILVER_MINHASH_INDEX: MinhashIndexEntry,
+                 SILVER_MINHASH_BANDS: MinhashBandEntry}
+    for key, model in contracts.items():
         yield MaterializeResult(
             asset_key=key,
             metadata={
@@ -116,16 +133,13 @@ def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
     )
 
 
-def _dedup_history(context: AssetExecutionContext, lake: LakeResource, batch_id: str) -> pl.LazyFrame | None:
-    """The MinHash index of every other batch, less blocked ones: their records never reach gold, so they
-    must not reject a later copy. A batch re-run after later ones dedups against those too."""
-    scan = lake.scan("silver", "minhash_index")
-    if scan is None:
-        return None
+def _left_out_of_dedup(context: AssetExecutionContext, batch_id: str) -> list[str]:
+    """The batch itself and blocked batches: their records never reach gold, so they must not reject a
+    later copy. A batch re-run after later ones dedups against those too."""
     blocked = sorted(blocked_batches(context.instance) - {batch_id})
     if blocked:
         context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")
-    return scan.filter((pl.col("batch_id") != batch_id) & ~pl.col("batch_id").is_in(blocked))
+    return [batch_id, *blocked]
 
 
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:

@@ -5,9 +5,9 @@ import warnings
 import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, PreviewWarning, asset_check
 
-from pipeline_assets.contracts import MinhashIndexEntry, SilverRecord, SilverReject
+from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverRecord, SilverReject
 from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
-from pipeline_assets.defs.keys import SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
+from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
@@ -109,6 +109,7 @@ silver_checks = [
     _contract_check(SILVER_RECORDS, SilverRecord),
     _contract_check(SILVER_REJECTS, SilverReject),
     _contract_check(SILVER_MINHASH_INDEX, MinhashIndexEntry),
+    _contract_check(SILVER_MINHASH_BANDS, MinhashBandEntry),
     silver_pass_rate,
     silver_drift,
     silver_volume,
