@@ -10,8 +10,9 @@ the matches, not with the history.
 
 The other batches are found through ``silver/minhash_bands``: every kept record's LSH band keys and
 the first 60 bits of its exact hash, one row a band, partitioned by band. A batch looks up its own
-keys one band at a time (``find_in_band``: one task a band, on Ray where the batch runs its block
-stages), and only the entries that share a key come back with their signatures (``IndexLookup``).
+keys one band at a time (``find_in_band``: a task a band and slice of batches, on Ray where the
+batch runs its block stages), and only the entries that share a key come back with their
+signatures (``IndexLookup``).
 
 A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
 the LSH over prompt + response, and are verified on both texts' signatures, so different answers
@@ -297,12 +298,12 @@ def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig()) ->
     return pl.concat([exact, lsh]).unique()
 
 
-def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, excluded: list[str]) -> pl.DataFrame:
-    """(record_id, batch_id) of the entries of ``band`` that hold one of ``keys``, batches in
-    ``excluded`` left out: one task's work, on one partition of ``silver/minhash_bands``."""
+def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None) -> pl.DataFrame:
+    """(record_id, batch_id) of the entries of ``band`` (of ``batches``; None: all) that hold one of
+    ``keys``: one task's work, on partitions of ``silver/minhash_bands``."""
+    where = (pl.col("band") == band) & pl.col("band_key").is_in(keys.implode())
     return (
-        bands.filter((pl.col("band") == band) & ~pl.col("batch_id").is_in(excluded))
-        .join(pl.LazyFrame({"band_key": keys}), on="band_key", how="semi")
+        bands.filter(where if batches is None else where & pl.col("batch_id").is_in(batches))
         .select("record_id", "batch_id")
         .collect()
     )
@@ -317,7 +318,7 @@ def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
 
     def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
         found = pl.concat(
-            [find_in_band(bands, band, keys["band_key"], []) for (band,), keys in wanted.group_by("band")],
+            [find_in_band(bands, band, keys["band_key"]) for (band,), keys in wanted.group_by("band")],
             how="vertical",
         )
         return entries.filter(pl.col("record_id").is_in(found["record_id"].implode()))

@@ -7,8 +7,8 @@ a stage is kept in ``rejects`` with the stage and its evidence, so for every bat
 The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
 MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
 them block by block (in this process, or on Ray); the dedup stages look across the batch and the
-entries of other batches that share one of its keys (``IndexLookup``: one task a band, on Ray with
-the block stages), on hashes and signatures, in the calling process.
+entries of other batches that share one of its keys (``IndexLookup``: a task a band and slice of
+batches, on Ray with the block stages), on hashes and signatures, in the calling process.
 """
 
 from __future__ import annotations

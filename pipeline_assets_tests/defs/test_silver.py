@@ -308,3 +308,18 @@ def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_
     assert lake.read("silver", "minhash_bands").group_by("batch_id").len().sort("batch_id")["len"].to_list() == [17 * 20, 17 * 20]
     index = lake.read("silver", "minhash_index")
     assert index.group_by("batch_id").agg(pl.col("response_signature").is_null().all()).sort("batch_id")[:, 1].to_list() == [True, False]
+
+
+def test_the_lookup_cuts_the_other_batches_into_slices_by_their_indexed_records(tmp_path):
+    from deltalake import DeltaTable
+
+    from pipeline_assets.defs.silver.lookup import batch_slices
+
+    uri = str(tmp_path / "minhash_index")
+    for batch, rows in (("b1", 6), ("b2", 5), ("b3", 4), ("b4", 9)):
+        write_deltalake(uri, pl.DataFrame({"record_id": [f"{batch}-{i}" for i in range(rows)], "batch_id": batch}).to_arrow(),
+                        mode="append", partition_by=["batch_id"])
+    index = DeltaTable(uri)
+    assert batch_slices(index, [], 10) == [["b1"], ["b2", "b3"], ["b4"]]
+    assert batch_slices(index, ["b2"], 10) == [["b1", "b3"], ["b4"]]
+    assert batch_slices(index, [], 100) == [["b1", "b2", "b3", "b4"]]

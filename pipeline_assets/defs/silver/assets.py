@@ -38,7 +38,7 @@ def _spec(key, description: str) -> AssetSpec:
         _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
         _spec(SILVER_MINHASH_BANDS, "The index's keys by band (and the exact hashes' first 60 bits, band -1), "
-              "partitioned by band: what a new batch is joined with, one task a band."),
+              "partitioned by band: what a new batch is joined with, a task a band."),
     ],
     partitions_def=ingest_batches,
     pool="silver",  # one batch at a time: each dedups against the index the others wrote

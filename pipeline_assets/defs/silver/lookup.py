@@ -1,10 +1,12 @@
-"""How a silver batch finds the index entries of the other batches: ``silver/minhash_bands``, one task a band.
+"""How a silver batch finds the index entries of the other batches: ``silver/minhash_bands``, by band.
 
-Each task reads one band's partition of the table (pinned to one Delta version) and returns the
-record ids whose key in that band is one of the batch's; only those records' signatures are then
-read from ``silver/minhash_index``. The tasks run where the batch runs its block stages: on Ray
-(which then reads the lake from its workers: on a cluster, the lake must be on shared storage such
-as S3), or in this process.
+The other batches are cut into slices of about ROWS_PER_LOOKUP_TASK indexed records (from the
+Delta log's file statistics). One task a band and slice reads that band's keys in those batches'
+partitions and returns the record ids that hold one of the batch's keys; then one task a slice
+with matches reads those records' entries (hashes and signatures) from ``silver/minhash_index``.
+All of it is pinned to the tables' Delta versions when the step started. The tasks run where the
+batch runs its block stages: on Ray (which reads the lake from its workers: on a cluster, the lake
+must be on shared storage such as S3), or in this process, one after the other.
 """
 
 from __future__ import annotations
@@ -21,44 +23,79 @@ from pipeline_assets.resources import LakeResource
 INDEX = ("silver", "minhash_index")
 BANDS = ("silver", "minhash_bands")
 BANDS_PARTITIONED_BY = ("band", "batch_id")
+ROWS_PER_LOOKUP_TASK = 4_000_000  # indexed records a task reads one band of: about 100 MB of keys and ids
 
 
 def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: BlockEngine, *, batch_rows: int,
                  excluded: list[str], config: MinHashConfig) -> tuple[IndexLookup | None, dict]:
-    """The batch's lookup (None while no batch has an index) and what it reports: the Delta
-    versions it reads and, once it ran, where its tasks ran."""
+    """The batch's lookup (None while no other batch has an index entry) and what it reports: the
+    Delta versions it reads and, once it ran, its tasks and where they ran."""
     index = lake.table(*INDEX)
     if index is None:
         return None, {}
     refuse_other_settings(_values_in_file_stats(index, "lsh_params"), config)
     _add_missing_batches(context, lake, index)
     bands = lake.table(*BANDS)
-    if bands is None:  # no batch has kept a record yet
+    slices = batch_slices(index, excluded, ROWS_PER_LOOKUP_TASK)
+    if bands is None or not slices:
         return None, {}
     report = {"versions": {"silver/minhash_index": index.version(), "silver/minhash_bands": bands.version()}}
-    bands_uri, options = lake.table_uri(*BANDS), lake.storage_options()
+    options = lake.storage_options()
+    bands_at = (lake.table_uri(*BANDS), options, bands.version())
+    index_at = (lake.table_uri(*INDEX), options, index.version())
 
     def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
-        calls = [(bands_uri, options, bands.version(), band, keys["band_key"], excluded)
-                 for (band,), keys in wanted.sort("band").group_by("band", maintain_order=True)]
-        found = engine.map_tasks(find_in_band_table, calls, batch_rows)
-        report.update(tasks=len(calls), ran_on=found.ran_on)
-        matched = pl.concat(found.results).unique()
-        return (
-            pl.scan_delta(index)
-            .filter(pl.col("batch_id").is_in(matched["batch_id"].unique().implode())
-                    & pl.col("record_id").is_in(matched["record_id"].implode()))
-            .collect()
-        )
+        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_at, slices)
+        report.update(tasks)
+        return entries if entries is not None else pl.scan_delta(index).head(0).collect()
 
     return look_up, report
 
 
+def look_up_by_band(wanted: pl.DataFrame, engine: BlockEngine, batch_rows: int, bands_at: tuple, index_at: tuple,
+                    slices: list[list[str]]) -> tuple[pl.DataFrame | None, dict]:
+    """The index entries holding one of the ``wanted`` (band, band_key) rows (None: none), and the
+    tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options, version)."""
+    calls = [(*bands_at, band, keys["band_key"], batches)
+             for (band,), keys in wanted.sort("band").group_by("band", maintain_order=True) for batches in slices]
+    by_band = engine.map_tasks(find_in_band_table, calls, batch_rows)
+    found = pl.concat(by_band.results).unique()
+    reads = [(*index_at, found.filter(pl.col("batch_id").is_in(batches))) for batches in slices]
+    entries = engine.map_tasks(read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows)
+    tasks = {"tasks": f"{len(calls)} by band, {len(entries.results)} reading entries", "ran_on": by_band.ran_on}
+    return (pl.concat(entries.results, how="diagonal_relaxed") if entries.results else None), tasks
+
+
+def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> list[list[str]]:
+    """The index's batches less ``excluded``, in order, cut where a slice reaches ``rows_per_task`` records."""
+    actions = pl.DataFrame(index.get_add_actions(flatten=True))
+    if actions.is_empty():
+        return []
+    rows = (actions.group_by(batch_id="partition.batch_id").agg(pl.col("num_records").sum())
+            .filter(~pl.col("batch_id").is_in(excluded)).sort("batch_id"))
+    slices, current, size = [], [], 0
+    for batch_id, count in rows.iter_rows():
+        if current and size + count > rows_per_task:
+            slices.append(current)
+            current, size = [], 0
+        current.append(batch_id)
+        size += count
+    return [*slices, current] if current else slices
+
+
 def find_in_band_table(uri: str, storage_options: dict | None, version: int, band: int, keys: pl.Series,
-                       excluded: list[str]) -> pl.DataFrame:
-    """One task: ``find_in_band`` on one band's partition of ``silver/minhash_bands`` at ``version``."""
-    table = DeltaTable(uri, version=version, storage_options=storage_options)
-    return find_in_band(pl.scan_delta(table), band, keys, excluded)
+                       batches: list[str]) -> pl.DataFrame:
+    """One task: ``find_in_band`` on one band of some batches' partitions of ``silver/minhash_bands``."""
+    return find_in_band(pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options)), band, keys, batches)
+
+
+def read_entries(uri: str, storage_options: dict | None, version: int, found: pl.DataFrame) -> pl.DataFrame:
+    """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from their batches' partitions."""
+    return (
+        pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options))
+        .filter(pl.col("batch_id").is_in(found["batch_id"].unique().implode()) & pl.col("record_id").is_in(found["record_id"].implode()))
+        .collect()
+    )
 
 
 def write_bands(lake: LakeResource, index: pl.DataFrame, batch_id: str):
