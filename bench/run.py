@@ -14,9 +14,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import bronze_ingest, gold_packing, silver_dedup, sizer, training
+from bench import bronze_ingest, gold_packing, silver_dedup, silver_lookup, sizer, training
 
-BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run, "gold_packing": gold_packing.run,
+BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run, "silver_lookup": silver_lookup.run,
+              "gold_packing": gold_packing.run,
               "training": training.run, "sizer": sizer.run}
 
 
