@@ -316,14 +316,17 @@ class LakeResource(ConfigurableResource):
         )
 
     def replace_partition_streaming(
-        self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, *, column: str, value: str
+        self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, *, column: str, value: str,
+        rows_per_group: int,
     ) -> DeltaCommit:
-        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they come:
-        the Parquet encoding of one frame overlaps the making of the next. Nothing is committed
-        unless every frame was made; an exception raised while making one is raised here."""
+        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they come.
+        delta-rs encodes a row group once it holds ``rows_per_group`` rows (by default only at the
+        end, a million rows): a few frames' worth lets the encoding of one overlap the making of the
+        next. Nothing is committed unless every frame was made; an exception raised while making one
+        is raised here."""
         checked = (_check_partition(layer, name, frame, column, value) for frame in frames)
         return self._write_frames(layer, name, checked, schema, mode="overwrite", partition_by=[column],
-                                  predicate=f"{column} = '{value}'")
+                                  predicate=f"{column} = '{value}'", **_row_groups(rows_per_group))
 
     def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
         return self._write(layer, name, frame, mode="append")

@@ -1,7 +1,7 @@
 """bronze/records and bronze/quarantine: one ingest batch of landing files, contract-checked."""
 
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -60,7 +60,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     # Each file's records are written as they are read: Delta encodes one chunk while the next is parsed.
     records_commit = lake.replace_partition_streaming(
         "bronze", "records", read.record_chunks(_ingest_files(landing, entries, read.source_files)),
-        polars_schema(BronzeRecord), column="batch_id", value=batch_id,
+        polars_schema(BronzeRecord), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
     )
     quarantine = validate(conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord)
     quarantine_commit = lake.replace_partition("bronze", "quarantine", quarantine, column="batch_id", value=batch_id)
@@ -109,7 +109,7 @@ class _BatchRead:
     """A batch's files read in order into contract-checked chunks of records, with what the
     metadata and the accounting need of them tallied on the way."""
 
-    CHUNK_ROWS = 25_000  # records validated at once: the contract's fixed cost per call, against overlap
+    CHUNK_ROWS = 10_000  # records validated at once: the contract's fixed cost per call, against overlap
 
     def __init__(self, context: AssetExecutionContext, batch_id: str, entries: list[dict], source_files: list[str]):
         self.context, self.batch_id, self.entries, self.source_files = context, batch_id, entries, source_files
@@ -121,14 +121,15 @@ class _BatchRead:
         self.chars = 0
 
     def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
-        pending, pending_rows = [], 0
+        pending, pending_rows, chunks = [], 0, 0
         for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
             pending.append(self._add(ordinal, entry, source_file, ingest))
             pending_rows += pending[-1].height
             if pending_rows >= self.CHUNK_ROWS:
                 yield self._checked(pending)
-                pending, pending_rows = [], 0
-        yield self._checked(pending)
+                pending, pending_rows, chunks = [], 0, chunks + 1
+        if pending_rows or not chunks:  # a batch with no records still writes its (empty) partition
+            yield self._checked(pending)
 
     def _add(self, ordinal: int, entry: dict, source_file: str, ingest: "FileIngest") -> pl.DataFrame:
         records, quarantined = with_provenance(
@@ -159,13 +160,16 @@ class FileIngest:
 
 
 def _ingest_files(landing: LandingResource, entries: list[dict], source_files: list[str]) -> Iterator[FileIngest]:
-    """Each registered file's ingest, in order. Files are read side by side: while one thread runs
-    Python, another is in polars, hashlib or I/O."""
-    with ThreadPoolExecutor(max_workers=pl.thread_pool_size(), thread_name_prefix="bronze-read") as pool:
-        yield from pool.map(partial(_ingest_registered_file, landing), entries, source_files)
+    """Each registered file's ingest, in order, read ahead by one thread while this one validates
+    and hands chunks to the Delta writer. One reader: its per-line work holds the GIL, so a second
+    one gains nothing and starves the validation and the writer of the GIL. A file's checksum is
+    computed on another thread while it is parsed (hashlib lets go of the GIL)."""
+    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-read") as reader,
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-checksum") as checksums):
+        yield from reader.map(partial(_ingest_registered_file, landing, checksums), entries, source_files)
 
 
-def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: str) -> FileIngest:
+def _ingest_registered_file(landing: LandingResource, checksums: Executor, entry: dict, source_file: str) -> FileIngest:
     """Read the file version the manifest registered (from the start of a file that grew by appending
     since). A file that is gone or otherwise changed is one quarantined unit; a read that fails for
     any other reason fails the step, to be retried."""
@@ -179,24 +183,23 @@ def _ingest_registered_file(landing: LandingResource, entry: dict, source_file: 
             description=f"reading landing file {source_file} failed ({type(exc).__name__}: {exc}); "
             "nothing of this batch was written, and the step is retried",
         ) from exc
-    checksum = sha256_hex(data)
-    if checksum != entry["checksum"] and sha256_hex(data[: entry["size"]]) == entry["checksum"]:
-        data, checksum = data[: entry["size"]], entry["checksum"]  # it grew since: the registered version is its start
-    if checksum != entry["checksum"]:
+    registered = data[: entry["size"]] if len(data) > entry["size"] else data  # a file that grew: its start
+    checksum = checksums.submit(sha256_hex, registered)
+    result = read_landing_file(name, registered, landing.mapping_for(entry["source"]))
+    if checksum.result() != entry["checksum"]:
         changed = rejected_file(
             "unreadable_file",
-            f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {checksum[:12]}); "
+            f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {sha256_hex(data)[:12]}); "
             "the landing sensor registers the new version as a new batch",
         )
         return FileIngest(changed, len(data), 1, 0)
-    result = read_landing_file(name, data, landing.mapping_for(entry["source"]))
-    redelivered = redelivered_lines(name, data, entry["previous_size"], entry["previous_checksum"])
+    redelivered = redelivered_lines(name, registered, entry["previous_size"], entry["previous_checksum"])
     if redelivered:
         result = set_aside_redelivered(
             result, redelivered,
             f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch {entry['previous_batch']}",
         )
-    return FileIngest(result, len(data), count_units(name, data), redelivered)
+    return FileIngest(result, len(registered), count_units(name, registered), redelivered)
 
 
 def _file_accounting(source_file: str, source: str, ingest: FileIngest) -> dict:
