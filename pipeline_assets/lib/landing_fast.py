@@ -18,6 +18,13 @@ with the values the exact path would give it, when
 
 msgspec refuses some lines orjson reads (its nesting limit is lower); those take the exact path,
 which is correct, only slower.
+
+A file's lines are decoded a run at a time (``LineBuffer``, one ``decode_lines`` call a run of
+lines that each start with ``{`` and end with ``}``), not one call a line: a raw newline cannot be
+inside a JSON string, and ``}`` then ``{`` across one cannot be inside a JSON value, so each such
+line holds at least one whole value, and a run that decodes into as many values as it has lines
+holds exactly one a line, each as that line alone decodes. Where a run is refused, its lines
+before the refused one are decoded as a run and that line alone, as before.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 
 import msgspec
+import numpy as np
 import orjson
 import polars as pl
 
@@ -85,8 +93,54 @@ class CleanLines:
     other_lines: list[int]  # 1-based numbers of every other line, ascending
 
 
+class LineBuffer(Sequence[bytes]):
+    """The lines of a text as ``text.split(b"\\n")`` gives them, without copying them out: the text and
+    where each line starts and ends. A last line with no newline is a line unless ``keep_tail`` is
+    false (a stream that broke off: the exact path quarantines what is left of it)."""
+
+    def __init__(self, text: bytes, *, keep_tail: bool = True):
+        self._text, self._codes = text, np.frombuffer(text, dtype=np.uint8)
+        ends = np.flatnonzero(self._codes == ord("\n"))
+        if keep_tail and len(text) and (len(ends) == 0 or ends[-1] != len(text) - 1):
+            ends = np.append(ends, len(text))
+        self._ends = ends
+        self._starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else ends
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int) -> bytes:  # type: ignore[override]  # an int: no slices
+        return self._text[self._starts[index]:self._ends[index]]
+
+    def offset(self, index: int) -> int:
+        return int(self._starts[index])
+
+    def line_at(self, offset: int) -> int:
+        """The line holding the byte at ``offset`` (its newline included)."""
+        return int(np.searchsorted(self._ends, offset, side="left"))
+
+    def span(self, start: int, stop: int) -> memoryview:
+        """Lines ``start`` to ``stop`` (exclusive) with the newlines between them."""
+        return memoryview(self._text)[self._starts[start]:self._ends[stop - 1]]
+
+    def object_runs(self) -> list[tuple[int, int]]:
+        """Runs ``(start, stop)`` of consecutive lines that start with ``{`` and end with ``}`` (one
+        ``\\r`` after it allowed, as the exact path strips it)."""
+        if not len(self):
+            return []
+        starts, last = self._starts, self._ends - 1
+        last = np.where((last > starts) & (self._codes[np.maximum(last, 0)] == ord("\r")), last - 1, last)
+        whole = last > starts  # at least two bytes, so both ends below are inside the line
+        shaped = np.zeros(len(self) + 2, dtype=np.int8)
+        shaped[1:-1] = whole & (self._codes[np.where(whole, starts, 0)] == ord("{")) & (
+            self._codes[np.where(whole, last, 0)] == ord("}"))
+        edges = np.flatnonzero(np.diff(shaped))  # a run starts where 0 -> 1 and stops where 1 -> 0
+        return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
 def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] | None = None) -> CleanLines:
-    """Records of the lines proven clean, and the numbers of the lines the exact path must decide."""
+    """Records of the lines proven clean, and the numbers of the lines the exact path must decide.
+    ``lines``: a ``LineBuffer`` (decoded a run at a time) or any sequence (a line at a time)."""
     mapping = dict(field_mapping or {})
     if not _mapping_is_supported(mapping):
         return CleanLines(PARSED_SCHEMA.to_frame(), list(range(1, len(lines) + 1)))
@@ -171,31 +225,78 @@ class _Decoded:
 
 def _decode(lines: Sequence[bytes], mapping: dict[str, str]) -> _Decoded:
     """Decode every line with a typed struct; unknown fields met on the way are added to it."""
-    unknown = tuple(mapping)  # a mapped field is read like an unknown one, then moved
-    mapped_to = frozenset(mapping.values())
-    decode = _decoder(unknown, mapped_to).decode
-    rows, failed = [], []
-    for line in lines:
+    decoding = _Decoding(tuple(mapping), frozenset(mapping.values()))  # a mapped field is read like an unknown one, then moved
+    done = 0
+    for start, stop in lines.object_runs() if isinstance(lines, LineBuffer) else []:
+        decoding.alone(lines, done, start)
+        decoding.run(lines, start, stop)
+        done = stop
+    decoding.alone(lines, done, len(lines))
+    return _Decoded(decoding.rows, decoding.numbers, decoding.failed, decoding.unknown)
+
+
+class _Decoding:
+    """Lines decoded so far, in line order, and the decoder for the unknown fields met so far."""
+
+    def __init__(self, unknown: tuple[str, ...], mapped_to: frozenset[str]):
+        self.unknown, self.mapped_to = unknown, mapped_to
+        self.decoder = _decoder(unknown, mapped_to)
+        self.rows: list = []  # one struct per decoded line
+        self.numbers: list[int] = []  # its 1-based line number
+        self.failed: list[int] = []
+
+    def alone(self, lines: Sequence[bytes], start: int, stop: int) -> None:
+        for index in range(start, stop):
+            self.line(index, lines[index])
+
+    def line(self, index: int, line: bytes) -> None:
         try:
-            rows.append(decode(line))
-            continue
+            self._keep(index, self.decoder.decode(line))
+            return
         except _REFUSED:
             pass
-        found = _new_unknown_fields(line, unknown)
+        found = _new_unknown_fields(line, self.unknown)
         if found:
-            unknown += found
-            decode = _decoder(unknown, mapped_to).decode
+            self.unknown += found
+            self.decoder = _decoder(self.unknown, self.mapped_to)
             try:
-                rows.append(decode(line))
-                continue
+                self._keep(index, self.decoder.decode(line))
+                return
             except _REFUSED:
                 pass
-        rows.append(None)
-        failed.append(len(rows))
-    if not failed:
-        return _Decoded(rows, list(range(1, len(rows) + 1)), failed, unknown)
-    numbers = [number for number, row in enumerate(rows, start=1) if row is not None]
-    return _Decoded([row for row in rows if row is not None], numbers, failed, unknown)
+        self.failed.append(index + 1)
+
+    def run(self, lines: LineBuffer, start: int, stop: int) -> None:
+        """Lines ``start`` to ``stop``, each starting with ``{`` and ending with ``}``, a run at a
+        time. Where a run is refused, the lines before the line it names are a run and that line is
+        decided alone; where the refusal names no line, the run is halved."""
+        then: list[tuple[int, bool]] = []  # (stop to go on to, whether the line at ``start`` is decided alone first)
+        while True:
+            if start < stop:
+                try:
+                    values = self.decoder.decode_lines(lines.span(start, stop))
+                except _REFUSED as refusal:
+                    refused = _refused_line(refusal, lines, start, stop)
+                    halve = refused is None and stop - start > 1
+                    then.append((stop, not halve))
+                    stop = (start + stop) // 2 if halve else (start if refused is None else refused)
+                    continue
+                if len(values) == stop - start:
+                    self.rows += values
+                    self.numbers += range(start + 1, stop + 1)
+                else:  # cannot happen for such lines; a line at a time if it does
+                    self.alone(lines, start, stop)
+                start = stop
+            if not then:
+                return
+            stop, alone = then.pop()
+            if alone:
+                self.line(start, lines[start])
+                start += 1
+
+    def _keep(self, index: int, row) -> None:
+        self.rows.append(row)
+        self.numbers.append(index + 1)
 
 
 def _new_unknown_fields(line: bytes, unknown: tuple[str, ...]) -> tuple[str, ...]:
@@ -205,6 +306,32 @@ def _new_unknown_fields(line: bytes, unknown: tuple[str, ...]) -> tuple[str, ...
         return ()
     found = tuple(key for key in keys if key not in KNOWN_FIELDS and key not in unknown)
     return found if len(unknown) + len(found) <= _MAX_UNKNOWN_FIELDS else ()
+
+
+_AT_VALUE = re.compile(r"at `\$\[(\d+)\]")  # a ValidationError names the value of the run
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # a DecodeError, the byte where it could not go on
+
+
+def _refused_line(refusal: Exception, lines: LineBuffer, start: int, stop: int) -> int | None:
+    """The line of ``start`` to ``stop`` where msgspec refused the run, when it says (a malformed
+    line is named where the parser stopped, at or after the fault: the lines before it are tried
+    again as a run, which finds an earlier fault); None when it does not."""
+    message = str(refusal)
+    if isinstance(refusal, msgspec.ValidationError) and (value := _AT_VALUE.search(message)):
+        refused = start + int(value[1])
+    elif isinstance(refusal, msgspec.DecodeError) and (byte := _AT_BYTE.search(message)):
+        refused = lines.line_at(lines.offset(start) + int(byte[1]))
+    elif isinstance(refusal, msgspec.DecodeError) and message == "Input data was truncated":
+        refused = stop - 1
+    elif isinstance(refusal, UnicodeDecodeError):  # its position is within a string: find the bytes
+        try:
+            str(lines.span(start, stop), "utf-8")
+            return None
+        except UnicodeDecodeError as bad:
+            refused = lines.line_at(lines.offset(start) + bad.start)
+    else:
+        return None
+    return refused if start <= refused < stop else None
 
 
 @lru_cache(maxsize=256)
@@ -319,10 +446,8 @@ def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, s
         return [None] * len(decoded.rows)
     attrs = [f"u{i}" for i in range(len(decoded.unknown))]
     if len(attrs) == 1:  # the common case, one extra field a source adds: no order to keep
-        attr, key = attrs[0], decoded.unknown[0]
-        raws = [bytes(getattr(row, attr, _ABSENT)) for row in decoded.rows]
-        key_json = orjson.dumps(key).decode()
-        return _distinct_texts(raws, lambda raw: _one_field_json(key, key_json, raw), unsure)
+        raws = [bytes(getattr(row, attrs[0], _ABSENT)) for row in decoded.rows]
+        return _one_field_texts(decoded.unknown[0], raws, unsure)
     texts = []
     for position, row in enumerate(decoded.rows):
         present = any(getattr(row, attr, _ABSENT) for attr in attrs)
@@ -334,21 +459,26 @@ def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, s
     return texts
 
 
-def _one_field_json(key: str, key_json: str, raw: bytes) -> str | None:
-    """``{key: value}`` as orjson writes it. A string with no escape and no control character is
-    written back exactly as it was read (orjson escapes only quotes, backslashes and control
-    characters), so it is copied, not parsed: session ids and the like are mostly distinct."""
-    if not raw:
-        return None
-    if raw[:1] == b'"' and b"\\" not in raw and not _CONTROL_CHARACTER.search(raw):
-        try:
-            return "{" + key_json + ":" + raw.decode() + "}"
-        except UnicodeDecodeError:
-            raise _NotClean() from None
-    return _dumped({key: _parsed(raw)})
-
-
-_CONTROL_CHARACTER = re.compile(rb"[\x00-\x1f]")
+def _one_field_texts(key: str, raws: list[bytes], unsure: set[int]) -> pl.Series:
+    """``{key: value}`` for each raw value, as orjson writes it (None where absent). A string with
+    no escape and no control character is written back exactly as it was read (orjson escapes only
+    quotes, backslashes and control characters), so those are copied in polars, not parsed (session
+    ids and the like: mostly distinct); other values are parsed and written once each."""
+    key_json = orjson.dumps(key).decode()
+    present = pl.Series(raws, dtype=pl.Binary)
+    try:
+        text = present.cast(pl.String)
+    except pl.exceptions.ComputeError:  # a value is not UTF-8: every value is parsed
+        text = pl.Series([None] * len(raws), dtype=pl.String)
+    copied = (text.str.starts_with('"') & ~text.str.contains(r"[\\\x00-\x1f]")).fill_null(False)
+    written = pl.select(pl.when(copied).then(pl.lit("{" + key_json + ":") + text + pl.lit("}"))).to_series()
+    parsed = (~copied & (present.bin.size() > 0)).arg_true().to_list()
+    if not parsed:
+        return written
+    refused: set[int] = set()
+    values = _distinct_texts([raws[i] for i in parsed], lambda raw: _dumped({key: _parsed(raw)}), refused)
+    unsure.update(parsed[i] for i in refused)
+    return written.scatter(parsed, pl.Series(values, dtype=pl.String))
 
 
 def _extra_in_line_order(line: bytes, mapping: dict[str, str]) -> str | None:

@@ -28,7 +28,7 @@ from pipeline_assets.lib.landing_contract import (
     validate_landing_object,
     with_content_hash,
 )
-from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
+from pipeline_assets.lib.landing_fast import LineBuffer, split_clean_lines, split_clean_rows
 
 FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -92,15 +92,17 @@ def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder", *, fast: bool) 
     if failure is not None and failure[0] == "unreadable_file":
         builder.reject(0, "", *failure)
         return
-    lines = text.split(b"\n")
-    tail = lines.pop()  # b"" when the text ends with a newline
-    if failure is None and tail:
-        lines.append(tail)  # a last line without its newline
+    tail = text[text.rfind(b"\n") + 1 :]  # b"" when the text ends with a newline
     if fast:
+        lines = LineBuffer(text, keep_tail=failure is None)
         clean = split_clean_lines(lines, builder.field_mapping)
         builder.add_records(clean.records)
         numbers = clean.other_lines
     else:
+        lines = text.split(b"\n")
+        lines.pop()
+        if failure is None and tail:
+            lines.append(tail)  # a last line without its newline
         numbers = range(1, len(lines) + 1)
     for number in numbers:
         builder.add_line(number, lines[number - 1])
@@ -224,8 +226,8 @@ class _FrameBuilder:
         records = pl.DataFrame(self._columns, schema=PARSED_SCHEMA)
         if self._bulk and records.is_empty():
             records = pl.concat(self._bulk)
-        elif self._bulk:  # lines of both paths: back in line order
-            records = pl.concat([*self._bulk, records]).sort("source_line")
+        elif self._bulk:  # lines of both paths, each in line order: merged back into line order
+            records = pl.concat(self._bulk).merge_sorted(records, key="source_line")
         return FileReadResult(
             records=with_content_hash(records.lazy()).collect(),
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),

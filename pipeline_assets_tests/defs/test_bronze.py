@@ -56,6 +56,32 @@ def test_bronze_accounts_for_every_line_of_every_format(instance, resources, lan
     assert checks["bronze/records:quarantine_rate"].passed  # 1 of 41 annotate lines = 2.4% < 5%
 
 
+def test_the_run_log_shows_progress_and_names_each_file_that_set_lines_aside(instance, resources, landing_dir):
+    _mixed_landing(landing_dir)
+    result = materialize_bronze(instance, resources, register(instance, resources))
+    messages = [entry.user_message for entry in instance.all_logs(result.run_id) if entry.user_message]
+    progress = [m for m in messages if " file(s) read: " in m]
+    assert progress == [
+        "4 of 4 file(s) read: 130 record(s) accepted, 1 set aside\n"
+        "  annotate/a.jsonl: 41 lines counted, 40 accepted, 1 set aside (invalid_json 1)"
+    ], "a batch read in seconds logs once, at its end, naming the file that set a line aside"
+
+
+def test_a_progress_line_names_so_many_files_and_counts_the_rest(instance, resources, landing_dir, monkeypatch):
+    from pipeline_assets.defs.bronze.assets import _BatchRead
+
+    monkeypatch.setattr(_BatchRead, "FILES_NAMED", 2)
+    for name in "abcd":
+        write_landing_file(landing_dir, "annotate", f"{name}.jsonl", [record(1), b"[]"])
+    result = materialize_bronze(instance, resources, register(instance, resources))
+    [progress] = [e.user_message for e in instance.all_logs(result.run_id) if " file(s) read: " in (e.user_message or "")]
+    assert progress.splitlines()[1:] == [
+        "  annotate/a.jsonl: 2 lines counted, 1 accepted, 1 set aside (not_an_object 1)",
+        "  annotate/b.jsonl: 2 lines counted, 1 accepted, 1 set aside (not_an_object 1)",
+        "  and 2 more file(s) with lines set aside (per_file_accounting lists them)",
+    ]
+
+
 def test_rematerializing_a_batch_replaces_its_rows(instance, resources, landing_dir):
     _mixed_landing(landing_dir)
     batch = register(instance, resources)

@@ -19,7 +19,7 @@ import orjson
 import polars as pl
 import pytest
 
-from pipeline_assets.lib.landing_fast import split_clean_lines, split_clean_rows
+from pipeline_assets.lib.landing_fast import LineBuffer, split_clean_lines, split_clean_rows
 from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
 from pipeline_assets_tests.conftest import jsonl_bytes, record
 
@@ -281,3 +281,47 @@ def test_text_parquet_takes_the_fast_path():
     assert clean.other_lines == [2]
     assert clean.records.select("id", "extra").rows() == [("1", '{"url":"u1"}')]
     assert split_clean_rows(frame.with_columns(id=pl.lit(True))) is None  # a boolean id: the exact path
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_line_buffer_holds_the_lines_split_gives(seed):
+    rng = random.Random(seed)
+    text = b"".join(rng.choice([b"\n", b"\r\n", b"{", b"}", b"x", b" ", b"\r"]) for _ in range(rng.randrange(0, 40)))
+    for keep_tail in (True, False):
+        lines = text.split(b"\n")
+        tail = lines.pop()
+        if keep_tail and tail:
+            lines.append(tail)
+        buffer = LineBuffer(text, keep_tail=keep_tail)
+        assert [buffer[i] for i in range(len(buffer))] == lines
+        for start, stop in buffer.object_runs():
+            assert bytes(buffer.span(start, stop)) == b"\n".join(lines[start:stop])
+        shaped = [i for start, stop in buffer.object_runs() for i in range(start, stop)]
+        assert shaped == [i for i, line in enumerate(lines) if len(line.removesuffix(b"\r")) >= 2
+                          and line[:1] == b"{" and line.removesuffix(b"\r")[-1:] == b"}"]
+
+
+# Lines that start with "{" and end with "}", so they sit in a run decoded in one call, but that a
+# run refuses: each must be found, and the run's other lines kept with their own line numbers.
+REFUSED_IN_A_RUN = {
+    "an unbalanced object, refused only at the next line's {": b'{"prompt": "p", "response": "r", "meta": {"a": 1}',
+    "two objects on one line": b'{"prompt": "p", "response": "r"} {"prompt": "q", "response": "s"}',
+    "invalid UTF-8, which names no byte of the run": b'{"prompt": "p\xff", "response": "r"}',
+    "nesting past msgspec's limit": b'{"prompt": "p", "response": "r", "meta": {"a": ' + b"[" * 1100 + b"]" * 1100 + b"}}",
+    "a wrong type": b'{"prompt": 7, "response": "r"}',
+    "an unknown field first met here": b'{"prompt": "p", "response": "r", "session_id": "s-9"}',
+    "a lone surrogate": b'{"prompt": "\\ud800", "response": "r"}',
+}
+
+
+@pytest.mark.parametrize("line", REFUSED_IN_A_RUN.values(), ids=REFUSED_IN_A_RUN.keys())
+@pytest.mark.parametrize("at", [0, 1, 6, 11])
+def test_a_line_a_run_refuses_is_decided_alone_and_the_rest_of_the_run_kept(line, at):
+    lines = [jsonl_bytes([record(i)]).rstrip(b"\n") for i in range(12)]
+    lines[at] = line
+    data = b"\n".join(lines) + b"\n"
+    assert LineBuffer(data).object_runs() == [(0, 12)]
+    fast, exact = read_landing_file("f.jsonl", data), read_landing_file_exact("f.jsonl", data)
+    assert fast.records.equals(exact.records) and fast.quarantine.equals(exact.quarantine)
+    kept = set(exact.records["source_line"])
+    assert set(range(1, 13)) - kept <= {at + 1}, "every line but the refused one is kept"

@@ -1,8 +1,9 @@
 """bronze/records and bronze/quarantine: one ingest batch of landing files, contract-checked."""
 
 
-from concurrent.futures import Executor, ThreadPoolExecutor
+import time
 from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
@@ -110,6 +111,8 @@ class _BatchRead:
     metadata and the accounting need of them tallied on the way."""
 
     CHUNK_ROWS = 10_000  # records validated at once: the contract's fixed cost per call, against overlap
+    PROGRESS_SECONDS = 5.0  # a progress line at most this often
+    FILES_NAMED = 20  # files with lines set aside a progress line names
 
     def __init__(self, context: AssetExecutionContext, batch_id: str, entries: list[dict], source_files: list[str]):
         self.context, self.batch_id, self.entries, self.source_files = context, batch_id, entries, source_files
@@ -119,6 +122,9 @@ class _BatchRead:
         self.rows_by_source: dict[str, int] = {}
         self.input_bytes = 0
         self.chars = 0
+        self.logged_at = time.monotonic()
+        self.files_named: list[str] = []  # files that set lines aside since the last progress line
+        self.files_not_named = 0
 
     def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
         pending, pending_rows, chunks = [], 0, 0
@@ -141,8 +147,25 @@ class _BatchRead:
         self.per_file.append(_file_accounting(source_file, entry["source"], ingest))
         if records.height:
             self.rows_by_source[entry["source"]] = self.rows_by_source.get(entry["source"], 0) + records.height
-        self.context.log.info(_describe(source_file, ingest))
+        self._log(source_file, ingest, last=ordinal == len(self.entries) - 1)
         return records
+
+    def _log(self, source_file: str, ingest: "FileIngest", last: bool) -> None:
+        """Progress every PROGRESS_SECONDS and at the end, with a line for each file read since that
+        set lines aside: one event a file would flood the run's log (and its event storage) on a
+        batch of many files. Every file's counts are in the metadata (per_file_accounting)."""
+        if ingest.result.quarantine.height and len(self.files_named) < self.FILES_NAMED:
+            self.files_named.append(_describe(source_file, ingest))
+        elif ingest.result.quarantine.height:
+            self.files_not_named += 1
+        if not last and time.monotonic() - self.logged_at < self.PROGRESS_SECONDS:
+            return
+        accepted = sum(self.rows_by_source.values())
+        set_aside = sum(part.height for part in self.quarantine_parts)
+        progress = f"{len(self.per_file)} of {len(self.entries)} file(s) read: {accepted} record(s) accepted, {set_aside} set aside"
+        more = [f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting lists them)"]
+        self.context.log.info("\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])]))
+        self.files_named, self.files_not_named, self.logged_at = [], 0, time.monotonic()
 
     def _checked(self, parts: list[pl.DataFrame]) -> pl.DataFrame:
         frame = conform(pl.concat(parts), BronzeRecord) if parts else polars_schema(BronzeRecord).to_frame()
