@@ -229,7 +229,8 @@ def _decode(lines: Sequence[bytes], mapping: dict[str, str]) -> _Decoded:
     done = 0
     for start, stop in lines.object_runs() if isinstance(lines, LineBuffer) else []:
         decoding.alone(lines, done, start)
-        decoding.run(lines, start, stop)
+        for piece in range(start, stop, _RUN_LINES):
+            decoding.run(lines, piece, min(piece + _RUN_LINES, stop))
         done = stop
     decoding.alone(lines, done, len(lines))
     return _Decoded(decoding.rows, decoding.numbers, decoding.failed, decoding.unknown)
@@ -308,6 +309,10 @@ def _new_unknown_fields(line: bytes, unknown: tuple[str, ...]) -> tuple[str, ...
     return found if len(unknown) + len(found) <= _MAX_UNKNOWN_FIELDS else ()
 
 
+# Lines decoded in one call at most: a refused line costs decoding the lines before it in its run
+# again, so short runs keep a file with many bad lines near the cost of a clean one, while a call
+# still takes many lines (its own cost is about that of decoding one line).
+_RUN_LINES = 64
 _AT_VALUE = re.compile(r"at `\$\[(\d+)\]")  # a ValidationError names the value of the run
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # a DecodeError, the byte where it could not go on
 
