@@ -19,10 +19,10 @@ import polars as pl
 from deltalake import DeltaTable, write_deltalake
 
 from bench.timing import best_seconds
-from pipeline_assets.defs.silver.lookup import BANDS_PARTITIONED_BY, ROWS_PER_LOOKUP_TASK, batch_slices, look_up_by_band
+from pipeline_assets.defs.silver.lookup import BANDS_PARTITIONED_BY, batch_slices, look_up_by_band
 from pipeline_assets.engine import RayEngine
 from pipeline_assets.lib.dedup import (
-    HISTORY_SCHEMA, SIGNATURE_COLUMNS, _earliest_by_hash, _history_matches, _signature_matrix, band_entries, band_keys,
+    HISTORY_SCHEMA, ROWS_PER_LOOKUP_TASK, SIGNATURE_COLUMNS, _earliest_by_hash, _history_matches, _signature_matrix, band_entries, band_keys,
     lsh_params, wanted_keys,
 )
 from pipeline_assets.lib.minhash import MinHashConfig

@@ -252,7 +252,8 @@ def _sizer(args, settings: Settings) -> int:
         args.picture or Path(settings.home) / "reports" / f"sizer-{stamp}.png",
         f"{args.records:,} records, {args.cpu_workers} cores, {args.gpus} GPUs: {_duration(totals['wall_seconds'])}, "
         f"bottleneck {totals['bottleneck']}")
-    fits = {**calibration.fits, **({"silver/block stages": calibration.silver_blocks} if calibration.silver_blocks else {})}
+    apart = {"silver/block stages": calibration.silver_blocks, "silver/index lookup": calibration.silver_lookup}
+    fits = {**calibration.fits, **{stage: fit for stage, fit in apart.items() if fit is not None}}
     totals.update(picture=str(picture), gpu_speed_assumed=assumed, fits={stage: vars(fit) for stage, fit in fits.items()})
     if args.json:
         print(json.dumps({"stages": table.to_dicts(), "totals": totals}, indent=2))

@@ -18,6 +18,7 @@ import hashlib
 import os
 import secrets
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,14 +60,17 @@ class BlockEngine(RayResource):
     def map_tasks(self, function: Callable[..., T], calls: Sequence[tuple], batch_rows: int) -> TaskResults[T]:
         """``function`` on each call's arguments, as Ray tasks wherever a batch of ``batch_rows``
         runs its block stages on Ray, else here one after the other; results in call order."""
+        started = time.perf_counter()
         if not calls or not self.uses_ray(batch_rows):
-            return TaskResults([function(*args) for args in calls], "this process")
+            done = [_timed(function, args) for args in calls]
+            return TaskResults([r for r, _, _ in done], "this process", sum(s for _, s, _ in done), time.perf_counter() - started)
         self._ensure_connected()
         import ray
 
         remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_on_node)  # the bands over every node
         done = ray.get([remote.remote(function, args) for args in calls])
-        return TaskResults([result for result, _ in done], f"Ray, {len({node for _, node in done})} node(s)")
+        return TaskResults([r for r, _, _ in done], f"Ray, {len({node for _, _, node in done})} node(s)",
+                           sum(s for _, s, _ in done), time.perf_counter() - started)
 
     def _ensure_connected(self) -> None:
         """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data would
@@ -179,12 +183,21 @@ def local_ray_options(home: Path) -> dict:
 class TaskResults(Generic[T]):
     results: list[T]
     ran_on: str  # "this process", or how many Ray nodes
+    task_seconds: float = 0.0  # the tasks' own seconds, summed: their work, wherever they ran
+    wall_seconds: float = 0.0  # what the caller waited for them
+
+
+def _timed(function: Callable, args: tuple) -> tuple:
+    started = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - started, None
 
 
 def _on_node(function: Callable, args: tuple) -> tuple:
     import ray
 
-    return function(*args), ray.get_runtime_context().get_node_id()
+    result, seconds, _ = _timed(function, args)
+    return result, seconds, ray.get_runtime_context().get_node_id()
 
 
 def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:

@@ -84,6 +84,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     # Two batches of different sizes: two points (how the fit reads them depends on this machine's timing).
     assert totals["fits"]["bronze"]["points"] == 2 and not totals["fits"]["bronze"]["note"].startswith("one size")
     assert totals["fits"]["training"]["note"].startswith("one size"), "both snapshots trained the same 6 steps"
+    assert totals["fits"]["silver/index lookup"]["points"] >= 1, "the second batch's lookup, fitted on its tasks' seconds"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = _cli(tmp_path, "sizer", "--records", "50000", "--first-model")
     assert table.returncode == 0 and "bottleneck:" in table.stdout and "evaluation" in table.stdout, table.stderr

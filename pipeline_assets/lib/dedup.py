@@ -46,6 +46,7 @@ HISTORY_SCHEMA = pl.Schema(
 )
 
 
+ROWS_PER_LOOKUP_TASK = 4_000_000  # indexed records a lookup task reads one band of: about 100 MB of keys and ids
 EXACT_BAND = -1  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
 BAND_SCHEMA = pl.Schema({"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String})
 IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]

@@ -1,7 +1,8 @@
 """The pipeline sizer: from measured stages to a prediction for a corpus of any size.
 
-Each stage's wall time is modelled as ``fixed * materializations + per_unit * work`` (silver adds
-``per_row * earlier_index_rows``: each batch dedups against the index of every batch before it),
+Each stage's wall time is modelled as ``fixed * materializations + per_unit * work`` (silver's
+lookup in the index of the batches before it is fitted apart, on its tasks' seconds against the
+index rows it searched),
 fitted by least squares on what its past materializations recorded (their own work and wall
 seconds). Work is the text a data stage read (characters), or, for training and evaluation, the
 model FLOPs of the tokens trained (6 x parameters a token) or scored (2 x parameters a token), so
@@ -14,8 +15,9 @@ the validation share), then into time with the stage's parallelism:
 - silver: batches run one at a time (each dedups against the ones before it: the "silver" pool). Its
   block stages (normalize, signatures, decontamination, quality) are fitted apart, on their own
   seconds summed over blocks, and spread over all the target's cores when a batch runs them on Ray
-  (at least ``ray_min_rows`` rows); the rest (reading, dedup across the batch and its history,
-  the Delta commits) runs in the step's process;
+  (at least ``ray_min_rows`` rows); so is its index lookup, a task a band and slice of
+  ROWS_PER_LOOKUP_TASK earlier rows (batch k searches the k before it); the rest (reading, dedup
+  against what the lookup found, the Delta commits) runs in the step's process;
 - gold/tokenizer (a capped sample): one process, as fast as the one measured;
 - evaluation (a capped sample): on GPUs, one rank a GPU at the training speed a GPU has (a forward
   pass: a third of a training token's FLOPs); without GPUs one process, as measured;
@@ -32,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.lib.cost import Prices, bottleneck
+from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 
 BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
@@ -140,6 +143,8 @@ class Calibration:
     tokenizer_sample_chars: float = math.inf  # the tokenizer trains on at most this many characters
     eval_max_tokens: float = math.inf  # validation tokens evaluation scores per model
     silver_blocks: StageFit | None = None  # silver's block stages on their own seconds; None: inside silver's fit
+    silver_lookup: StageFit | None = None  # its index lookup's task seconds against the earlier rows it searched
+    lookup_bands: int = 0  # lookup tasks a slice of the index (its bands and the exact hash's)
 
 
 @dataclass(frozen=True)
@@ -203,17 +208,31 @@ def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, core
 
 
 def _silver_row(c: Calibration, target: Target, batches: int, chars: float, history: float) -> dict:
-    """One batch after another: each batch's own part in the step's process, its block stages on every
-    core of the target when the batch is large enough for Ray (else in that process too)."""
+    """One batch after another: each batch's own part in the step's process, its block stages and its
+    index lookup on every core of the target when the batch is large enough for Ray (else in that
+    process too)."""
     per_batch_chars = chars / batches
     driver = c.fits["silver"].seconds(1, per_batch_chars, history / batches)
-    on_ray = c.silver_blocks is not None and target.records / batches >= target.ray_min_rows
-    block_cores = target.cpu_cores if on_ray else 1
+    on_ray = target.records / batches >= target.ray_min_rows
+    cores = target.cpu_cores if on_ray else 1
     block_core_seconds = c.silver_blocks.seconds(1, per_batch_chars) if c.silver_blocks else 0.0
-    seconds = batches * (driver + block_core_seconds / block_cores)
-    runs_on = f"{c.cores} + {target.cpu_cores} on Ray" if on_ray else f"{c.cores} cores"
-    return _row("silver", chars, runs_on, seconds, cpu_core_seconds=batches * (driver * c.cores + block_core_seconds),
-                gpu_seconds=0.0)
+    kept_per_batch = target.records / batches * c.silver_row_keep
+    lookups = [_lookup_seconds(c, batch * kept_per_batch, cores) for batch in range(1, batches)]  # the first has no history
+    lookup_wall, lookup_core_seconds = sum(wall for wall, _ in lookups), sum(work for _, work in lookups)
+    seconds = batches * (driver + block_core_seconds / cores) + lookup_wall
+    runs_on = f"{c.cores} + {target.cpu_cores} on Ray" if on_ray and (c.silver_blocks or c.silver_lookup) else f"{c.cores} cores"
+    return _row("silver", chars, runs_on, seconds,
+                cpu_core_seconds=batches * (driver * c.cores + block_core_seconds) + lookup_core_seconds, gpu_seconds=0.0)
+
+
+def _lookup_seconds(c: Calibration, index_rows: float, cores: int) -> tuple[float, float]:
+    """One batch's index lookup in ``index_rows`` earlier rows: (wall, core seconds), its tasks (a band
+    and slice each) spread over ``cores``."""
+    if c.silver_lookup is None or index_rows <= 0:
+        return 0.0, 0.0
+    core_seconds = c.silver_lookup.seconds(1, index_rows)
+    tasks = max(c.lookup_bands, 1) * math.ceil(index_rows / ROWS_PER_LOOKUP_TASK)
+    return core_seconds / min(tasks, cores), core_seconds
 
 
 def _evaluation_row(c: Calibration, target: Target, scored: float, parameters: int) -> dict:

@@ -81,6 +81,11 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(two_sa
         assert metadata["silver/records"]["silver_rows"].value == kept
         found = metadata["silver/records"]["index_entries_found"].value
         assert found == 0 if batch == batches[0][0] else found > 0, "batch 2 finds batch 1's entries by band"
+        lookup = {name: metadata["silver/records"][f"index_lookup_{name}"].value for name in ("bands", "task_seconds", "wait_seconds")}
+        if batch == batches[0][0]:
+            assert lookup == {"bands": 0, "task_seconds": 0.0, "wait_seconds": 0.0}, "nothing to look up"
+        else:  # what the sizer spreads: a task a band (16 LSH bands and the exact hash's), timed, in this process
+            assert lookup["bands"] == 17 and 0 < lookup["task_seconds"] <= lookup["wait_seconds"]
         checks = checks_by_name(result)
         assert all(checks[f"silver/{t}:contract"].passed for t in ("records", "rejects", "minhash_index", "minhash_bands"))
         assert checks["silver/records:pass_rate"].passed

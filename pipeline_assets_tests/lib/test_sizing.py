@@ -212,3 +212,32 @@ def test_silver_is_fitted_on_its_own_part_and_its_block_stages_apart():
     assert own == [(200.0, 4.0), (100.0, 2.0)] and blocks == [(200.0, 8.0), (100.0, 7.0)]
     untimed = _silver_points(newest_first[2:], "input_chars")
     assert [(p["stage"], p["wall_seconds"]) for p in untimed] == [("silver", 5.0)]
+
+
+def test_silvers_index_lookup_is_fitted_on_its_tasks_and_spread_a_band_and_slice_a_task():
+    lookup = StageFit(0.0, 1e-6, 2, "")  # a core second per million index rows searched
+    spread = Calibration(**{**vars(calibration(silver=StageFit(2.0, 0.0, 2, ""))), "silver_lookup": lookup,
+                            "lookup_bands": 17})
+    target = Target(records=12_000_000, cpu_cores=20, gpus=0, batch_records=4_000_000)
+    silver = predict(spread, target, Prices())[0].filter(pl.col("stage") == "silver").row(0, named=True)
+    # batch 2 searches 4M rows (one slice: 17 tasks), batch 3 8M rows (two slices: 34 tasks on 20 cores)
+    assert silver["wall_seconds"] == pytest.approx(3 * 2.0 + 4.0 / 17 + 8.0 / 20)
+    assert silver["cpu_core_seconds"] == pytest.approx(3 * 2.0 * 2 + 4.0 + 8.0)
+    in_process = predict(spread, Target(**{**vars(target), "ray_min_rows": 5_000_000}), Prices())[0]
+    assert in_process.filter(pl.col("stage") == "silver")["wall_seconds"][0] == pytest.approx(3 * 2.0 + 4.0 + 8.0)
+
+
+def test_silvers_own_part_leaves_out_the_wait_on_its_lookup_tasks_which_are_fitted_on_the_rows_searched():
+    newest_first = [
+        {"partition": "b2", "input_chars": 200.0, "wall_seconds": 9.0, "block_wall_seconds": 5.0, "block_stage_seconds": 8.0,
+         "silver_rows": 30, "index_lookup_task_seconds": 1.5, "index_lookup_wait_seconds": 1.0},
+        {"partition": "b1", "input_chars": 100.0, "wall_seconds": 6.0, "block_wall_seconds": 4.0, "block_stage_seconds": 7.0,
+         "silver_rows": 40, "index_lookup_task_seconds": 0.5, "index_lookup_wait_seconds": 0.5},
+        {"partition": "b0", "input_chars": 100.0, "wall_seconds": 5.0, "block_wall_seconds": 1.0, "block_stage_seconds": 2.0,
+         "silver_rows": 40},  # recorded before the lookup's tasks were timed
+    ]
+    points = _silver_points(newest_first, "input_chars")
+    by_stage = {stage: [(p["work"], p["wall_seconds"], p["history"]) for p in points if p["stage"] == stage]
+                for stage in {p["stage"] for p in points}}
+    assert by_stage["silver"] == [(200.0, 3.0, 0.0), (100.0, 1.5, 0.0)], "less the blocks' and the lookup's wait; b0 untimed"
+    assert by_stage["silver/index lookup"] == [(80.0, 1.5, 0.0), (40.0, 0.5, 0.0)], "b2 searched b1's and b0's rows, b1 b0's"

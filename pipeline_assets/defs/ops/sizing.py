@@ -22,6 +22,7 @@ from pipeline_assets.lib.sizing import EVAL_FLOPS_PER_PARAMETER, POINTS, TRAIN_F
 # stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
 _FLOPS_PER_PARAMETER = {"training": TRAIN_FLOPS_PER_PARAMETER, "evaluation": EVAL_FLOPS_PER_PARAMETER}
 _SILVER_BLOCKS = "silver/block stages"
+_SILVER_LOOKUP = "silver/index lookup"
 _MEASURED = {
     "bronze": (BRONZE_RECORDS, "input_chars"),
     "silver": (SILVER_RECORDS, "input_chars"),
@@ -42,7 +43,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
         schema=POINTS,
     )
     blocks = points.filter(pl.col("stage") == _SILVER_BLOCKS)
-    points = points.filter(pl.col("stage") != _SILVER_BLOCKS)
+    lookups = points.filter(pl.col("stage") == _SILVER_LOOKUP)
+    points = points.filter(~pl.col("stage").is_in([_SILVER_BLOCKS, _SILVER_LOOKUP]))
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
     if missing:
         raise ValueError(f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
@@ -70,6 +72,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
         eval_max_tokens=eval_max_tokens,
         parameters=int(training["parameters"]),
         silver_blocks=fit_stage(blocks) if not blocks.is_empty() else None,
+        silver_lookup=fit_stage(lookups) if not lookups.is_empty() else None,
+        lookup_bands=max((int(m.get("index_lookup_bands") or 0) for m in silver), default=0),
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver) / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
 
@@ -94,21 +98,28 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
 
 
 def _silver_points(history: list[dict], work: str) -> list[dict]:
-    """Silver's own part (its wall less the wait on its block stages, with the index rows it read) and,
-    apart, its block stages' seconds (``_SILVER_BLOCKS``). Runs recorded before block stages were timed
-    count whole, and only while no run was timed: the two kinds do not mix in one fit."""
+    """Silver's own part (its wall less the wait on its block stages and on its index lookup's tasks)
+    and, apart, its block stages' seconds (``_SILVER_BLOCKS``) and its lookup tasks' seconds against
+    the other batches' index rows it searched (``_SILVER_LOOKUP``). Runs recorded before the block
+    stages or the lookup tasks were timed count whole, with the index rows in silver's own fit, and
+    only while no run was timed: the kinds do not mix in one fit."""
     earlier = _earlier_index_rows(history)
     timed = any(m.get("block_stage_seconds") is not None for m in history)
+    looked_up = any(m.get("index_lookup_task_seconds") is not None for m in history)
     points = []
     for number, m in enumerate(history):
-        if not m.get(work) or m.get("wall_seconds") is None or (timed and m.get("block_stage_seconds") is None):
+        if not m.get(work) or m.get("wall_seconds") is None or (timed and m.get("block_stage_seconds") is None) or (
+                looked_up and m.get("index_lookup_task_seconds") is None):
             continue
-        own = float(m["wall_seconds"]) - float(m.get("block_wall_seconds") or 0.0)
+        own = float(m["wall_seconds"]) - float(m.get("block_wall_seconds") or 0.0) - float(m.get("index_lookup_wait_seconds") or 0.0)
         points.append({"stage": "silver", "materializations": 1, "work": float(m[work]), "wall_seconds": own,
-                       "history": float(earlier.get(number, 0))})
+                       "history": 0.0 if looked_up else float(earlier.get(number, 0))})
         if timed:
             points.append({"stage": _SILVER_BLOCKS, "materializations": 1, "work": float(m[work]),
                            "wall_seconds": float(m["block_stage_seconds"]), "history": 0.0})
+        if looked_up and earlier.get(number):
+            points.append({"stage": _SILVER_LOOKUP, "materializations": 1, "work": float(earlier[number]),
+                           "wall_seconds": float(m["index_lookup_task_seconds"]), "history": 0.0})
     return points
 
 

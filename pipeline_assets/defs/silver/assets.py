@@ -95,6 +95,10 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "index_entries_found": curated.index_lookup["entries_found"],
         "index_lookup_seconds": curated.index_lookup.get("seconds", 0.0),
         "index_lookup_ran_on": lookup_report.get("ran_on", "nothing to look up"),
+        # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on them, a task a band and slice
+        "index_lookup_task_seconds": round(lookup_report.get("task_seconds", 0.0), 3),
+        "index_lookup_wait_seconds": round(lookup_report.get("wait_seconds", 0.0), 3),
+        "index_lookup_bands": lookup_report.get("bands", 0),
     }
     extra = {
         SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},

@@ -16,14 +16,13 @@ from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
 from pipeline_assets.engine import BlockEngine
-from pipeline_assets.lib.dedup import IndexLookup, band_entries, find_in_band, refuse_other_settings
+from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK, IndexLookup, band_entries, find_in_band, refuse_other_settings
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.resources import LakeResource
 
 INDEX = ("silver", "minhash_index")
 BANDS = ("silver", "minhash_bands")
 BANDS_PARTITIONED_BY = ("band", "batch_id")
-ROWS_PER_LOOKUP_TASK = 4_000_000  # indexed records a task reads one band of: about 100 MB of keys and ids
 
 
 def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: BlockEngine, *, batch_rows: int,
@@ -56,13 +55,19 @@ def look_up_by_band(wanted: pl.DataFrame, engine: BlockEngine, batch_rows: int, 
                     slices: list[list[str]]) -> tuple[pl.DataFrame | None, dict]:
     """The index entries holding one of the ``wanted`` (band, band_key) rows (None: none), and the
     tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options, version)."""
-    calls = [(*bands_at, band, keys["band_key"], batches)
-             for (band,), keys in wanted.sort("band").group_by("band", maintain_order=True) for batches in slices]
+    by_key = wanted.sort("band").group_by("band", maintain_order=True)
+    calls = [(*bands_at, band, keys["band_key"], batches) for (band,), keys in by_key for batches in slices]
     by_band = engine.map_tasks(find_in_band_table, calls, batch_rows)
     found = pl.concat(by_band.results).unique()
     reads = [(*index_at, found.filter(pl.col("batch_id").is_in(batches))) for batches in slices]
     entries = engine.map_tasks(read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows)
-    tasks = {"tasks": f"{len(calls)} by band, {len(entries.results)} reading entries", "ran_on": by_band.ran_on}
+    tasks = {
+        "tasks": f"{len(calls)} by band, {len(entries.results)} reading entries",
+        "ran_on": by_band.ran_on,
+        "bands": wanted["band"].n_unique(),  # a task a band and slice: what the sizer spreads
+        "task_seconds": by_band.task_seconds + entries.task_seconds,
+        "wait_seconds": by_band.wall_seconds + entries.wall_seconds,
+    }
     return (pl.concat(entries.results, how="diagonal_relaxed") if entries.results else None), tasks
 
 
