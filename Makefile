@@ -61,7 +61,7 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 	mlflow_pid=$$!; trap "kill $$mlflow_pid" EXIT; \
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(DAGSTER_PORT)
 
-# bench.scale lands 1 and 4 million records from landing to a snapshot: about 85 minutes on 2 cores.
+# bench.scale lands 1 and 4 million records from landing to a snapshot: about 35 minutes on 2 cores.
 bench: install
 	$(BIN)/python -m bench.run --out bench/results
 	$(BIN)/python -m bench.scale --out bench/results/scale.json
