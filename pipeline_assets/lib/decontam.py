@@ -44,6 +44,8 @@ from typing import NamedTuple
 
 import polars as pl
 
+from pipeline_assets.lib.formats import SFT
+
 EVAL_COLUMNS = ("eval_set", "item_id", "prompt", "response")
 EVAL_TEXT_FIELDS = ("prompt", "response")
 REJECT_STAGE = "decontaminated"
@@ -59,7 +61,7 @@ _SLICE_ROWS = 50_000  # records turned into Python strings at a time
 class DecontamConfig:
     ngram: int = 13  # word n-gram size
     lowercase: bool = True  # compare case-insensitively (casefold); punctuation: module docstring
-    fields: tuple[str, ...] = ("prompt", "response")  # record text that is checked, in this order
+    fields: tuple[str, ...] = SFT.decontaminate  # record text that is checked, in this order
     # Eval texts shorter than ngram are still matched as contained spans down to this many words;
     # shorter ones only as a record field's whole text. 8-word spans rarely recur by chance.
     short_min_words: int = 8

@@ -29,9 +29,11 @@ import numpy as np
 import polars as pl
 import polars_hash as plh
 
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
 
-DEDUP_TEXT = pl.concat_str([pl.col("prompt"), pl.col("response")], separator="\n")
+DEDUP_TEXT = pl.concat_str([pl.col(name) for name in SFT.dedup], separator="\n")
+ANSWER = SFT.answers[0]  # signed on its own: a near-duplicate's answers are near-duplicates too
 SIGNATURE_COLUMNS = ("_signature", "_response_signature")  # with_signatures' columns, dropped by near dedup
 HISTORY_SCHEMA = pl.Schema(
     {
@@ -75,7 +77,7 @@ class StageResult:
 
 def exact_hashes(frame: pl.DataFrame) -> pl.Series:
     """128 bits of BLAKE3 over the normalized prompt and response: stable across versions and runs."""
-    return frame.select(plh.concat_str(pl.col("prompt"), pl.col("response"), separator="\x1f").chash.blake3().str.slice(0, 32))[
+    return frame.select(plh.concat_str(*SFT.dedup, separator="\x1f").chash.blake3().str.slice(0, 32))[
         :, 0
     ].alias("exact_hash")
 
@@ -227,7 +229,7 @@ def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig()
     """``frame`` plus its rows' MinHash signatures (prompt + response, and the response alone) as
     little-endian bytes: computed block by block, before near dedup looks across the batch."""
     sigs = signatures(frame.select(DEDUP_TEXT).to_series().to_list(), config)
-    response_sigs = signatures(frame["response"].to_list(), config)
+    response_sigs = signatures(frame[ANSWER].to_list(), config)
     return frame.with_columns(
         pl.Series(name, [row.astype("<u4").tobytes() for row in matrix], dtype=pl.Binary)
         for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)

@@ -13,9 +13,11 @@ import orjson
 import polars as pl
 import polars_hash as plh
 
-REQUIRED_FIELDS = ("prompt", "response")
-OPTIONAL_FIELDS = ("system", "id", "created_at", "meta")
-KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+from pipeline_assets.lib.formats import SFT, SHARED_OPTIONAL
+
+REQUIRED_FIELDS = SFT.required
+OPTIONAL_FIELDS = SFT.optional_text + SHARED_OPTIONAL
+KNOWN_FIELDS = SFT.known
 
 # What a reader collects for each accepted record; ``with_content_hash`` completes it to RECORD_SCHEMA.
 PARSED_SCHEMA = pl.Schema(

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-TEXT_COLUMNS = ("prompt", "response", "system")
+from pipeline_assets.lib.formats import SFT
+
+TEXT_COLUMNS = SFT.text
 
 # C0 and C1 controls except tab and newline (\r is folded into \n below).
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"

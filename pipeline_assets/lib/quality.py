@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import polars as pl
 
+from pipeline_assets.lib.formats import SFT
+
 
 @dataclass(frozen=True)
 class QualityThresholds:
@@ -98,7 +100,7 @@ _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant; u64 arithmetic wraps, which is
 
 def quality_values(frame: pl.DataFrame) -> pl.DataFrame:
     """``frame`` plus one Float64 ``q_<quantity>`` column per measured quantity of the response."""
-    response = frame.get_column("response")
+    response = frame.get_column(SFT.answers[0])
     measured = pl.concat(
         [_word_quantities(_word_table(response), response.len()), _line_quantities(response)],
         how="horizontal",
@@ -115,7 +117,7 @@ def _word_table(response: pl.Series) -> pl.DataFrame:
     """
     words = (
         _indexed(response)
-        .select(_ROW, word=pl.col("response").str.replace_all("\n", " ", literal=True))
+        .select(_ROW, word=pl.col("answer").str.replace_all("\n", " ", literal=True))
         .with_columns(pl.col("word").str.split(" "))
         .explode("word")
         .filter(pl.col("word").str.len_bytes() > 0)
@@ -202,7 +204,7 @@ def _line_quantities(response: pl.Series) -> pl.DataFrame:
     """Share of non-empty lines, and of their characters, that repeat an earlier line verbatim."""
     lines = (
         _indexed(response)
-        .select(_ROW, pl.col("response").str.split("\n").alias("line"))
+        .select(_ROW, pl.col("answer").str.split("\n").alias("line"))
         .explode("line")
         .filter(pl.col("line").str.len_bytes() > 0)
         .with_columns(
@@ -231,7 +233,7 @@ def _ratio(numerator: pl.Expr, denominator: pl.Expr) -> pl.Expr:
 
 
 def _indexed(response: pl.Series) -> pl.DataFrame:
-    return response.to_frame("response").with_row_index(_ROW)
+    return response.to_frame("answer").with_row_index(_ROW)
 
 
 def _ngram_fits(n: int) -> pl.Expr:

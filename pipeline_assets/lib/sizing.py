@@ -35,6 +35,7 @@ import polars as pl
 
 from pipeline_assets.lib.cost import Prices, bottleneck
 from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 
 BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
@@ -51,7 +52,7 @@ POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, 
 TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = 6, 2  # a token's forward + backward, forward only
 
 
-TEXT_COLUMNS = ("prompt", "response", "system")
+TEXT_COLUMNS = SFT.text
 
 
 def record_chars(columns: Iterable[str] = TEXT_COLUMNS) -> pl.Expr:

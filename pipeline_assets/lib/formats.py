@@ -1,0 +1,61 @@
+"""Record formats: the one place that knows a record's shape.
+
+A format names its landing fields and which text each stage reads: what normalization rewrites,
+what exact and near dedup hash, which answers are signed apart and judged by the quality rules,
+what decontamination checks against the eval sets, and the loss a model trains on it with. A source
+declares its format in ``PIPELINE_SOURCE_FORMATS`` (``{"prefs": "preference"}``; ``sft`` unless
+named). Adding a format is one description here, its contracts, its rendering to tokens and its
+sample data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHARED_OPTIONAL = ("id", "created_at", "meta")  # every format's optional fields besides its text
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    name: str
+    required: tuple[str, ...]  # non-empty strings every record has
+    optional_text: tuple[str, ...]  # strings a record may leave out (or null)
+    optional_numbers: tuple[str, ...]  # numbers a record may leave out (or null)
+    dedup: tuple[str, ...]  # joined, the text exact and near dedup compare
+    answers: tuple[str, ...]  # the answers: signed apart for near dedup, judged by the quality rules
+    decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
+    loss: str  # what a model trains on it with
+
+    @property
+    def text(self) -> tuple[str, ...]:
+        """Every text field: what normalization rewrites and what a data stage's work is counted in."""
+        return self.required + self.optional_text
+
+    @property
+    def known(self) -> frozenset[str]:
+        """Every field the format names; any other lands verbatim in ``extra``."""
+        return frozenset(self.required + self.optional_text + self.optional_numbers + SHARED_OPTIONAL)
+
+    def looks_like(self, fields: set[str]) -> bool:
+        """A record with these fields has every field this format requires."""
+        return set(self.required) <= fields
+
+
+SFT = RecordFormat(
+    name="sft", required=("prompt", "response"), optional_text=("system",), optional_numbers=(),
+    dedup=("prompt", "response"), answers=("response",), decontaminate=("prompt", "response"), loss="next-token on the response",
+)
+PREFERENCE = RecordFormat(
+    name="preference", required=("prompt", "chosen", "rejected"), optional_text=("system",),
+    optional_numbers=("score_chosen", "score_rejected"), dedup=("prompt", "chosen", "rejected"), answers=("chosen",),
+    decontaminate=("prompt", "chosen", "rejected"), loss="sigmoid DPO against a reference model",
+)
+FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
+
+
+def format_named(name: str) -> RecordFormat:
+    """The format called ``name``; an unknown name fails, listing the formats there are."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown record format {name!r}; one of {', '.join(FORMATS)}") from None
