@@ -141,8 +141,9 @@ class _BronzeBatch:
         """The asset's wall time (read to Delta commit) and its Delta writes' (both tables). The records
         are written as the files are read, so their write's time holds the reading too."""
         result = materialize([bronze], partition_key=self.batch, instance=self.instance, resources=self.resources)
-        records, quarantine = (m.metadata for m in result.asset_materializations_for_node("bronze"))
-        return records["wall_seconds"].value, records["write_seconds"].value + quarantine["write_seconds"].value
+        written = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("bronze")}
+        records = written["bronze/records"]
+        return records["wall_seconds"].value, sum(m["write_seconds"].value for m in written.values())
 
 
 # --- The corpus ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pipeline_assets.lib.sizing import text_chars
 ARRIVALS = (0.15, 0.30, 0.55)  # shares of the sample corpus landed one after another by the calibration
 ARRIVAL_STEPS = (10, 20, 30)
 TARGET_STEPS, TARGET_RUNS = 60, 5
-BATCH_STAGES = "bronze/records,bronze/quarantine,silver/records,silver/rejects,silver/minhash_index,silver/minhash_bands"
+BATCH_STAGES = "bronze/records,bronze/preference_records,bronze/quarantine,silver/records,silver/rejects,silver/minhash_index,silver/minhash_bands"
 BATCH_RERUNS = 2
 TOLERANCE = 0.30
 TIMEOUT_S = 900

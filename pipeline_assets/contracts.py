@@ -36,8 +36,32 @@ class LandingRecord(pa.DataFrameModel):
         return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))  # a character strip_chars keeps
 
 
-class BronzeRecord(LandingRecord):
-    """A landing record plus provenance: where it came from and when it arrived."""
+class PreferenceLandingRecord(pa.DataFrameModel):
+    """One accepted landing line of a ``preference`` source: a prompt, the answer preferred and the
+    one rejected, after the source's field mapping."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    system: str = pa.Field(nullable=True)
+    score_chosen: float = pa.Field(nullable=True)
+    score_rejected: float = pa.Field(nullable=True)
+    id: str = pa.Field(nullable=True)
+    created_at: UTC_TIMESTAMP = pa.Field(nullable=True)
+    meta: str = pa.Field(nullable=True, description="the source's meta object, as JSON")
+    extra: str = pa.Field(nullable=True, description="every unknown field, verbatim, as JSON")
+
+    class Config:
+        strict = True
+        coerce = False
+
+    @pa.check("prompt", "chosen", "rejected", name="not_blank")
+    def _not_blank(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))
+
+
+class Provenance(pa.DataFrameModel):
+    """Where a landing record came from and when it arrived: what bronze adds to every format."""
 
     record_id: str = pa.Field(unique=True, str_length={"min_value": 32, "max_value": 32})
     source: str = pa.Field(str_length={"min_value": 1})
@@ -46,6 +70,14 @@ class BronzeRecord(LandingRecord):
     batch_id: str = pa.Field(str_length={"min_value": 1})
     ingested_at: UTC_TIMESTAMP
     content_hash: str = pa.Field(str_length={"min_value": 32, "max_value": 32})
+
+
+class BronzeRecord(Provenance, LandingRecord):  # the landing fields first, then provenance
+    """A landing record plus provenance."""
+
+
+class BronzePreferenceRecord(Provenance, PreferenceLandingRecord):
+    """A preference landing record plus provenance."""
 
 
 QUARANTINE_REASON = r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file|unsupported_format|already_ingested|too_deep:(meta|extra)|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"

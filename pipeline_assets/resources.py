@@ -33,6 +33,7 @@ from pipeline_assets.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
+from pipeline_assets.lib.formats import FORMATS, SFT, RecordFormat, format_named
 from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
@@ -133,6 +134,22 @@ def parse_field_mappings(raw: str) -> dict[str, dict[str, str]]:
     return value
 
 
+def parse_source_formats(raw: str) -> dict[str, str]:
+    """``{"<source>": "<record format>"}``, e.g. ``{"prefs": "preference"}``; a source not named is sft."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"PIPELINE_SOURCE_FORMATS is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError('PIPELINE_SOURCE_FORMATS must look like {"<source>": "<record format>"}')
+    unknown = sorted({v for v in value.values() if v not in FORMATS})
+    if unknown:
+        raise ValueError(f"PIPELINE_SOURCE_FORMATS names unknown record format(s) {', '.join(unknown)}; one of {', '.join(FORMATS)}")
+    return value
+
+
 _PRICES = Prices()  # the default prices, one place
 _RETENTION_DAYS = 7.0
 _SEARCH_FRACTION = 0.02  # the default share of records hyperparameter search selects on, one place
@@ -149,6 +166,7 @@ class Settings:
     mlflow_tracking_uri: str
     dagster_home: str
     field_mappings: dict[str, dict[str, str]] = field(default_factory=dict)
+    source_formats: dict[str, str] = field(default_factory=dict)
     max_quarantine_rate: float = 0.05
     volume_tolerance: float = 0.20
     freshness_sla_hours: float = 24.0
@@ -200,6 +218,7 @@ class Settings:
             mlflow_tracking_uri=_env("MLFLOW_TRACKING_URI", f"sqlite:///{home}/mlflow.db"),
             dagster_home=_env("DAGSTER_HOME", f"{home}/dagster"),
             field_mappings=parse_field_mappings(os.environ.get("PIPELINE_FIELD_MAPPINGS", "")),
+            source_formats=parse_source_formats(os.environ.get("PIPELINE_SOURCE_FORMATS", "")),
             max_quarantine_rate=_float_env("PIPELINE_MAX_QUARANTINE_RATE", 0.05),
             volume_tolerance=_float_env("PIPELINE_VOLUME_TOLERANCE", 0.20),
             freshness_sla_hours=_float_env("PIPELINE_FRESHNESS_SLA_HOURS", 24.0),
@@ -504,6 +523,9 @@ class LandingResource(ConfigurableResource):
     field_mappings: dict[str, dict[str, str]] = Field(
         default_factory=dict, description='per source, their field -> ours, e.g. {"logs": {"completion": "response"}}'
     )
+    source_formats: dict[str, str] = Field(
+        default_factory=dict, description='per source, its record format, e.g. {"prefs": "preference"}; sft unless named'
+    )
     s3: S3Resource = Field(default_factory=S3Resource)
 
     def relative_name(self, uri: str) -> str:
@@ -513,6 +535,9 @@ class LandingResource(ConfigurableResource):
 
     def mapping_for(self, source: str) -> dict[str, str]:
         return self.field_mappings.get(source, {})
+
+    def format_for(self, source: str) -> RecordFormat:
+        return format_named(self.source_formats.get(source, SFT.name))
 
     def list_files(self) -> list[LandingFile]:
         files = self._list_s3() if uris.is_s3(self.uri) else self._list_local()
@@ -618,7 +643,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
     return {
         "lake": LakeResource(uri=settings.lake_uri),
         "landing": LandingResource(uri=settings.landing_uri, field_mappings=settings.field_mappings,
-                                   s3=S3Resource(max_attempts=settings.s3_max_attempts - 1)),  # it counts retries
+                                   source_formats=settings.source_formats, s3=S3Resource(max_attempts=settings.s3_max_attempts - 1)),  # it counts retries
         "ingest_policy": IngestPolicy(
             max_quarantine_rate=settings.max_quarantine_rate,
             volume_tolerance=settings.volume_tolerance,

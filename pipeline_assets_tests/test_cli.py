@@ -99,6 +99,8 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
     assert unmeasured.returncode == 2 and "no measured run of silver" in unmeasured.stderr and "Traceback" not in unmeasured.stderr
     bad = _cli(tmp_path, "run", PIPELINE_FIELD_MAPPINGS="{not json")
     assert bad.returncode == 2 and "PIPELINE_FIELD_MAPPINGS is not valid JSON" in bad.stderr
+    unknown_format = _cli(tmp_path, "run", PIPELINE_SOURCE_FORMATS='{"prefs": "dpo"}')
+    assert unknown_format.returncode == 2 and "PIPELINE_SOURCE_FORMATS names unknown record format(s) dpo" in unknown_format.stderr
     assert "Traceback" not in bad.stderr
     (tmp_path / "kuberay.yaml").write_text("imagee: registry.example.com/pipeline-assets:1.4\n")
     misspelt = _cli(tmp_path, "run", PIPELINE_KUBERAY=str(tmp_path / "kuberay.yaml"))

@@ -32,11 +32,11 @@ CHROMIUM_ARGS = [
 ]
 SHOTS = ROOT / "test-output" / "ui"
 UI_TIMEOUT_MS = 60_000    # a page, a dialog, a graph layout: seconds normally, more on a loaded 2-core machine
-RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its 5 checks): under a minute on 2 cores, more when loaded
+RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its checks): under a minute on 2 cores, more when loaded
 
 # Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold and training).
 ASSET_KEYS = [
-    "bronze/records", "bronze/quarantine",
+    "bronze/records", "bronze/preference_records", "bronze/quarantine",
     "silver/records", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
     "reference/eval_sets",
     "gold/tokenizer", "gold/sequences", "gold/snapshots",
@@ -160,18 +160,19 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, 
                 page.get_by_role("link", name=label("bronze/records")).click()
                 expect(page).to_have_url(f"{dev.url}/assets/bronze/records")
                 page.get_by_role("button", name="Materialize…").click()
-                # bronze/records and bronze/quarantine are one multi-asset: the UI says both will be written.
+                # bronze's three tables are one multi-asset: the UI says all will be written.
                 dialog = page.get_by_role("dialog")
                 expect(dialog.get_by_text("Additional assets will be materialized")).to_be_visible()
                 expect(dialog.get_by_text(label("bronze/quarantine"))).to_be_visible()
+                expect(dialog.get_by_text(label("bronze/preference_records"))).to_be_visible()
 
             with steps.step("partition-dialog"):
                 dialog.get_by_role("button", name="Confirm").click()
-                expect(page.get_by_text("Launch runs to materialize 2 assets")).to_be_visible()
+                expect(page.get_by_text("Launch runs to materialize 3 assets")).to_be_visible()
                 page.get_by_text("Select a partition or create one").click()
                 page.get_by_placeholder("Filter partitions").fill(dev.batch)
                 page.get_by_title(dev.batch, exact=True).click()
-                page.get_by_text("Launch runs to materialize 2 assets").click()  # closes the partition list
+                page.get_by_text("Launch runs to materialize 3 assets").click()  # closes the partition list
                 expect(page.get_by_text("1 partition", exact=True)).to_be_visible()
 
             with steps.step("run-launched"):

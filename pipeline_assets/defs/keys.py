@@ -4,6 +4,7 @@ from dagster import AssetKey
 
 BRONZE_RECORDS = AssetKey(["bronze", "records"])
 BRONZE_QUARANTINE = AssetKey(["bronze", "quarantine"])
+BRONZE_PREFERENCE_RECORDS = AssetKey(["bronze", "preference_records"])  # the preference sources' records
 REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
 SILVER_RECORDS = AssetKey(["silver", "records"])
 SILVER_REJECTS = AssetKey(["silver", "rejects"])

@@ -51,6 +51,7 @@ PREFERENCE = RecordFormat(
     decontaminate=("prompt", "chosen", "rejected"), loss="sigmoid DPO against a reference model",
 )
 FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
+ALL_TEXT = tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.text))  # every format's text fields
 
 
 def format_named(name: str) -> RecordFormat:

@@ -13,26 +13,32 @@ import orjson
 import polars as pl
 import polars_hash as plh
 
-from pipeline_assets.lib.formats import SFT, SHARED_OPTIONAL
+from pipeline_assets.lib.formats import SFT, RecordFormat
 
-REQUIRED_FIELDS = SFT.required
-OPTIONAL_FIELDS = SFT.optional_text + SHARED_OPTIONAL
 KNOWN_FIELDS = SFT.known
 
-# What a reader collects for each accepted record; ``with_content_hash`` completes it to RECORD_SCHEMA.
-PARSED_SCHEMA = pl.Schema(
-    {
-        "source_line": pl.Int64,
-        "prompt": pl.String,
-        "response": pl.String,
-        "system": pl.String,
-        "id": pl.String,
-        "created_at": pl.Datetime("us", "UTC"),
-        "meta": pl.String,
-        "extra": pl.String,
-    }
-)
-RECORD_SCHEMA = pl.Schema({**PARSED_SCHEMA, "content_hash": pl.String})
+
+def parsed_schema(fmt: RecordFormat) -> pl.Schema:
+    """What a reader collects for each accepted record of ``fmt``; ``with_content_hash`` completes it
+    to ``record_schema``."""
+    return pl.Schema(
+        {
+            "source_line": pl.Int64,
+            **{name: pl.String for name in fmt.required + fmt.optional_text},
+            **{name: pl.Float64 for name in fmt.optional_numbers},
+            "id": pl.String,
+            "created_at": pl.Datetime("us", "UTC"),
+            "meta": pl.String,
+            "extra": pl.String,
+        }
+    )
+
+
+def record_schema(fmt: RecordFormat) -> pl.Schema:
+    return pl.Schema({**parsed_schema(fmt), "content_hash": pl.String})
+
+
+PARSED_SCHEMA = parsed_schema(SFT)
 QUARANTINE_SCHEMA = pl.Schema(
     {"source_line": pl.Int64, "raw": pl.String, "reason": pl.String, "detail": pl.String}
 )
@@ -47,33 +53,35 @@ class Rejected(Exception):
         self.detail = detail
 
 
-def with_content_hash(records: pl.LazyFrame) -> pl.LazyFrame:
+def with_content_hash(records: pl.LazyFrame, fmt: RecordFormat = SFT) -> pl.LazyFrame:
     """Add ``content_hash``: a 128-bit hash of what a record says (not where it came from), the
-    first 32 hex digits of BLAKE3 over system, prompt and response joined by U+001F. Vectorized, so
-    both readers hash a whole file at once (lazily: on every polars thread)."""
-    payload = plh.concat_str(pl.col("system").fill_null(""), "prompt", "response", separator="\x1f")
+    first 32 hex digits of BLAKE3 over its text joined by U+001F (sft: system, prompt and response;
+    a missing optional text counts as empty). Vectorized, so both readers hash a whole file at once
+    (lazily: on every polars thread)."""
+    payload = plh.concat_str(*(pl.col(name).fill_null("") for name in fmt.optional_text), *fmt.required, separator="\x1f")
     return records.with_columns(content_hash=payload.chash.blake3().str.slice(0, 32))
 
 
-def validate_landing_object(obj: object, field_mapping: Mapping[str, str]) -> tuple:
-    """Check one parsed record against the landing contract.
+def validate_landing_object(obj: object, field_mapping: Mapping[str, str], fmt: RecordFormat = SFT) -> tuple:
+    """Check one parsed record against the landing contract of ``fmt``.
 
-    Returns ``(prompt, response, system, id, created_at, meta_json, extra_json)`` or raises
-    ``Rejected`` with the first broken rule.
+    Returns the values of ``parsed_schema(fmt)`` but ``source_line`` (sft: ``(prompt, response,
+    system, id, created_at, meta_json, extra_json)``) or raises ``Rejected`` with the first broken
+    rule, in that order.
     """
     if not isinstance(obj, dict):
         raise Rejected("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
     if field_mapping:
         obj = _apply_mapping(obj, field_mapping)
-    unknown = [key for key in obj if key not in KNOWN_FIELDS]
-    prompt = _required_text(obj, "prompt", unknown)
-    response = _required_text(obj, "response", unknown)
-    system = _optional_text(obj, "system")
+    unknown = [key for key in obj if key not in fmt.known]
+    required = [_required_text(obj, name, unknown) for name in fmt.required]
+    texts = [_optional_text(obj, name) for name in fmt.optional_text]
+    numbers = [_optional_number(obj, name) for name in fmt.optional_numbers]
     source_id = _optional_id(obj)
     created_at = _optional_timestamp(obj, "created_at")
     meta = _optional_object_json(obj, "meta")
     extra = _json_text({key: obj[key] for key in unknown}, "extra") if unknown else None
-    return prompt, response, system, source_id, created_at, meta, extra
+    return *required, *texts, *numbers, source_id, created_at, meta, extra
 
 
 def _apply_mapping(obj: dict, field_mapping: Mapping[str, str]) -> dict:
@@ -101,6 +109,15 @@ def _optional_text(obj: dict, name: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise Rejected(f"wrong_type:{name}", f"'{name}' must be a string, got {_json_type(value)}")
+
+
+def _optional_number(obj: dict, name: str) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise Rejected(f"wrong_type:{name}", f"'{name}' must be a number, got {_json_type(value)}")
 
 
 def _optional_id(obj: dict) -> str | None:

@@ -21,10 +21,11 @@ import orjson
 import polars as pl
 import zstandard
 
+from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.landing_contract import (
-    PARSED_SCHEMA,
     QUARANTINE_SCHEMA,
     Rejected,
+    parsed_schema,
     validate_landing_object,
     with_content_hash,
 )
@@ -37,7 +38,7 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class FileReadResult:
-    records: pl.DataFrame  # landing_contract.RECORD_SCHEMA
+    records: pl.DataFrame  # landing_contract.record_schema of the file's record format
     quarantine: pl.DataFrame  # QUARANTINE_SCHEMA
     lines_read: int
 
@@ -50,23 +51,27 @@ def landing_format(name: str) -> str | None:
     return None
 
 
-def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
-    """Parse and validate one landing file's bytes; ``field_mapping`` renames the source's fields.
+def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None,
+                      record_format: RecordFormat = SFT) -> FileReadResult:
+    """Parse and validate one landing file's bytes as records of ``record_format``; ``field_mapping``
+    renames the source's fields.
 
-    Clean JSON lines and Parquet rows take the fast path (``landing_fast``); every other line or
-    row takes the exact one.
+    Clean JSON lines and Parquet rows of sft records take the fast path (``landing_fast``); every
+    other line or row takes the exact one.
     """
-    return _read(name, data, field_mapping, fast=True)
+    return _read(name, data, field_mapping, fast=record_format is SFT, record_format=record_format)
 
 
-def read_landing_file_exact(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None) -> FileReadResult:
+def read_landing_file_exact(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None,
+                            record_format: RecordFormat = SFT) -> FileReadResult:
     """``read_landing_file`` with every line on the exact per-line path: the reference the fast path
     must match, record for record and reason for reason."""
-    return _read(name, data, field_mapping, fast=False)
+    return _read(name, data, field_mapping, fast=False, record_format=record_format)
 
 
-def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fast: bool) -> FileReadResult:
-    builder = _FrameBuilder(field_mapping or {})
+def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fast: bool,
+          record_format: RecordFormat) -> FileReadResult:
+    builder = _FrameBuilder(field_mapping or {}, record_format)
     fmt = landing_format(name)
     if fmt is None:
         builder.reject(0, "", "unsupported_format", f"{name}: not one of {', '.join(FORMATS)}")
@@ -77,9 +82,9 @@ def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fa
     return builder.result()
 
 
-def rejected_file(reason: str, detail: str) -> FileReadResult:
+def rejected_file(reason: str, detail: str, record_format: RecordFormat = SFT) -> FileReadResult:
     """A whole file set aside as one quarantined unit (line 0), e.g. one that is gone or changed."""
-    builder = _FrameBuilder({})
+    builder = _FrameBuilder({}, record_format)
     builder.reject(0, "", reason, detail)
     return builder.result()
 
@@ -183,9 +188,11 @@ def _read_parquet(data: bytes, builder: "_FrameBuilder", *, fast: bool) -> None:
 class _FrameBuilder:
     """Collects accepted records column by column and rejected units row by row."""
 
-    def __init__(self, field_mapping: Mapping[str, str]):
+    def __init__(self, field_mapping: Mapping[str, str], record_format: RecordFormat = SFT):
         self.field_mapping = dict(field_mapping)
-        self._columns: dict[str, list] = {name: [] for name in PARSED_SCHEMA}
+        self.record_format = record_format
+        self._schema = parsed_schema(record_format)
+        self._columns: dict[str, list] = {name: [] for name in self._schema}
         self._rejected: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA}
         self._bulk: list[pl.DataFrame] = []
         self.lines_read = 0
@@ -206,7 +213,7 @@ class _FrameBuilder:
 
     def add_object(self, number: int, obj: object, raw: bytes | None) -> None:
         try:
-            values = validate_landing_object(obj, self.field_mapping)
+            values = validate_landing_object(obj, self.field_mapping, self.record_format)
         except Rejected as rejected:
             text = _as_text(raw) if raw is not None else _row_as_json(obj)
             self.reject(number, text, rejected.reason, rejected.detail)
@@ -214,7 +221,7 @@ class _FrameBuilder:
         self.lines_read += 1
         columns = self._columns
         columns["source_line"].append(number)
-        for name, value in zip(_VALUE_COLUMNS, values, strict=True):
+        for name, value in zip(list(self._schema)[1:], values, strict=True):
             columns[name].append(value)
 
     def reject(self, number: int, raw: str, reason: str, detail: str) -> None:
@@ -223,19 +230,16 @@ class _FrameBuilder:
             self._rejected[name].append(value)
 
     def result(self) -> FileReadResult:
-        records = pl.DataFrame(self._columns, schema=PARSED_SCHEMA)
+        records = pl.DataFrame(self._columns, schema=self._schema)
         if self._bulk and records.is_empty():
             records = pl.concat(self._bulk)
         elif self._bulk:  # lines of both paths, each in line order: merged back into line order
             records = pl.concat(self._bulk).merge_sorted(records, key="source_line")
         return FileReadResult(
-            records=with_content_hash(records.lazy()).collect(),
+            records=with_content_hash(records.lazy(), self.record_format).collect(),
             quarantine=pl.DataFrame(self._rejected, schema=QUARANTINE_SCHEMA),
             lines_read=self.lines_read,
         )
-
-
-_VALUE_COLUMNS = ("prompt", "response", "system", "id", "created_at", "meta", "extra")
 
 
 def _classify_unparseable(line: bytes, exc: Exception) -> tuple[str, str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 
 import orjson
 import polars as pl
 
-from pipeline_assets.lib.landing_contract import KNOWN_FIELDS
+from pipeline_assets.lib.formats import FORMATS, SFT, format_named
 from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 
 # A file set aside whole, or cut short: how many of its lines were lost is unknown, so it blocks
@@ -68,36 +69,41 @@ def unaccounted_files(lines_counted: dict[str, int], records: pl.DataFrame, quar
     )
 
 
-def schema_drift_hints(quarantine: pl.DataFrame) -> list[dict]:
-    """For lines quarantined for a missing field: which unknown field most often stood in its place.
+def schema_drift_hints(quarantine: pl.DataFrame, formats: Mapping[str, str] | None = None) -> list[dict]:
+    """For lines quarantined for a missing field: what most likely happened, per source and field.
 
-    A source that renamed ``response`` to ``completion`` shows as ``missing_field:response`` with
-    ``completion`` present on (nearly) every such line.
+    - The lines carry another record format's fields (a preference file, prompt/chosen/rejected,
+      landed in an sft source, or the other way round): the fix is the source's format in
+      ``PIPELINE_SOURCE_FORMATS``, not a field mapping. ``formats``: each source's format (sft unless named).
+    - Else a renamed field: a source that renamed ``response`` to ``completion`` shows as
+      ``missing_field:response`` with ``completion`` present on (nearly) every such line.
     """
+    formats = dict(formats or {})
     missing = quarantine.filter(pl.col("reason").str.starts_with("missing_field:"))
     counts: Counter = Counter()
     totals: Counter = Counter()
+    shaped: Counter = Counter()
     for source, reason, raw in missing.select("source", "reason", "raw").iter_rows():
         field = reason.split(":", 1)[1]
+        keys = _keys(raw)
+        own = format_named(formats.get(source, SFT.name))
         totals[(source, field)] += 1
-        for key in _unknown_keys(raw):
+        for other in (f for f in FORMATS.values() if f is not own and f.looks_like(keys)):
+            shaped[(source, field, other.name)] += 1
+        for key in keys - own.known:
             counts[(source, field, key)] += 1
     hints = []
     for (source, field), total in sorted(totals.items()):
+        like = [(n, name) for (s, f, name), n in shaped.items() if (s, f) == (source, field)]
         candidates = [(n, key) for (s, f, key), n in counts.items() if (s, f) == (source, field)]
-        if not candidates:
-            continue
-        n, key = max(candidates)
-        hints.append(
-            {
-                "source": source,
-                "missing_field": field,
-                "unknown_field": key,
-                "lines": total,
-                "lines_with_unknown_field": n,
-                "fix": fix_mapping(source, key, field),
-            }
-        )
+        if like and max(like)[0] * 2 > total:  # most of these lines are another format's records
+            n, name = max(like)
+            hints.append({"source": source, "missing_field": field, "record_format": name, "lines": total,
+                          "lines_of_that_format": n, "fix": fix_format(source, name)})
+        elif candidates:
+            n, key = max(candidates)
+            hints.append({"source": source, "missing_field": field, "unknown_field": key, "lines": total,
+                          "lines_with_unknown_field": n, "fix": fix_mapping(source, key, field)})
     return hints
 
 
@@ -105,12 +111,16 @@ def fix_mapping(source: str, theirs: str, ours: str) -> str:
     return "PIPELINE_FIELD_MAPPINGS='" + json.dumps({source: {theirs: ours}}) + "'"
 
 
-def _unknown_keys(raw: str) -> list[str]:
+def fix_format(source: str, record_format: str) -> str:
+    return "PIPELINE_SOURCE_FORMATS='" + json.dumps({source: record_format}) + "'"
+
+
+def _keys(raw: str) -> set[str]:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return []
-    return [key for key in obj if key not in KNOWN_FIELDS] if isinstance(obj, dict) else []
+        return set()
+    return set(obj) if isinstance(obj, dict) else set()
 
 
 def rows_per_mb(rows: pl.DataFrame, sizes: pl.DataFrame) -> pl.DataFrame:

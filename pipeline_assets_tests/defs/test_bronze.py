@@ -134,6 +134,51 @@ def test_schema_drift_is_quarantined_blocks_and_is_fixed_by_a_mapping(instance, 
     assert batch_rows(resources["lake"], "quarantine", batch).height == 0
 
 
+def pair(i: int, **fields) -> dict:
+    return {"id": f"p{i}", "prompt": f"Which answer to question {i} is better?", "chosen": f"The careful answer {i}.",
+            "rejected": f"The sloppy answer {i}.", "created_at": "2026-11-20T10:00:00Z", **fields}
+
+
+def test_a_preference_source_lands_in_its_own_table_beside_the_sft_ones(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(10)])
+    write_landing_file(landing_dir, "prefs", "p.jsonl.gz", [pair(i, score_chosen=9, score_rejected=3) for i in range(30)]
+                       + [pair(99, rejected=None)])
+    batch = register(instance, resources)
+    prefs = LandingResource(uri=resources["landing"].uri, source_formats={"prefs": "preference"})
+    result = materialize_bronze(instance, resources, batch, landing=prefs)
+    assert result.success
+
+    lake = resources["lake"]
+    assert batch_rows(lake, "records", batch)["source"].unique().to_list() == ["annotate"]
+    pairs = batch_rows(lake, "preference_records", batch)
+    assert pairs.height == 30 and pairs["score_chosen"].unique().to_list() == [9.0]
+    assert pairs["record_id"].n_unique() == 30 and pairs["source_file"].unique().to_list() == ["prefs/p.jsonl.gz"]
+    assert batch_rows(lake, "quarantine", batch).select("source", "reason").rows() == [("prefs", "missing_field:rejected")]
+    checks = checks_by_name(result)
+    for name in ("bronze/records:contract", "bronze/preference_records:contract", "bronze/records:accounting",
+                 "bronze/records:quarantine_rate"):
+        assert checks[name].passed, name
+    by_key = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("bronze")}
+    assert by_key["bronze/preference_records"]["dagster/row_count"].value == 30
+    assert by_key["bronze/records"]["dagster/row_count"].value == 10
+
+
+def test_preference_pairs_in_an_sft_source_block_and_name_the_source_format_setting(instance, resources, landing_dir):
+    write_landing_file(landing_dir, "prefs", "p.jsonl", [pair(i) for i in range(20)])
+    batch = register(instance, resources)
+    result = materialize_bronze(instance, resources, batch)
+    gate = checks_by_name(result)["bronze/records:quarantine_rate"]
+    assert not gate.passed and gate.blocking
+    assert """PIPELINE_SOURCE_FORMATS='{"prefs": "preference"}'""" in gate.description
+    assert "PIPELINE_FIELD_MAPPINGS" not in gate.description, "no mapping of chosen or rejected onto response"
+
+    fixed = materialize_bronze(instance, resources, batch,
+                               landing=LandingResource(uri=resources["landing"].uri, source_formats={"prefs": "preference"}))
+    assert checks_by_name(fixed)["bronze/records:quarantine_rate"].passed
+    assert batch_rows(resources["lake"], "preference_records", batch).height == 20
+    assert batch_rows(resources["lake"], "quarantine", batch).height == 0
+
+
 def test_volume_warns_when_rows_per_mb_jumps(instance, resources, landing_dir):
     for i in range(3):  # a history of batches with ordinary records
         write_landing_file(landing_dir, "synth", f"s{i}.jsonl", [record(100 * i + j) for j in range(30)])

@@ -172,3 +172,52 @@ def test_values_past_what_bronze_can_store_are_quarantined_not_crashed():
         assert result.records["source_line"].to_list() == [3]
         assert result.quarantine["reason"].to_list() == ["invalid_timestamp:created_at", "too_deep:meta", "too_deep:extra"]
         assert "outside the years 1 to 9999" in result.quarantine["detail"][0]
+
+
+def pair(i: int, **fields) -> dict:
+    base = {"id": f"p{i}", "prompt": f"Question {i}?", "chosen": f"A careful answer {i}.", "rejected": f"A sloppy answer {i}.",
+            "score_chosen": 8, "score_rejected": 2.5}
+    return {k: v for k, v in {**base, **fields}.items() if v is not ...}
+
+
+PREFERENCE_BAD_LINES = [
+    (orjson.dumps(pair(2, rejected=...)), "missing_field:rejected"),
+    (orjson.dumps(pair(3, chosen="  ")), "empty_field:chosen"),
+    (orjson.dumps(pair(4, score_chosen="high")), "wrong_type:score_chosen"),
+    (orjson.dumps(pair(5, score_rejected=True)), "wrong_type:score_rejected"),
+    (orjson.dumps(record(6)), "missing_field:chosen"),  # an sft record landed in a preference source
+]
+
+
+@pytest.mark.parametrize("read", [read_landing_file, read_landing_file_exact])
+def test_a_preference_file_is_read_by_the_preference_contract(read):
+    from pipeline_assets.lib.formats import PREFERENCE
+
+    good = [pair(1, session="s1"), pair(7, score_chosen=None, score_rejected=..., system="Be kind.")]
+    data = jsonl_bytes([good[0], *(line for line, _ in PREFERENCE_BAD_LINES), good[1]])
+    result = read("p.jsonl", data, None, PREFERENCE)
+    assert result.records.columns == ["source_line", "prompt", "chosen", "rejected", "system", "score_chosen", "score_rejected",
+                                      "id", "created_at", "meta", "extra", "content_hash"]
+    assert result.records.select("source_line", "score_chosen", "score_rejected", "system", "extra").rows() == [
+        (1, 8.0, 2.5, None, '{"session":"s1"}'), (7, None, None, "Be kind.", None)]
+    assert result.quarantine["reason"].to_list() == [reason for _, reason in PREFERENCE_BAD_LINES]
+    assert "unknown field(s) present: response" in result.quarantine["detail"][-1], "what an sft record brought instead"
+    assert result.lines_read == 7
+
+
+def test_a_preference_parquet_file_is_read_row_by_row():
+    from pipeline_assets.lib.formats import PREFERENCE
+
+    buffer = io.BytesIO()
+    pl.DataFrame([pair(1), pair(2, chosen=""), pair(3, score_rejected=None)]).write_parquet(buffer)
+    result = read_landing_file("p.parquet", buffer.getvalue(), None, PREFERENCE)
+    assert result.records.select("id", "score_rejected").rows() == [("p1", 2.5), ("p3", None)]
+    assert result.quarantine.select("source_line", "reason").rows() == [(2, "empty_field:chosen")]
+
+
+def test_a_pairs_content_hash_covers_both_answers():
+    from pipeline_assets.lib.formats import PREFERENCE
+
+    hashes = read_landing_file("p.jsonl", jsonl_bytes([pair(1), pair(1, rejected="Another answer."), pair(1)]), None,
+                               PREFERENCE).records["content_hash"].to_list()
+    assert hashes[0] == hashes[2] != hashes[1]

@@ -1,4 +1,5 @@
-"""bronze/records and bronze/quarantine: one ingest batch of landing files, contract-checked."""
+"""bronze/records, bronze/preference_records and bronze/quarantine: one ingest batch of landing
+files, each read by its source's record format, contract-checked."""
 
 
 import time
@@ -12,13 +13,14 @@ from pathlib import PurePosixPath
 import polars as pl
 from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult, MetadataValue, multi_asset
 
-from pipeline_assets.contracts import BronzeRecord, QuarantineRecord, conform, polars_schema, validate
-from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.contracts import BronzePreferenceRecord, BronzeRecord, QuarantineRecord, conform, polars_schema, validate
+from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.batches import earlier_versions
+from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
 from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
 from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
 from pipeline_assets.lib.sizing import text_chars
@@ -32,8 +34,15 @@ _KINDS = {"delta", "polars"}
     specs=[
         AssetSpec(
             BRONZE_RECORDS,
-            description="Landing records that passed the landing contract, with provenance. "
-            "Append-only per ingest batch; re-materializing a batch replaces its rows.",
+            description="Records of the sft sources (prompt, response: the default format) that passed the landing "
+            "contract, with provenance. Append-only per ingest batch; re-materializing a batch replaces its rows.",
+            group_name="bronze",
+            kinds=_KINDS,
+        ),
+        AssetSpec(
+            BRONZE_PREFERENCE_RECORDS,
+            description="Records of the preference sources (PIPELINE_SOURCE_FORMATS) that passed their landing "
+            "contract (prompt, chosen, rejected), with provenance; a batch at a time, like bronze/records.",
             group_name="bronze",
             kinds=_KINDS,
         ),
@@ -63,6 +72,8 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "bronze", "records", read.record_chunks(_ingest_files(landing, entries, read.source_files)),
         polars_schema(BronzeRecord), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
     )
+    preference = read.preference_records()
+    preference_commit = lake.replace_partition("bronze", "preference_records", preference, column="batch_id", value=batch_id)
     quarantine = validate(conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord)
     quarantine_commit = lake.replace_partition("bronze", "quarantine", quarantine, column="batch_id", value=batch_id)
 
@@ -74,23 +85,24 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "lines_counted": int(accounting["lines_counted"].sum()),
         "already_ingested": int(accounting["already_ingested"].sum()),
         "lines_counted_by_file": MetadataValue.json(dict(zip(accounting["source_file"], accounting["lines_counted"]))),
-        "input_chars": read.chars,
         "per_file_accounting": table_metadata(accounting),
     }
     upstream = {"landing/manifest": manifest_version}
-    rows_by_source = pl.DataFrame({"source": list(read.rows_by_source), "rows": list(read.rows_by_source.values())},
-                                  schema={"source": pl.String, "rows": pl.UInt32})
-    yield MaterializeResult(
-        asset_key=BRONZE_RECORDS,
-        metadata={
-            **delta_write_metadata(
-                records_commit, polars_schema(BronzeRecord),
-                upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
-            ),
-            **shared,
-            "rows_by_source": table_metadata(rows_by_source.sort("source")),
-        },
-    )
+    for key, commit, record_format in ((BRONZE_RECORDS, records_commit, SFT), (BRONZE_PREFERENCE_RECORDS, preference_commit, PREFERENCE)):
+        rows = read.rows_by_source[record_format.name]
+        yield MaterializeResult(
+            asset_key=key,
+            metadata={
+                **delta_write_metadata(
+                    commit, polars_schema(_CONTRACTS[record_format.name]),
+                    upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
+                ),
+                **shared,
+                "input_chars": read.chars[record_format.name],
+                "rows_by_source": table_metadata(pl.DataFrame({"source": list(rows), "rows": list(rows.values())},
+                                                              schema={"source": pl.String, "rows": pl.UInt32}).sort("source")),
+            },
+        )
     yield MaterializeResult(
         asset_key=BRONZE_QUARANTINE,
         metadata={
@@ -106,6 +118,9 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     )
 
 
+_CONTRACTS = {SFT.name: BronzeRecord, PREFERENCE.name: BronzePreferenceRecord}  # each format's bronze table
+
+
 class _BatchRead:
     """A batch's files read in order into contract-checked chunks of records, with what the
     metadata and the accounting need of them tallied on the way."""
@@ -119,9 +134,10 @@ class _BatchRead:
         self.ingested_at = datetime.now(timezone.utc)
         self.quarantine_parts: list[pl.DataFrame] = []
         self.per_file: list[dict] = []
-        self.rows_by_source: dict[str, int] = {}
+        self.rows_by_source: dict[str, dict[str, int]] = {name: {} for name in _CONTRACTS}  # format -> source -> rows
+        self.preference_parts: list[pl.DataFrame] = []
         self.input_bytes = 0
-        self.chars = 0
+        self.chars = dict.fromkeys(_CONTRACTS, 0)
         self.logged_at = time.monotonic()
         self.files_named: list[str] = []  # files that set lines aside since the last progress line
         self.files_not_named = 0
@@ -129,8 +145,12 @@ class _BatchRead:
     def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
         pending, pending_rows, chunks = [], 0, 0
         for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
-            pending.append(self._add(ordinal, entry, source_file, ingest))
-            pending_rows += pending[-1].height
+            records = self._add(ordinal, entry, source_file, ingest)
+            if ingest.record_format is not SFT:
+                self.preference_parts.append(records)  # a preference source's: few next to sft's, kept for one commit
+                continue
+            pending.append(records)
+            pending_rows += records.height
             if pending_rows >= self.CHUNK_ROWS:
                 yield self._checked(pending)
                 pending, pending_rows, chunks = [], 0, chunks + 1
@@ -146,7 +166,8 @@ class _BatchRead:
         self.quarantine_parts.append(quarantined)
         self.per_file.append(_file_accounting(source_file, entry["source"], ingest))
         if records.height:
-            self.rows_by_source[entry["source"]] = self.rows_by_source.get(entry["source"], 0) + records.height
+            by_source = self.rows_by_source[ingest.record_format.name]
+            by_source[entry["source"]] = by_source.get(entry["source"], 0) + records.height
         self._log(source_file, ingest, last=ordinal == len(self.entries) - 1)
         return records
 
@@ -160,22 +181,28 @@ class _BatchRead:
             self.files_not_named += 1
         if not last and time.monotonic() - self.logged_at < self.PROGRESS_SECONDS:
             return
-        accepted = sum(self.rows_by_source.values())
+        accepted = sum(rows for by_source in self.rows_by_source.values() for rows in by_source.values())
         set_aside = sum(part.height for part in self.quarantine_parts)
         progress = f"{len(self.per_file)} of {len(self.entries)} file(s) read: {accepted} record(s) accepted, {set_aside} set aside"
         more = [f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting lists them)"]
         self.context.log.info("\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])]))
         self.files_named, self.files_not_named, self.logged_at = [], 0, time.monotonic()
 
-    def _checked(self, parts: list[pl.DataFrame]) -> pl.DataFrame:
-        frame = conform(pl.concat(parts), BronzeRecord) if parts else polars_schema(BronzeRecord).to_frame()
-        frame = validate(frame, BronzeRecord)
-        self.chars += text_chars(frame)
+    def preference_records(self) -> pl.DataFrame:
+        """The preference sources' records, contract-checked (read after ``record_chunks``)."""
+        return self._checked(self.preference_parts, PREFERENCE)
+
+    def _checked(self, parts: list[pl.DataFrame], record_format: RecordFormat = SFT) -> pl.DataFrame:
+        contract = _CONTRACTS[record_format.name]
+        frame = conform(pl.concat(parts), contract) if parts else polars_schema(contract).to_frame()
+        frame = validate(frame, contract)
+        self.chars[record_format.name] += text_chars(frame)
         return frame
 
 
 @dataclass(frozen=True)
 class FileIngest:
+    record_format: RecordFormat  # its source's
     result: FileReadResult
     size: int  # bytes read
     lines_counted: int  # units in the file by lib.unit_counts, independent of the parser
@@ -197,10 +224,11 @@ def _ingest_registered_file(landing: LandingResource, checksums: Executor, entry
     since). A file that is gone or otherwise changed is one quarantined unit; a read that fails for
     any other reason fails the step, to be retried."""
     name = PurePosixPath(entry["uri"]).name
+    record_format = landing.format_for(entry["source"])
     try:
         data = landing.read_bytes(entry["uri"])
     except LandingFileGone as gone:
-        return FileIngest(rejected_file("unreadable_file", f"the registered file is gone: {gone}"), 0, 1, 0)
+        return FileIngest(record_format, rejected_file("unreadable_file", f"the registered file is gone: {gone}", record_format), 0, 1, 0)
     except Exception as exc:  # an I/O error, a timeout, an object-store 5xx or throttle, MemoryError
         raise Failure(
             description=f"reading landing file {source_file} failed ({type(exc).__name__}: {exc}); "
@@ -208,21 +236,21 @@ def _ingest_registered_file(landing: LandingResource, checksums: Executor, entry
         ) from exc
     registered = data[: entry["size"]] if len(data) > entry["size"] else data  # a file that grew: its start
     checksum = checksums.submit(sha256_hex, registered)
-    result = read_landing_file(name, registered, landing.mapping_for(entry["source"]))
+    result = read_landing_file(name, registered, landing.mapping_for(entry["source"]), record_format)
     if checksum.result() != entry["checksum"]:
         changed = rejected_file(
             "unreadable_file",
             f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {sha256_hex(data)[:12]}); "
-            "the landing sensor registers the new version as a new batch",
+            "the landing sensor registers the new version as a new batch", record_format,
         )
-        return FileIngest(changed, len(data), 1, 0)
+        return FileIngest(record_format, changed, len(data), 1, 0)
     redelivered = redelivered_lines(name, registered, entry["previous_size"], entry["previous_checksum"])
     if redelivered:
         result = set_aside_redelivered(
             result, redelivered,
             f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch {entry['previous_batch']}",
         )
-    return FileIngest(result, len(registered), count_units(name, registered), redelivered)
+    return FileIngest(record_format, result, len(registered), count_units(name, registered), redelivered)
 
 
 def _file_accounting(source_file: str, source: str, ingest: FileIngest) -> dict:

@@ -16,9 +16,9 @@ from dagster import (
     asset_check,
 )
 
-from pipeline_assets.contracts import BronzeRecord, QuarantineRecord
+from pipeline_assets.contracts import BronzePreferenceRecord, BronzeRecord, QuarantineRecord
 from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
-from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -38,14 +38,37 @@ from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResourc
 warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 
+_RECORD_TABLES = ("records", "preference_records")  # one a record format: every accepted line is in one of them
+
+
 def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
     return batch_of(lake, "bronze", name, batch_id)
+
+
+def _accepted(lake: LakeResource, batch_id: str, columns: tuple[str, ...]) -> pl.DataFrame:
+    """The batch's accepted records of every format (these columns of them); a lake written before
+    bronze/preference_records existed has only bronze/records."""
+    records, *others = (lake.read("bronze", name, where=pl.col("batch_id") == batch_id) for name in _RECORD_TABLES)
+    if records is None:
+        raise ValueError("bronze/records does not exist yet: materialize it first")
+    return pl.concat([frame.select(columns) for frame in (records, *others) if frame is not None])
+
+
+def _accepted_scan(lake: LakeResource, columns: tuple[str, ...]) -> pl.LazyFrame:
+    """Every format's accepted records (these columns), lazily, over every batch."""
+    return pl.concat([scan.select(columns) for name in _RECORD_TABLES if (scan := lake.scan("bronze", name)) is not None])
 
 
 @asset_check(asset=BRONZE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
              description="The batch's rows satisfy the BronzeRecord contract.")
 def bronze_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
     return contract_check_result(_batch(lake, "records", context.partition_key), BronzeRecord)
+
+
+@asset_check(asset=BRONZE_PREFERENCE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
+             description="The batch's preference rows satisfy the BronzePreferenceRecord contract.")
+def bronze_preference_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+    return contract_check_result(_batch(lake, "preference_records", context.partition_key), BronzePreferenceRecord)
 
 
 @asset_check(asset=BRONZE_QUARANTINE, name="contract", blocking=True, partitions_def=ingest_batches,
@@ -64,10 +87,11 @@ def bronze_quarantine_rate(
     quarantine = _batch(lake, "quarantine", batch_id)
     superseded = _superseded_files(lake, landing, batch_id) & set(unreadable_files(quarantine)["source_file"])
     quarantine = quarantine.filter(~(pl.col("source_file").is_in(superseded) & pl.col("reason").is_in(WHOLE_FILE_REASONS)))
-    rates = quarantine_rates(_batch(lake, "records", batch_id).select("source"), quarantine)
+    rates = quarantine_rates(_accepted(lake, batch_id, ("source",)), quarantine)
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
-    hints = {(h["source"]): h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])))}
+    hints = {h["source"]: h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])),
+                                                         landing.source_formats)}
     unreadable = unreadable_files(quarantine)
     messages = [_unreadable_message(row) for row in unreadable.iter_rows(named=True)]
     messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
@@ -112,7 +136,13 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
         f"source '{row['source']}': {row['rate']:.1%} of {row['lines']} lines quarantined "
         f"(limit {limit:.0%}), mostly {row['top_reason']}"
     )
-    if hint:
+    if hint and "record_format" in hint:
+        message += (
+            f"; {hint['lines_of_that_format']} of the {hint['lines']} lines missing '{hint['missing_field']}' have every "
+            f"field of the {hint['record_format']} record format: if this source sends {hint['record_format']} records, "
+            f"set {hint['fix']} (with the other sources' formats) and materialize this batch again"
+        )
+    elif hint:
         message += (
             f"; field '{hint['missing_field']}' is missing and unknown field '{hint['unknown_field']}' "
             f"is present on {hint['lines_with_unknown_field']} of those lines: if it is the same field, "
@@ -127,7 +157,7 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
 def bronze_accounting(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
     batch_id = context.partition_key
     counted = _lines_counted(context.instance, batch_id)
-    off = unaccounted_files(counted, _batch(lake, "records", batch_id), _batch(lake, "quarantine", batch_id))
+    off = unaccounted_files(counted, _accepted(lake, batch_id, ("source_file",)), _batch(lake, "quarantine", batch_id))
     return AssetCheckResult(
         passed=off.is_empty(),
         severity=AssetCheckSeverity.ERROR,
@@ -156,7 +186,7 @@ def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, inges
     upto = pl.col("batch_id") <= batch_id
     redelivered = lake.scan("bronze", "quarantine").filter(upto & (pl.col("reason") == ALREADY_INGESTED))
     rows = pl.concat(
-        [scan.filter(upto).select("batch_id", "source") for scan in (lake.scan("bronze", "records"), redelivered)]
+        [scan.filter(upto).select("batch_id", "source") for scan in (_accepted_scan(lake, ("batch_id", "source")), redelivered)]
     ).collect()
     sizes = read_manifest(lake).filter(pl.col("batch_id") <= batch_id)
     judged = against_trailing_median(
@@ -169,7 +199,7 @@ def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, inges
              description="Each source's newest record (created_at, else ingested_at) is within the freshness SLA.")
 def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
     newest = (
-        lake.scan("bronze", "records")
+        _accepted_scan(lake, ("batch_id", "source", "created_at", "ingested_at"))
         .filter(pl.col("batch_id") <= context.partition_key)
         .group_by("source")
         .agg(newest=pl.col("created_at").max().fill_null(pl.col("ingested_at").max()))
@@ -190,5 +220,5 @@ def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, in
     )
 
 
-bronze_checks = [bronze_records_contract, bronze_quarantine_contract, bronze_quarantine_rate, bronze_accounting,
-                 bronze_volume, bronze_freshness]
+bronze_checks = [bronze_records_contract, bronze_preference_records_contract, bronze_quarantine_contract,
+                 bronze_quarantine_rate, bronze_accounting, bronze_volume, bronze_freshness]

@@ -12,7 +12,7 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import BatchRegistration, discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LakeResource, LandingResource
@@ -27,7 +27,7 @@ def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
     return tags
 
 
-BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_QUARANTINE)
+BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE)
 
 # A named job: the sensor's target, and what clients submit (GraphQL, `dagster job launch`).
 ingest_job = define_asset_job(
