@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--file-records", type=int,
                         help=f"markov text only: most lines per landing file (default {MARKOV_FILE_RECORDS:,}); file k of "
                         "every source makes shard k")
+    sample.add_argument("--preference-pairs", type=int, default=0, metavar="N",
+                        help="docstring text only: also write N preference pairs as source `prefs` (record format "
+                        "`preference`), with their own injected defects (default 0: none)")
 
     commands.add_parser("snapshot", help="cut a new data snapshot now, whatever its cadence says (recorded as by hand)")
 
@@ -158,6 +161,12 @@ def _backfill_decontamination(args, settings: Settings) -> int:
 def _sample_data(args, settings: Settings) -> int:
     out = args.out or _local(settings.landing_uri, "PIPELINE_LANDING_URI")
     eval_out = args.eval_sets_out or _local(settings.eval_sets_uri, "PIPELINE_EVAL_SETS_URI")
+    if args.preference_pairs:
+        from pipeline_assets.lib.sample_preferences import check_pair_count
+
+        check_pair_count(args.preference_pairs)
+        if args.text == "markov":
+            raise ValueError("--preference-pairs applies to --text docstrings only")
     if args.text == "markov":
         from pipeline_assets.lib.markov_corpus import write_markov_corpus
 
@@ -170,7 +179,19 @@ def _sample_data(args, settings: Settings) -> int:
         if args.file_records is not None:
             raise ValueError("--file-records applies to --text markov only")
         manifest = write_sample_corpus(out, records=args.records, eval_sets_dir=eval_out, seed=args.seed)
-    print(json.dumps({"landing": str(out), "eval_sets": str(eval_out), **manifest["expected"]}, indent=2))
+        if args.preference_pairs:
+            from pipeline_assets.lib.sample_preferences import add_preference_source
+
+            manifest = add_preference_source(out, args.preference_pairs, eval_sets_dir=eval_out)
+    preference = manifest.get("preference")
+    summary = {"landing": str(out), "eval_sets": str(eval_out), **manifest["expected"]}
+    print(json.dumps({**summary, "preference": preference["expected"]} if preference else summary, indent=2))
+    if preference:
+        from pipeline_assets.lib.sample_preferences import source_formats_setting
+
+        setting = source_formats_setting(preference["source"], settings.source_formats)
+        print(f"{preference['source']}/ holds preference pairs; bronze reads them as such with {setting}",
+              file=sys.stderr)  # stdout stays one JSON document
     return 0
 
 

@@ -103,12 +103,12 @@ HASH_128 = {"str_length": {"min_value": 32, "max_value": 32}}
 FRACTION = {"ge": 0.0, "le": 1.0}
 
 
-class SilverRecord(BronzeRecord):
-    """A bronze record that survived normalization, dedup, decontamination and the quality gate.
+class Curated(pa.DataFrameModel):
+    """What silver adds to every format's bronze record.
 
     Text columns are normalized. ``cluster_id`` is the survivor of its near-duplicate cluster (the
-    record itself when it has no duplicates); the ``q_*`` columns are the quality-rule values it
-    was judged on (lib.quality.QUANTITIES).
+    record itself when it has no duplicates); the ``q_*`` columns are the quality-rule values its
+    judged answer was judged on (lib.quality.QUANTITIES).
     """
 
     exact_hash: str = pa.Field(**HASH_128)
@@ -123,7 +123,20 @@ class SilverRecord(BronzeRecord):
     q_duplicate_5gram_char_fraction: float = pa.Field(**FRACTION)
 
 
-SILVER_STAGE = r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+)$"
+class SilverRecord(Curated, BronzeRecord):  # the bronze fields first
+    """A bronze record that survived normalization, dedup, decontamination and the quality gate."""
+
+
+class PairMeasures(pa.DataFrameModel):
+    prompt_hash: str = pa.Field(**HASH_128, description="the normalized prompt's: the split and the per-prompt cap go by it")
+    length_log_ratio: float = pa.Field(ge=0, description="|log(chars of chosen / chars of rejected)|: DPO's length bias")
+
+
+class SilverPreferencePair(PairMeasures, Curated, BronzePreferenceRecord):
+    """A preference pair that survived silver's stages and the pair rules (lib.preference_rules)."""
+
+
+SILVER_STAGE = r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|contradiction|pair_cap|pair:[a-z_]+)$"
 
 
 class SilverReject(pa.DataFrameModel):
@@ -136,7 +149,9 @@ class SilverReject(pa.DataFrameModel):
     source_line: pl.Int64
     system: str = pa.Field(nullable=True)
     prompt: str
-    response: str
+    response: str = pa.Field(nullable=True, description="sft records; preference pairs have chosen and rejected")
+    chosen: str = pa.Field(nullable=True)
+    rejected: str = pa.Field(nullable=True)
     stage: str = pa.Field(str_matches=SILVER_STAGE)
     evidence: str = pa.Field(description="JSON: what the stage matched or measured")
     duplicate_of: str = pa.Field(nullable=True, description="dedup: the cluster survivor's record_id")
@@ -160,10 +175,12 @@ class MinhashIndexEntry(pa.DataFrameModel):
     exact_hash: str = pa.Field(**HASH_128)
     signature: pl.Binary = pa.Field(description="MinHash signature: num_perm little-endian uint32")
     response_signature: pl.Binary = pa.Field(
-        nullable=True, description="MinHash signature of the response alone; null in entries written before it was stored"
+        nullable=True, description="MinHash signature of the answers alone (sft: the response; preference: chosen and "
+        "rejected); null in entries written before it was stored"
     )
     band_keys: Annotated[pl.List, pl.Int64()] = pa.Field(description="one LSH key per band")
     lsh_params: str
+    prompt_hash: str = pa.Field(nullable=True, description="preference pairs: the normalized prompt's hash")
 
     class Config:
         strict = True
@@ -171,10 +188,10 @@ class MinhashIndexEntry(pa.DataFrameModel):
 
 
 class MinhashBandEntry(pa.DataFrameModel):
-    """One key of one kept silver record in ``silver/minhash_bands``: an LSH band's, or (band -1)
-    the first 60 bits of its exact hash."""
+    """One key of one kept silver record in ``silver/minhash_bands``: an LSH band's, (band -1) the
+    first 60 bits of its exact hash, or (band -2, preference pairs) of its prompt hash."""
 
-    band: pl.Int16 = pa.Field(ge=-1)
+    band: pl.Int16 = pa.Field(ge=-2)
     band_key: pl.Int64
     record_id: str = pa.Field(**HASH_128)
     batch_id: str
@@ -199,8 +216,8 @@ class GoldTokenizer(pa.DataFrameModel):
         strict = True
 
 
-class GoldSequence(pa.DataFrameModel):
-    """One packed training sequence of ``seq_len`` tokens, in its ingest batch's shard."""
+class PackedShard(pa.DataFrameModel):
+    """What every packed row of a gold shard has, whatever the record format."""
 
     batch_id: str = pa.Field(str_length={"min_value": 1}, description="the shard: one ingest batch, packed on its own")
     tokenizer_version: pl.Int64 = pa.Field(ge=0, description="the gold/tokenizer Delta version that encoded it")
@@ -210,12 +227,32 @@ class GoldSequence(pa.DataFrameModel):
     loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(description="true on response tokens (Delta has no unsigned ints)")
     position_ids: Annotated[pl.List, pl.Int32()] = pa.Field(description="restart at 0 at every document")
     document_lengths: Annotated[pl.List, pl.Int32()] = pa.Field(description="lengths of the packed pieces, in order")
-    record_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver record of each piece")
-    real_tokens: pl.Int32 = pa.Field(ge=1)
 
     class Config:
         strict = True
         coerce = False
+
+
+class SequenceRecords(pa.DataFrameModel):
+    record_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver record of each piece")
+    real_tokens: pl.Int32 = pa.Field(ge=1)
+
+
+class GoldSequence(SequenceRecords, PackedShard):
+    """One packed training sequence of ``seq_len`` tokens, in its ingest batch's shard."""
+
+
+class SequencePairs(pa.DataFrameModel):
+    pair_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver pair of documents 2k (chosen) and 2k + 1")
+    real_tokens: pl.Int32 = pa.Field(ge=1)
+
+
+class GoldPreferenceSequence(SequencePairs, PackedShard):
+    """One packed row of preference pairs: each pair's chosen then rejected document, whole, in one row."""
+
+    @pa.dataframe_check
+    def _two_documents_a_pair(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        return data.lazyframe.select(pl.col("document_lengths").list.len() == 2 * pl.col("pair_ids").list.len())
 
 
 class GoldSnapshotManifest(pa.DataFrameModel):

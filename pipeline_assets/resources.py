@@ -38,6 +38,8 @@ from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig
+from pipeline_assets.lib.preference_gold import VALIDATION_FRACTION as PREFERENCE_VALIDATION_FRACTION
+from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.promotion import rollback_target
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.lib.quality import QualityThresholds
@@ -87,6 +89,13 @@ def _count_env(name: str, default: int) -> int:
     if value < 1:
         raise ValueError(f"{name}={value:g} must be 1 or more")
     return int(value)
+
+
+def _length_ratio_env(name: str) -> float:
+    value = _non_negative_env(name, 0.0)
+    if 0 < value <= 1:
+        raise ValueError(f"{name}={value:g} must be more than 1 (a ratio of lengths), or 0 to only count it")
+    return value
 
 
 def _choice_env(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -171,12 +180,15 @@ class Settings:
     volume_tolerance: float = 0.20
     freshness_sla_hours: float = 24.0
     quality_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
+    max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT
+    max_length_ratio: float = 0.0  # preference pairs: 0 counts the ratio only, a number also rejects beyond it
     tokenizer_path: str = ""
     seq_len: int = 512
     vocab_size: int = 8192
     tokenizer_sample_chars: int = _TOKENIZER_SAMPLE_CHARS
     long_records: str = DEFAULT_LONG_RECORDS
     validation_fraction: float = 0.02
+    preference_validation_fraction: float = PREFERENCE_VALIDATION_FRACTION
     search_fraction: float = _SEARCH_FRACTION
     shuffle_seed: int = 20261121
     snapshot_min_new_fraction: float = 0.10
@@ -223,12 +235,16 @@ class Settings:
             volume_tolerance=_float_env("PIPELINE_VOLUME_TOLERANCE", 0.20),
             freshness_sla_hours=_float_env("PIPELINE_FRESHNESS_SLA_HOURS", 24.0),
             quality_thresholds=_json_env("PIPELINE_QUALITY_THRESHOLDS"),
+            max_pairs_per_prompt=_count_env("PIPELINE_MAX_PAIRS_PER_PROMPT", MAX_PAIRS_PER_PROMPT),
+            max_length_ratio=_length_ratio_env("PIPELINE_PREFERENCE_MAX_LENGTH_RATIO"),
             tokenizer_path=_env("PIPELINE_TOKENIZER", ""),
             seq_len=int(_float_env("PIPELINE_SEQ_LEN", 512)),
             vocab_size=int(_float_env("PIPELINE_VOCAB_SIZE", 8192)),
             tokenizer_sample_chars=_count_env("PIPELINE_TOKENIZER_SAMPLE_CHARS", _TOKENIZER_SAMPLE_CHARS),
             long_records=_choice_env("PIPELINE_LONG_RECORDS", DEFAULT_LONG_RECORDS, LONG_RECORD_MODES),
             validation_fraction=_float_env("PIPELINE_VALIDATION_FRACTION", 0.02),
+            preference_validation_fraction=_float_env("PIPELINE_PREFERENCE_VALIDATION_FRACTION",
+                                                      PREFERENCE_VALIDATION_FRACTION),
             search_fraction=_float_env("PIPELINE_SEARCH_FRACTION", _SEARCH_FRACTION),
             shuffle_seed=int(_float_env("PIPELINE_SHUFFLE_SEED", 20261121)),
             snapshot_min_new_fraction=_float_env("PIPELINE_SNAPSHOT_MIN_NEW_FRACTION", 0.10),
@@ -621,6 +637,9 @@ class GoldPolicy(ConfigurableResource):
         description="a record longer than seq_len: truncate its response, or drop it; either way it keeps its prompt",
     )
     validation_fraction: float = 0.02
+    preference_validation_fraction: float = Field(
+        default=PREFERENCE_VALIDATION_FRACTION, description="preference pairs: the share of prompts held out (all of "
+        "a prompt's pairs on one side) for preference accuracy")
     search_fraction: float = Field(default=_SEARCH_FRACTION, description="records hyperparameter search selects on, "
                                    "taken from train only (validation, the promotion gate's rows, never changes)")
     shuffle_seed: int = 20261121
@@ -650,7 +669,9 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             freshness_sla_hours=settings.freshness_sla_hours,
         ),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
-        "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds),
+        "silver_policy": SilverPolicy(quality_thresholds=settings.quality_thresholds,
+                                      max_pairs_per_prompt=settings.max_pairs_per_prompt,
+                                      max_length_ratio=settings.max_length_ratio),
         "ray_engine": _block_engine(settings),
         "gold_policy": GoldPolicy(
             tokenizer_path=settings.tokenizer_path,
@@ -659,6 +680,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             vocab_size=settings.vocab_size,
             tokenizer_sample_chars=settings.tokenizer_sample_chars,
             validation_fraction=settings.validation_fraction,
+            preference_validation_fraction=settings.preference_validation_fraction,
             search_fraction=settings.search_fraction,
             shuffle_seed=settings.shuffle_seed,
             snapshot_min_new_fraction=settings.snapshot_min_new_fraction,
@@ -746,6 +768,10 @@ class SilverPolicy(ConfigurableResource):
     )
     volume_tolerance: float = Field(default=0.20, description="warning: kept rows against the trailing median")
     trailing_batches: int = 10
+    max_pairs_per_prompt: int = Field(default=MAX_PAIRS_PER_PROMPT, description="preference pairs kept a prompt, "
+                                      "over every batch; the rest are rejected as pair_cap")
+    max_length_ratio: float = Field(default=0.0, description="preference pairs: reject chars(chosen) / chars(rejected) "
+                                    "beyond this either way; 0 only counts the pairs beyond 4 (length bias)")
 
     def decontam_config(self) -> DecontamConfig:
         return DecontamConfig(ngram=self.decontam_ngram)
@@ -761,6 +787,8 @@ class SilverPolicy(ConfigurableResource):
             quality_by_source={
                 source: QualityThresholds(**overrides) for source, overrides in self.quality_thresholds.items()
             },
+            max_pairs_per_prompt=self.max_pairs_per_prompt,
+            max_length_ratio=self.max_length_ratio or None,
         )
 
 

@@ -79,6 +79,21 @@ def test_tokenizer_sample_setting_reaches_gold_and_a_bad_value_is_named(monkeypa
         Settings.from_env()
 
 
+def test_preference_pair_settings_reach_silver_and_a_bad_value_is_named(monkeypatch, tmp_path):
+    from pipeline_assets.resources import Settings, build_resources
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    default = build_resources(Settings.from_env())["silver_policy"].silver_config()
+    assert (default.max_pairs_per_prompt, default.max_length_ratio) == (8, None)
+    monkeypatch.setenv("PIPELINE_MAX_PAIRS_PER_PROMPT", "3")
+    monkeypatch.setenv("PIPELINE_PREFERENCE_MAX_LENGTH_RATIO", "5")
+    configured = build_resources(Settings.from_env())["silver_policy"].silver_config()
+    assert (configured.max_pairs_per_prompt, configured.max_length_ratio) == (3, 5.0)
+    monkeypatch.setenv("PIPELINE_PREFERENCE_MAX_LENGTH_RATIO", "0.5")
+    with pytest.raises(ValueError, match="PIPELINE_PREFERENCE_MAX_LENGTH_RATIO=0.5 must be more than 1"):
+        Settings.from_env()
+
+
 def test_dagster_definitions_validate(tmp_path):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "PIPELINE_HOME": str(tmp_path)}
     done = subprocess.run(

@@ -37,7 +37,7 @@ RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its checks): under a m
 # Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold and training).
 ASSET_KEYS = [
     "bronze/records", "bronze/preference_records", "bronze/quarantine",
-    "silver/records", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
+    "silver/records", "silver/preference_pairs", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
     "reference/eval_sets",
     "gold/tokenizer", "gold/sequences", "gold/snapshots",
     "training/hparam_search", "training/checkpoint",

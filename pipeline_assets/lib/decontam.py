@@ -238,9 +238,9 @@ class EvalNgramIndex:
 
     # --- matching ---------------------------------------------------------------------------------
 
-    def first_match(self, texts: Sequence[str | None]) -> Contamination | None:
-        """The first gram found in a record whose ``config.fields`` values are ``texts``."""
-        for field, text in zip(self.config.fields, texts, strict=True):
+    def first_match(self, texts: Sequence[str | None], fields: Sequence[str] | None = None) -> Contamination | None:
+        """The first gram found in a record whose ``fields`` (default: ``config.fields``) values are ``texts``."""
+        for field, text in zip(fields or self.config.fields, texts, strict=True):
             words = text_words(text, self.config.lowercase)
             found = self._first_in_words(words)
             if found is not None:
@@ -276,32 +276,34 @@ class EvalNgramIndex:
 # --- Records --------------------------------------------------------------------------------------
 
 
-def find_contamination(records: pl.DataFrame, index: EvalNgramIndex) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+def find_contamination(records: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str] | None = None
+                       ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Returns (kept, rejected, counters).
 
     rejected: the contaminated input rows plus stage="decontaminated", eval_set, eval_item_id,
     matched_ngram (the gram's words joined by spaces) and evidence (JSON: eval_set, item_id,
     ngram, field). A record is contaminated if any gram of any checked field is in the index; the
     first one is reported (first field in config order, then first word position). Both frames
-    keep the input order and every input column; rows_in == kept + rejected.
+    keep the input order and every input column; rows_in == kept + rejected. ``fields``: the record
+    format's text to check, in order (default: the index's ``config.fields``).
     """
-    fields = index.config.fields
+    fields = tuple(fields or index.config.fields)
     missing = [c for c in ("record_id", *fields) if c not in records.columns]
     if missing:
         raise ValueError(f"records lack columns {missing}")
-    matches = list(_record_matches(records.select(fields), index))
+    matches = list(_record_matches(records.select(fields), index, fields))
     is_contaminated = pl.Series("is_contaminated", [m is not None for m in matches], pl.Boolean)
     kept = records.filter(~is_contaminated)
     rejected = _rejected_rows(records.filter(is_contaminated), [m for m in matches if m])
     return kept, rejected, _counters(records.height, kept.height, rejected, index)
 
 
-def _record_matches(texts: pl.DataFrame, index: EvalNgramIndex) -> Iterator[Contamination | None]:
+def _record_matches(texts: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str]) -> Iterator[Contamination | None]:
     # Slices bound the Python strings alive at once; matches are kept, the text is not.
     for chunk in texts.iter_slices(_SLICE_ROWS):
         columns = [chunk[c].cast(pl.String).to_list() for c in chunk.columns]
         for values in zip(*columns, strict=True):
-            yield index.first_match(values)
+            yield index.first_match(values, fields)
 
 
 def _rejected_rows(rows: pl.DataFrame, matches: list[Contamination]) -> pl.DataFrame:

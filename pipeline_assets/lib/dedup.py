@@ -17,10 +17,18 @@ signatures (``IndexLookup``).
 A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
 the LSH over prompt + response, and are verified on both texts' signatures, so different answers
 to one long shared prompt (retrieval contexts, several completions of one prompt) all survive.
+
+Every record format dedups on its own text (``RecordFormat.dedup`` and ``answers``: a preference
+pair on prompt, chosen and rejected, its answers being chosen and rejected together) and only
+against records of its format: its band keys are salted by the format's name (sft's salt is 0, so
+indexes written before formats existed stay valid), and exact hashes of different formats hash
+different fields. Preference entries also carry the hash of their normalized prompt, indexed as
+band PROMPT_BAND, so a batch finds how many pairs earlier batches kept for each of its prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,11 +37,9 @@ import numpy as np
 import polars as pl
 import polars_hash as plh
 
-from pipeline_assets.lib.formats import SFT
+from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
 
-DEDUP_TEXT = pl.concat_str([pl.col(name) for name in SFT.dedup], separator="\n")
-ANSWER = SFT.answers[0]  # signed on its own: a near-duplicate's answers are near-duplicates too
 SIGNATURE_COLUMNS = ("_signature", "_response_signature")  # with_signatures' columns, dropped by near dedup
 HISTORY_SCHEMA = pl.Schema(
     {
@@ -44,12 +50,14 @@ HISTORY_SCHEMA = pl.Schema(
         "response_signature": pl.Binary,  # null in entries written before responses were signed
         "band_keys": pl.List(pl.Int64),
         "lsh_params": pl.String,
+        "prompt_hash": pl.String,  # preference pairs: their normalized prompt's hash; null for other formats
     }
 )
 
 
 ROWS_PER_LOOKUP_TASK = 4_000_000  # indexed records a lookup task reads one band of: about 100 MB of keys and ids
 EXACT_BAND = -1  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
+PROMPT_BAND = -2  # the band of a preference pair's prompt hash: the pairs earlier batches kept for a prompt
 BAND_SCHEMA = pl.Schema({"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String})
 IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
 """(band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA) holding one."""
@@ -75,11 +83,15 @@ class StageResult:
 # --- exact --------------------------------------------------------------------------------------
 
 
-def exact_hashes(frame: pl.DataFrame) -> pl.Series:
-    """128 bits of BLAKE3 over the normalized prompt and response: stable across versions and runs."""
-    return frame.select(plh.concat_str(*SFT.dedup, separator="\x1f").chash.blake3().str.slice(0, 32))[
-        :, 0
-    ].alias("exact_hash")
+def exact_hashes(frame: pl.DataFrame, fmt: RecordFormat = SFT) -> pl.Series:
+    """128 bits of BLAKE3 over the format's normalized dedup text (sft: prompt and response): stable
+    across versions and runs."""
+    return frame.select(hash_of(*fmt.dedup))[:, 0].alias("exact_hash")
+
+
+def hash_of(*columns: str) -> pl.Expr:
+    """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization removes)."""
+    return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)
 
 
 def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
@@ -150,9 +162,9 @@ def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0
     return best
 
 
-def band_keys(sigs: np.ndarray, params: LshParams) -> np.ndarray:
-    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values."""
-    keys = np.zeros((len(sigs), params.bands), dtype=np.uint64)
+def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
+    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from ``salt``."""
+    keys = np.full((len(sigs), params.bands), salt, dtype=np.uint64)
     multiplier = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         for band in range(params.bands):
@@ -162,18 +174,19 @@ def band_keys(sigs: np.ndarray, params: LshParams) -> np.ndarray:
     return keys.view(np.int64)  # Delta has no unsigned integers
 
 
-def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHashConfig = MinHashConfig()) -> tuple[StageResult, pl.DataFrame]:
+def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHashConfig = MinHashConfig(),
+               fmt: RecordFormat = SFT) -> tuple[StageResult, pl.DataFrame]:
     """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
 
-    ``batch`` needs record_id, batch_id, prompt, response; ``history`` is the index of the other
-    batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
+    ``batch`` needs record_id, batch_id and the format's dedup text; ``history`` is the index of the
+    other batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
     """
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     if SIGNATURE_COLUMNS[0] not in batch.columns:
-        batch = with_signatures(batch, config)
+        batch = with_signatures(batch, config, fmt)
     sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
     batch = batch.drop(SIGNATURE_COLUMNS)
-    keys = band_keys(sigs, params)
+    keys = band_keys(sigs, params, format_salt(fmt))
     matched = _history_matches(history, keys, params, config)
     matched_sigs = _signature_matrix(matched["signature"], config)
     all_sigs = np.vstack([sigs, matched_sigs])
@@ -181,14 +194,14 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
         np.vstack([response_sigs, _signature_matrix(matched["response_signature"], config)]),
         np.concatenate([np.ones(batch.height, dtype=bool), matched["response_signature"].is_not_null().to_numpy()]),
     )
-    all_keys = np.vstack([keys, band_keys(matched_sigs, params)])
+    all_keys = np.vstack([keys, band_keys(matched_sigs, params, format_salt(fmt))])
     pairs = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
     node_ids = batch["record_id"].to_list() + matched["record_id"].to_list()
     node_batches = batch["batch_id"].to_list() + matched["batch_id"].to_list()
     yields = [1] * batch.height + [0] * matched.height  # this batch's copies yield to records others kept
     survivors = _cluster_survivors(len(node_ids), pairs, list(zip(yields, node_batches, node_ids, strict=True)))
 
-    survivor_of = np.asarray(survivors[: batch.height])
+    survivor_of = np.asarray(survivors[: batch.height], dtype=np.int64)
     cluster_ids = [node_ids[s] for s in survivor_of]
     similarity = jaccard(sigs, all_sigs[survivor_of])
     judged = batch.with_columns(
@@ -225,15 +238,26 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     return result, index
 
 
-def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig()) -> pl.DataFrame:
-    """``frame`` plus its rows' MinHash signatures (prompt + response, and the response alone) as
+def format_salt(fmt: RecordFormat) -> int:
+    """Where a format's band keys start: 0 for sft, else 64 bits of its name's hash."""
+    if fmt is SFT:
+        return 0
+    return int.from_bytes(hashlib.blake2b(fmt.name.encode(), digest_size=8).digest(), "little")
+
+
+def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT) -> pl.DataFrame:
+    """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone) as
     little-endian bytes: computed block by block, before near dedup looks across the batch."""
-    sigs = signatures(frame.select(DEDUP_TEXT).to_series().to_list(), config)
-    response_sigs = signatures(frame[ANSWER].to_list(), config)
+    sigs = signatures(_joined(frame, fmt.dedup), config)
+    response_sigs = signatures(_joined(frame, fmt.answers), config)
     return frame.with_columns(
         pl.Series(name, [row.astype("<u4").tobytes() for row in matrix], dtype=pl.Binary)
         for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)
     )
+
+
+def _joined(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
+    return frame.select(pl.concat_str([pl.col(name) for name in columns], separator="\n")).to_series().to_list()
 
 
 def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:
@@ -282,23 +306,30 @@ def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
 
 
 def band_entries(index: pl.DataFrame) -> pl.DataFrame:
-    """Index entries as ``silver/minhash_bands`` rows: one a record for its exact hash, one a band."""
+    """Index entries as ``silver/minhash_bands`` rows: one a record for its exact hash, one a band,
+    and one for a preference pair's prompt hash."""
     exact = index.select("record_id", "batch_id", band=pl.lit(EXACT_BAND, pl.Int16), band_key=_exact_key("exact_hash"))
     lsh = (
         index.select("record_id", "batch_id", band_key="band_keys",
                      band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int16))
         .explode("band_key", "band")
     )
-    return pl.concat([exact, lsh], how="diagonal").select(BAND_SCHEMA.names()).cast(dict(BAND_SCHEMA))
+    prompts = [index.filter(pl.col("prompt_hash").is_not_null()).select(
+        "record_id", "batch_id", band=pl.lit(PROMPT_BAND, pl.Int16), band_key=_exact_key("prompt_hash"))
+        ] if "prompt_hash" in index.columns else []
+    return pl.concat([exact, lsh, *prompts], how="diagonal_relaxed").select(BAND_SCHEMA.names()).cast(dict(BAND_SCHEMA))
 
 
-def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig()) -> pl.DataFrame:
-    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up."""
+def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT) -> pl.DataFrame:
+    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a preference
+    batch also looks up its pairs' prompts and their pairs labelled the other way (``flipped_hash``)."""
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
-    keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params)
+    keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt))
     lsh = pl.DataFrame({"band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)), "band_key": keys.ravel()})
-    exact = batch.select(band=pl.lit(EXACT_BAND, pl.Int16), band_key=_exact_key("exact_hash"))
-    return pl.concat([exact, lsh]).unique()
+    hashes = [(EXACT_BAND, "exact_hash"), (EXACT_BAND, "flipped_hash"), (PROMPT_BAND, "prompt_hash")]
+    exact = [batch.select(band=pl.lit(band, pl.Int16), band_key=_exact_key(column))
+             for band, column in hashes if column in batch.columns]
+    return pl.concat([*exact, lsh]).unique()
 
 
 def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None) -> pl.DataFrame:
@@ -397,6 +428,7 @@ def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: l
 
 
 def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:
+    prompt_hash = batch["prompt_hash"] if "prompt_hash" in batch.columns else [None] * batch.height
     return pl.DataFrame(
         {
             "record_id": batch["record_id"],
@@ -406,6 +438,7 @@ def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray
             "response_signature": [row.astype("<u4").tobytes() for row in response_sigs],
             "band_keys": keys.tolist(),
             "lsh_params": label,
+            "prompt_hash": prompt_hash,
         },
         schema=HISTORY_SCHEMA,
     )

@@ -22,8 +22,10 @@ class RecordFormat:
     optional_text: tuple[str, ...]  # strings a record may leave out (or null)
     optional_numbers: tuple[str, ...]  # numbers a record may leave out (or null)
     dedup: tuple[str, ...]  # joined, the text exact and near dedup compare
-    answers: tuple[str, ...]  # the answers: signed apart for near dedup, judged by the quality rules
+    answers: tuple[str, ...]  # joined, signed apart: a near-duplicate's answers are near-duplicates too
+    judged: str  # the answer the quality rules judge
     decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
+    split_key: str  # the column whose hash decides a record's train/validation side
     loss: str  # what a model trains on it with
 
     @property
@@ -43,12 +45,15 @@ class RecordFormat:
 
 SFT = RecordFormat(
     name="sft", required=("prompt", "response"), optional_text=("system",), optional_numbers=(),
-    dedup=("prompt", "response"), answers=("response",), decontaminate=("prompt", "response"), loss="next-token on the response",
+    dedup=("prompt", "response"), answers=("response",), judged="response", decontaminate=("prompt", "response"),
+    split_key="exact_hash", loss="next-token on the response",
 )
+# Several pairs for one prompt are legitimate, so all of one prompt's pairs share a side of the split.
 PREFERENCE = RecordFormat(
     name="preference", required=("prompt", "chosen", "rejected"), optional_text=("system",),
-    optional_numbers=("score_chosen", "score_rejected"), dedup=("prompt", "chosen", "rejected"), answers=("chosen",),
-    decontaminate=("prompt", "chosen", "rejected"), loss="sigmoid DPO against a reference model",
+    optional_numbers=("score_chosen", "score_rejected"), dedup=("prompt", "chosen", "rejected"),
+    answers=("chosen", "rejected"), judged="chosen", decontaminate=("prompt", "chosen", "rejected"),
+    split_key="prompt_hash", loss="sigmoid DPO against a reference model",
 )
 FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
 ALL_TEXT = tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.text))  # every format's text fields

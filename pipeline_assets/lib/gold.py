@@ -68,12 +68,12 @@ def tokenize_stage(tokenizer_json: str) -> BlockStage:
 
 
 def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
-    encoded = encode_records(_tokenizer(tokenizer_json), block).with_columns(block.select("source", "split"))
+    encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(block.select("source", "split"))
     return encoded, None, {"rows_in": block.height, "tokens": int(encoded["n_tokens"].sum())}
 
 
 @lru_cache(maxsize=2)
-def _tokenizer(tokenizer_json: str):
+def cached_tokenizer(tokenizer_json: str):
     """Built once per process (a Ray worker keeps it for every block it runs), not once per block."""
     return tokenizer_from_json(tokenizer_json)
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.formats import SFT
+from pipeline_assets.lib.formats import ALL_TEXT
 
-TEXT_COLUMNS = SFT.text
+TEXT_COLUMNS = ALL_TEXT  # every format's text: a frame holds one format's, the others are absent
 
 # C0 and C1 controls except tab and newline (\r is folded into \n below).
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"

@@ -98,9 +98,9 @@ _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant; u64 arithmetic wraps, which is
 # --- Measured quantities ------------------------------------------------------------------------
 
 
-def quality_values(frame: pl.DataFrame) -> pl.DataFrame:
-    """``frame`` plus one Float64 ``q_<quantity>`` column per measured quantity of the response."""
-    response = frame.get_column(SFT.answers[0])
+def quality_values(frame: pl.DataFrame, judged: str = SFT.judged) -> pl.DataFrame:
+    """``frame`` plus one Float64 ``q_<quantity>`` column per measured quantity of the ``judged`` answer."""
+    response = frame.get_column(judged)
     measured = pl.concat(
         [_word_quantities(_word_table(response), response.len()), _line_quantities(response)],
         how="horizontal",
@@ -269,17 +269,19 @@ def quality_gate(
     frame: pl.DataFrame,
     thresholds: Mapping[str, QualityThresholds] | None = None,
     default: QualityThresholds = QualityThresholds(),
+    judged: str = SFT.judged,
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Split ``frame`` into (kept, rejected, counters) by the rules in ``RULES`` order.
+    """Split ``frame`` into (kept, rejected, counters) by the rules in ``RULES`` order, judging the
+    ``judged`` answer (the record format's).
 
     ``thresholds`` overrides the default per ``source``. Both outputs keep the input order and
     carry the q_* columns; ``rejected`` adds stage ("quality:<first failing rule>"), rule_value,
     rule_threshold and evidence (JSON). counters: rows_in, kept, rejected, rejected_by_rule.
     """
-    judged = quality_values(frame).with_columns(_first_failure(thresholds or {}, default))
+    measured = quality_values(frame, judged).with_columns(_first_failure(thresholds or {}, default))
     failed = pl.col("stage").is_not_null()
-    kept = judged.filter(~failed).drop(REJECT_COLUMNS)
-    rejected = judged.filter(failed)
+    kept = measured.filter(~failed).drop(REJECT_COLUMNS)
+    rejected = measured.filter(failed)
     return kept, rejected, _counters(frame.height, kept.height, rejected)
 
 

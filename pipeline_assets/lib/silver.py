@@ -4,6 +4,10 @@ normalize -> exact dedup -> near dedup -> decontaminate -> quality gate. Every r
 a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
 ``bronze rows == silver rows + rejected rows``.
 
+Every record format goes through the same stages on its own fields (``lib.formats``); preference
+pairs add their own rules (``lib.preference_rules``): pair_sides after normalize, contradiction
+after exact dedup, pair_cap last.
+
 The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
 MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
 them block by block (in this process, or on Ray); the dedup stages look across the batch and the
@@ -22,8 +26,17 @@ import polars as pl
 
 from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, find_contamination
 from pipeline_assets.lib.dedup import SIGNATURE_COLUMNS, IndexLookup, exact_dedup, exact_hashes, near_dedup, wanted_keys, with_signatures
+from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
+from pipeline_assets.lib.preference_rules import (
+    MAX_PAIRS_PER_PROMPT,
+    PAIR_HASH_COLUMNS,
+    cap_per_prompt,
+    contradictions,
+    pair_hashes,
+    pair_sides,
+)
 from pipeline_assets.lib.quality import QualityThresholds, quality_gate
 from pipeline_assets.lib.stages import BlockStage, StagesResult, run_in_process
 
@@ -38,6 +51,8 @@ class SilverConfig:
     decontam: DecontamConfig = DecontamConfig()
     quality_default: QualityThresholds = QualityThresholds()
     quality_by_source: dict[str, QualityThresholds] = field(default_factory=dict)
+    max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT
+    max_length_ratio: float | None = None  # preference pairs: None counts the ratio, a number also rejects beyond it
 
 
 @dataclass(frozen=True)
@@ -51,66 +66,87 @@ class CuratedBatch:
     index_lookup: dict = field(default_factory=dict)  # keys looked up, other batches' entries found, seconds
 
 
-def before_dedup(config: SilverConfig) -> list[BlockStage]:
+def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[BlockStage]:
+    pair_rules = [BlockStage("pair_sides", partial(pair_sides, max_length_ratio=config.max_length_ratio))]
     return [
         BlockStage("normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)),
-        BlockStage("minhash", lambda block: (with_signatures(block, config.minhash), None, {"rows_in": block.height})),
+        *(pair_rules if fmt is PREFERENCE else []),
+        BlockStage("minhash", lambda block: (with_signatures(block, config.minhash, fmt), None, {"rows_in": block.height})),
     ]
 
 
-def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex) -> list[BlockStage]:
+def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFormat = SFT) -> list[BlockStage]:
     return [
-        BlockStage("decontaminate", partial(find_contamination, index=eval_index)),
-        BlockStage("quality", partial(quality_gate, thresholds=config.quality_by_source, default=config.quality_default)),
+        BlockStage("decontaminate", partial(find_contamination, index=eval_index, fields=fmt.decontaminate)),
+        BlockStage("quality", partial(quality_gate, thresholds=config.quality_by_source, default=config.quality_default,
+                                      judged=fmt.judged)),
     ]
 
 
 def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNgramIndex, config: SilverConfig,
-           run_blocks: RunBlocks | None = None) -> CuratedBatch:
-    """Run the stages on one batch of bronze rows; ``look_up`` finds the index entries of the batches
-    it dedups against (None: there are none); ``run_blocks`` runs block stages (default: here,
-    ROWS_PER_BLOCK rows at a time)."""
+           run_blocks: RunBlocks | None = None, fmt: RecordFormat = SFT) -> CuratedBatch:
+    """Run the stages on one batch of bronze rows of one record format; ``look_up`` finds the index
+    entries of the batches it dedups against (None: there are none); ``run_blocks`` runs block stages
+    (default: here, ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
+    pairs = fmt is PREFERENCE
     started = time.perf_counter()
-    prepared = run_blocks(before_dedup(config), bronze)
+    prepared = run_blocks(before_dedup(config, fmt), bronze)
     block_wall = time.perf_counter() - started
-    stages = dict(prepared.counters)
+    stages, removed = dict(prepared.counters), list(prepared.removed.values())
 
     started = time.perf_counter()
-    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept))
-    history, lookup_counters = _history(hashed, look_up, config)
+    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept, fmt), *(pair_hashes() if pairs else []))
+    history, lookup_counters = _history(hashed, look_up, config, fmt)
     lookup_counters["seconds"] = round(time.perf_counter() - started, 3)
 
     started = time.perf_counter()
     exact = exact_dedup(hashed, history)
     stages["exact_dedup"] = _finished(exact.counters, started)
+    removed.append(exact.rejected.drop(SIGNATURE_COLUMNS))
+    unique = exact.kept
+    if pairs:
+        started = time.perf_counter()
+        unique, contradicted, counters = contradictions(unique, history)
+        stages["contradiction"] = _finished(counters, started)
+        removed.append(contradicted.drop(SIGNATURE_COLUMNS))
+        unique = unique.drop("flipped_hash")
 
     started = time.perf_counter()
-    near, index = near_dedup(exact.kept, history, config.minhash)
+    near, index = near_dedup(unique, history, config.minhash, fmt)
     stages["near_dedup"] = _finished(near.counters, started)
+    removed.append(near.rejected)
 
     started = time.perf_counter()
-    judged = run_blocks(after_dedup(config, eval_index), near.kept)
+    judged = run_blocks(after_dedup(config, eval_index, fmt), near.kept)
     block_wall += time.perf_counter() - started
     stages.update(judged.counters)
+    removed.extend(judged.removed.values())
+    kept = judged.kept
+    if pairs:
+        started = time.perf_counter()
+        kept, capped, counters = cap_per_prompt(kept, history, config.max_pairs_per_prompt)
+        stages["pair_cap"] = _finished(counters, started)
+        removed.append(capped)
 
-    rejects = pl.concat([exact.rejected.drop(SIGNATURE_COLUMNS), near.rejected, *judged.removed.values()], how="diagonal_relaxed")
+    rejects = pl.concat(removed, how="diagonal_relaxed").drop(PAIR_HASH_COLUMNS[1], strict=False)
     return CuratedBatch(
-        kept=judged.kept,
+        kept=kept,
         rejects=rejects,
-        index=index.filter(pl.col("record_id").is_in(judged.kept["record_id"].implode())),
-        stages={name: stages[name] for name in ("normalize", "minhash", "exact_dedup", "near_dedup", "decontaminate", "quality")},
+        index=index.filter(pl.col("record_id").is_in(kept["record_id"].implode())),
+        stages=stages,
         block_wall_seconds=round(block_wall, 3),
         block_stage_seconds=round(sum(c["seconds"] for c in (*prepared.counters.values(), *judged.counters.values())), 3),
         index_lookup=lookup_counters,
     )
 
 
-def _history(batch: pl.DataFrame, look_up: IndexLookup | None, config: SilverConfig) -> tuple[pl.LazyFrame | None, dict]:
+def _history(batch: pl.DataFrame, look_up: IndexLookup | None, config: SilverConfig,
+             fmt: RecordFormat) -> tuple[pl.LazyFrame | None, dict]:
     """The other batches' index entries sharing a key with ``batch``: all its dedup stages read of them."""
     if look_up is None or batch.is_empty():
         return None, {"keys": 0, "entries_found": 0}
-    wanted = wanted_keys(batch, config.minhash)
+    wanted = wanted_keys(batch, config.minhash, fmt)
     found = look_up(wanted)
     return found.lazy(), {"keys": wanted.height, "entries_found": found.height}
 

@@ -101,7 +101,7 @@ def test_a_new_eval_item_makes_silver_stale_and_the_backfill_removes_its_copy(in
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
     runs = [instance.get_run_by_id(run) for run in outcome.runs]
     assert [sorted(key.to_user_string() for key in run.asset_selection) for run in runs] == [
-        *[["silver/minhash_bands", "silver/minhash_index", "silver/records", "silver/rejects"]] * 2, *[["gold/sequences"]] * 2, ["gold/snapshots"]
+        *[["silver/minhash_bands", "silver/minhash_index", "silver/preference_pairs", "silver/records", "silver/rejects"]] * 2, *[["gold/sequences"]] * 2, ["gold/snapshots"]
     ], "observed already: no new observation"
     assert [run.tags.get("dagster/partition") for run in runs[:4]] == batches * 2, "batch by batch, oldest first: silver, then shards"
 

@@ -91,7 +91,7 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(two_sa
         assert checks["silver/records:pass_rate"].passed
 
     index = lake.read("silver", "minhash_index")
-    assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "response_signature", "band_keys", "lsh_params"}
+    assert set(index.columns) == {"record_id", "batch_id", "exact_hash", "signature", "response_signature", "band_keys", "lsh_params", "prompt_hash"}
     assert sorted(index["record_id"]) == sorted(lake.read("silver", "records")["record_id"])
     assert lake.table("silver", "minhash_bands").metadata().partition_columns == ["band", "batch_id"]
     assert lake.read("silver", "minhash_bands").group_by("record_id").len()["len"].unique().to_list() == [17]
@@ -275,7 +275,8 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
     second = register(instance, resources)
 
     plan = stale_partitions(defs, instance, list(defs.resolve_asset_graph().get_all_asset_keys()))
-    assert [k.to_user_string() for k in plan[first]] == ["silver/minhash_bands", "silver/minhash_index", "silver/records", "silver/rejects"]
+    assert [k.to_user_string() for k in plan[first]] == [
+        "silver/minhash_bands", "silver/minhash_index", "silver/preference_pairs", "silver/records", "silver/rejects"]
     assert list(plan) == [first, second]
     outcome = run_stale(defs, instance, None)
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks

@@ -13,7 +13,8 @@ from pathlib import PurePosixPath
 import polars as pl
 from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult, MetadataValue, multi_asset
 
-from pipeline_assets.contracts import BronzePreferenceRecord, BronzeRecord, QuarantineRecord, conform, polars_schema, validate
+from pipeline_assets.contracts import QuarantineRecord, conform, polars_schema, validate
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
@@ -70,7 +71,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     # Each file's records are written as they are read: Delta encodes one chunk while the next is parsed.
     records_commit = lake.replace_partition_streaming(
         "bronze", "records", read.record_chunks(_ingest_files(landing, entries, read.source_files)),
-        polars_schema(BronzeRecord), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
+        polars_schema(_CONTRACTS[SFT.name]), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
     )
     preference = read.preference_records()
     preference_commit = lake.replace_partition("bronze", "preference_records", preference, column="batch_id", value=batch_id)
@@ -118,7 +119,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     )
 
 
-_CONTRACTS = {SFT.name: BronzeRecord, PREFERENCE.name: BronzePreferenceRecord}  # each format's bronze table
+_CONTRACTS = {tables.fmt.name: tables.bronze_contract for tables in FORMAT_TABLES}  # each format's bronze table
 
 
 class _BatchRead:

@@ -160,7 +160,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     if silver_version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
     silver = lake.read("silver", "records", version=silver_version, where=pl.col("batch_id") == batch)
-    tokenizer_version, tokenizer_json = _current_tokenizer(lake)
+    tokenizer_version, tokenizer_json = current_tokenizer(lake)
     tokenizer = tokenizer_from_json(tokenizer_json)
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
                            search_fraction=gold_policy.search_fraction)
@@ -210,7 +210,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
     )
 
 
-def _current_tokenizer(lake: LakeResource) -> tuple[int, str]:
+def current_tokenizer(lake: LakeResource) -> tuple[int, str]:
     """The newest gold/tokenizer version and its tokenizer.json text."""
     version = lake.version("gold", "tokenizer")
     if version is None:

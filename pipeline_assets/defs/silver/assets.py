@@ -1,14 +1,16 @@
-"""silver/records, silver/rejects, silver/minhash_index, silver/minhash_bands: one ingest batch, curated."""
+"""silver/records, silver/preference_pairs, silver/rejects, silver/minhash_index, silver/minhash_bands:
+one ingest batch, every record format's rows curated by the same stages."""
 
 import polars as pl
 from dagster import AssetDep, AssetExecutionContext, AssetSpec, DagsterInstance, Failure, MaterializeResult, multi_asset
 
-from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverRecord, SilverReject, conform, polars_schema, validate
+from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject, conform, polars_schema, validate
+from pipeline_assets.defs.format_tables import FORMAT_TABLES, PREFERENCE_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import (
-    BRONZE_RECORDS,
     REFERENCE_EVAL_SETS,
     SILVER_MINHASH_BANDS,
     SILVER_MINHASH_INDEX,
+    SILVER_PREFERENCE_PAIRS,
     SILVER_RECORDS,
     SILVER_REJECTS,
 )
@@ -18,27 +20,32 @@ from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver import curate
+from pipeline_assets.lib.silver import CuratedBatch, curate
 from pipeline_assets.lib.silver_order import unsettled_before
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.resources import EvalSetsResource, LakeResource, SilverPolicy
 
 _KINDS = {"delta", "polars"}
-_DEPS = [AssetDep(BRONZE_RECORDS), AssetDep(REFERENCE_EVAL_SETS)]
 
 
-def _spec(key, description: str) -> AssetSpec:
+def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
+    """A silver table, fed by the bronze tables of the formats it holds and the eval sets."""
     # No automation condition: the silver_in_order sensor requests one batch at a time, oldest first.
-    return AssetSpec(key, description=description, group_name="silver", kinds=_KINDS, deps=_DEPS)
+    deps = [*(AssetDep(tables.bronze) for tables in formats), AssetDep(REFERENCE_EVAL_SETS)]
+    return AssetSpec(key, description=description, group_name="silver", kinds=_KINDS, deps=deps)
 
 
 @multi_asset(
     specs=[
-        _spec(SILVER_RECORDS, "Normalized, exact and near deduplicated, decontaminated, quality-gated records."),
+        _spec(SILVER_RECORDS, "Normalized, exact and near deduplicated, decontaminated, quality-gated records.",
+              [SFT_TABLES]),
+        _spec(SILVER_PREFERENCE_PAIRS, "Preference pairs through the same stages, plus the pair rules: no empty side, "
+              "chosen unlike rejected, no tie, no contradiction, at most max_pairs_per_prompt pairs a prompt.",
+              [PREFERENCE_TABLES]),
         _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
-        _spec(SILVER_MINHASH_BANDS, "The index's keys by band (and the exact hashes' first 60 bits, band -1), "
-              "partitioned by band: what a new batch is joined with, a task a band."),
+        _spec(SILVER_MINHASH_BANDS, "The index's keys by band (the exact hashes' first 60 bits as band -1, preference "
+              "pairs' prompt hashes as band -2), partitioned by band: what a new batch is joined with, a task a band."),
     ],
     partitions_def=ingest_batches,
     pool="silver",  # one batch at a time: each dedups against the index the others wrote
@@ -48,46 +55,111 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     _require_earlier_batches(context.instance, batch_id)
-    bronze_version = lake.version("bronze", "records")
-    bronze = lake.read("bronze", "records", version=bronze_version, where=pl.col("batch_id") == batch_id)
+    config = silver_policy.silver_config()
+    bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
-    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=bronze.height,
-                                          excluded=_left_out_of_dedup(context, batch_id),
-                                          config=silver_policy.silver_config().minhash)
+    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=sum(f.height for _, f in bronze.values()),
+                                          excluded=_left_out_of_dedup(context, batch_id), config=config.minhash)
     context.log.info(
-        f"batch {batch_id}: {bronze.height} bronze rows (bronze/records v{bronze_version}); "
-        f"{len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
+        f"batch {batch_id}: " + ", ".join(f"{frame.height} rows of {tables.bronze.to_user_string()} v{version}"
+                                          for tables, (version, frame) in bronze.items())
+        + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
 
-    curated = curate(bronze, look_up, eval_index, silver_policy.silver_config(), ray_engine.run)
-    context.log.info(f"index lookup: {curated.index_lookup}, {lookup_report.get('tasks', 0)} task(s) on "
-                     f"{lookup_report.get('ran_on', 'nothing')}")
-    for stage, counters in curated.stages.items():
-        context.log.info(f"{stage}: {counters}")
+    curated = {}
+    for tables, (_, frame) in bronze.items():  # a format the batch has none of: an empty partition to write
+        curated[tables] = curate(frame, look_up, eval_index, config, ray_engine.run, fmt=tables.fmt)
+        _log_stages(context, tables, curated[tables], lookup_report)
 
-    kept = validate(conform(curated.kept, SilverRecord), SilverRecord)
-    rejects = validate(conform(curated.rejects, SilverReject), SilverReject)
-    index = validate(conform(curated.index, MinhashIndexEntry), MinhashIndexEntry)
-    if bronze.height != kept.height + rejects.height:
-        raise RuntimeError(f"accounting broken: {bronze.height} bronze rows != {kept.height} kept + {rejects.height} rejected")
-    commits = {  # add_columns: an index written before response_signature existed takes the column
+    kept = {tables: validate(conform(c.kept, tables.silver_contract), tables.silver_contract) for tables, c in curated.items()}
+    rejects = validate(conform(_concat(SilverReject, [c.rejects for c in curated.values()]), SilverReject), SilverReject)
+    index = validate(conform(_concat(MinhashIndexEntry, [c.index for c in curated.values()]), MinhashIndexEntry),
+                     MinhashIndexEntry)
+    for tables, (_, frame) in bronze.items():
+        removed = rejects.filter(pl.col("record_id").is_in(frame["record_id"].implode())).height
+        if frame.height != kept[tables].height + removed:
+            raise RuntimeError(f"accounting broken: {frame.height} {tables.bronze.to_user_string()} rows != "
+                               f"{kept[tables].height} kept + {removed} rejected")
+    written = [*((tables.silver, kept[tables]) for tables in FORMAT_TABLES), (SILVER_REJECTS, rejects),
+               (SILVER_MINHASH_INDEX, index)]
+    commits = {  # add_columns: a table written before a column existed (response_signature, prompt_hash) takes it
         key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id, add_columns=True)
-        for key, frame in ((SILVER_RECORDS, kept), (SILVER_REJECTS, rejects), (SILVER_MINHASH_INDEX, index))
+        for key, frame in written
     }
     commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
 
-    upstream = {"bronze/records": bronze_version, "reference/eval_sets": eval_sets.fingerprint(eval_files),
-                **lookup_report.get("versions", {})}
-    shared = {
-        "batch_id": batch_id,
+    upstream = {**{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
+                "reference/eval_sets": eval_sets.fingerprint(eval_files), **lookup_report.get("versions", {})}
+    sft, pairs = SFT_TABLES, PREFERENCE_TABLES
+    shared = {"batch_id": batch_id, **_format_metadata(bronze[sft][1], kept[sft], curated[sft]),
+              **_lookup_metadata(curated[sft], lookup_report)}
+    extra = {
+        SILVER_RECORDS: {"kept_by_source": table_metadata(kept[sft].group_by("source").len("rows").sort("source"))},
+        SILVER_PREFERENCE_PAIRS: _pairs_metadata(bronze[pairs][1], kept[pairs], curated[pairs]),
+        SILVER_REJECTS: {"rejected_by_stage": table_metadata(rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
+        SILVER_MINHASH_INDEX: {"lsh_params": index["lsh_params"][0] if index.height else None},
+        SILVER_MINHASH_BANDS: {},
+    }
+    contracts = {**{tables.silver: tables.silver_contract for tables in FORMAT_TABLES}, SILVER_REJECTS: SilverReject,
+                 SILVER_MINHASH_INDEX: MinhashIndexEntry, SILVER_MINHASH_BANDS: MinhashBandEntry}
+    input_bytes = sum(int(frame.estimated_size()) for _, frame in bronze.values())
+    for key, model in contracts.items():
+        yield MaterializeResult(
+            asset_key=key,
+            metadata={
+                **delta_write_metadata(
+                    commits[key], polars_schema(model), upstream_versions=upstream,
+                    input_bytes=input_bytes, stopwatch=stopwatch,
+                ),
+                **(shared if key != SILVER_PREFERENCE_PAIRS else {"batch_id": batch_id}),
+                **extra[key],
+            },
+        )
+
+
+def _bronze_rows(lake: LakeResource, tables: FormatTables, batch_id: str) -> tuple[int | None, pl.DataFrame]:
+    """The batch's rows of the format's bronze table at its current version; none while it does not exist."""
+    version = lake.version(*tables.bronze.path)
+    rows = None if version is None else lake.read(*tables.bronze.path, version=version, where=pl.col("batch_id") == batch_id)
+    return version, rows if rows is not None else pl.DataFrame(schema=polars_schema(tables.bronze_contract))
+
+
+def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
+    """Every format's rows in one frame with every column of ``model`` (null where a format has none)."""
+    return pl.concat([pl.DataFrame(schema=polars_schema(model)), *frames], how="diagonal_relaxed")
+
+
+def _log_stages(context: AssetExecutionContext, tables: FormatTables, curated: CuratedBatch, lookup_report: dict) -> None:
+    context.log.info(f"{tables.fmt.name} index lookup: {curated.index_lookup}, {lookup_report.get('tasks', 0)} task(s) on "
+                     f"{lookup_report.get('ran_on', 'nothing')}")
+    for stage, counters in curated.stages.items():
+        context.log.info(f"{tables.fmt.name} {stage}: {counters}")
+
+
+def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
+    return {
         "bronze_rows": bronze.height,
         "input_chars": text_chars(bronze),
         "silver_rows": kept.height,
         "output_chars": text_chars(kept),  # what the snapshot cadence weighs
-        "rejected_rows": rejects.height,
+        "rejected_rows": bronze.height - kept.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
+    }
+
+
+def _pairs_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
+    return {
+        **_format_metadata(bronze, kept, curated),
+        "kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source")),
+        "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"],  # DPO's length bias, watched
+        "prompts": kept["prompt_hash"].n_unique(),
+    }
+
+
+def _lookup_metadata(curated: CuratedBatch, lookup_report: dict) -> dict:
+    return {
         "block_stages_ran_on": engine_used(curated.stages["normalize"]),
         "block_stage_seconds": curated.block_stage_seconds,  # the sizer spreads these over a cluster's cores
         "block_wall_seconds": curated.block_wall_seconds,
@@ -100,26 +172,6 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         "index_lookup_wait_seconds": round(lookup_report.get("wait_seconds", 0.0), 3),
         "index_lookup_bands": lookup_report.get("bands", 0),
     }
-    extra = {
-        SILVER_RECORDS: {"kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source"))},
-        SILVER_REJECTS: {"rejected_by_stage": table_metadata(rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
-        SILVER_MINHASH_INDEX: {"lsh_params": index["lsh_params"][0] if index.height else None},
-        SILVER_MINHASH_BANDS: {},
-    }
-    contracts = {SILVER_RECORDS: SilverRecord, SILVER_REJECTS: SilverReject, SILVER_MINHASH_INDEX: MinhashIndexEntry,
-                 SILVER_MINHASH_BANDS: MinhashBandEntry}
-    for key, model in contracts.items():
-        yield MaterializeResult(
-            asset_key=key,
-            metadata={
-                **delta_write_metadata(
-                    commits[key], polars_schema(model), upstream_versions=upstream,
-                    input_bytes=int(bronze.estimated_size()), stopwatch=stopwatch,
-                ),
-                **shared,
-                **extra[key],
-            },
-        )
 
 
 def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:

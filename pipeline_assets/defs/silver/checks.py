@@ -5,9 +5,15 @@ import warnings
 import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, PreviewWarning, asset_check
 
-from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverRecord, SilverReject
+from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverPreferencePair, SilverRecord, SilverReject
 from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
-from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
+from pipeline_assets.defs.keys import (
+    SILVER_MINHASH_BANDS,
+    SILVER_MINHASH_INDEX,
+    SILVER_PREFERENCE_PAIRS,
+    SILVER_RECORDS,
+    SILVER_REJECTS,
+)
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
@@ -28,9 +34,11 @@ def _contract_check(key, model):
 
 
 def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(batch_id, source) of kept rows and (batch_id, source, stage) of rejects, up to this batch."""
+    """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage) of
+    rejects, up to this batch."""
     upto = pl.col("batch_id") <= batch_id
-    kept = lake.scan("silver", "records").filter(upto).select("batch_id", "source").collect()
+    kept_tables = [scan for scan in (lake.scan(*key.path) for key in (SILVER_RECORDS, SILVER_PREFERENCE_PAIRS)) if scan is not None]
+    kept = pl.concat([scan.filter(upto).select("batch_id", "source") for scan in kept_tables]).collect()
     rejects = lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
     return kept, rejects
 
@@ -107,6 +115,7 @@ def silver_volume(context: AssetCheckExecutionContext, lake: LakeResource, silve
 
 silver_checks = [
     _contract_check(SILVER_RECORDS, SilverRecord),
+    _contract_check(SILVER_PREFERENCE_PAIRS, SilverPreferencePair),
     _contract_check(SILVER_REJECTS, SilverReject),
     _contract_check(SILVER_MINHASH_INDEX, MinhashIndexEntry),
     _contract_check(SILVER_MINHASH_BANDS, MinhashBandEntry),

@@ -45,7 +45,7 @@ def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: Blo
 
     def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
         entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_at, slices)
-        report.update(tasks)
+        _add_tasks(report, tasks)
         return entries if entries is not None else pl.scan_delta(index).head(0).collect()
 
     return look_up, report
@@ -69,6 +69,17 @@ def look_up_by_band(wanted: pl.DataFrame, engine: BlockEngine, batch_rows: int, 
         "wait_seconds": by_band.wall_seconds + entries.wall_seconds,
     }
     return (pl.concat(entries.results, how="diagonal_relaxed") if entries.results else None), tasks
+
+
+def _add_tasks(report: dict, tasks: dict) -> None:
+    """A batch looks up once a record format: the report sums its lookups' tasks and seconds."""
+    for name, value in tasks.items():
+        if name not in report or name == "ran_on":
+            report[name] = value
+        elif isinstance(value, str):
+            report[name] = f"{report[name]}; {value}"
+        else:
+            report[name] += value
 
 
 def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> list[list[str]]:
