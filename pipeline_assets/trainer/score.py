@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = _device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+    device = scoring_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
     rows = pl.read_parquet(args.rows, columns=list(SCORED_COLUMNS)).gather_every(world_size, offset=rank)
     args.out.mkdir(parents=True, exist_ok=True)
     for named in args.model:
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
               f"on {device}", flush=True)
 
 
-def _device(choice: str, local_rank: int) -> torch.device:
+def scoring_device(choice: str, local_rank: int) -> torch.device:
+    """The GPU of this rank when asked for (or auto and one is there), else the CPU: every scoring program's rule."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
