@@ -202,9 +202,10 @@ def _summary(args, settings: Settings) -> int:
 
     lake = build_resources(settings)["lake"]
     report: dict = {"lake": settings.lake_uri, "tables": {}}
-    tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "quarantine"),
-              ("silver", "records"), ("silver", "rejects"), ("silver", "minhash_index"),
-              ("silver", "minhash_bands"), ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"), ("evaluation", "report"),
+    tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "preference_records"), ("bronze", "quarantine"),
+              ("silver", "records"), ("silver", "preference_pairs"), ("silver", "rejects"), ("silver", "minhash_index"),
+              ("silver", "minhash_bands"), ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"),
+              ("gold", "preference_sequences"), ("gold", "preference_snapshots"), ("evaluation", "report"),
               ("ops", "pipeline_report")]
     for layer, name in tables:
         scan = lake.scan(layer, name)

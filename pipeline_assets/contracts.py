@@ -258,7 +258,7 @@ class GoldPreferenceSequence(SequencePairs, PackedShard):
 class GoldSnapshotManifest(pa.DataFrameModel):
     """One data snapshot: which gold shards, at which versions (lib.snapshot_manifest)."""
 
-    snapshot: str = pa.Field(str_startswith="gold-v", unique=True)
+    snapshot: str = pa.Field(str_matches=r"^(gold|dpo)-v\d+$", unique=True, description="gold-v<N>, or dpo-v<N> for pairs")
     number: pl.Int64 = pa.Field(ge=0, description="N of gold-v<N>: the Delta version of gold/snapshots this row was added in")
     sequences_version: pl.Int64 = pa.Field(ge=0, description="the gold/sequences Delta version the shards are read at")
     tokenizer_version: pl.Int64 = pa.Field(ge=0)

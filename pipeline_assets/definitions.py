@@ -6,9 +6,15 @@ from pipeline_assets.defs.automation import automation_sensor
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
-from pipeline_assets.defs.gold.manifest import gold_snapshots
+from pipeline_assets.defs.gold.manifest import gold_preference_snapshots, gold_snapshots
 from pipeline_assets.defs.gold.preference import gold_preference_sequences
-from pipeline_assets.defs.gold.sensors import snapshot_cadence, snapshot_job, snapshot_schedule
+from pipeline_assets.defs.gold.sensors import (
+    preference_snapshot_cadence,
+    preference_snapshot_job,
+    snapshot_cadence,
+    snapshot_job,
+    snapshot_schedule,
+)
 from pipeline_assets.defs.landing.sensors import ingest_job, landing_sensor
 from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
@@ -33,11 +39,14 @@ def build_definitions(settings: Settings) -> Definitions:
         raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
     return Definitions(
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, gold_preference_sequences, gold_snapshots,
-                hparam_search, training_checkpoint, evaluation_report, registry_model_version, pipeline_report],
+                gold_preference_snapshots, hparam_search, training_checkpoint, evaluation_report, registry_model_version,
+                pipeline_report],
         asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by the gold assets themselves
-        sensors=[landing_sensor, silver_in_order, snapshot_cadence, automation_sensor, run_failure_recorder, eval_sets_watcher],
+        sensors=[landing_sensor, silver_in_order, snapshot_cadence, preference_snapshot_cadence, automation_sensor,
+                 run_failure_recorder, eval_sets_watcher],
         schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
-        jobs=[ingest_job, silver_job, snapshot_job, retrain_job, retention_job, observe_eval_sets_job],
+        jobs=[ingest_job, silver_job, snapshot_job, preference_snapshot_job, retrain_job, retention_job,
+              observe_eval_sets_job],
         resources=build_resources(settings),
         executor=EXECUTORS[settings.executor],
     )

@@ -18,10 +18,16 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventTy
 
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing
-from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
+from pipeline_assets.defs.gold.cadence import (
+    PREFERENCE_SERIES,
+    SFT_SERIES,
+    SNAPSHOT_REASON_TAG,
+    SnapshotSeries,
+    snapshot_decision,
+)
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
-from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
@@ -29,6 +35,7 @@ from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_
 
 log = logging.getLogger("pipeline_assets")
 
+SERIES = (SFT_SERIES, PREFERENCE_SERIES)  # the snapshot series a run cuts, each on its cadence
 # Step logs at INFO (per-file accounting, check results); DEBUG event chatter stays in the instance.
 _RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
@@ -233,13 +240,15 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     selected = set(keys)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
     late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
-    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key != GOLD_SNAPSHOTS])
+    cuts = {series.snapshots for series in SERIES}  # cut on their cadence below, never just for being older
+    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key not in cuts])
     if early:
         _execute(job, instance, early, outcome, partition=None)
     for batch, batch_keys in stale_partitions(defs, instance, shards).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
-    if GOLD_SNAPSHOTS in selected:
-        cut_snapshot_if_due(defs, instance, job, outcome)
+    for series in SERIES:
+        if series.snapshots in selected:
+            cut_snapshot_if_due(defs, instance, job, outcome, series=series)
     for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
         _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     reports = stale_unpartitioned(defs, instance, late)
@@ -248,13 +257,15 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     return outcome
 
 
-def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outcome: RunOutcome, by_hand: str = "") -> None:
-    """gold/snapshots on the snapshot_cadence sensor's rule, or at once when ``by_hand`` says why."""
-    decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction)
+def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outcome: RunOutcome, by_hand: str = "",
+                        series: SnapshotSeries = SFT_SERIES) -> None:
+    """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says why."""
+    decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series)
     if not by_hand and not decision.due:
-        log.info("no new data snapshot: %s", decision.reason)
+        what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
+        log.info("no new %s: %s", what, decision.reason)
         return
-    _execute(job, instance, [GOLD_SNAPSHOTS], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
+    _execute(job, instance, [series.snapshots], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
 
 
 def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:
@@ -279,7 +290,8 @@ def _reads_eval_sets(defs: Definitions, keys: list[AssetKey]) -> bool:
 
 def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,
              tags: dict[str, str] | None = None) -> None:
-    where = (f"snapshot {partition}" if partition.startswith("gold-v") else f"batch {partition}") if partition else "all batches"
+    snapshot = partition and partition.startswith(tuple(series.kind.prefix for series in SERIES))
+    where = (f"snapshot {partition}" if snapshot else f"batch {partition}") if partition else "all batches"
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     graph = job.asset_layer.asset_graph
     announce_pool_waits(instance, [pool for key in keys for pool in graph.get(key).pools or ()], log.info)

@@ -14,6 +14,7 @@ from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.lib.sample_preferences import add_preference_source
 from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
 
 
@@ -22,24 +23,28 @@ def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
+
+
 def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_path):
     landing = tmp_path / "landing"
-    manifest = write_sample_corpus(landing, records=1500, eval_sets_dir=tmp_path / "reference" / "eval_sets")
-    first = _cli(tmp_path, "run")
+    write_sample_corpus(landing, records=1500, eval_sets_dir=tmp_path / "reference" / "eval_sets")
+    manifest = add_preference_source(landing, 200, eval_sets_dir=tmp_path / "reference" / "eval_sets")
+    first = _cli(tmp_path, "run", **PREFS)
     assert first.returncode == 0, first.stderr
     assert "new ingest batches: 2" in first.stdout  # the key starts with the year
 
-    nothing = _cli(tmp_path, "run")
+    nothing = _cli(tmp_path, "run", **PREFS)
     assert nothing.returncode == 0 and "new ingest batches: none" in nothing.stdout and "runs: 0" in nothing.stdout
 
     renamed = [{"prompt": f"Question {i} about topic {i * 7}?", "completion": f"The answer to {i} is {i * 7}, for these reasons."} for i in range(10)]
     write_landing_file(landing, "annotate", "b.jsonl", renamed)
-    drift = _cli(tmp_path, "run")
+    drift = _cli(tmp_path, "run", **PREFS)
     assert drift.returncode == 1
     assert "bronze/records:quarantine_rate failed" in drift.stderr
     assert '{"annotate": {"completion": "response"}}' in drift.stderr
 
-    mapping = {"PIPELINE_FIELD_MAPPINGS": '{"annotate": {"completion": "response"}}'}
+    mapping = {"PIPELINE_FIELD_MAPPINGS": '{"annotate": {"completion": "response"}}', **PREFS}
     fixed = _cli(tmp_path, "run", **mapping)
     assert fixed.returncode == 0, fixed.stderr
     assert "runs: 2" in fixed.stdout, "the blocked batch is retried (the good one is not), its gold shard in the same run"
@@ -57,9 +62,15 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
 
     summary = json.loads(_cli(tmp_path, "summary").stdout)
     assert summary["tables"]["bronze/records"]["rows"] == bronze_rows
-    assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"]
-    silver = summary["tables"]["silver/records"]["rows"]
-    assert silver + sum(summary["rejected_by_stage"].values()) == bronze_rows, "run also materializes silver for each batch"
+    pairs = manifest["preference"]["expected"]
+    assert summary["tables"]["bronze/preference_records"]["rows"] == pairs["bronze_rows"]
+    assert summary["rejected_by_stage"]["pair_cap"] == pairs["pairs_over_prompt_cap"]
+    assert summary["tables"]["gold/preference_sequences"]["rows"] > 0
+    assert summary["tables"]["gold/preference_snapshots"]["rows"] == 1, "the pairs' first snapshot, dpo-v0"
+    assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"] + pairs["quarantined"]
+    silver = summary["tables"]["silver/records"]["rows"] + summary["tables"]["silver/preference_pairs"]["rows"]
+    rejected = sum(summary["rejected_by_stage"].values())
+    assert silver + rejected == bronze_rows + pairs["bronze_rows"], "run also materializes silver for each batch"
     assert summary["data_snapshot"]["partition"] == "gold-v1", "a gold snapshot over all batches, rebuilt after the fix"
     assert instance.get_materialized_partitions(TRAINING_CHECKPOINT) == {"gold-v0", "gold-v1"}, "each snapshot is trained"
     assert summary["model"]["champion_version"] == "2" and summary["model"]["partition"] == "gold-v1"

@@ -37,6 +37,9 @@ def test_asset_keys_groups_checks_and_sensor():
     assert defs.resolve_sensor_def("snapshot_cadence").default_status.value == "RUNNING"
     assert {"contract", "packing_efficiency"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/sequences"].key})}
     assert set(defs.resources) >= {"lake", "landing", "ingest_policy"}
+    assert keys["gold/preference_sequences"].partitions_def.name == "ingest_batches"
+    assert keys["gold/preference_snapshots"].automation_condition is None, "preference_snapshot_cadence cuts them"
+    assert defs.resolve_sensor_def("preference_snapshot_cadence").default_status.value == "RUNNING"
 
 
 def test_resources_follow_settings(monkeypatch, tmp_path):

@@ -39,7 +39,7 @@ ASSET_KEYS = [
     "bronze/records", "bronze/preference_records", "bronze/quarantine",
     "silver/records", "silver/preference_pairs", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
     "reference/eval_sets",
-    "gold/tokenizer", "gold/sequences", "gold/snapshots",
+    "gold/tokenizer", "gold/sequences", "gold/snapshots", "gold/preference_sequences", "gold/preference_snapshots",
     "training/hparam_search", "training/checkpoint",
     "evaluation/report", "registry/model_version",
     "ops/pipeline_report",

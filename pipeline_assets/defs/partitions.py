@@ -11,4 +11,7 @@ ingest_batches = DynamicPartitionsDefinition(name="ingest_batches")
 # the shards and versions its manifest names.
 data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 
-__all__ = ["data_snapshots", "ingest_batches", "snapshot_key", "snapshot_number"]
+# One partition per preference snapshot, "dpo-v<N>" (row N of gold/preference_snapshots).
+preference_snapshots = DynamicPartitionsDefinition(name="preference_snapshots")
+
+__all__ = ["data_snapshots", "ingest_batches", "preference_snapshots", "snapshot_key", "snapshot_number"]

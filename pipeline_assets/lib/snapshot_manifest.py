@@ -7,6 +7,9 @@ gold/sequences holds one shard per ingest batch, each split of a shard numbered 
 batches' arrival order) laid end to end: global index = the shard's offset + its local index.
 Manifest row N is the N-th append to gold/snapshots, so it is Delta version N of that table and
 the snapshot is ``gold-v<N>``.
+
+Preference snapshots are the same thing over gold/preference_sequences, their manifests in
+gold/preference_snapshots, their keys ``dpo-v<N>``: a ``SnapshotKind`` names the tables and the prefix.
 """
 
 from __future__ import annotations
@@ -20,20 +23,37 @@ import polars as pl
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.splits import SPLITS
 
-SEQUENCES_TABLE = ("gold", "sequences")
-MANIFEST_TABLE = ("gold", "snapshots")
-SNAPSHOT_PREFIX = "gold-v"
+@dataclass(frozen=True)
+class SnapshotKind:
+    """Which gold shards a kind of snapshot lists, where its manifests are, and how its keys read."""
+
+    prefix: str
+    sequences_table: tuple[str, str]
+    manifest_table: tuple[str, str]
+
+    @property
+    def sequences_name(self) -> str:
+        return "/".join(self.sequences_table)
+
+    @property
+    def manifest_name(self) -> str:
+        return "/".join(self.manifest_table)
 
 
-def snapshot_key(number: int) -> str:
-    return f"{SNAPSHOT_PREFIX}{number}"
+SFT_SNAPSHOTS = SnapshotKind("gold-v", ("gold", "sequences"), ("gold", "snapshots"))
+PREFERENCE_SNAPSHOTS = SnapshotKind("dpo-v", ("gold", "preference_sequences"), ("gold", "preference_snapshots"))
+SEQUENCES_TABLE, MANIFEST_TABLE, SNAPSHOT_PREFIX = SFT_SNAPSHOTS.sequences_table, SFT_SNAPSHOTS.manifest_table, SFT_SNAPSHOTS.prefix
 
 
-def snapshot_number(key: str) -> int:
-    """``gold-v<N>`` -> N."""
-    if not key.startswith(SNAPSHOT_PREFIX) or not key[len(SNAPSHOT_PREFIX):].isdigit():
-        raise ValueError(f"{key!r} is not a data snapshot key ({SNAPSHOT_PREFIX}<N>)")
-    return int(key[len(SNAPSHOT_PREFIX):])
+def snapshot_key(number: int, kind: SnapshotKind = SFT_SNAPSHOTS) -> str:
+    return f"{kind.prefix}{number}"
+
+
+def snapshot_number(key: str, kind: SnapshotKind = SFT_SNAPSHOTS) -> int:
+    """``gold-v<N>`` (``dpo-v<N>`` for preference snapshots) -> N."""
+    if not key.startswith(kind.prefix) or not key[len(kind.prefix):].isdigit():
+        raise ValueError(f"{key!r} is not a data snapshot key ({kind.prefix}<N>)")
+    return int(key[len(kind.prefix):])
 
 
 def shard_counts(sequences: pl.LazyFrame, batches: list[str]) -> pl.DataFrame:
@@ -83,14 +103,14 @@ class SplitLayout:
         found = pl.DataFrame({"sequence_index": indexes}).join(pl.concat(parts), on="sequence_index", how="inner",
                                                               maintain_order="left")
         if found.height != indexes.size:
-            raise ValueError(f"{self.split}: asked for {indexes.size} sequences, gold/sequences holds {found.height} of them "
+            raise ValueError(f"{self.split}: asked for {indexes.size} sequences, the shards hold {found.height} of them "
                              "at the snapshot's version")
         return found
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """One row of gold/snapshots."""
+    """One row of gold/snapshots (or gold/preference_snapshots)."""
 
     number: int
     sequences_version: int
@@ -98,10 +118,11 @@ class Manifest:
     seq_len: int
     batches: tuple[str, ...]
     counts: dict[str, tuple[int, ...]]  # per split, sequences per batch (manifest order)
+    kind: SnapshotKind = SFT_SNAPSHOTS
 
     @property
     def key(self) -> str:
-        return snapshot_key(self.number)
+        return snapshot_key(self.number, self.kind)
 
     def split(self, split: str) -> SplitLayout:
         return SplitLayout(split, self.batches, self.counts[split])
@@ -125,19 +146,19 @@ class Manifest:
 
     @classmethod
     def from_counts(cls, number: int, sequences_version: int, tokenizer_version: int, seq_len: int,
-                    batches: list[str], counts: pl.DataFrame) -> "Manifest":
+                    batches: list[str], counts: pl.DataFrame, kind: SnapshotKind = SFT_SNAPSHOTS) -> "Manifest":
         """``counts`` from ``shard_counts``; every split of every shard must be numbered 0..n-1."""
         gaps = counts.filter((pl.col("low") != 0) | (pl.col("high") != pl.col("n") - 1))
         if not gaps.is_empty():
             bad = ", ".join(f"{b}/{s}" for b, s in gaps.select("batch_id", "split").iter_rows())
-            raise ValueError(f"gold/sequences v{sequences_version}: sequence_index is not 0..n-1 in {bad}")
+            raise ValueError(f"{kind.sequences_name} v{sequences_version}: sequence_index is not 0..n-1 in {bad}")
         missing = sorted(set(batches) - set(counts["batch_id"]))
         if missing:
-            raise ValueError(f"gold/sequences v{sequences_version} holds no shard of batch(es) {', '.join(missing)}")
+            raise ValueError(f"{kind.sequences_name} v{sequences_version} holds no shard of batch(es) {', '.join(missing)}")
         n = {(b, s): int(c) for b, s, c in counts.select("batch_id", "split", "n").iter_rows()}
         ordered = tuple(sorted(batches))
         return cls(number, sequences_version, tokenizer_version, seq_len, ordered,
-                   {split: tuple(n.get((b, split), 0) for b in ordered) for split in SPLITS})
+                   {split: tuple(n.get((b, split), 0) for b in ordered) for split in SPLITS}, kind)
 
     def frame(self, reason: str, created_at: datetime) -> pl.DataFrame:
         return pl.DataFrame({
@@ -148,26 +169,26 @@ class Manifest:
         }, schema_overrides={"batches": pl.List(pl.String), **{f"{s}_sequences": pl.List(pl.Int64) for s in SPLITS}})
 
     @classmethod
-    def from_row(cls, row: dict) -> "Manifest":
+    def from_row(cls, row: dict, kind: SnapshotKind = SFT_SNAPSHOTS) -> "Manifest":
         return cls(int(row["number"]), int(row["sequences_version"]), int(row["tokenizer_version"]), int(row["seq_len"]),
-                   tuple(row["batches"]), {split: tuple(row[f"{split}_sequences"]) for split in SPLITS})
+                   tuple(row["batches"]), {split: tuple(row[f"{split}_sequences"]) for split in SPLITS}, kind)
 
 
-def read_manifest(lake_uri: str, number: int) -> Manifest:
-    """Manifest row ``number`` (gold-v<number>), read at the table's version ``number``."""
-    uri = uris.join(lake_uri, *MANIFEST_TABLE)
+def read_manifest(lake_uri: str, number: int, kind: SnapshotKind = SFT_SNAPSHOTS) -> Manifest:
+    """Manifest row ``number`` (gold-v<number>, or dpo-v<number>), read at the table's version ``number``."""
+    uri = uris.join(lake_uri, *kind.manifest_table)
     try:
         rows = pl.scan_delta(uri, version=number, storage_options=uris.delta_storage_options(lake_uri))
         found = rows.filter(pl.col("number") == number).collect()
     except Exception as exc:  # no table, or no such version: deltalake and polars raise their own types
-        raise ValueError(f"no data snapshot {snapshot_key(number)}: {uri} has no version {number} ({exc})") from exc
+        raise ValueError(f"no data snapshot {snapshot_key(number, kind)}: {uri} has no version {number} ({exc})") from exc
     if found.height != 1:
         raise ValueError(f"{uri} v{number} has {found.height} rows numbered {number}")
-    return Manifest.from_row(found.row(0, named=True))
+    return Manifest.from_row(found.row(0, named=True), kind)
 
 
 def sequences_scan(lake_uri: str, manifest: Manifest) -> pl.LazyFrame:
-    """gold/sequences at the manifest's version, only its shards."""
-    scan = pl.scan_delta(uris.join(lake_uri, *SEQUENCES_TABLE), version=manifest.sequences_version,
+    """The manifest's shard table (gold/sequences, or gold/preference_sequences) at its version, only its shards."""
+    scan = pl.scan_delta(uris.join(lake_uri, *manifest.kind.sequences_table), version=manifest.sequences_version,
                          storage_options=uris.delta_storage_options(lake_uri))
     return scan.filter(pl.col("batch_id").is_in(list(manifest.batches)))

@@ -241,7 +241,7 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(instance, resour
     assert isinstance(_tick(instance, policy), SkipReason), "a blocked shard is no reason to cut"
     refused = _cut(instance, resources)
     assert not refused.success and instance.get_dynamic_partitions(data_snapshots.name) == []
-    assert "no gold shard to cut a snapshot from: 1 left out" in refused.get_step_failure_events()[0].event_specific_data.error.message
+    assert "no gold/sequences shard to cut a snapshot from: 1 left out" in refused.get_step_failure_events()[0].event_specific_data.error.message
 
     monkeypatch.setattr(gold_lib, "plan_best_fit_decreasing", real_planner)
     assert _shards(instance, resources)[first].success

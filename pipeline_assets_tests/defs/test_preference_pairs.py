@@ -12,7 +12,11 @@ from dagster import materialize
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_tokenizer
+from pipeline_assets.defs.gold.cadence import PREFERENCE_SERIES, snapshot_decision
+from pipeline_assets.defs.gold.manifest import gold_preference_snapshots
 from pipeline_assets.defs.gold.preference import gold_preference_sequences
+from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, read_manifest, sequences_scan
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
@@ -136,6 +140,18 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(i
     assert set(rows["split"]) == {"train", "validation"}
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert checks["contract"].passed
+
+    assert snapshot_decision(instance, 0.1, PREFERENCE_SERIES).due, "a first shard of pairs: a first preference snapshot"
+    cut = _materialize(instance, resources, None, [*assets, gold_preference_snapshots], [gold_preference_snapshots])
+    assert cut.success, [e.event_specific_data.error.message for e in cut.get_step_failure_events()]
+    assert instance.get_dynamic_partitions(preference_snapshots.name) == ["dpo-v0"]
+    manifest = read_manifest(lake.uri, 0, PREFERENCE_SNAPSHOTS)
+    assert manifest.key == "dpo-v0" and manifest.batches == (batch,)
+    assert manifest.sequences_by_split() == {split: rows.filter(pl.col("split") == split).height
+                                             for split in ("train", "validation", "search")}
+    in_order = manifest.in_order(sequences_scan(lake.uri, manifest)).collect()
+    assert in_order["pair_ids"].explode().sort().to_list() == packed["pair_ids"].sort().to_list()
+    assert not snapshot_decision(instance, 0.1, PREFERENCE_SERIES).due, "nothing new since dpo-v0"
 
 
 # Where silver sets aside each defect the sample preference source injects.

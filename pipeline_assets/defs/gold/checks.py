@@ -11,7 +11,7 @@ from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec
 
 from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS
+from pipeline_assets.defs.keys import GOLD_PREFERENCE_SEQUENCES, GOLD_SEQUENCES, GOLD_SNAPSHOTS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import psi_numeric_counts
 from pipeline_assets.lib.packing import packing_floor
@@ -24,12 +24,23 @@ SHARD_CHECK_SPECS = [
                    description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
                    "required share of real tokens, or needs at most one row per split more than first-fit of the same pieces."),
 ]
-SNAPSHOT_CHECK_SPECS = [
-    AssetCheckSpec("token_length_drift", asset=GOLD_SNAPSHOTS,
-                   description="PSI of document token lengths against the previous snapshot."),
-    AssetCheckSpec("token_volume", asset=GOLD_SNAPSHOTS,
-                   description="Real tokens are within tolerance of the previous snapshot's."),
+PREFERENCE_SHARD_CHECK_SPECS = [
+    AssetCheckSpec("contract", asset=GOLD_PREFERENCE_SEQUENCES, blocking=True, partitions_def=ingest_batches,
+                   description="The batch's shard satisfies the GoldPreferenceSequence contract: two documents a pair."),
 ]
+
+
+def snapshot_check_specs(key) -> list[AssetCheckSpec]:
+    """The checks a snapshot asset (gold/snapshots, gold/preference_snapshots) judges as it cuts one."""
+    return [
+        AssetCheckSpec("token_length_drift", asset=key,
+                       description="PSI of document token lengths against the previous snapshot."),
+        AssetCheckSpec("token_volume", asset=key,
+                       description="Real tokens are within tolerance of the previous snapshot's."),
+    ]
+
+
+SNAPSHOT_CHECK_SPECS = snapshot_check_specs(GOLD_SNAPSHOTS)
 
 
 @dataclass(frozen=True)

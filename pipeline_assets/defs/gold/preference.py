@@ -1,12 +1,13 @@
 """gold/preference_sequences: each ingest batch's silver pairs tokenized and packed a pair a unit, its own shard."""
 
 import polars as pl
-from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import GoldPreferenceSequence, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.check_helpers import contract_check_result
 from pipeline_assets.defs.gold.assets import current_tokenizer
+from pipeline_assets.defs.gold.checks import PREFERENCE_SHARD_CHECK_SPECS
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SEQUENCES, GOLD_TOKENIZER, SILVER_PREFERENCE_PAIRS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -20,10 +21,7 @@ from pipeline_assets.lib.tokenizer import tokenizer_from_json
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
-PREFERENCE_SHARD_CHECK_SPECS = [
-    AssetCheckSpec("contract", asset=GOLD_PREFERENCE_SEQUENCES, blocking=True, partitions_def=ingest_batches,
-                   description="The batch's shard satisfies the GoldPreferenceSequence contract: two documents a pair."),
-]
+
 
 
 @asset(
@@ -71,6 +69,8 @@ def gold_preference_sequences(context: AssetExecutionContext, lake: LakeResource
             "tokenizer_version": tokenizer_version,
             "seq_len": gold_policy.seq_len,
             "pairs": pairs.height,
+            "sequences": shard.height,  # what a preference snapshot's cut reads of its shards, as of gold/sequences'
+            "real_tokens": int(shard["real_tokens"].sum()),
             "pairs_packed": packing["pairs_packed"],
             "pairs_too_long": packing["pairs_too_long"],
             "pairs_left_out": table_metadata(left_out.sort("pair_id").head(_LEFT_OUT_SHOWN)),

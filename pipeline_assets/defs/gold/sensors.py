@@ -1,4 +1,5 @@
-"""When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand."""
+"""When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand; preference
+snapshots on their own cadence (new pairs), by the same rule."""
 
 from dagster import (
     AssetSelection,
@@ -13,8 +14,8 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
-from pipeline_assets.defs.keys import GOLD_SNAPSHOTS
+from pipeline_assets.defs.gold.cadence import PREFERENCE_SERIES, SNAPSHOT_REASON_TAG, snapshot_decision
+from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
 from pipeline_assets.resources import GoldPolicy
 
 snapshot_job = define_asset_job(
@@ -38,6 +39,29 @@ def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
     return RunRequest(run_key=f"snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
+
+
+preference_snapshot_job = define_asset_job(
+    "cut_preference_snapshot",
+    selection=AssetSelection.assets(GOLD_PREFERENCE_SNAPSHOTS),
+    description="Cut a preference snapshot (dpo-v<N>) from every usable gold/preference_sequences shard.",
+)
+
+
+@sensor(
+    name="preference_snapshot_cadence",
+    target=preference_snapshot_job,
+    minimum_interval_seconds=10,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Cuts the first preference snapshot once a shard of pairs exists, then a new one whenever the tokens "
+    "of the shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+)
+def preference_snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
+    decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction, PREFERENCE_SERIES)
+    if not decision.due:
+        return SkipReason(decision.reason)
+    context.log.info(decision.reason)
+    return RunRequest(run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
 
 
 @schedule(
