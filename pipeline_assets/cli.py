@@ -205,7 +205,8 @@ def _summary(args, settings: Settings) -> int:
     tables = [("landing", "manifest"), ("bronze", "records"), ("bronze", "preference_records"), ("bronze", "quarantine"),
               ("silver", "records"), ("silver", "preference_pairs"), ("silver", "rejects"), ("silver", "minhash_index"),
               ("silver", "minhash_bands"), ("gold", "tokenizer"), ("gold", "sequences"), ("gold", "snapshots"),
-              ("gold", "preference_sequences"), ("gold", "preference_snapshots"), ("evaluation", "report"),
+              ("gold", "preference_sequences"), ("gold", "preference_snapshots"), ("gold", "reference_logps"),
+              ("evaluation", "report"),
               ("ops", "pipeline_report")]
     for layer, name in tables:
         scan = lake.scan(layer, name)

@@ -255,6 +255,26 @@ class GoldPreferenceSequence(SequencePairs, PackedShard):
         return data.lazyframe.select(pl.col("document_lengths").list.len() == 2 * pl.col("pair_ids").list.len())
 
 
+class GoldReferenceLogps(pa.DataFrameModel):
+    """The reference model's log-probabilities of one packed row of a preference snapshot, per document."""
+
+    snapshot: str = pa.Field(str_startswith="dpo-v")
+    reference_model: str = pa.Field(description="<registered model>/<version>: the sft champion when the pass ran")
+    batch_id: str = pa.Field(str_length={"min_value": 1})
+    split: str = pa.Field(isin=["train", "validation", "search"])
+    sequence_index: pl.Int64 = pa.Field(ge=0, description="the row's index in its shard and split, as gold stores it")
+    reference_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
+        description="per document of the row (chosen, rejected, ...): the summed log-probability of its response tokens")
+
+    class Config:
+        strict = True
+        coerce = False
+
+    @pa.dataframe_check
+    def _log_probabilities(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        return data.lazyframe.select(pl.col("reference_logps").list.max().fill_null(0.0) <= 0.0)
+
+
 class GoldSnapshotManifest(pa.DataFrameModel):
     """One data snapshot: which gold shards, at which versions (lib.snapshot_manifest)."""
 

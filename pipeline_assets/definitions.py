@@ -8,6 +8,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.manifest import gold_preference_snapshots, gold_snapshots
 from pipeline_assets.defs.gold.preference import gold_preference_sequences
+from pipeline_assets.defs.gold.reference import gold_reference_logps
 from pipeline_assets.defs.gold.sensors import (
     preference_snapshot_cadence,
     preference_snapshot_job,
@@ -39,7 +40,7 @@ def build_definitions(settings: Settings) -> Definitions:
         raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
     return Definitions(
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, gold_preference_sequences, gold_snapshots,
-                gold_preference_snapshots, hparam_search, training_checkpoint, evaluation_report, registry_model_version,
+                gold_preference_snapshots, gold_reference_logps, hparam_search, training_checkpoint, evaluation_report, registry_model_version,
                 pipeline_report],
         asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by the gold assets themselves
         sensors=[landing_sensor, silver_in_order, snapshot_cadence, preference_snapshot_cadence, automation_sensor,

@@ -186,20 +186,22 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
 
 def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
                                 explicit: bool = False) -> dict[str, list[AssetKey]]:
-    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it. The
+    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it: the sft
+    snapshots' first (their champion is DPO's reference), then the preference snapshots'. The
     hyperparameter search, which costs several trainings, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
     plan: dict[str, list[AssetKey]] = {}
-    for key in keys:
-        node = graph.get(key)
-        if not node.is_executable or node.partitions_def != data_snapshots:
-            continue
-        if key == TRAINING_HPARAM_SEARCH and not explicit:
-            continue
-        done = instance.get_materialized_partitions(key)
-        for snapshot in instance.get_dynamic_partitions(data_snapshots.name):
-            if snapshot not in done:
-                plan.setdefault(snapshot, []).append(key)
+    for partitions in (series.partitions for series in SERIES):
+        for key in keys:
+            node = graph.get(key)
+            if not node.is_executable or node.partitions_def != partitions:
+                continue
+            if key == TRAINING_HPARAM_SEARCH and not explicit:
+                continue
+            done = instance.get_materialized_partitions(key)
+            for snapshot in instance.get_dynamic_partitions(partitions.name):
+                if snapshot not in done:
+                    plan.setdefault(snapshot, []).append(key)
     return plan
 
 

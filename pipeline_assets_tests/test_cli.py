@@ -67,6 +67,10 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert summary["rejected_by_stage"]["pair_cap"] == pairs["pairs_over_prompt_cap"]
     assert summary["tables"]["gold/preference_sequences"]["rows"] > 0
     assert summary["tables"]["gold/preference_snapshots"]["rows"] == 1, "the pairs' first snapshot, dpo-v0"
+    reference = pl.read_delta(str(tmp_path / "lake" / "gold" / "reference_logps"))
+    assert reference.height == summary["tables"]["gold/preference_sequences"]["rows"], "dpo-v0 holds every shard of pairs"
+    assert set(reference["reference_model"]) == {"sft-model/1"}, "the first sft champion, trained in the same run"
+    assert (reference["reference_logps"].list.len() % 2 == 0).all() and reference["reference_logps"].list.max().max() < 0
     assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"] + pairs["quarantined"]
     silver = summary["tables"]["silver/records"]["rows"] + summary["tables"]["silver/preference_pairs"]["rows"]
     rejected = sum(summary["rejected_by_stage"].values())

@@ -15,6 +15,7 @@ GOLD_TOKENIZER = AssetKey(["gold", "tokenizer"])
 GOLD_SEQUENCES = AssetKey(["gold", "sequences"])
 GOLD_PREFERENCE_SEQUENCES = AssetKey(["gold", "preference_sequences"])  # each batch's pairs, packed a pair a unit
 GOLD_SNAPSHOTS = AssetKey(["gold", "snapshots"])  # the manifests the README's graph draws between gold and training
+GOLD_REFERENCE_LOGPS = AssetKey(["gold", "reference_logps"])  # the reference model's log-probs of a preference snapshot
 GOLD_PREFERENCE_SNAPSHOTS = AssetKey(["gold", "preference_snapshots"])  # preference snapshots' manifests (dpo-v<N>)
 TRAINING_HPARAM_SEARCH = AssetKey(["training", "hparam_search"])
 TRAINING_CHECKPOINT = AssetKey(["training", "checkpoint"])

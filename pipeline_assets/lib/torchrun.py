@@ -9,6 +9,7 @@ from pathlib import Path
 
 TRAINER_MODULE = "pipeline_assets.trainer"
 SCORER_MODULE = "pipeline_assets.trainer.score"  # evaluation's scoring program
+REFERENCE_MODULE = "pipeline_assets.trainer.reference"  # DPO's reference pass
 
 
 def torchrun_executable() -> list[str]:

@@ -1,7 +1,5 @@
 """evaluation/report: the candidate and the champion on exactly the same held-out data, per slice."""
 
-import os
-import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,6 +13,7 @@ from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TR
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
+from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
@@ -23,7 +22,7 @@ from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
-from pipeline_assets.lib.torchrun import SCORER_MODULE, torchrun_env
+from pipeline_assets.lib.torchrun import SCORER_MODULE
 from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
 
 _SAMPLED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
@@ -178,19 +177,9 @@ def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLaunc
     (a rank a GPU of the launcher's, else one rank with its threads), not in this process."""
     rows_file, out = folder / "rows.parquet", folder / "scores"
     rows.write_parquet(rows_file)
-    ranks, threads = launcher.scoring_ranks()
-    command = launcher.command(
-        ["--rows", str(rows_file), "--out", str(out), "--device", launcher.device,
-         *(arg for role, path in models.items() for arg in ("--model", f"{role}={path}"))],
-        nproc_per_node=ranks, module=SCORER_MODULE,
-    )
-    context.log.info(f"scoring {len(models)} model(s) on {rows.height} sequences, {ranks} rank(s) x {threads} "
-                     f"thread(s): {' '.join(command)}")
-    finished = subprocess.run(command, env={**os.environ, **torchrun_env(threads)}, capture_output=True, text=True)
-    for line in finished.stdout.splitlines():
-        context.log.info(line)
-    if finished.returncode != 0:
-        raise Failure(description=f"the scoring program exited {finished.returncode}:\n{finished.stderr[-3000:]}")
+    models_args = [arg for role, path in models.items() for arg in ("--model", f"{role}={path}")]
+    run_scoring_program(context, launcher, SCORER_MODULE, ["--rows", str(rows_file), "--out", str(out), *models_args],
+                        f"scoring {len(models)} model(s) on {rows.height} sequences")
     return {role: (pl.concat([pl.read_parquet(part) for part in sorted(out.glob(f"{role}-rank*.parquet"))])
                    .group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")))
             for role in models}
