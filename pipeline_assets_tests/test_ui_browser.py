@@ -40,6 +40,7 @@ ASSET_KEYS = [
     "silver/records", "silver/preference_pairs", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
     "reference/eval_sets",
     "gold/tokenizer", "gold/sequences", "gold/snapshots", "gold/preference_sequences", "gold/preference_snapshots",
+    "gold/reference_logps",
     "training/hparam_search", "training/checkpoint",
     "evaluation/report", "registry/model_version",
     "ops/pipeline_report",
