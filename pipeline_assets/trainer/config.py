@@ -12,6 +12,9 @@ from dataclasses import dataclass
 EXIT_PREEMPTED = 143
 EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.splits)
 ATTENTION_SETTINGS = ("auto", "flex", "dense")  # the attention kernel (parallel.attention_kernel resolves auto)
+OBJECTIVES = ("sft", "dpo")  # next-token prediction on gold-v<N>, or DPO on the pairs of dpo-v<N> (trainer.objective)
+DEFAULT_BETA = 0.1  # DPO's KL strength, the paper's and TRL's default (trainer.dpo uses it too)
+NO_VERSION = -1  # an unset Delta version
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ PRESETS: dict[str, ModelConfig] = {
 @dataclass(frozen=True)
 class TrainConfig:
     lake_uri: str
-    snapshot: int  # N of the data snapshot gold-v<N>: the gold/snapshots manifest row the trainer reads
+    snapshot: int  # N of the data snapshot gold-v<N> (objective dpo: dpo-v<N>): the manifest row the trainer reads
     checkpoint_uri: str
     partition: str
     preset: str = "tiny"
@@ -76,6 +79,10 @@ class TrainConfig:
     scratch_dir: str = ""
     mlflow_run_id: str = ""
     mlflow_experiment: str = "pipeline_assets"
+    objective: str = "sft"  # OBJECTIVES
+    beta: float = DEFAULT_BETA  # dpo: the KL strength of the sigmoid loss
+    init_from: str = ""  # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required
+    reference_logps_version: int = NO_VERSION  # dpo, required: the Delta version of gold/reference_logps to read
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -88,9 +95,26 @@ class TrainConfig:
             raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_SETTINGS)}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
+        self._check_objective()
         for name in ("steps", "micro_batch_size", "warmup_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+
+    def _check_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        if self.objective != "dpo":
+            if self.reference_logps_version != NO_VERSION:
+                raise ValueError("--reference-logps-version is for --objective dpo only")
+            return
+        if not self.init_from:
+            raise ValueError("--objective dpo needs --init-from: the exported SFT model the policy starts from "
+                             "(the reference model whose log-probabilities gold/reference_logps holds)")
+        if self.reference_logps_version < 0:
+            raise ValueError("--objective dpo needs --reference-logps-version: the Delta version of "
+                             "gold/reference_logps to read the reference log-probabilities at")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
 
     def global_batch(self, world_size: int) -> int:
         return self.micro_batch_size * self.grad_accum_steps * world_size
@@ -103,9 +127,21 @@ class TrainConfig:
             flag = "--" + item.name.replace("_", "-")
             if isinstance(value, bool):
                 args.append(flag if value else "--no-" + item.name.replace("_", "-"))
-            elif value != "" or item.default is dataclasses.MISSING:
+            elif value not in ("", NO_VERSION) or item.default is dataclasses.MISSING:  # unset: left out
                 args += [flag, str(value)]
         return args
+
+
+def architecture_flags(model: dict) -> dict:
+    """The preset, width and vocab_size that rebuild an exported model's architecture (its config.json's
+    ``model``): what a run starting from it (``init_from``) must be given."""
+    for name, preset in PRESETS.items():
+        same_shape = dataclasses.replace(preset, dim=model["dim"], vocab_size=model["vocab_size"],
+                                         max_seq_len=model["max_seq_len"])
+        if dataclasses.asdict(same_shape) == model:
+            return {"preset": name, "width": 0 if model["dim"] == preset.dim else model["dim"],
+                    "vocab_size": model["vocab_size"]}
+    raise ValueError(f"no preset builds the model {model}")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeline_assets.trainer.config import DEFAULT_BETA
 from pipeline_assets.trainer.model import counted_targets
-
-DEFAULT_BETA = 0.1  # DPO's KL strength, the paper's and TRL's default
 
 
 def document_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -62,9 +61,10 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     returned loss, averaged over ranks (all_reduce AVG), is the global batch's loss to log.
 
     Metrics, means over this call's pairs (0 when it has none; ``pairs`` says how many to weigh them
-    by): ``rewards/chosen`` and ``rewards/rejected``, the implicit rewards beta * (policy - reference);
-    ``rewards/margins``, chosen minus rejected; ``rewards/accuracies``, the share of pairs whose
-    chosen reward is strictly higher (a tie, as at the start where policy == reference, is no win).
+    by): ``loss``, the sigmoid loss, unscaled; ``rewards/chosen`` and ``rewards/rejected``, the implicit
+    rewards beta * (policy - reference); ``rewards/margins``, chosen minus rejected;
+    ``rewards/accuracies``, the share of pairs whose chosen reward is strictly higher (a tie, as at the
+    start where policy == reference, is no win).
     """
     if global_pairs is None:
         if world_size != 1:
@@ -77,6 +77,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     scale = world_size / torch.as_tensor(global_pairs, device=losses.device).clamp(min=1)
     loss = losses.sum() * scale
     metrics = {
+        "loss": _mean(losses),
         "rewards/chosen": _mean(chosen_rewards),
         "rewards/rejected": _mean(rejected_rewards),
         "rewards/margins": _mean(margins),

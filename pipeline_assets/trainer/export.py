@@ -28,9 +28,18 @@ def save_exported(full_state: dict[str, torch.Tensor], model_config: ModelConfig
 
 def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer, dict]:
     """The model and its config from an exported folder."""
-    config = json.loads((Path(folder) / CONFIG).read_text())
+    config = exported_config(folder)
     model = Transformer(ModelConfig(**config["model"]))
+    load_weights(model, folder, device)
+    return model.to(device), config
+
+
+def exported_config(folder: Path) -> dict:
+    return json.loads((Path(folder) / CONFIG).read_text())
+
+
+def load_weights(model: Transformer, folder: Path, device: str = "cpu") -> None:
+    """Copy an exported folder's weights into ``model`` (of the same architecture)."""
     missing, unexpected = model.load_state_dict(load_file(str(Path(folder) / WEIGHTS), device=device), strict=False)
     if unexpected or set(missing) - {TIED}:
         raise ValueError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")
-    return model.to(device), config

@@ -25,7 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline_assets.trainer.data import COLUMNS, PackedSequences
+from pipeline_assets.trainer.data import COLUMNS, LOGPS_COLUMN, PackedSequences
 from pipeline_assets.trainer.dpo import document_logps
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.model import Transformer
@@ -33,7 +33,6 @@ from pipeline_assets.trainer.score import scoring_device
 
 KEY_COLUMNS = ("split", "sequence_index")
 SHARD_COLUMN = "batch_id"  # part of the key when present: sequence_index restarts in every gold shard
-LOGPS_COLUMN = "reference_logps"
 LOGPS_TYPE = pl.List(pl.Float64)
 RANK_FILE = "reference-rank{rank}.parquet"
 

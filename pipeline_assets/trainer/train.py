@@ -1,5 +1,10 @@
 """The training program: ``torchrun --nproc-per-node N -m pipeline_assets.trainer --lake-uri ... ``.
 
+``--objective sft`` (the default) trains next-token prediction on gold-v<N>; ``--objective dpo`` trains DPO
+on the preference pairs of dpo-v<N>, starting from ``--init-from`` (the SFT champion) against the reference
+log-probabilities of gold/reference_logps at ``--reference-logps-version``. One Trainer runs both: what
+differs is a ``trainer.objective.Objective``.
+
 Exit codes: 0 trained to the last step; 143 stopped by SIGTERM or SIGINT after saving a checkpoint (run the
 same command again to resume); 1 failed, with the reason in the log.
 """
@@ -25,19 +30,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from pipeline_assets.lib import uris
-from pipeline_assets.lib.snapshot_manifest import SEQUENCES_TABLE
 from pipeline_assets.trainer.checkpoint import Checkpointer
-from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, parse_args
-from pipeline_assets.trainer.data import (
-    rank_micro_batches,
-    read_snapshot,
-    stream_indexes,
-    validation_shard,
-)
-from pipeline_assets.trainer.export import save_exported
+from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, architecture_flags, parse_args
+from pipeline_assets.trainer.data import rank_micro_batches, stream_indexes, validation_shard
+from pipeline_assets.trainer.export import exported_config, load_weights, save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
-from pipeline_assets.trainer.model import Transformer, count_parameters, counted_targets, flops_per_token, loss_sum_and_count
+from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token
+from pipeline_assets.trainer.objective import build_objective
 from pipeline_assets.trainer.parallel import (
     Distributed,
     attention_kernel,
@@ -102,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 class Trainer:
     def __init__(self, config: TrainConfig, env: Distributed, reporter: Reporter | None):
         self.config, self.env, self.reporter = config, env, reporter
-        self.snapshot = read_snapshot(config.lake_uri, config.snapshot, vocab_size=config.vocab_size)
+        self.objective = build_objective(config)
+        self.snapshot = self.objective.read_snapshot(config)
         self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
                                                 max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
         head_dim = self.model_config.dim // self.model_config.n_heads
@@ -112,6 +112,8 @@ class Trainer:
                              f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config, self.attention_kernel).to(env.device)
+        if config.init_from:
+            _load_initial_weights(model, config.init_from)
         self.n_parameters = count_parameters(model)
         self.model = shard_model(model, mixed_precision_policy(config.mixed_precision, env.device))
         self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
@@ -135,28 +137,28 @@ class Trainer:
                                         time.monotonic() - last_save > self.config.checkpoint_every_minutes * 60)
             if stop:
                 return self._stop_for_signal(), {}
-            loss, grad_norm = self._train_step()
+            metrics, grad_norm = self._train_step()
             throughput.add_step()
             step = self.progress.step
             if step % self.config.log_every == 0 or step == self.config.steps:
-                self._log_step(loss, grad_norm, throughput.take())
-            validation_loss = None
+                self._log_step(metrics, grad_norm, throughput.take())
+            held_out_loss = None
             if step % self.config.eval_every == 0 or step == self.config.steps:
-                validation_loss = self._validate()
+                held_out_loss = self._validate()
                 throughput.restart()
             if step % self.config.checkpoint_every_steps == 0 or time_due or step == self.config.steps:
-                self._save(validation_loss, final=step == self.config.steps)
+                self._save(held_out_loss, final=step == self.config.steps)
                 last_save = time.monotonic()
                 throughput.restart()
         self.checkpointer.finish()
         return 0, self._finish()
 
-    def _train_step(self) -> tuple[float, float]:
+    def _train_step(self) -> tuple[dict[str, float], float]:
         config, env = self.config, self.env
         micro_batches = [self.snapshot.train.batch(indexes, env.device) for indexes in rank_micro_batches(
             len(self.snapshot.train), config.seed, self.progress.position, env.rank, env.world_size,
             config.micro_batch_size, config.grad_accum_steps)]
-        loss = self.backward(micro_batches)
+        metrics = self.accumulate_gradients(micro_batches)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -165,46 +167,62 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.position += self.global_batch
-        return loss, grad_norm.item()
+        return metrics, grad_norm.item()
 
     def backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        """Gradients of the global batch's mean loss per loss token; returns that loss.
+        """Gradients of the global batch's mean loss; returns that loss."""
+        return self.accumulate_gradients(micro_batches)["loss"]
 
-        Each rank normalises by the loss tokens of the whole global batch, so every token weighs the
-        same whichever rank or micro-batch holds it; FSDP's gradient average divides by world size."""
-        counts = torch.stack([counted_targets(b["loss_mask"], b["position_ids"]).sum() for b in micro_batches]).sum()
-        dist.all_reduce(counts)
-        scale = self.env.world_size / counts.clamp(min=1)
-        loss_total = torch.zeros((), device=self.env.device)
+    def accumulate_gradients(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Gradients of the global batch's mean loss (per loss token for SFT, per pair for DPO); returns
+        that loss and the objective's other metrics, means over the global batch.
+
+        Each rank normalises by the units of the whole global batch (one all_reduce of the ranks'
+        counts), so every unit weighs the same whichever rank or micro-batch holds it; FSDP's gradient
+        average divides by world size."""
+        units = torch.stack([self.objective.units(batch) for batch in micro_batches]).sum()
+        dist.all_reduce(units)
+        sums: dict[str, torch.Tensor] = {}
         for number, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(number == len(micro_batches) - 1)
             logits = self.model(batch["input_ids"], batch["position_ids"])
-            loss_sum, _ = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
-            (loss_sum * scale).backward()
-            loss_total += loss_sum.detach()
-        dist.all_reduce(loss_total)
-        return (loss_total / counts.clamp(min=1)).item()
+            loss, batch_sums = self.objective.loss(logits, batch, units, self.env.world_size)
+            loss.backward()
+            _add(sums, batch_sums)
+        return self._global_means(sums, units)
+
+    def _global_means(self, sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:
+        """This rank's sums, summed over the ranks, divided by the global units (already all-reduced)."""
+        totals = torch.stack(list(sums.values()))
+        dist.all_reduce(totals)
+        return dict(zip(sums, (totals / units.clamp(min=1)).tolist()))
 
     @torch.no_grad()
     def _validate(self) -> float | None:
-        """Mean loss per loss token over the held-out split ``eval_split`` (the same sequences every time)."""
+        """The objective's held-out metrics over the split ``eval_split`` (the same sequences every time);
+        returns the held-out loss."""
         split, held_out = self.config.eval_split, self.snapshot.held_out(self.config.eval_split)
         usable = self.eval_sequences
         if usable == 0:
             return None
         mine = validation_shard(len(held_out), usable, self.env.rank, self.env.world_size)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        units = torch.zeros((), dtype=torch.long, device=self.env.device)
+        sums: dict[str, torch.Tensor] = {}
         self.model.eval()
         for start in range(0, len(mine), self.config.micro_batch_size):
             batch = held_out.batch(mine[start:start + self.config.micro_batch_size], self.env.device)
+            batch_units = self.objective.units(batch)
             logits = self.model(batch["input_ids"], batch["position_ids"])
-            loss_sum, count = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
-            totals += torch.stack([loss_sum.double(), count.double()])
+            _, batch_sums = self.objective.loss(logits, batch, batch_units, 1)
+            units += batch_units
+            _add(sums, batch_sums)
         self.model.train()
-        dist.all_reduce(totals)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        self._report_metrics({f"{split}_loss": loss})
-        self._info(f"step {self.progress.step}: {split} loss {loss:.4f} over {usable} sequences")
+        dist.all_reduce(units)
+        metrics = self.objective.evaluation(self._global_means(sums, units), split)
+        self._report_metrics(metrics)
+        loss = metrics[f"{split}_loss"]
+        others = "".join(f", {name} {value:.4f}" for name, value in metrics.items() if name != f"{split}_loss")
+        self._info(f"step {self.progress.step}: {split} loss {loss:.4f}{others} over {usable} sequences")
         return loss
 
     @property
@@ -271,7 +289,9 @@ class Trainer:
         if self.env.rank == 0:
             folder = self.store.prepare("final")
             about = {"snapshot": self.config.snapshot, "partition": self.config.partition, "steps": self.progress.step,
+                     "objective": self.config.objective, **self.snapshot.about(),
                      "eval_split": self.config.eval_split, "eval_sequences": self.eval_sequences,
+                     **self._last_evaluation(),
                      f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss)}
             files = save_exported(full_state, self.model_config, folder, about)
             metadata = self._summary(export_uri, folder)
@@ -302,6 +322,9 @@ class Trainer:
             "tokens_trained": self.progress.position * self.snapshot.seq_len,
             "gpus": self.env.world_size if self.env.device.type == "cuda" else 0,
             "attention_kernel": self.attention_kernel,
+            "objective": self.config.objective,
+            **self.snapshot.about(),
+            **self._last_evaluation(),
         }
         if self.reporter:
             self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],
@@ -311,6 +334,12 @@ class Trainer:
             if picture:
                 self.reporter.artifact(picture)
         return summary
+
+    def _last_evaluation(self) -> dict:
+        """The objective's own metrics of the newest held-out evaluation (the loss is reported as the best)."""
+        loss = f"{self.config.eval_split}_loss"
+        newest = next((row for row in reversed(self.progress.history) if loss in row), {})
+        return {name: value for name, value in newest.items() if name not in ("step", loss)}
 
     # --- reporting ------------------------------------------------------------------------------
     def _announce(self) -> None:
@@ -324,12 +353,11 @@ class Trainer:
             self.reporter.params({**dataclasses.asdict(config), "world_size": self.env.world_size,
                                   "parameters": self.n_parameters, "global_batch": self.global_batch,
                                   "seq_len": self.snapshot.seq_len, "model": dataclasses.asdict(self.model_config)})
-            self.reporter.tags({"partition": config.partition, "data_snapshot": self.snapshot.manifest.key,
+            self.reporter.tags({"partition": config.partition, **self.snapshot.about(),
                                 "torch_version": torch.__version__, "device": _device_name(self.env.device),
                                 "backend": self.env.backend, "attention_kernel": self.attention_kernel})
-            manifest = self.snapshot.manifest
-            self.reporter.dataset(uris.join(config.lake_uri, *SEQUENCES_TABLE), manifest.sequences_version,
-                                  f"{manifest.key}: gold/sequences@v{manifest.sequences_version}, {len(manifest.batches)} shard(s)")
+            for uri, version, name in self.snapshot.inputs(config.lake_uri):
+                self.reporter.dataset(uri, version, name)
             self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint})
 
     @functools.cached_property
@@ -339,11 +367,13 @@ class Trainer:
         token_ids = self.snapshot.train.batch(first, torch.device("cpu"))["input_ids"].numpy()
         return hashlib.sha256(np.ascontiguousarray(token_ids.astype(np.int32)).tobytes()).hexdigest()
 
-    def _log_step(self, loss: float, grad_norm: float, speed: dict) -> None:
-        values = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
+    def _log_step(self, metrics: dict[str, float], grad_norm: float, speed: dict) -> None:
+        """``metrics``: the objective's, ``loss`` first."""
+        values = {**metrics, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
         self._report_metrics(values)
+        objective = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
         mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
-        self._info(f"step {self.progress.step}/{self.config.steps}: loss {loss:.4f}, lr {values['learning_rate']:.2e}, "
+        self._info(f"step {self.progress.step}/{self.config.steps}: {objective}, lr {values['learning_rate']:.2e}, "
                    f"grad norm {grad_norm:.3f}, {speed['tokens_per_second']:,.0f} tokens/s{mfu}")
 
     def _report_metrics(self, values: dict) -> None:
@@ -357,6 +387,33 @@ class Trainer:
 
     def _warning(self, message: str) -> None:
         (self.reporter.warning if self.reporter else log.warning)(message)
+
+
+def _load_initial_weights(model: Transformer, folder: str) -> None:
+    """Start from an exported model (``init_from``) of the run's architecture; any other is refused."""
+    exported = exported_config(Path(folder))["model"]
+    wanted = {**dataclasses.asdict(model.config), "max_seq_len": exported["max_seq_len"]}  # rotary tables: not weights
+    if exported != wanted:
+        raise ValueError(f"--init-from {folder} holds a model of another architecture ({_shape(exported)}) than this "
+                         f"run's ({_shape(wanted)}): {_flags_for(exported)}")
+    load_weights(model, Path(folder), device=str(next(model.parameters()).device))
+
+
+def _shape(model: dict) -> str:
+    return ", ".join(f"{name} {model[name]}" for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_multiple"))
+
+
+def _flags_for(model: dict) -> str:
+    try:
+        flags = architecture_flags(model)
+    except ValueError:
+        return "no preset builds it"
+    return "run with " + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in flags.items())
+
+
+def _add(sums: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> None:
+    for name, value in more.items():
+        sums[name] = sums.get(name, 0) + value.double()
 
 
 def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.optim.AdamW:
