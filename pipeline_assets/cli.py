@@ -226,6 +226,7 @@ def _summary(args, settings: Settings) -> int:
         report["data_snapshot"] = _snapshot_summary(lake, newest)
     report["pipeline"] = _latest_pipeline_report(lake)
     report["model"] = _champion_summary(settings)
+    report["dpo"] = _dpo_summary(settings)
     report["look_next"] = {
         "dagster": "make dev, then http://127.0.0.1:3000/asset-groups (the graph) and /runs",
         "mlflow": f"{settings.mlflow_ui_url}/#/models/{settings.model_name} (the registry; make dev serves it)",
@@ -421,6 +422,20 @@ def _champion_summary(settings: Settings) -> dict | None:
         "losses": {k.removeprefix("loss."): float(v) for k, v in sorted(champion.tags.items()) if k.startswith("loss.")},
         "mlflow_run": mlflow_tracking.run_url(champion.run_id),
     }
+
+
+def _dpo_summary(settings: Settings) -> dict | None:
+    """The newest DPO run: its preference snapshot, where it started and how its held-out pairs were judged."""
+    from pipeline_assets.defs.keys import TRAINING_DPO_CHECKPOINT
+    from pipeline_assets.headless import persistent_instance
+
+    event = persistent_instance(settings.dagster_home).get_latest_materialization_event(TRAINING_DPO_CHECKPOINT)
+    if event is None:
+        return None
+    metadata = {name: value.value for name, value in event.asset_materialization.metadata.items()}
+    return {"partition": event.asset_materialization.partition, "reference_model": metadata.get("reference_model"),
+            **{name: metadata.get(name) for name in ("validation_loss", "eval/preference_accuracy", "eval/reward_margin")},
+            "mlflow_run": metadata.get("mlflow_run")}
 
 
 def _local(uri: str, setting: str) -> Path:

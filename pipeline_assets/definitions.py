@@ -27,6 +27,7 @@ from pipeline_assets.defs.silver.sensors import silver_in_order, silver_job
 from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.training.assets import training_checkpoint
+from pipeline_assets.defs.training.dpo import training_dpo_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
 from pipeline_assets.resources import Settings, build_resources
 
@@ -40,7 +41,8 @@ def build_definitions(settings: Settings) -> Definitions:
         raise ValueError(f"PIPELINE_EXECUTOR={settings.executor!r}: one of {', '.join(EXECUTORS)}")
     return Definitions(
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, gold_preference_sequences, gold_snapshots,
-                gold_preference_snapshots, gold_reference_logps, hparam_search, training_checkpoint, evaluation_report, registry_model_version,
+                gold_preference_snapshots, gold_reference_logps, hparam_search, training_checkpoint,
+                training_dpo_checkpoint, evaluation_report, registry_model_version,
                 pipeline_report],
         asset_checks=[*bronze_checks, *silver_checks, stage_throughput],  # gold's are judged by the gold assets themselves
         sensors=[landing_sensor, silver_in_order, snapshot_cadence, preference_snapshot_cadence, automation_sensor,

@@ -46,7 +46,16 @@ from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.retention import Removed
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.torchrun import TRAINER_MODULE, torchrun_command, torchrun_env
-from pipeline_assets.trainer.config import PRESETS, TrainConfig
+from pipeline_assets.trainer.config import DEFAULT_BETA as _DPO_BETA
+from pipeline_assets.trainer.config import (
+    DPO_EVAL_EVERY,
+    DPO_LOG_EVERY,
+    DPO_LR,
+    DPO_STEPS,
+    DPO_WARMUP_STEPS,
+    PRESETS,
+    TrainConfig,
+)
 from pipeline_assets.trainer.storage import CheckpointStore, local_scratch
 
 
@@ -197,6 +206,9 @@ class Settings:
     train_device: str = "auto"
     train_preset: str = "tiny"
     train_steps: int = 200
+    dpo_steps: int = DPO_STEPS
+    dpo_lr: float = DPO_LR
+    dpo_beta: float = _DPO_BETA
     train_checkpoint_every: int = 50
     mlflow_artifact_root: str = ""
     model_name: str = "sft-model"
@@ -253,6 +265,9 @@ class Settings:
             train_device=_env("PIPELINE_TRAIN_DEVICE", "auto"),
             train_preset=_env("PIPELINE_TRAIN_PRESET", "tiny"),
             train_steps=int(_float_env("PIPELINE_TRAIN_STEPS", 200)),
+            dpo_steps=_count_env("PIPELINE_DPO_STEPS", DPO_STEPS),
+            dpo_lr=_float_env("PIPELINE_DPO_LR", DPO_LR),
+            dpo_beta=_float_env("PIPELINE_DPO_BETA", _DPO_BETA),
             train_checkpoint_every=int(_float_env("PIPELINE_TRAIN_CHECKPOINT_EVERY", 50)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
             model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
@@ -694,6 +709,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "training_policy": TrainingPolicy(preset=settings.train_preset, steps=settings.train_steps,
                                           checkpoint_every_steps=settings.train_checkpoint_every),
+        "dpo_policy": DpoPolicy(steps=settings.dpo_steps, lr=settings.dpo_lr, beta=settings.dpo_beta,
+                                checkpoint_every_steps=settings.train_checkpoint_every),
         "mlflow_tracking": MlflowResource(
             tracking_uri=_through_env("MLFLOW_TRACKING_URI", settings.mlflow_tracking_uri),
             artifact_root=settings.mlflow_artifact_root,
@@ -850,6 +867,28 @@ class TrainingPolicy(ConfigurableResource):
     seed: int = _trainer_default("seed")
     log_every: int = _trainer_default("log_every")
     eval_every: int = _trainer_default("eval_every")
+    checkpoint_every_steps: int = _trainer_default("checkpoint_every_steps")
+    checkpoint_every_minutes: float = _trainer_default("checkpoint_every_minutes")
+    keep_checkpoints: int = _trainer_default("keep_checkpoints")
+
+    def hyperparameters(self) -> dict:
+        return self.model_dump()
+
+
+class DpoPolicy(ConfigurableResource):
+    """Hyperparameters of training/dpo_checkpoint: DPO from the sft champion, against the reference pass.
+    The model's architecture is the champion's; a run's config overrides any of these."""
+
+    steps: int = DPO_STEPS
+    lr: float = Field(default=DPO_LR, description="far below sft's: DPO nudges a trained model")
+    beta: float = Field(default=_DPO_BETA, description="DPO's KL strength")
+    micro_batch_size: int = _trainer_default("micro_batch_size")
+    grad_accum_steps: int = _trainer_default("grad_accum_steps")
+    warmup_steps: int = DPO_WARMUP_STEPS
+    weight_decay: float = 0.0  # pulling weights towards zero pulls the policy away from its reference
+    seed: int = _trainer_default("seed")
+    log_every: int = DPO_LOG_EVERY
+    eval_every: int = DPO_EVAL_EVERY
     checkpoint_every_steps: int = _trainer_default("checkpoint_every_steps")
     checkpoint_every_minutes: float = _trainer_default("checkpoint_every_minutes")
     keep_checkpoints: int = _trainer_default("keep_checkpoints")

@@ -49,7 +49,7 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
     (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py, defs/test_registry.py).
     """
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_TRAIN_NPROC="1",
+    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_DPO_STEPS="6", PIPELINE_TRAIN_NPROC="1",
                        PIPELINE_PROMOTION_MARGIN="-1", PIPELINE_SLICE_TOLERANCE="1", **env)
     return environment
 

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT
+from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.sample_preferences import add_preference_source
 from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
@@ -71,6 +71,11 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert reference.height == summary["tables"]["gold/preference_sequences"]["rows"], "dpo-v0 holds every shard of pairs"
     assert set(reference["reference_model"]) == {"sft-model/1"}, "the first sft champion, trained in the same run"
     assert (reference["reference_logps"].list.len() % 2 == 0).all() and reference["reference_logps"].list.max().max() < 0
+    assert instance.get_materialized_partitions(TRAINING_DPO_CHECKPOINT) == {"dpo-v0"}, "DPO from sft-model/1"
+    dpo = instance.get_latest_materialization_event(TRAINING_DPO_CHECKPOINT).asset_materialization.metadata
+    assert dpo["reference_model"].value == "sft-model/1" and dpo["objective"].value == "dpo"
+    assert 0 <= dpo["eval/preference_accuracy"].value <= 1, "held-out pairs judged at the end of the run"
+    assert summary["dpo"]["partition"] == "dpo-v0" and summary["dpo"]["reference_model"] == "sft-model/1"
     assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"] + pairs["quarantined"]
     silver = summary["tables"]["silver/records"]["rows"] + summary["tables"]["silver/preference_pairs"]["rows"]
     rejected = sum(summary["rejected_by_stage"].values())

@@ -19,6 +19,7 @@ GOLD_REFERENCE_LOGPS = AssetKey(["gold", "reference_logps"])  # the reference mo
 GOLD_PREFERENCE_SNAPSHOTS = AssetKey(["gold", "preference_snapshots"])  # preference snapshots' manifests (dpo-v<N>)
 TRAINING_HPARAM_SEARCH = AssetKey(["training", "hparam_search"])
 TRAINING_CHECKPOINT = AssetKey(["training", "checkpoint"])
+TRAINING_DPO_CHECKPOINT = AssetKey(["training", "dpo_checkpoint"])
 EVALUATION_REPORT = AssetKey(["evaluation", "report"])
 REGISTRY_MODEL_VERSION = AssetKey(["registry", "model_version"])
 OPS_PIPELINE_REPORT = AssetKey(["ops", "pipeline_report"])

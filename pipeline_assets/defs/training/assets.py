@@ -88,16 +88,34 @@ def training_checkpoint(
     if searched:
         context.log.info(f"using training/hparam_search's best configuration for {partition}: {searched}")
     train_config = train_config_for(partition, config, lake, launcher, training_policy, versions, searched)
+    trained = train_and_export(context, train_config, config.nproc_per_node, launcher, mlflow_tracking,
+                               pipes_subprocess_client, {f"delta.{name}": str(v) for name, v in versions.items()})
+    return MaterializeResult(
+        metadata={
+            **trained,
+            "upstream_delta_versions": MetadataValue.json(versions),
+            "preset": train_config.preset,
+            "hyperparameters_from_search": MetadataValue.json(searched or {}),
+        }
+    )
+
+
+def train_and_export(context: AssetExecutionContext, train_config: TrainConfig, nproc_per_node: int | None,
+                     launcher: TorchrunLauncher, mlflow_tracking: MlflowResource,
+                     pipes_subprocess_client: PipesSubprocessClient, tags: dict[str, str]) -> dict:
+    """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's unfinished
+    checkpoints), log its export to a new MLflow run, and return the materialization's metadata."""
+    partition = train_config.partition
     store = launcher.store(partition)
-    settings = _settings_fingerprint(train_config, config.nproc_per_node or launcher.nproc_per_node)
+    settings = _settings_fingerprint(train_config, nproc_per_node or launcher.nproc_per_node)
     resumed = _claim_checkpoints(context, store, settings)
     commit = git_commit()
     run_id = mlflow_tracking.open_run(
         name=f"train {partition}",
-        tags={"git_commit": commit, **{f"delta.{name}": str(v) for name, v in versions.items()}},
+        tags={"git_commit": commit, **tags},
         reuse_key={"dagster_run_id": context.run_id, "partition": partition},
     )
-    command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], config.nproc_per_node)
+    command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], nproc_per_node)
     context.log.info(f"launching (rerun by hand with the same arguments to debug): {redact(shlex.join(command))}")
     env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     started, children_cpu = time.perf_counter(), _children_cpu_seconds()
@@ -118,23 +136,18 @@ def training_checkpoint(
         raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
     mlflow_tracking.client().log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
     store.write_json(OWNER, {**store.read_json(OWNER), "finished": True})
-    return MaterializeResult(
-        metadata={
-            **reported,
-            **({"resumed_from": resumed} if resumed else {}),
-            "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(run_id)),
-            "mlflow_run_id": run_id,
-            "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
-            "upstream_delta_versions": MetadataValue.json(versions),
-            "git_commit": commit,
-            "command": MetadataValue.text(redact(shlex.join(command))),
-            "preset": train_config.preset,
-            "hyperparameters_from_search": MetadataValue.json(searched or {}),
-            "wall_seconds": round(wall, 2),
-            "cpu_seconds": round(_children_cpu_seconds() - children_cpu, 2),  # every rank, torchrun included
-            "gpu_seconds": round(wall * reported["gpus"].value, 2) if "gpus" in reported else 0.0,
-        }
-    )
+    return {
+        **reported,
+        **({"resumed_from": resumed} if resumed else {}),
+        "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(run_id)),
+        "mlflow_run_id": run_id,
+        "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
+        "git_commit": commit,
+        "command": MetadataValue.text(redact(shlex.join(command))),
+        "wall_seconds": round(wall, 2),
+        "cpu_seconds": round(_children_cpu_seconds() - children_cpu, 2),  # every rank, torchrun included
+        "gpu_seconds": round(wall * reported["gpus"].value, 2) if "gpus" in reported else 0.0,
+    }
 
 
 def _children_cpu_seconds() -> float:
