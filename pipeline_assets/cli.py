@@ -434,7 +434,8 @@ def _dpo_summary(settings: Settings) -> dict | None:
         return None
     metadata = {name: value.value for name, value in event.asset_materialization.metadata.items()}
     return {"partition": event.asset_materialization.partition, "reference_model": metadata.get("reference_model"),
-            **{name: metadata.get(name) for name in ("validation_loss", "eval/preference_accuracy", "eval/reward_margin")},
+            **{name: metadata.get(name) for name in ("first_loss", "final_loss", "best_validation_loss",
+                                                     "eval/preference_accuracy", "eval/reward_margin")},
             "mlflow_run": metadata.get("mlflow_run")}
 
 
