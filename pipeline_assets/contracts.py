@@ -313,6 +313,30 @@ class EvaluationSlice(pa.DataFrameModel):
         coerce = False
 
 
+class DpoEvaluationSlice(pa.DataFrameModel):
+    """One model's judgement of one slice of a preference snapshot's held-out pairs, or its sft validation loss."""
+
+    partition: str = pa.Field(str_startswith="dpo-v")
+    model: str = pa.Field(isin=["candidate", "champion"])
+    model_version: str = pa.Field(nullable=True, description="<registered model>/<version>; null for the candidate")
+    slice: str = pa.Field(str_matches=r"^(overall|source:.+|sft_validation_loss)$")
+    pairs: pl.Int64 = pa.Field(nullable=True, ge=1, description="held-out pairs judged; null on the sft slice")
+    preference_accuracy: float = pa.Field(nullable=True, ge=0, le=1, description="share of positive margins")
+    mean_margin: float = pa.Field(nullable=True, description="mean implicit reward margin (nats, times beta)")
+    loss: float = pa.Field(nullable=True, ge=0, description="sft_validation_loss only: nats per token")
+    evaluated_at: UTC_TIMESTAMP
+
+    class Config:
+        strict = True
+        coerce = False
+
+    @pa.dataframe_check
+    def _pairs_or_loss(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        sft = pl.col("slice") == "sft_validation_loss"
+        return data.lazyframe.select(pl.when(sft).then(pl.col("loss").is_not_null() & pl.col("pairs").is_null())
+                                     .otherwise(pl.col("pairs").is_not_null() & pl.col("loss").is_null()))
+
+
 class HparamTrial(pa.DataFrameModel):
     """One trial of a hyperparameter search at one rung."""
 

@@ -212,6 +212,7 @@ class Settings:
     train_checkpoint_every: int = 50
     mlflow_artifact_root: str = ""
     model_name: str = "sft-model"
+    dpo_model_name: str = "dpo-model"
     core_hour_usd: float = _PRICES.core_hour
     gpu_hour_usd: float = _PRICES.gpu_hour
     spot_discount: float = _PRICES.spot_discount
@@ -271,6 +272,7 @@ class Settings:
             train_checkpoint_every=int(_float_env("PIPELINE_TRAIN_CHECKPOINT_EVERY", 50)),
             mlflow_artifact_root=_env("PIPELINE_MLFLOW_ARTIFACT_URI", f"{home}/mlartifacts"),
             model_name=_env("PIPELINE_MODEL_NAME", "sft-model"),
+            dpo_model_name=_env("PIPELINE_DPO_MODEL_NAME", "dpo-model"),
             core_hour_usd=_float_env("PIPELINE_PRICE_CORE_HOUR", _PRICES.core_hour),
             gpu_hour_usd=_float_env("PIPELINE_PRICE_GPU_HOUR", _PRICES.gpu_hour),
             spot_discount=_float_env("PIPELINE_SPOT_DISCOUNT", _PRICES.spot_discount),
@@ -721,7 +723,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "cost_policy": CostPolicy(core_hour_usd=settings.core_hour_usd, gpu_hour_usd=settings.gpu_hour_usd,
                                   spot_discount=settings.spot_discount),
         "registry_policy": RegistryPolicy(
-            model_name=settings.model_name, promotion_margin=settings.promotion_margin,
+            model_name=settings.model_name, dpo_model_name=settings.dpo_model_name,
+            promotion_margin=settings.promotion_margin,
             slice_tolerance=settings.slice_tolerance, eval_max_tokens=settings.eval_max_tokens,
         ),
         "retention_policy": RetentionPolicy(days=settings.retention_days),
@@ -914,6 +917,7 @@ class RegistryPolicy(ConfigurableResource):
     """What the registry calls the model and what a candidate must show to become champion."""
 
     model_name: str = "sft-model"
+    dpo_model_name: str = Field(default="dpo-model", description="the registered model of DPO's exports")
     promotion_margin: float = Field(default=0.005, description="blocking: relative overall-loss improvement required")
     slice_tolerance: float = Field(default=0.02, description="blocking: relative loss increase allowed on any slice")
     eval_max_tokens: int = Field(default=2_000_000, description="validation tokens scored per model (a fixed sample)")

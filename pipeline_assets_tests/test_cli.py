@@ -74,7 +74,8 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert instance.get_materialized_partitions(TRAINING_DPO_CHECKPOINT) == {"dpo-v0"}, "DPO from sft-model/1"
     dpo = instance.get_latest_materialization_event(TRAINING_DPO_CHECKPOINT).asset_materialization.metadata
     assert dpo["reference_model"].value == "sft-model/1" and dpo["objective"].value == "dpo"
-    assert 0 <= dpo["eval/preference_accuracy"].value <= 1, "held-out pairs judged at the end of the run"
+    assert dpo["final_loss"].value < 0.6931, "below log 2, where DPO starts (its policy is its reference)"
+    assert dpo["eval/preference_accuracy"].value >= 0.75, "held-out pairs, from 0 (every margin 0) at step 0"
     assert summary["dpo"]["partition"] == "dpo-v0" and summary["dpo"]["reference_model"] == "sft-model/1"
     assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"] + pairs["quarantined"]
     silver = summary["tables"]["silver/records"]["rows"] + summary["tables"]["silver/preference_pairs"]["rows"]

@@ -41,8 +41,8 @@ ASSET_KEYS = [
     "reference/eval_sets",
     "gold/tokenizer", "gold/sequences", "gold/snapshots", "gold/preference_sequences", "gold/preference_snapshots",
     "gold/reference_logps",
-    "training/hparam_search", "training/checkpoint",
-    "evaluation/report", "registry/model_version",
+    "training/hparam_search", "training/checkpoint", "training/dpo_checkpoint",
+    "evaluation/report", "evaluation/dpo_report", "registry/model_version",
     "ops/pipeline_report",
 ]
 # silver/records: what feeds it and what it feeds, one step either way.

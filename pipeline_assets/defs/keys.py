@@ -21,5 +21,6 @@ TRAINING_HPARAM_SEARCH = AssetKey(["training", "hparam_search"])
 TRAINING_CHECKPOINT = AssetKey(["training", "checkpoint"])
 TRAINING_DPO_CHECKPOINT = AssetKey(["training", "dpo_checkpoint"])
 EVALUATION_REPORT = AssetKey(["evaluation", "report"])
+EVALUATION_DPO_REPORT = AssetKey(["evaluation", "dpo_report"])  # held-out pairs: DPO candidate vs champion
 REGISTRY_MODEL_VERSION = AssetKey(["registry", "model_version"])
 OPS_PIPELINE_REPORT = AssetKey(["ops", "pipeline_report"])

@@ -5,7 +5,14 @@ from dataclasses import dataclass
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance
 
-from pipeline_assets.defs.keys import BRONZE_RECORDS, GOLD_SEQUENCES, GOLD_SNAPSHOTS, GOLD_TOKENIZER, SILVER_RECORDS
+from pipeline_assets.defs.keys import (
+    BRONZE_RECORDS,
+    GOLD_PREFERENCE_SEQUENCES,
+    GOLD_SEQUENCES,
+    GOLD_SNAPSHOTS,
+    GOLD_TOKENIZER,
+    SILVER_RECORDS,
+)
 from pipeline_assets.defs.partitions import snapshot_number
 from pipeline_assets.lib.cost import Compute
 
@@ -84,6 +91,13 @@ def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str
         "silver/records": _newest_upstream(behind.shards, "silver/records"),
         "bronze/records": _newest_upstream(behind.silver, "bronze/records"),
     }
+
+
+def preference_pairs_version(instance: DagsterInstance, batches: set[str], sequences_version: int) -> int | None:
+    """The newest silver/preference_pairs version read by the shards of gold/preference_sequences a preference
+    snapshot lists (those batches' writes at or before the version its manifest pins); None when unknown."""
+    shards = _per_batch_at_or_before(instance, GOLD_PREFERENCE_SEQUENCES, sequences_version, batches)
+    return _newest_upstream(shards, "silver/preference_pairs")
 
 
 def _upstream(metadata: dict | None, table: str) -> int | None:

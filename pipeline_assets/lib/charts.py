@@ -14,8 +14,9 @@ def _pyplot():
     return plt
 
 
-def slice_bars_png(slices: list[str], candidate: list[float], champion: list[float] | None, path: Path, title: str) -> Path:
-    """Loss per slice, the candidate's bar beside the champion's."""
+def slice_bars_png(slices: list[str], candidate: list[float], champion: list[float] | None, path: Path, title: str,
+                   ylabel: str = "loss (nats/token)") -> Path:
+    """A measure per slice (loss by default), the candidate's bar beside the champion's."""
     plt = _pyplot()
     width = 0.4 if champion else 0.6
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(slices) + 2), 4.5), dpi=110)
@@ -24,7 +25,7 @@ def slice_bars_png(slices: list[str], candidate: list[float], champion: list[flo
     if champion:
         axis.bar([p + width / 2 for p in positions], champion, width, label="champion")
     axis.set_xticks(positions, slices, rotation=30, ha="right")
-    axis.set(ylabel="loss (nats/token)", title=title)
+    axis.set(ylabel=ylabel, title=title)
     axis.grid(axis="y", alpha=0.3)
     axis.legend()
     figure.tight_layout()
