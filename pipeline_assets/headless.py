@@ -25,6 +25,7 @@ from pipeline_assets.defs.gold.cadence import (
     SnapshotSeries,
     snapshot_decision,
 )
+from pipeline_assets.defs.gold.sensors import no_reference_model
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
@@ -185,23 +186,21 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
 
 
 def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
-                                explicit: bool = False) -> dict[str, list[AssetKey]]:
-    """Per data snapshot, the selected snapshot-partitioned assets never materialized for it: the sft
-    snapshots' first (their champion is DPO's reference), then the preference snapshots'. The
+                                explicit: bool = False, series: SnapshotSeries = SFT_SERIES) -> dict[str, list[AssetKey]]:
+    """Per snapshot of the series, the selected assets partitioned by it never materialized for it. The
     hyperparameter search, which costs several trainings, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
     plan: dict[str, list[AssetKey]] = {}
-    for partitions in (series.partitions for series in SERIES):
-        for key in keys:
-            node = graph.get(key)
-            if not node.is_executable or node.partitions_def != partitions:
-                continue
-            if key == TRAINING_HPARAM_SEARCH and not explicit:
-                continue
-            done = instance.get_materialized_partitions(key)
-            for snapshot in instance.get_dynamic_partitions(partitions.name):
-                if snapshot not in done:
-                    plan.setdefault(snapshot, []).append(key)
+    for key in keys:
+        node = graph.get(key)
+        if not node.is_executable or node.partitions_def != series.partitions:
+            continue
+        if key == TRAINING_HPARAM_SEARCH and not explicit:
+            continue
+        done = instance.get_materialized_partitions(key)
+        for snapshot in instance.get_dynamic_partitions(series.partitions.name):
+            if snapshot not in done:
+                plan.setdefault(snapshot, []).append(key)
     return plan
 
 
@@ -248,11 +247,11 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
         _execute(job, instance, early, outcome, partition=None)
     for batch, batch_keys in stale_partitions(defs, instance, shards).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
-    for series in SERIES:
+    for series in SERIES:  # the sft series first: its champion is DPO's reference and starting point
         if series.snapshots in selected:
             cut_snapshot_if_due(defs, instance, job, outcome, series=series)
-    for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, explicit=bool(selection)).items():
-        _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
+        for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, bool(selection), series).items():
+            _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     reports = stale_unpartitioned(defs, instance, late)
     if reports:
         _execute(job, instance, reports, outcome, partition=None)
@@ -263,6 +262,11 @@ def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outco
                         series: SnapshotSeries = SFT_SERIES) -> None:
     """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says why."""
     decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series)
+    waiting = series is PREFERENCE_SERIES and no_reference_model(defs.resources["mlflow_tracking"],
+                                                                   defs.resources["registry_policy"])
+    if waiting and not by_hand:
+        log.info("no new preference snapshot: %s", waiting)
+        return
     if not by_hand and not decision.due:
         what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
         log.info("no new %s: %s", what, decision.reason)

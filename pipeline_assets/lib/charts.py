@@ -35,8 +35,8 @@ def slice_bars_png(slices: list[str], candidate: list[float], champion: list[flo
     return path
 
 
-def loss_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
-    """Training loss per log step, with validation loss where it was measured."""
+def loss_curve_png(history: list[dict], path: Path, title: str, unit: str = "nats/token") -> Path | None:
+    """Training loss per log step, with validation loss where it was measured; ``unit``: what the loss is a mean over."""
     train = [row for row in history if "loss" in row]
     validation = [row for row in history if "validation_loss" in row]
     if not train:
@@ -47,7 +47,7 @@ def loss_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
     if validation:
         axis.plot([r["step"] for r in validation], [r["validation_loss"] for r in validation], "o-",
                   label="validation loss", linewidth=1.5)
-    axis.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    axis.set(xlabel="step", ylabel=f"loss ({unit})", title=title)
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

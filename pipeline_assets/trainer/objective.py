@@ -22,6 +22,7 @@ Batch = dict[str, torch.Tensor]
 
 class Objective:
     name: str
+    loss_unit: str  # what the loss is a mean over, as a loss curve's axis says it
 
     def read_snapshot(self, config: TrainConfig) -> Snapshot:
         raise NotImplementedError
@@ -46,6 +47,7 @@ class NextTokenPrediction(Objective):
     """SFT: the mean next-token cross-entropy per loss token of gold-v<N>'s packed sequences."""
 
     name = "sft"
+    loss_unit = "nats/token"
 
     def read_snapshot(self, config: TrainConfig) -> Snapshot:
         return read_snapshot(config.lake_uri, config.snapshot, vocab_size=config.vocab_size)
@@ -63,6 +65,7 @@ class DirectPreference(Objective):
     sigmoid loss per pair, with the implicit rewards of ``trainer.dpo.dpo_loss``."""
 
     name = "dpo"
+    loss_unit = "per pair"
 
     def __init__(self, beta: float):
         self.beta = beta

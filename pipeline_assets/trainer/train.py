@@ -330,7 +330,8 @@ class Trainer:
             self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],
                                 "checkpoint_uris": json.dumps(self.checkpointer.published[-20:])})
             picture = loss_curve_png(history, export_folder / LOSS_CURVE,
-                                     f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)")
+                                     f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)",
+                                     self.objective.loss_unit)
             if picture:
                 self.reporter.artifact(picture)
         return summary

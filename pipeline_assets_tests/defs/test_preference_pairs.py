@@ -7,7 +7,7 @@ import json
 import random
 
 import polars as pl
-from dagster import materialize
+from dagster import SkipReason, build_sensor_context, materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
@@ -15,6 +15,7 @@ from pipeline_assets.defs.gold.assets import gold_tokenizer
 from pipeline_assets.defs.gold.cadence import PREFERENCE_SERIES, snapshot_decision
 from pipeline_assets.defs.gold.manifest import gold_preference_snapshots
 from pipeline_assets.defs.gold.preference import gold_preference_sequences
+from pipeline_assets.defs.gold.sensors import preference_snapshot_cadence
 from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, read_manifest, sequences_scan
 from pipeline_assets.defs.reference.assets import eval_sets
@@ -23,7 +24,7 @@ from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.dedup import PROMPT_BAND
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.sample_preferences import add_preference_source
-from pipeline_assets.resources import LandingResource
+from pipeline_assets.resources import LandingResource, MlflowResource, RegistryPolicy
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
 from pipeline_assets_tests.lib.test_dedup import WORDS
@@ -107,7 +108,7 @@ def test_preference_pairs_are_curated_beside_sft_records_and_against_earlier_bat
     assert bands.filter(pl.col("band") == PROMPT_BAND).height == kept.height, "a prompt key a kept pair"
 
 
-def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(instance, resources, landing_dir):
+def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(instance, resources, landing_dir, tmp_path):
     rng = random.Random(3)
     many = [{"id": f"same-prompt{i}", "prompt": CAPPED_PROMPT, "chosen": _answer(rng), "rejected": _answer(rng)}
             for i in range(5)]
@@ -142,6 +143,11 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(i
     assert checks["contract"].passed
 
     assert snapshot_decision(instance, 0.1, PREFERENCE_SERIES).due, "a first shard of pairs: a first preference snapshot"
+    registry = {"mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                                                  artifact_root=str(tmp_path / "mlartifacts")),
+                "registry_policy": RegistryPolicy(), "gold_policy": resources["gold_policy"]}
+    waiting = preference_snapshot_cadence(build_sensor_context(instance=instance, resources=registry))
+    assert isinstance(waiting, SkipReason) and "no sft-model champion yet" in waiting.skip_message, "DPO starts from it"
     cut = _materialize(instance, resources, None, [*assets, gold_preference_snapshots], [gold_preference_snapshots])
     assert cut.success, [e.event_specific_data.error.message for e in cut.get_step_failure_events()]
     assert instance.get_dynamic_partitions(preference_snapshots.name) == ["dpo-v0"]

@@ -16,7 +16,7 @@ from dagster import (
 
 from pipeline_assets.defs.gold.cadence import PREFERENCE_SERIES, SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
-from pipeline_assets.resources import GoldPolicy
+from pipeline_assets.resources import GoldPolicy, MlflowResource, RegistryPolicy
 
 snapshot_job = define_asset_job(
     "cut_snapshot",
@@ -53,15 +53,28 @@ preference_snapshot_job = define_asset_job(
     target=preference_snapshot_job,
     minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Cuts the first preference snapshot once a shard of pairs exists, then a new one whenever the tokens "
-    "of the shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+    description="Once an sft champion exists (DPO's reference and starting point), cuts the first preference "
+    "snapshot once a shard of pairs exists, then a new one whenever the tokens of the shards built since the last "
+    "cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
 )
-def preference_snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
+def preference_snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy,
+                                mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy):
+    waiting = no_reference_model(mlflow_tracking, registry_policy)
+    if waiting:
+        return SkipReason(waiting)
     decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction, PREFERENCE_SERIES)
     if not decision.due:
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
     return RunRequest(run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
+
+
+def no_reference_model(mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy) -> str | None:
+    """Why preference snapshots wait (no sft champion to be DPO's reference and starting point), or None."""
+    if mlflow_tracking.version_by_alias(registry_policy.model_name, "champion") is not None:
+        return None
+    return (f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since its reference "
+            "pass and DPO start from it")
 
 
 @schedule(
