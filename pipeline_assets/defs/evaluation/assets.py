@@ -17,7 +17,7 @@ from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
-from pipeline_assets.lib.eval_sample import capped_sample
+from pipeline_assets.lib.eval_sample import capped_validation
 from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
@@ -64,7 +64,9 @@ def evaluation_report(
         raise Failure(allow_retries=False, description=f"the exported model of {partition} is not usable: {problem}")
 
     seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
-    champion, champion_note = _champion(seen, registry_policy.model_name, trained["mlflow_run_id"], versions)
+    champion, champion_note = comparable_champion(seen, registry_policy.model_name, trained["mlflow_run_id"],
+                                                  versions["gold/tokenizer"], "the candidate is judged against the "
+                                                  "uniform baseline")
     models = {"candidate": (candidate_dir, None)}
     scratch = Path(launcher.scratch()) / "evaluation"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -134,13 +136,10 @@ class EvaluationData:
     @classmethod
     def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict, max_tokens: int) -> "EvaluationData":
         manifest = read_manifest(lake.uri, versions["gold/snapshots"])
-        scan = sequences_scan(lake.uri, manifest)
-        sizes = manifest.in_order(scan.filter(pl.col("split") == "validation")
-                                  .select("batch_id", "split", "sequence_index", "real_tokens")).collect()
+        validation, sizes = capped_validation(manifest, sequences_scan(lake.uri, manifest), max_tokens,
+                                              list(_SAMPLED_COLUMNS))
         if sizes.is_empty():
             raise Failure(allow_retries=False, description=f"{manifest.key} has no validation sequences")
-        chosen = capped_sample(sizes["sequence_index"].to_numpy(), sizes["real_tokens"].to_numpy(), max_tokens)
-        validation = manifest.split("validation").take(scan, chosen, list(_SAMPLED_COLUMNS))
         record_ids = validation["record_ids"].explode().unique()
         sources = (lake.scan("silver", "records", version=versions["silver/records"])
                    .select("record_id", "source")  # two columns of silver, not its text
@@ -185,16 +184,18 @@ def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLaunc
             for role in models}
 
 
-def _champion(champion, model_name: str, candidate_run_id: str, versions: dict):
-    """The champion to compare with (``champion``, the alias's version now), or None with the reason."""
+def comparable_champion(champion, model_name: str, candidate_run_id: str, tokenizer_version: int | None,
+                        alone: str):
+    """The champion to compare with (``champion``, the alias's version now), or None with the reason;
+    ``alone`` says what the candidate is judged against without one."""
     if champion is None:
-        return None, f"no champion of {model_name} yet: the candidate is judged against the uniform baseline"
+        return None, f"no champion of {model_name} yet: {alone}"
     if champion.run_id == candidate_run_id:
         return None, f"the candidate is already champion ({model_name} v{champion.version})"
     tokenizer = champion.tags.get("delta.gold/tokenizer")
-    if tokenizer != str(versions["gold/tokenizer"]):
-        return None, (f"champion v{champion.version} used gold/tokenizer v{tokenizer}, the candidate "
-                      f"v{versions['gold/tokenizer']}: losses per token are not comparable")
+    if tokenizer != str(tokenizer_version):
+        return None, (f"champion v{champion.version} used gold/tokenizer v{tokenizer}, the candidate's data "
+                      f"v{tokenizer_version}: they would read other text")
     return champion, f"champion: {model_name} v{champion.version}, scored on the same rows"
 
 

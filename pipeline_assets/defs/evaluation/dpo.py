@@ -11,7 +11,7 @@ from dagster import AssetExecutionContext, DagsterInstance, Failure, Materialize
 
 from pipeline_assets.contracts import DpoEvaluationSlice, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
-from pipeline_assets.defs.evaluation.assets import EvaluationData, score_under_torchrun
+from pipeline_assets.defs.evaluation.assets import EvaluationData, comparable_champion, score_under_torchrun
 from pipeline_assets.defs.keys import (
     EVALUATION_DPO_REPORT,
     GOLD_REFERENCE_LOGPS,
@@ -24,7 +24,7 @@ from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, preference_pairs_version, snapshot_versions
 from pipeline_assets.lib.charts import slice_bars_png
-from pipeline_assets.lib.eval_sample import capped_sample
+from pipeline_assets.lib.eval_sample import capped_validation
 from pipeline_assets.lib.gold import SCORED_COLUMNS
 from pipeline_assets.lib.preference_eval import OVERALL, pair_margins, preference_slices, within_tolerance
 from pipeline_assets.lib.snapshot_manifest import (
@@ -70,7 +70,7 @@ def evaluation_dpo_report(
         raise Failure(allow_retries=False, description=f"training/dpo_checkpoint has no materialization for "
                       f"{partition}: train it first")
     manifest = read_manifest(lake.uri, snapshot_number(partition, PREFERENCE_SNAPSHOTS), PREFERENCE_SNAPSHOTS)
-    reference_version = _reference_version(context.instance, trained, partition)
+    reference_version = _reference_version(trained, partition)
     pairs = HeldOutPairs.load(lake, context.instance, manifest, reference_version, registry_policy.eval_max_tokens)
     context.log.info(f"judging {pairs.pairs} held-out pairs in {pairs.sequences[0]} of {pairs.sequences[1]} "
                      f"validation rows ({pairs.tokens[0]:,} of {pairs.tokens[1]:,} tokens; "
@@ -82,7 +82,8 @@ def evaluation_dpo_report(
 
     dpo_name = registry_policy.dpo_model_name
     seen = mlflow_tracking.version_by_alias(dpo_name, "champion")
-    champion, champion_note = _dpo_champion(seen, dpo_name, trained["mlflow_run_id"], manifest)
+    champion, champion_note = comparable_champion(seen, dpo_name, trained["mlflow_run_id"], manifest.tokenizer_version,
+                                                  "the candidate is judged alone")
     beta = float(trained["beta"])
     scratch = Path(launcher.scratch()) / "evaluation"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -152,13 +153,9 @@ class HeldOutPairs:
     @classmethod
     def load(cls, lake: LakeResource, instance: DagsterInstance, manifest: Manifest, reference_version: int,
              max_tokens: int) -> "HeldOutPairs":
-        scan = sequences_scan(lake.uri, manifest)
-        sizes = manifest.in_order(scan.filter(pl.col("split") == "validation")
-                                  .select("batch_id", "split", "sequence_index", "real_tokens")).collect()
+        taken, sizes = capped_validation(manifest, sequences_scan(lake.uri, manifest), max_tokens, _TAKEN_COLUMNS)
         if sizes.is_empty():
             raise Failure(allow_retries=False, description=f"{manifest.key} has no validation rows to judge")
-        chosen = capped_sample(sizes["sequence_index"].to_numpy(), sizes["real_tokens"].to_numpy(), max_tokens)
-        taken = manifest.split("validation").take(scan, chosen, _TAKEN_COLUMNS)
         rows = _with_reference(_local_keys(taken, manifest), lake, manifest.key, reference_version)
         pairs_version = _pairs_version(lake, instance, manifest)
         sources = (lake.scan(*SILVER_PREFERENCE_PAIRS.path, version=pairs_version)
@@ -194,13 +191,12 @@ def _with_reference(rows: pl.DataFrame, lake: LakeResource, snapshot: str, versi
     return joined
 
 
-def _reference_version(instance: DagsterInstance, trained: dict, partition: str) -> int:
-    """The gold/reference_logps version the candidate was trained against (else its reference pass's newest)."""
+def _reference_version(trained: dict, partition: str) -> int:
+    """The gold/reference_logps version the candidate was trained against."""
     version = (trained.get("upstream_delta_versions") or {}).get("gold/reference_logps")
     if version is None:
-        version = (partition_metadata(instance, GOLD_REFERENCE_LOGPS, partition) or {}).get("delta_version")
-    if version is None:
-        raise Failure(allow_retries=False, description=f"gold/reference_logps has no materialization for {partition}")
+        raise Failure(allow_retries=False, description=f"training/dpo_checkpoint of {partition} names no "
+                      "gold/reference_logps version: train it again")
     return int(version)
 
 
@@ -223,20 +219,6 @@ def _policy_logps(context: AssetExecutionContext, launcher: TorchrunLauncher, pa
                         ["--rows", str(rows_file), "--model", str(model_dir), "--out", str(out)],
                         f"{folder.name}: log-probabilities of {pairs.rows.height} held-out rows")
     return read_reference_logps(out, expected_rows=pairs.rows.height).rename({"reference_logps": "policy_logps"})
-
-
-def _dpo_champion(champion, model_name: str, candidate_run_id: str, manifest: Manifest):
-    """The DPO champion to judge beside the candidate, or None with the reason."""
-    if champion is None:
-        return None, f"no champion of {model_name} yet: the candidate is judged alone"
-    if champion.run_id == candidate_run_id:
-        return None, f"the candidate is already champion ({model_name} v{champion.version})"
-    tokenizer = champion.tags.get("delta.gold/tokenizer")
-    if tokenizer is not None and tokenizer != str(manifest.tokenizer_version):
-        return None, (f"champion v{champion.version} used gold/tokenizer v{tokenizer}, {manifest.key} is encoded with "
-                      f"v{manifest.tokenizer_version}: it would read other text")
-    return champion, (f"champion: {model_name} v{champion.version}, judged on the same pairs against {manifest.key}'s "
-                      "reference log-probabilities with the candidate's beta")
 
 
 def _sft_comparison(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource,
@@ -336,7 +318,8 @@ def _write_margins(margins: dict[str, pl.DataFrame], sources: pl.DataFrame, path
 def _log_to_mlflow(mlflow_tracking: MlflowResource, run_id: str, report: pl.DataFrame, files: list[Path]) -> None:
     client = mlflow_tracking.client()
     for row in report.iter_rows(named=True):
-        prefix = "eval" if row["model"] == "candidate" else "eval_champion"
+        # apart from the trainer's own eval/ metrics of the same run
+        prefix = "dpo_report" if row["model"] == "candidate" else "dpo_report_champion"
         if row["slice"] == SFT_SLICE:
             client.log_metric(run_id, f"{prefix}/{SFT_SLICE}", row["loss"])
             continue
