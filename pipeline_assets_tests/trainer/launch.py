@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
-from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env, torchrun_executable
 from pipeline_assets.trainer.config import TrainConfig
+from pipeline_assets.trainer.train import EXIT_PREEMPTED
 from pipeline_assets_tests.trainer.synthetic import VOCAB
 
 
@@ -31,8 +34,7 @@ class Job:
     def __init__(self, config: TrainConfig, log_path: Path, nproc: int = 2):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = {**os.environ, **torchrun_env(threads_per_rank=1)}
-        env.pop("MLFLOW_TRACKING_URI", None)
+        env = {**environ_without_mlflow(), **torchrun_env(threads_per_rank=1)}
         self.process = subprocess.Popen(torchrun_command(nproc, config.to_args()), stdout=self._log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -95,9 +97,84 @@ def run_job(config: TrainConfig, log_path: Path, nproc: int = 2, timeout: float 
     return job.output()
 
 
+def partition_dir(config: TrainConfig) -> Path:
+    """The folder of the partition's checkpoints, for a local checkpoint_uri."""
+    return Path(config.checkpoint_uri) / config.partition
+
+
 def final_weights(config: TrainConfig) -> dict:
-    return load_file(str(Path(config.checkpoint_uri) / config.partition / "final" / "model.safetensors"))
+    return load_file(str(partition_dir(config) / "final" / "model.safetensors"))
 
 
 def with_checkpoints_at(config: TrainConfig, checkpoint_uri: str, **overrides) -> TrainConfig:
     return dataclasses.replace(config, checkpoint_uri=checkpoint_uri, **overrides)
+
+
+def environ_without_mlflow() -> dict:
+    """This process's environment less MLFLOW_TRACKING_URI, so that a job started from a test logs nowhere."""
+    return {name: value for name, value in os.environ.items() if name != "MLFLOW_TRACKING_URI"}
+
+
+def assert_same_weights(actual: dict, expected: dict) -> None:
+    """Both hold the same tensors, bit for bit."""
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=f"{name} differs")
+
+
+def probe_gradients(config: TrainConfig, out: Path) -> dict:
+    """The loss and the gradients two torchrun ranks compute for the first global batch (gradient_probe.py)."""
+    probe = Path(__file__).with_name("gradient_probe.py")
+    command = [*torchrun_executable(), "--standalone", "--nproc-per-node=2", str(probe), str(out), *config.to_args()]
+    env = {**environ_without_mlflow(), **torchrun_env(1)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(out, weights_only=True)
+
+
+def assert_close_gradients(gradients: dict, model: torch.nn.Module, atol: float) -> None:
+    """``gradients`` holds the gradient of every parameter of ``model``, each equal up to rounding."""
+    reference = dict(model.named_parameters())
+    assert gradients.keys() == reference.keys()
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[name].grad, rtol=1e-4, atol=atol, msg=f"gradient of {name}")
+
+
+def kill_once_saved(config: TrainConfig, step: int, log_path: Path) -> None:
+    """Starts the job and SIGKILLs every process of it once ``step`` is checkpointed, before the job ends."""
+    job = Job(config, log_path)
+    job.wait_for(partition_dir(config) / f"step-{step}" / "COMPLETE.json")
+    job.kill_all()
+    job.wait()
+    assert not (partition_dir(config) / "final").exists(), "the kill came after the end: nothing tested"
+
+
+def assert_sigkill_then_restart_matches(config: TrainConfig, workspace: Path, step: int, uninterrupted: dict) -> None:
+    """A job killed after checkpointing ``step`` resumes at or after it and ends with ``uninterrupted``'s weights."""
+    killed = with_checkpoints_at(config, str(workspace / "killed"))
+    kill_once_saved(killed, step, workspace / "killed-1.log")
+    output = run_job(killed, workspace / "killed-2.log")
+    resumed_at = int(re.search(r"resumed from .*step-(\d+): step", output).group(1))
+    assert step <= resumed_at < config.steps
+    assert_same_weights(final_weights(killed), uninterrupted)
+
+
+def stop_by_sigterm(config: TrainConfig, step: int, log_path: Path) -> int:
+    """Starts the job, SIGTERMs it once ``step`` is checkpointed and returns the step it stopped (and saved) at."""
+    job = Job(config, log_path)
+    job.wait_for(partition_dir(config) / f"step-{step}" / "COMPLETE.json")
+    job.terminate()
+    job.wait()
+    output = job.output()
+    assert f"exitcode  : {EXIT_PREEMPTED}" in output or "stopped by a signal" in output, output
+    stop_step = int(re.search(r"stopped by a signal at step (\d+)", output).group(1))
+    last_trained = max(int(trained) for trained in re.findall(r"step (\d+)/\d+: loss", output))
+    assert stop_step == last_trained < config.steps, "no trained step may be lost"
+    return stop_step
+
+
+def assert_rerun_resumes_and_matches(config: TrainConfig, stop_step: int, log_path: Path, uninterrupted: dict) -> None:
+    """The rerun of a job stopped at ``stop_step`` resumes there and ends with ``uninterrupted``'s weights."""
+    rerun = run_job(config, log_path)
+    assert f"step {stop_step}, " in re.search(r"resumed from .*", rerun).group(0)
+    assert_same_weights(final_weights(config), uninterrupted)

@@ -9,10 +9,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +20,24 @@ import torch
 import torch.distributed as dist
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.torchrun import torchrun_env, torchrun_executable
 from pipeline_assets.trainer.config import TrainConfig, parse_args
 from pipeline_assets.trainer.data import REFERENCE_TABLE, rank_micro_batches, read_preference_snapshot, stream_indexes
 from pipeline_assets.trainer.dpo import chosen_and_rejected, document_logps, dpo_loss
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.parallel import Distributed
-from pipeline_assets.trainer.train import EXIT_PREEMPTED, Trainer
-from pipeline_assets_tests.trainer.launch import Job, final_weights, run_job, tiny_config, with_checkpoints_at
+from pipeline_assets.trainer.train import Trainer
+from pipeline_assets_tests.trainer.launch import (
+    assert_close_gradients,
+    assert_rerun_resumes_and_matches,
+    assert_sigkill_then_restart_matches,
+    final_weights,
+    partition_dir,
+    probe_gradients,
+    run_job,
+    stop_by_sigterm,
+    tiny_config,
+    with_checkpoints_at,
+)
 from pipeline_assets_tests.trainer.preference_synthetic import (
     PreferenceLake,
     export_init_model,
@@ -257,18 +265,13 @@ def uninterrupted(config, workspace) -> dict:
     first = re.search(r"step 1/\d+: loss ([0-9.]+), rewards/chosen (-?[0-9.]+), rewards/rejected (-?[0-9.]+), "
                       r"rewards/margins (-?[0-9.]+), rewards/accuracies ([0-9.]+)", output)
     assert first and first.group(1) == "0.6931" and all(float(value) == 0 for value in first.groups()[1:]), output
-    about = json.loads((Path(config.checkpoint_uri) / config.partition / "final" / "config.json").read_text())
+    about = json.loads((partition_dir(config) / "final" / "config.json").read_text())
     assert about["eval/preference_accuracy"] >= 0.75, "two ranks learn the counting preference too"
     return final_weights(config)
 
 
 def test_two_ranks_give_the_gradients_of_one_process_on_the_same_global_batch(config, lake, workspace):
-    out = workspace / "gradients.pt"
-    probe = Path(__file__).with_name("gradient_probe.py")
-    command = [*torchrun_executable(), "--standalone", "--nproc-per-node=2", str(probe), str(out), *config.to_args()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env={**_environ(), **torchrun_env(1)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    sharded = torch.load(out, weights_only=True)
+    sharded = probe_gradients(config, workspace / "gradients.pt")
 
     snapshot = read_preference_snapshot(lake.lake_uri, lake.snapshot, lake.reference_version)
     batch = snapshot.train.batch(stream_indexes(len(snapshot.train), config.seed, 0, config.global_batch(2)),
@@ -280,47 +283,14 @@ def test_two_ranks_give_the_gradients_of_one_process_on_the_same_global_batch(co
     loss.backward()
 
     assert sharded["loss"] == pytest.approx(loss.item(), rel=1e-6)
-    reference = dict(model.named_parameters())
-    assert sharded["gradients"].keys() == reference.keys()
-    for name, gradient in sharded["gradients"].items():
-        torch.testing.assert_close(gradient, reference[name].grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    assert_close_gradients(sharded["gradients"], model, atol=1e-7)
 
 
 def test_sigkill_mid_run_then_restart_ends_with_the_uninterrupted_parameters(config, workspace, uninterrupted):
-    killed = with_checkpoints_at(config, str(workspace / "killed"))
-    job = Job(killed, workspace / "killed-1.log")
-    job.wait_for(workspace / "killed" / killed.partition / "step-10" / "COMPLETE.json")
-    job.kill_all()
-    job.wait()
-    assert not (workspace / "killed" / killed.partition / "final").exists(), "killed after the end: nothing tested"
-
-    output = run_job(killed, workspace / "killed-2.log")
-    resumed_at = int(re.search(r"resumed from .*step-(\d+): step", output).group(1))
-    assert 10 <= resumed_at < config.steps
-    _assert_same_weights(final_weights(killed), uninterrupted)
+    assert_sigkill_then_restart_matches(config, workspace, 10, uninterrupted)
 
 
 def test_sigterm_saves_and_exits_143_and_the_rerun_finishes_identically(config, workspace, uninterrupted):
     stopped = with_checkpoints_at(config, str(workspace / "stopped"))
-    job = Job(stopped, workspace / "stopped-1.log")
-    job.wait_for(workspace / "stopped" / stopped.partition / "step-10" / "COMPLETE.json")
-    job.terminate()
-    job.wait()
-    output = job.output()
-    assert f"exitcode  : {EXIT_PREEMPTED}" in output or "stopped by a signal" in output, output
-    stop_step = int(re.search(r"stopped by a signal at step (\d+)", output).group(1))
-    assert stop_step == max(int(step) for step in re.findall(r"step (\d+)/\d+: loss", output)) < config.steps
-
-    rerun = run_job(stopped, workspace / "stopped-2.log")
-    assert f"step {stop_step}, " in re.search(r"resumed from .*", rerun).group(0)
-    _assert_same_weights(final_weights(stopped), uninterrupted)
-
-
-def _assert_same_weights(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=f"{name} differs")
-
-
-def _environ() -> dict:
-    return {name: value for name, value in os.environ.items() if name != "MLFLOW_TRACKING_URI"}
+    stop_step = stop_by_sigterm(stopped, 10, workspace / "stopped-1.log")
+    assert_rerun_resumes_and_matches(stopped, stop_step, workspace / "stopped-2.log", uninterrupted)

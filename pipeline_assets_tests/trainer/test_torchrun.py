@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import boto3
 import pytest
 import torch
 
-from pipeline_assets.lib.torchrun import torchrun_env, torchrun_executable
 from pipeline_assets.trainer.config import PRESETS
 from pipeline_assets.trainer.data import read_snapshot, stream_indexes
 from pipeline_assets.trainer.model import Transformer, loss_sum_and_count
-from pipeline_assets.trainer.train import EXIT_PREEMPTED
 from pipeline_assets_tests.conftest import BUCKET
-from pipeline_assets_tests.trainer.launch import Job, final_weights, run_job, tiny_config, with_checkpoints_at
+from pipeline_assets_tests.trainer.launch import (
+    assert_close_gradients,
+    assert_rerun_resumes_and_matches,
+    assert_sigkill_then_restart_matches,
+    final_weights,
+    partition_dir,
+    probe_gradients,
+    run_job,
+    stop_by_sigterm,
+    tiny_config,
+    with_checkpoints_at,
+)
 from pipeline_assets_tests.trainer.synthetic import VOCAB, write_synthetic_gold
 
 SEQ_LEN = 64
@@ -52,19 +59,8 @@ def uninterrupted(config, workspace) -> dict:
     return final_weights(config)
 
 
-def _assert_same_weights(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=f"{name} differs")
-
-
 def test_fsdp2_gradients_equal_a_single_process_on_the_same_global_batch(config, workspace):
-    out = workspace / "gradients.pt"
-    probe = Path(__file__).with_name("gradient_probe.py")
-    command = [*torchrun_executable(), "--standalone", "--nproc-per-node=2", str(probe), str(out), *config.to_args()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env={**_environ(), **torchrun_env(1)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    sharded = torch.load(out, weights_only=True)
+    sharded = probe_gradients(config, workspace / "gradients.pt")
 
     global_batch = config.global_batch(world_size=2)
     snapshot = read_snapshot(config.lake_uri, config.snapshot)
@@ -75,43 +71,19 @@ def test_fsdp2_gradients_equal_a_single_process_on_the_same_global_batch(config,
     (loss_sum / count).backward()
 
     assert sharded["loss"] == pytest.approx((loss_sum / count).item(), rel=1e-5)
-    reference = dict(model.named_parameters())
-    assert sharded["gradients"].keys() == reference.keys()
-    for name, gradient in sharded["gradients"].items():
-        torch.testing.assert_close(gradient, reference[name].grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+    assert_close_gradients(sharded["gradients"], model, atol=1e-6)
 
 
 def test_sigkill_mid_run_then_restart_ends_with_the_uninterrupted_parameters(config, workspace, uninterrupted):
-    killed = with_checkpoints_at(config, str(workspace / "killed"))
-    job = Job(killed, workspace / "killed-1.log")
-    job.wait_for(workspace / "killed" / killed.partition / "step-30" / "COMPLETE.json")
-    job.kill_all()
-    job.wait()
-    assert not (workspace / "killed" / killed.partition / "final").exists(), "the kill came after the end: nothing tested"
-
-    output = run_job(killed, workspace / "killed-2.log")
-    resumed_at = int(re.search(r"resumed from .*step-(\d+): step", output).group(1))
-    assert 30 <= resumed_at < config.steps
-    _assert_same_weights(final_weights(killed), uninterrupted)
+    assert_sigkill_then_restart_matches(config, workspace, 30, uninterrupted)
 
 
 def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_finishes_identically(config, workspace, uninterrupted):
     stopped = with_checkpoints_at(config, str(workspace / "stopped"))
-    job = Job(stopped, workspace / "stopped-1.log")
-    job.wait_for(workspace / "stopped" / stopped.partition / "step-20" / "COMPLETE.json")
-    job.terminate()
-    job.wait()
-    output = job.output()
-    assert f"exitcode  : {EXIT_PREEMPTED}" in output or "stopped by a signal" in output, output
-    stop_step = int(re.search(r"stopped by a signal at step (\d+)", output).group(1))
-    last_trained = max(int(step) for step in re.findall(r"step (\d+)/\d+: loss", output))
-    assert stop_step == last_trained < config.steps, "no trained step may be lost"
-    folder = workspace / "stopped" / stopped.partition / f"step-{stop_step}"
-    assert json.loads((folder / "COMPLETE.json").read_text())["step"] == stop_step
-
-    rerun = run_job(stopped, workspace / "stopped-2.log")
-    assert f"step {stop_step}, " in re.search(r"resumed from .*", rerun).group(0)
-    _assert_same_weights(final_weights(stopped), uninterrupted)
+    stop_step = stop_by_sigterm(stopped, 20, workspace / "stopped-1.log")
+    saved = partition_dir(stopped) / f"step-{stop_step}" / "COMPLETE.json"
+    assert json.loads(saved.read_text())["step"] == stop_step
+    assert_rerun_resumes_and_matches(stopped, stop_step, workspace / "stopped-2.log", uninterrupted)
 
 
 def test_a_corrupt_newest_and_a_partial_checkpoint_are_skipped_for_the_previous_one(config, workspace, uninterrupted):
@@ -140,7 +112,8 @@ def test_checkpoints_on_s3_by_the_clock_publish_last_and_resume(config, workspac
                                 checkpoint_every_minutes=1e-6, scratch_dir=str(workspace / "s3-scratch"))
     output = run_job(on_s3, workspace / "s3-1.log")
     assert len(re.findall(r"asynchronous checkpoint save blocked", output)) >= 5  # by the clock, not by steps (1000)
-    keys = {item["Key"] for item in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/")["Contents"]}
+    listing = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/")
+    keys = {item["Key"] for item in listing["Contents"]}
     prefix = f"checkpoints/{config.partition}"
     steps = sorted(int(key.split("/")[2][5:]) for key in keys if key.endswith("/COMPLETE.json") and "/step-" in key)
     assert steps[-1] == 12 and len(steps) <= 3, "the newest two, and the best when it is older"
@@ -153,7 +126,3 @@ def test_checkpoints_on_s3_by_the_clock_publish_last_and_resume(config, workspac
 
 def _loss_inputs(batch: dict) -> dict:
     return {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], "position_ids": batch["position_ids"]}
-
-
-def _environ() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
