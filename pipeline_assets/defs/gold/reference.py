@@ -78,7 +78,9 @@ def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest:
                       "has promoted one")
     tokenizer = champion.tags.get("delta.gold/tokenizer")
     if tokenizer != str(manifest.tokenizer_version):
-        raise Failure(allow_retries=False, description=f"{model_name} v{champion.version} was trained with gold/tokenizer "
-                      f"v{tokenizer}, {manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean "
-                      "other text; cut a new preference snapshot once the champion and the shards share a tokenizer")
+        trained_with = (f"was trained with gold/tokenizer v{tokenizer}" if tokenizer is not None
+                        else "records no gold/tokenizer version (delta.gold/tokenizer tag)")
+        raise Failure(allow_retries=False, description=f"{model_name} v{champion.version} {trained_with}, "
+                      f"{manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean other text; "
+                      "cut a new preference snapshot once the champion and the shards share a tokenizer")
     return champion
