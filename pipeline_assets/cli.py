@@ -436,7 +436,17 @@ def _dpo_summary(settings: Settings) -> dict | None:
     return {"partition": event.asset_materialization.partition, "reference_model": metadata.get("reference_model"),
             **{name: metadata.get(name) for name in ("first_loss", "final_loss", "best_validation_loss",
                                                      "eval/preference_accuracy", "eval/reward_margin")},
-            "mlflow_run": metadata.get("mlflow_run")}
+            "mlflow_run": metadata.get("mlflow_run"), "champion": _dpo_champion(settings)}
+
+
+def _dpo_champion(settings: Settings) -> dict | None:
+    from pipeline_assets.resources import build_resources
+
+    champion = build_resources(settings)["mlflow_tracking"].version_by_alias(settings.dpo_model_name, "champion")
+    if champion is None:
+        return None
+    return {"name": settings.dpo_model_name, "version": str(champion.version), "partition": champion.tags.get("partition"),
+            "preference_accuracy": champion.tags.get("preference_accuracy.overall")}
 
 
 def _local(uri: str, setting: str) -> Path:

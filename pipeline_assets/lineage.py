@@ -1,18 +1,38 @@
 """From a registered model version back to the landing files that fed it (``pipeline-assets lineage``).
 
 Every link is read from where it was recorded: the model version's tags (partition, Delta versions),
-its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in gold/snapshots (which
-ingest batches' shards), and the landing manifest (which file versions, with their checksums).
+its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in gold/snapshots or
+gold/preference_snapshots (which ingest batches' shards), silver at the pinned version (which sources of
+those batches it kept records of), and the landing manifest (which file versions, with their checksums).
+A DPO version also names the sft model version it started from (``reference_model``), whose own lineage
+follows under ``started_from``.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.snapshot_manifest import read_manifest, snapshot_number
+from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind, read_manifest, snapshot_number
 from pipeline_assets.resources import LakeResource, MlflowResource
+
+_MLFLOW_METRICS = ("loss", "validation_loss")
+_MLFLOW_METRIC_PREFIXES = ("eval/", "dpo_report/")
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """The tables one snapshot kind's lineage walks through."""
+
+    kind: SnapshotKind
+    silver: tuple[str, str]
+    bronze: tuple[str, str]
+
+
+_SFT = _Layers(SFT_SNAPSHOTS, ("silver", "records"), ("bronze", "records"))
+_PREFERENCE = _Layers(PREFERENCE_SNAPSHOTS, ("silver", "preference_pairs"), ("bronze", "preference_records"))
 
 
 def parse_model_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -39,30 +59,44 @@ def resolve_version(mlflow_tracking: MlflowResource, spec: str):
 def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource) -> dict:
     version = resolve_version(mlflow_tracking, spec)
     tags = version.tags
+    layers = _PREFERENCE if tags["partition"].startswith(PREFERENCE_SNAPSHOTS.prefix) else _SFT
     run = mlflow_tracking.client().get_run(version.run_id)
-    silver_version, gold_version = int(tags["delta.silver/records"]), int(tags["delta.gold/sequences"])
-    snapshot = read_manifest(lake.uri, snapshot_number(tags["partition"]))
+    snapshot = read_manifest(lake.uri, snapshot_number(tags["partition"], layers.kind), layers.kind)
     batches = list(snapshot.batches)
-    manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
-    files = manifest.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri")
-    return {
+    silver_version = _int(tags.get(f"delta.{'/'.join(layers.silver)}"))
+    lineage = {
         "model": {"name": version.name, "version": str(version.version), "aliases": list(version.aliases),
                   "source": version.source},
         "mlflow_run": {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "status": run.info.status,
                        "git_commit": run.data.tags.get("git_commit"), "dagster_run_id": run.data.tags.get("dagster_run_id"),
                        "metrics": {k: v for k, v in sorted(run.data.metrics.items())
-                                   if k in ("loss", "validation_loss") or k.startswith("eval/")}},
+                                   if k in _MLFLOW_METRICS or k.startswith(_MLFLOW_METRIC_PREFIXES)}},
         "checkpoint": {"partition": tags["partition"], "export_uri": run.data.tags.get("export_uri"),
                        "best_checkpoint_uri": run.data.tags.get("best_checkpoint_uri")},
-        "gold": {"snapshot": snapshot.key, "snapshots_version": snapshot.number, "sequences_version": gold_version,
-                 "tokenizer_version": _int(tags.get("delta.gold/tokenizer")), "batches": batches,
-                 "uri": lake.table_uri("gold", "sequences")},
-        "silver": {"records_version": silver_version, "batches": batches, "uri": lake.table_uri("silver", "records")},
-        "bronze": {"records_version": _int(tags.get("delta.bronze/records")), "batches": batches,
-                   "uri": lake.table_uri("bronze", "records")},
-        "cost": json.loads(tags["cost_usd"]) if "cost_usd" in tags else None,  # versions registered before it was recorded: None
-        "landing_files": files.to_dicts(),
+        "gold": {"snapshot": snapshot.key, "snapshots_version": snapshot.number,
+                 "sequences_version": snapshot.sequences_version, "tokenizer_version": snapshot.tokenizer_version,
+                 "batches": batches, "uri": lake.table_uri(*layers.kind.sequences_table)},
+        "silver": {"table": "/".join(layers.silver), "version": silver_version, "batches": batches,
+                   "uri": lake.table_uri(*layers.silver)},
+        "bronze": {"table": "/".join(layers.bronze), "version": _int(tags.get(f"delta.{'/'.join(layers.bronze)}")),
+                   "batches": batches, "uri": lake.table_uri(*layers.bronze)},
+        "cost": json.loads(tags["cost_usd"]) if "cost_usd" in tags else None,  # recorded for sft versions
+        "landing_files": _landing_files(lake, layers, silver_version, batches),
     }
+    if layers is _PREFERENCE:
+        lineage["gold"]["reference_logps_version"] = _int(tags.get("delta.gold/reference_logps"))
+        lineage["started_from"] = model_lineage(tags["reference_model"], mlflow_tracking, lake)
+    return lineage
+
+
+def _landing_files(lake: LakeResource, layers: _Layers, silver_version: int | None, batches: list[str]) -> list[dict]:
+    """The landing files of ``batches`` from the sources silver kept records of at ``silver_version`` (a batch
+    may hold sources of other record formats, which fed other models)."""
+    manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
+    fed = (lake.scan(*layers.silver, version=silver_version).filter(pl.col("batch_id").is_in(batches))
+           .select("batch_id", "source").unique().collect())
+    files = manifest.join(fed, on=["batch_id", "source"], how="semi")
+    return files.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri").to_dicts()
 
 
 def _int(value: str | None) -> int | None:

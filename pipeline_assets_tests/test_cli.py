@@ -77,6 +77,7 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert dpo["final_loss"].value < 0.6931, "below log 2, where DPO starts (its policy is its reference)"
     assert dpo["eval/preference_accuracy"].value >= 0.75, "held-out pairs, from 0 (every margin 0) at step 0"
     assert summary["dpo"]["partition"] == "dpo-v0" and summary["dpo"]["reference_model"] == "sft-model/1"
+    assert summary["dpo"]["champion"]["version"] == "1", "registry/dpo_model_version: the first dpo-model beat chance"
     assert sum(summary["quarantined_by_reason"].values()) == manifest["expected"]["quarantined"] + pairs["quarantined"]
     silver = summary["tables"]["silver/records"]["rows"] + summary["tables"]["silver/preference_pairs"]["rows"]
     rejected = sum(summary["rejected_by_stage"].values())

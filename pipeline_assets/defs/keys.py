@@ -23,4 +23,5 @@ TRAINING_DPO_CHECKPOINT = AssetKey(["training", "dpo_checkpoint"])
 EVALUATION_REPORT = AssetKey(["evaluation", "report"])
 EVALUATION_DPO_REPORT = AssetKey(["evaluation", "dpo_report"])  # held-out pairs: DPO candidate vs champion
 REGISTRY_MODEL_VERSION = AssetKey(["registry", "model_version"])
+REGISTRY_DPO_MODEL_VERSION = AssetKey(["registry", "dpo_model_version"])  # dpo-model, gated on held-out pairs
 OPS_PIPELINE_REPORT = AssetKey(["ops", "pipeline_report"])

@@ -99,3 +99,78 @@ def rollback_target(history: list[dict], *, current: str | None) -> str | None:
     while chain and chain[-1] == current:
         chain.pop()
     return chain[-1] if chain else None
+
+
+CHANCE_ACCURACY = 0.5  # a model that cannot tell chosen from rejected
+
+
+@dataclass(frozen=True)
+class PreferenceScore:
+    """One model on one slice of held-out pairs: the share it prefers as labelled, and its mean reward margin."""
+
+    accuracy: float
+    mean_margin: float
+
+
+def preference_gate(candidate: dict[str, PreferenceScore], champion: dict[str, PreferenceScore] | None, *,
+                    sft_losses: tuple[float, float] | None, margin: float = 0.005,
+                    slice_tolerance: float = 0.02) -> GateDecision:
+    """Promote a DPO candidate when its sft validation loss (``sft_losses``: candidate's, the sft champion's) is
+    at most ``slice_tolerance`` (relative) worse, and it beats the DPO champion: overall preference accuracy
+    higher by at least ``margin`` (absolute), or level within ``margin`` with a mean reward margin higher by at
+    least ``margin`` (relative); no source slice may lose more than ``slice_tolerance`` accuracy (absolute).
+    Without a champion, the candidate must beat chance (0.5) by ``margin``."""
+    if OVERALL not in candidate:
+        raise ValueError(f"the candidate has no {OVERALL!r} slice")
+    numbers = {"candidate_accuracy": candidate[OVERALL].accuracy, "candidate_mean_margin": candidate[OVERALL].mean_margin}
+    if sft_losses is None:
+        return GateDecision(False, "the candidate's sft validation loss was not compared with the sft champion's "
+                                   "(evaluation/dpo_report says why): check it by hand and use `pipeline-assets promote`",
+                            numbers)
+    sft_change = (sft_losses[0] - sft_losses[1]) / sft_losses[1]
+    numbers |= {"sft_candidate_loss": sft_losses[0], "sft_champion_loss": sft_losses[1],
+                "sft_relative_change": sft_change, "slice_tolerance": slice_tolerance}
+    if sft_change > slice_tolerance:
+        return GateDecision(False, f"sft validation loss {sft_losses[0]:.4f} against the sft champion's "
+                                   f"{sft_losses[1]:.4f}: {sft_change:+.2%}, beyond the tolerance {slice_tolerance:.2%}",
+                            numbers)
+    if champion is None:
+        accuracy = candidate[OVERALL].accuracy
+        passed = accuracy - CHANCE_ACCURACY >= margin
+        return GateDecision(passed, f"first DPO model: held-out preference accuracy {accuracy:.3f} "
+                                    f"{'beats' if passed else 'does not beat'} chance ({CHANCE_ACCURACY}) by the margin "
+                                    f"{margin}; sft validation loss {sft_change:+.2%} (tolerance {slice_tolerance:.2%})",
+                            numbers | {"chance_accuracy": CHANCE_ACCURACY, "required_improvement": margin})
+    return _beats_preference_champion(candidate, champion, margin, slice_tolerance, numbers)
+
+
+def _beats_preference_champion(candidate: dict[str, PreferenceScore], champion: dict[str, PreferenceScore],
+                               margin: float, slice_tolerance: float, numbers: dict) -> GateDecision:
+    ours, theirs = candidate[OVERALL], champion[OVERALL]
+    accuracy_gain = ours.accuracy - theirs.accuracy
+    margin_gain = _relative_gain(ours.mean_margin, theirs.mean_margin)
+    drops = {name: champion[name].accuracy - candidate[name].accuracy
+             for name in sorted(candidate.keys() & champion.keys()) if name != OVERALL}
+    worst = max(drops, key=drops.get) if drops else None
+    numbers |= {"champion_accuracy": theirs.accuracy, "champion_mean_margin": theirs.mean_margin,
+                "accuracy_gain": accuracy_gain, "mean_margin_gain": margin_gain, "required_improvement": margin,
+                "worst_slice": worst, "worst_slice_accuracy_drop": drops.get(worst, 0.0), "slice_accuracy_drops": drops}
+    if accuracy_gain >= margin:
+        better = f"preference accuracy {ours.accuracy:.3f} against the champion's {theirs.accuracy:.3f}"
+    elif accuracy_gain > -margin and margin_gain >= margin:
+        better = (f"preference accuracy level ({ours.accuracy:.3f} against {theirs.accuracy:.3f}) and mean reward "
+                  f"margin {ours.mean_margin:.4f} against {theirs.mean_margin:.4f} ({margin_gain:+.2%})")
+    else:
+        return GateDecision(False, f"preference accuracy {ours.accuracy:.3f} against the champion's "
+                                   f"{theirs.accuracy:.3f} ({accuracy_gain:+.3f}), mean reward margin {margin_gain:+.2%}: "
+                                   f"neither better by the required {margin}", numbers)
+    if worst is not None and drops[worst] > slice_tolerance:
+        return GateDecision(False, f"slice {worst} loses {drops[worst]:.3f} preference accuracy against the "
+                                   f"champion's (tolerance {slice_tolerance}), though {better}", numbers)
+    return GateDecision(True, f"{better}; the worst slice {worst or '-'} moves "
+                              f"{-numbers['worst_slice_accuracy_drop']:+.3f} (tolerance {slice_tolerance})", numbers)
+
+
+def _relative_gain(ours: float, theirs: float) -> float:
+    """(ours - theirs) / |theirs|; against a champion whose mean margin is exactly 0, the difference itself."""
+    return (ours - theirs) / abs(theirs) if theirs else ours - theirs

@@ -1,8 +1,10 @@
-"""evaluation/dpo_report end to end: the headless command on a small corpus with a preference source trains
-sft-model/1, DPO on dpo-v0, and judges the DPO candidate on dpo-v0's held-out pairs (no DPO champion yet)."""
+"""The DPO path's end, end to end: the headless command on a small corpus with a preference source trains
+sft-model/1, DPO on dpo-v0, judges the DPO candidate on dpo-v0's held-out pairs (no DPO champion yet), registers
+it as dpo-model/1, and `pipeline-assets lineage dpo-model@champion` walks back to both sources' landing files."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import polars as pl
 import pytest
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import EVALUATION_DPO_REPORT
+from pipeline_assets.defs.keys import EVALUATION_DPO_REPORT, REGISTRY_DPO_MODEL_VERSION
 from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.sample_preferences import add_preference_source
 from pipeline_assets_tests.conftest import cli_environment
@@ -19,19 +21,29 @@ from pipeline_assets_tests.conftest import cli_environment
 SETTINGS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}', "PIPELINE_PREFERENCE_VALIDATION_FRACTION": "0.3"}
 
 
-def test_run_reports_the_dpo_candidate_on_held_out_pairs_and_its_sft_loss(tmp_path):
-    landing, eval_sets = tmp_path / "landing", tmp_path / "reference" / "eval_sets"
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """PIPELINE_HOME after one `pipeline-assets run` over 600 sft records and 100 preference pairs."""
+    home = tmp_path_factory.mktemp("home")
+    landing, eval_sets = home / "landing", home / "reference" / "eval_sets"
     write_sample_corpus(landing, records=600, eval_sets_dir=eval_sets)
     add_preference_source(landing, 100, eval_sets_dir=eval_sets)
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "run"],
-                          env=cli_environment(tmp_path, **SETTINGS), capture_output=True, text=True, timeout=300)
+    done = _cli(home, "run")
     assert done.returncode == 0, done.stderr[-5000:]
+    return home
 
-    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args],
+                          env=cli_environment(home, **SETTINGS), capture_output=True, text=True, timeout=300)
+
+
+def test_run_reports_the_dpo_candidate_on_held_out_pairs_and_its_sft_loss(home):
+    instance = DagsterInstance.from_config(str(home / "dagster"))
     assert instance.get_materialized_partitions(EVALUATION_DPO_REPORT) == {"dpo-v0"}, "pipeline-assets run judges it"
     metadata = {k: v.value for k, v in
                 instance.get_latest_materialization_event(EVALUATION_DPO_REPORT).asset_materialization.metadata.items()}
-    report = pl.read_delta(str(tmp_path / "lake" / "evaluation" / "dpo_report")).filter(pl.col("partition") == "dpo-v0")
+    report = pl.read_delta(str(home / "lake" / "evaluation" / "dpo_report")).filter(pl.col("partition") == "dpo-v0")
 
     candidate = {row["slice"]: row for row in report.filter(pl.col("model") == "candidate").iter_rows(named=True)}
     assert {"overall", "source:prefs", "sft_validation_loss"} <= set(candidate)
@@ -62,6 +74,29 @@ def test_run_reports_the_dpo_candidate_on_held_out_pairs_and_its_sft_loss(tmp_pa
     assert metadata["sft_validation"]["champion_version"] == "sft-model/1"
     assert Path(metadata["picture"]).read_bytes().startswith(b"\x89PNG")
     assert metadata["delta_version"] >= 0 and metadata["dagster/row_count"] == report.height
+
+
+def test_run_registers_dpo_model_and_its_lineage_reaches_both_sources(home):
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    assert instance.get_materialized_partitions(REGISTRY_DPO_MODEL_VERSION) == {"dpo-v0"}
+    registered = instance.get_latest_materialization_event(REGISTRY_DPO_MODEL_VERSION).asset_materialization.metadata
+    assert registered["model_version"].value == "1" and registered["promoted"].value is True
+    assert "first DPO model" in registered["gate"].value and registered["reference_model"].value == "sft-model/1"
+
+    done = _cli(home, "lineage", "dpo-model@champion")
+    assert done.returncode == 0, done.stderr
+    lineage = json.loads(done.stdout)
+    assert lineage["model"] == {**lineage["model"], "name": "dpo-model", "version": "1"}
+    assert "champion" in lineage["model"]["aliases"] and lineage["checkpoint"]["partition"] == "dpo-v0"
+    assert lineage["silver"]["table"] == "silver/preference_pairs" and lineage["silver"]["version"] is not None
+    assert lineage["gold"]["reference_logps_version"] is not None
+    assert {f["source"] for f in lineage["landing_files"]} == {"prefs"}, "only the preference source fed DPO"
+    landed = sorted(path.relative_to(home / "landing").as_posix() for path in (home / "landing" / "prefs").rglob("*.*"))
+    assert sorted(f["uri"].split("landing/", 1)[1] for f in lineage["landing_files"]) == landed
+    started_from = lineage["started_from"]
+    assert (started_from["model"]["name"], started_from["model"]["version"]) == ("sft-model", "1")
+    assert started_from["silver"]["table"] == "silver/records"
+    assert "prefs" not in {f["source"] for f in started_from["landing_files"]} and started_from["landing_files"]
 
 
 def test_the_report_holds_both_models_side_by_side_when_a_dpo_champion_exists():

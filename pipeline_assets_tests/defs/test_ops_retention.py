@@ -25,7 +25,8 @@ def _lake_history(lake: LakeResource) -> None:
     """silver/records v0..v2, gold/sequences v0..v1 and two snapshots of them; the registered model read
     silver v0 and gold v0."""
     for rows in (["a1", "b1"], ["a1", "b1", "c1"], ["a1", "b1", "c1", "d1"]):
-        lake.overwrite("silver", "records", pl.DataFrame({"record_id": rows, "batch_id": [r[0].upper() for r in rows]}))
+        lake.overwrite("silver", "records", pl.DataFrame({"record_id": rows, "batch_id": [r[0].upper() for r in rows],
+                                                          "source": "src"}))
     lake.overwrite("gold", "sequences", pl.DataFrame({"record_ids": [["a1"], ["b1"]]}))
     lake.overwrite("gold", "sequences", pl.DataFrame({"record_ids": [["a1", "c1"], ["b1", "d1"]]}))
     for number, batches in enumerate((("A", "B"), ("A", "B", "C", "D"))):  # gold-v0 and gold-v1's manifests
@@ -36,10 +37,10 @@ def _lake_history(lake: LakeResource) -> None:
         "checksum": ["x", "y"], "size": [1, 2]}))
 
 
-def _register(mlflow: MlflowResource, partition: str, versions: dict[str, int]) -> str:
+def _register(mlflow: MlflowResource, partition: str, versions: dict[str, int], model: str = MODEL) -> str:
     run_id = mlflow.client().create_run(mlflow.experiment_id(), tags={"export_uri": f"ckpt/{partition}/final"}).info.run_id
     tags = {"partition": partition, **{f"delta.{table}": str(v) for table, v in versions.items()}}
-    return mlflow.registered_version(MODEL, run_id, "model", tags)
+    return mlflow.registered_version(model, run_id, "model", tags)
 
 
 def _checkpoint(store, name: str, payload: bytes = b"weights") -> None:
@@ -100,6 +101,27 @@ def test_retention_deletes_what_nothing_registered_needs_and_lineage_still_resol
     assert pruned["checkpoint_files_deleted"] == 4  # two shards, two manifests
     assert not Path(unregistered.uri).exists() and not Path(registered.folder_uri("step-10")).exists()
     assert registered.complete_steps() == [20] and registered.exists("final/COMPLETE.json")
+
+
+def test_a_registered_dpo_version_keeps_its_preference_snapshot_and_reference_pass(tmp_path, lake, instance):
+    _lake_history(lake)
+    resources = _resources(tmp_path, lake, str(tmp_path / "checkpoints"))
+    _register(resources["mlflow_tracking"], "dpo-v0", {"gold/reference_logps": 1, "gold/preference_sequences": 2},
+              model="dpo-model")
+    launcher = resources["launcher"]
+    registered, unregistered = launcher.store("dpo-v0"), launcher.store("dpo-v1")
+    for name in ("step-10", "final"):
+        _checkpoint(registered, name)
+    _checkpoint(unregistered, "final")
+
+    result = retention_job.execute_in_process(instance=instance, resources=resources)
+
+    assert result.success
+    pruned = _op_metadata(result, "prune_checkpoints")
+    assert sorted(pruned["checkpoint_folders_deleted"]) == [registered.folder_uri("step-10"), unregistered.uri]
+    assert registered.exists("final/COMPLETE.json") and pruned["registered_snapshots"] == ["dpo-v0"]
+    pinned = _op_metadata(result, "vacuum_lake")["pinned_versions"]
+    assert pinned["gold/reference_logps"] == [1] and pinned["gold/preference_sequences"] == [2]
 
 
 def test_on_s3_published_staging_goes_and_the_lake_is_vacuumed(tmp_path, s3_endpoint, instance):

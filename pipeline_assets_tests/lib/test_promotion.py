@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from pipeline_assets.lib.promotion import champion_moved, promotion_gate, rollback_target
+from pipeline_assets.lib.promotion import (
+    PreferenceScore,
+    champion_moved,
+    preference_gate,
+    promotion_gate,
+    rollback_target,
+)
 
 CHAMPION = {"overall": 2.00, "source:annotate": 2.10, "source:logs": 1.90, "eval:trivia": 3.00}
 
@@ -84,3 +90,47 @@ def test_an_old_history_without_kinds_reads_its_rollbacks_by_who_made_them():
     history = [_entry("1", None), _entry("2", "1"), _entry("3", "2"),
                {"version": "2", "previous": "3", "by": "pipeline-assets rollback"}]
     assert rollback_target(history, current="2") == "1"
+
+
+def _scores(**slices: tuple[float, float]) -> dict[str, PreferenceScore]:
+    return {name.replace("_", ":", 1) if name != "overall" else name: PreferenceScore(*values)
+            for name, values in slices.items()}
+
+
+DPO_CHAMPION = _scores(overall=(0.80, 1.0), source_annotate=(0.90, 1.2), source_rollouts=(0.70, 0.8))
+SFT_KEPT = (2.01, 2.00)  # the candidate's sft validation loss against the sft champion's: +0.5%
+
+
+def test_a_first_dpo_model_must_beat_chance_and_keep_the_sft_loss():
+    assert preference_gate(_scores(overall=(0.6, 0.1)), None, sft_losses=SFT_KEPT).passed
+    at_chance = preference_gate(_scores(overall=(0.5, 0.1)), None, sft_losses=SFT_KEPT)
+    assert not at_chance.passed and "does not beat chance" in at_chance.reason
+    forgot = preference_gate(_scores(overall=(0.95, 2.0)), None, sft_losses=(2.10, 2.00), slice_tolerance=0.02)
+    assert not forgot.passed and "beyond the tolerance 2.00%" in forgot.reason
+    assert forgot.numbers["sft_relative_change"] == pytest.approx(0.05)
+    unknown = preference_gate(_scores(overall=(0.95, 2.0)), None, sft_losses=None)
+    assert not unknown.passed and "pipeline-assets promote" in unknown.reason
+
+
+def test_a_dpo_candidate_promotes_on_accuracy_or_on_margin_at_level_accuracy():
+    more_accurate = _scores(overall=(0.85, 0.5), source_annotate=(0.90, 0.6), source_rollouts=(0.80, 0.4))
+    decision = preference_gate(more_accurate, DPO_CHAMPION, sft_losses=SFT_KEPT)
+    assert decision.passed and decision.numbers["accuracy_gain"] == pytest.approx(0.05)
+    level_wider = _scores(overall=(0.80, 1.5), source_annotate=(0.90, 1.6), source_rollouts=(0.70, 1.4))
+    decision = preference_gate(level_wider, DPO_CHAMPION, sft_losses=SFT_KEPT)
+    assert decision.passed and decision.numbers["mean_margin_gain"] == pytest.approx(0.5)
+    level_narrower = _scores(overall=(0.80, 0.9), source_annotate=(0.90, 1.0), source_rollouts=(0.70, 0.8))
+    refused = preference_gate(level_narrower, DPO_CHAMPION, sft_losses=SFT_KEPT)
+    assert not refused.passed and "neither better" in refused.reason
+    less_accurate_wider = _scores(overall=(0.75, 3.0), source_annotate=(0.85, 3.0), source_rollouts=(0.65, 3.0))
+    assert not preference_gate(less_accurate_wider, DPO_CHAMPION, sft_losses=SFT_KEPT).passed
+
+
+def test_a_better_dpo_candidate_that_loses_one_source_or_the_sft_loss_is_refused():
+    one_source_down = _scores(overall=(0.90, 1.2), source_annotate=(1.0, 1.5), source_rollouts=(0.60, 0.7))
+    refused = preference_gate(one_source_down, DPO_CHAMPION, sft_losses=SFT_KEPT, slice_tolerance=0.05)
+    assert not refused.passed and "source:rollouts loses 0.100" in refused.reason
+    assert refused.numbers["worst_slice"] == "source:rollouts"
+    better = _scores(overall=(0.90, 1.2), source_annotate=(0.95, 1.5), source_rollouts=(0.85, 0.9))
+    forgot = preference_gate(better, DPO_CHAMPION, sft_losses=(2.05, 2.00), slice_tolerance=0.02)
+    assert not forgot.passed and "sft validation loss" in forgot.reason

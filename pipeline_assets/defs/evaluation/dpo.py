@@ -163,7 +163,8 @@ class HeldOutPairs:
                    .filter(pl.col("pair_id").is_in(rows["pair_ids"].explode().unique())).collect())
         versions = {PREFERENCE_SNAPSHOTS.manifest_name: manifest.number,
                     PREFERENCE_SNAPSHOTS.sequences_name: manifest.sequences_version,
-                    "gold/reference_logps": reference_version, "silver/preference_pairs": pairs_version}
+                    "gold/reference_logps": reference_version, "silver/preference_pairs": pairs_version,
+                    "gold/tokenizer": manifest.tokenizer_version}
         return cls(rows, sources, sizes, versions)
 
     def margins(self, policy_logps: pl.DataFrame, beta: float) -> pl.DataFrame:

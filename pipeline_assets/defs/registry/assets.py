@@ -2,6 +2,8 @@
 only when the promotion gate passes."""
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import polars as pl
 from dagster import (
@@ -68,36 +70,21 @@ def registry_model_version(
         **{f"delta.{table}": v for table, v in versions.items()},
         **{f"loss.{slice_name}": round(loss, 5) for slice_name, loss in losses["candidate"].items()},
     })
-    mlflow_tracking.set_alias(name, "challenger", version)
     evaluated = partition_metadata(context.instance, EVALUATION_REPORT, partition) or {}
     measured = evaluated.get("champion_at_evaluation", _scored_champion(report))
-    with lake.lock("registry", name):  # the champion read, judged and moved as one step (the CLI takes it too)
-        previous = mlflow_tracking.version_by_alias(name, "champion")
-        previous_version = str(previous.version) if previous else None
-        moved = champion_moved(seen=measured, current=previous_version, candidate=version)
-        decision = (GateDecision(False, moved, {"champion_at_evaluation": measured, "champion_now": previous_version})
-                    if moved else _decide(losses, version, previous_version, lake, versions, registry_policy))
-        promoted = decision.passed and previous_version != version
-        if promoted:
-            mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
-    context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
+    judged = judge_and_promote(context, lake, mlflow_tracking, name, version, measured,
+                               lambda champion: _decide(losses, champion, lake, versions, registry_policy))
     return MaterializeResult(
         metadata={
             "model_name": name,
             "model_version": version,
-            "champion_version": version if decision.passed else previous_version,
-            "champion_at_evaluation": measured,
-            "promoted": promoted,
-            "gate": decision.reason,
+            **judged.metadata(),
             "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(trained["mlflow_run_id"])),
             "candidate_loss": losses["candidate"][OVERALL],
             "cost_usd": cost["total_usd"],
             "cost": MetadataValue.json(cost),
         },
-        check_results=[AssetCheckResult(
-            check_name=PROMOTION_GATE, passed=decision.passed, severity=AssetCheckSeverity.ERROR,
-            description=decision.reason, metadata={k: _plain(v) for k, v in decision.numbers.items()},
-        )],
+        check_results=[judged.gate_result()],
     )
 
 
@@ -107,10 +94,8 @@ def _scored_champion(report: pl.DataFrame) -> str | None:
     return scored[0] if scored else None
 
 
-def _decide(losses: dict, version: str, champion: str | None, lake: LakeResource, versions: dict,
+def _decide(losses: dict, champion: str | None, lake: LakeResource, versions: dict,
             policy: RegistryPolicy) -> GateDecision:
-    if champion == version:
-        return GateDecision(True, f"v{version} is already the champion")
     if champion is not None and not losses["champion"]:
         # Scored on other tokens (another tokenizer): never beaten automatically; promote by hand.
         return GateDecision(False, f"champion v{champion} could not be scored on the same rows (see "
@@ -124,5 +109,49 @@ def _decide(losses: dict, version: str, champion: str | None, lake: LakeResource
     )
 
 
-def _plain(value):
-    return MetadataValue.json(value) if isinstance(value, dict) else value
+@dataclass(frozen=True)
+class Judged:
+    """A registered version after the promotion gate: the decision, and where `champion` points now."""
+
+    version: str
+    measured: str | None  # the champion the evaluation scored
+    previous: str | None  # the champion when the gate ran
+    decision: GateDecision
+
+    @property
+    def promoted(self) -> bool:
+        return self.decision.passed and self.previous != self.version
+
+    def metadata(self) -> dict:
+        return {"champion_version": self.version if self.decision.passed else self.previous,
+                "champion_at_evaluation": self.measured, "promoted": self.promoted, "gate": self.decision.reason}
+
+    def gate_result(self) -> AssetCheckResult:
+        return AssetCheckResult(
+            check_name=PROMOTION_GATE, passed=self.decision.passed, severity=AssetCheckSeverity.ERROR,
+            description=self.decision.reason,
+            metadata={k: MetadataValue.json(v) if isinstance(v, dict) else v for k, v in self.decision.numbers.items()},
+        )
+
+
+def judge_and_promote(context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, name: str,
+                      version: str, measured: str | None, decide: Callable[[str | None], GateDecision]) -> Judged:
+    """Alias ``version`` `challenger`; then, holding the registry's lock (the CLI takes it too), judge it with
+    ``decide(champion)`` and move `champion` to it when the gate passes. Numbers measured against a champion
+    other than the current one (``measured``) judge nothing: the gate refuses."""
+    mlflow_tracking.set_alias(name, "challenger", version)
+    with lake.lock("registry", name):
+        current = mlflow_tracking.version_by_alias(name, "champion")
+        previous = str(current.version) if current else None
+        moved = champion_moved(seen=measured, current=previous, candidate=version)
+        if moved:
+            decision = GateDecision(False, moved, {"champion_at_evaluation": measured, "champion_now": previous})
+        elif previous == version:
+            decision = GateDecision(True, f"v{version} is already the champion")
+        else:
+            decision = decide(previous)
+        judged = Judged(version, measured, previous, decision)
+        if judged.promoted:
+            mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
+    context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
+    return judged
