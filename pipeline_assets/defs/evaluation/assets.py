@@ -134,7 +134,9 @@ class EvaluationData:
         self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
-    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource, versions: dict, max_tokens: int) -> "EvaluationData":
+    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource | None, versions: dict,
+             max_tokens: int) -> "EvaluationData":
+        """Without ``eval_sets``, the validation sample alone (its slices by source), nothing encoded."""
         manifest = read_manifest(lake.uri, versions["gold/snapshots"])
         validation, sizes = capped_validation(manifest, sequences_scan(lake.uri, manifest), max_tokens,
                                               list(_SAMPLED_COLUMNS))
@@ -144,21 +146,21 @@ class EvaluationData:
         sources = (lake.scan("silver", "records", version=versions["silver/records"])
                    .select("record_id", "source")  # two columns of silver, not its text
                    .filter(pl.col("record_id").is_in(record_ids)).collect())
-        tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
-        tokenizer = tokenizer_from_json(tokenizer_rows["tokenizer_json"][0])
+        slices = [pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
+                  sources.select("record_id", slice=pl.lit("source:") + pl.col("source"))]
+        if eval_sets is None:
+            return cls(validation, sizes, validation.select(SCORED_COLUMNS).clear(), 0, 0, pl.concat(slices))
         items = eval_sets.items(eval_sets.files())
         items = items.with_columns(
             record_id=pl.concat_str(pl.lit("eval:"), "eval_set", pl.lit(":"), "item_id"), system=pl.lit(None, pl.String)
         )
-        slices = pl.concat([
-            pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
-            sources.select("record_id", slice=pl.lit("source:") + pl.col("source")),
-            items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")),
-        ])
+        slices.append(items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")))
+        tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+        tokenizer = tokenizer_from_json(tokenizer_rows["tokenizer_json"][0])
         seq_len = int(validation["input_ids"].list.len().max())
         encoded = encode_records(tokenizer, items)
         eval_packed = pack_documents(encoded, seq_len, tokenizer.token_to_id(PAD))
-        return cls(validation, sizes, eval_packed, int(encoded["n_tokens"].sum()), encoded.height, slices)
+        return cls(validation, sizes, eval_packed, int(encoded["n_tokens"].sum()), encoded.height, pl.concat(slices))
 
     def report(self, document_losses: pl.DataFrame, partition: str, role: str, version: str | None) -> pl.DataFrame:
         """One model's slices from its per-document losses on ``rows``."""

@@ -35,7 +35,7 @@ from pipeline_assets.lib.snapshot_manifest import (
     snapshot_number,
 )
 from pipeline_assets.lib.torchrun import REFERENCE_MODULE
-from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
+from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
 
 SFT_SLICE = "sft_validation_loss"
 _KEY = ["batch_id", "split", "sequence_index"]  # a packed row's key in gold and in gold/reference_logps
@@ -58,7 +58,6 @@ _TAKEN_COLUMNS = ["batch_id", "input_ids", "loss_mask", "position_ids", "pair_id
 def evaluation_dpo_report(
     context: AssetExecutionContext,
     lake: LakeResource,
-    eval_sets: EvalSetsResource,
     launcher: TorchrunLauncher,
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
@@ -95,7 +94,7 @@ def evaluation_dpo_report(
             models["champion"] = (champion_dir, f"{dpo_name}/{champion.version}")
         margins = {role: pairs.margins(_policy_logps(context, launcher, pairs, path, Path(folder) / role), beta)
                    for role, (path, _) in models.items()}
-        sft, sft_note = _sft_comparison(context, lake, eval_sets, launcher, mlflow_tracking, registry_policy,
+        sft, sft_note = _sft_comparison(context, lake, launcher, mlflow_tracking, registry_policy,
                                         Path(candidate_dir), manifest, Path(folder) / "sft")
     context.log.info(champion_note)
     context.log.info(sft_note)
@@ -222,9 +221,9 @@ def _policy_logps(context: AssetExecutionContext, launcher: TorchrunLauncher, pa
     return read_reference_logps(out, expected_rows=pairs.rows.height).rename({"reference_logps": "policy_logps"})
 
 
-def _sft_comparison(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource,
-                    launcher: TorchrunLauncher, mlflow_tracking: MlflowResource, policy: RegistryPolicy,
-                    candidate_dir: Path, manifest: Manifest, folder: Path) -> tuple[dict | None, str]:
+def _sft_comparison(context: AssetExecutionContext, lake: LakeResource, launcher: TorchrunLauncher,
+                    mlflow_tracking: MlflowResource, policy: RegistryPolicy, candidate_dir: Path, manifest: Manifest,
+                    folder: Path) -> tuple[dict | None, str]:
     """The candidate's and the sft champion's loss on the newest data snapshot's validation rows (the sft
     evaluation's sample and scoring program), and whether the candidate stayed within the slice tolerance."""
     snapshot = _newest_data_snapshot(context.instance)
@@ -239,7 +238,7 @@ def _sft_comparison(context: AssetExecutionContext, lake: LakeResource, eval_set
     if versions["gold/sequences"] is None or len(tokenizers) != 1:
         return None, (f"{snapshot}, {manifest.key} and {policy.model_name} v{champion.version} do not share one "
                       "gold/tokenizer version: the sft validation loss is not compared")
-    data = EvaluationData.load(lake, eval_sets, versions, policy.eval_max_tokens)
+    data = EvaluationData.load(lake, None, versions, policy.eval_max_tokens)  # the validation rows alone
     folder.mkdir(parents=True, exist_ok=True)
     champion_dir = mlflow_tracking.download_model(policy.model_name, str(champion.version), folder / "model")
     losses = score_under_torchrun(context, launcher, data.validation.select(SCORED_COLUMNS),
