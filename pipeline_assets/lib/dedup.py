@@ -332,6 +332,13 @@ def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fm
     return pl.concat([*exact, lsh]).unique()
 
 
+def entries_holding(entries: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:
+    """The index ``entries`` holding one of the ``wanted`` (band, band_key) rows: of one lookup over
+    several formats' keys, the entries a lookup of one format's keys would find."""
+    holding = band_entries(entries).join(wanted, on=["band", "band_key"], how="semi").select("record_id", "batch_id")
+    return entries.join(holding.unique(), on=["record_id", "batch_id"], how="semi", maintain_order="left")
+
+
 def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None) -> pl.DataFrame:
     """(record_id, batch_id) of the entries of ``band`` (of ``batches``; None: all) that hold one of
     ``keys``: one task's work, on partitions of ``silver/minhash_bands``."""

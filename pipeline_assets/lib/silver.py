@@ -12,7 +12,8 @@ The stages that judge one record at a time are block stages (``lib.stages``): no
 MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
 them block by block (in this process, or on Ray); the dedup stages look across the batch and the
 entries of other batches that share one of its keys (``IndexLookup``: a task a band and slice of
-batches, on Ray with the block stages), on hashes and signatures, in the calling process.
+batches, on Ray with the block stages), on hashes and signatures, in the calling process. A batch
+looks up once, every format's keys together; each format dedups against the entries holding its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from functools import partial
 import polars as pl
 
 from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, find_contamination
-from pipeline_assets.lib.dedup import SIGNATURE_COLUMNS, IndexLookup, exact_dedup, exact_hashes, near_dedup, wanted_keys, with_signatures
+from pipeline_assets.lib.dedup import (
+    SIGNATURE_COLUMNS,
+    IndexLookup,
+    entries_holding,
+    exact_dedup,
+    exact_hashes,
+    near_dedup,
+    wanted_keys,
+    with_signatures,
+)
 from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
@@ -63,7 +73,7 @@ class CuratedBatch:
     stages: dict[str, dict]  # per stage: counters and seconds
     block_wall_seconds: float = 0.0  # waiting for the block stages, wherever they ran
     block_stage_seconds: float = 0.0  # the block stages' own seconds summed over every block: their work
-    index_lookup: dict = field(default_factory=dict)  # keys looked up, other batches' entries found, seconds
+    index_lookup: dict = field(default_factory=dict)  # its keys looked up, the other batches' entries found
 
 
 def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[BlockStage]:
@@ -83,25 +93,75 @@ def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFor
     ]
 
 
+@dataclass(frozen=True)
+class CuratedFormats:
+    formats: dict[RecordFormat, CuratedBatch]
+    index_lookup: dict  # the batch's one lookup, over every format's keys: keys looked up, entries found, seconds
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One format's rows through the block stages before dedup, hashed: what its dedup stages start from."""
+
+    fmt: RecordFormat
+    hashed: pl.DataFrame
+    stages: dict[str, dict]
+    removed: list[pl.DataFrame]
+    block_wall_seconds: float
+
+
 def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNgramIndex, config: SilverConfig,
            run_blocks: RunBlocks | None = None, fmt: RecordFormat = SFT) -> CuratedBatch:
-    """Run the stages on one batch of bronze rows of one record format; ``look_up`` finds the index
-    entries of the batches it dedups against (None: there are none); ``run_blocks`` runs block stages
-    (default: here, ROWS_PER_BLOCK rows at a time)."""
+    """``curate_formats`` on a batch of one record format."""
+    return curate_formats({fmt: bronze}, look_up, eval_index, config, run_blocks).formats[fmt]
+
+
+def curate_formats(bronze: dict[RecordFormat, pl.DataFrame], look_up: IndexLookup | None, eval_index: EvalNgramIndex,
+                   config: SilverConfig, run_blocks: RunBlocks | None = None) -> CuratedFormats:
+    """Run the stages on one batch's bronze rows of each record format. ``look_up`` finds the index entries
+    of the batches it dedups against (None: there are none), once for every format's keys; ``run_blocks``
+    runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
-    pairs = fmt is PREFERENCE
+    prepared = {fmt: _prepare(frame, config, run_blocks, fmt) for fmt, frame in bronze.items()}
+    histories, lookup_counters = _histories(prepared, look_up, config.minhash)
+    return CuratedFormats(
+        formats={fmt: _finish(p, *histories[fmt], eval_index, config, run_blocks) for fmt, p in prepared.items()},
+        index_lookup=lookup_counters,
+    )
+
+
+def _prepare(bronze: pl.DataFrame, config: SilverConfig, run_blocks: RunBlocks, fmt: RecordFormat) -> _Prepared:
     started = time.perf_counter()
     prepared = run_blocks(before_dedup(config, fmt), bronze)
     block_wall = time.perf_counter() - started
-    stages, removed = dict(prepared.counters), list(prepared.removed.values())
+    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else []))
+    return _Prepared(fmt, hashed, dict(prepared.counters), list(prepared.removed.values()), block_wall)
 
-    started = time.perf_counter()
-    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept, fmt), *(pair_hashes() if pairs else []))
-    history, lookup_counters = _history(hashed, look_up, config, fmt)
-    lookup_counters["seconds"] = round(time.perf_counter() - started, 3)
 
+def _histories(prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
+               ) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
+    """One lookup over every format's keys: each format's history (the other batches' index entries holding
+    one of its own keys: all its dedup stages read of them) with its counters, and the lookup's counters."""
     started = time.perf_counter()
-    exact = exact_dedup(hashed, history)
+    wanted = {fmt: wanted_keys(p.hashed, config, fmt) for fmt, p in prepared.items()
+              if look_up is not None and not p.hashed.is_empty()}
+    every_key = pl.concat(wanted.values()).unique() if wanted else None
+    found = look_up(every_key) if every_key is not None else None
+    histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in prepared}
+    for fmt, keys in wanted.items():
+        own = entries_holding(found, keys)  # what a lookup of the format's keys alone finds
+        histories[fmt] = own.lazy(), {"keys": keys.height, "entries_found": own.height}
+    keys, entries = (0, 0) if found is None else (every_key.height, found.height)
+    return histories, {"keys": keys, "entries_found": entries, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _finish(prepared: _Prepared, history: pl.LazyFrame | None, lookup_counters: dict, eval_index: EvalNgramIndex,
+            config: SilverConfig, run_blocks: RunBlocks) -> CuratedBatch:
+    """The stages from exact dedup on, against ``history``."""
+    fmt, stages, removed = prepared.fmt, dict(prepared.stages), list(prepared.removed)
+    pairs = fmt is PREFERENCE
+    started = time.perf_counter()
+    exact = exact_dedup(prepared.hashed, history)
     stages["exact_dedup"] = _finished(exact.counters, started)
     removed.append(exact.rejected.drop(SIGNATURE_COLUMNS))
     unique = exact.kept
@@ -119,7 +179,7 @@ def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNg
 
     started = time.perf_counter()
     judged = run_blocks(after_dedup(config, eval_index, fmt), near.kept)
-    block_wall += time.perf_counter() - started
+    block_wall = prepared.block_wall_seconds + time.perf_counter() - started
     stages.update(judged.counters)
     removed.extend(judged.removed.values())
     kept = judged.kept
@@ -129,26 +189,16 @@ def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNg
         stages["pair_cap"] = _finished(counters, started)
         removed.append(capped)
 
-    rejects = pl.concat(removed, how="diagonal_relaxed").drop(PAIR_HASH_COLUMNS[1], strict=False)
+    block_stages = (*prepared.stages.values(), *judged.counters.values())
     return CuratedBatch(
         kept=kept,
-        rejects=rejects,
+        rejects=pl.concat(removed, how="diagonal_relaxed").drop(PAIR_HASH_COLUMNS[1], strict=False),
         index=index.filter(pl.col("record_id").is_in(kept["record_id"].implode())),
         stages=stages,
         block_wall_seconds=round(block_wall, 3),
-        block_stage_seconds=round(sum(c["seconds"] for c in (*prepared.counters.values(), *judged.counters.values())), 3),
+        block_stage_seconds=round(sum(c["seconds"] for c in block_stages), 3),
         index_lookup=lookup_counters,
     )
-
-
-def _history(batch: pl.DataFrame, look_up: IndexLookup | None, config: SilverConfig,
-             fmt: RecordFormat) -> tuple[pl.LazyFrame | None, dict]:
-    """The other batches' index entries sharing a key with ``batch``: all its dedup stages read of them."""
-    if look_up is None or batch.is_empty():
-        return None, {"keys": 0, "entries_found": 0}
-    wanted = wanted_keys(batch, config.minhash, fmt)
-    found = look_up(wanted)
-    return found.lazy(), {"keys": wanted.height, "entries_found": found.height}
 
 
 def _no_rejects(normalized: tuple[pl.DataFrame, dict]) -> tuple[pl.DataFrame, None, dict]:

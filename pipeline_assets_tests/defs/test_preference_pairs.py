@@ -192,3 +192,32 @@ def test_silver_sets_aside_every_defect_of_the_sample_preference_source(instance
     quarantined = lake.read("bronze", "quarantine").filter(pl.col("source") == "prefs")
     assert quarantined.height == section["expected"]["quarantined"]
     assert len(kept) + len(rejects) == section["expected"]["bronze_rows"]
+
+
+def test_a_batch_of_both_formats_looks_up_the_index_once_and_each_format_dedups_against_its_own(
+        instance, resources, landing_dir):
+    rng = random.Random(11)
+    records, pairs = [record(i, response=_answer(rng)) for i in range(10)], _pairs(0, 10, seed=5)
+    write_landing_file(landing_dir, "annotate", "a1.jsonl", records)
+    write_landing_file(landing_dir, "prefs", "p1.jsonl", pairs)
+    batch1 = register(instance, resources)
+    assert _materialize(instance, resources, batch1).success
+    write_landing_file(landing_dir, "annotate", "a2.jsonl",
+                       [{**records[0], "id": "sft-copy"}, *(record(i, response=_answer(rng)) for i in range(10, 19))])
+    write_landing_file(landing_dir, "prefs", "p2.jsonl", [{**pairs[0], "id": "pair-copy"}, *_pairs(100, 9, seed=6)])
+    batch2 = register(instance, resources)
+    result = _materialize(instance, resources, batch2)
+    assert result.success, [e.event_specific_data.error.message for e in result.get_step_failure_events()]
+
+    metadata = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("silver")}
+    lookup = {name: metadata["silver/records"][name].value
+              for name in ("index_lookup_bands", "index_lookup_tasks", "index_entries_found")}
+    # one round of tasks over both formats' keys: 16 LSH bands, the exact hashes' and the pairs' prompts'
+    assert lookup == {"index_lookup_bands": 18, "index_lookup_tasks": "18 by band, 1 reading entries",
+                      "index_entries_found": 2}
+    lake = resources["lake"]
+    first_ids = {row["id"]: row["record_id"] for table in ("records", "preference_records")
+                 for row in lake.read("bronze", table).filter(pl.col("batch_id") == batch1).iter_rows(named=True)}
+    rejects = lake.read("silver", "rejects").filter(pl.col("batch_id") == batch2)
+    assert sorted(rejects.select("stage", "duplicate_of").rows()) == sorted(
+        [("exact_dup", first_ids["r0"]), ("exact_dup", first_ids["p0"])]), "each format finds its own copy"

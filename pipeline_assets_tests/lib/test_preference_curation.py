@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 from pipeline_assets.lib.decontam import EvalNgramIndex
-from pipeline_assets.lib.dedup import lookup_in
-from pipeline_assets.lib.formats import PREFERENCE
-from pipeline_assets.lib.silver import SilverConfig, curate
+from pipeline_assets.lib.dedup import PROMPT_BAND, lookup_in
+from pipeline_assets.lib.formats import PREFERENCE, SFT
+from pipeline_assets.lib.silver import SilverConfig, curate, curate_formats
 from pipeline_assets.lib.stages import run_in_process
 from pipeline_assets_tests.lib.test_dedup import WORDS, _edited
 
@@ -154,6 +154,37 @@ def test_pairs_and_sft_records_never_dedup_against_each_other():
                     earlier=sft_curated)
     assert pairs.rejects.is_empty(), pairs.rejects.select("record_id", "stage", "evidence")
     assert pairs.index_lookup["entries_found"] == 0
+
+
+def _sft(rows: list[dict], batch_id: str) -> pl.DataFrame:
+    return pl.DataFrame([{"record_id": f"{batch_id}-s{i:05d}", "batch_id": batch_id, "source": "synth", "system": None,
+                          "prompt": row["prompt"], "response": row["chosen"]} for i, row in enumerate(rows)],
+                        schema_overrides={"system": pl.String})
+
+
+def test_a_batch_of_both_formats_looks_up_once_and_each_format_is_judged_as_on_its_own():
+    config, eval_index = SilverConfig(), _eval_index()
+    earlier_rows, rng = _clean(6), random.Random(9)
+    first = curate_formats({SFT: _sft(earlier_rows, "b1"), PREFERENCE: _pairs(earlier_rows)}, None, eval_index, config)
+    index = pl.concat([curated.index for curated in first.formats.values()]).lazy()
+    edited = {**earlier_rows[1], "chosen": _edited(earlier_rows[1]["chosen"], rng)}
+    copies = [earlier_rows[0], edited, *_clean(4, seed=5)]
+    later = {SFT: _sft(copies, "b2"), PREFERENCE: _pairs(copies, batch_id="b2")}
+    asked = []
+
+    def counting(wanted: pl.DataFrame) -> pl.DataFrame:
+        asked.append(wanted)
+        return lookup_in(index)(wanted)
+
+    together = curate_formats(later, counting, eval_index, config)
+    (wanted,) = asked
+    assert PROMPT_BAND in wanted["band"].to_list() and together.index_lookup["keys"] == wanted.height
+    for fmt, bronze in later.items():
+        alone = curate(bronze, lookup_in(index), eval_index, config, fmt=fmt)
+        judged = together.formats[fmt]
+        assert judged.kept.equals(alone.kept) and judged.rejects.equals(alone.rejects), fmt.name
+        assert judged.index_lookup == alone.index_lookup and alone.index_lookup["entries_found"] == 2, fmt.name
+        assert "exact_dup" in judged.rejects["stage"].to_list(), fmt.name
 
 
 @pytest.mark.parametrize("rows_per_block", [3, 7])

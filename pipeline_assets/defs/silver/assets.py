@@ -2,7 +2,16 @@
 one ingest batch, every record format's rows curated by the same stages."""
 
 import polars as pl
-from dagster import AssetDep, AssetExecutionContext, AssetSpec, DagsterInstance, Failure, MaterializeResult, multi_asset
+from dagster import (
+    AssetDep,
+    AssetExecutionContext,
+    AssetKey,
+    AssetSpec,
+    DagsterInstance,
+    Failure,
+    MaterializeResult,
+    multi_asset,
+)
 
 from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject, conform, polars_schema, validate
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, PREFERENCE_TABLES, SFT_TABLES, FormatTables
@@ -20,10 +29,10 @@ from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver import CuratedBatch, curate
+from pipeline_assets.lib.silver import CuratedBatch, CuratedFormats, curate_formats
 from pipeline_assets.lib.silver_order import unsettled_before
 from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.resources import EvalSetsResource, LakeResource, SilverPolicy
+from pipeline_assets.resources import DeltaCommit, EvalSetsResource, LakeResource, SilverPolicy
 
 _KINDS = {"delta", "polars"}
 
@@ -57,9 +66,10 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     _require_earlier_batches(context.instance, batch_id)
     config = silver_policy.silver_config()
     bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
+    rows = {tables: frame for tables, (_, frame) in bronze.items()}
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
-    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=sum(f.height for _, f in bronze.values()),
+    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=sum(f.height for f in rows.values()),
                                           excluded=_left_out_of_dedup(context, batch_id), config=config.minhash)
     context.log.info(
         f"batch {batch_id}: " + ", ".join(f"{frame.height} rows of {tables.bronze.to_user_string()} v{version}"
@@ -67,55 +77,73 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
         + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
 
-    curated = {}
-    for tables, (_, frame) in bronze.items():  # a format the batch has none of: an empty partition to write
-        curated[tables] = curate(frame, look_up, eval_index, config, ray_engine.run, fmt=tables.fmt)
-        _log_stages(context, tables, curated[tables], lookup_report)
+    # a format the batch has none of: an empty partition to write
+    curated = curate_formats({tables.fmt: frame for tables, frame in rows.items()}, look_up, eval_index, config,
+                             ray_engine.run)
+    _log_stages(context, curated, lookup_report)
+    partitions = _batch_partitions(rows, {tables: curated.formats[tables.fmt] for tables in rows})
+    commits = _write(lake, partitions, batch_id)
+    upstream = {**{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
+                "reference/eval_sets": eval_sets.fingerprint(eval_files), **lookup_report.get("versions", {})}
+    metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
+    input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
+    for key, model in _CONTRACTS.items():
+        written = delta_write_metadata(commits[key], polars_schema(model), upstream_versions=upstream,
+                                       input_bytes=input_bytes, stopwatch=stopwatch)
+        yield MaterializeResult(asset_key=key, metadata={**written, **metadata[key]})
 
-    kept = {tables: validate(conform(c.kept, tables.silver_contract), tables.silver_contract) for tables, c in curated.items()}
-    rejects = validate(conform(_concat(SilverReject, [c.rejects for c in curated.values()]), SilverReject), SilverReject)
-    index = validate(conform(_concat(MinhashIndexEntry, [c.index for c in curated.values()]), MinhashIndexEntry),
-                     MinhashIndexEntry)
-    for tables, (_, frame) in bronze.items():
+
+_CONTRACTS = {**{tables.silver: tables.silver_contract for tables in FORMAT_TABLES}, SILVER_REJECTS: SilverReject,
+              SILVER_MINHASH_INDEX: MinhashIndexEntry, SILVER_MINHASH_BANDS: MinhashBandEntry}
+
+
+def _batch_partitions(rows: dict[FormatTables, pl.DataFrame], curated: dict[FormatTables, CuratedBatch]
+                      ) -> dict[AssetKey, pl.DataFrame]:
+    """The batch's partition of each silver table but the bands: each format's kept rows, and every format's
+    rejects and index entries, to their contracts; every bronze row kept or rejected."""
+    kept = {tables: _to_contract(tables.silver_contract, [c.kept]) for tables, c in curated.items()}
+    rejects = _to_contract(SilverReject, [c.rejects for c in curated.values()])
+    for tables, frame in rows.items():
         removed = rejects.filter(pl.col("record_id").is_in(frame["record_id"].implode())).height
         if frame.height != kept[tables].height + removed:
             raise RuntimeError(f"accounting broken: {frame.height} {tables.bronze.to_user_string()} rows != "
                                f"{kept[tables].height} kept + {removed} rejected")
-    written = [*((tables.silver, kept[tables]) for tables in FORMAT_TABLES), (SILVER_REJECTS, rejects),
-               (SILVER_MINHASH_INDEX, index)]
+    return {**{tables.silver: kept[tables] for tables in FORMAT_TABLES}, SILVER_REJECTS: rejects,
+            SILVER_MINHASH_INDEX: _to_contract(MinhashIndexEntry, [c.index for c in curated.values()])}
+
+
+def _to_contract(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
+    """Every format's rows in one frame, conformed to ``model`` and validated."""
+    return validate(conform(_concat(model, frames), model), model)
+
+
+def _write(lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_id: str) -> dict[AssetKey, DeltaCommit]:
+    """Replace the batch's partition of each silver table; the bands table's from the index entries."""
     commits = {  # add_columns: a table written before a column existed (response_signature, prompt_hash) takes it
         key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id, add_columns=True)
-        for key, frame in written
+        for key, frame in partitions.items()
     }
-    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
+    commits[SILVER_MINHASH_BANDS] = write_bands(lake, partitions[SILVER_MINHASH_INDEX], batch_id)
+    return commits
 
-    upstream = {**{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
-                "reference/eval_sets": eval_sets.fingerprint(eval_files), **lookup_report.get("versions", {})}
+
+def _metadata(batch_id: str, rows: dict[FormatTables, pl.DataFrame], curated: CuratedFormats,
+              partitions: dict[AssetKey, pl.DataFrame], lookup_report: dict) -> dict[AssetKey, dict]:
+    """Each table's own metadata; all but the preference pairs' also report the batch's sft records and lookup."""
     sft, pairs = SFT_TABLES, PREFERENCE_TABLES
-    shared = {"batch_id": batch_id, **_format_metadata(bronze[sft][1], kept[sft], curated[sft]),
-              **_lookup_metadata(curated[sft], lookup_report)}
-    extra = {
-        SILVER_RECORDS: {"kept_by_source": table_metadata(kept[sft].group_by("source").len("rows").sort("source"))},
-        SILVER_PREFERENCE_PAIRS: _pairs_metadata(bronze[pairs][1], kept[pairs], curated[pairs]),
-        SILVER_REJECTS: {"rejected_by_stage": table_metadata(rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
-        SILVER_MINHASH_INDEX: {"lsh_params": index["lsh_params"][0] if index.height else None},
-        SILVER_MINHASH_BANDS: {},
+    records, rejects = partitions[SILVER_RECORDS], partitions[SILVER_REJECTS]
+    index = partitions[SILVER_MINHASH_INDEX]
+    batch = {"batch_id": batch_id, **_format_metadata(rows[sft], records, curated.formats[sft.fmt]),
+             **_lookup_metadata(curated, lookup_report)}
+    return {
+        SILVER_RECORDS: {**batch, "kept_by_source": _by_source(records)},
+        SILVER_PREFERENCE_PAIRS: {"batch_id": batch_id, **_pairs_metadata(rows[pairs], partitions[pairs.silver],
+                                                                          curated.formats[pairs.fmt])},
+        SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(
+            rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
+        SILVER_MINHASH_INDEX: {**batch, "lsh_params": index["lsh_params"][0] if index.height else None},
+        SILVER_MINHASH_BANDS: batch,
     }
-    contracts = {**{tables.silver: tables.silver_contract for tables in FORMAT_TABLES}, SILVER_REJECTS: SilverReject,
-                 SILVER_MINHASH_INDEX: MinhashIndexEntry, SILVER_MINHASH_BANDS: MinhashBandEntry}
-    input_bytes = sum(int(frame.estimated_size()) for _, frame in bronze.values())
-    for key, model in contracts.items():
-        yield MaterializeResult(
-            asset_key=key,
-            metadata={
-                **delta_write_metadata(
-                    commits[key], polars_schema(model), upstream_versions=upstream,
-                    input_bytes=input_bytes, stopwatch=stopwatch,
-                ),
-                **(shared if key != SILVER_PREFERENCE_PAIRS else {"batch_id": batch_id}),
-                **extra[key],
-            },
-        )
 
 
 def _bronze_rows(lake: LakeResource, tables: FormatTables, batch_id: str) -> tuple[int | None, pl.DataFrame]:
@@ -130,11 +158,14 @@ def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
     return pl.concat([pl.DataFrame(schema=polars_schema(model)), *frames], how="diagonal_relaxed")
 
 
-def _log_stages(context: AssetExecutionContext, tables: FormatTables, curated: CuratedBatch, lookup_report: dict) -> None:
-    context.log.info(f"{tables.fmt.name} index lookup: {curated.index_lookup}, {lookup_report.get('tasks', 0)} task(s) on "
-                     f"{lookup_report.get('ran_on', 'nothing')}")
-    for stage, counters in curated.stages.items():
-        context.log.info(f"{tables.fmt.name} {stage}: {counters}")
+def _log_stages(context: AssetExecutionContext, curated: CuratedFormats, lookup_report: dict) -> None:
+    if "tasks" in lookup_report:
+        context.log.info(f"index lookup: {curated.index_lookup}; tasks: {lookup_report['tasks']}, on "
+                         f"{lookup_report['ran_on']}")
+    for fmt, batch in curated.formats.items():
+        context.log.info(f"{fmt.name} index lookup: {batch.index_lookup}")
+        for stage, counters in batch.stages.items():
+            context.log.info(f"{fmt.name} {stage}: {counters}")
 
 
 def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
@@ -152,22 +183,29 @@ def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedB
 def _pairs_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
     return {
         **_format_metadata(bronze, kept, curated),
-        "kept_by_source": table_metadata(kept.group_by("source").len("rows").sort("source")),
+        "kept_by_source": _by_source(kept),
         "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"],  # DPO's length bias, watched
         "prompts": kept["prompt_hash"].n_unique(),
     }
 
 
-def _lookup_metadata(curated: CuratedBatch, lookup_report: dict) -> dict:
+def _by_source(kept: pl.DataFrame):
+    return table_metadata(kept.group_by("source").len("rows").sort("source"))
+
+
+def _lookup_metadata(curated: CuratedFormats, lookup_report: dict) -> dict:
+    records = curated.formats[SFT_TABLES.fmt]
     return {
-        "block_stages_ran_on": engine_used(curated.stages["normalize"]),
-        "block_stage_seconds": curated.block_stage_seconds,  # the sizer spreads these over a cluster's cores
-        "block_wall_seconds": curated.block_wall_seconds,
+        "block_stages_ran_on": engine_used(records.stages["normalize"]),
+        "block_stage_seconds": records.block_stage_seconds,  # the sizer spreads these over a cluster's cores
+        "block_wall_seconds": records.block_wall_seconds,
         "index_keys_looked_up": curated.index_lookup["keys"],
         "index_entries_found": curated.index_lookup["entries_found"],
-        "index_lookup_seconds": curated.index_lookup.get("seconds", 0.0),
+        "index_lookup_seconds": curated.index_lookup["seconds"],
         "index_lookup_ran_on": lookup_report.get("ran_on", "nothing to look up"),
-        # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on them, a task a band and slice
+        "index_lookup_tasks": lookup_report.get("tasks", "none"),
+        # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on them,
+        # a task a band and slice
         "index_lookup_task_seconds": round(lookup_report.get("task_seconds", 0.0), 3),
         "index_lookup_wait_seconds": round(lookup_report.get("wait_seconds", 0.0), 3),
         "index_lookup_bands": lookup_report.get("bands", 0),

@@ -72,7 +72,8 @@ def look_up_by_band(wanted: pl.DataFrame, engine: BlockEngine, batch_rows: int, 
 
 
 def _add_tasks(report: dict, tasks: dict) -> None:
-    """A batch looks up once a record format: the report sums its lookups' tasks and seconds."""
+    """A lookup called more than once (silver calls it once a batch, for every format's keys) sums its
+    calls' tasks and seconds in the report, and lists their tasks a call apart."""
     for name, value in tasks.items():
         if name not in report or name == "ran_on":
             report[name] = value
