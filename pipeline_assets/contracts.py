@@ -411,6 +411,13 @@ class LandingManifestEntry(pa.DataFrameModel):
         strict = True
 
 
+# Per record format (lib.formats), the contracts of its bronze and silver tables.
+FORMAT_CONTRACTS: dict[str, tuple[type[pa.DataFrameModel], type[pa.DataFrameModel]]] = {
+    "sft": (BronzeRecord, SilverRecord),
+    "preference": (BronzePreferenceRecord, SilverPreferencePair),
+}
+
+
 def polars_schema(model: type[pa.DataFrameModel]) -> pl.Schema:
     """The polars column types a contract declares, in declaration order."""
     columns = model.to_schema().columns

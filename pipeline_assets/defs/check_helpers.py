@@ -5,6 +5,7 @@ from collections.abc import Iterable
 import pandera.errors
 import polars as pl
 from dagster import (
+    AssetCheckExecutionContext,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSeverity,
@@ -12,11 +13,13 @@ from dagster import (
     AssetKey,
     DagsterInstance,
     MetadataValue,
+    asset_check,
 )
 
 from pipeline_assets.contracts import validate
 from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
+from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LakeResource
 
 
@@ -25,6 +28,16 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
     if frame is None:
         raise ValueError(f"{layer}/{name} does not exist yet: materialize it first")
     return frame
+
+
+def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
+    """The blocking check ``contract`` of a table partitioned by ingest batch: the batch's rows satisfy ``model``."""
+    @asset_check(asset=key, name="contract", blocking=True, partitions_def=ingest_batches,
+                 description=f"The batch's rows satisfy the {model.__name__} contract.")
+    def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
+        return contract_check_result(batch_of(lake, *key.path, context.partition_key), model)
+
+    return check
 
 
 def contract_check_result(frame: pl.DataFrame, model, check_name: str | None = None) -> AssetCheckResult:

@@ -1,4 +1,5 @@
-"""Each record format's tables: where its records land in bronze and silver, and their contracts."""
+"""Each record format's tables: where its records land in bronze and silver, and their contracts, made
+from its description (lib.formats) for every format there is."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from dataclasses import dataclass
 import pandera.polars as pa
 from dagster import AssetKey
 
-from pipeline_assets.contracts import BronzePreferenceRecord, BronzeRecord, SilverPreferencePair, SilverRecord
-from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_RECORDS, SILVER_PREFERENCE_PAIRS, SILVER_RECORDS
-from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
+from pipeline_assets.contracts import FORMAT_CONTRACTS
+from pipeline_assets.lib.formats import FORMATS, PREFERENCE, SFT, RecordFormat
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,12 @@ class FormatTables:
     silver: AssetKey
     silver_contract: type[pa.DataFrameModel]
 
+    @classmethod
+    def of(cls, fmt: RecordFormat) -> "FormatTables":
+        bronze_contract, silver_contract = FORMAT_CONTRACTS[fmt.name]
+        return cls(fmt, AssetKey(["bronze", fmt.bronze_table]), bronze_contract, AssetKey(["silver", fmt.silver_table]),
+                   silver_contract)
 
-SFT_TABLES = FormatTables(SFT, BRONZE_RECORDS, BronzeRecord, SILVER_RECORDS, SilverRecord)
-PREFERENCE_TABLES = FormatTables(PREFERENCE, BRONZE_PREFERENCE_RECORDS, BronzePreferenceRecord, SILVER_PREFERENCE_PAIRS,
-                                 SilverPreferencePair)
-FORMAT_TABLES = (SFT_TABLES, PREFERENCE_TABLES)
+
+FORMAT_TABLES = tuple(FormatTables.of(fmt) for fmt in FORMATS.values())
+SFT_TABLES, PREFERENCE_TABLES = FormatTables.of(SFT), FormatTables.of(PREFERENCE)

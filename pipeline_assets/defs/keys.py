@@ -1,14 +1,17 @@
-"""Asset keys, exactly as the README's asset graph names them."""
+"""Asset keys, exactly as the README's asset graph names them. A record format's bronze and silver tables are
+named by its description (lib.formats)."""
 
 from dagster import AssetKey
 
-BRONZE_RECORDS = AssetKey(["bronze", "records"])
+from pipeline_assets.lib.formats import PREFERENCE, SFT
+
+BRONZE_RECORDS = AssetKey(["bronze", SFT.bronze_table])
 BRONZE_QUARANTINE = AssetKey(["bronze", "quarantine"])
-BRONZE_PREFERENCE_RECORDS = AssetKey(["bronze", "preference_records"])  # the preference sources' records
+BRONZE_PREFERENCE_RECORDS = AssetKey(["bronze", PREFERENCE.bronze_table])  # the preference sources' records
 REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
-SILVER_RECORDS = AssetKey(["silver", "records"])
+SILVER_RECORDS = AssetKey(["silver", SFT.silver_table])
 SILVER_REJECTS = AssetKey(["silver", "rejects"])
-SILVER_PREFERENCE_PAIRS = AssetKey(["silver", "preference_pairs"])  # the preference sources' curated pairs
+SILVER_PREFERENCE_PAIRS = AssetKey(["silver", PREFERENCE.silver_table])  # the preference sources' curated pairs
 SILVER_MINHASH_INDEX = AssetKey(["silver", "minhash_index"])
 SILVER_MINHASH_BANDS = AssetKey(["silver", "minhash_bands"])  # the index by band: what a new batch is joined with
 GOLD_TOKENIZER = AssetKey(["gold", "tokenizer"])

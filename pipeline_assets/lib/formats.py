@@ -4,8 +4,9 @@ A format names its landing fields and which text each stage reads: what normaliz
 what exact and near dedup hash, which answers are signed apart and judged by the quality rules,
 what decontamination checks against the eval sets, and the loss a model trains on it with. A source
 declares its format in ``PIPELINE_SOURCE_FORMATS`` (``{"prefs": "preference"}``; ``sft`` unless
-named). Adding a format is one description here, its contracts, its rendering to tokens and its
-sample data.
+named). A format also names its bronze and silver tables: their assets, checks and sensors are made
+for every format listed in ``FORMATS``. Adding a format is one description here, its contracts
+(``contracts.FORMAT_CONTRACTS``), its rendering to tokens and its sample data.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ class RecordFormat:
     judged: str  # the answer the quality rules judge
     decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
     split_key: str  # the column whose hash decides a record's train/validation side
-    loss: str  # what a model trains on it with
+    objective: str  # the loss a model trains on it with: trainer/objective.py's "sft" (next token on the answer
+    # after the prompt; such formats are packed into gold/sequences with sft records) or "dpo"
+    bronze_table: str  # bronze/<bronze_table>: its records with provenance
+    silver_table: str  # silver/<silver_table>: its curated records
+    about: str  # what its records are, for the descriptions of its tables
 
     @property
     def text(self) -> tuple[str, ...]:
@@ -46,17 +51,23 @@ class RecordFormat:
 SFT = RecordFormat(
     name="sft", required=("prompt", "response"), optional_text=("system",), optional_numbers=(),
     dedup=("prompt", "response"), answers=("response",), judged="response", decontaminate=("prompt", "response"),
-    split_key="exact_hash", loss="next-token on the response",
+    split_key="exact_hash", objective="sft", bronze_table="records", silver_table="records",
+    about="sft records (prompt, response: the default format)",
 )
 # Several pairs for one prompt are legitimate, so all of one prompt's pairs share a side of the split.
 PREFERENCE = RecordFormat(
     name="preference", required=("prompt", "chosen", "rejected"), optional_text=("system",),
     optional_numbers=("score_chosen", "score_rejected"), dedup=("prompt", "chosen", "rejected"),
     answers=("chosen", "rejected"), judged="chosen", decontaminate=("prompt", "chosen", "rejected"),
-    split_key="prompt_hash", loss="sigmoid DPO against a reference model",
+    split_key="prompt_hash", objective="dpo", bronze_table="preference_records",
+    silver_table="preference_pairs", about="preference pairs (prompt, chosen, rejected)",
 )
 FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
-ALL_TEXT = tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.text))  # every format's text fields
+
+
+def all_text_fields() -> tuple[str, ...]:
+    """Every format's text fields (read when called: a format added to ``FORMATS`` counts at once)."""
+    return tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.text))
 
 
 def format_named(name: str) -> RecordFormat:

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.formats import ALL_TEXT
+from pipeline_assets.lib.formats import all_text_fields
 
-TEXT_COLUMNS = ALL_TEXT  # every format's text: a frame holds one format's, the others are absent
 
 # C0 and C1 controls except tab and newline (\r is folded into \n below).
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
@@ -43,7 +42,7 @@ def normalize_text(expr: pl.Expr, config: NormalizeConfig = NormalizeConfig()) -
 
 def normalize_records(frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()) -> tuple[pl.DataFrame, dict]:
     """Normalize the text columns; the counters say how many values each column had changed."""
-    present = [c for c in TEXT_COLUMNS if c in frame.columns]
+    present = [c for c in all_text_fields() if c in frame.columns]  # a frame holds one format's
     normalized = frame.with_columns(normalize_text(pl.col(c), config) for c in present)
     changed = {
         f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0) for column in present

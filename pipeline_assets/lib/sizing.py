@@ -35,7 +35,7 @@ import polars as pl
 
 from pipeline_assets.lib.cost import Prices, bottleneck
 from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK
-from pipeline_assets.lib.formats import ALL_TEXT, SFT
+from pipeline_assets.lib.formats import SFT, all_text_fields
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 
 BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
@@ -63,7 +63,7 @@ def record_chars(columns: Iterable[str] = TEXT_COLUMNS) -> pl.Expr:
 def text_chars(frame: pl.DataFrame) -> int:
     """Characters of every record's text in ``frame`` (the text fields of whichever format it holds),
     as ``record_chars`` counts them."""
-    columns = [c for c in ALL_TEXT if c in frame.columns]
+    columns = [c for c in all_text_fields() if c in frame.columns]
     if frame.is_empty() or not columns:
         return 0
     return int(frame.select(record_chars(columns)).to_series().sum())

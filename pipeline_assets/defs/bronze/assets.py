@@ -1,5 +1,6 @@
-"""bronze/records, bronze/preference_records and bronze/quarantine: one ingest batch of landing
-files, each read by its source's record format, contract-checked."""
+"""bronze/<format's table> for each record format (bronze/records, bronze/preference_records) and
+bronze/quarantine: one ingest batch of landing files, each read by its source's record format,
+contract-checked."""
 
 
 import time
@@ -14,14 +15,14 @@ import polars as pl
 from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult, MetadataValue, multi_asset
 
 from pipeline_assets.contracts import QuarantineRecord, conform, polars_schema, validate
-from pipeline_assets.defs.format_tables import FORMAT_TABLES
-from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE
 from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.batches import earlier_versions
-from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
+from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
 from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
 from pipeline_assets.lib.sizing import text_chars
@@ -31,22 +32,18 @@ from pipeline_assets.resources import LakeResource, LandingFileGone, LandingReso
 _KINDS = {"delta", "polars"}
 
 
+def _records_spec(tables: FormatTables) -> AssetSpec:
+    return AssetSpec(
+        tables.bronze, group_name="bronze", kinds=_KINDS,
+        description=f"The {tables.fmt.about} of the sources whose format is {tables.fmt.name} (PIPELINE_SOURCE_FORMATS) "
+        "that passed its landing contract, with provenance. Append-only per ingest batch; re-materializing a batch "
+        "replaces its rows.",
+    )
+
+
 @multi_asset(
     specs=[
-        AssetSpec(
-            BRONZE_RECORDS,
-            description="Records of the sft sources (prompt, response: the default format) that passed the landing "
-            "contract, with provenance. Append-only per ingest batch; re-materializing a batch replaces its rows.",
-            group_name="bronze",
-            kinds=_KINDS,
-        ),
-        AssetSpec(
-            BRONZE_PREFERENCE_RECORDS,
-            description="Records of the preference sources (PIPELINE_SOURCE_FORMATS) that passed their landing "
-            "contract (prompt, chosen, rejected), with provenance; a batch at a time, like bronze/records.",
-            group_name="bronze",
-            kinds=_KINDS,
-        ),
+        *(_records_spec(tables) for tables in FORMAT_TABLES),
         AssetSpec(
             BRONZE_QUARANTINE,
             description="Every landing line that failed the contract, verbatim, with a reason code and detail.",
@@ -68,13 +65,15 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     files = files.join(earlier_versions(manifest, batch_id), on="uri", how="left")  # what an appended file grew from
     entries = list(files.iter_rows(named=True))
     read = _BatchRead(context, batch_id, entries, [landing.relative_name(entry["uri"]) for entry in entries])
-    # Each file's records are written as they are read: Delta encodes one chunk while the next is parsed.
-    records_commit = lake.replace_partition_streaming(
-        "bronze", "records", read.record_chunks(_ingest_files(landing, entries, read.source_files)),
-        polars_schema(_CONTRACTS[SFT.name]), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
-    )
-    preference = read.preference_records()
-    preference_commit = lake.replace_partition("bronze", "preference_records", preference, column="batch_id", value=batch_id)
+    # The sft records of each file are written as they are read: Delta encodes one chunk while the next is parsed.
+    commits = {SFT: lake.replace_partition_streaming(
+        *SFT_TABLES.bronze.path, read.record_chunks(_ingest_files(landing, entries, read.source_files)),
+        polars_schema(SFT_TABLES.bronze_contract), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
+    )}
+    for tables in FORMAT_TABLES:
+        if tables.fmt is not SFT:
+            commits[tables.fmt] = lake.replace_partition(*tables.bronze.path, read.held_records(tables.fmt),
+                                                         column="batch_id", value=batch_id)
     quarantine = validate(conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord)
     quarantine_commit = lake.replace_partition("bronze", "quarantine", quarantine, column="batch_id", value=batch_id)
 
@@ -89,13 +88,14 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "per_file_accounting": table_metadata(accounting),
     }
     upstream = {"landing/manifest": manifest_version}
-    for key, commit, record_format in ((BRONZE_RECORDS, records_commit, SFT), (BRONZE_PREFERENCE_RECORDS, preference_commit, PREFERENCE)):
+    for tables in FORMAT_TABLES:
+        record_format = tables.fmt
         rows = read.rows_by_source[record_format.name]
         yield MaterializeResult(
-            asset_key=key,
+            asset_key=tables.bronze,
             metadata={
                 **delta_write_metadata(
-                    commit, polars_schema(_CONTRACTS[record_format.name]),
+                    commits[record_format], polars_schema(tables.bronze_contract),
                     upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
                 ),
                 **shared,
@@ -136,7 +136,7 @@ class _BatchRead:
         self.quarantine_parts: list[pl.DataFrame] = []
         self.per_file: list[dict] = []
         self.rows_by_source: dict[str, dict[str, int]] = {name: {} for name in _CONTRACTS}  # format -> source -> rows
-        self.preference_parts: list[pl.DataFrame] = []
+        self.held_parts: dict[RecordFormat, list[pl.DataFrame]] = {tables.fmt: [] for tables in FORMAT_TABLES}
         self.input_bytes = 0
         self.chars = dict.fromkeys(_CONTRACTS, 0)
         self.logged_at = time.monotonic()
@@ -148,7 +148,7 @@ class _BatchRead:
         for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
             records = self._add(ordinal, entry, source_file, ingest)
             if ingest.record_format is not SFT:
-                self.preference_parts.append(records)  # a preference source's: few next to sft's, kept for one commit
+                self.held_parts[ingest.record_format].append(records)  # few next to sft's: kept for one commit
                 continue
             pending.append(records)
             pending_rows += records.height
@@ -189,9 +189,9 @@ class _BatchRead:
         self.context.log.info("\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])]))
         self.files_named, self.files_not_named, self.logged_at = [], 0, time.monotonic()
 
-    def preference_records(self) -> pl.DataFrame:
-        """The preference sources' records, contract-checked (read after ``record_chunks``)."""
-        return self._checked(self.preference_parts, PREFERENCE)
+    def held_records(self, record_format: RecordFormat) -> pl.DataFrame:
+        """The records of a format other than sft, contract-checked (read after ``record_chunks``)."""
+        return self._checked(self.held_parts[record_format], record_format)
 
     def _checked(self, parts: list[pl.DataFrame], record_format: RecordFormat = SFT) -> pl.DataFrame:
         contract = _CONTRACTS[record_format.name]

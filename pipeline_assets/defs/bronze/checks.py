@@ -16,9 +16,10 @@ from dagster import (
     asset_check,
 )
 
-from pipeline_assets.contracts import BronzePreferenceRecord, BronzeRecord, QuarantineRecord
-from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
-from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.contracts import QuarantineRecord
+from pipeline_assets.defs.check_helpers import batch_contract_check, batch_of, trailing_median_result
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -38,7 +39,7 @@ from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResourc
 warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 
-_RECORD_TABLES = ("records", "preference_records")  # one a record format: every accepted line is in one of them
+_RECORD_TABLES = tuple(tables.bronze.path[1] for tables in FORMAT_TABLES)  # every accepted line is in one of them
 
 
 def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
@@ -57,24 +58,6 @@ def _accepted(lake: LakeResource, batch_id: str, columns: tuple[str, ...]) -> pl
 def _accepted_scan(lake: LakeResource, columns: tuple[str, ...]) -> pl.LazyFrame:
     """Every format's accepted records (these columns), lazily, over every batch."""
     return pl.concat([scan.select(columns) for name in _RECORD_TABLES if (scan := lake.scan("bronze", name)) is not None])
-
-
-@asset_check(asset=BRONZE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
-             description="The batch's rows satisfy the BronzeRecord contract.")
-def bronze_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-    return contract_check_result(_batch(lake, "records", context.partition_key), BronzeRecord)
-
-
-@asset_check(asset=BRONZE_PREFERENCE_RECORDS, name="contract", blocking=True, partitions_def=ingest_batches,
-             description="The batch's preference rows satisfy the BronzePreferenceRecord contract.")
-def bronze_preference_records_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-    return contract_check_result(_batch(lake, "preference_records", context.partition_key), BronzePreferenceRecord)
-
-
-@asset_check(asset=BRONZE_QUARANTINE, name="contract", blocking=True, partitions_def=ingest_batches,
-             description="The batch's quarantined lines satisfy the QuarantineRecord contract.")
-def bronze_quarantine_contract(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-    return contract_check_result(_batch(lake, "quarantine", context.partition_key), QuarantineRecord)
 
 
 @asset_check(asset=BRONZE_RECORDS, name="quarantine_rate", blocking=True, partitions_def=ingest_batches,
@@ -220,5 +203,5 @@ def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, in
     )
 
 
-bronze_checks = [bronze_records_contract, bronze_preference_records_contract, bronze_quarantine_contract,
-                 bronze_quarantine_rate, bronze_accounting, bronze_volume, bronze_freshness]
+bronze_checks = [*(batch_contract_check(tables.bronze, tables.bronze_contract) for tables in FORMAT_TABLES),
+                 batch_contract_check(BRONZE_QUARANTINE, QuarantineRecord), bronze_quarantine_rate, bronze_accounting, bronze_volume, bronze_freshness]

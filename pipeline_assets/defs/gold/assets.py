@@ -1,4 +1,5 @@
-"""gold/tokenizer, and gold/sequences: each ingest batch's silver records tokenized and packed into its own shard."""
+"""gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained with sft's
+loss) tokenized and packed into its own shard."""
 
 import hashlib
 from datetime import datetime, timezone
@@ -10,12 +11,14 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
 from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.gold import (
     SEQUENCES_PER_BLOCK,
@@ -33,6 +36,7 @@ from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tok
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _KINDS = {"delta", "polars"}
+SFT_OBJECTIVE_SILVER = [tables.silver for tables in FORMAT_TABLES if tables.fmt.objective == SFT.objective]
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 
 
@@ -142,7 +146,7 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
 @asset(
     key=GOLD_SEQUENCES,
     group_name="gold",
-    deps=[SILVER_RECORDS, GOLD_TOKENIZER],
+    deps=[*SFT_OBJECTIVE_SILVER, GOLD_TOKENIZER],
     partitions_def=ingest_batches,
     kinds=_KINDS,
     check_specs=SHARD_CHECK_SPECS,
@@ -156,10 +160,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
                    ray_engine: BlockEngine) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
-    silver_version = lake.version("silver", "records")
-    if silver_version is None:
-        raise ValueError("silver/records does not exist yet: materialize silver first")
-    silver = lake.read("silver", "records", version=silver_version, where=pl.col("batch_id") == batch)
+    silver, silver_versions = _sft_objective_rows(lake, batch)
     tokenizer_version, tokenizer_json = current_tokenizer(lake)
     tokenizer = tokenizer_from_json(tokenizer_json)
     records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
@@ -183,7 +184,7 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         metadata={
             **delta_write_metadata(
                 commit, polars_schema(GoldSequence),
-                upstream_versions={"silver/records": silver_version, "gold/tokenizer": tokenizer_version},
+                upstream_versions={**silver_versions, "gold/tokenizer": tokenizer_version},
                 input_bytes=int(silver.estimated_size()), stopwatch=stopwatch,
             ),
             "tokenizer_version": tokenizer_version,
@@ -208,6 +209,23 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
         },
         check_results=checks,
     )
+
+
+def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, dict[str, int]]:
+    """The batch's silver rows of every format trained with sft's loss, as sft records (the format's judged
+    answer as ``response``), and the silver versions read."""
+    frames, versions = [], {}
+    for tables in FORMAT_TABLES:
+        version = lake.version(*tables.silver.path) if tables.fmt.objective == SFT.objective else None
+        if version is None and tables.fmt is SFT:
+            raise ValueError("silver/records does not exist yet: materialize silver first")
+        if version is None:
+            continue
+        versions[tables.silver.to_user_string()] = version
+        rows = lake.read(*tables.silver.path, version=version, where=pl.col("batch_id") == batch)
+        frames.append(rows.select("record_id", "system", "prompt", pl.col(tables.fmt.judged).alias("response"),
+                                  "source", "exact_hash"))
+    return pl.concat(frames), versions
 
 
 def current_tokenizer(lake: LakeResource) -> tuple[int, str]:

@@ -12,7 +12,8 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.keys import BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE, BRONZE_RECORDS
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.keys import BRONZE_QUARANTINE
 from pipeline_assets.defs.landing.registry import BatchRegistration, discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LakeResource, LandingResource
@@ -27,7 +28,7 @@ def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
     return tags
 
 
-BRONZE_SELECTION = AssetSelection.assets(BRONZE_RECORDS, BRONZE_PREFERENCE_RECORDS, BRONZE_QUARANTINE)
+BRONZE_SELECTION = AssetSelection.assets(*(tables.bronze for tables in FORMAT_TABLES), BRONZE_QUARANTINE)
 
 # A named job: the sensor's target, and what clients submit (GraphQL, `dagster job launch`).
 ingest_job = define_asset_job(

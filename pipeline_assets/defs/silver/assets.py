@@ -1,5 +1,6 @@
-"""silver/records, silver/preference_pairs, silver/rejects, silver/minhash_index, silver/minhash_bands:
-one ingest batch, every record format's rows curated by the same stages."""
+"""silver/<format's table> for each record format (silver/records, silver/preference_pairs), silver/rejects,
+silver/minhash_index, silver/minhash_bands: one ingest batch, every record format's rows curated by the same
+stages."""
 
 import polars as pl
 from dagster import (
@@ -14,12 +15,11 @@ from dagster import (
 )
 
 from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject, conform, polars_schema, validate
-from pipeline_assets.defs.format_tables import FORMAT_TABLES, PREFERENCE_TABLES, SFT_TABLES, FormatTables
+from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
     SILVER_MINHASH_BANDS,
     SILVER_MINHASH_INDEX,
-    SILVER_PREFERENCE_PAIRS,
     SILVER_RECORDS,
     SILVER_REJECTS,
 )
@@ -46,11 +46,10 @@ def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
 
 @multi_asset(
     specs=[
-        _spec(SILVER_RECORDS, "Normalized, exact and near deduplicated, decontaminated, quality-gated records.",
-              [SFT_TABLES]),
-        _spec(SILVER_PREFERENCE_PAIRS, "Preference pairs through the same stages, plus the pair rules: no empty side, "
-              "chosen unlike rejected, no tie, no contradiction, at most max_pairs_per_prompt pairs a prompt.",
-              [PREFERENCE_TABLES]),
+        *(_spec(tables.silver, f"The {tables.fmt.about} silver kept: normalized, exact and near deduplicated, "
+                "decontaminated, quality-gated, and judged by the format's own rules where it has some (preference "
+                "pairs: no empty side, chosen unlike rejected, no tie, no contradiction, a cap a prompt).", [tables])
+          for tables in FORMAT_TABLES),
         _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
         _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
         _spec(SILVER_MINHASH_BANDS, "The index's keys by band (the exact hashes' first 60 bits as band -1, preference "
@@ -129,16 +128,18 @@ def _write(lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_i
 
 def _metadata(batch_id: str, rows: dict[FormatTables, pl.DataFrame], curated: CuratedFormats,
               partitions: dict[AssetKey, pl.DataFrame], lookup_report: dict) -> dict[AssetKey, dict]:
-    """Each table's own metadata; all but the preference pairs' also report the batch's sft records and lookup."""
-    sft, pairs = SFT_TABLES, PREFERENCE_TABLES
-    records, rejects = partitions[SILVER_RECORDS], partitions[SILVER_REJECTS]
-    index = partitions[SILVER_MINHASH_INDEX]
-    batch = {"batch_id": batch_id, **_format_metadata(rows[sft], records, curated.formats[sft.fmt]),
-             **_lookup_metadata(curated, lookup_report)}
+    """Each table's own metadata; the batch's sft records and lookup are reported on every table but the other
+    formats' kept rows, which report their own."""
+    counted = {tables: {"batch_id": batch_id, **_format_metadata(rows[tables], partitions[tables.silver],
+                                                                 curated.formats[tables.fmt])}
+               for tables in FORMAT_TABLES}
+    kept = {tables.silver: {**counted[tables], **_kept_metadata(partitions[tables.silver], curated.formats[tables.fmt])}
+            for tables in FORMAT_TABLES}
+    rejects, index = partitions[SILVER_REJECTS], partitions[SILVER_MINHASH_INDEX]
+    batch = {**counted[SFT_TABLES], **_lookup_metadata(curated, lookup_report)}
     return {
-        SILVER_RECORDS: {**batch, "kept_by_source": _by_source(records)},
-        SILVER_PREFERENCE_PAIRS: {"batch_id": batch_id, **_pairs_metadata(rows[pairs], partitions[pairs.silver],
-                                                                          curated.formats[pairs.fmt])},
+        **kept,
+        SILVER_RECORDS: {**kept[SILVER_RECORDS], **batch},
         SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(
             rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
         SILVER_MINHASH_INDEX: {**batch, "lsh_params": index["lsh_params"][0] if index.height else None},
@@ -180,13 +181,12 @@ def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedB
     }
 
 
-def _pairs_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
-    return {
-        **_format_metadata(bronze, kept, curated),
-        "kept_by_source": _by_source(kept),
-        "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"],  # DPO's length bias, watched
-        "prompts": kept["prompt_hash"].n_unique(),
-    }
+def _kept_metadata(kept: pl.DataFrame, curated: CuratedBatch) -> dict:
+    """The kept rows by source, and what the pair rules watch for a format they judge."""
+    if "pair_sides" not in curated.stages:
+        return {"kept_by_source": _by_source(kept)}
+    return {"kept_by_source": _by_source(kept), "prompts": kept["prompt_hash"].n_unique(),
+            "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"]}  # DPO's length bias
 
 
 def _by_source(kept: pl.DataFrame):

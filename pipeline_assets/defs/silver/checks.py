@@ -5,15 +5,10 @@ import warnings
 import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, PreviewWarning, asset_check
 
-from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverPreferencePair, SilverRecord, SilverReject
-from pipeline_assets.defs.check_helpers import batch_of, contract_check_result, trailing_median_result
-from pipeline_assets.defs.keys import (
-    SILVER_MINHASH_BANDS,
-    SILVER_MINHASH_INDEX,
-    SILVER_PREFERENCE_PAIRS,
-    SILVER_RECORDS,
-    SILVER_REJECTS,
-)
+from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject
+from pipeline_assets.defs.check_helpers import batch_contract_check, trailing_median_result
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
@@ -24,20 +19,11 @@ from pipeline_assets.resources import LakeResource, SilverPolicy
 warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
 
 
-def _contract_check(key, model):
-    @asset_check(asset=key, name="contract", blocking=True, partitions_def=ingest_batches,
-                 description=f"The batch's rows satisfy the {model.__name__} contract.")
-    def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-        return contract_check_result(batch_of(lake, *key.path, context.partition_key), model)
-
-    return check
-
-
 def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage) of
     rejects, up to this batch."""
     upto = pl.col("batch_id") <= batch_id
-    kept_tables = [scan for scan in (lake.scan(*key.path) for key in (SILVER_RECORDS, SILVER_PREFERENCE_PAIRS)) if scan is not None]
+    kept_tables = [scan for scan in (lake.scan(*tables.silver.path) for tables in FORMAT_TABLES) if scan is not None]
     kept = pl.concat([scan.filter(upto).select("batch_id", "source") for scan in kept_tables]).collect()
     rejects = lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
     return kept, rejects
@@ -114,11 +100,10 @@ def silver_volume(context: AssetCheckExecutionContext, lake: LakeResource, silve
 
 
 silver_checks = [
-    _contract_check(SILVER_RECORDS, SilverRecord),
-    _contract_check(SILVER_PREFERENCE_PAIRS, SilverPreferencePair),
-    _contract_check(SILVER_REJECTS, SilverReject),
-    _contract_check(SILVER_MINHASH_INDEX, MinhashIndexEntry),
-    _contract_check(SILVER_MINHASH_BANDS, MinhashBandEntry),
+    *(batch_contract_check(tables.silver, tables.silver_contract) for tables in FORMAT_TABLES),
+    batch_contract_check(SILVER_REJECTS, SilverReject),
+    batch_contract_check(SILVER_MINHASH_INDEX, MinhashIndexEntry),
+    batch_contract_check(SILVER_MINHASH_BANDS, MinhashBandEntry),
     silver_pass_rate,
     silver_drift,
     silver_volume,

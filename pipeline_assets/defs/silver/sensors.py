@@ -2,19 +2,14 @@
 
 from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, define_asset_job, sensor
 
-from pipeline_assets.defs.keys import (
-    SILVER_MINHASH_BANDS,
-    SILVER_MINHASH_INDEX,
-    SILVER_PREFERENCE_PAIRS,
-    SILVER_RECORDS,
-    SILVER_REJECTS,
-)
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_REJECTS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.silver_order import next_batch
 
-SILVER_SELECTION = AssetSelection.assets(SILVER_RECORDS, SILVER_PREFERENCE_PAIRS, SILVER_REJECTS, SILVER_MINHASH_INDEX,
-                                         SILVER_MINHASH_BANDS)
+SILVER_SELECTION = AssetSelection.assets(*(tables.silver for tables in FORMAT_TABLES), SILVER_REJECTS,
+                                         SILVER_MINHASH_INDEX, SILVER_MINHASH_BANDS)
 
 silver_job = define_asset_job(
     "silver_batch", selection=SILVER_SELECTION, partitions_def=ingest_batches,
