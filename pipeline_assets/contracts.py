@@ -411,6 +411,42 @@ class LandingManifestEntry(pa.DataFrameModel):
         strict = True
 
 
+class ReplayBufferRow(pa.DataFrameModel):
+    """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.replay): what generated it, its
+    tokens with the behaviour policy's log-probabilities, its reward, and whether an update consumed it."""
+
+    rollout_id: str = pa.Field(unique=True, str_length={"min_value": 1})
+    group_id: str = pa.Field(description="the completions sampled together for one prompt: GRPO's baseline group")
+    prompt_id: str
+    policy_version: pl.Int64 = pa.Field(ge=0, description="the policy version that generated it")
+    generated_at: UTC_TIMESTAMP
+    worker: str = pa.Field(description="the rollout worker that generated it")
+    prompt_token_ids: Annotated[pl.List, pl.Int64()]
+    completion_token_ids: Annotated[pl.List, pl.Int64()]
+    behaviour_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
+        description="per completion token: its log-probability under the generating policy (the importance ratio's "
+        "denominator)")
+    completion: str = pa.Field(description="the completion's tokens, decoded")
+    reward: float = pa.Field(description="the verifier's reward")
+    verifier_detail: str = pa.Field(description="why the verifier gave that reward")
+    status: str = pa.Field(isin=["pending", "consumed", "dropped_stale"])
+    consumed_by_version: pl.Int64 = pa.Field(
+        nullable=True, ge=0, description="the policy version whose update consumed or dropped it; null while pending")
+    updated_at: UTC_TIMESTAMP = pa.Field(description="when the row was written or its status last changed")
+
+    class Config:
+        strict = True
+        coerce = False
+
+    @pa.dataframe_check
+    def _one_logp_per_completion_token(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        return data.lazyframe.select(pl.col("behaviour_logps").list.len() == pl.col("completion_token_ids").list.len())
+
+    @pa.dataframe_check
+    def _consumed_by_version_once_taken(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        return data.lazyframe.select((pl.col("status") == "pending") == pl.col("consumed_by_version").is_null())
+
+
 # Per record format (lib.formats), the contracts of its bronze and silver tables.
 FORMAT_CONTRACTS: dict[str, tuple[type[pa.DataFrameModel], type[pa.DataFrameModel]]] = {
     "sft": (BronzeRecord, SilverRecord),
