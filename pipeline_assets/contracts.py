@@ -411,6 +411,24 @@ class LandingManifestEntry(pa.DataFrameModel):
         strict = True
 
 
+class PromptBankRow(pa.DataFrameModel):
+    """One candidate of the RL prompt bank (lib.rl_bank): in the bank, or the stage that removed it, and why."""
+
+    prompt_id: str = pa.Field(**HASH_128, description="of the prompt's text")
+    source: str = pa.Field(str_length={"min_value": 1}, description="rl_tasks (generated) or a silver source")
+    task: str
+    prompt: str = pa.Field(str_length={"min_value": 1})
+    ground_truth: str
+    verifier: str = pa.Field(description="exact_match, int_equal or regex:<pattern> (lib.verifiers)")
+    split: str = pa.Field(isin=["train", "held_out"], description="by a hash of the prompt")
+    status: str = pa.Field(description="in_bank, duplicate_prompt, decontaminated or quality:<rule>")
+    evidence: str = pa.Field(nullable=True, description="why a removed candidate was removed (JSON or text)")
+
+    class Config:
+        strict = True
+        coerce = False
+
+
 class ReplayBufferRow(pa.DataFrameModel):
     """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.replay): what generated it, its
     tokens with the behaviour policy's log-probabilities, its reward, and whether an update consumed it."""

@@ -27,7 +27,7 @@ from botocore.exceptions import ClientError
 from dagster_aws.s3 import S3Resource
 from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import TableNotFoundError
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from pipeline_assets.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.lib import uris
@@ -728,6 +728,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             slice_tolerance=settings.slice_tolerance, eval_max_tokens=settings.eval_max_tokens,
         ),
         "retention_policy": RetentionPolicy(days=settings.retention_days),
+        "rl_policy": RlPolicy.from_env(),
     }
 
 
@@ -898,6 +899,41 @@ class DpoPolicy(ConfigurableResource):
 
     def hyperparameters(self) -> dict:
         return self.model_dump()
+
+
+_RL_ENV = {  # RlPolicy's fields and the variables that set them
+    "bank_tasks": "PIPELINE_RL_BANK_TASKS", "bank_seed": "PIPELINE_RL_BANK_SEED",
+    "held_out_fraction": "PIPELINE_RL_HELD_OUT_FRACTION", "group_size": "PIPELINE_RL_GROUP_SIZE",
+    "rollout_workers": "PIPELINE_RL_ROLLOUT_WORKERS", "max_staleness": "PIPELINE_RL_MAX_STALENESS",
+    "max_pending_seconds": "PIPELINE_RL_MAX_PENDING_SECONDS",
+}
+
+
+class RlPolicy(ConfigurableResource):
+    """The RL overlay's settings: its prompt bank, its groups, its rollout workers and how stale a rollout may
+    be. Each field's default is the one place it is written; ``from_env`` reads its PIPELINE_RL_* variable."""
+
+    bank_tasks: int = Field(default=3000, ge=1, description="generated verifiable tasks in rl/prompt_bank")
+    bank_seed: int = Field(default=20261126, description="the task generator's seed")
+    held_out_fraction: float = Field(default=0.2, ge=0, lt=1, description="bank prompts held out, by hash")
+    group_size: int = Field(default=8, ge=2, description="completions per prompt: GRPO's group")
+    rollout_workers: int = Field(default=1, ge=1, description="rollout processes beside the learner")
+    max_staleness: int = Field(default=2, ge=0, description="policy versions a consumed rollout may lag")
+    max_pending_seconds: float = Field(default=600.0, gt=0, description="how long a rollout may wait unconsumed")
+
+    @classmethod
+    def from_env(cls) -> "RlPolicy":
+        """The policy with every PIPELINE_RL_* variable that is set; a bad value fails naming its variable."""
+        values = {}
+        for field_name, variable in _RL_ENV.items():
+            raw = os.environ.get(variable, "").strip()
+            if raw:
+                values[field_name] = _float_env(variable, 0.0)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            wrong = {_RL_ENV[str(error["loc"][0])]: error["msg"] for error in exc.errors()}
+            raise ValueError("; ".join(f"{name}: {message}" for name, message in wrong.items())) from None
 
 
 class CostPolicy(ConfigurableResource):

@@ -28,3 +28,6 @@ EVALUATION_DPO_REPORT = AssetKey(["evaluation", "dpo_report"])  # held-out pairs
 REGISTRY_MODEL_VERSION = AssetKey(["registry", "model_version"])
 REGISTRY_DPO_MODEL_VERSION = AssetKey(["registry", "dpo_model_version"])  # dpo-model, gated on held-out pairs
 OPS_PIPELINE_REPORT = AssetKey(["ops", "pipeline_report"])
+RL_PROMPT_BANK = AssetKey(["rl", "prompt_bank"])  # prompts whose answer a rule checks
+RL_POLICY = AssetKey(["rl", "policy"])
+RL_REPLAY_BUFFER = AssetKey(["rl", "replay_buffer"])
