@@ -434,6 +434,7 @@ class ReplayBufferRow(pa.DataFrameModel):
     tokens with the behaviour policy's log-probabilities, its reward, and whether an update consumed it."""
 
     rollout_id: str = pa.Field(unique=True, str_length={"min_value": 1})
+    run: str = pa.Field(description="the RL run (its folder of policy versions): versions count from 0 in each run")
     group_id: str = pa.Field(description="the completions sampled together for one prompt: GRPO's baseline group")
     prompt_id: str
     policy_version: pl.Int64 = pa.Field(ge=0, description="the policy version that generated it")

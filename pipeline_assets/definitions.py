@@ -28,6 +28,7 @@ from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.evaluation.dpo import evaluation_dpo_report
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
+from pipeline_assets.defs.rl.policy import rl_policy
 from pipeline_assets.defs.rl.prompt_bank import prompt_bank_checks, rl_prompt_bank
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.dpo import training_dpo_checkpoint
@@ -46,7 +47,7 @@ def build_definitions(settings: Settings) -> Definitions:
         assets=[eval_sets, bronze, silver, gold_tokenizer, gold_sequences, gold_preference_sequences, gold_snapshots,
                 gold_preference_snapshots, gold_reference_logps, hparam_search, training_checkpoint,
                 training_dpo_checkpoint, evaluation_report, evaluation_dpo_report, registry_model_version,
-                registry_dpo_model_version, rl_prompt_bank, pipeline_report],
+                registry_dpo_model_version, rl_prompt_bank, rl_policy, pipeline_report],
         asset_checks=[*bronze_checks, *silver_checks, *prompt_bank_checks, stage_throughput],  # gold's are judged by the gold assets themselves
         sensors=[landing_sensor, silver_in_order, snapshot_cadence, preference_snapshot_cadence, automation_sensor,
                  run_failure_recorder, eval_sets_watcher],

@@ -28,7 +28,12 @@ from pipeline_assets.defs.gold.cadence import (
 from pipeline_assets.defs.gold.sensors import no_reference_model
 from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.reference.assets import observed_version
-from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import (
+    REFERENCE_EVAL_SETS,
+    RL_POLICY,
+    RL_REPLAY_BUFFER,
+    TRAINING_HPARAM_SEARCH,
+)
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
@@ -36,6 +41,8 @@ from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_
 
 log = logging.getLogger("pipeline_assets")
 
+# What costs several trainings runs only when a selection names it: the search, and an RL run.
+RUN_WHEN_SELECTED = {TRAINING_HPARAM_SEARCH, RL_POLICY, RL_REPLAY_BUFFER}
 SERIES = (SFT_SERIES, PREFERENCE_SERIES)  # the snapshot series a run cuts, each on its cadence
 # Step logs at INFO (per-file accounting, check results); DEBUG event chatter stays in the instance.
 _RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -163,8 +170,10 @@ def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey
         _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0 for p in node.parent_keys)
 
 
-def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> list[AssetKey]:
-    """Selected unpartitioned assets never materialized, or older than an upstream materialization."""
+def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
+                        explicit: bool = False) -> list[AssetKey]:
+    """Selected unpartitioned assets never materialized, or older than an upstream materialization. An RL run,
+    which trains for minutes to hours, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
 
     def latest(key: AssetKey) -> float | None:
@@ -174,7 +183,7 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     stale = []
     for key in keys:
         node = graph.get(key)
-        if not node.is_materializable or node.partitions_def is not None:
+        if not node.is_materializable or node.partitions_def is not None or (key in RUN_WHEN_SELECTED and not explicit):
             continue
         own = latest(key)
         if own is not None and _made_once(node):
@@ -195,7 +204,7 @@ def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, ke
         node = graph.get(key)
         if not node.is_executable or node.partitions_def != series.partitions:
             continue
-        if key == TRAINING_HPARAM_SEARCH and not explicit:
+        if key in RUN_WHEN_SELECTED and not explicit:
             continue
         done = instance.get_materialized_partitions(key)
         for snapshot in instance.get_dynamic_partitions(series.partitions.name):
@@ -242,7 +251,8 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
     late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
     cuts = {series.snapshots for series in SERIES}  # cut on their cadence below, never just for being older
-    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key not in cuts])
+    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key not in cuts],
+                                bool(selection))
     if early:
         _execute(job, instance, early, outcome, partition=None)
     for batch, batch_keys in stale_partitions(defs, instance, shards).items():

@@ -74,3 +74,25 @@ def time_breakdown_png(stages: list[str], wall_seconds: list[float], cost_usd: l
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def reward_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
+    """An RL run's mean reward per policy version, with held-out accuracy where it was measured."""
+    if not history:
+        return None
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4), dpi=110)
+    axis.plot([r["policy_version"] for r in history], [r["reward_mean"] for r in history], label="mean reward",
+              linewidth=1.5)
+    held_out = [r for r in history if "held_out_accuracy" in r]
+    if held_out:
+        axis.plot([r["policy_version"] for r in held_out], [r["held_out_accuracy"] for r in held_out], "o-",
+                  label="held-out accuracy (greedy)", linewidth=1.5)
+    axis.set(xlabel="policy version", ylabel="reward / accuracy", title=title, ylim=(-0.02, 1.02))
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path

@@ -94,9 +94,10 @@ def _mark(rows: pl.DataFrame, status: str, version: int, at: datetime) -> pl.Dat
 
 
 def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> Judgement:
-    """Fails when a consumed row lagged its update by more than ``max_staleness`` versions, or a
-    pending row has waited longer than ``max_pending_seconds`` at ``now`` (the workers outpace the
-    learner, or it stopped taking). Staleness metrics are 0 when nothing was consumed."""
+    """Fails when a consumed row lagged its update by more than ``max_staleness`` versions, when rows
+    were dropped as stale (a rollout worker lags the learner: its work is wasted, and a learner fed by it
+    alone starves), or when a pending row has waited longer than ``max_pending_seconds`` at ``now`` (the
+    workers outpace the learner, or it stopped taking). Staleness metrics are 0 when nothing was consumed."""
     consumed = buffer.filter(pl.col("status") == CONSUMED)
     lags = consumed.get_column("consumed_by_version") - consumed.get_column("policy_version")
     worst_lag = int(lags.max() or 0)
@@ -107,7 +108,12 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
     oldest_wait = float(wait_seconds.max() or 0.0)
     waited_too_long = int((wait_seconds > policy.max_pending_seconds).sum())
 
+    dropped = buffer.filter(pl.col("status") == DROPPED_STALE)
+    dropped_lags = dropped.get_column("consumed_by_version") - dropped.get_column("policy_version")
     failures = []
+    if dropped.height:
+        failures.append(f"{dropped.height} row(s) dropped as stale, lagging up to {int(dropped_lags.max())} versions "
+                        f"(limit {policy.max_staleness})")
     if lagged_too_far:
         failures.append(f"{lagged_too_far} consumed row(s) lagged up to {worst_lag} versions "
                         f"(limit {policy.max_staleness})")
@@ -120,7 +126,7 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
         "staleness_mean": float(lags.mean() or 0.0),
         "staleness_max": worst_lag,
         "consumed_rows": consumed.height,
-        "dropped_stale_rows": buffer.filter(pl.col("status") == DROPPED_STALE).height,
+        "dropped_stale_rows": dropped.height,
         "pending_rows": pending.height,
         "oldest_pending_seconds": oldest_wait,
         "max_staleness": policy.max_staleness,

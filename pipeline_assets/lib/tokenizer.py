@@ -132,6 +132,17 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
+    """Each prompt's ids up to the assistant's turn (``prefix_text``), encoded as gold encodes records:
+    what a model generates its answer after."""
+    frame = pl.DataFrame({"record_id": [str(i) for i in range(len(prompts))], "system": [system] * len(prompts),
+                          "prompt": list(prompts), "response": [""] * len(prompts)},
+                         schema_overrides={"system": pl.String})
+    encoded = encode_records(tokenizer, frame)
+    prefix = encoded["n_tokens"] - encoded["n_response_tokens"]
+    return [ids[:length] for ids, length in zip(encoded["input_ids"].to_list(), prefix.to_list(), strict=True)]
+
+
 def _plain_text_encoder(tokenizer: Tokenizer) -> Tokenizer:
     """A copy of the tokenizer that encodes special-token strings in its input as ordinary text."""
     plain = Tokenizer.from_str(tokenizer.to_str())

@@ -123,15 +123,7 @@ class TrainConfig:
 
     def to_args(self) -> list[str]:
         """The command line that rebuilds this config: what the asset passes and a user can rerun."""
-        args = []
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            flag = "--" + item.name.replace("_", "-")
-            if isinstance(value, bool):
-                args.append(flag if value else "--no-" + item.name.replace("_", "-"))
-            elif value not in ("", NO_VERSION) or item.default is dataclasses.MISSING:  # unset: left out
-                args += [flag, str(value)]
-        return args
+        return dataclass_args(self)
 
 
 def architecture_flags(model: dict) -> dict:
@@ -147,8 +139,66 @@ def architecture_flags(model: dict) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m pipeline_assets.trainer", description=__doc__)
-    for item in dataclasses.fields(TrainConfig):
+    return parse_dataclass(TrainConfig, argv, "torchrun ... -m pipeline_assets.trainer")
+
+
+@dataclass(frozen=True)
+class RlConfig:
+    """One RL run (GRPO on rl/prompt_bank's verifiable prompts): what the learner and its rollout workers share.
+    The learner and each worker are started with the same arguments (``to_args``), a worker with ``--worker``."""
+
+    lake_uri: str
+    checkpoint_uri: str
+    partition: str  # the run's folder of policy versions in the checkpoint store
+    tokenizer_path: str  # tokenizer.json of the policy (the sft champion's gold/tokenizer version)
+    init_from: str  # the exported model the policy starts from
+    updates: int = 60
+    prompts_per_update: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 12
+    lr: float = 1e-4
+    clip_eps: float = 0.2
+    max_staleness: int = 2
+    max_pending_seconds: float = 600.0
+    seed: int = 1234
+    eval_every: int = 10
+    held_out_prompts: int = 64  # greedy accuracy is measured on this many held-out prompts
+    landing_uri: str = ""  # where groups with a right and a wrong completion land as preference pairs
+    wait_seconds: float = 120.0  # how long the learner waits for rollouts before it gives up
+    worker: int = -1  # >= 0: this process is rollout worker number ``worker``, not the learner
+    lag: int = 0  # workers sample with the policy ``lag`` versions behind the newest (a test of the staleness limit)
+    mlflow_run_id: str = ""
+    mlflow_experiment: str = "pipeline_assets"
+    scratch_dir: str = ""
+
+    def __post_init__(self):
+        for name in ("updates", "prompts_per_update", "max_new_tokens", "eval_every", "held_out_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.group_size < 2:
+            raise ValueError("group_size must be at least 2: GRPO compares completions within a group")
+
+    def to_args(self) -> list[str]:
+        return dataclass_args(self)
+
+
+def dataclass_args(config) -> list[str]:
+    """The command line that rebuilds a config dataclass: what an asset passes and a user can rerun."""
+    args = []
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        flag = "--" + item.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + item.name.replace("_", "-"))
+        elif value not in ("", NO_VERSION) or item.default is dataclasses.MISSING:  # unset: left out
+            args += [flag, str(value)]
+    return args
+
+
+def parse_dataclass(cls, argv: list[str] | None, prog: str):
+    """A config dataclass from its command line (``dataclass_args``'s)."""
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    for item in dataclasses.fields(cls):
         flag = "--" + item.name.replace("_", "-")
         required = item.default is dataclasses.MISSING
         if item.type in ("bool", bool):
@@ -156,4 +206,4 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         else:
             kind = {"int": int, "float": float}.get(str(item.type), str)
             parser.add_argument(flag, type=kind, required=required, default=None if required else item.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+    return cls(**vars(parser.parse_args(argv)))

@@ -39,20 +39,21 @@ class ReplayTable:
         with self._lock():
             write_deltalake(self.uri, frame.to_arrow(), mode="append", storage_options=self.storage_options)
 
-    def read(self) -> pl.DataFrame:
-        """Every row, or an empty frame of the contract's columns before the first append."""
+    def read(self, run: str | None = None) -> pl.DataFrame:
+        """Every row (of ``run``), or an empty frame of the contract's columns before the first append."""
         try:
             table = DeltaTable(self.uri, storage_options=self.storage_options)
         except TableNotFoundError:
             return pl.DataFrame(schema=polars_schema(ReplayBufferRow))
-        return pl.from_arrow(table.to_pyarrow_table())
+        rows = pl.from_arrow(table.to_pyarrow_table())
+        return rows if run is None else rows.filter(pl.col("run") == run)
 
-    def take(self, current_version: int, policy: StalenessPolicy, now: datetime | None = None
+    def take(self, run: str, current_version: int, policy: StalenessPolicy, now: datetime | None = None
              ) -> tuple[pl.DataFrame, pl.DataFrame]:
-        """The pending rows an update at ``current_version`` consumes and those it drops as stale
+        """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops as stale
         (``lib.replay.take_for_update``), their new status written back before they are returned."""
         with self._lock():
-            consumed, dropped = take_for_update(self.read(), current_version, policy, now=now)
+            consumed, dropped = take_for_update(self.read(run), current_version, policy, now=now)
             changed = pl.concat([consumed, dropped])
             if changed.height:
                 self._merge_status(validate(conform(changed, ReplayBufferRow), ReplayBufferRow))

@@ -79,9 +79,10 @@ class Reporter:
         if self._mlflow:
             self._mlflow.log_artifact(str(path))
 
-    def finish(self, metadata: dict, succeeded: bool) -> None:
+    def finish(self, metadata: dict, succeeded: bool, report: bool = True) -> None:
+        """``report``: the launching asset's materialization is this metadata (False: the asset reports itself)."""
         if self._pipes:
-            if succeeded:
+            if succeeded and report:
                 self._pipes.report_asset_materialization(metadata=metadata)
             self._pipes.close()
         if self._mlflow:

@@ -33,7 +33,7 @@ def rollout(rollout_id: str, group_id: str, *, version: int = 5, reward: float =
             consumed_by: int | None = None, completion: str | None = None, age_seconds: float = 60.0,
             prompt_id: str | None = None) -> dict:
     return {
-        "rollout_id": rollout_id, "group_id": group_id, "prompt_id": prompt_id or f"p-{group_id}",
+        "rollout_id": rollout_id, "run": "rl-v0", "group_id": group_id, "prompt_id": prompt_id or f"p-{group_id}",
         "policy_version": version, "generated_at": NOW - timedelta(seconds=age_seconds), "worker": "w0",
         "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "behaviour_logps": [-0.5, -1.25],
         "completion": f"answer {rollout_id}" if completion is None else completion,
@@ -65,7 +65,9 @@ def test_rows_lagging_beyond_the_limit_are_dropped_whole_groups_at_a_time_and_co
     assert set(pl.concat([consumed, dropped]).get_column("consumed_by_version")) == {5}
 
     updated = validate(merged(rows, consumed, dropped), ReplayBufferRow)
-    assert freshness(updated, POLICY, NOW).metrics["dropped_stale_rows"] == 4
+    judgement = freshness(updated, POLICY, NOW)
+    assert judgement.metrics["dropped_stale_rows"] == 4
+    assert not judgement.passed and "4 row(s) dropped as stale, lagging up to 3 versions (limit 1)" in judgement.description
 
 
 def test_freshness_fails_naming_the_worst_lag_and_the_limit():

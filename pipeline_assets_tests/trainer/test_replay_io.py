@@ -32,7 +32,7 @@ def test_appends_racing_the_learner_are_each_consumed_once(tmp_path):
         writer.start()
     taken = []
     while any(writer.is_alive() for writer in writers) or table.read()["status"].eq("pending").any():
-        consumed, dropped = table.take(current_version=6, policy=POLICY)
+        consumed, dropped = table.take("rl-v0", current_version=6, policy=POLICY)
         assert dropped.is_empty()
         taken.append(consumed)
         time.sleep(0.1)  # a learner polls between updates (back to back, it would keep the writers waiting)
@@ -51,9 +51,10 @@ def test_stale_rows_are_written_back_as_dropped(tmp_path):
     table = ReplayTable(str(tmp_path / "lake"))
     table.append(buffer(*group("old", [1.0, 0.0], version=1), *group("fresh", [1.0, 0.0], version=4)))
 
-    consumed, dropped = table.take(current_version=4, policy=StalenessPolicy(1, 3600.0))
+    consumed, dropped = table.take("rl-v0", current_version=4, policy=StalenessPolicy(1, 3600.0))
 
     assert set(consumed["group_id"]) == {"fresh"} and set(dropped["group_id"]) == {"old"}
     statuses = dict(table.read().select("group_id", "status").unique().iter_rows())
     assert statuses == {"fresh": "consumed", "old": "dropped_stale"}
-    assert table.take(current_version=5, policy=StalenessPolicy(1, 3600.0))[0].is_empty(), "nothing twice"
+    assert table.take("rl-v0", current_version=5, policy=StalenessPolicy(1, 3600.0))[0].is_empty(), "nothing twice"
+    assert table.take("rl-v1", current_version=0, policy=StalenessPolicy(1, 3600.0))[0].is_empty(), "another run's"

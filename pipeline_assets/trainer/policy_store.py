@@ -1,0 +1,90 @@
+"""Policy versions of an RL run in the checkpoint store: ``<checkpoint_uri>/<partition>/policy-v<N>``.
+
+The learner publishes version N+1 after each update (the exported weights, and its optimizer state so a
+stopped run resumes); rollout workers load the newest complete version before each batch of rollouts. A
+folder counts once its manifest is written (``CheckpointStore.publish``), and every file is checked against
+it when fetched, so a worker never loads a half-written version.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline_assets.trainer.config import ModelConfig
+from pipeline_assets.trainer.export import load_exported, save_exported
+from pipeline_assets.trainer.model import Transformer
+from pipeline_assets.trainer.storage import MANIFEST, CheckpointStore, describe_files
+
+OPTIMIZER_STATE = "optimizer.pt"
+DONE = "rl_done.json"  # written by the learner when the run is over: the workers stop
+_VERSION_DIR = re.compile(r"^policy-v(\d+)$")
+
+
+def version_folder(version: int) -> str:
+    return f"policy-v{version}"
+
+
+class PolicyStore:
+    def __init__(self, checkpoint_uri: str, partition: str, scratch_dir: str = ""):
+        self.store = CheckpointStore(checkpoint_uri, partition, scratch_dir)
+
+    def versions(self) -> list[int]:
+        """Published versions, newest first."""
+        found = (_VERSION_DIR.match(name) for name in self.store.folders())
+        published = [int(match.group(1)) for match in found
+                     if match and self.store.exists(f"{match.group(0)}/{MANIFEST}")]
+        return sorted(published, reverse=True)
+
+    def newest(self) -> int | None:
+        versions = self.versions()
+        return versions[0] if versions else None
+
+    def publish(self, version: int, model: Transformer, model_config: ModelConfig,
+                optimizer: torch.optim.Optimizer | None, about: dict) -> None:
+        name = version_folder(version)
+        folder = self.store.prepare(name)
+        files = save_exported({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_config, folder,
+                              {"policy_version": version, **about})
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), folder / OPTIMIZER_STATE)
+            files.append(OPTIMIZER_STATE)
+        self.store.upload(name, files)
+        self.store.publish(name, {"files": describe_files(folder, files), "policy_version": version, **about})
+
+    def load(self, version: int, reader: str) -> tuple[Transformer, dict, Path]:
+        """The model of ``version`` (its files verified), its config, and the local folder holding it."""
+        folder, problem = self.store.fetch_verified(version_folder(version), reader=reader)
+        if folder is None:
+            raise RuntimeError(f"policy version {version} cannot be loaded: {problem}")
+        model, config = load_exported(folder)
+        return model, config, folder
+
+    def optimizer_state(self, folder: Path) -> dict | None:
+        path = folder / OPTIMIZER_STATE
+        return torch.load(path, weights_only=True) if path.exists() else None  # our own file, still never pickled code
+
+    def prune(self, keep_from: int) -> None:
+        """Delete versions older than ``keep_from`` (workers lagging within the staleness limit still find theirs)."""
+        for version in self.versions():
+            if version < keep_from:
+                self.store.delete(version_folder(version))
+
+    def mark_done(self, summary: dict) -> None:
+        self.store.write_json(DONE, {"finished_at": time.time(), **summary})
+
+    def done(self) -> bool:
+        return self.store.exists(DONE)
+
+    def clear_done(self) -> None:
+        """A new run's start: the workers must not read the last run's end."""
+        if not self.store.is_s3:
+            (Path(self.store.uri) / DONE).unlink(missing_ok=True)
+            return
+        from pipeline_assets.lib import uris
+
+        bucket, key = uris.split_s3(uris.join(self.store.uri, DONE))
+        self.store.client.delete_object(Bucket=bucket, Key=key)

@@ -1,0 +1,126 @@
+"""A rollout worker of an RL run (``python -m pipeline_assets.trainer.rl ... --worker N``).
+
+Before each batch it loads the newest published policy version (``--lag`` versions behind it, to test the
+staleness limit), samples ``group_size`` completions for each of ``prompts_per_update`` training prompts of
+rl/prompt_bank, rewards each with the prompt's verifier, and appends the batch to rl/replay_buffer as
+``pending`` rows with the version that generated them and each token's behaviour log-probability. It keeps
+at most two updates' worth of groups pending, so it never runs far ahead of the learner, and stops when the
+learner marks the run done. A worker killed mid-batch loses only its unwritten batch: appends are one commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from pipeline_assets.lib.chat_format import END, EOS
+from pipeline_assets.lib.replay import PENDING
+from pipeline_assets.lib.rl_tasks import TRAIN
+from pipeline_assets.lib.tokenizer import encode_prompts, tokenizer_from_json
+from pipeline_assets.lib.verifiers import verify
+from pipeline_assets.trainer.config import RlConfig
+from pipeline_assets.trainer.policy_store import PolicyStore
+from pipeline_assets.trainer.replay_io import ReplayTable
+from pipeline_assets.trainer.sampling import sample_completions
+
+log = logging.getLogger("pipeline_assets.trainer.rollout")
+_POLL_SECONDS = 0.2
+_AHEAD_UPDATES = 2  # pending groups a worker leaves in the buffer before it waits, in updates' worth
+
+
+class Prompts:
+    """The bank's prompts of one split, each encoded as the policy reads it."""
+
+    def __init__(self, lake_uri: str, split: str, tokenizer):
+        bank = pl.read_delta(f"{lake_uri.rstrip('/')}/rl/prompt_bank")
+        self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort("prompt_id")
+        if self.rows.is_empty():
+            raise RuntimeError(f"rl/prompt_bank holds no {split} prompt: materialize it first")
+        self.token_ids = encode_prompts(tokenizer, self.rows["prompt"].to_list())
+
+    def __len__(self) -> int:
+        return self.rows.height
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    return {tokenizer.token_to_id(END), tokenizer.token_to_id(EOS)}
+
+
+def completion_text(tokenizer, token_ids: list[int]) -> str:
+    """The answer a completion gives: its tokens decoded, special tokens left out."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+
+
+class RolloutWorker:
+    def __init__(self, config: RlConfig):
+        self.config, self.name = config, f"worker-{config.worker}"
+        self.policies = PolicyStore(config.checkpoint_uri, config.partition, config.scratch_dir)
+        self.table = ReplayTable(config.lake_uri)
+        self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
+        self.prompts = Prompts(config.lake_uri, TRAIN, self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.choice = random.Random(f"{config.seed}:{config.worker}:{uuid.uuid4()}")  # a restarted worker draws anew
+        self.generator = torch.Generator().manual_seed(self.choice.randrange(2**62))
+        self.model, self.loaded = None, None
+
+    def run(self) -> int:
+        batches = 0
+        while not self.policies.done():
+            version = self._policy_version()
+            if version is None or self._far_ahead():
+                time.sleep(_POLL_SECONDS)
+                continue
+            self._load(version)
+            self.table.append(self._batch(version, batches))
+            batches += 1
+        log.info(f"{self.name}: the run is done after {batches} batch(es)")
+        return 0
+
+    def _policy_version(self) -> int | None:
+        newest = self.policies.newest()
+        return None if newest is None else max(0, newest - self.config.lag)
+
+    def _far_ahead(self) -> bool:
+        pending = self.table.read(self.config.partition).filter(pl.col("status") == PENDING)
+        return pending["group_id"].n_unique() >= _AHEAD_UPDATES * self.config.prompts_per_update
+
+    def _load(self, version: int) -> None:
+        if version != self.loaded:
+            self.model, _, _ = self.policies.load(version, reader=self.name)
+            self.model.eval()
+            self.loaded = version
+
+    def _batch(self, version: int, number: int) -> pl.DataFrame:
+        chosen = self.choice.sample(range(len(self.prompts)), self.config.prompts_per_update)
+        prompt_ids = [self.prompts.token_ids[index] for index in chosen]
+        completions = sample_completions(self.model, prompt_ids, self.config.group_size, self.config.max_new_tokens,
+                                         self.stop_ids, generator=self.generator)
+        now = datetime.now(timezone.utc)
+        batch_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        rows = []
+        for row, completion in enumerate(completions):
+            prompt = self.prompts.rows.row(chosen[completion.prompt_index], named=True)
+            text = completion_text(self.tokenizer, completion.token_ids)
+            verdict = verify(prompt["verifier"], prompt["ground_truth"], text)
+            rows.append({
+                "rollout_id": f"{batch_id}-{row}", "run": self.config.partition, "group_id": f"{batch_id}-g{completion.prompt_index}",
+                "prompt_id": prompt["prompt_id"], "policy_version": version, "generated_at": now, "worker": self.name,
+                "prompt_token_ids": prompt_ids[completion.prompt_index], "completion_token_ids": completion.token_ids,
+                "behaviour_logps": completion.logps, "completion": text, "reward": verdict.reward,
+                "verifier_detail": verdict.detail, "status": PENDING, "consumed_by_version": None, "updated_at": now,
+            })
+        log.info(f"{self.name}: batch {number} with policy v{version}: mean reward "
+                 f"{sum(r['reward'] for r in rows) / len(rows):.3f}")
+        return pl.DataFrame(rows, schema_overrides={"consumed_by_version": pl.Int64})
+
+
+def run(config: RlConfig) -> int:
+    torch.set_num_threads(1)
+    return RolloutWorker(config).run()

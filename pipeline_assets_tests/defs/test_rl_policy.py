@@ -1,0 +1,91 @@
+"""rl/policy and rl/replay_buffer materialized with the project's resources (a learner under torchrun through
+Dagster Pipes, two rollout workers): a worker killed mid-run is restarted and the run completes with every
+rollout taken once; rollouts forced to lag 3 versions with a limit of 1 are dropped and the blocking freshness
+check fails naming the lag."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import polars as pl
+from dagster import PipesSubprocessClient, materialize
+
+from pipeline_assets.defs.rl.policy import rl_policy
+from pipeline_assets.resources import LakeResource, LandingResource, MlflowResource, RegistryPolicy, RlPolicy, TorchrunLauncher
+from pipeline_assets.trainer.policy_store import PolicyStore
+from pipeline_assets_tests.trainer.rl_setup import rl_inputs
+
+
+def _resources(tmp_path, config, **policy) -> dict:
+    return {
+        "lake": LakeResource(uri=config.lake_uri), "landing": LandingResource(uri=str(tmp_path / "landing")),
+        "launcher": TorchrunLauncher(checkpoint_uri=config.checkpoint_uri, scratch_dir=str(tmp_path / "scratch"),
+                                     nproc_per_node=1, threads_per_rank=1),
+        "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                                          artifact_root=str(tmp_path / "mlartifacts")),
+        "registry_policy": RegistryPolicy(),
+        "rl_policy": RlPolicy(group_size=4, rollout_workers=2, **policy),
+        "pipes_subprocess_client": PipesSubprocessClient(),
+    }
+
+
+def _run_config(config, **overrides) -> dict:
+    values = {"updates": 6, "prompts_per_update": 4, "init_from": config.init_from,
+              "tokenizer_path": config.tokenizer_path, "wait_seconds": 60, **overrides}
+    return {"ops": {"rl_policy": {"config": values}}}
+
+
+def _kill_a_worker_once_a_version_is_out(scratch, checkpoint_uri) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = list(scratch.glob("rl/*/workers/workers.json"))
+            if found:
+                run = found[0].parent.parent.name
+                if (PolicyStore(checkpoint_uri, run).newest() or 0) >= 2:
+                    os.killpg(json.loads(found[0].read_text())["1"], signal.SIGKILL)
+                    return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, instance):
+    config = rl_inputs(tmp_path)
+    killer = _kill_a_worker_once_a_version_is_out(tmp_path / "scratch", config.checkpoint_uri)
+
+    result = materialize([rl_policy], instance=instance, resources=_resources(tmp_path, config),
+                         run_config=_run_config(config), raise_on_error=False)
+
+    killer.join()
+    assert result.success
+    policy = result.asset_materializations_for_node("rl_policy")[0].metadata
+    assert policy["rollout_worker_restarts"].value >= 1 and policy["policy_version"].value == 6
+    rows = pl.read_delta(f"{config.lake_uri}/rl/replay_buffer")
+    assert rows["rollout_id"].n_unique() == rows.height, "nothing written twice"
+    consumed = rows.filter(pl.col("status") == "consumed")
+    assert consumed["rollout_id"].n_unique() == consumed.height
+    assert {"worker-0", "worker-1"} <= set(rows["worker"])
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["freshness"].passed, checks["freshness"].description
+    assert policy["reward_curve"].value.endswith(".png")
+
+
+def test_rollouts_forced_to_lag_fail_the_freshness_check_naming_the_lag(tmp_path, instance):
+    config = rl_inputs(tmp_path)
+
+    result = materialize([rl_policy], instance=instance, resources=_resources(tmp_path, config, max_staleness=1),
+                         run_config=_run_config(config, lagging_worker_lag=3), raise_on_error=False)
+
+    rows = pl.read_delta(f"{config.lake_uri}/rl/replay_buffer")
+    dropped = rows.filter(pl.col("status") == "dropped_stale")
+    assert dropped.height and set(dropped["worker"]) == {"worker-0"}, "worker 0 lags; worker 1 keeps the run going"
+    freshness = {c.check_name: c for c in result.get_asset_check_evaluations()}["freshness"]
+    assert not freshness.passed and not result.success, "a blocking check"
+    assert "dropped as stale, lagging up to" in freshness.description and "(limit 1)" in freshness.description

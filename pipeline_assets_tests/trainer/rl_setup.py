@@ -1,0 +1,44 @@
+"""A small RL run's inputs, made in seconds: a prompt bank of generated tasks in a lake, a byte-level BPE
+tokenizer trained on its text, and an untrained tiny policy exported where ``--init-from`` reads it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import polars as pl
+
+from pipeline_assets.lib.decontam import EVAL_COLUMNS, DecontamConfig, EvalNgramIndex
+from pipeline_assets.lib.rl_bank import curate_bank, generated_tasks
+from pipeline_assets.lib.silver import SilverConfig
+from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.trainer.config import ModelConfig, RlConfig
+from pipeline_assets.trainer.export import save_exported
+from pipeline_assets.trainer.model import Transformer
+from pipeline_assets_tests.trainer.launch import environ_without_mlflow
+
+
+def rl_inputs(root: Path, tasks: int = 400, **overrides) -> RlConfig:
+    lake = root / "lake"
+    no_eval_items = EvalNgramIndex.build(pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig())
+    bank = curate_bank(generated_tasks(tasks, seed=1, held_out_fraction=0.2), no_eval_items, SilverConfig())
+    bank.write_delta(str(lake / "rl" / "prompt_bank"), mode="overwrite")
+    tokenizer = train_bpe((bank["prompt"] + " " + bank["ground_truth"]).to_list(), vocab_size=300, min_frequency=1)
+    (root / "tokenizer.json").write_text(tokenizer_to_json(tokenizer))
+    model_config = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=tokenizer.get_vocab_size(), max_seq_len=64)
+    (root / "init").mkdir(exist_ok=True)
+    save_exported(Transformer(model_config).state_dict(), model_config, root / "init", {})
+    config = RlConfig(lake_uri=str(lake), checkpoint_uri=str(root / "checkpoints"), partition="rl-v0",
+                      tokenizer_path=str(root / "tokenizer.json"), init_from=str(root / "init"), updates=3,
+                      prompts_per_update=4, group_size=4, eval_every=2, held_out_prompts=8,
+                      landing_uri=str(root / "landing"), wait_seconds=60)
+    return replace(config, **overrides)
+
+
+def start(config: RlConfig, log: Path, worker: int | None = None, lag: int = 0) -> subprocess.Popen:
+    """The learner, or rollout worker ``worker``, as its own process (its output in ``log``)."""
+    args = replace(config, worker=-1 if worker is None else worker, lag=lag).to_args()
+    return subprocess.Popen([sys.executable, "-m", "pipeline_assets.trainer.rl", *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env=environ_without_mlflow(), start_new_session=True)
