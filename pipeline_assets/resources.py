@@ -33,7 +33,7 @@ from pipeline_assets.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.decontam import DecontamConfig, read_eval_sets
-from pipeline_assets.lib.formats import FORMATS, SFT, RecordFormat, format_named
+from pipeline_assets.lib.formats import FORMATS, PREFERENCE, SFT, RecordFormat, format_named
 from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.minhash import MinHashConfig
@@ -41,6 +41,7 @@ from pipeline_assets.lib.normalize import NormalizeConfig
 from pipeline_assets.lib.preference_gold import VALIDATION_FRACTION as PREFERENCE_VALIDATION_FRACTION
 from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.promotion import rollback_target
+from pipeline_assets.lib.replay import ROLLOUT_SOURCE
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.lib.quality import QualityThresholds
 from pipeline_assets.lib.retention import Removed
@@ -569,8 +570,13 @@ class LandingResource(ConfigurableResource):
     def mapping_for(self, source: str) -> dict[str, str]:
         return self.field_mappings.get(source, {})
 
+    @property
+    def formats_by_source(self) -> dict[str, str]:
+        """Each named source's record format: the RL overlay's rollout pairs' source, then the setting's."""
+        return {ROLLOUT_SOURCE: PREFERENCE.name, **self.source_formats}
+
     def format_for(self, source: str) -> RecordFormat:
-        return format_named(self.source_formats.get(source, SFT.name))
+        return format_named(self.formats_by_source.get(source, SFT.name))
 
     def list_files(self) -> list[LandingFile]:
         files = self._list_s3() if uris.is_s3(self.uri) else self._list_local()

@@ -74,7 +74,7 @@ def bronze_quarantine_rate(
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
     hints = {h["source"]: h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])),
-                                                         landing.source_formats)}
+                                                         landing.formats_by_source)}
     unreadable = unreadable_files(quarantine)
     messages = [_unreadable_message(row) for row in unreadable.iter_rows(named=True)]
     messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
