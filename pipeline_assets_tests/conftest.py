@@ -24,7 +24,7 @@ from pipeline_assets.resources import (
 
 # The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest first by
 # their time in a full run: started last, as alphabetical order would, they leave one pytest-xdist worker alone.
-LONGEST_FIRST = ["defs/test_registry.py", "test_cli.py", "defs/test_silver.py", "trainer/test_torchrun.py", "test_recovery.py",
+LONGEST_FIRST = ["defs/test_registry.py", "test_cli.py", "trainer/test_rl_learning.py", "defs/test_dpo_evaluation.py", "defs/test_silver.py", "trainer/test_torchrun.py", "test_recovery.py",
                  "test_s3_end_to_end.py", "test_daemon.py", "defs/test_gold.py", "defs/test_ray_engine.py", "defs/test_training.py",
                  "trainer/test_hparam_search.py", "defs/test_bronze.py", "test_ui_browser.py", "defs/test_registration_race.py",
                  "lib/test_sample_corpus.py", "test_concurrent_runs.py", "test_appended_export.py",

@@ -51,7 +51,7 @@ class Judgement:
 
 
 def take_for_update(buffer: pl.DataFrame, current_version: int, policy: StalenessPolicy, *,
-                    now: datetime | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+                    now: datetime | None = None, max_groups: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The pending rows an update at ``current_version`` takes: ``(consumed, dropped)``, both with
     ``status``, ``consumed_by_version`` (= ``current_version``) and ``updated_at`` (``now``, by
     default the current UTC time) set, ready to merge back into the buffer by ``rollout_id``.
@@ -59,13 +59,20 @@ def take_for_update(buffer: pl.DataFrame, current_version: int, policy: Stalenes
     A group is taken whole: its completions share one generation, and GRPO's advantage is relative
     to the group, so a group with any row lagging more than ``max_staleness`` versions is dropped
     entirely rather than trained on in part. A rollout that has any non-pending row in ``buffer``
-    is never taken again, so calling this on the merged buffer takes nothing twice.
+    is never taken again, so calling this on the merged buffer takes nothing twice. ``max_groups``:
+    consume at most that many fresh groups, the oldest first (the rest stay pending for the next update);
+    every stale one is dropped.
     """
     pending = _untaken(buffer)
     lag = current_version - pl.col("policy_version")
     stale_groups = pending.filter(lag > policy.max_staleness).select("group_id").unique()
     taken_at = now or datetime.now(timezone.utc)
-    consumed = _mark(pending.join(stale_groups, on="group_id", how="anti"), CONSUMED, current_version, taken_at)
+    fresh = pending.join(stale_groups, on="group_id", how="anti")
+    if max_groups is not None:
+        oldest = (fresh.group_by("group_id").agg(pl.col("generated_at").min()).sort("generated_at", "group_id")
+                  .head(max_groups).select("group_id"))
+        fresh = fresh.join(oldest, on="group_id", how="semi")
+    consumed = _mark(fresh, CONSUMED, current_version, taken_at)
     dropped = _mark(pending.join(stale_groups, on="group_id", how="semi"), DROPPED_STALE, current_version, taken_at)
     return consumed, dropped
 

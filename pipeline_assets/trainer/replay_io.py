@@ -48,12 +48,13 @@ class ReplayTable:
         rows = pl.from_arrow(table.to_pyarrow_table())
         return rows if run is None else rows.filter(pl.col("run") == run)
 
-    def take(self, run: str, current_version: int, policy: StalenessPolicy, now: datetime | None = None
-             ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    def take(self, run: str, current_version: int, policy: StalenessPolicy, now: datetime | None = None,
+             max_groups: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
         """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops as stale
         (``lib.replay.take_for_update``), their new status written back before they are returned."""
         with self._lock():
-            consumed, dropped = take_for_update(self.read(run), current_version, policy, now=now)
+            consumed, dropped = take_for_update(self.read(run), current_version, policy, now=now,
+                                                max_groups=max_groups)
             changed = pl.concat([consumed, dropped])
             if changed.height:
                 self._merge_status(validate(conform(changed, ReplayBufferRow), ReplayBufferRow))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import sys
 import time
@@ -28,20 +29,21 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib.replay import StalenessPolicy, preference_pairs_from_groups, write_rollout_pairs
-from pipeline_assets.lib.rl_tasks import HELD_OUT
-from pipeline_assets.lib.tokenizer import tokenizer_from_json
-from pipeline_assets.lib.verifiers import verify
+from pipeline_assets.lib.rl_tasks import HELD_OUT, TRAIN
+from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.grpo import completion_logps, grpo_loss, group_advantages, zero_spread_groups
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable
 from pipeline_assets.trainer.report import Reporter
-from pipeline_assets.trainer.rollout import Prompts, completion_text, stop_token_ids
-from pipeline_assets.trainer.sampling import Completion, completion_rows, greedy_completions
+from pipeline_assets.trainer.model import loss_sum_and_count
+from pipeline_assets.trainer.rollout import Prompts, judge, stop_token_ids
+from pipeline_assets.trainer.sampling import Completion, completion_rows, greedy_completions, right_padded
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
 _POLL_SECONDS = 0.25
+_WARM_START_EVAL_EVERY = 5  # sft steps between held-out checks: the warm start stops just past the threshold
 METRICS_FILE = "rl_metrics.jsonl"
 
 
@@ -52,7 +54,7 @@ class Learner:
         self.table = ReplayTable(config.lake_uri)
         self.staleness = StalenessPolicy(config.max_staleness, config.max_pending_seconds)
         self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
-        self.held_out = Prompts(config.lake_uri, HELD_OUT, self.tokenizer)
+        self.held_out = Prompts(config.lake_uri, HELD_OUT, self.tokenizer, config.tasks)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.stopping = False
         self.reporter = Reporter(config.mlflow_run_id, config.mlflow_experiment)
@@ -86,10 +88,11 @@ class Learner:
         newest = self.policies.newest()
         if newest is None:
             model, _ = load_exported(Path(self.config.init_from))
+            warm_start = self._warm_start(model)
             optimizer = self._optimizer(model)
             self.policies.clear_done()
-            self.policies.publish(0, model, model.config, None, {"partition": self.config.partition})
-            self.reporter.info(f"policy v0 from {self.config.init_from}")
+            self.policies.publish(0, model, model.config, None, {"partition": self.config.partition, **warm_start})
+            self.reporter.info(f"policy v0 from {self.config.init_from}: {warm_start}")
             return 0, model, optimizer
         model, _, folder = self.policies.load(newest, reader="learner")
         optimizer = self._optimizer(model)
@@ -100,7 +103,39 @@ class Learner:
         return newest, model, optimizer
 
     def _optimizer(self, model) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.config.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        return torch.optim.AdamW(model.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def _warm_start(self, model) -> dict:
+        """A starting policy that cannot do the task (held-out accuracy below ``warm_start_accuracy``) is tuned
+        on the bank's training prompts first, until it can, or ``warm_start_max_steps`` steps."""
+        accuracy = self.held_out_accuracy(model)
+        if accuracy >= self.config.warm_start_accuracy:
+            return {"warm_start_steps": 0, "warm_start_accuracy": accuracy}
+        train = Prompts(self.config.lake_uri, TRAIN, self.tokenizer, self.config.tasks)
+        examples = encode_records(self.tokenizer, train.rows.select(
+            record_id="prompt_id", system=pl.lit(None, pl.String), prompt="prompt", response="ground_truth"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.config.warm_start_lr, betas=(0.9, 0.95),
+                                      weight_decay=0.0)
+        choice = random.Random(self.config.seed)
+        step = 0
+        for step in range(1, self.config.warm_start_max_steps + 1):
+            batch = examples[choice.sample(range(examples.height), min(self.config.warm_start_batch, examples.height))]
+            input_ids, position_ids, _ = right_padded(batch["input_ids"].to_list())
+            loss_mask, _, _ = right_padded(batch["loss_mask"].to_list())
+            model.train()
+            loss_sum, count = loss_sum_and_count(model(input_ids, position_ids), input_ids, loss_mask.bool(),
+                                                 position_ids)
+            optimizer.zero_grad(set_to_none=True)
+            (loss_sum / count).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if step % _WARM_START_EVAL_EVERY == 0:
+                accuracy = self.held_out_accuracy(model)
+                if accuracy >= self.config.warm_start_accuracy:
+                    break
+        self.reporter.info(f"warm start: {step} sft step(s) on the bank's training prompts, held-out accuracy "
+                           f"{accuracy:.3f}")
+        return {"warm_start_steps": step, "warm_start_accuracy": accuracy}
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
@@ -112,7 +147,8 @@ class Learner:
         while time.monotonic() < deadline and not self.stopping:
             pending = self.table.read(self.config.partition).filter(pl.col("status") == "pending")
             if pending["group_id"].n_unique() >= self.config.prompts_per_update:
-                consumed, stale = self.table.take(self.config.partition, version, self.staleness)
+                consumed, stale = self.table.take(self.config.partition, version, self.staleness,
+                                                  max_groups=self.config.prompts_per_update)
                 dropped.append(stale)
                 if consumed["group_id"].n_unique() >= 1:
                     return consumed, pl.concat(dropped)
@@ -129,15 +165,16 @@ class Learner:
             Completion(row, tokens, logps) for row, (tokens, logps) in
             enumerate(zip(consumed["completion_token_ids"].to_list(), consumed["behaviour_logps"].to_list()))])
         model.train()
-        logits = model(rows.input_ids, rows.position_ids)
-        new_logps = completion_logps(logits, rows.input_ids, rows.loss_mask, rows.position_ids)
         tokens = rows.loss_mask.sum().clamp(min=1)
-        loss_sum, stats = grpo_loss(new_logps, rows.behaviour_logps, advantages[:, None].expand_as(new_logps),
-                                    rows.loss_mask)
-        optimizer.zero_grad(set_to_none=True)
-        (loss_sum / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for _ in range(self.config.steps_per_update):  # the same batch, its ratio moving away from 1
+            logits = model(rows.input_ids, rows.position_ids)
+            new_logps = completion_logps(logits, rows.input_ids, rows.loss_mask, rows.position_ids)
+            loss_sum, stats = grpo_loss(new_logps, rows.behaviour_logps, advantages[:, None].expand_as(new_logps),
+                                        rows.loss_mask, clip_eps=self.config.clip_eps)
+            optimizer.zero_grad(set_to_none=True)
+            (loss_sum / tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
         lags = version - consumed["policy_version"]
         return {
             "loss": float(loss_sum / tokens), "reward_mean": float(rewards.mean()),
@@ -154,9 +191,9 @@ class Learner:
         count = min(self.config.held_out_prompts, len(self.held_out))
         model.eval()
         answers = greedy_completions(model, self.held_out.token_ids[:count], self.config.max_new_tokens, self.stop_ids)
-        prompts = self.held_out.rows.head(count)
-        right = [verify(verifier, truth, completion_text(self.tokenizer, answer)).reward
-                 for verifier, truth, answer in zip(prompts["verifier"], prompts["ground_truth"], answers, strict=True)]
+        prompts = self.held_out.rows.head(count).iter_rows(named=True)
+        right = [judge(self.tokenizer, prompt, answer, self.stop_ids).reward
+                 for prompt, answer in zip(prompts, answers, strict=True)]
         return sum(right) / count
 
     def _report(self, version: int, metrics: dict) -> None:

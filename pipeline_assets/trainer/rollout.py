@@ -4,7 +4,7 @@ Before each batch it loads the newest published policy version (``--lag`` versio
 staleness limit), samples ``group_size`` completions for each of ``prompts_per_update`` training prompts of
 rl/prompt_bank, rewards each with the prompt's verifier, and appends the batch to rl/replay_buffer as
 ``pending`` rows with the version that generated them and each token's behaviour log-probability. It keeps
-at most two updates' worth of groups pending, so it never runs far ahead of the learner, and stops when the
+at most one update's worth of groups pending, so it never runs far ahead of the learner, and stops when the
 learner marks the run done. A worker killed mid-batch loses only its unwritten batch: appends are one commit.
 """
 
@@ -24,7 +24,7 @@ from pipeline_assets.lib.chat_format import END, EOS
 from pipeline_assets.lib.replay import PENDING
 from pipeline_assets.lib.rl_tasks import TRAIN
 from pipeline_assets.lib.tokenizer import encode_prompts, tokenizer_from_json
-from pipeline_assets.lib.verifiers import verify
+from pipeline_assets.lib.verifiers import Verdict, verify
 from pipeline_assets.trainer.config import RlConfig
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable
@@ -32,17 +32,22 @@ from pipeline_assets.trainer.sampling import sample_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rollout")
 _POLL_SECONDS = 0.2
-_AHEAD_UPDATES = 2  # pending groups a worker leaves in the buffer before it waits, in updates' worth
+_AHEAD_UPDATES = 1  # pending groups a worker leaves in the buffer before it waits, in updates' worth: one
+# update ahead keeps the learner busy; two doubled the lag (and cost reward, measured on the sort task)
 
 
 class Prompts:
-    """The bank's prompts of one split, each encoded as the policy reads it."""
+    """The bank's prompts of one split (of ``tasks``, comma-separated; empty: all), each encoded as the policy
+    reads it."""
 
-    def __init__(self, lake_uri: str, split: str, tokenizer):
+    def __init__(self, lake_uri: str, split: str, tokenizer, tasks: str = ""):
         bank = pl.read_delta(f"{lake_uri.rstrip('/')}/rl/prompt_bank")
         self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort("prompt_id")
+        if tasks:
+            self.rows = self.rows.filter(pl.col("task").is_in(tasks.split(",")))
         if self.rows.is_empty():
-            raise RuntimeError(f"rl/prompt_bank holds no {split} prompt: materialize it first")
+            raise RuntimeError(f"rl/prompt_bank holds no {split} prompt{' of ' + tasks if tasks else ''}: "
+                               "materialize it first")
         self.token_ids = encode_prompts(tokenizer, self.rows["prompt"].to_list())
 
     def __len__(self) -> int:
@@ -54,8 +59,15 @@ def stop_token_ids(tokenizer) -> set[int]:
 
 
 def completion_text(tokenizer, token_ids: list[int]) -> str:
-    """The answer a completion gives: its tokens decoded, special tokens left out."""
+    """A completion's tokens decoded, special tokens left out."""
     return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+
+
+def judge(tokenizer, prompt: dict, token_ids: list[int], stop_ids: set[int]):
+    """The verifier's verdict on a completion; one that never ends its answer (no stop token) is wrong."""
+    if not token_ids or token_ids[-1] not in stop_ids:
+        return Verdict(0.0, "the answer never ended within max_new_tokens")
+    return verify(prompt["verifier"], prompt["ground_truth"], completion_text(tokenizer, token_ids))
 
 
 class RolloutWorker:
@@ -64,7 +76,7 @@ class RolloutWorker:
         self.policies = PolicyStore(config.checkpoint_uri, config.partition, config.scratch_dir)
         self.table = ReplayTable(config.lake_uri)
         self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
-        self.prompts = Prompts(config.lake_uri, TRAIN, self.tokenizer)
+        self.prompts = Prompts(config.lake_uri, TRAIN, self.tokenizer, config.tasks)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.choice = random.Random(f"{config.seed}:{config.worker}:{uuid.uuid4()}")  # a restarted worker draws anew
         self.generator = torch.Generator().manual_seed(self.choice.randrange(2**62))
@@ -108,7 +120,7 @@ class RolloutWorker:
         for row, completion in enumerate(completions):
             prompt = self.prompts.rows.row(chosen[completion.prompt_index], named=True)
             text = completion_text(self.tokenizer, completion.token_ids)
-            verdict = verify(prompt["verifier"], prompt["ground_truth"], text)
+            verdict = judge(self.tokenizer, prompt, completion.token_ids, self.stop_ids)
             rows.append({
                 "rollout_id": f"{batch_id}-{row}", "run": self.config.partition, "group_id": f"{batch_id}-g{completion.prompt_index}",
                 "prompt_id": prompt["prompt_id"], "policy_version": version, "generated_at": now, "worker": self.name,

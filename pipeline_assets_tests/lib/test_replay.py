@@ -202,3 +202,14 @@ def test_no_pairs_write_no_file(tmp_path):
     assert no_pairs.is_empty()
     assert write_rollout_pairs(no_pairs, tmp_path, "policy-v6") is None
     assert not (tmp_path / "rl_rollouts").exists()
+
+
+def test_an_update_takes_at_most_max_groups_fresh_groups_the_oldest_first_and_drops_every_stale_one():
+    rows = buffer(*group("newer", [1.0, 0.0], version=5, age_seconds=10),
+                  *group("older", [1.0, 0.0], version=5, age_seconds=50),
+                  *group("stale", [1.0, 0.0], version=1, age_seconds=5))
+    consumed, dropped = take_for_update(rows, 5, POLICY, now=NOW, max_groups=1)
+
+    assert set(consumed["group_id"]) == {"older"} and set(dropped["group_id"]) == {"stale"}
+    again, _ = take_for_update(merged(rows, consumed, dropped), 5, POLICY, now=NOW, max_groups=1)
+    assert set(again["group_id"]) == {"newer"}, "left pending for the next update"

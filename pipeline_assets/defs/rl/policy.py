@@ -43,9 +43,10 @@ FRESHNESS, REWARD_SIGNAL = "freshness", "reward_signal"
 class RlRunConfig(Config):
     """What one materialization runs; the rest is RlPolicy's (PIPELINE_RL_*)."""
 
+    tasks: str = ""  # the bank's tasks to train on, comma-separated; empty: all (the tiny demo model learns "sort")
     updates: int = 60
-    prompts_per_update: int = 16
-    lr: float = 1e-4
+    prompts_per_update: int = 32
+    lr: float = 3e-4
     init_from: str = ""  # an exported model folder to start from instead of the sft champion (with tokenizer_path)
     tokenizer_path: str = ""
     lagging_worker_lag: int = 0  # rollout worker 0 samples this many versions behind (a drill of the staleness limit)
@@ -85,7 +86,7 @@ def rl_policy(context: AssetExecutionContext, config: RlRunConfig, lake: LakeRes
                                           reuse_key={"dagster_run_id": context.run_id, "partition": run})
     rl_config = RlConfig(
         lake_uri=lake.uri, checkpoint_uri=launcher.checkpoint_uri, partition=run, tokenizer_path=tokenizer_path,
-        init_from=init_from, updates=config.updates, prompts_per_update=config.prompts_per_update,
+        init_from=init_from, tasks=config.tasks, updates=config.updates, prompts_per_update=config.prompts_per_update,
         group_size=rl_policy.group_size, lr=config.lr, max_staleness=rl_policy.max_staleness,
         max_pending_seconds=rl_policy.max_pending_seconds, landing_uri=landing.uri, wait_seconds=config.wait_seconds,
         mlflow_run_id=mlflow_run, scratch_dir=launcher.scratch(),
