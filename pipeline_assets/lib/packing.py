@@ -171,16 +171,8 @@ def pack(
     flat_ids, ids_lengths = _flatten(input_ids)
     flat_mask, mask_lengths = _flatten(loss_mask)
     _check_tokens(plan, flat_ids, ids_lengths, flat_mask, mask_lengths, pad_id)
-    by_position, tokens_per_sequence = _pieces_by_position(plan, seq_len)
-    lengths = plan.piece_length[by_position]
-    doc_offset = np.cumsum(ids_lengths) - ids_lengths
-    source_start = doc_offset[plan.piece_doc[by_position]] + plan.piece_start[by_position]
-    position_in_piece = _ranges(lengths)
-    source = np.repeat(source_start, lengths) + position_in_piece
-
+    real, source, lengths, position_in_piece, tokens_per_sequence = _placement(plan, ids_lengths, seq_len)
     columns = np.arange(seq_len, dtype=np.int64)
-    # Pieces lie end to end from offset 0, so the real tokens, row-major, are the pieces by position.
-    real = columns < tokens_per_sequence[:, None]
     packed_ids = np.full(real.shape, pad_id, dtype=np.int32)
     packed_ids[real] = flat_ids[source]
     packed_mask = np.zeros(real.shape, dtype=np.uint8)
@@ -195,6 +187,31 @@ def pack(
         "doc_lengths": lengths.astype(np.int32),
         "doc_lengths_offsets": np.concatenate([[0], np.cumsum(pieces_per_sequence)]).astype(np.int64),
     }
+
+
+def packed_values(plan: PackingPlan, documents: Sequence[np.ndarray] | pl.Series, seq_len: int = DEFAULT_SEQ_LEN,
+                  fill: float = 0.0, dtype=np.float32) -> np.ndarray:
+    """(n_sequences, seq_len): any per-token values of the documents (one array per document, as long as its
+    tokens) placed where ``pack`` places their tokens, ``fill`` elsewhere."""
+    flat, lengths = _flatten(documents)
+    real, source, *_ = _placement(plan, lengths, seq_len)
+    values = np.full(real.shape, fill, dtype=dtype)
+    values[real] = flat[source]
+    return values
+
+
+def _placement(plan: PackingPlan, document_lengths: np.ndarray, seq_len: int):
+    """Where the plan puts every token: (real (n_sequences, seq_len) bool, the flat source index of each real
+    position row-major, the piece lengths by position, each token's position in its piece, tokens per row)."""
+    by_position, tokens_per_sequence = _pieces_by_position(plan, seq_len)
+    lengths = plan.piece_length[by_position]
+    doc_offset = np.cumsum(document_lengths) - document_lengths
+    source_start = doc_offset[plan.piece_doc[by_position]] + plan.piece_start[by_position]
+    position_in_piece = _ranges(lengths)
+    source = np.repeat(source_start, lengths) + position_in_piece
+    # Pieces lie end to end from offset 0, so the real tokens, row-major, are the pieces by position.
+    real = np.arange(seq_len, dtype=np.int64) < tokens_per_sequence[:, None]
+    return real, source, lengths, position_in_piece, tokens_per_sequence
 
 
 def doc_lengths_column(packed: dict[str, np.ndarray]) -> pl.Series:

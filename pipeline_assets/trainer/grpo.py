@@ -13,9 +13,13 @@ tokens before it. Rows are packed as for SFT and DPO: ``position_ids`` restart a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline_assets.lib.packing import pack, packed_values, plan_best_fit_decreasing
 from pipeline_assets.trainer.model import counted_targets, token_losses
 
 
@@ -94,3 +98,36 @@ def _groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tenso
     highest = rewards.new_zeros(n_groups).scatter_reduce(0, group, rewards, "amax", include_self=False)
     lowest = rewards.new_zeros(n_groups).scatter_reduce(0, group, rewards, "amin", include_self=False)
     return group, sizes, highest > lowest
+
+
+@dataclass(frozen=True)
+class PackedCompletions:
+    """Prompt + completion documents packed into rows by the batch path's packer (``lib.packing``, best-fit
+    decreasing, positions restarting at every document): ``loss_mask`` on the completion tokens, and there
+    each token's behaviour log-probability and its completion's advantage, in ``completion_logps``'s
+    alignment (entry t is about token t)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logps: torch.Tensor
+    advantages: torch.Tensor
+
+
+def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]], behaviour_logps: list[list[float]],
+                     advantages: torch.Tensor, seq_len: int, pad_id: int = 0) -> PackedCompletions:
+    """Completion ``i`` after prompt ``i``, every one a document, packed into rows of ``seq_len``."""
+    documents = [np.asarray(p + c, dtype=np.int64) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    masks = [np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)] for p, c in zip(prompt_ids, completion_ids)]
+    logps = [np.r_[np.zeros(len(p)), np.asarray(lp, dtype=np.float64)] for p, lp in zip(prompt_ids, behaviour_logps)]
+    per_token = [np.r_[np.zeros(len(p)), np.full(len(c), float(a))]
+                 for p, c, a in zip(prompt_ids, completion_ids, advantages.tolist())]
+    plan = plan_best_fit_decreasing(np.array([len(d) for d in documents]), seq_len)
+    packed = pack(plan, documents, masks, seq_len, pad_id)
+    return PackedCompletions(
+        input_ids=torch.from_numpy(packed["input_ids"]).long(),
+        position_ids=torch.from_numpy(packed["position_ids"]).long(),
+        loss_mask=torch.from_numpy(packed["loss_mask"]).bool(),
+        behaviour_logps=torch.from_numpy(packed_values(plan, logps, seq_len)),
+        advantages=torch.from_numpy(packed_values(plan, per_token, seq_len)),
+    )

@@ -28,18 +28,25 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from pipeline_assets.lib.gold import pack_records
 from pipeline_assets.lib.replay import StalenessPolicy, preference_pairs_from_groups, write_rollout_pairs
 from pipeline_assets.lib.rl_tasks import HELD_OUT, TRAIN
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
 from pipeline_assets.trainer.export import load_exported
-from pipeline_assets.trainer.grpo import completion_logps, grpo_loss, group_advantages, zero_spread_groups
+from pipeline_assets.trainer.grpo import (
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    pack_completions,
+    zero_spread_groups,
+)
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.rollout import Prompts, judge, stop_token_ids
-from pipeline_assets.trainer.sampling import Completion, completion_rows, greedy_completions, right_padded
+from pipeline_assets.trainer.sampling import PAD_ID, greedy_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
 _POLL_SECONDS = 0.25
@@ -120,11 +127,11 @@ class Learner:
         step = 0
         for step in range(1, self.config.warm_start_max_steps + 1):
             batch = examples[choice.sample(range(examples.height), min(self.config.warm_start_batch, examples.height))]
-            input_ids, position_ids, _ = right_padded(batch["input_ids"].to_list())
-            loss_mask, _, _ = right_padded(batch["loss_mask"].to_list())
+            packed, _ = pack_records(batch, model.config.max_seq_len, PAD_ID)  # gold's packer
+            input_ids, position_ids = (torch.tensor(packed[c].to_list()) for c in ("input_ids", "position_ids"))
             model.train()
-            loss_sum, count = loss_sum_and_count(model(input_ids, position_ids), input_ids, loss_mask.bool(),
-                                                 position_ids)
+            loss_sum, count = loss_sum_and_count(model(input_ids, position_ids), input_ids,
+                                                 torch.tensor(packed["loss_mask"].to_list()), position_ids)
             optimizer.zero_grad(set_to_none=True)
             (loss_sum / count).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -161,16 +168,15 @@ class Learner:
         rewards = torch.tensor(consumed["reward"].to_list(), dtype=torch.float32)
         groups = torch.tensor((consumed["group_id"].rank("dense") - 1).to_list(), dtype=torch.long)  # 0 .. G-1
         advantages = group_advantages(rewards, groups)
-        rows = completion_rows(consumed["prompt_token_ids"].to_list(), [
-            Completion(row, tokens, logps) for row, (tokens, logps) in
-            enumerate(zip(consumed["completion_token_ids"].to_list(), consumed["behaviour_logps"].to_list()))])
+        rows = pack_completions(consumed["prompt_token_ids"].to_list(), consumed["completion_token_ids"].to_list(),
+                                consumed["behaviour_logps"].to_list(), advantages, model.config.max_seq_len, PAD_ID)
         model.train()
         tokens = rows.loss_mask.sum().clamp(min=1)
         for _ in range(self.config.steps_per_update):  # the same batch, its ratio moving away from 1
             logits = model(rows.input_ids, rows.position_ids)
             new_logps = completion_logps(logits, rows.input_ids, rows.loss_mask, rows.position_ids)
-            loss_sum, stats = grpo_loss(new_logps, rows.behaviour_logps, advantages[:, None].expand_as(new_logps),
-                                        rows.loss_mask, clip_eps=self.config.clip_eps)
+            loss_sum, stats = grpo_loss(new_logps, rows.behaviour_logps, rows.advantages, rows.loss_mask,
+                                        clip_eps=self.config.clip_eps)
             optimizer.zero_grad(set_to_none=True)
             (loss_sum / tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -162,3 +162,33 @@ def test_completion_logps_of_a_packed_row_are_the_log_softmax_at_its_counted_tar
     # One definition of which targets count: per document, they sum to DPO's response log-probability.
     per_document = torch.stack([logps[0, :4].sum(), logps[0, 4:9].sum()])
     torch.testing.assert_close(per_document, document_logps(logits, **batch))
+
+
+def test_packed_completions_give_the_loss_and_gradients_of_one_completion_a_row():
+    from pipeline_assets.trainer.grpo import pack_completions
+    from pipeline_assets.trainer.sampling import Completion, completion_rows
+
+    torch.manual_seed(3)
+    model = Transformer(CONFIG)
+    prompts = [[1, 5, 7], [1, 9], [1, 4, 4, 6, 2]]
+    completions = [[11, 12, 13, 3], [14, 3], [15, 16, 3]]
+    behaviour = [[-1.0, -2.0, -0.5, -0.1], [-0.3, -0.2], [-1.5, -0.7, -0.9]]
+    advantages = torch.tensor([0.7, -1.2, 0.4])
+
+    def loss_and_grads(rows, per_token):
+        model.zero_grad()
+        logps = completion_logps(model(rows.input_ids, rows.position_ids), rows.input_ids, rows.loss_mask,
+                                 rows.position_ids)
+        loss, _ = grpo_loss(logps, rows.behaviour_logps.float(), per_token.float(), rows.loss_mask)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    one_a_row = completion_rows(prompts, [Completion(i, c, b) for i, (c, b) in enumerate(zip(completions, behaviour))])
+    padded = loss_and_grads(one_a_row, advantages[:, None].expand_as(one_a_row.behaviour_logps))
+    packed_rows = pack_completions(prompts, completions, behaviour, advantages, seq_len=16)
+    assert packed_rows.input_ids.shape[0] < len(prompts), "documents share rows"
+    packed = loss_and_grads(packed_rows, packed_rows.advantages)
+
+    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-6)
+    for name, gradient in padded[1].items():
+        torch.testing.assert_close(packed[1][name], gradient, rtol=1e-4, atol=1e-6, msg=name)
