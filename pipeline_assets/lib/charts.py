@@ -28,11 +28,7 @@ def slice_bars_png(slices: list[str], candidate: list[float], champion: list[flo
     axis.set(ylabel=ylabel, title=title)
     axis.grid(axis="y", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, path)
 
 
 def loss_curve_png(history: list[dict], path: Path, title: str, unit: str = "nats/token") -> Path | None:
@@ -50,10 +46,7 @@ def loss_curve_png(history: list[dict], path: Path, title: str, unit: str = "nat
     axis.set(xlabel="step", ylabel=f"loss ({unit})", title=title)
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, path)
 
 
 def time_breakdown_png(stages: list[str], wall_seconds: list[float], cost_usd: list[float], path: Path, title: str) -> Path:
@@ -69,11 +62,7 @@ def time_breakdown_png(stages: list[str], wall_seconds: list[float], cost_usd: l
             left[key] += shares[key]
     axis.set(xlabel=f"share (wall {totals['wall time']:,.0f} s, cost ${totals['cost']:.4f})", title=title, xlim=(0, 1))
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=min(len(stages), 6), fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, path)
 
 
 def reward_curve_png(history: list[dict], path: Path, title: str) -> Path | None:
@@ -91,6 +80,10 @@ def reward_curve_png(history: list[dict], path: Path, title: str) -> Path | None
     axis.set(xlabel="policy version", ylabel="reward / accuracy", title=title, ylim=(-0.02, 1.02))
     axis.grid(alpha=0.3)
     axis.legend()
+    return _saved(plt, figure, path)
+
+
+def _saved(plt, figure, path: Path) -> Path:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
