@@ -74,8 +74,7 @@ class Learner:
         while version < self.config.updates:
             taken = self._wait_for_rollouts(version)
             if self.stopping:
-                self.reporter.info(f"stopped by a signal at policy v{version}: the same command resumes from it")
-                return EXIT_PREEMPTED
+                return self._stopped(version)
             if taken is None:
                 return self._fail(f"no fresh rollouts within {self.config.wait_seconds:g} s at policy v{version}")
             metrics = self._update(model, optimizer, taken, version)
@@ -86,9 +85,12 @@ class Learner:
                 metrics["held_out_accuracy"] = self.held_out_accuracy(model)
             self._report(version, metrics)
             if self.stopping:
-                self.reporter.info(f"stopped by a signal at policy v{version}: the same command resumes from it")
-                return EXIT_PREEMPTED
+                return self._stopped(version)
         return self._finish(version)
+
+    def _stopped(self, version: int) -> int:
+        self.reporter.info(f"stopped by a signal at policy v{version}: the same command resumes from it")
+        return EXIT_PREEMPTED
 
     # --- start and resume -----------------------------------------------------------------------
     def _start(self):
