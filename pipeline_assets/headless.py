@@ -31,6 +31,7 @@ from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
     RL_POLICY,
+    RL_PROMPT_BANK,
     RL_REPLAY_BUFFER,
     TRAINING_HPARAM_SEARCH,
 )
@@ -41,8 +42,8 @@ from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_
 
 log = logging.getLogger("pipeline_assets")
 
-# What costs several trainings runs only when a selection names it: the search, and an RL run.
-RUN_WHEN_SELECTED = {TRAINING_HPARAM_SEARCH, RL_POLICY, RL_REPLAY_BUFFER}
+# What runs only when a selection names it: the search (it costs several trainings) and the RL overlay.
+RUN_WHEN_SELECTED = {TRAINING_HPARAM_SEARCH, RL_PROMPT_BANK, RL_POLICY, RL_REPLAY_BUFFER}
 SERIES = (SFT_SERIES, PREFERENCE_SERIES)  # the snapshot series a run cuts, each on its cadence
 # Step logs at INFO (per-file accounting, check results); DEBUG event chatter stays in the instance.
 _RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -172,8 +173,8 @@ def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey
 
 def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
                         explicit: bool = False) -> list[AssetKey]:
-    """Selected unpartitioned assets never materialized, or older than an upstream materialization. An RL run,
-    which trains for minutes to hours, runs only when selected explicitly."""
+    """Selected unpartitioned assets never materialized, or older than an upstream materialization; the RL
+    overlay only when selected explicitly."""
     graph = defs.resolve_asset_graph()
 
     def latest(key: AssetKey) -> float | None:

@@ -42,8 +42,8 @@ ASSET_KEYS = [
     "gold/tokenizer", "gold/sequences", "gold/snapshots", "gold/preference_sequences", "gold/preference_snapshots",
     "gold/reference_logps",
     "training/hparam_search", "training/checkpoint", "training/dpo_checkpoint",
-    "evaluation/report", "evaluation/dpo_report", "registry/model_version",
-    "ops/pipeline_report",
+    "evaluation/report", "evaluation/dpo_report", "registry/model_version", "registry/dpo_model_version",
+    "ops/pipeline_report", "rl/prompt_bank", "rl/policy", "rl/replay_buffer",
 ]
 # silver/records: what feeds it and what it feeds, one step either way.
 UPSTREAM = ["bronze/records", "reference/eval_sets"]
@@ -139,7 +139,7 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1600, "height": 1200},
+            viewport={"width": 1600, "height": 2200},  # the catalog lists every asset without scrolling
         )
         try:
             page = browser.new_page()

@@ -15,6 +15,7 @@ from pipeline_assets.lib.decontam import EVAL_COLUMNS, DecontamConfig, EvalNgram
 from pipeline_assets.lib.rl_bank import curate_bank, generated_tasks
 from pipeline_assets.lib.silver import SilverConfig
 from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.lib.torchrun import torchrun_env
 from pipeline_assets.trainer.config import ModelConfig, RlConfig
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.model import Transformer
@@ -44,5 +45,6 @@ def rl_inputs(root: Path, bank_tasks: int = 400, dim: int = 32, n_layers: int = 
 def start(config: RlConfig, log: Path, worker: int | None = None, lag: int = 0) -> subprocess.Popen:
     """The learner, or rollout worker ``worker``, as its own process (its output in ``log``)."""
     args = replace(config, worker=-1 if worker is None else worker, lag=lag).to_args()
+    env = {**environ_without_mlflow(), **torchrun_env(threads_per_rank=1)}  # one core each, as the launcher gives
     return subprocess.Popen([sys.executable, "-m", "pipeline_assets.trainer.rl", *args], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=environ_without_mlflow(), start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)

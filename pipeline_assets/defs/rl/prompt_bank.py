@@ -5,7 +5,6 @@ import polars as pl
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetExecutionContext, MaterializeResult, asset, asset_check
 
 from pipeline_assets.contracts import PromptBankRow, conform, polars_schema, validate
-from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, RL_PROMPT_BANK, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
@@ -21,11 +20,11 @@ _SHOWN = 20  # rows a failed check names
     group_name="rl",
     deps=[SILVER_RECORDS, REFERENCE_EVAL_SETS],
     kinds={"delta", "polars"},
-    automation_condition=after_upstream_passes(),
     description="Prompts whose answer a rule checks, each naming its verifier (exact_match, int_equal, "
     "regex:<pattern>) and ground truth: silver records answered by a bare integer, and PIPELINE_RL_BANK_TASKS "
     "seeded tasks (reverse, sort, add), held out by a hash of the prompt. Every candidate is a row: in the bank, "
-    "or removed by the batch path's decontamination or quality stage, with its evidence.",
+    "or removed by the batch path's decontamination or quality stage, with its evidence. Like the whole RL "
+    "overlay, materialized by hand (or selected explicitly), never by automation.",
 )
 def rl_prompt_bank(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource,
                    silver_policy: SilverPolicy, rl_policy: RlPolicy) -> MaterializeResult:
