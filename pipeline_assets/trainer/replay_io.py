@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from datetime import datetime
+from pathlib import Path
 
 import polars as pl
 from deltalake import DeltaTable, write_deltalake
@@ -19,7 +20,7 @@ from deltalake.exceptions import TableNotFoundError
 from pipeline_assets.contracts import ReplayBufferRow, conform, polars_schema, validate
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, Lock, S3Lease
-from pipeline_assets.lib.replay import StalenessPolicy, take_for_update
+from pipeline_assets.lib.replay import ROLLOUT_SOURCE, StalenessPolicy, take_for_update, write_rollout_pairs
 
 TABLE = ("rl", "replay_buffer")
 _LOCK_TIMEOUT_SECONDS = 300.0
@@ -76,3 +77,22 @@ class ReplayTable:
         client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
         return S3Lease(client, lock_uri, timeout=_LOCK_TIMEOUT_SECONDS, ttl_seconds=_LEASE_SECONDS)
 
+
+
+def land_rollout_pairs(pairs: pl.DataFrame, landing_uri: str, name: str, scratch_dir: str) -> str | None:
+    """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.replay.write_rollout_pairs``), on a local
+    landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object appears at once).
+    Returns where it landed; None when there are no pairs."""
+    if not uris.is_s3(landing_uri):
+        written = write_rollout_pairs(pairs, Path(landing_uri), name)
+        return None if written is None else str(written)
+    staged = write_rollout_pairs(pairs, Path(scratch_dir) / "rollout_pairs", name)
+    if staged is None:
+        return None
+    import boto3  # only on S3
+
+    target = uris.join(landing_uri, ROLLOUT_SOURCE, staged.name)
+    bucket, key = uris.split_s3(target)
+    boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None).upload_file(str(staged), bucket, key)
+    staged.unlink()
+    return target

@@ -29,7 +29,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib.gold import pack_records
-from pipeline_assets.lib.replay import StalenessPolicy, preference_pairs_from_groups, write_rollout_pairs
+from pipeline_assets.lib.replay import StalenessPolicy, preference_pairs_from_groups
 from pipeline_assets.lib.rl_tasks import HELD_OUT, TRAIN
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
@@ -42,7 +42,7 @@ from pipeline_assets.trainer.grpo import (
     zero_spread_groups,
 )
 from pipeline_assets.trainer.policy_store import PolicyStore
-from pipeline_assets.trainer.replay_io import ReplayTable
+from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.rollout import Prompts, judge, stop_token_ids
@@ -225,7 +225,8 @@ class Learner:
         rows = self.table.read(self.config.partition).filter(pl.col("status") == "consumed")
         bank = pl.read_delta(f"{self.config.lake_uri.rstrip('/')}/rl/prompt_bank").select("prompt_id", "prompt")
         pairs = preference_pairs_from_groups(rows, bank.unique("prompt_id"))
-        written = write_rollout_pairs(pairs, Path(self.config.landing_uri), self.config.partition)
+        written = land_rollout_pairs(pairs, self.config.landing_uri, self.config.partition,
+                                     self.config.scratch_dir or str(self.policies.store.scratch))
         if written is not None:
             self.reporter.info(f"{pairs.height} preference pair(s) from the rollouts: {written}")
         return pairs.height

@@ -3,6 +3,7 @@ takes updates, and every completion ends up in the table once, consumed at most 
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
 
@@ -58,3 +59,22 @@ def test_stale_rows_are_written_back_as_dropped(tmp_path):
     assert statuses == {"fresh": "consumed", "old": "dropped_stale"}
     assert table.take("rl-v0", current_version=5, policy=StalenessPolicy(1, 3600.0))[0].is_empty(), "nothing twice"
     assert table.take("rl-v1", current_version=0, policy=StalenessPolicy(1, 3600.0))[0].is_empty(), "another run's"
+
+
+def test_rollout_pairs_land_whole_on_an_s3_landing_zone(tmp_path, s3_endpoint):
+    import boto3
+
+    from pipeline_assets.lib.replay import preference_pairs_from_groups
+    from pipeline_assets.trainer.replay_io import land_rollout_pairs
+    from pipeline_assets_tests.conftest import BUCKET
+
+    rows = buffer(*group("g1", [1.0, 0.0], version=5, prompt_id="p1"))
+    pairs = preference_pairs_from_groups(rows, pl.DataFrame({"prompt_id": ["p1"], "prompt": ["Sort: 3 1 2"]}))
+
+    landed = land_rollout_pairs(pairs, f"s3://{BUCKET}/landing", "rl-0001", str(tmp_path / "scratch"))
+
+    assert landed == f"s3://{BUCKET}/landing/rl_rollouts/rl-0001.jsonl"
+    body = boto3.client("s3").get_object(Bucket=BUCKET, Key="landing/rl_rollouts/rl-0001.jsonl")["Body"].read()
+    assert [line["id"] for line in map(json.loads, body.decode().splitlines())] == ["rl:g1"]
+    assert not list((tmp_path / "scratch").rglob("*.jsonl")), "the staged copy is removed"
+    assert land_rollout_pairs(pairs.clear(), f"s3://{BUCKET}/landing", "rl-0002", str(tmp_path)) is None
