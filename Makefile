@@ -16,7 +16,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # module it imports again: the suite took 25 min 37 s that way here, against 16 min 39 s.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install chromium demo test dev bench clean
+.PHONY: install chromium demo test lint dev bench clean
 
 # torch first, pinned: the local CPU wheel. An unpinned torch would pull GBs of CUDA packages.
 # --no-compile: Python compiles the modules a process imports on first use; compiling every file of
@@ -54,7 +54,12 @@ chromium:
 # free, else in the system's temporary folder; they are removed when the suite passes.
 TEST_TMP = $$(if [ -w /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 {print $$4}')" -gt 4000000 ]; \
 	then mktemp -d /dev/shm/pt.XXXXXX; else mktemp -d; fi)
-test: install chromium
+# ruff: imports sorted, pyflakes, and the code formatted at 100 columns (pyproject.toml, [tool.ruff]).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install chromium lint
 	tmp=$(TEST_TMP); echo "test files under $$tmp"; \
 	TMPDIR=$$tmp $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
 		--basetemp=$$tmp/pytest pipeline_assets_tests && rm -rf $$tmp

@@ -74,7 +74,10 @@ def run() -> dict:
         f" (1% dirty lines: {dirty['ingest_over_floor']:.2f}x the floor)",
         "baseline": f"read_ndjson + write_deltalake {rows / floor:,.0f} rows/s, {mb / floor:,.1f} MB/s",
         "floor_seconds": round(floor, 3),
-        "floor_stages": {"read_ndjson_seconds": round(read_seconds, 3), "write_deltalake_seconds": round(write_seconds, 3)},
+        "floor_stages": {
+            "read_ndjson_seconds": round(read_seconds, 3),
+            "write_deltalake_seconds": round(write_seconds, 3),
+        },
         "clean": clean,
         "dirty": dirty,
         "ratio": clean["ingest_over_floor"],
@@ -96,21 +99,34 @@ def _variant_figures(files: list[Path], ingest: tuple[float, float], floor: floa
         "lines": sum(r.lines_read for r in fast),
         "rows": sum(r.records.height for r in fast),
         "quarantined": quarantine.height,
-        "quarantined_by_reason": dict(quarantine.group_by("reason").len().sort("reason").iter_rows()),
-        "long_responses": sum(r.records.filter(pl.col("response").str.len_chars() >= LONG_MIN_CHARS).height for r in fast),
+        "quarantined_by_reason": dict(
+            quarantine.group_by("reason").len().sort("reason").iter_rows()
+        ),
+        "long_responses": sum(
+            r.records.filter(pl.col("response").str.len_chars() >= LONG_MIN_CHARS).height
+            for r in fast
+        ),
         "same_as_exact_path": all(_same(a, b) for a, b in zip(fast, exact, strict=True)),
         "ingest_seconds": round(ingest_seconds, 3),
         "ingest_over_floor": round(ingest_seconds / floor, 3),
         "stages": {
-            "read_seconds": round(best_seconds(lambda: [read_landing_file(n, d) for n, d in blobs], REPEATS), 3),
-            "read_exact_path_seconds": round(best_seconds(lambda: [read_landing_file_exact(n, d) for n, d in blobs], REPEATS), 3),
+            "read_seconds": round(
+                best_seconds(lambda: [read_landing_file(n, d) for n, d in blobs], REPEATS), 3
+            ),
+            "read_exact_path_seconds": round(
+                best_seconds(lambda: [read_landing_file_exact(n, d) for n, d in blobs], REPEATS), 3
+            ),
             "records_streamed_to_delta_seconds": round(write_seconds, 3),
         },
     }
 
 
 def _same(a, b) -> bool:
-    return a.lines_read == b.lines_read and a.records.equals(b.records) and a.quarantine.equals(b.quarantine)
+    return (
+        a.lines_read == b.lines_read
+        and a.records.equals(b.records)
+        and a.quarantine.equals(b.quarantine)
+    )
 
 
 def _floor_seconds(files: list[Path], table: Path) -> tuple[float, float]:
@@ -140,10 +156,17 @@ class _BronzeBatch:
     def materialize(self) -> tuple[float, float]:
         """The asset's wall time (read to Delta commit) and its Delta writes' (both tables). The records
         are written as the files are read, so their write's time holds the reading too."""
-        result = materialize([bronze], partition_key=self.batch, instance=self.instance, resources=self.resources)
-        written = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("bronze")}
+        result = materialize(
+            [bronze], partition_key=self.batch, instance=self.instance, resources=self.resources
+        )
+        written = {
+            m.asset_key.to_user_string(): m.metadata
+            for m in result.asset_materializations_for_node("bronze")
+        }
         records = written["bronze/records"]
-        return records["wall_seconds"].value, sum(m["write_seconds"].value for m in written.values())
+        return records["wall_seconds"].value, sum(
+            m["write_seconds"].value for m in written.values()
+        )
 
 
 # --- The corpus ---------------------------------------------------------------------------------

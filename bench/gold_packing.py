@@ -22,14 +22,19 @@ EFFICIENCY_TARGET = 0.995
 def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         records = assign_split(sample_records(Path(tmp)), 0.02, key="record_id")
-    texts = [(prefix_text(s, p), response_text(r)) for s, p, r in records.select("system", "prompt", "response").iter_rows()]
+    texts = [
+        (prefix_text(s, p), response_text(r))
+        for s, p, r in records.select("system", "prompt", "response").iter_rows()
+    ]
     tokenizer = train_bpe([a + b for a, b in texts], vocab_size=8192)
     flat = [t for pair in texts for t in pair]
     baseline = best_seconds(lambda: tokenizer.encode_batch(flat, add_special_tokens=False))
     tokens = sum(len(e.ids) for e in tokenizer.encode_batch(flat, add_special_tokens=False))
 
     def tokenize_and_pack():
-        encoded = encode_records(tokenizer, records).join(records.select("record_id", "split"), on="record_id")
+        encoded = encode_records(tokenizer, records).join(
+            records.select("record_id", "split"), on="record_id"
+        )
         return build_sequences(encoded, SEQ_LEN, seed=1, pad_id=tokenizer.token_to_id(PAD))
 
     measured = best_seconds(tokenize_and_pack)

@@ -16,13 +16,22 @@ from pathlib import Path
 
 from bench import bronze_ingest, gold_packing, silver_dedup, silver_lookup, sizer, training
 
-BENCHMARKS = {"bronze_ingest": bronze_ingest.run, "silver_dedup": silver_dedup.run, "silver_lookup": silver_lookup.run,
-              "gold_packing": gold_packing.run,
-              "training": training.run, "sizer": sizer.run}
+BENCHMARKS = {
+    "bronze_ingest": bronze_ingest.run,
+    "silver_dedup": silver_dedup.run,
+    "silver_lookup": silver_lookup.run,
+    "gold_packing": gold_packing.run,
+    "training": training.run,
+    "sizer": sizer.run,
+}
 
 
 def machine() -> dict:
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +44,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name != args.only:
             continue
         print(f"== {name}", flush=True)
-        result = {"benchmark": name, "at": datetime.now(timezone.utc).isoformat(), "machine": machine(), **bench()}
+        result = {
+            "benchmark": name,
+            "at": datetime.now(timezone.utc).isoformat(),
+            "machine": machine(),
+            **bench(),
+        }
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2), flush=True)
-    lines = ["| benchmark | measured | baseline | ratio | target | met |", "|---|---|---|---|---|---|"]
-    for r in (json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))):  # this run's and earlier ones
+    lines = [
+        "| benchmark | measured | baseline | ratio | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in (
+        json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))
+    ):  # this run's and earlier ones
         lines.append(
             f"| {r['benchmark']} | {r['measured']} | {r['baseline']} | {r['ratio']:.3f} | {r['target']} | {r['target_met']} |"
         )

@@ -15,9 +15,9 @@ def sample_records(root: Path, records: int = SAMPLE_RECORDS) -> pl.DataFrame:
     """Writes the corpus under root (eval sets in root/eval) and returns its accepted records."""
     manifest = write_sample_corpus(root / "landing", records=records, eval_sets_dir=root / "eval")
     frames = [
-        read_landing_file(f["path"], (root / "landing" / f["path"]).read_bytes()).records.with_columns(
-            source=pl.lit(f["source"])
-        )
+        read_landing_file(
+            f["path"], (root / "landing" / f["path"]).read_bytes()
+        ).records.with_columns(source=pl.lit(f["source"]))
         for f in manifest["files"]
     ]
     frame = pl.concat(frames).with_columns(

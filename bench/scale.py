@@ -34,8 +34,13 @@ SIZES = (1_000_000, 4_000_000)
 BATCH_RECORDS = 500_000
 SOURCES = 4  # the Markov corpus' sources: a shard (one file of each) is one batch
 DATA_LAYERS = "group:bronze or group:silver or group:gold"
-STAGES = {"bronze/records": "bronze", "silver/records": "silver", "gold/sequences": "gold/sequences",
-          "gold/tokenizer": "gold/tokenizer", "gold/snapshots": "gold/snapshots"}
+STAGES = {
+    "bronze/records": "bronze",
+    "silver/records": "silver",
+    "gold/sequences": "gold/sequences",
+    "gold/tokenizer": "gold/tokenizer",
+    "gold/snapshots": "gold/snapshots",
+}
 RSS_GROWTH_GOAL = 1.25
 SILVER_SLOWDOWN_GOAL = 1.5
 POLL_SECONDS = 0.2
@@ -43,14 +48,19 @@ TRAIN_RANKS, TRAIN_STEPS = 2, 20
 TRAINING_RANK_RSS_GOAL_MB = 2048
 
 
-def run(sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root: Path | None = None) -> dict:
+def run(
+    sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root: Path | None = None
+) -> dict:
     by_size = {}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         for records in sizes:
             by_size[records] = _one_size(Path(tmp) / f"n{records}", records, batch_records)
     small, large = by_size[min(sizes)], by_size[max(sizes)]
-    growth = {kind: round(large["peak_rss_mb"][kind] / small["peak_rss_mb"][kind], 3)
-              for kind in small["peak_rss_mb"] if kind in large["peak_rss_mb"]}
+    growth = {
+        kind: round(large["peak_rss_mb"][kind] / small["peak_rss_mb"][kind], 3)
+        for kind in small["peak_rss_mb"]
+        if kind in large["peak_rss_mb"]
+    }
     silver = [b["stages"]["silver"]["seconds"] for b in large["batches"] if "silver" in b["stages"]]
     slowdown = round(silver[-1] / silver[0], 3) if len(silver) > 1 else None
     worst_growth = max(growth.values()) if growth else None
@@ -66,21 +76,45 @@ def run(sizes: tuple[int, ...] = SIZES, batch_records: int = BATCH_RECORDS, root
         "ratio": worst_growth if worst_growth is not None else float("nan"),
         "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; silver's last batch <= {SILVER_SLOWDOWN_GOAL}x "
         f"its first; a training rank <= {TRAINING_RANK_RSS_GOAL_MB} MB",
-        "target_met": bool(growth) and worst_growth <= RSS_GROWTH_GOAL and slowdown is not None
-        and slowdown <= SILVER_SLOWDOWN_GOAL and rank_rss is not None and rank_rss <= TRAINING_RANK_RSS_GOAL_MB,
+        "target_met": bool(growth)
+        and worst_growth <= RSS_GROWTH_GOAL
+        and slowdown is not None
+        and slowdown <= SILVER_SLOWDOWN_GOAL
+        and rank_rss is not None
+        and rank_rss <= TRAINING_RANK_RSS_GOAL_MB,
     }
 
 
 def _one_size(home: Path, records: int, batch_records: int) -> dict:
     corpus, landing = home / "corpus", home / "landing"
-    env = {**os.environ, "PIPELINE_HOME": str(home), "PIPELINE_LANDING_URI": str(landing),
-           "PIPELINE_EVAL_SETS_URI": str(corpus / "_eval_sets")}
+    env = {
+        **os.environ,
+        "PIPELINE_HOME": str(home),
+        "PIPELINE_LANDING_URI": str(landing),
+        "PIPELINE_EVAL_SETS_URI": str(corpus / "_eval_sets"),
+    }
     for name in ("PIPELINE_LAKE_URI", "DAGSTER_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
         env.pop(name, None)
     started = time.perf_counter()
-    subprocess.run([_cli(), "sample-data", "--text", "markov", "--records", str(records), "--out", str(corpus),
-                    "--eval-sets-out", str(corpus / "_eval_sets"), "--file-records", str(batch_records // SOURCES)],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            _cli(),
+            "sample-data",
+            "--text",
+            "markov",
+            "--records",
+            str(records),
+            "--out",
+            str(corpus),
+            "--eval-sets-out",
+            str(corpus / "_eval_sets"),
+            "--file-records",
+            str(batch_records // SOURCES),
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     generated = time.perf_counter() - started
     manifest = json.loads((corpus / "_sample_manifest.json").read_text())
     shards = sorted({f["shard"] for f in manifest["files"]})
@@ -100,9 +134,14 @@ def _one_size(home: Path, records: int, batch_records: int) -> dict:
         for kind, mb in batch.pop("rss_mb").items():
             peak[kind] = max(peak[kind], mb)
     print(f"scale {records:,}: training", file=sys.stderr, flush=True)
-    return {"records": records, "batches": batches, "corpus_seconds": round(generated, 1),
-            "peak_rss_mb": dict(sorted(peak.items())), "snapshot_stages": stages["unpartitioned"],
-            "training": _train_ranks(home, env)}
+    return {
+        "records": records,
+        "batches": batches,
+        "corpus_seconds": round(generated, 1),
+        "peak_rss_mb": dict(sorted(peak.items())),
+        "snapshot_stages": stages["unpartitioned"],
+        "training": _train_ranks(home, env),
+    }
 
 
 def _run_batch(env: dict) -> dict:
@@ -120,25 +159,45 @@ def _train_ranks(home: Path, env: dict) -> dict:
 
     lake = home / "lake"
     snapshot = DeltaTable(str(lake / "gold" / "snapshots")).version()
-    config = TrainConfig(lake_uri=str(lake), snapshot=snapshot, checkpoint_uri=str(home / "checkpoints"),
-                         partition=f"gold-v{snapshot}", steps=TRAIN_STEPS, eval_every=TRAIN_STEPS, log_every=TRAIN_STEPS,
-                         checkpoint_every_steps=TRAIN_STEPS, scratch_dir=str(home / "scratch"))
-    seconds, rss = _watched(torchrun_command(TRAIN_RANKS, config.to_args()), {**env, **torchrun_env(1)})
-    return {"snapshot": f"gold-v{snapshot}", "ranks": TRAIN_RANKS, "steps": TRAIN_STEPS, "seconds": seconds,
-            "rank_peak_rss_mb": rss.get("training rank"), "rss_mb": rss}
+    config = TrainConfig(
+        lake_uri=str(lake),
+        snapshot=snapshot,
+        checkpoint_uri=str(home / "checkpoints"),
+        partition=f"gold-v{snapshot}",
+        steps=TRAIN_STEPS,
+        eval_every=TRAIN_STEPS,
+        log_every=TRAIN_STEPS,
+        checkpoint_every_steps=TRAIN_STEPS,
+        scratch_dir=str(home / "scratch"),
+    )
+    seconds, rss = _watched(
+        torchrun_command(TRAIN_RANKS, config.to_args()), {**env, **torchrun_env(1)}
+    )
+    return {
+        "snapshot": f"gold-v{snapshot}",
+        "ranks": TRAIN_RANKS,
+        "steps": TRAIN_STEPS,
+        "seconds": seconds,
+        "rank_peak_rss_mb": rss.get("training rank"),
+        "rss_mb": rss,
+    }
 
 
 def _watched(command: list[str], env: dict) -> tuple[float, dict[str, float]]:
     """Run ``command`` to its end; its wall seconds and the peak RSS (MB) of each kind of process under it."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     peaks: dict[int, tuple[str, float]] = {}
     watcher = threading.Thread(target=_watch_tree, args=(process, peaks), daemon=True)
     watcher.start()
     _, stderr = process.communicate()
     watcher.join()
     if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:3])} exited {process.returncode}:\n{stderr[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(command[:3])} exited {process.returncode}:\n{stderr[-4000:]}"
+        )
     by_kind: dict[str, float] = defaultdict(float)
     for kind, mb in peaks.values():
         by_kind[kind] = round(max(by_kind[kind], mb), 1)
@@ -185,7 +244,9 @@ def _status(pid: int) -> float | None:
 def _kind(pid: int) -> str:
     """What a process is: the run itself, a Ray worker, or another Ray process (raylet, gcs_server...)."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        command = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return "gone"
     if "pipeline-assets" in command and " run" in command:
@@ -216,8 +277,11 @@ def _stage_figures(dagster_home: Path) -> dict:
                 metadata = {k: v.value for k, v in event.metadata.items()}
                 seconds = metadata.get("wall_seconds")
                 rows = metadata.get("dagster/row_count")
-                entry = {"seconds": seconds, "rows": rows,
-                         "rows_per_second": round(rows / seconds) if rows and seconds else None}
+                entry = {
+                    "seconds": seconds,
+                    "rows": rows,
+                    "rows_per_second": round(rows / seconds) if rows and seconds else None,
+                }
                 if event.partition:
                     figures["partitioned"][event.partition][stage] = entry
                 else:
@@ -235,14 +299,20 @@ def _cli() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale")
-    parser.add_argument("--records", type=int, nargs="+", default=list(SIZES), help="corpus sizes, smallest first")
+    parser.add_argument(
+        "--records", type=int, nargs="+", default=list(SIZES), help="corpus sizes, smallest first"
+    )
     parser.add_argument("--batch-records", type=int, default=BATCH_RECORDS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)
     from bench.run import machine
 
-    result = {"benchmark": "scale", "at": datetime.now(timezone.utc).isoformat(), "machine": machine(),
-              **run(tuple(args.records), args.batch_records)}
+    result = {
+        "benchmark": "scale",
+        "at": datetime.now(timezone.utc).isoformat(),
+        "machine": machine(),
+        **run(tuple(args.records), args.batch_records),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -114,7 +114,10 @@ def _one_thread_signatures(texts: list[str], path: Path, loop_sample: int) -> di
     pl.DataFrame({"text": texts}).write_parquet(path)
     done = subprocess.run(
         [sys.executable, "-m", "bench.silver_signatures", str(path), str(loop_sample)],
-        check=True, capture_output=True, text=True, env={**os.environ, "POLARS_MAX_THREADS": "1"},
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "POLARS_MAX_THREADS": "1"},
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -122,9 +125,14 @@ def _one_thread_signatures(texts: list[str], path: Path, loop_sample: int) -> di
 def _lookup_peak_memory_gb(root: Path) -> float:
     """Build a 1M-entry index in one process, look a batch up against it in a fresh one."""
     table = root / "minhash_index"
-    subprocess.run([sys.executable, "-m", "bench.silver_index", "build", str(table), str(INDEX_RECORDS)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "bench.silver_index", "build", str(table), str(INDEX_RECORDS)],
+        check=True,
+    )
     done = subprocess.run(
         [sys.executable, "-m", "bench.silver_index", "lookup", str(table), str(LOOKUP_BATCH)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_gb"]

@@ -23,14 +23,18 @@ def build(table: str, records: int) -> None:
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     rng = np.random.default_rng(0)
     for start in range(0, records, CHUNK):
-        sigs = rng.integers(0, 2**32, (min(CHUNK, records - start), config.num_perm), dtype=np.uint64).astype(np.uint32)
+        sigs = rng.integers(
+            0, 2**32, (min(CHUNK, records - start), config.num_perm), dtype=np.uint64
+        ).astype(np.uint32)
         frame = pl.DataFrame(
             {
                 "record_id": [f"{i:032d}" for i in range(start, start + len(sigs))],
                 "batch_id": f"b{start // CHUNK:04d}",
                 "exact_hash": [f"{i:032x}" for i in range(start, start + len(sigs))],
                 "signature": [row.tobytes() for row in sigs],
-                "response_signature": [row.tobytes() for row in sigs[:, ::-1]],  # as many bytes as a real one
+                "response_signature": [
+                    row.tobytes() for row in sigs[:, ::-1]
+                ],  # as many bytes as a real one
                 "band_keys": band_keys(sigs, params).tolist(),
                 "lsh_params": params.label(config),
             },
@@ -42,13 +46,17 @@ def build(table: str, records: int) -> None:
 def lookup(table: str, batch_size: int) -> None:
     rng = random.Random(1)
     words = [f"w{i}" for i in range(50_000)]
-    batch = pl.DataFrame({
-        "record_id": [f"z{i:031d}" for i in range(batch_size)],
-        "batch_id": "zz-new",
-        "prompt": "q",
-        "response": [" ".join(rng.choice(words) for _ in range(100)) for _ in range(batch_size)],
-        "exact_hash": "h",
-    })
+    batch = pl.DataFrame(
+        {
+            "record_id": [f"z{i:031d}" for i in range(batch_size)],
+            "batch_id": "zz-new",
+            "prompt": "q",
+            "response": [
+                " ".join(rng.choice(words) for _ in range(100)) for _ in range(batch_size)
+            ],
+            "exact_hash": "h",
+        }
+    )
     result, _ = near_dedup(batch, pl.scan_delta(table))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_rss_gb": peak_kb / 1024 / 1024, "rejected": result.rejected.height}))

@@ -22,8 +22,16 @@ from bench.timing import best_seconds
 from pipeline_assets.defs.silver.lookup import BANDS_PARTITIONED_BY, batch_slices, look_up_by_band
 from pipeline_assets.engine import RayEngine
 from pipeline_assets.lib.dedup import (
-    HISTORY_SCHEMA, ROWS_PER_LOOKUP_TASK, SIGNATURE_COLUMNS, _earliest_by_hash, _history_matches, _signature_matrix, band_entries, band_keys,
-    lsh_params, wanted_keys,
+    HISTORY_SCHEMA,
+    ROWS_PER_LOOKUP_TASK,
+    SIGNATURE_COLUMNS,
+    _earliest_by_hash,
+    _history_matches,
+    _signature_matrix,
+    band_entries,
+    band_keys,
+    lsh_params,
+    wanted_keys,
 )
 from pipeline_assets.lib.minhash import MinHashConfig
 
@@ -31,10 +39,14 @@ INDEX_RECORDS = 2_000_000
 INDEX_BATCHES = 20
 LOOKUP_BATCH = 100_000
 COPIES = 1_000
-TARGET_RATIO = 1.0  # in one process: no slower than the scan it replaces; its gain is that the tasks spread
+TARGET_RATIO = (
+    1.0  # in one process: no slower than the scan it replaces; its gain is that the tasks spread
+)
 
 
-def run(index_records: int = INDEX_RECORDS, batches: int = INDEX_BATCHES, batch_rows: int = LOOKUP_BATCH) -> dict:
+def run(
+    index_records: int = INDEX_RECORDS, batches: int = INDEX_BATCHES, batch_rows: int = LOOKUP_BATCH
+) -> dict:
     config = MinHashConfig()
     with tempfile.TemporaryDirectory() as tmp:
         index_uri, bands_uri = str(Path(tmp) / "minhash_index"), str(Path(tmp) / "minhash_bands")
@@ -43,12 +55,20 @@ def run(index_records: int = INDEX_RECORDS, batches: int = INDEX_BATCHES, batch_
         index, bands = DeltaTable(index_uri), DeltaTable(bands_uri)
         wanted = wanted_keys(batch, config)
 
-        in_process = RayEngine(home=tmp, min_rows=batch_rows + 1)  # as a step without RAY_ADDRESS runs this batch
+        in_process = RayEngine(
+            home=tmp, min_rows=batch_rows + 1
+        )  # as a step without RAY_ADDRESS runs this batch
         slices = batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
 
         def by_band() -> pl.DataFrame:
-            entries, _ = look_up_by_band(wanted, in_process, batch_rows, (bands_uri, None, bands.version()),
-                                         (index_uri, None, index.version()), slices)
+            entries, _ = look_up_by_band(
+                wanted,
+                in_process,
+                batch_rows,
+                (bands_uri, None, bands.version()),
+                (index_uri, None, index.version()),
+                slices,
+            )
             return entries
 
         def whole_index() -> set[str]:
@@ -61,7 +81,9 @@ def run(index_records: int = INDEX_RECORDS, batches: int = INDEX_BATCHES, batch_
 
         found, baseline_found = set(by_band()["record_id"]), whole_index()
         measured, baseline = best_seconds(by_band), best_seconds(whole_index)
-    assert found == baseline_found == set(copies["record_id"]), "both ways find exactly the copied records"
+    assert found == baseline_found == set(copies["record_id"]), (
+        "both ways find exactly the copied records"
+    )
     per_record = lambda seconds: seconds / index_records * 1e6  # noqa: E731
     return {
         "index_records": index_records,
@@ -71,30 +93,42 @@ def run(index_records: int = INDEX_RECORDS, batches: int = INDEX_BATCHES, batch_
         "ratio": baseline / measured,
         "seconds_per_indexed_record": measured / index_records,
         "target": f"the lookup by band, its tasks run one after the other, >= {TARGET_RATIO}x the whole-index scan in one "
-                  "process, finding the same records",
+        "process, finding the same records",
         "target_met": baseline / measured >= TARGET_RATIO,
     }
 
 
-def _write_index(index_uri: str, bands_uri: str, records: int, batches: int, config: MinHashConfig) -> pl.DataFrame:
+def _write_index(
+    index_uri: str, bands_uri: str, records: int, batches: int, config: MinHashConfig
+) -> pl.DataFrame:
     """The index as silver writes it, batch by batch; returns the entries the lookup batch copies."""
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     rng = np.random.default_rng(0)
     per_batch = records // batches
     copied = []
     for number in range(batches):
-        sigs = rng.integers(0, 2**32, (per_batch, config.num_perm), dtype=np.uint64).astype(np.uint32)
-        entries = pl.DataFrame({
-            "record_id": [f"{number:08x}{i:024x}" for i in range(per_batch)],
-            "batch_id": f"b{number:04d}",
-            "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(per_batch)],
-            "signature": [row.astype("<u4").tobytes() for row in sigs],
-            "response_signature": [row.astype("<u4").tobytes() for row in sigs[:, ::-1]],
-            "band_keys": band_keys(sigs, params).tolist(),
-            "lsh_params": params.label(config),
-        }, schema=HISTORY_SCHEMA)
+        sigs = rng.integers(0, 2**32, (per_batch, config.num_perm), dtype=np.uint64).astype(
+            np.uint32
+        )
+        entries = pl.DataFrame(
+            {
+                "record_id": [f"{number:08x}{i:024x}" for i in range(per_batch)],
+                "batch_id": f"b{number:04d}",
+                "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(per_batch)],
+                "signature": [row.astype("<u4").tobytes() for row in sigs],
+                "response_signature": [row.astype("<u4").tobytes() for row in sigs[:, ::-1]],
+                "band_keys": band_keys(sigs, params).tolist(),
+                "lsh_params": params.label(config),
+            },
+            schema=HISTORY_SCHEMA,
+        )
         write_deltalake(index_uri, entries.to_arrow(), mode="append", partition_by=["batch_id"])
-        write_deltalake(bands_uri, band_entries(entries).to_arrow(), mode="append", partition_by=list(BANDS_PARTITIONED_BY))
+        write_deltalake(
+            bands_uri,
+            band_entries(entries).to_arrow(),
+            mode="append",
+            partition_by=list(BANDS_PARTITIONED_BY),
+        )
         copied.append(entries.sample(COPIES // batches, seed=number))
     return pl.concat(copied)
 
@@ -104,9 +138,12 @@ def _batch(copies: pl.DataFrame, rows: int, config: MinHashConfig) -> pl.DataFra
     rng = np.random.default_rng(1)
     fresh = rows - copies.height
     sigs = rng.integers(0, 2**32, (fresh, config.num_perm), dtype=np.uint64).astype(np.uint32)
-    new = pl.DataFrame({
-        "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(fresh)],
-        SIGNATURE_COLUMNS[0]: [row.astype("<u4").tobytes() for row in sigs],
-    })
-    return pl.concat([new, copies.select("exact_hash", pl.col("signature").alias(SIGNATURE_COLUMNS[0]))])
-
+    new = pl.DataFrame(
+        {
+            "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(fresh)],
+            SIGNATURE_COLUMNS[0]: [row.astype("<u4").tobytes() for row in sigs],
+        }
+    )
+    return pl.concat(
+        [new, copies.select("exact_hash", pl.col("signature").alias(SIGNATURE_COLUMNS[0]))]
+    )

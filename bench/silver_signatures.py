@@ -41,8 +41,11 @@ def main(path: str, loop_sample: int) -> dict:
     texts = pl.read_parquet(path)["text"].to_list()
     sample = texts[:loop_sample]  # datasketch's side is timed on a slice and scaled to all texts
     scale = len(texts) / len(sample)
-    sides = {"signatures": lambda: signatures(texts), "loop": lambda: datasketch_loop(sample),
-             "bulk": lambda: datasketch_bulk(sample)}
+    sides = {
+        "signatures": lambda: signatures(texts),
+        "loop": lambda: datasketch_loop(sample),
+        "bulk": lambda: datasketch_bulk(sample),
+    }
     cpu, wall = dict.fromkeys(sides, float("inf")), dict.fromkeys(sides, float("inf"))
     for _ in range(REPEATS):
         for name, work in sides.items():

@@ -47,13 +47,20 @@ SEQ_LEN = 256
 MICRO_BATCH = 4
 GLOBAL_BATCH = 8
 THROUGHPUT_STEPS = {"tiny": (16, 4), "small": (8, 2)}  # preset: (steps, log_every)
-LAYOUT_ORDER = (1, 2, 2, 1)  # ranks of each throughput job: drift in the machine's other load hits both alike
+LAYOUT_ORDER = (
+    1,
+    2,
+    2,
+    1,
+)  # ranks of each throughput job: drift in the machine's other load hits both alike
 CHECKPOINT_STEPS, CHECKPOINT_EVERY = 15, 5  # saves at 5 and 10 measured; 15 is the final one
 JOB_TIMEOUT_S = 300
 
 
 _SPEED = re.compile(r"step (\d+)/\d+: loss .*?, ([\d,.]+) tokens/s(?:, MFU ([\d.]+)%)?")
-_BLOCKED = re.compile(r"step (\d+): (asynchronous|synchronous) checkpoint save blocked training for ([\d.]+)\s*s")
+_BLOCKED = re.compile(
+    r"step (\d+): (asynchronous|synchronous) checkpoint save blocked training for ([\d.]+)\s*s"
+)
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -63,8 +70,13 @@ def counting_documents(n_records: int, max_len: int, seed: int) -> pl.DataFrame:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(max_len // 8, max_len, n_records)
     starts = rng.integers(1, VOCAB, n_records)
-    ids = [((start + np.arange(length)) % (VOCAB - 1) + 1).tolist() for start, length in zip(starts, lengths, strict=True)]
-    masks = [[False] * (length // 3) + [True] * (length - length // 3) for length in lengths.tolist()]
+    ids = [
+        ((start + np.arange(length)) % (VOCAB - 1) + 1).tolist()
+        for start, length in zip(starts, lengths, strict=True)
+    ]
+    masks = [
+        [False] * (length // 3) + [True] * (length - length // 3) for length in lengths.tolist()
+    ]
     return pl.DataFrame(
         {
             "record_id": [f"r{number:06d}" for number in range(n_records)],
@@ -80,12 +92,23 @@ def counting_documents(n_records: int, max_len: int, seed: int) -> pl.DataFrame:
 def write_gold(lake_uri: str, n_records: int, seq_len: int, seed: int = 0) -> int:
     """One gold shard packed from counting documents up to seq_len tokens, and a snapshot of it;
     returns the snapshot's number."""
-    sequences, _ = build_sequences(counting_documents(n_records, seq_len, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID)
-    sequences = sequences.with_columns(batch_id=pl.lit("bench"), tokenizer_version=pl.lit(0, pl.Int64))
+    sequences, _ = build_sequences(
+        counting_documents(n_records, seq_len, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID
+    )
+    sequences = sequences.with_columns(
+        batch_id=pl.lit("bench"), tokenizer_version=pl.lit(0, pl.Int64)
+    )
     lake = LakeResource(uri=lake_uri)
-    lake.replace_partition("gold", "sequences", validate(conform(sequences, GoldSequence), GoldSequence),
-                           column="batch_id", value="bench")
-    return cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=seq_len, reason="bench")[0].number
+    lake.replace_partition(
+        "gold",
+        "sequences",
+        validate(conform(sequences, GoldSequence), GoldSequence),
+        column="batch_id",
+        value="bench",
+    )
+    return cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=seq_len, reason="bench")[
+        0
+    ].number
 
 
 # --- the jobs ---------------------------------------------------------------------------------
@@ -102,20 +125,36 @@ class Workspace:
         """Run one torchrun job to its end; returns rank 0's log."""
         self._jobs += 1
         name = f"job{self._jobs}"
-        values = dict(vocab_size=VOCAB, warmup_steps=5, eval_max_sequences=8, scratch_dir=str(self.root / "scratch" / name))
+        values = dict(
+            vocab_size=VOCAB,
+            warmup_steps=5,
+            eval_max_sequences=8,
+            scratch_dir=str(self.root / "scratch" / name),
+        )
         values.update(overrides)
         values.setdefault("eval_every", values["steps"])
         values.setdefault("checkpoint_every_steps", values["steps"] + 1)  # only the final save
-        config = TrainConfig(lake_uri=self.lake_uri, snapshot=self.snapshot, checkpoint_uri=str(self.root / name),
-                             partition="bench", **values)
+        config = TrainConfig(
+            lake_uri=self.lake_uri,
+            snapshot=self.snapshot,
+            checkpoint_uri=str(self.root / name),
+            partition="bench",
+            **values,
+        )
         return run_torchrun(nproc, threads_per_rank, config.to_args())
 
 
 def run_torchrun(nproc: int, threads_per_rank: int, args: list[str]) -> str:
     env = {**os.environ, **torchrun_env(threads_per_rank)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    process = subprocess.Popen(torchrun_command(nproc, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        torchrun_command(nproc, args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -130,7 +169,10 @@ def run_torchrun(nproc: int, threads_per_rank: int, args: list[str]) -> str:
 # --- reading the logs -------------------------------------------------------------------------
 def speeds(log: str) -> list[tuple[float, float | None]]:
     """(tokens/s, MFU or None) of every step line after the first (warm-up)."""
-    lines = [(float(m[2].replace(",", "")), float(m[3]) / 100 if m[3] else None) for m in _SPEED.finditer(log)]
+    lines = [
+        (float(m[2].replace(",", "")), float(m[3]) / 100 if m[3] else None)
+        for m in _SPEED.finditer(log)
+    ]
     if len(lines) < 2:
         raise ValueError(f"fewer than 2 step lines with tokens/s in the log:\n{log[-4000:]}")
     return lines[1:]
@@ -151,13 +193,20 @@ def blocking_seconds(log: str, steps: int) -> list[float]:
 # --- CPU --------------------------------------------------------------------------------------
 def cpu_job(workspace: Workspace, nproc: int, **overrides) -> str:
     """A job on the CPU budget: CORES threads in all, the same global batch whatever the ranks."""
-    return workspace.train(nproc, CORES // nproc, micro_batch_size=MICRO_BATCH,
-                           grad_accum_steps=GLOBAL_BATCH // (MICRO_BATCH * nproc), **overrides)
+    return workspace.train(
+        nproc,
+        CORES // nproc,
+        micro_batch_size=MICRO_BATCH,
+        grad_accum_steps=GLOBAL_BATCH // (MICRO_BATCH * nproc),
+        **overrides,
+    )
 
 
 def tokens_per_second(workspace: Workspace, preset: str, nproc: int) -> float:
     steps, log_every = THROUGHPUT_STEPS[preset]
-    return median_tokens_per_second(cpu_job(workspace, nproc, preset=preset, steps=steps, log_every=log_every))
+    return median_tokens_per_second(
+        cpu_job(workspace, nproc, preset=preset, steps=steps, log_every=log_every)
+    )
 
 
 def best_tokens_per_second(workspace: Workspace, preset: str) -> dict:
@@ -169,8 +218,15 @@ def best_tokens_per_second(workspace: Workspace, preset: str) -> dict:
 
 
 def checkpoint_blocking(workspace: Workspace, asynchronous: bool) -> float:
-    log = cpu_job(workspace, 2, preset="small", steps=CHECKPOINT_STEPS, log_every=CHECKPOINT_STEPS,
-                  checkpoint_every_steps=CHECKPOINT_EVERY, async_checkpoint=asynchronous)
+    log = cpu_job(
+        workspace,
+        2,
+        preset="small",
+        steps=CHECKPOINT_STEPS,
+        log_every=CHECKPOINT_STEPS,
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        async_checkpoint=asynchronous,
+    )
     return statistics.median(blocking_seconds(log, CHECKPOINT_STEPS))
 
 
@@ -179,7 +235,10 @@ def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Workspace(Path(tmp), n_records=600, seq_len=SEQ_LEN)
         speed = {preset: best_tokens_per_second(workspace, preset) for preset in THROUGHPUT_STEPS}
-        blocked = {"async": checkpoint_blocking(workspace, True), "sync": checkpoint_blocking(workspace, False)}
+        blocked = {
+            "async": checkpoint_blocking(workspace, True),
+            "sync": checkpoint_blocking(workspace, False),
+        }
     scaling = {preset: s["2_ranks"] / s["1_rank"] for preset, s in speed.items()}
     ratio = blocked["async"] / blocked["sync"]
     return {
@@ -190,24 +249,30 @@ def run() -> dict:
         "global_batch": GLOBAL_BATCH,
         "jobs_per_layout": LAYOUT_ORDER.count(1),
         "measured": "; ".join(f"{p} 2 ranks: {s['2_ranks']:,.0f} tok/s" for p, s in speed.items())
-                    + f"; async save blocks {blocked['async']:.3f}s",
+        + f"; async save blocks {blocked['async']:.3f}s",
         "baseline": "; ".join(f"{p} 1 rank: {s['1_rank']:,.0f} tok/s" for p, s in speed.items())
-                    + f"; sync save blocks {blocked['sync']:.3f}s",
+        + f"; sync save blocks {blocked['sync']:.3f}s",
         "ratio": ratio,
         "ratio_is": "median blocking seconds of an asynchronous checkpoint save / a synchronous one (small, 2 ranks)",
         "tokens_per_second": {p: {k: round(v) for k, v in s.items()} for p, s in speed.items()},
         "scaling_2_over_1": {p: round(v, 3) for p, v in scaling.items()},
         "checkpoint_blocking_seconds": {k: round(v, 4) for k, v in blocked.items()},
         "wall_seconds": round(time.perf_counter() - started, 1),
-        "load_average_1m": {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)},  # others' work skews it
+        "load_average_1m": {
+            "before": round(load, 2),
+            "after": round(os.getloadavg()[0], 2),
+        },  # others' work skews it
         "target": "async save blocks training less than a sync save (ratio < 1.0)",
         "target_met": ratio < 1.0,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, help="folder for training.json (else printed only)")
     args = parser.parse_args(argv)
     name = "training"

@@ -7,7 +7,12 @@ import logging
 
 from dagster import AssetRecordsFilter, DagsterInstance, Definitions
 
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_SNAPSHOTS, REFERENCE_EVAL_SETS, SILVER_RECORDS
+from pipeline_assets.defs.keys import (
+    GOLD_SEQUENCES,
+    GOLD_SNAPSHOTS,
+    REFERENCE_EVAL_SETS,
+    SILVER_RECORDS,
+)
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.headless import RunOutcome, _execute, cut_snapshot_if_due, observe_eval_sets
 from pipeline_assets.lib.silver_order import BatchEvents, Stage, stage, unsettled_before
@@ -30,30 +35,46 @@ def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> Ru
         return outcome
     events = batch_events(instance)
     batches = _decontaminated_against_other_sets(instance, events, current)
-    log.info("eval sets at data version %s: %d silver batch(es) to decontaminate again", current[:12], len(batches))
+    log.info(
+        "eval sets at data version %s: %d silver batch(es) to decontaminate again",
+        current[:12],
+        len(batches),
+    )
     if batches:
         _require_settled_before(events, batches[-1])
     graph = defs.resolve_asset_graph()
     job = defs.resolve_implicit_global_asset_job_def()
-    silver_keys = sorted(graph.get(SILVER_RECORDS).execution_set_asset_keys, key=lambda key: key.to_user_string())
+    silver_keys = sorted(
+        graph.get(SILVER_RECORDS).execution_set_asset_keys, key=lambda key: key.to_user_string()
+    )
     for batch in batches:
         _execute(job, instance, silver_keys, outcome, partition=batch, tags=_TAGS)
     if graph.has(GOLD_SEQUENCES):
         for batch in batches:
             _execute(job, instance, [GOLD_SEQUENCES], outcome, partition=batch, tags=_TAGS)
     if batches and graph.has(GOLD_SNAPSHOTS):
-        cut_snapshot_if_due(defs, instance, job, outcome,
-                            by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against new eval sets")
+        cut_snapshot_if_due(
+            defs,
+            instance,
+            job,
+            outcome,
+            by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against new eval sets",
+        )
     return outcome
 
 
-def _decontaminated_against_other_sets(instance: DagsterInstance, events: list[BatchEvents], current: str) -> list[str]:
+def _decontaminated_against_other_sets(
+    instance: DagsterInstance, events: list[BatchEvents], current: str
+) -> list[str]:
     """Batches done in silver whose latest silver read eval sets of another fingerprint, oldest first."""
-    done = {batch.batch_id: batch.silver.storage_id for batch in events if stage(batch) is Stage.DONE}
+    done = {
+        batch.batch_id: batch.silver.storage_id for batch in events if stage(batch) is Stage.DONE
+    }
     if not done:
         return []
     records = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=SILVER_RECORDS, storage_ids=list(done.values())), limit=len(done)
+        AssetRecordsFilter(asset_key=SILVER_RECORDS, storage_ids=list(done.values())),
+        limit=len(done),
     ).records
     used = {r.partition_key: _eval_sets_version(r.asset_materialization.metadata) for r in records}
     return sorted(batch for batch in done if used.get(batch) != current)
@@ -69,5 +90,7 @@ def _require_settled_before(events: list[BatchEvents], last: str) -> None:
     unsettled = unsettled_before(events, last)
     if unsettled:
         named = ", ".join(f"{batch} ({state.value})" for batch, state in unsettled[:3])
-        raise ValueError(f"{len(unsettled)} batch(es) are not through silver yet: {named}. Run `pipeline-assets run` "
-                         "(or let silver_in_order finish), then run backfill-decontamination again.")
+        raise ValueError(
+            f"{len(unsettled)} batch(es) are not through silver yet: {named}. Run `pipeline-assets run` "
+            "(or let silver_in_order finish), then run backfill-decontamination again."
+        )

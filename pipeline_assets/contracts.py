@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import polars as pl
 import pandera.polars as pa
+import polars as pl
 from pandera.engines.polars_engine import DateTime
 
 UTC_TIMESTAMP = DateTime(time_zone_agnostic=False, time_zone="UTC", time_unit="us")
@@ -33,7 +33,9 @@ class LandingRecord(pa.DataFrameModel):
 
     @pa.check("prompt", "response", name="not_blank")
     def _not_blank(cls, data: pa.PolarsData) -> pl.LazyFrame:
-        return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))  # a character strip_chars keeps
+        return data.lazyframe.select(
+            pl.col(data.key).str.contains(r"\S")
+        )  # a character strip_chars keeps
 
 
 class PreferenceLandingRecord(pa.DataFrameModel):
@@ -86,7 +88,9 @@ QUARANTINE_REASON = r"^(invalid_json|not_an_object|invalid_utf8|blank_line|trunc
 class QuarantineRecord(pa.DataFrameModel):
     """A landing line (or Parquet row, or whole file) that failed the landing contract, verbatim."""
 
-    raw: str = pa.Field(description="the line as read (invalid UTF-8 bytes replaced), or the row as JSON")
+    raw: str = pa.Field(
+        description="the line as read (invalid UTF-8 bytes replaced), or the row as JSON"
+    )
     source: str = pa.Field(str_length={"min_value": 1})
     source_file: str = pa.Field(str_length={"min_value": 1})
     source_line: pl.Int64 = pa.Field(ge=0, description="0 when the whole file is unreadable")
@@ -128,15 +132,21 @@ class SilverRecord(Curated, BronzeRecord):  # the bronze fields first
 
 
 class PairMeasures(pa.DataFrameModel):
-    prompt_hash: str = pa.Field(**HASH_128, description="the normalized prompt's: the split and the per-prompt cap go by it")
-    length_log_ratio: float = pa.Field(ge=0, description="|log(chars of chosen / chars of rejected)|: DPO's length bias")
+    prompt_hash: str = pa.Field(
+        **HASH_128, description="the normalized prompt's: the split and the per-prompt cap go by it"
+    )
+    length_log_ratio: float = pa.Field(
+        ge=0, description="|log(chars of chosen / chars of rejected)|: DPO's length bias"
+    )
 
 
 class SilverPreferencePair(PairMeasures, Curated, BronzePreferenceRecord):
     """A preference pair that survived silver's stages and the pair rules (lib.preference_rules)."""
 
 
-SILVER_STAGE = r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|contradiction|pair_cap|pair:[a-z_]+)$"
+SILVER_STAGE = (
+    r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|contradiction|pair_cap|pair:[a-z_]+)$"
+)
 
 
 class SilverReject(pa.DataFrameModel):
@@ -149,13 +159,19 @@ class SilverReject(pa.DataFrameModel):
     source_line: pl.Int64
     system: str = pa.Field(nullable=True)
     prompt: str
-    response: str = pa.Field(nullable=True, description="sft records; preference pairs have chosen and rejected")
+    response: str = pa.Field(
+        nullable=True, description="sft records; preference pairs have chosen and rejected"
+    )
     chosen: str = pa.Field(nullable=True)
     rejected: str = pa.Field(nullable=True)
     stage: str = pa.Field(str_matches=SILVER_STAGE)
     evidence: str = pa.Field(description="JSON: what the stage matched or measured")
-    duplicate_of: str = pa.Field(nullable=True, description="dedup: the cluster survivor's record_id")
-    jaccard: float = pa.Field(nullable=True, description="dedup: estimated Jaccard with the survivor")
+    duplicate_of: str = pa.Field(
+        nullable=True, description="dedup: the cluster survivor's record_id"
+    )
+    jaccard: float = pa.Field(
+        nullable=True, description="dedup: estimated Jaccard with the survivor"
+    )
     eval_set: str = pa.Field(nullable=True)
     eval_item_id: str = pa.Field(nullable=True)
     matched_ngram: str = pa.Field(nullable=True)
@@ -175,12 +191,15 @@ class MinhashIndexEntry(pa.DataFrameModel):
     exact_hash: str = pa.Field(**HASH_128)
     signature: pl.Binary = pa.Field(description="MinHash signature: num_perm little-endian uint32")
     response_signature: pl.Binary = pa.Field(
-        nullable=True, description="MinHash signature of the answers alone (sft: the response; preference: chosen and "
-        "rejected); null in entries written before it was stored"
+        nullable=True,
+        description="MinHash signature of the answers alone (sft: the response; preference: chosen and "
+        "rejected); null in entries written before it was stored",
     )
     band_keys: Annotated[pl.List, pl.Int64()] = pa.Field(description="one LSH key per band")
     lsh_params: str
-    prompt_hash: str = pa.Field(nullable=True, description="preference pairs: the normalized prompt's hash")
+    prompt_hash: str = pa.Field(
+        nullable=True, description="preference pairs: the normalized prompt's hash"
+    )
 
     class Config:
         strict = True
@@ -209,7 +228,9 @@ class GoldTokenizer(pa.DataFrameModel):
     sha256: str = pa.Field(str_length={"min_value": 64, "max_value": 64})
     vocab_size: pl.Int64 = pa.Field(gt=0)
     origin: str = pa.Field(description="trained on silver, or the provided file's path")
-    silver_version: pl.Int64 = pa.Field(nullable=True, ge=0, description="the silver/records version it was trained on")
+    silver_version: pl.Int64 = pa.Field(
+        nullable=True, ge=0, description="the silver/records version it was trained on"
+    )
     created_at: UTC_TIMESTAMP
 
     class Config:
@@ -219,14 +240,26 @@ class GoldTokenizer(pa.DataFrameModel):
 class PackedShard(pa.DataFrameModel):
     """What every packed row of a gold shard has, whatever the record format."""
 
-    batch_id: str = pa.Field(str_length={"min_value": 1}, description="the shard: one ingest batch, packed on its own")
-    tokenizer_version: pl.Int64 = pa.Field(ge=0, description="the gold/tokenizer Delta version that encoded it")
+    batch_id: str = pa.Field(
+        str_length={"min_value": 1}, description="the shard: one ingest batch, packed on its own"
+    )
+    tokenizer_version: pl.Int64 = pa.Field(
+        ge=0, description="the gold/tokenizer Delta version that encoded it"
+    )
     split: str = pa.Field(isin=["train", "validation", "search"])
-    sequence_index: pl.Int64 = pa.Field(ge=0, description="position after the seeded shuffle, per shard and split")
+    sequence_index: pl.Int64 = pa.Field(
+        ge=0, description="position after the seeded shuffle, per shard and split"
+    )
     input_ids: Annotated[pl.List, pl.Int32()]
-    loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(description="true on response tokens (Delta has no unsigned ints)")
-    position_ids: Annotated[pl.List, pl.Int32()] = pa.Field(description="restart at 0 at every document")
-    document_lengths: Annotated[pl.List, pl.Int32()] = pa.Field(description="lengths of the packed pieces, in order")
+    loss_mask: Annotated[pl.List, pl.Boolean()] = pa.Field(
+        description="true on response tokens (Delta has no unsigned ints)"
+    )
+    position_ids: Annotated[pl.List, pl.Int32()] = pa.Field(
+        description="restart at 0 at every document"
+    )
+    document_lengths: Annotated[pl.List, pl.Int32()] = pa.Field(
+        description="lengths of the packed pieces, in order"
+    )
 
     class Config:
         strict = True
@@ -234,7 +267,9 @@ class PackedShard(pa.DataFrameModel):
 
 
 class SequenceRecords(pa.DataFrameModel):
-    record_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver record of each piece")
+    record_ids: Annotated[pl.List, pl.String()] = pa.Field(
+        description="the silver record of each piece"
+    )
     real_tokens: pl.Int32 = pa.Field(ge=1)
 
 
@@ -243,7 +278,9 @@ class GoldSequence(SequenceRecords, PackedShard):
 
 
 class SequencePairs(pa.DataFrameModel):
-    pair_ids: Annotated[pl.List, pl.String()] = pa.Field(description="the silver pair of documents 2k (chosen) and 2k + 1")
+    pair_ids: Annotated[pl.List, pl.String()] = pa.Field(
+        description="the silver pair of documents 2k (chosen) and 2k + 1"
+    )
     real_tokens: pl.Int32 = pa.Field(ge=1)
 
 
@@ -252,19 +289,26 @@ class GoldPreferenceSequence(SequencePairs, PackedShard):
 
     @pa.dataframe_check
     def _two_documents_a_pair(cls, data: pa.PolarsData) -> pl.LazyFrame:
-        return data.lazyframe.select(pl.col("document_lengths").list.len() == 2 * pl.col("pair_ids").list.len())
+        return data.lazyframe.select(
+            pl.col("document_lengths").list.len() == 2 * pl.col("pair_ids").list.len()
+        )
 
 
 class GoldReferenceLogps(pa.DataFrameModel):
     """The reference model's log-probabilities of one packed row of a preference snapshot, per document."""
 
     snapshot: str = pa.Field(str_startswith="dpo-v")
-    reference_model: str = pa.Field(description="<registered model>/<version>: the sft champion when the pass ran")
+    reference_model: str = pa.Field(
+        description="<registered model>/<version>: the sft champion when the pass ran"
+    )
     batch_id: str = pa.Field(str_length={"min_value": 1})
     split: str = pa.Field(isin=["train", "validation", "search"])
-    sequence_index: pl.Int64 = pa.Field(ge=0, description="the row's index in its shard and split, as gold stores it")
+    sequence_index: pl.Int64 = pa.Field(
+        ge=0, description="the row's index in its shard and split, as gold stores it"
+    )
     reference_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
-        description="per document of the row (chosen, rejected, ...): the summed log-probability of its response tokens")
+        description="per document of the row (chosen, rejected, ...): the summed log-probability of its response tokens"
+    )
 
     class Config:
         strict = True
@@ -278,13 +322,26 @@ class GoldReferenceLogps(pa.DataFrameModel):
 class GoldSnapshotManifest(pa.DataFrameModel):
     """One data snapshot: which gold shards, at which versions (lib.snapshot_manifest)."""
 
-    snapshot: str = pa.Field(str_matches=r"^(gold|dpo)-v\d+$", unique=True, description="gold-v<N>, or dpo-v<N> for pairs")
-    number: pl.Int64 = pa.Field(ge=0, description="N of gold-v<N>: the Delta version of gold/snapshots this row was added in")
-    sequences_version: pl.Int64 = pa.Field(ge=0, description="the gold/sequences Delta version the shards are read at")
+    snapshot: str = pa.Field(
+        str_matches=r"^(gold|dpo)-v\d+$",
+        unique=True,
+        description="gold-v<N>, or dpo-v<N> for pairs",
+    )
+    number: pl.Int64 = pa.Field(
+        ge=0,
+        description="N of gold-v<N>: the Delta version of gold/snapshots this row was added in",
+    )
+    sequences_version: pl.Int64 = pa.Field(
+        ge=0, description="the gold/sequences Delta version the shards are read at"
+    )
     tokenizer_version: pl.Int64 = pa.Field(ge=0)
     seq_len: pl.Int64 = pa.Field(ge=1)
-    batches: Annotated[pl.List, pl.String()] = pa.Field(description="the shards, in arrival order: the global order per split")
-    train_sequences: Annotated[pl.List, pl.Int64()] = pa.Field(description="per batch, in the order of batches")
+    batches: Annotated[pl.List, pl.String()] = pa.Field(
+        description="the shards, in arrival order: the global order per split"
+    )
+    train_sequences: Annotated[pl.List, pl.Int64()] = pa.Field(
+        description="per batch, in the order of batches"
+    )
     validation_sequences: Annotated[pl.List, pl.Int64()]
     search_sequences: Annotated[pl.List, pl.Int64()]
     reason: str = pa.Field(description="why it was cut: the cadence, the schedule, or by hand")
@@ -300,7 +357,9 @@ class EvaluationSlice(pa.DataFrameModel):
 
     partition: str = pa.Field(str_startswith="gold-v")
     model: str = pa.Field(isin=["candidate", "champion"])
-    model_version: str = pa.Field(nullable=True, description="registry version; null for an unregistered candidate")
+    model_version: str = pa.Field(
+        nullable=True, description="registry version; null for an unregistered candidate"
+    )
     slice: str = pa.Field(description="overall, source:<name> or eval:<set>")
     loss: float = pa.Field(ge=0)
     perplexity: float = pa.Field(ge=1)
@@ -318,12 +377,22 @@ class DpoEvaluationSlice(pa.DataFrameModel):
 
     partition: str = pa.Field(str_startswith="dpo-v")
     model: str = pa.Field(isin=["candidate", "champion"])
-    model_version: str = pa.Field(nullable=True, description="<registered model>/<version>; null for the candidate")
+    model_version: str = pa.Field(
+        nullable=True, description="<registered model>/<version>; null for the candidate"
+    )
     slice: str = pa.Field(str_matches=r"^(overall|source:.+|sft_validation_loss)$")
-    pairs: pl.Int64 = pa.Field(nullable=True, ge=1, description="held-out pairs judged; null on the sft slice")
-    preference_accuracy: float = pa.Field(nullable=True, ge=0, le=1, description="share of positive margins")
-    mean_margin: float = pa.Field(nullable=True, description="mean implicit reward margin (nats, times beta)")
-    loss: float = pa.Field(nullable=True, ge=0, description="sft_validation_loss only: nats per token")
+    pairs: pl.Int64 = pa.Field(
+        nullable=True, ge=1, description="held-out pairs judged; null on the sft slice"
+    )
+    preference_accuracy: float = pa.Field(
+        nullable=True, ge=0, le=1, description="share of positive margins"
+    )
+    mean_margin: float = pa.Field(
+        nullable=True, description="mean implicit reward margin (nats, times beta)"
+    )
+    loss: float = pa.Field(
+        nullable=True, ge=0, description="sft_validation_loss only: nats per token"
+    )
     evaluated_at: UTC_TIMESTAMP
 
     class Config:
@@ -333,8 +402,11 @@ class DpoEvaluationSlice(pa.DataFrameModel):
     @pa.dataframe_check
     def _pairs_or_loss(cls, data: pa.PolarsData) -> pl.LazyFrame:
         sft = pl.col("slice") == "sft_validation_loss"
-        return data.lazyframe.select(pl.when(sft).then(pl.col("loss").is_not_null() & pl.col("pairs").is_null())
-                                     .otherwise(pl.col("pairs").is_not_null() & pl.col("loss").is_null()))
+        return data.lazyframe.select(
+            pl.when(sft)
+            .then(pl.col("loss").is_not_null() & pl.col("pairs").is_null())
+            .otherwise(pl.col("pairs").is_not_null() & pl.col("loss").is_null())
+        )
 
 
 class HparamTrial(pa.DataFrameModel):
@@ -344,7 +416,9 @@ class HparamTrial(pa.DataFrameModel):
     trial: pl.Int64 = pa.Field(ge=0)
     rung: pl.Int64 = pa.Field(ge=0)
     steps: pl.Int64 = pa.Field(ge=1)
-    search_loss: float = pa.Field(nullable=True, description="loss on gold's search split; null when the trial failed")
+    search_loss: float = pa.Field(
+        nullable=True, description="loss on gold's search split; null when the trial failed"
+    )
     hyperparameters: str = pa.Field(description="JSON object")
     continued: bool = pa.Field(description="survived this rung")
     mlflow_run_id: str
@@ -360,7 +434,9 @@ class RunFailure(pa.DataFrameModel):
     run_id: str
     job_name: str
     partition: str = pa.Field(nullable=True)
-    failed_steps: str = pa.Field(description="comma-separated step keys; empty when the run failed outside a step")
+    failed_steps: str = pa.Field(
+        description="comma-separated step keys; empty when the run failed outside a step"
+    )
     error: str
     failed_at: UTC_TIMESTAMP
 
@@ -387,7 +463,9 @@ class PipelineStage(pa.DataFrameModel):
     share_of_wall: float = pa.Field(ge=0, le=1)
     cost_usd: float = pa.Field(ge=0)
     usd_per_million_tokens: float = pa.Field(ge=0)
-    throughput: float = pa.Field(ge=0, description="tokens/s where the stage counts tokens, else rows/s")
+    throughput: float = pa.Field(
+        ge=0, description="tokens/s where the stage counts tokens, else rows/s"
+    )
     unit: str = pa.Field(isin=["tokens/s", "rows/s"])
 
     class Config:
@@ -405,7 +483,9 @@ class LandingManifestEntry(pa.DataFrameModel):
     checksum: str = pa.Field(str_length={"min_value": 64, "max_value": 64})
     batch_id: str
     registered_at: UTC_TIMESTAMP
-    previous_checksum: str = pa.Field(nullable=True, description="set when the file changed after an earlier ingest")
+    previous_checksum: str = pa.Field(
+        nullable=True, description="set when the file changed after an earlier ingest"
+    )
 
     class Config:
         strict = True
@@ -415,14 +495,22 @@ class PromptBankRow(pa.DataFrameModel):
     """One candidate of the RL prompt bank (lib.rl_bank): in the bank, or the stage that removed it, and why."""
 
     prompt_id: str = pa.Field(**HASH_128, description="of the prompt's text")
-    source: str = pa.Field(str_length={"min_value": 1}, description="rl_tasks (generated) or a silver source")
+    source: str = pa.Field(
+        str_length={"min_value": 1}, description="rl_tasks (generated) or a silver source"
+    )
     task: str
     prompt: str = pa.Field(str_length={"min_value": 1})
     ground_truth: str
-    verifier: str = pa.Field(description="exact_match, int_equal or regex:<pattern> (lib.verifiers)")
+    verifier: str = pa.Field(
+        description="exact_match, int_equal or regex:<pattern> (lib.verifiers)"
+    )
     split: str = pa.Field(isin=["train", "held_out"], description="by a hash of the prompt")
-    status: str = pa.Field(description="in_bank, duplicate_prompt, decontaminated or quality:<rule>")
-    evidence: str = pa.Field(nullable=True, description="why a removed candidate was removed (JSON or text)")
+    status: str = pa.Field(
+        description="in_bank, duplicate_prompt, decontaminated or quality:<rule>"
+    )
+    evidence: str = pa.Field(
+        nullable=True, description="why a removed candidate was removed (JSON or text)"
+    )
 
     class Config:
         strict = True
@@ -434,8 +522,12 @@ class ReplayBufferRow(pa.DataFrameModel):
     tokens with the behaviour policy's log-probabilities, its reward, and whether an update consumed it."""
 
     rollout_id: str = pa.Field(unique=True, str_length={"min_value": 1})
-    run: str = pa.Field(description="the RL run (its folder of policy versions): versions count from 0 in each run")
-    group_id: str = pa.Field(description="the completions sampled together for one prompt: GRPO's baseline group")
+    run: str = pa.Field(
+        description="the RL run (its folder of policy versions): versions count from 0 in each run"
+    )
+    group_id: str = pa.Field(
+        description="the completions sampled together for one prompt: GRPO's baseline group"
+    )
     prompt_id: str
     policy_version: pl.Int64 = pa.Field(ge=0, description="the policy version that generated it")
     generated_at: UTC_TIMESTAMP
@@ -444,14 +536,20 @@ class ReplayBufferRow(pa.DataFrameModel):
     completion_token_ids: Annotated[pl.List, pl.Int64()]
     behaviour_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
         description="per completion token: its log-probability under the generating policy (the importance ratio's "
-        "denominator)")
+        "denominator)"
+    )
     completion: str = pa.Field(description="the completion's tokens, decoded")
     reward: float = pa.Field(description="the verifier's reward")
     verifier_detail: str = pa.Field(description="why the verifier gave that reward")
     status: str = pa.Field(isin=["pending", "consumed", "dropped_stale"])
     consumed_by_version: pl.Int64 = pa.Field(
-        nullable=True, ge=0, description="the policy version whose update consumed or dropped it; null while pending")
-    updated_at: UTC_TIMESTAMP = pa.Field(description="when the row was written or its status last changed")
+        nullable=True,
+        ge=0,
+        description="the policy version whose update consumed or dropped it; null while pending",
+    )
+    updated_at: UTC_TIMESTAMP = pa.Field(
+        description="when the row was written or its status last changed"
+    )
 
     class Config:
         strict = True
@@ -459,11 +557,15 @@ class ReplayBufferRow(pa.DataFrameModel):
 
     @pa.dataframe_check
     def _one_logp_per_completion_token(cls, data: pa.PolarsData) -> pl.LazyFrame:
-        return data.lazyframe.select(pl.col("behaviour_logps").list.len() == pl.col("completion_token_ids").list.len())
+        return data.lazyframe.select(
+            pl.col("behaviour_logps").list.len() == pl.col("completion_token_ids").list.len()
+        )
 
     @pa.dataframe_check
     def _consumed_by_version_once_taken(cls, data: pa.PolarsData) -> pl.LazyFrame:
-        return data.lazyframe.select((pl.col("status") == "pending") == pl.col("consumed_by_version").is_null())
+        return data.lazyframe.select(
+            (pl.col("status") == "pending") == pl.col("consumed_by_version").is_null()
+        )
 
 
 # Per record format (lib.formats), the contracts of its bronze and silver tables.

@@ -33,7 +33,17 @@ from dagster_ray.kuberay.resources.rayjob import InteractiveRayJobConfig
 from pydantic import Field, PrivateAttr
 
 from pipeline_assets.lib.silver import ROWS_PER_BLOCK
-from pipeline_assets.lib.stages import RAY_MIN_ROWS, BlockStage, StagesResult, from_row, merge, run_in_process, run_stages, split_blocks, to_row
+from pipeline_assets.lib.stages import (
+    RAY_MIN_ROWS,
+    BlockStage,
+    StagesResult,
+    from_row,
+    merge,
+    run_in_process,
+    run_stages,
+    split_blocks,
+    to_row,
+)
 
 # A block task holds one CPU (map_batches' default); polars would otherwise start a thread per core
 # of its node in every task, and a node runs as many tasks as it has cores.
@@ -57,20 +67,33 @@ class BlockEngine(RayResource):
         self._ensure_connected()
         return run_on_ray(stages, frame, self.rows_per_block)
 
-    def map_tasks(self, function: Callable[..., T], calls: Sequence[tuple], batch_rows: int) -> TaskResults[T]:
+    def map_tasks(
+        self, function: Callable[..., T], calls: Sequence[tuple], batch_rows: int
+    ) -> TaskResults[T]:
         """``function`` on each call's arguments, as Ray tasks wherever a batch of ``batch_rows``
         runs its block stages on Ray, else here one after the other; results in call order."""
         started = time.perf_counter()
         if not calls or not self.uses_ray(batch_rows):
             done = [_timed(function, args) for args in calls]
-            return TaskResults([r for r, _, _ in done], "this process", sum(s for _, s, _ in done), time.perf_counter() - started)
+            return TaskResults(
+                [r for r, _, _ in done],
+                "this process",
+                sum(s for _, s, _ in done),
+                time.perf_counter() - started,
+            )
         self._ensure_connected()
         import ray
 
-        remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_on_node)  # the bands over every node
+        remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(
+            _on_node
+        )  # the bands over every node
         done = ray.get([remote.remote(function, args) for args in calls])
-        return TaskResults([r for r, _, _ in done], f"Ray, {len({node for _, _, node in done})} node(s)",
-                           sum(s for _, s, _ in done), time.perf_counter() - started)
+        return TaskResults(
+            [r for r, _, _ in done],
+            f"Ray, {len({node for _, _, node in done})} node(s)",
+            sum(s for _, s, _ in done),
+            time.perf_counter() - started,
+        )
 
     def _ensure_connected(self) -> None:
         """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data would
@@ -78,15 +101,22 @@ class BlockEngine(RayResource):
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError(f"{self.display_name} is not connected: leave lifecycle.connect on (the default)")
+            raise RuntimeError(
+                f"{self.display_name} is not connected: leave lifecycle.connect on (the default)"
+            )
 
 
 class RayEngine(BlockEngine, LocalRay):
     """Runs block stages: on the Ray cluster ``RAY_ADDRESS`` names, on a local Ray for large
     batches, or in this process."""
 
-    home: str = Field(description="PIPELINE_HOME: a local Ray keeps its temporary files and token under <home>/ray")
-    min_rows: int = Field(default=RAY_MIN_ROWS, description="without RAY_ADDRESS, batches this large start a local Ray")
+    home: str = Field(
+        description="PIPELINE_HOME: a local Ray keeps its temporary files and token under <home>/ray"
+    )
+    min_rows: int = Field(
+        default=RAY_MIN_ROWS,
+        description="without RAY_ADDRESS, batches this large start a local Ray",
+    )
 
     _init_context: InitResourceContext | None = PrivateAttr(default=None)
 
@@ -114,16 +144,24 @@ class RayEngine(BlockEngine, LocalRay):
 
     def _ensure_connected(self) -> None:
         """ray.init once per step; dagster-ray's cleanup disconnects (and stops a local Ray) when the step ends."""
-        options = {} if self.cluster_address else local_ray_options(Path(self.home))  # before ray reads its environment
+        options = (
+            {} if self.cluster_address else local_ray_options(Path(self.home))
+        )  # before ray reads its environment
         import ray
 
         if ray.is_initialized():
             return
         init_options = dict(self.ray_init_options)
         runtime_env = dict(init_options.pop("runtime_env", None) or {})
-        runtime_env["env_vars"] = {**BLOCK_TASK_ENV, **(runtime_env.get("env_vars") or {}), **self.get_env_vars_to_inject()}
+        runtime_env["env_vars"] = {
+            **BLOCK_TASK_ENV,
+            **(runtime_env.get("env_vars") or {}),
+            **self.get_env_vars_to_inject(),
+        }
         self.data_execution_options.apply()
-        self._context = ray.init(address=self.ray_address, runtime_env=runtime_env, **options, **init_options)
+        self._context = ray.init(
+            address=self.ray_address, runtime_env=runtime_env, **options, **init_options
+        )
         self.data_execution_options.apply()
         if self._init_context is not None and self._init_context.log is not None:
             self._init_context.log.info(f"block stages run on {self.name}")
@@ -133,7 +171,9 @@ class KubeRayEngine(BlockEngine, KubeRayInteractiveJob):
     """Runs every batch's block stages on a KubeRay ``RayJob`` that dagster-ray creates for the step
     (in interactive mode: the step's process is the Ray client) and cleans up after it."""
 
-    def get_env_vars_to_inject(self) -> dict[str, str]:  # into the RayJob's pods and the job's runtime_env
+    def get_env_vars_to_inject(
+        self,
+    ) -> dict[str, str]:  # into the RayJob's pods and the job's runtime_env
         return {**BLOCK_TASK_ENV, **super().get_env_vars_to_inject()}
 
     @classmethod
@@ -145,10 +185,18 @@ class KubeRayEngine(BlockEngine, KubeRayInteractiveJob):
             if not isinstance(settings, dict):
                 raise ValueError("expected a mapping of KubeRayInteractiveJob fields")
             _refuse_unknown(settings, cls.model_fields, "")
-            _refuse_unknown(settings.get("ray_job") or {}, InteractiveRayJobConfig.model_fields, "ray_job.")
+            _refuse_unknown(
+                settings.get("ray_job") or {}, InteractiveRayJobConfig.model_fields, "ray_job."
+            )
             return cls(**settings)
-        except (OSError, ValueError, yaml.YAMLError) as exc:  # pydantic's ValidationError is a ValueError
-            raise ValueError(f"PIPELINE_KUBERAY={path}: not a KubeRayInteractiveJob configuration: {exc}") from exc
+        except (
+            OSError,
+            ValueError,
+            yaml.YAMLError,
+        ) as exc:  # pydantic's ValidationError is a ValueError
+            raise ValueError(
+                f"PIPELINE_KUBERAY={path}: not a KubeRayInteractiveJob configuration: {exc}"
+            ) from exc
 
 
 def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
@@ -156,7 +204,9 @@ def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
     unknown fields on to the Kubernetes manifest, as KubeRay's own."""
     unknown = sorted(set(settings) - set(fields))
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(prefix + name for name in unknown)}; known: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"unknown field(s) {', '.join(prefix + name for name in unknown)}; known: {', '.join(sorted(fields))}"
+        )
 
 
 def local_ray_options(home: Path) -> dict:
@@ -169,7 +219,9 @@ def local_ray_options(home: Path) -> dict:
         token.write_text(secrets.token_hex(32))
     # Read by ray.init and inherited by the processes it starts; Ray would otherwise write a token
     # under the user's home.
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    os.environ.update(
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0"
+    )
     return {
         "num_cpus": os.cpu_count(),
         "include_dashboard": False,
@@ -200,7 +252,9 @@ def _on_node(function: Callable, args: tuple) -> tuple:
     return result, seconds, ray.get_runtime_context().get_node_id()
 
 
-def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
+def run_on_ray(
+    stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int
+) -> StagesResult:
     """One Ray Data task per block, results back in block order; the nodes that ran them and the
     polars threads each task had are in each stage's counters (``ray_nodes``, ``ray_polars_threads``)."""
     import pyarrow as pa
@@ -212,14 +266,29 @@ def run_on_ray(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block
 
     def run_block(table: pa.Table) -> pa.Table:
         result = run_stages(stages, pl.from_arrow(table))
-        where = {"node": ray.get_runtime_context().get_node_id(), "polars_threads": pl.thread_pool_size()}
+        where = {
+            "node": ray.get_runtime_context().get_node_id(),
+            "polars_threads": pl.thread_pool_size(),
+        }
         return pa.Table.from_pylist([{**to_row(result), **where}])
 
-    blocks = [block.to_arrow(compat_level=pl.CompatLevel.oldest()) for block in split_blocks(frame, rows_per_block)]
-    rows = ray.data.from_arrow(blocks).map_batches(run_block, batch_size=None, batch_format="pyarrow").take_all()
+    blocks = [
+        block.to_arrow(compat_level=pl.CompatLevel.oldest())
+        for block in split_blocks(frame, rows_per_block)
+    ]
+    rows = (
+        ray.data.from_arrow(blocks)
+        .map_batches(run_block, batch_size=None, batch_format="pyarrow")
+        .take_all()
+    )
     merged = merge([from_row(row) for row in rows])
-    where = {"ray_nodes": sorted({row["node"] for row in rows}), "ray_polars_threads": sorted({row["polars_threads"] for row in rows})}
-    return StagesResult(merged.kept, merged.removed, {name: {**c, **where} for name, c in merged.counters.items()})
+    where = {
+        "ray_nodes": sorted({row["node"] for row in rows}),
+        "ray_polars_threads": sorted({row["polars_threads"] for row in rows}),
+    }
+    return StagesResult(
+        merged.kept, merged.removed, {name: {**c, **where} for name, c in merged.counters.items()}
+    )
 
 
 def engine_used(counters: dict) -> str:
@@ -239,7 +308,9 @@ def _short_path(folder: Path) -> str:
         return str(folder)
     name = f"pipeline-ray-{hashlib.sha256(str(folder).encode()).hexdigest()[:12]}"
     system_temp = Path(tempfile.gettempdir())  # long on macOS (/var/folders/...): then /tmp
-    link = (system_temp if len(str(system_temp / name)) <= _MAX_TEMP_DIR_CHARS else Path("/tmp")) / name
+    link = (
+        system_temp if len(str(system_temp / name)) <= _MAX_TEMP_DIR_CHARS else Path("/tmp")
+    ) / name
     if not link.is_symlink():
         link.symlink_to(folder, target_is_directory=True)
     return str(link)

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterEventType, DagsterInstance, Definitions
+from dagster import (
+    AssetCheckSeverity,
+    AssetKey,
+    AssetSelection,
+    DagsterEventType,
+    DagsterInstance,
+    Definitions,
+)
 
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing
@@ -26,8 +33,6 @@ from pipeline_assets.defs.gold.cadence import (
     snapshot_decision,
 )
 from pipeline_assets.defs.gold.sensors import no_reference_model
-from pipeline_assets.defs.landing.registry import discover_batches
-from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
     RL_POLICY,
@@ -35,7 +40,9 @@ from pipeline_assets.defs.keys import (
     RL_REPLAY_BUFFER,
     TRAINING_HPARAM_SEARCH,
 )
+from pipeline_assets.defs.landing.registry import discover_batches
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
+from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
 from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_dead_runs
@@ -79,7 +86,10 @@ def persistent_instance(dagster_home: str) -> DagsterInstance:
         config = home / "dagster.yaml"
         if not config.exists():
             partial = home / f".dagster.yaml.{os.getpid()}"
-            with files("pipeline_assets").joinpath("instance.yaml").open("rb") as template, partial.open("wb") as out:
+            with (
+                files("pipeline_assets").joinpath("instance.yaml").open("rb") as template,
+                partial.open("wb") as out,
+            ):
                 shutil.copyfileobj(template, out)
             partial.replace(config)  # a reader never sees half a file
         os.environ["DAGSTER_HOME"] = str(home)
@@ -98,6 +108,7 @@ def headless_instance(dagster_home: str, say: Callable[[str], None]) -> DagsterI
 def one_headless_run(dagster_home: str, say: Callable[[str], None]) -> Iterator[None]:
     """One ``pipeline-assets run`` per instance at a time: a second one waits for the first, then
     finds its batches registered and its partitions materialized."""
+
     def waiting(holder: str) -> None:
         say(f"waiting for the other `pipeline-assets run` on {dagster_home} ({holder}) to finish")
 
@@ -114,7 +125,9 @@ def register_batches(resources: dict, instance: DagsterInstance) -> list[str]:
     return added
 
 
-def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]) -> dict[str, list[AssetKey]]:
+def stale_partitions(
+    defs: Definitions, instance: DagsterInstance, keys: list[AssetKey]
+) -> dict[str, list[AssetKey]]:
     """Per ingest batch, the selected batch-partitioned assets to (re)materialize.
 
     Stale: never materialized for that batch, older than a batch-partitioned upstream's
@@ -131,10 +144,20 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
         if not node.is_executable or node.partitions_def != ingest_batches:
             continue
         own = _latest_by_batch(instance, key)
-        parents = [_latest_by_batch(instance, p) for p in node.parent_keys if graph.get(p).partitions_def == ingest_batches]
-        whole = [_latest_storage_id(instance, p) for p in node.parent_keys if _is_made_unpartitioned(graph, p)]
+        parents = [
+            _latest_by_batch(instance, p)
+            for p in node.parent_keys
+            if graph.get(p).partitions_def == ingest_batches
+        ]
+        whole = [
+            _latest_storage_id(instance, p)
+            for p in node.parent_keys
+            if _is_made_unpartitioned(graph, p)
+        ]
         for batch in batches:
-            if any((batch, p) in blocked and p not in plan.get(batch, ()) for p in node.parent_keys):
+            if any(
+                (batch, p) in blocked and p not in plan.get(batch, ()) for p in node.parent_keys
+            ):
                 continue  # its upstream failed a blocking check, and is not being redone here
             older = any(parent.get(batch, -1) > own.get(batch, -1) for parent in parents)
             older = older or any(latest > own.get(batch, -1) for latest in whole)
@@ -145,13 +168,20 @@ def stale_partitions(defs: Definitions, instance: DagsterInstance, keys: list[As
 
 def _check_specs(defs: Definitions) -> list:
     """Every check spec: the checks defined apart and those an asset judges itself (gold's)."""
-    return [spec for definition in [*(defs.assets or []), *(defs.asset_checks or [])]
-            for spec in getattr(definition, "check_specs", ())]
+    return [
+        spec
+        for definition in [*(defs.assets or []), *(defs.asset_checks or [])]
+        for spec in getattr(definition, "check_specs", ())
+    ]
 
 
 def _latest_by_batch(instance: DagsterInstance, key: AssetKey) -> dict[str, int]:
     """Per batch, the storage id (which orders events) of the latest materialization of ``key``."""
-    return dict(instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION))
+    return dict(
+        instance.event_log_storage.get_latest_storage_id_by_partition(
+            key, DagsterEventType.ASSET_MATERIALIZATION
+        )
+    )
 
 
 def _latest_storage_id(instance: DagsterInstance, key: AssetKey) -> int:
@@ -168,11 +198,14 @@ def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey
     """A batch-partitioned asset that reads an unpartitioned one the pipeline makes and has not made yet."""
     node = graph.get(key)
     return node.partitions_def == ingest_batches and any(
-        _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0 for p in node.parent_keys)
+        _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0
+        for p in node.parent_keys
+    )
 
 
-def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
-                        explicit: bool = False) -> list[AssetKey]:
+def stale_unpartitioned(
+    defs: Definitions, instance: DagsterInstance, keys: list[AssetKey], explicit: bool = False
+) -> list[AssetKey]:
     """Selected unpartitioned assets never materialized, or older than an upstream materialization; the RL
     overlay only when selected explicitly."""
     graph = defs.resolve_asset_graph()
@@ -184,19 +217,32 @@ def stale_unpartitioned(defs: Definitions, instance: DagsterInstance, keys: list
     stale = []
     for key in keys:
         node = graph.get(key)
-        if not node.is_materializable or node.partitions_def is not None or (key in RUN_WHEN_SELECTED and not explicit):
+        if (
+            not node.is_materializable
+            or node.partitions_def is not None
+            or (key in RUN_WHEN_SELECTED and not explicit)
+        ):
             continue
         own = latest(key)
         if own is not None and _made_once(node):
             continue
         upstream = [t for t in (latest(parent) for parent in node.parent_keys) if t is not None]
-        if own is None or any(t > own for t in upstream) or any(k in stale for k in node.parent_keys):
+        if (
+            own is None
+            or any(t > own for t in upstream)
+            or any(k in stale for k in node.parent_keys)
+        ):
             stale.append(key)
     return stale
 
 
-def missing_snapshot_partitions(defs: Definitions, instance: DagsterInstance, keys: list[AssetKey],
-                                explicit: bool = False, series: SnapshotSeries = SFT_SERIES) -> dict[str, list[AssetKey]]:
+def missing_snapshot_partitions(
+    defs: Definitions,
+    instance: DagsterInstance,
+    keys: list[AssetKey],
+    explicit: bool = False,
+    series: SnapshotSeries = SFT_SERIES,
+) -> dict[str, list[AssetKey]]:
     """Per snapshot of the series, the selected assets partitioned by it never materialized for it. The
     hyperparameter search, which costs several trainings, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
@@ -246,22 +292,34 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is made;
     # otherwise a batch's shard is built in the same run as its bronze and silver.
     shards = [key for key in keys if _reads_missing_unpartitioned(graph, instance, key)]
-    for batch, batch_keys in stale_partitions(defs, instance, [key for key in keys if key not in shards]).items():
+    for batch, batch_keys in stale_partitions(
+        defs, instance, [key for key in keys if key not in shards]
+    ).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
     late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
-    cuts = {series.snapshots for series in SERIES}  # cut on their cadence below, never just for being older
-    early = stale_unpartitioned(defs, instance, [key for key in ordered if key not in late and key not in cuts],
-                                bool(selection))
+    cuts = {
+        series.snapshots for series in SERIES
+    }  # cut on their cadence below, never just for being older
+    early = stale_unpartitioned(
+        defs,
+        instance,
+        [key for key in ordered if key not in late and key not in cuts],
+        bool(selection),
+    )
     if early:
         _execute(job, instance, early, outcome, partition=None)
     for batch, batch_keys in stale_partitions(defs, instance, shards).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
-    for series in SERIES:  # the sft series first: its champion is DPO's reference and starting point
+    for (
+        series
+    ) in SERIES:  # the sft series first: its champion is DPO's reference and starting point
         if series.snapshots in selected:
             cut_snapshot_if_due(defs, instance, job, outcome, series=series)
-        for snapshot, snapshot_keys in missing_snapshot_partitions(defs, instance, ordered, bool(selection), series).items():
+        for snapshot, snapshot_keys in missing_snapshot_partitions(
+            defs, instance, ordered, bool(selection), series
+        ).items():
             _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
     reports = stale_unpartitioned(defs, instance, late)
     if reports:
@@ -269,12 +327,21 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     return outcome
 
 
-def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outcome: RunOutcome, by_hand: str = "",
-                        series: SnapshotSeries = SFT_SERIES) -> None:
+def cut_snapshot_if_due(
+    defs: Definitions,
+    instance: DagsterInstance,
+    job,
+    outcome: RunOutcome,
+    by_hand: str = "",
+    series: SnapshotSeries = SFT_SERIES,
+) -> None:
     """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says why."""
-    decision = snapshot_decision(instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series)
-    waiting = series is PREFERENCE_SERIES and no_reference_model(defs.resources["mlflow_tracking"],
-                                                                   defs.resources["registry_policy"])
+    decision = snapshot_decision(
+        instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series
+    )
+    waiting = series is PREFERENCE_SERIES and no_reference_model(
+        defs.resources["mlflow_tracking"], defs.resources["registry_policy"]
+    )
     if waiting and not by_hand:
         log.info("no new preference snapshot: %s", waiting)
         return
@@ -282,10 +349,19 @@ def cut_snapshot_if_due(defs: Definitions, instance: DagsterInstance, job, outco
         what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
         log.info("no new %s: %s", what, decision.reason)
         return
-    _execute(job, instance, [series.snapshots], outcome, partition=None, tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason})
+    _execute(
+        job,
+        instance,
+        [series.snapshots],
+        outcome,
+        partition=None,
+        tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason},
+    )
 
 
-def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: RunOutcome) -> str | None:
+def observe_eval_sets(
+    defs: Definitions, instance: DagsterInstance, outcome: RunOutcome
+) -> str | None:
     """Observe reference/eval_sets when its files differ from the version last observed, so silver records
     the version it decontaminates against; returns that data version (None: not observable or not observed)."""
     graph = defs.resolve_asset_graph()
@@ -296,33 +372,64 @@ def observe_eval_sets(defs: Definitions, instance: DagsterInstance, outcome: Run
     if current == observed_version(instance):
         return current
     failures = len(outcome.failed_runs)
-    _execute(defs.resolve_implicit_global_asset_job_def(), instance, [REFERENCE_EVAL_SETS], outcome, partition=None)
+    _execute(
+        defs.resolve_implicit_global_asset_job_def(),
+        instance,
+        [REFERENCE_EVAL_SETS],
+        outcome,
+        partition=None,
+    )
     return None if len(outcome.failed_runs) > failures else observed_version(instance)
 
 
 def _reads_eval_sets(defs: Definitions, keys: list[AssetKey]) -> bool:
     graph = defs.resolve_asset_graph()
-    return graph.has(REFERENCE_EVAL_SETS) and bool({REFERENCE_EVAL_SETS, *graph.get(REFERENCE_EVAL_SETS).child_keys} & set(keys))
+    return graph.has(REFERENCE_EVAL_SETS) and bool(
+        {REFERENCE_EVAL_SETS, *graph.get(REFERENCE_EVAL_SETS).child_keys} & set(keys)
+    )
 
 
-def _execute(job, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome, partition: str | None,
-             tags: dict[str, str] | None = None) -> None:
+def _execute(
+    job,
+    instance: DagsterInstance,
+    keys: list[AssetKey],
+    outcome: RunOutcome,
+    partition: str | None,
+    tags: dict[str, str] | None = None,
+) -> None:
     snapshot = partition and partition.startswith(tuple(series.kind.prefix for series in SERIES))
-    where = (f"snapshot {partition}" if snapshot else f"batch {partition}") if partition else "all batches"
+    where = (
+        (f"snapshot {partition}" if snapshot else f"batch {partition}")
+        if partition
+        else "all batches"
+    )
     log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     graph = job.asset_layer.asset_graph
-    announce_pool_waits(instance, [pool for key in keys for pool in graph.get(key).pools or ()], log.info)
+    announce_pool_waits(
+        instance, [pool for key in keys for pool in graph.get(key).pools or ()], log.info
+    )
     result = job.execute_in_process(
-        run_config=_RUN_CONFIG, instance=instance, partition_key=partition, asset_selection=keys, raise_on_error=False,
+        run_config=_RUN_CONFIG,
+        instance=instance,
+        partition_key=partition,
+        asset_selection=keys,
+        raise_on_error=False,
         tags={**process_tags(), **(tags or {})},
     )
     outcome.runs.append(result.run_id)
     if _interrupted(result):
-        raise RunInterrupted(f"run {result.run_id} for {where} was interrupted and is marked "
-                             f"{instance.get_run_by_id(result.run_id).status.value.lower()}")
+        raise RunInterrupted(
+            f"run {result.run_id} for {where} was interrupted and is marked "
+            f"{instance.get_run_by_id(result.run_id).status.value.lower()}"
+        )
     if not result.success:
-        reasons = [_failure_reason(event.event_specific_data.error) for event in result.get_step_failure_events()]
-        outcome.failed_runs.append(f"run {result.run_id} for {where} failed: {'; '.join(reasons) or 'see the run in the UI'}")
+        reasons = [
+            _failure_reason(event.event_specific_data.error)
+            for event in result.get_step_failure_events()
+        ]
+        outcome.failed_runs.append(
+            f"run {result.run_id} for {where} failed: {'; '.join(reasons) or 'see the run in the UI'}"
+        )
     for check in result.get_asset_check_evaluations():
         said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for {where}: {check.description}"
         if check.passed:
@@ -341,7 +448,10 @@ def _interrupted(result) -> bool:
     for event in result.get_step_failure_events():
         error = event.event_specific_data.error
         while error is not None:
-            if error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt") or STOPPED_BY_A_SIGNAL in error.message:
+            if (
+                error.cls_name in ("DagsterExecutionInterruptedError", "KeyboardInterrupt")
+                or STOPPED_BY_A_SIGNAL in error.message
+            ):
                 return True
             error = error.cause
     return False

@@ -36,12 +36,27 @@ class SearchOutcome:
     best_search_loss: float = math.nan
 
 
-def trial_config(base: TrainConfig, search_root: str, trial: int, hyperparameters: dict, steps: int, max_steps: int) -> TrainConfig:
+def trial_config(
+    base: TrainConfig,
+    search_root: str,
+    trial: int,
+    hyperparameters: dict,
+    steps: int,
+    max_steps: int,
+) -> TrainConfig:
     """A trial: its own checkpoint folder, scored on the search split (never the promotion gate's validation rows)
     and saved at the end of each rung, on the longest schedule."""
     return dataclasses.replace(
-        base, **hyperparameters, eval_split="search", checkpoint_uri=search_root, partition=f"trial-{trial}", steps=steps,
-        schedule_steps=max_steps, eval_every=steps, checkpoint_every_steps=steps, log_every=max(1, steps // 5),
+        base,
+        **hyperparameters,
+        eval_split="search",
+        checkpoint_uri=search_root,
+        partition=f"trial-{trial}",
+        steps=steps,
+        schedule_steps=max_steps,
+        eval_every=steps,
+        checkpoint_every_steps=steps,
+        log_every=max(1, steps // 5),
         warmup_steps=min(hyperparameters.get("warmup_steps", base.warmup_steps), max_steps),
     )
 
@@ -72,7 +87,9 @@ def successive_halving(
             reached[trial] = steps
         kept = survivors(losses, eta) if rung < len(rungs) - 1 else []
         for trial in alive:
-            result = TrialResult(trial, rung, steps, losses[trial], configurations[trial], continued=trial in kept)
+            result = TrialResult(
+                trial, rung, steps, losses[trial], configurations[trial], continued=trial in kept
+            )
             outcome.results.append(result)
             on_result(result)
         if rung == len(rungs) - 1:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind, read_manifest, snapshot_number
+from pipeline_assets.lib.snapshot_manifest import (
+    PREFERENCE_SNAPSHOTS,
+    SFT_SNAPSHOTS,
+    SnapshotKind,
+    read_manifest,
+    snapshot_number,
+)
 from pipeline_assets.resources import LakeResource, MlflowResource
 
 _MLFLOW_METRICS = ("loss", "validation_loss")
@@ -32,7 +38,9 @@ class _Layers:
 
 
 _SFT = _Layers(SFT_SNAPSHOTS, ("silver", "records"), ("bronze", "records"))
-_PREFERENCE = _Layers(PREFERENCE_SNAPSHOTS, ("silver", "preference_pairs"), ("bronze", "preference_records"))
+_PREFERENCE = _Layers(
+    PREFERENCE_SNAPSHOTS, ("silver", "preference_pairs"), ("bronze", "preference_records")
+)
 
 
 def parse_model_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -45,14 +53,22 @@ def parse_model_spec(spec: str) -> tuple[str, str | None, str | None]:
         if not version.isdigit():
             raise ValueError(f"{spec!r}: the version after '/' must be a number")
         return name, None, version
-    raise ValueError(f"{spec!r}: write MODEL@ALIAS (e.g. sft-model@champion) or MODEL/VERSION (e.g. sft-model/3)")
+    raise ValueError(
+        f"{spec!r}: write MODEL@ALIAS (e.g. sft-model@champion) or MODEL/VERSION (e.g. sft-model/3)"
+    )
 
 
 def resolve_version(mlflow_tracking: MlflowResource, spec: str):
     name, alias, number = parse_model_spec(spec)
-    found = mlflow_tracking.version_by_alias(name, alias) if alias else mlflow_tracking.existing_version(name, number)
+    found = (
+        mlflow_tracking.version_by_alias(name, alias)
+        if alias
+        else mlflow_tracking.existing_version(name, number)
+    )
     if found is None:
-        raise ValueError(f"{spec}: no such model version in the registry at {mlflow_tracking.shown_tracking_uri()}")
+        raise ValueError(
+            f"{spec}: no such model version in the registry at {mlflow_tracking.shown_tracking_uri()}"
+        )
     return found
 
 
@@ -65,22 +81,52 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     batches = list(snapshot.batches)
     silver_version = _int(tags.get(f"delta.{'/'.join(layers.silver)}"))
     lineage = {
-        "model": {"name": version.name, "version": str(version.version), "aliases": list(version.aliases),
-                  "source": version.source},
-        "mlflow_run": {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "status": run.info.status,
-                       "git_commit": run.data.tags.get("git_commit"), "dagster_run_id": run.data.tags.get("dagster_run_id"),
-                       "metrics": {k: v for k, v in sorted(run.data.metrics.items())
-                                   if k in _MLFLOW_METRICS or k.startswith(_MLFLOW_METRIC_PREFIXES)}},
-        "checkpoint": {"partition": tags["partition"], "export_uri": run.data.tags.get("export_uri"),
-                       "best_checkpoint_uri": run.data.tags.get("best_checkpoint_uri")},
-        "gold": {"snapshot": snapshot.key, "snapshots_version": snapshot.number,
-                 "sequences_version": snapshot.sequences_version, "tokenizer_version": snapshot.tokenizer_version,
-                 "batches": batches, "uri": lake.table_uri(*layers.kind.sequences_table)},
-        "silver": {"table": "/".join(layers.silver), "version": silver_version, "batches": batches,
-                   "uri": lake.table_uri(*layers.silver)},
-        "bronze": {"table": "/".join(layers.bronze), "version": _int(tags.get(f"delta.{'/'.join(layers.bronze)}")),
-                   "batches": batches, "uri": lake.table_uri(*layers.bronze)},
-        "cost": json.loads(tags["cost_usd"]) if "cost_usd" in tags else None,  # recorded for sft versions
+        "model": {
+            "name": version.name,
+            "version": str(version.version),
+            "aliases": list(version.aliases),
+            "source": version.source,
+        },
+        "mlflow_run": {
+            "run_id": run.info.run_id,
+            "experiment_id": run.info.experiment_id,
+            "status": run.info.status,
+            "git_commit": run.data.tags.get("git_commit"),
+            "dagster_run_id": run.data.tags.get("dagster_run_id"),
+            "metrics": {
+                k: v
+                for k, v in sorted(run.data.metrics.items())
+                if k in _MLFLOW_METRICS or k.startswith(_MLFLOW_METRIC_PREFIXES)
+            },
+        },
+        "checkpoint": {
+            "partition": tags["partition"],
+            "export_uri": run.data.tags.get("export_uri"),
+            "best_checkpoint_uri": run.data.tags.get("best_checkpoint_uri"),
+        },
+        "gold": {
+            "snapshot": snapshot.key,
+            "snapshots_version": snapshot.number,
+            "sequences_version": snapshot.sequences_version,
+            "tokenizer_version": snapshot.tokenizer_version,
+            "batches": batches,
+            "uri": lake.table_uri(*layers.kind.sequences_table),
+        },
+        "silver": {
+            "table": "/".join(layers.silver),
+            "version": silver_version,
+            "batches": batches,
+            "uri": lake.table_uri(*layers.silver),
+        },
+        "bronze": {
+            "table": "/".join(layers.bronze),
+            "version": _int(tags.get(f"delta.{'/'.join(layers.bronze)}")),
+            "batches": batches,
+            "uri": lake.table_uri(*layers.bronze),
+        },
+        "cost": json.loads(tags["cost_usd"])
+        if "cost_usd" in tags
+        else None,  # recorded for sft versions
         "landing_files": _landing_files(lake, layers, silver_version, batches),
     }
     if layers is _PREFERENCE:
@@ -89,14 +135,25 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     return lineage
 
 
-def _landing_files(lake: LakeResource, layers: _Layers, silver_version: int | None, batches: list[str]) -> list[dict]:
+def _landing_files(
+    lake: LakeResource, layers: _Layers, silver_version: int | None, batches: list[str]
+) -> list[dict]:
     """The landing files of ``batches`` from the sources silver kept records of at ``silver_version`` (a batch
     may hold sources of other record formats, which fed other models)."""
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
-    fed = (lake.scan(*layers.silver, version=silver_version).filter(pl.col("batch_id").is_in(batches))
-           .select("batch_id", "source").unique().collect())
+    fed = (
+        lake.scan(*layers.silver, version=silver_version)
+        .filter(pl.col("batch_id").is_in(batches))
+        .select("batch_id", "source")
+        .unique()
+        .collect()
+    )
     files = manifest.join(fed, on=["batch_id", "source"], how="semi")
-    return files.select("uri", "source", "batch_id", "checksum", "size").sort("batch_id", "uri").to_dicts()
+    return (
+        files.select("uri", "source", "batch_id", "checksum", "size")
+        .sort("batch_id", "uri")
+        .to_dicts()
+    )
 
 
 def _int(value: str | None) -> int | None:

@@ -14,7 +14,12 @@ from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 from pipeline_assets.lib.processes import ProcessIdentity
 
 _TAG_PREFIX = "pipeline_assets/process_"
-_UNFINISHED = [DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+_UNFINISHED = [
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
 
 
 def process_tags() -> dict[str, str]:
@@ -25,11 +30,17 @@ def process_tags() -> dict[str, str]:
 
 def run_process(run: DagsterRun) -> ProcessIdentity | None:
     """The process that ran ``run`` (None: not started by ``pipeline-assets run``)."""
-    values = {name: run.tags.get(f"{_TAG_PREFIX}{name}") for name in ("pid", "host", "boot_id", "started")}
+    values = {
+        name: run.tags.get(f"{_TAG_PREFIX}{name}") for name in ("pid", "host", "boot_id", "started")
+    }
     if values["pid"] is None or values["host"] is None:
         return None
-    return ProcessIdentity(pid=int(values["pid"]), host=values["host"], boot_id=values["boot_id"] or "",
-                           started=values["started"] or "")
+    return ProcessIdentity(
+        pid=int(values["pid"]),
+        host=values["host"],
+        boot_id=values["boot_id"] or "",
+        started=values["started"] or "",
+    )
 
 
 def recover_dead_runs(instance: DagsterInstance, say: Callable[[str], None]) -> list[str]:
@@ -41,7 +52,11 @@ def recover_dead_runs(instance: DagsterInstance, say: Callable[[str], None]) -> 
         if process is None or not process.is_gone():
             continue
         pools = _pools_held(instance, run.run_id)
-        freed = f"freed its {', '.join(pools)} slot{'s' if len(pools) > 1 else ''}" if pools else "it held no pool slot"
+        freed = (
+            f"freed its {', '.join(pools)} slot{'s' if len(pools) > 1 else ''}"
+            if pools
+            else "it held no pool slot"
+        )
         message = f"run {run.run_id} (pid {process.pid} on host {process.host}) is gone: marked failed, {freed}"
         instance.report_run_failed(run, message=message)
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
@@ -50,7 +65,9 @@ def recover_dead_runs(instance: DagsterInstance, say: Callable[[str], None]) -> 
     return recovered
 
 
-def announce_pool_waits(instance: DagsterInstance, pools: Iterable[str], say: Callable[[str], None]) -> None:
+def announce_pool_waits(
+    instance: DagsterInstance, pools: Iterable[str], say: Callable[[str], None]
+) -> None:
     """Say which runs hold the slots a step is about to wait for (Dagster logs the wait at DEBUG)."""
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
@@ -74,5 +91,8 @@ def _pools_held(instance: DagsterInstance, run_id: str) -> list[str]:
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
         return []
-    return sorted(pool for pool in storage.get_concurrency_keys()
-                  if run_id in storage.get_concurrency_info(pool).active_run_ids)
+    return sorted(
+        pool
+        for pool in storage.get_concurrency_keys()
+        if run_id in storage.get_concurrency_info(pool).active_run_ids
+    )

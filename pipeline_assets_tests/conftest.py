@@ -19,16 +19,39 @@ from moto.server import ThreadedMotoServer
 
 from pipeline_assets.engine import RayEngine
 from pipeline_assets.resources import (
-    CostPolicy, EvalSetsResource, GoldPolicy, IngestPolicy, LakeResource, LandingResource, SilverPolicy,
+    CostPolicy,
+    EvalSetsResource,
+    GoldPolicy,
+    IngestPolicy,
+    LakeResource,
+    LandingResource,
+    SilverPolicy,
 )
 
 # The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest first by
 # their time in a full run: started last, as alphabetical order would, they leave one pytest-xdist worker alone.
-LONGEST_FIRST = ["defs/test_registry.py", "test_cli.py", "trainer/test_rl_learning.py", "defs/test_dpo_evaluation.py", "defs/test_silver.py", "trainer/test_torchrun.py", "test_recovery.py",
-                 "test_s3_end_to_end.py", "test_daemon.py", "defs/test_gold.py", "defs/test_ray_engine.py", "defs/test_training.py",
-                 "trainer/test_hparam_search.py", "defs/test_bronze.py", "test_ui_browser.py", "defs/test_registration_race.py",
-                 "lib/test_sample_corpus.py", "test_concurrent_runs.py", "test_appended_export.py",
-                 "test_ingest_faults.py"]
+LONGEST_FIRST = [
+    "defs/test_registry.py",
+    "test_cli.py",
+    "trainer/test_rl_learning.py",
+    "defs/test_dpo_evaluation.py",
+    "defs/test_silver.py",
+    "trainer/test_torchrun.py",
+    "test_recovery.py",
+    "test_s3_end_to_end.py",
+    "test_daemon.py",
+    "defs/test_gold.py",
+    "defs/test_ray_engine.py",
+    "defs/test_training.py",
+    "trainer/test_hparam_search.py",
+    "defs/test_bronze.py",
+    "test_ui_browser.py",
+    "defs/test_registration_race.py",
+    "lib/test_sample_corpus.py",
+    "test_concurrent_runs.py",
+    "test_appended_export.py",
+    "test_ingest_faults.py",
+]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,9 +71,20 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
     the commands, the sensors and the story between them. The two-rank FSDP path has its own tests
     (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py, defs/test_registry.py).
     """
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
-    environment.update(PIPELINE_HOME=str(home), PIPELINE_TRAIN_STEPS="6", PIPELINE_DPO_STEPS="6", PIPELINE_TRAIN_NPROC="1",
-                       PIPELINE_PROMOTION_MARGIN="-1", PIPELINE_SLICE_TOLERANCE="1", **env)
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))
+    }
+    environment.update(
+        PIPELINE_HOME=str(home),
+        PIPELINE_TRAIN_STEPS="6",
+        PIPELINE_DPO_STEPS="6",
+        PIPELINE_TRAIN_NPROC="1",
+        PIPELINE_PROMOTION_MARGIN="-1",
+        PIPELINE_SLICE_TOLERANCE="1",
+        **env,
+    )
     return environment
 
 
@@ -154,7 +188,9 @@ def s3_endpoint(monkeypatch):
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(name, value)
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))  # state is per process
+    urllib.request.urlopen(
+        urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+    )  # state is per process
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     yield endpoint
     server.stop()

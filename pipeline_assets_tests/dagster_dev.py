@@ -50,13 +50,17 @@ def _log_tail(log: Path, lines: int = 40) -> str:
 def _wait_until_serving(port: int, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"dagster dev exited with {server.returncode}:\n{_log_tail(log)}"
+        assert server.poll() is None, (
+            f"dagster dev exited with {server.returncode}:\n{_log_tail(log)}"
+        )
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2)
             return
         except OSError:
             time.sleep(1)
-    raise AssertionError(f"dagster dev did not serve on 127.0.0.1:{port} within {DEADLINE_SECONDS} s:\n{_log_tail(log)}")
+    raise AssertionError(
+        f"dagster dev did not serve on 127.0.0.1:{port} within {DEADLINE_SECONDS} s:\n{_log_tail(log)}"
+    )
 
 
 @contextmanager
@@ -67,8 +71,14 @@ def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iter
     only runs are the ones a test launches (and what automation does downstream of them).
     """
     home = tmp_path / "home"
-    manifest = write_sample_corpus(home / "landing", records=records, eval_sets_dir=home / "reference" / "eval_sets")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
+    manifest = write_sample_corpus(
+        home / "landing", records=records, eval_sets_dir=home / "reference" / "eval_sets"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))
+    }
     env.update(PIPELINE_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
     for name in ("PIPELINE_HOME", "DAGSTER_HOME"):
         monkeypatch.setenv(name, env[name])
@@ -79,8 +89,22 @@ def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iter
     log = tmp_path / "dagster-dev.log"
     with log.open("wb") as out:
         server = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(Path(sys.executable).parent / "dagster"),
+                "dev",
+                "-w",
+                "workspace.yaml",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         _wait_until_serving(port, server, log)

@@ -49,13 +49,23 @@ class FaultyS3:
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy._should_fail(self.command, self.path):
-                    self._answer(503, {"Content-Type": "application/xml", "Content-Length": str(len(_SLOW_DOWN))}, _SLOW_DOWN)
+                    self._answer(
+                        503,
+                        {"Content-Type": "application/xml", "Content-Length": str(len(_SLOW_DOWN))},
+                        _SLOW_DOWN,
+                    )
                     return
-                upstream = http.client.HTTPConnection(proxy._upstream.hostname, proxy._upstream.port, timeout=30)
+                upstream = http.client.HTTPConnection(
+                    proxy._upstream.hostname, proxy._upstream.port, timeout=30
+                )
                 upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
                 response = upstream.getresponse()
                 payload = response.read()
-                headers = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection", "server", "date")}
+                headers = {
+                    k: v
+                    for k, v in response.getheaders()
+                    if k.lower() not in ("transfer-encoding", "connection", "server", "date")
+                }
                 if self.command != "HEAD":
                     headers["Content-Length"] = str(len(payload))
                 self._answer(response.status, headers, payload)

@@ -26,12 +26,20 @@ DEADLINE_SECONDS = 240
 
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     home = tmp_path / "home"
-    manifest = write_sample_corpus(home / "landing", records=800, eval_sets_dir=home / "reference" / "eval_sets")
+    manifest = write_sample_corpus(
+        home / "landing", records=800, eval_sets_dir=home / "reference" / "eval_sets"
+    )
     env = cli_environment(home, DAGSTER_HOME=str(home / "dagster"))
-    persistent_instance(str(home / "dagster"))  # writes the project's dagster.yaml, as make dev does
+    persistent_instance(
+        str(home / "dagster")
+    )  # writes the project's dagster.yaml, as make dev does
     daemon = subprocess.Popen(
         [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         instance = DagsterInstance.from_config(str(home / "dagster"))
@@ -62,8 +70,13 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
     gold = pl.read_delta(str(home / "lake" / "gold" / "sequences"))
     assert set(gold["record_ids"].explode()) == set(silver["record_id"])
 
-    assert snapshot_run.tags["dagster/sensor_name"] == "snapshot_cadence" and "first snapshot" in snapshot_run.tags[SNAPSHOT_REASON_TAG]
-    assert trained.status == DagsterRunStatus.SUCCESS, "automation trains the new snapshot without a click"
+    assert (
+        snapshot_run.tags["dagster/sensor_name"] == "snapshot_cadence"
+        and "first snapshot" in snapshot_run.tags[SNAPSHOT_REASON_TAG]
+    )
+    assert trained.status == DagsterRunStatus.SUCCESS, (
+        "automation trains the new snapshot without a click"
+    )
     assert (home / "checkpoints" / "gold-v0" / "final" / "model.safetensors").exists()
     # Evaluation and registration follow by the same kind of condition as silver; `pipeline-assets run`
     # (test_cli) covers them end to end, so this test stops here to keep the suite's time in bounds.
@@ -74,10 +87,16 @@ def _wait_for_run_of(instance: DagsterInstance, key, partition: str):
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
         for run in instance.get_runs():
-            if run.tags.get("dagster/partition") == partition and run.is_finished and key in (run.asset_selection or ()):
+            if (
+                run.tags.get("dagster/partition") == partition
+                and run.is_finished
+                and key in (run.asset_selection or ())
+            ):
                 return run
         time.sleep(2)
-    raise AssertionError(f"no finished run of {key.to_user_string()} for {partition} within {DEADLINE_SECONDS} s")
+    raise AssertionError(
+        f"no finished run of {key.to_user_string()} for {partition} within {DEADLINE_SECONDS} s"
+    )
 
 
 def _wait_for_snapshot(instance: DagsterInstance) -> list[str]:
@@ -95,8 +114,11 @@ def _wait_for_finished_run(instance: DagsterInstance, sensor: str):
     finished = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
-        runs = [run for run in instance.get_runs(RunsFilter(statuses=list(finished)))
-                if run.tags.get("dagster/sensor_name") == sensor]
+        runs = [
+            run
+            for run in instance.get_runs(RunsFilter(statuses=list(finished)))
+            if run.tags.get("dagster/sensor_name") == sensor
+        ]
         if runs:
             return runs[-1]
         time.sleep(2)

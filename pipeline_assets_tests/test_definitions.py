@@ -20,38 +20,69 @@ def test_asset_keys_groups_checks_and_sensor():
     assert {"bronze/records", "bronze/quarantine", "reference/eval_sets"} <= set(keys)
     assert keys["bronze/records"].group_name == "bronze"
     assert keys["bronze/records"].partitions_def.name == "ingest_batches"
-    checks = {(spec.asset_key.to_user_string(), spec.name, spec.blocking)
-              for checks_def in defs.asset_checks for spec in checks_def.check_specs}
-    assert {("bronze/records", "contract", True), ("bronze/records", "quarantine_rate", True),
-            ("bronze/records", "volume", False), ("bronze/records", "freshness", False),
-            ("bronze/quarantine", "contract", True)} <= checks
+    checks = {
+        (spec.asset_key.to_user_string(), spec.name, spec.blocking)
+        for checks_def in defs.asset_checks
+        for spec in checks_def.check_specs
+    }
+    assert {
+        ("bronze/records", "contract", True),
+        ("bronze/records", "quarantine_rate", True),
+        ("bronze/records", "volume", False),
+        ("bronze/records", "freshness", False),
+        ("bronze/quarantine", "contract", True),
+    } <= checks
     assert defs.resolve_sensor_def("landing_sensor").default_status.value == "RUNNING"
     assert defs.resolve_sensor_def("silver_in_order").default_status.value == "RUNNING"
-    assert keys["reference/eval_sets"].is_observable, "observed: its data version is the sha256 of its files"
+    assert keys["reference/eval_sets"].is_observable, (
+        "observed: its data version is the sha256 of its files"
+    )
     assert defs.resolve_sensor_def("eval_sets_watcher").default_status.value == "RUNNING"
-    assert keys["silver/records"].automation_condition is None, "silver_in_order is silver's only automatic requester"
-    assert keys["gold/sequences"].partitions_def.name == "ingest_batches", "one gold shard per ingest batch"
-    assert keys["gold/sequences"].automation_condition is not None, "a batch's shard follows its silver"
-    assert keys["gold/snapshots"].automation_condition is None, "snapshot_cadence cuts snapshots, not every batch"
-    assert {"token_length_drift", "token_volume"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/snapshots"].key})}
+    assert keys["silver/records"].automation_condition is None, (
+        "silver_in_order is silver's only automatic requester"
+    )
+    assert keys["gold/sequences"].partitions_def.name == "ingest_batches", (
+        "one gold shard per ingest batch"
+    )
+    assert keys["gold/sequences"].automation_condition is not None, (
+        "a batch's shard follows its silver"
+    )
+    assert keys["gold/snapshots"].automation_condition is None, (
+        "snapshot_cadence cuts snapshots, not every batch"
+    )
+    assert {"token_length_drift", "token_volume"} <= {
+        key.name for key in graph.get_check_keys_for_assets({keys["gold/snapshots"].key})
+    }
     assert defs.resolve_sensor_def("snapshot_cadence").default_status.value == "RUNNING"
-    assert {"contract", "packing_efficiency"} <= {key.name for key in graph.get_check_keys_for_assets({keys["gold/sequences"].key})}
+    assert {"contract", "packing_efficiency"} <= {
+        key.name for key in graph.get_check_keys_for_assets({keys["gold/sequences"].key})
+    }
     assert set(defs.resources) >= {"lake", "landing", "ingest_policy"}
     assert keys["gold/preference_sequences"].partitions_def.name == "ingest_batches"
-    assert keys["gold/preference_snapshots"].automation_condition is None, "preference_snapshot_cadence cuts them"
+    assert keys["gold/preference_snapshots"].automation_condition is None, (
+        "preference_snapshot_cadence cuts them"
+    )
     assert defs.resolve_sensor_def("preference_snapshot_cadence").default_status.value == "RUNNING"
 
 
 def test_resources_follow_settings(monkeypatch, tmp_path):
     from pipeline_assets.resources import Settings, build_resources
 
-    for inherited in ("DAGSTER_HOME", "MLFLOW_TRACKING_URI", "PIPELINE_LANDING_URI", "PIPELINE_FIELD_MAPPINGS"):
+    for inherited in (
+        "DAGSTER_HOME",
+        "MLFLOW_TRACKING_URI",
+        "PIPELINE_LANDING_URI",
+        "PIPELINE_FIELD_MAPPINGS",
+    ):
         monkeypatch.delenv(inherited, raising=False)  # make exports some of these
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     monkeypatch.setenv("PIPELINE_LAKE_URI", "s3://bucket/lake")
     monkeypatch.setenv("PIPELINE_FIELD_MAPPINGS", '{"logs": {"completion": "response"}}')
     settings = Settings.from_env()
-    assert settings.landing_uri == f"{tmp_path}/landing" and settings.dagster_home == f"{tmp_path}/dagster"
+    assert (
+        settings.landing_uri == f"{tmp_path}/landing"
+        and settings.dagster_home == f"{tmp_path}/dagster"
+    )
     assert settings.mlflow_tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
     built = build_resources(settings)
     assert built["lake"].uri == "s3://bucket/lake"
@@ -66,7 +97,9 @@ def test_long_records_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch,
     monkeypatch.setenv("PIPELINE_LONG_RECORDS", "drop")
     assert build_resources(Settings.from_env())["gold_policy"].long_records == "drop"
     monkeypatch.setenv("PIPELINE_LONG_RECORDS", "split")
-    with pytest.raises(ValueError, match="PIPELINE_LONG_RECORDS='split' is not one of 'truncate', 'drop'"):
+    with pytest.raises(
+        ValueError, match="PIPELINE_LONG_RECORDS='split' is not one of 'truncate', 'drop'"
+    ):
         Settings.from_env()
 
 
@@ -93,15 +126,27 @@ def test_preference_pair_settings_reach_silver_and_a_bad_value_is_named(monkeypa
     configured = build_resources(Settings.from_env())["silver_policy"].silver_config()
     assert (configured.max_pairs_per_prompt, configured.max_length_ratio) == (3, 5.0)
     monkeypatch.setenv("PIPELINE_PREFERENCE_MAX_LENGTH_RATIO", "0.5")
-    with pytest.raises(ValueError, match="PIPELINE_PREFERENCE_MAX_LENGTH_RATIO=0.5 must be more than 1"):
+    with pytest.raises(
+        ValueError, match="PIPELINE_PREFERENCE_MAX_LENGTH_RATIO=0.5 must be more than 1"
+    ):
         Settings.from_env()
 
 
 def test_dagster_definitions_validate(tmp_path):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "PIPELINE_HOME": str(tmp_path)}
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-w", "workspace.yaml"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            str(Path(sys.executable).parent / "dagster"),
+            "definitions",
+            "validate",
+            "-w",
+            "workspace.yaml",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "All code locations passed validation" in done.stdout + done.stderr
@@ -111,9 +156,22 @@ def test_runs_execute_in_one_process_unless_the_setting_says_otherwise(tmp_path)
     assert defs.executor.name == "in_process"
     show = "from pipeline_assets.definitions import defs; print(defs.executor.name)"
     env = {**os.environ, "PIPELINE_HOME": str(tmp_path)}
-    multiprocess = subprocess.run([sys.executable, "-c", show], env={**env, "PIPELINE_EXECUTOR": "multiprocess"},
-                                  capture_output=True, text=True, timeout=120)
+    multiprocess = subprocess.run(
+        [sys.executable, "-c", show],
+        env={**env, "PIPELINE_EXECUTOR": "multiprocess"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert multiprocess.stdout.strip() == "multiprocess", multiprocess.stderr
-    unknown = subprocess.run([sys.executable, "-c", show], env={**env, "PIPELINE_EXECUTOR": "threads"},
-                             capture_output=True, text=True, timeout=120)
-    assert unknown.returncode != 0 and "PIPELINE_EXECUTOR='threads': one of in_process, multiprocess" in unknown.stderr
+    unknown = subprocess.run(
+        [sys.executable, "-c", show],
+        env={**env, "PIPELINE_EXECUTOR": "threads"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        unknown.returncode != 0
+        and "PIPELINE_EXECUTOR='threads': one of in_process, multiprocess" in unknown.stderr
+    )

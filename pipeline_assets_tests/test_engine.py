@@ -15,7 +15,9 @@ RAY_SESSION_CHARS = 70  # what Ray's session folder and socket names add to its 
 SOCKET_PATH_LIMIT = 107
 
 
-def test_a_long_home_and_a_long_system_temp_still_give_ray_a_short_folder_under_home(tmp_path, monkeypatch):
+def test_a_long_home_and_a_long_system_temp_still_give_ray_a_short_folder_under_home(
+    tmp_path, monkeypatch
+):
     home = tmp_path / ("a-long-pipeline-home-" * 4)
     long_temp = tmp_path / ("a-long-system-temp-" * 3)  # as macOS's /var/folders/... is
     long_temp.mkdir()
@@ -27,7 +29,9 @@ def test_a_long_home_and_a_long_system_temp_still_give_ray_a_short_folder_under_
     folder = Path(options["_temp_dir"])
     try:
         assert len(str(folder)) + RAY_SESSION_CHARS <= SOCKET_PATH_LIMIT
-        assert folder.resolve() == (home / "ray" / "tmp").resolve(), "Ray's files land under PIPELINE_HOME"
+        assert folder.resolve() == (home / "ray" / "tmp").resolve(), (
+            "Ray's files land under PIPELINE_HOME"
+        )
         token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
         assert token.parent == home / "ray" and stat.S_IMODE(token.stat().st_mode) == 0o600
         assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
@@ -71,26 +75,41 @@ def test_the_kuberay_setting_gives_silver_and_gold_a_rayjob_for_every_batch(tmp_
     monkeypatch.setenv("PIPELINE_KUBERAY", str(settings_file))
     defs = build_definitions(Settings.from_env())
     engine = defs.resources["ray_engine"]
-    assert isinstance(engine, KubeRayEngine) and engine.uses_ray(1), "on KubeRay every batch runs on the cluster"
+    assert isinstance(engine, KubeRayEngine) and engine.uses_ray(1), (
+        "on KubeRay every batch runs on the cluster"
+    )
     assert {"ray_engine"} <= defs.resolve_assets_def(SILVER_RECORDS).required_resource_keys
     assert {"ray_engine"} <= defs.resolve_assets_def(GOLD_SEQUENCES).required_resource_keys
 
-    manifest = engine.ray_job.to_k8s(build_init_resource_context(instance=DagsterInstance.ephemeral()),
-                                     image=engine.image, env_vars=engine.get_env_vars_to_inject())
+    manifest = engine.ray_job.to_k8s(
+        build_init_resource_context(instance=DagsterInstance.ephemeral()),
+        image=engine.image,
+        env_vars=engine.get_env_vars_to_inject(),
+    )
     assert manifest["kind"] == "RayJob" and manifest["spec"]["submissionMode"] == "InteractiveMode"
     assert engine.namespace == "ml-data"
     cluster = manifest["spec"]["rayClusterSpec"]
-    pods = [cluster["headGroupSpec"]["template"]["spec"], *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]
+    pods = [
+        cluster["headGroupSpec"]["template"]["spec"],
+        *(group["template"]["spec"] for group in cluster["workerGroupSpecs"]),
+    ]
     for pod in pods:
         container = pod["containers"][0]
         assert container["image"] == "registry.example.com/pipeline-assets:1.4"
-        assert {"name": "POLARS_MAX_THREADS", "value": BLOCK_TASK_ENV["POLARS_MAX_THREADS"]} in container["env"]
+        assert {
+            "name": "POLARS_MAX_THREADS",
+            "value": BLOCK_TASK_ENV["POLARS_MAX_THREADS"],
+        } in container["env"]
     assert cluster["workerGroupSpecs"][0]["replicas"] == 4
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(ValueError, match="RAY_ADDRESS and PIPELINE_KUBERAY are both set"):
         Settings.from_env()
     monkeypatch.delenv("RAY_ADDRESS")
-    settings_file.write_text(KUBERAY_SETTINGS.replace("  metadata: {namespace: ml-data}", "  namespace: ml-data"))
-    with pytest.raises(ValueError, match=r"PIPELINE_KUBERAY=.*unknown field\(s\) ray_job.namespace"):
+    settings_file.write_text(
+        KUBERAY_SETTINGS.replace("  metadata: {namespace: ml-data}", "  namespace: ml-data")
+    )
+    with pytest.raises(
+        ValueError, match=r"PIPELINE_KUBERAY=.*unknown field\(s\) ray_job.namespace"
+    ):
         build_definitions(Settings.from_env())

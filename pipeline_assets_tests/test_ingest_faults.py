@@ -19,19 +19,36 @@ FLAKY_KEY = "landing/annotate/flaky.jsonl"
 
 
 def _land(client) -> None:
-    client.put_object(Bucket=BUCKET, Key=FLAKY_KEY, Body=jsonl_bytes([record(i) for i in range(40)]))
-    client.put_object(Bucket=BUCKET, Key="landing/annotate/steady.jsonl", Body=jsonl_bytes([record(100 + i) for i in range(10)]))
+    client.put_object(
+        Bucket=BUCKET, Key=FLAKY_KEY, Body=jsonl_bytes([record(i) for i in range(40)])
+    )
+    client.put_object(
+        Bucket=BUCKET,
+        Key="landing/annotate/steady.jsonl",
+        Body=jsonl_bytes([record(100 + i) for i in range(10)]),
+    )
 
 
 def _run_bronze(home: Path, endpoint: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))}
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))
+    }
     environment.update(
-        PIPELINE_HOME=str(home), PIPELINE_LANDING_URI=f"s3://{BUCKET}/landing", AWS_ENDPOINT_URL=endpoint,
+        PIPELINE_HOME=str(home),
+        PIPELINE_LANDING_URI=f"s3://{BUCKET}/landing",
+        AWS_ENDPOINT_URL=endpoint,
         AWS_MAX_ATTEMPTS="1",  # one try inside boto: the step's retry policy must retry
         PIPELINE_RETRY_DELAY_SECONDS="0.2",
     )
-    return subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "run", "--select", 'key:"bronze/*"'],
-                          env=environment, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.cli", "run", "--select", 'key:"bronze/*"'],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _step_retries(home: Path) -> int:
@@ -55,8 +72,10 @@ def test_a_read_that_fails_twice_is_retried_and_every_line_lands(s3_endpoint, tm
     bronze = _bronze(tmp_path)
     assert bronze.filter(pl.col("source_file") == "annotate/flaky.jsonl").height == 40
     assert bronze.height == 50
-    assert not (tmp_path / "lake" / "bronze" / "quarantine").exists() or pl.read_delta(
-        str(tmp_path / "lake" / "bronze" / "quarantine")).height == 0, "a transient fault is never quarantined"
+    assert (
+        not (tmp_path / "lake" / "bronze" / "quarantine").exists()
+        or pl.read_delta(str(tmp_path / "lake" / "bronze" / "quarantine")).height == 0
+    ), "a transient fault is never quarantined"
 
 
 def test_a_read_that_keeps_failing_fails_the_batch_naming_the_file(s3_endpoint, tmp_path):
@@ -64,10 +83,18 @@ def test_a_read_that_keeps_failing_fails_the_batch_naming_the_file(s3_endpoint, 
     with FaultyS3(s3_endpoint, FLAKY_KEY, fails=lambda n: n > 1) as store:
         run = _run_bronze(tmp_path, store.endpoint)
     assert run.returncode == 1
-    assert store.gets == 5, ("registration, then the first try and three retries", run.stdout, run.stderr[-3000:])
+    assert store.gets == 5, (
+        "registration, then the first try and three retries",
+        run.stdout,
+        run.stderr[-3000:],
+    )
     failed = [line for line in run.stderr.splitlines() if line.startswith("FAILED:")]
     assert failed and "annotate/flaky.jsonl" in failed[0] and "SlowDown" in failed[0], run.stderr
     lake = tmp_path / "lake" / "bronze"
     for table in ("records", "quarantine"):
-        assert not (lake / table).exists() or pl.read_delta(str(lake / table)).filter(
-            pl.col("source_file") == "annotate/flaky.jsonl").is_empty(), f"nothing of the file in bronze/{table}"
+        assert (
+            not (lake / table).exists()
+            or pl.read_delta(str(lake / table))
+            .filter(pl.col("source_file") == "annotate/flaky.jsonl")
+            .is_empty()
+        ), f"nothing of the file in bronze/{table}"

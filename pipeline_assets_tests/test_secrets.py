@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 from dagster import DagsterInstance, build_resources, materialize
-from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql, infer_repository_selector
+from dagster_graphql.test.utils import (
+    define_out_of_process_context,
+    execute_dagster_graphql,
+    infer_repository_selector,
+)
 
 from pipeline_assets import cli
+from pipeline_assets.definitions import build_definitions
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
-from pipeline_assets.definitions import build_definitions
-from pipeline_assets.resources import Settings, build_resources as pipeline_resources
+from pipeline_assets.resources import Settings
+from pipeline_assets.resources import build_resources as pipeline_resources
 from pipeline_assets_tests.conftest import _free_port, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 
@@ -43,7 +48,9 @@ def home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("PIPELINE_HOME", str(home))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://alice:{TRACKING_PASSWORD}@127.0.0.1:{_free_port()}")
+    monkeypatch.setenv(
+        "MLFLOW_TRACKING_URI", f"https://alice:{TRACKING_PASSWORD}@127.0.0.1:{_free_port()}"
+    )
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
@@ -58,13 +65,19 @@ def _assert_no_secret(where: str, text: str) -> None:
 
 
 def test_the_resource_view_names_the_variable_and_shows_no_secret(home):
-    with DagsterInstance.get() as instance, \
-            define_out_of_process_context(str(ROOT / "workspace.yaml"), None, instance) as context:
-        result = execute_dagster_graphql(context, RESOURCES_QUERY, {"selector": infer_repository_selector(context)})
+    with (
+        DagsterInstance.get() as instance,
+        define_out_of_process_context(str(ROOT / "workspace.yaml"), None, instance) as context,
+    ):
+        result = execute_dagster_graphql(
+            context, RESOURCES_QUERY, {"selector": infer_repository_selector(context)}
+        )
     shown = json.dumps(result.data)
     _assert_no_secret("the GraphQL resource view", shown)
     resources = {r["name"]: r for r in result.data["allTopLevelResourceDetailsOrError"]["results"]}
-    tracking = {v["key"]: v for v in resources["mlflow_tracking"]["configuredValues"]}["tracking_uri"]
+    tracking = {v["key"]: v for v in resources["mlflow_tracking"]["configuredValues"]}[
+        "tracking_uri"
+    ]
     assert (tracking["type"], tracking["value"]) == ("ENV_VAR", "MLFLOW_TRACKING_URI")
 
 
@@ -72,14 +85,28 @@ def test_a_run_leaves_no_secret_in_the_instance_or_the_lake(home):
     defs = build_definitions(Settings.from_env())
     with DagsterInstance.get() as instance:
         batch = register(instance, defs.resources)
-        result = materialize([bronze, *bronze_checks], partition_key=batch, instance=instance, resources=defs.resources)
+        result = materialize(
+            [bronze, *bronze_checks],
+            partition_key=batch,
+            instance=instance,
+            resources=defs.resources,
+        )
         assert result.success
-        shown_uris = [event.materialization.metadata["dagster/uri"].value for event in result.get_asset_materialization_events()]
-        assert str(home / "lake" / "bronze" / "records") in shown_uris, "a run that records URIs in its metadata"
+        shown_uris = [
+            event.materialization.metadata["dagster/uri"].value
+            for event in result.get_asset_materialization_events()
+        ]
+        assert str(home / "lake" / "bronze" / "records") in shown_uris, (
+            "a run that records URIs in its metadata"
+        )
         run = instance.get_run_by_id(result.run_id)
         _assert_no_secret("the run config", json.dumps(run.run_config) + json.dumps(run.tags))
-        _assert_no_secret("the event log", "\n".join(str(entry) for entry in instance.all_logs(result.run_id)))
-    for path in [p for p in home.rglob("*") if p.is_file()]:  # the instance's storage, the Delta tables, the logs
+        _assert_no_secret(
+            "the event log", "\n".join(str(entry) for entry in instance.all_logs(result.run_id))
+        )
+    for path in [
+        p for p in home.rglob("*") if p.is_file()
+    ]:  # the instance's storage, the Delta tables, the logs
         _assert_no_secret(str(path.relative_to(home)), path.read_bytes().decode("utf-8", "replace"))
 
 

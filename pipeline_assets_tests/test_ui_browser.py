@@ -23,27 +23,57 @@ from dagster import DagsterRunStatus
 from dagster_graphql import DagsterGraphQLClient
 from playwright.sync_api import Page, expect, sync_playwright
 
-from pipeline_assets_tests.dagster_dev import DEADLINE_SECONDS, ROOT, DagsterDev, running_dagster_dev
+from pipeline_assets_tests.dagster_dev import (
+    DEADLINE_SECONDS,
+    ROOT,
+    DagsterDev,
+    running_dagster_dev,
+)
 
 CHROMIUM = shutil.which("chromium")  # where `make test` looks for it, and installs it when missing
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 SHOTS = ROOT / "test-output" / "ui"
-UI_TIMEOUT_MS = 60_000    # a page, a dialog, a graph layout: seconds normally, more on a loaded 2-core machine
+UI_TIMEOUT_MS = (
+    60_000  # a page, a dialog, a graph layout: seconds normally, more on a loaded 2-core machine
+)
 RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its checks): under a minute on 2 cores, more when loaded
 
 # Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold and training).
 ASSET_KEYS = [
-    "bronze/records", "bronze/preference_records", "bronze/quarantine",
-    "silver/records", "silver/preference_pairs", "silver/rejects", "silver/minhash_index", "silver/minhash_bands",
+    "bronze/records",
+    "bronze/preference_records",
+    "bronze/quarantine",
+    "silver/records",
+    "silver/preference_pairs",
+    "silver/rejects",
+    "silver/minhash_index",
+    "silver/minhash_bands",
     "reference/eval_sets",
-    "gold/tokenizer", "gold/sequences", "gold/snapshots", "gold/preference_sequences", "gold/preference_snapshots",
+    "gold/tokenizer",
+    "gold/sequences",
+    "gold/snapshots",
+    "gold/preference_sequences",
+    "gold/preference_snapshots",
     "gold/reference_logps",
-    "training/hparam_search", "training/checkpoint", "training/dpo_checkpoint",
-    "evaluation/report", "evaluation/dpo_report", "registry/model_version", "registry/dpo_model_version",
-    "ops/pipeline_report", "rl/prompt_bank", "rl/policy", "rl/replay_buffer",
+    "training/hparam_search",
+    "training/checkpoint",
+    "training/dpo_checkpoint",
+    "evaluation/report",
+    "evaluation/dpo_report",
+    "registry/model_version",
+    "registry/dpo_model_version",
+    "ops/pipeline_report",
+    "rl/prompt_bank",
+    "rl/policy",
+    "rl/replay_buffer",
 ]
 # silver/records: what feeds it and what it feeds, one step either way.
 UPSTREAM = ["bronze/records", "reference/eval_sets"]
@@ -67,7 +97,9 @@ class Steps:
         try:
             yield
         finally:
-            self.page.screenshot(path=str(self.folder / f"{self.count:02d}-{name}.png"), full_page=True)
+            self.page.screenshot(
+                path=str(self.folder / f"{self.count:02d}-{name}.png"), full_page=True
+            )
 
 
 RECTS = "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })"
@@ -78,10 +110,17 @@ def drawn_in_group(page: Page, key: str) -> bool:
     the group named like its first part (assets are grouped by layer; nodes show only their name)."""
     layer, name = key.split("/")
     graph = page.locator("svg")
-    groups = graph.locator("foreignObject").filter(has=page.get_by_text(layer, exact=True)).evaluate_all(RECTS)
+    groups = (
+        graph.locator("foreignObject")
+        .filter(has=page.get_by_text(layer, exact=True))
+        .evaluate_all(RECTS)
+    )
     nodes = graph.get_by_text(name, exact=True).evaluate_all(RECTS)
-    return any(gx <= x + w / 2 <= gx + gw and gy <= y + h / 2 <= gy + gh
-               for x, y, w, h in nodes for gx, gy, gw, gh in groups)
+    return any(
+        gx <= x + w / 2 <= gx + gw and gy <= y + h / 2 <= gy + gh
+        for x, y, w, h in nodes
+        for gx, gy, gw, gh in groups
+    )
 
 
 def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
@@ -100,7 +139,10 @@ def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory) -> Iterator[DagsterDev]:
     """One `dagster dev` for this file's tests (starting one, with its sample corpus, takes half a minute)."""
-    with pytest.MonkeyPatch.context() as monkeypatch, running_dagster_dev(tmp_path_factory.mktemp("dev"), monkeypatch) as server:
+    with (
+        pytest.MonkeyPatch.context() as monkeypatch,
+        running_dagster_dev(tmp_path_factory.mktemp("dev"), monkeypatch) as server,
+    ):
         yield server
 
 
@@ -112,11 +154,19 @@ def _bronze_holds_the_batch(dev: DagsterDev) -> None:
 
 def test_a_run_submitted_through_graphql_succeeds(dev):
     client = DagsterGraphQLClient("127.0.0.1", port_number=dev.port)
-    run_id = client.submit_job_execution("ingest_batch", repository_location_name="pipeline_assets",
-                                         tags={"dagster/partition": dev.batch})
+    run_id = client.submit_job_execution(
+        "ingest_batch",
+        repository_location_name="pipeline_assets",
+        tags={"dagster/partition": dev.batch},
+    )
     deadline = time.monotonic() + DEADLINE_SECONDS
-    while (status := client.get_run_status(run_id)) not in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE):
-        assert time.monotonic() < deadline, f"run {run_id} still {status} after {DEADLINE_SECONDS} s"
+    while (status := client.get_run_status(run_id)) not in (
+        DagsterRunStatus.SUCCESS,
+        DagsterRunStatus.FAILURE,
+    ):
+        assert time.monotonic() < deadline, (
+            f"run {run_id} still {status} after {DEADLINE_SECONDS} s"
+        )
         time.sleep(2)
     assert status == DagsterRunStatus.SUCCESS
     _bronze_holds_the_batch(dev)
@@ -130,16 +180,26 @@ def patient_expect() -> Iterator[None]:
     expect.set_options(timeout=None)
 
 
-def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, tmp_path, patient_expect):
+def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(
+    dev, tmp_path, patient_expect
+):
     if CHROMIUM is None:
-        pytest.fail("chromium is not on PATH: `make test` installs Debian's chromium (apt-get install chromium)")
+        pytest.fail(
+            "chromium is not on PATH: `make test` installs Debian's chromium (apt-get install chromium)"
+        )
     shutil.rmtree(SHOTS, ignore_errors=True)
     SHOTS.mkdir(parents=True)
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1600, "height": 2200},  # the catalog lists every asset without scrolling
+            str(tmp_path / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={
+                "width": 1600,
+                "height": 2200,
+            },  # the catalog lists every asset without scrolling
         )
         try:
             page = browser.new_page()
@@ -173,7 +233,9 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, 
                 page.get_by_text("Select a partition or create one").click()
                 page.get_by_placeholder("Filter partitions").fill(dev.batch)
                 page.get_by_title(dev.batch, exact=True).click()
-                page.get_by_text("Launch runs to materialize 3 assets").click()  # closes the partition list
+                page.get_by_text(
+                    "Launch runs to materialize 3 assets"
+                ).click()  # closes the partition list
                 expect(page.get_by_text("1 partition", exact=True)).to_be_visible()
 
             with steps.step("run-launched"):
@@ -191,36 +253,54 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(dev, 
             # While the run executes: the lineage of silver/records, on its page.
             with steps.step("silver-records-overview"):
                 page.goto(f"{dev.url}/assets/silver/records")
-                for heading, keys in (("Upstream assets", UPSTREAM), ("Downstream assets", DOWNSTREAM)):
-                    other = "Downstream assets" if heading == "Upstream assets" else "Upstream assets"
-                    column = page.locator("div").filter(has=page.get_by_text(heading, exact=True)).filter(
-                        has_not=page.get_by_text(other, exact=True))
+                for heading, keys in (
+                    ("Upstream assets", UPSTREAM),
+                    ("Downstream assets", DOWNSTREAM),
+                ):
+                    other = (
+                        "Downstream assets" if heading == "Upstream assets" else "Upstream assets"
+                    )
+                    column = (
+                        page.locator("div")
+                        .filter(has=page.get_by_text(heading, exact=True))
+                        .filter(has_not=page.get_by_text(other, exact=True))
+                    )
                     for key in keys:
                         expect(column.get_by_role("link", name=label(key))).to_be_visible()
 
             with steps.step("silver-records-lineage-upstream"):
                 page.get_by_role("tab", name="Lineage").click()
                 page.get_by_role("button", name="Upstream").click()
-                expect(page).to_have_url(re.compile(r"/assets/silver/records\?view=lineage&lineageScope=upstream$"))
+                expect(page).to_have_url(
+                    re.compile(r"/assets/silver/records\?view=lineage&lineageScope=upstream$")
+                )
                 wait_for_graph(page, drawn=["silver/records", *UPSTREAM], absent=DOWNSTREAM)
 
             with steps.step("silver-records-lineage-downstream"):
                 page.get_by_role("button", name="Downstream").click()
-                expect(page).to_have_url(re.compile(r"/assets/silver/records\?view=lineage&lineageScope=downstream$"))
+                expect(page).to_have_url(
+                    re.compile(r"/assets/silver/records\?view=lineage&lineageScope=downstream$")
+                )
                 wait_for_graph(page, drawn=["silver/records", *DOWNSTREAM], absent=UPSTREAM)
 
             with steps.step("run-success"):
                 # Watched from the runs list (refreshed every 15 s): a run page redraws its live timeline
                 # all the time, which takes most of a core from the run on a 2-core machine.
                 page.get_by_role("navigation").get_by_text("Runs", exact=True).click()
-                outcome = page.get_by_text(re.compile(r"^(Success|Failure|Canceled)$"))  # a run's status tag
+                outcome = page.get_by_text(
+                    re.compile(r"^(Success|Failure|Canceled)$")
+                )  # a run's status tag
                 run_link = page.get_by_role("link", name=short_id)
-                row = page.locator("div").filter(has=run_link).filter(has=outcome).last  # the innermost: its row
+                row = (
+                    page.locator("div").filter(has=run_link).filter(has=outcome).last
+                )  # the innermost: its row
                 expect(row).to_be_visible(timeout=RUN_TIMEOUT_MS)
                 run_link.click()
                 expect(page).to_have_url(run_url)
                 expect(outcome).to_be_visible()
-                assert outcome.inner_text() == "Success", f"the run page shows {outcome.inner_text()}"
+                assert outcome.inner_text() == "Success", (
+                    f"the run page shows {outcome.inner_text()}"
+                )
         finally:
             browser.close()
 

@@ -1,6 +1,11 @@
 """How downstream layers follow upstream ones without a click (the README's asset graph)."""
 
-from dagster import AssetSelection, AutomationCondition, AutomationConditionSensorDefinition, DefaultSensorStatus
+from dagster import (
+    AssetSelection,
+    AutomationCondition,
+    AutomationConditionSensorDefinition,
+    DefaultSensorStatus,
+)
 
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
 
@@ -11,9 +16,10 @@ def after_upstream_passes() -> AutomationCondition:
     The reference eval sets are maintained outside the pipeline and never materialized, so they
     must not hold the flow back as a "missing" dependency.
     """
-    return AutomationCondition.eager().ignore(
-        AssetSelection.assets(REFERENCE_EVAL_SETS)
-    ) & AutomationCondition.all_deps_blocking_checks_passed()
+    return (
+        AutomationCondition.eager().ignore(AssetSelection.assets(REFERENCE_EVAL_SETS))
+        & AutomationCondition.all_deps_blocking_checks_passed()
+    )
 
 
 # Dagster ships its default automation sensor stopped; new landing data must flow on its own.

@@ -32,15 +32,23 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
 
 def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
     """The blocking check ``contract`` of a table partitioned by ingest batch: the batch's rows satisfy ``model``."""
-    @asset_check(asset=key, name="contract", blocking=True, partitions_def=ingest_batches,
-                 description=f"The batch's rows satisfy the {model.__name__} contract.")
+
+    @asset_check(
+        asset=key,
+        name="contract",
+        blocking=True,
+        partitions_def=ingest_batches,
+        description=f"The batch's rows satisfy the {model.__name__} contract.",
+    )
     def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
         return contract_check_result(batch_of(lake, *key.path, context.partition_key), model)
 
     return check
 
 
-def contract_check_result(frame: pl.DataFrame, model, check_name: str | None = None) -> AssetCheckResult:
+def contract_check_result(
+    frame: pl.DataFrame, model, check_name: str | None = None
+) -> AssetCheckResult:
     """``check_name`` names the result when an asset emits it for one of its own check specs."""
     try:
         validate(frame, model)
@@ -56,10 +64,14 @@ def contract_check_result(frame: pl.DataFrame, model, check_name: str | None = N
             },
             description=f"{model.__name__} contract broken in {len(cases)} place(s)",
         )
-    return AssetCheckResult(check_name=check_name, passed=True, metadata={"rows": frame.height, "failure_cases": 0})
+    return AssetCheckResult(
+        check_name=check_name, passed=True, metadata={"rows": frame.height, "failure_cases": 0}
+    )
 
 
-def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, metadata_name: str) -> AssetCheckResult:
+def trailing_median_result(
+    judged: pl.DataFrame, tolerance: float, unit: str, metadata_name: str
+) -> AssetCheckResult:
     """A warning per source whose value strays more than ``tolerance`` from its trailing median.
 
     ``judged`` comes from lib.drift.against_trailing_median (source, current, baseline,
@@ -67,10 +79,13 @@ def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, me
     """
     off = judged.filter(pl.col("deviation").abs() > tolerance)
     without_history = judged.filter(pl.col("baseline").is_null())["source"].to_list()
-    description = "; ".join(
-        f"source '{r['source']}': {r['current']:.4g} {unit} vs trailing median {r['baseline']:.4g} ({r['deviation']:+.0%})"
-        for r in off.iter_rows(named=True)
-    ) or f"every source within ±{tolerance:.0%} of its trailing median"
+    description = (
+        "; ".join(
+            f"source '{r['source']}': {r['current']:.4g} {unit} vs trailing median {r['baseline']:.4g} ({r['deviation']:+.0%})"
+            for r in off.iter_rows(named=True)
+        )
+        or f"every source within ±{tolerance:.0%} of its trailing median"
+    )
     if without_history:
         description += f" (no history yet for: {', '.join(without_history)})"
     return AssetCheckResult(
@@ -81,12 +96,18 @@ def trailing_median_result(judged: pl.DataFrame, tolerance: float, unit: str, me
     )
 
 
-def partitions_failing_blocking_checks(instance: DagsterInstance, checks: Iterable[AssetChecksDefinition]) -> set[tuple[str, AssetKey]]:
+def partitions_failing_blocking_checks(
+    instance: DagsterInstance, checks: Iterable[AssetChecksDefinition]
+) -> set[tuple[str, AssetKey]]:
     """(partition, asset) pairs whose latest run of a blocking check failed."""
-    return partitions_failing(instance, [spec for definition in checks for spec in definition.check_specs])
+    return partitions_failing(
+        instance, [spec for definition in checks for spec in definition.check_specs]
+    )
 
 
-def partitions_failing(instance: DagsterInstance, specs: Iterable[AssetCheckSpec]) -> set[tuple[str, AssetKey]]:
+def partitions_failing(
+    instance: DagsterInstance, specs: Iterable[AssetCheckSpec]
+) -> set[tuple[str, AssetKey]]:
     """``partitions_failing_blocking_checks`` of these check specs (the blocking ones)."""
     blocking = [spec.key for spec in specs if spec.blocking]
     infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []

@@ -23,8 +23,13 @@ class FormatTables:
     @classmethod
     def of(cls, fmt: RecordFormat) -> "FormatTables":
         bronze_contract, silver_contract = FORMAT_CONTRACTS[fmt.name]
-        return cls(fmt, AssetKey(["bronze", fmt.bronze_table]), bronze_contract, AssetKey(["silver", fmt.silver_table]),
-                   silver_contract)
+        return cls(
+            fmt,
+            AssetKey(["bronze", fmt.bronze_table]),
+            bronze_contract,
+            AssetKey(["silver", fmt.silver_table]),
+            silver_contract,
+        )
 
 
 FORMAT_TABLES = tuple(FormatTables.of(fmt) for fmt in FORMATS.values())

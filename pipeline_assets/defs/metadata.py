@@ -53,12 +53,15 @@ def delta_write_metadata(
         "wall_seconds": round(wall, 3),
         "cpu_seconds": round(stopwatch.cpu(), 3),
         "write_seconds": round(commit.wall_seconds, 3),
-        "cpu_cores": len(os.sched_getaffinity(0)),  # what the throughput was measured on (the sizer's calibration)
+        "cpu_cores": len(
+            os.sched_getaffinity(0)
+        ),  # what the throughput was measured on (the sizer's calibration)
     }
 
 
 def table_metadata(frame: pl.DataFrame) -> MetadataValue:
     """A small frame as a Dagster table (shown as a table in the UI)."""
     return MetadataValue.table(
-        records=[TableRecord(row) for row in frame.iter_rows(named=True)], schema=column_schema(frame.schema)
+        records=[TableRecord(row) for row in frame.iter_rows(named=True)],
+        schema=column_schema(frame.schema),
     )

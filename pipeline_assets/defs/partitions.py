@@ -14,4 +14,10 @@ data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 # One partition per preference snapshot, "dpo-v<N>" (row N of gold/preference_snapshots).
 preference_snapshots = DynamicPartitionsDefinition(name="preference_snapshots")
 
-__all__ = ["data_snapshots", "ingest_batches", "preference_snapshots", "snapshot_key", "snapshot_number"]
+__all__ = [
+    "data_snapshots",
+    "ingest_batches",
+    "preference_snapshots",
+    "snapshot_key",
+    "snapshot_number",
+]

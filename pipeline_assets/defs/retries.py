@@ -11,7 +11,9 @@ from pipeline_assets.resources import Settings
 # Three tries more, 10 s, 20 s, 40 s apart by default (PIPELINE_RETRY_DELAY_SECONDS): long enough
 # for a throttled S3 or a busy SQLite writer; a real error (a bad file, a failed contract) fails the
 # same way each time and is then reported.
-TRANSIENT = RetryPolicy(max_retries=3, delay=Settings.from_env().retry_delay_seconds, backoff=Backoff.EXPONENTIAL)
+TRANSIENT = RetryPolicy(
+    max_retries=3, delay=Settings.from_env().retry_delay_seconds, backoff=Backoff.EXPONENTIAL
+)
 
 # How a step says it stopped because its process was asked to (not retried); headless stops on it.
 STOPPED_BY_A_SIGNAL = "stopped by a signal"

@@ -9,15 +9,26 @@ from pipeline_assets.lib.torchrun import torchrun_env
 from pipeline_assets.resources import TorchrunLauncher
 
 
-def run_scoring_program(context: AssetExecutionContext, launcher: TorchrunLauncher, module: str, args: list[str],
-                        what: str) -> None:
+def run_scoring_program(
+    context: AssetExecutionContext,
+    launcher: TorchrunLauncher,
+    module: str,
+    args: list[str],
+    what: str,
+) -> None:
     """A scoring program (evaluation's, DPO's reference pass) under torchrun: a rank a GPU of the launcher's,
     else one rank with its threads, not in this process; its lines go to the step's log."""
     ranks, threads = launcher.scoring_ranks()
-    command = launcher.command([*args, "--device", launcher.device], nproc_per_node=ranks, module=module)
+    command = launcher.command(
+        [*args, "--device", launcher.device], nproc_per_node=ranks, module=module
+    )
     context.log.info(f"{what}, {ranks} rank(s) x {threads} thread(s): {' '.join(command)}")
-    finished = subprocess.run(command, env={**os.environ, **torchrun_env(threads)}, capture_output=True, text=True)
+    finished = subprocess.run(
+        command, env={**os.environ, **torchrun_env(threads)}, capture_output=True, text=True
+    )
     for line in finished.stdout.splitlines():
         context.log.info(line)
     if finished.returncode != 0:
-        raise Failure(description=f"{module} exited {finished.returncode}:\n{finished.stderr[-3000:]}")
+        raise Failure(
+            description=f"{module} exited {finished.returncode}:\n{finished.stderr[-3000:]}"
+        )

@@ -24,19 +24,26 @@ def plain_metadata(materialization) -> dict:
     return {name: value.value for name, value in materialization.metadata.items()}
 
 
-def materialization_history(instance: DagsterInstance, key: AssetKey, limit: int = 10_000) -> list[dict]:
+def materialization_history(
+    instance: DagsterInstance, key: AssetKey, limit: int = 10_000
+) -> list[dict]:
     """Plain metadata of every materialization of ``key``, newest first, each with its ``partition``."""
     return list(_history(instance, key, limit))
 
 
 def _history(instance: DagsterInstance, key: AssetKey, limit: int) -> Iterator[dict]:
     for record in instance.fetch_materializations(key, limit=limit).records:
-        yield {**plain_metadata(record.asset_materialization), "partition": record.asset_materialization.partition}
+        yield {
+            **plain_metadata(record.asset_materialization),
+            "partition": record.asset_materialization.partition,
+        }
 
 
 def latest_records_by_partition(instance: DagsterInstance, key: AssetKey) -> dict[str, object]:
     """Per partition of ``key``, the event-log record of its latest materialization (storage id, run id, metadata)."""
-    latest = instance.event_log_storage.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION)
+    latest = instance.event_log_storage.get_latest_storage_id_by_partition(
+        key, DagsterEventType.ASSET_MATERIALIZATION
+    )
     if not latest:
         return {}
     records = instance.fetch_materializations(
@@ -53,7 +60,9 @@ def latest_per_partition(history: list[dict]) -> list[dict]:
     return list(latest.values())
 
 
-def latest_materialization_metadata(instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]) -> dict | None:
+def latest_materialization_metadata(
+    instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]
+) -> dict | None:
     """Plain metadata values of the newest of the last thousand materializations of ``key`` that ``matches``."""
     return next((m for m in _history(instance, key, _SEARCH_LIMIT) if matches(m)), None)
 
@@ -70,13 +79,21 @@ class Behind:
 
 def behind_snapshot(instance: DagsterInstance, partition_key: str) -> Behind:
     """Per batch of the snapshot's manifest, the newest writes at or before the Delta versions it read."""
-    cut = latest_materialization_metadata(instance, GOLD_SNAPSHOTS, lambda m: m.get("data_snapshot") == partition_key)
+    cut = latest_materialization_metadata(
+        instance, GOLD_SNAPSHOTS, lambda m: m.get("data_snapshot") == partition_key
+    )
     if cut is None:
         return Behind(None, [], [], [])
     batches = set(cut.get("batches") or [])
-    shards = _per_batch_at_or_before(instance, GOLD_SEQUENCES, _upstream(cut, "gold/sequences"), batches)
-    silver = _per_batch_at_or_before(instance, SILVER_RECORDS, _newest_upstream(shards, "silver/records"), batches)
-    bronze = _per_batch_at_or_before(instance, BRONZE_RECORDS, _newest_upstream(silver, "bronze/records"), batches)
+    shards = _per_batch_at_or_before(
+        instance, GOLD_SEQUENCES, _upstream(cut, "gold/sequences"), batches
+    )
+    silver = _per_batch_at_or_before(
+        instance, SILVER_RECORDS, _newest_upstream(shards, "silver/records"), batches
+    )
+    bronze = _per_batch_at_or_before(
+        instance, BRONZE_RECORDS, _newest_upstream(silver, "bronze/records"), batches
+    )
     return Behind(cut, shards, silver, bronze)
 
 
@@ -93,10 +110,14 @@ def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str
     }
 
 
-def preference_pairs_version(instance: DagsterInstance, batches: set[str], sequences_version: int) -> int | None:
+def preference_pairs_version(
+    instance: DagsterInstance, batches: set[str], sequences_version: int
+) -> int | None:
     """The newest silver/preference_pairs version read by the shards of gold/preference_sequences a preference
     snapshot lists (those batches' writes at or before the version its manifest pins); None when unknown."""
-    shards = _per_batch_at_or_before(instance, GOLD_PREFERENCE_SEQUENCES, sequences_version, batches)
+    shards = _per_batch_at_or_before(
+        instance, GOLD_PREFERENCE_SEQUENCES, sequences_version, batches
+    )
     return _newest_upstream(shards, "silver/preference_pairs")
 
 
@@ -125,12 +146,26 @@ def data_compute_behind(instance: DagsterInstance, partition_key: str) -> Comput
     if behind.cut is None:
         return Compute()
     tokenizer = latest_materialization_metadata(
-        instance, GOLD_TOKENIZER, lambda m: m.get("tokenizer_version") == behind.cut.get("tokenizer_version"))
-    stages = [*behind.bronze, *behind.silver, *behind.shards, *([tokenizer] if tokenizer else []), behind.cut]
-    return Compute(sum(float(m.get("cpu_seconds") or 0) for m in stages), sum(float(m.get("gpu_seconds") or 0) for m in stages))
+        instance,
+        GOLD_TOKENIZER,
+        lambda m: m.get("tokenizer_version") == behind.cut.get("tokenizer_version"),
+    )
+    stages = [
+        *behind.bronze,
+        *behind.silver,
+        *behind.shards,
+        *([tokenizer] if tokenizer else []),
+        behind.cut,
+    ]
+    return Compute(
+        sum(float(m.get("cpu_seconds") or 0) for m in stages),
+        sum(float(m.get("gpu_seconds") or 0) for m in stages),
+    )
 
 
-def _per_batch_at_or_before(instance: DagsterInstance, key: AssetKey, version: int | None, batches: set[str]) -> list[dict]:
+def _per_batch_at_or_before(
+    instance: DagsterInstance, key: AssetKey, version: int | None, batches: set[str]
+) -> list[dict]:
     """Per batch of ``batches``, the newest write of ``key`` at or before Delta ``version``."""
     if version is None:
         return []

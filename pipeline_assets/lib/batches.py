@@ -14,7 +14,9 @@ from datetime import datetime, timedelta, timezone
 
 import polars as pl
 
-LISTING_SCHEMA = pl.Schema({"uri": pl.String, "source": pl.String, "size": pl.Int64, "modified": pl.String})
+LISTING_SCHEMA = pl.Schema(
+    {"uri": pl.String, "source": pl.String, "size": pl.Int64, "modified": pl.String}
+)
 
 
 _KEY_TIME = "%Y%m%dT%H%M%SZ"
@@ -38,7 +40,9 @@ def unseen_files(listing: pl.DataFrame, manifest: pl.DataFrame | None) -> pl.Dat
     """Listed files whose (uri, size, modified) the manifest has not seen: only these get hashed."""
     if manifest is None or manifest.is_empty():
         return listing
-    return listing.join(manifest.select("uri", "size", "modified"), on=["uri", "size", "modified"], how="anti")
+    return listing.join(
+        manifest.select("uri", "size", "modified"), on=["uri", "size", "modified"], how="anti"
+    )
 
 
 def classify_candidates(candidates: pl.DataFrame, manifest: pl.DataFrame | None) -> pl.DataFrame:
@@ -48,7 +52,9 @@ def classify_candidates(candidates: pl.DataFrame, manifest: pl.DataFrame | None)
     ``changed``: a registered uri with other bytes; ``previous_checksum`` is its latest version.
     """
     if manifest is None or manifest.is_empty():
-        return candidates.with_columns(status=pl.lit("new"), previous_checksum=pl.lit(None, pl.String))
+        return candidates.with_columns(
+            status=pl.lit("new"), previous_checksum=pl.lit(None, pl.String)
+        )
     known_versions = manifest.select("uri", "checksum").unique().with_columns(known=pl.lit(True))
     latest = (
         manifest.sort("registered_at")
@@ -59,12 +65,16 @@ def classify_candidates(candidates: pl.DataFrame, manifest: pl.DataFrame | None)
         candidates.join(known_versions, on=["uri", "checksum"], how="left")
         .join(latest, on="uri", how="left")
         .with_columns(
-            status=pl.when(pl.col("known")).then(pl.lit("unchanged"))
-            .when(pl.col("previous_checksum").is_not_null()).then(pl.lit("changed"))
+            status=pl.when(pl.col("known"))
+            .then(pl.lit("unchanged"))
+            .when(pl.col("previous_checksum").is_not_null())
+            .then(pl.lit("changed"))
             .otherwise(pl.lit("new"))
         )
         .with_columns(
-            previous_checksum=pl.when(pl.col("status") == "changed").then(pl.col("previous_checksum"))
+            previous_checksum=pl.when(pl.col("status") == "changed").then(
+                pl.col("previous_checksum")
+            )
         )
         .drop("known")
     )

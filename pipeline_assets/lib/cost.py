@@ -11,8 +11,15 @@ from dataclasses import dataclass
 
 import polars as pl
 
-MEASURED = {"stage": pl.String, "rows": pl.Int64, "input_mb": pl.Float64, "tokens": pl.Int64,
-            "wall_seconds": pl.Float64, "cpu_seconds": pl.Float64, "gpu_seconds": pl.Float64}
+MEASURED = {
+    "stage": pl.String,
+    "rows": pl.Int64,
+    "input_mb": pl.Float64,
+    "tokens": pl.Int64,
+    "wall_seconds": pl.Float64,
+    "cpu_seconds": pl.Float64,
+    "gpu_seconds": pl.Float64,
+}
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,11 @@ class Prices:
     spot_discount: float = 0.0  # 0.6: spot capacity at 40% of the on-demand price
 
     def cost(self, cpu_seconds: pl.Expr | float, gpu_seconds: pl.Expr | float) -> pl.Expr | float:
-        return (cpu_seconds * self.core_hour + gpu_seconds * self.gpu_hour) / 3600 * (1 - self.spot_discount)
+        return (
+            (cpu_seconds * self.core_hour + gpu_seconds * self.gpu_hour)
+            / 3600
+            * (1 - self.spot_discount)
+        )
 
 
 @dataclass(frozen=True)
@@ -36,12 +47,18 @@ def model_version_cost(training: Compute, data: Compute, prices: Prices) -> dict
     training_usd = round(prices.cost(training.cpu_seconds, training.gpu_seconds), 6)
     data_usd = round(prices.cost(data.cpu_seconds, data.gpu_seconds), 6)
     return {
-        "total_usd": round(training_usd + data_usd, 6),  # the sum of the parts as shown: they add up
+        "total_usd": round(
+            training_usd + data_usd, 6
+        ),  # the sum of the parts as shown: they add up
         "training_usd": training_usd,
         "data_usd": data_usd,
         "cpu_seconds": round(training.cpu_seconds + data.cpu_seconds, 2),
         "gpu_seconds": round(training.gpu_seconds + data.gpu_seconds, 2),
-        "prices": {"core_hour": prices.core_hour, "gpu_hour": prices.gpu_hour, "spot_discount": prices.spot_discount},
+        "prices": {
+            "core_hour": prices.core_hour,
+            "gpu_hour": prices.gpu_hour,
+            "spot_discount": prices.spot_discount,
+        },
     }
 
 
@@ -67,6 +84,8 @@ def headline_throughput(report: pl.DataFrame) -> pl.DataFrame:
     """Per stage, the throughput it is judged by: tokens/s where it counts tokens, else rows/s."""
     return report.select(
         "stage",
-        throughput=pl.when(pl.col("tokens") > 0).then("tokens_per_second").otherwise("rows_per_second"),
+        throughput=pl.when(pl.col("tokens") > 0)
+        .then("tokens_per_second")
+        .otherwise("rows_per_second"),
         unit=pl.when(pl.col("tokens") > 0).then(pl.lit("tokens/s")).otherwise(pl.lit("rows/s")),
     )

@@ -193,7 +193,9 @@ class EvalNgramIndex:
         self._gram_count = 0
 
     @classmethod
-    def build(cls, eval_items: pl.DataFrame, config: DecontamConfig = DecontamConfig()) -> EvalNgramIndex:
+    def build(
+        cls, eval_items: pl.DataFrame, config: DecontamConfig = DecontamConfig()
+    ) -> EvalNgramIndex:
         missing = [c for c in EVAL_COLUMNS if c not in eval_items.columns]
         if missing:
             raise ValueError(f"eval items lack columns {missing}")
@@ -238,7 +240,9 @@ class EvalNgramIndex:
 
     # --- matching ---------------------------------------------------------------------------------
 
-    def first_match(self, texts: Sequence[str | None], fields: Sequence[str] | None = None) -> Contamination | None:
+    def first_match(
+        self, texts: Sequence[str | None], fields: Sequence[str] | None = None
+    ) -> Contamination | None:
         """The first gram found in a record whose ``fields`` (default: ``config.fields``) values are ``texts``."""
         for field, text in zip(fields or self.config.fields, texts, strict=True):
             words = text_words(text, self.config.lowercase)
@@ -276,8 +280,9 @@ class EvalNgramIndex:
 # --- Records --------------------------------------------------------------------------------------
 
 
-def find_contamination(records: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str] | None = None
-                       ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+def find_contamination(
+    records: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str] | None = None
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """Returns (kept, rejected, counters).
 
     rejected: the contaminated input rows plus stage="decontaminated", eval_set, eval_item_id,
@@ -298,7 +303,9 @@ def find_contamination(records: pl.DataFrame, index: EvalNgramIndex, fields: Seq
     return kept, rejected, _counters(records.height, kept.height, rejected, index)
 
 
-def _record_matches(texts: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str]) -> Iterator[Contamination | None]:
+def _record_matches(
+    texts: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str]
+) -> Iterator[Contamination | None]:
     # Slices bound the Python strings alive at once; matches are kept, the text is not.
     for chunk in texts.iter_slices(_SLICE_ROWS):
         columns = [chunk[c].cast(pl.String).to_list() for c in chunk.columns]

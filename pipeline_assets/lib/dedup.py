@@ -40,7 +40,10 @@ import polars_hash as plh
 from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
 
-SIGNATURE_COLUMNS = ("_signature", "_response_signature")  # with_signatures' columns, dropped by near dedup
+SIGNATURE_COLUMNS = (
+    "_signature",
+    "_response_signature",
+)  # with_signatures' columns, dropped by near dedup
 HISTORY_SCHEMA = pl.Schema(
     {
         "record_id": pl.String,
@@ -55,10 +58,18 @@ HISTORY_SCHEMA = pl.Schema(
 )
 
 
-ROWS_PER_LOOKUP_TASK = 4_000_000  # indexed records a lookup task reads one band of: about 100 MB of keys and ids
-EXACT_BAND = -1  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
-PROMPT_BAND = -2  # the band of a preference pair's prompt hash: the pairs earlier batches kept for a prompt
-BAND_SCHEMA = pl.Schema({"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String})
+ROWS_PER_LOOKUP_TASK = (
+    4_000_000  # indexed records a lookup task reads one band of: about 100 MB of keys and ids
+)
+EXACT_BAND = (
+    -1
+)  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
+PROMPT_BAND = (
+    -2
+)  # the band of a preference pair's prompt hash: the pairs earlier batches kept for a prompt
+BAND_SCHEMA = pl.Schema(
+    {"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String}
+)
 IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
 """(band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA) holding one."""
 
@@ -99,11 +110,19 @@ def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResul
     hashed = batch if "exact_hash" in batch.columns else batch.with_columns(exact_hashes(batch))
     kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
     survivor = (
-        hashed.sort("record_id").group_by("exact_hash", maintain_order=True)
+        hashed.sort("record_id")
+        .group_by("exact_hash", maintain_order=True)
         .agg(first_in_batch=pl.col("record_id").first())
     )
-    judged = hashed.join(kept_elsewhere, on="exact_hash", how="left").join(survivor, on="exact_hash", how="left").with_columns(
-        duplicate_of=pl.coalesce("kept_record_id", pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"))
+    judged = (
+        hashed.join(kept_elsewhere, on="exact_hash", how="left")
+        .join(survivor, on="exact_hash", how="left")
+        .with_columns(
+            duplicate_of=pl.coalesce(
+                "kept_record_id",
+                pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"),
+            )
+        )
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
         stage=pl.lit("exact_dup"),
@@ -156,7 +175,10 @@ def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0
         for rows in range(1, num_perm // bands + 1):
             false_positive = np.trapezoid(1 - (1 - below**rows) ** bands, below)
             false_negative = np.trapezoid((1 - above**rows) ** bands, above)
-            error = false_positive_weight * false_positive + (1 - false_positive_weight) * false_negative
+            error = (
+                false_positive_weight * false_positive
+                + (1 - false_positive_weight) * false_negative
+            )
             if error < best_error:
                 best, best_error = LshParams(bands, rows), error
     return best
@@ -174,8 +196,12 @@ def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
     return keys.view(np.int64)  # Delta has no unsigned integers
 
 
-def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHashConfig = MinHashConfig(),
-               fmt: RecordFormat = SFT) -> tuple[StageResult, pl.DataFrame]:
+def near_dedup(
+    batch: pl.DataFrame,
+    history: pl.LazyFrame | None,
+    config: MinHashConfig = MinHashConfig(),
+    fmt: RecordFormat = SFT,
+) -> tuple[StageResult, pl.DataFrame]:
     """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
 
     ``batch`` needs record_id, batch_id and the format's dedup text; ``history`` is the index of the
@@ -192,14 +218,23 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     all_sigs = np.vstack([sigs, matched_sigs])
     all_responses = _ResponseSignatures(
         np.vstack([response_sigs, _signature_matrix(matched["response_signature"], config)]),
-        np.concatenate([np.ones(batch.height, dtype=bool), matched["response_signature"].is_not_null().to_numpy()]),
+        np.concatenate(
+            [
+                np.ones(batch.height, dtype=bool),
+                matched["response_signature"].is_not_null().to_numpy(),
+            ]
+        ),
     )
     all_keys = np.vstack([keys, band_keys(matched_sigs, params, format_salt(fmt))])
     pairs = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
     node_ids = batch["record_id"].to_list() + matched["record_id"].to_list()
     node_batches = batch["batch_id"].to_list() + matched["batch_id"].to_list()
-    yields = [1] * batch.height + [0] * matched.height  # this batch's copies yield to records others kept
-    survivors = _cluster_survivors(len(node_ids), pairs, list(zip(yields, node_batches, node_ids, strict=True)))
+    yields = [1] * batch.height + [
+        0
+    ] * matched.height  # this batch's copies yield to records others kept
+    survivors = _cluster_survivors(
+        len(node_ids), pairs, list(zip(yields, node_batches, node_ids, strict=True))
+    )
 
     survivor_of = np.asarray(survivors[: batch.height], dtype=np.int64)
     cluster_ids = [node_ids[s] for s in survivor_of]
@@ -207,15 +242,24 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
     judged = batch.with_columns(
         cluster_id=pl.Series(cluster_ids, dtype=pl.String),
         jaccard=pl.Series(similarity, dtype=pl.Float64),
-        response_jaccard=pl.Series(all_responses.jaccard(np.arange(batch.height), survivor_of), dtype=pl.Float64, nan_to_null=True),
-        duplicate_of=pl.Series([None if s == i else node_ids[s] for i, s in enumerate(survivor_of)], dtype=pl.String),
+        response_jaccard=pl.Series(
+            all_responses.jaccard(np.arange(batch.height), survivor_of),
+            dtype=pl.Float64,
+            nan_to_null=True,
+        ),
+        duplicate_of=pl.Series(
+            [None if s == i else node_ids[s] for i, s in enumerate(survivor_of)], dtype=pl.String
+        ),
         duplicate_of_batch=pl.Series([node_batches[s] for s in survivor_of], dtype=pl.String),
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
         stage=pl.lit("near_dup"),
         evidence=pl.struct(
-            duplicate_of="duplicate_of", duplicate_of_batch="duplicate_of_batch", jaccard=pl.col("jaccard").round(4),
-            response_jaccard=pl.col("response_jaccard").round(4), cluster_id="cluster_id",
+            duplicate_of="duplicate_of",
+            duplicate_of_batch="duplicate_of_batch",
+            jaccard=pl.col("jaccard").round(4),
+            response_jaccard=pl.col("response_jaccard").round(4),
+            cluster_id="cluster_id",
         ).struct.json_encode(),
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
@@ -226,7 +270,9 @@ def near_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None, config: MinHas
         "rejected": rejected.height,
         "candidate_pairs_verified": len(pairs),
         "against_other_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
-        "clusters_with_duplicates": judged.filter(pl.col("cluster_id").is_in(rejected["cluster_id"].implode()))["cluster_id"].n_unique(),
+        "clusters_with_duplicates": judged.filter(
+            pl.col("cluster_id").is_in(rejected["cluster_id"].implode())
+        )["cluster_id"].n_unique(),
         "lsh": params.label(config),
     }
     columns = [*batch.columns, "cluster_id"]
@@ -245,7 +291,9 @@ def format_salt(fmt: RecordFormat) -> int:
     return int.from_bytes(hashlib.blake2b(fmt.name.encode(), digest_size=8).digest(), "little")
 
 
-def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT) -> pl.DataFrame:
+def with_signatures(
+    frame: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+) -> pl.DataFrame:
     """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone) as
     little-endian bytes: computed block by block, before near dedup looks across the batch."""
     sigs = signatures(_joined(frame, fmt.dedup), config)
@@ -257,19 +305,30 @@ def with_signatures(frame: pl.DataFrame, config: MinHashConfig = MinHashConfig()
 
 
 def _joined(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
-    return frame.select(pl.concat_str([pl.col(name) for name in columns], separator="\n")).to_series().to_list()
+    return (
+        frame.select(pl.concat_str([pl.col(name) for name in columns], separator="\n"))
+        .to_series()
+        .to_list()
+    )
 
 
-def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig) -> pl.DataFrame:
+def _history_matches(
+    history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig
+) -> pl.DataFrame:
     """Other batches' records sharing at least one band key with this batch, with their signatures."""
     columns = ["record_id", "batch_id", "signature", "response_signature"]
     empty = pl.DataFrame(schema={name: HISTORY_SCHEMA[name] for name in columns})
     if history is None:
         return empty
     wanted = pl.DataFrame(
-        {"band": np.tile(np.arange(params.bands, dtype=np.int32), len(keys)), "band_key": keys.ravel()}
+        {
+            "band": np.tile(np.arange(params.bands, dtype=np.int32), len(keys)),
+            "band_key": keys.ravel(),
+        }
     ).unique()
-    refuse_other_settings(history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list(), config)
+    refuse_other_settings(
+        history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list(), config
+    )
     matched_ids = (
         history.select("record_id", "band_keys")
         .with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
@@ -294,7 +353,9 @@ def _history_matches(history: pl.LazyFrame | None, keys: np.ndarray, params: Lsh
 
 def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
     """Band keys are comparable only between signatures made with the same MinHash and LSH settings."""
-    label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(config)
+    label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(
+        config
+    )
     if set(built_with) - {label}:
         raise ValueError(
             f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, not {label}: "
@@ -308,38 +369,81 @@ def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
 def band_entries(index: pl.DataFrame) -> pl.DataFrame:
     """Index entries as ``silver/minhash_bands`` rows: one a record for its exact hash, one a band,
     and one for a preference pair's prompt hash."""
-    exact = index.select("record_id", "batch_id", band=pl.lit(EXACT_BAND, pl.Int16), band_key=_exact_key("exact_hash"))
-    lsh = (
-        index.select("record_id", "batch_id", band_key="band_keys",
-                     band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int16))
-        .explode("band_key", "band")
+    exact = index.select(
+        "record_id",
+        "batch_id",
+        band=pl.lit(EXACT_BAND, pl.Int16),
+        band_key=_exact_key("exact_hash"),
     )
-    prompts = [index.filter(pl.col("prompt_hash").is_not_null()).select(
-        "record_id", "batch_id", band=pl.lit(PROMPT_BAND, pl.Int16), band_key=_exact_key("prompt_hash"))
-        ] if "prompt_hash" in index.columns else []
-    return pl.concat([exact, lsh, *prompts], how="diagonal_relaxed").select(BAND_SCHEMA.names()).cast(dict(BAND_SCHEMA))
+    lsh = index.select(
+        "record_id",
+        "batch_id",
+        band_key="band_keys",
+        band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int16),
+    ).explode("band_key", "band")
+    prompts = (
+        [
+            index.filter(pl.col("prompt_hash").is_not_null()).select(
+                "record_id",
+                "batch_id",
+                band=pl.lit(PROMPT_BAND, pl.Int16),
+                band_key=_exact_key("prompt_hash"),
+            )
+        ]
+        if "prompt_hash" in index.columns
+        else []
+    )
+    return (
+        pl.concat([exact, lsh, *prompts], how="diagonal_relaxed")
+        .select(BAND_SCHEMA.names())
+        .cast(dict(BAND_SCHEMA))
+    )
 
 
-def wanted_keys(batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT) -> pl.DataFrame:
+def wanted_keys(
+    batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+) -> pl.DataFrame:
     """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a preference
     batch also looks up its pairs' prompts and their pairs labelled the other way (``flipped_hash``)."""
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
-    keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt))
-    lsh = pl.DataFrame({"band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)), "band_key": keys.ravel()})
-    hashes = [(EXACT_BAND, "exact_hash"), (EXACT_BAND, "flipped_hash"), (PROMPT_BAND, "prompt_hash")]
-    exact = [batch.select(band=pl.lit(band, pl.Int16), band_key=_exact_key(column))
-             for band, column in hashes if column in batch.columns]
+    keys = band_keys(
+        _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
+    )
+    lsh = pl.DataFrame(
+        {
+            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)),
+            "band_key": keys.ravel(),
+        }
+    )
+    hashes = [
+        (EXACT_BAND, "exact_hash"),
+        (EXACT_BAND, "flipped_hash"),
+        (PROMPT_BAND, "prompt_hash"),
+    ]
+    exact = [
+        batch.select(band=pl.lit(band, pl.Int16), band_key=_exact_key(column))
+        for band, column in hashes
+        if column in batch.columns
+    ]
     return pl.concat([*exact, lsh]).unique()
 
 
 def entries_holding(entries: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:
     """The index ``entries`` holding one of the ``wanted`` (band, band_key) rows: of one lookup over
     several formats' keys, the entries a lookup of one format's keys would find."""
-    holding = band_entries(entries).join(wanted, on=["band", "band_key"], how="semi").select("record_id", "batch_id")
-    return entries.join(holding.unique(), on=["record_id", "batch_id"], how="semi", maintain_order="left")
+    holding = (
+        band_entries(entries)
+        .join(wanted, on=["band", "band_key"], how="semi")
+        .select("record_id", "batch_id")
+    )
+    return entries.join(
+        holding.unique(), on=["record_id", "batch_id"], how="semi", maintain_order="left"
+    )
 
 
-def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None) -> pl.DataFrame:
+def find_in_band(
+    bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None
+) -> pl.DataFrame:
     """(record_id, batch_id) of the entries of ``band`` (of ``batches``; None: all) that hold one of
     ``keys``: one task's work, on partitions of ``silver/minhash_bands``."""
     where = (pl.col("band") == band) & pl.col("band_key").is_in(keys.implode())
@@ -359,7 +463,10 @@ def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
 
     def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
         found = pl.concat(
-            [find_in_band(bands, band, keys["band_key"]) for (band,), keys in wanted.group_by("band")],
+            [
+                find_in_band(bands, band, keys["band_key"])
+                for (band,), keys in wanted.group_by("band")
+            ],
             how="vertical",
         )
         return entries.filter(pl.col("record_id").is_in(found["record_id"].implode()))
@@ -368,7 +475,9 @@ def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
 
 
 def _exact_key(column: str) -> pl.Expr:
-    return pl.col(column).str.slice(0, 15).str.to_integer(base=16).cast(pl.Int64)  # 60 bits: no sign to mind
+    return (
+        pl.col(column).str.slice(0, 15).str.to_integer(base=16).cast(pl.Int64)
+    )  # 60 bits: no sign to mind
 
 
 def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
@@ -385,7 +494,9 @@ class _ResponseSignatures:
 
     def jaccard(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         """Estimated response Jaccard of paired nodes; NaN where either signature is unknown."""
-        return np.where(self.known[left] & self.known[right], jaccard(self.sigs[left], self.sigs[right]), np.nan)
+        return np.where(
+            self.known[left] & self.known[right], jaccard(self.sigs[left], self.sigs[right]), np.nan
+        )
 
 
 def _verified_pairs(
@@ -413,17 +524,25 @@ def _verified_pairs(
         return []
     left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
     response_similarity = responses.jaccard(left, right)
-    keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (np.isnan(response_similarity) | (response_similarity >= threshold))
+    keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (
+        np.isnan(response_similarity) | (response_similarity >= threshold)
+    )
     return list(zip(left[keep].tolist(), right[keep].tolist(), strict=True))
 
 
-def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple]) -> list[int]:
+def _cluster_survivors(
+    n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple]
+) -> list[int]:
     """Connected components of the verified pairs; every node maps to its component's node with the
     smallest order key."""
     from scipy.sparse import coo_array  # scipy comes with datasketch, which near dedup has loaded
     from scipy.sparse.csgraph import connected_components
 
-    left, right = (np.asarray(side, dtype=np.int64) for side in zip(*pairs)) if pairs else (np.empty(0, np.int64),) * 2
+    left, right = (
+        (np.asarray(side, dtype=np.int64) for side in zip(*pairs))
+        if pairs
+        else (np.empty(0, np.int64),) * 2
+    )
     graph = coo_array((np.ones(len(left), dtype=np.int8), (left, right)), shape=(n_nodes, n_nodes))
     _, component = connected_components(graph, directed=False)
     rank = np.empty(n_nodes, dtype=np.int64)
@@ -434,7 +553,9 @@ def _cluster_survivors(n_nodes: int, pairs: list[tuple[int, int]], order_keys: l
     return node_of_rank[best_rank[component]].tolist()
 
 
-def _index_rows(batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str) -> pl.DataFrame:
+def _index_rows(
+    batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str
+) -> pl.DataFrame:
     prompt_hash = batch["prompt_hash"] if "prompt_hash" in batch.columns else [None] * batch.height
     return pl.DataFrame(
         {

@@ -20,7 +20,9 @@ def psi_numeric(reference: Sequence[float], current: Sequence[float], bins: int 
     if not len(reference) or not len(current):
         return 0.0
     edges = np.unique(np.quantile(reference, np.linspace(0, 1, bins + 1))[1:-1])
-    expected = np.bincount(np.searchsorted(edges, reference, side="right"), minlength=len(edges) + 1)
+    expected = np.bincount(
+        np.searchsorted(edges, reference, side="right"), minlength=len(edges) + 1
+    )
     actual = np.bincount(np.searchsorted(edges, current, side="right"), minlength=len(edges) + 1)
     return _psi(expected / len(reference), actual / len(current))
 
@@ -34,7 +36,9 @@ def psi_numeric_counts(reference: np.ndarray, current: np.ndarray, bins: int = 1
     if not n_reference or not n_current:
         return 0.0
     cumulative = np.cumsum(reference)
-    positions = np.linspace(0, 1, bins + 1)[1:-1] * (n_reference - 1)  # np.quantile's linear interpolation
+    positions = np.linspace(0, 1, bins + 1)[1:-1] * (
+        n_reference - 1
+    )  # np.quantile's linear interpolation
 
     def sorted_value(i: np.ndarray) -> np.ndarray:  # the i-th smallest reference value
         return np.searchsorted(cumulative, i, side="right").astype(float)
@@ -55,7 +59,9 @@ def psi_categorical(reference: Sequence[str], current: Sequence[str]) -> float:
     if not categories or not len(reference) or not len(current):
         return 0.0
     position = {c: i for i, c in enumerate(categories)}
-    expected = np.bincount([position[c] for c in reference], minlength=len(categories)) / len(reference)
+    expected = np.bincount([position[c] for c in reference], minlength=len(categories)) / len(
+        reference
+    )
     actual = np.bincount([position[c] for c in current], minlength=len(categories)) / len(current)
     return _psi(expected, actual)
 
@@ -65,18 +71,25 @@ def _psi(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.sum((actual - expected) * np.log(actual / expected)))
 
 
-def against_trailing_median(history: pl.DataFrame, batch_id: str, value: str, trailing: int) -> pl.DataFrame:
+def against_trailing_median(
+    history: pl.DataFrame, batch_id: str, value: str, trailing: int
+) -> pl.DataFrame:
     """Per source: this batch's ``value`` beside the median of the ``trailing`` batches before it.
 
     Batch keys sort by arrival, so "before" is a string comparison. ``deviation`` is relative
     (0.25 = 25% above the median); null where a source has no history yet.
     """
-    current = history.filter(pl.col("batch_id") == batch_id).select("source", pl.col(value).alias("current"))
+    current = history.filter(pl.col("batch_id") == batch_id).select(
+        "source", pl.col(value).alias("current")
+    )
     baseline = (
         history.filter(pl.col("batch_id") < batch_id)
         .sort("batch_id")
         .group_by("source")
-        .agg(baseline=pl.col(value).tail(trailing).median(), baseline_batches=pl.col(value).tail(trailing).len())
+        .agg(
+            baseline=pl.col(value).tail(trailing).median(),
+            baseline_batches=pl.col(value).tail(trailing).len(),
+        )
     )
     return (
         current.join(baseline, on="source", how="left")

@@ -23,7 +23,9 @@ class RecordFormat:
     optional_text: tuple[str, ...]  # strings a record may leave out (or null)
     optional_numbers: tuple[str, ...]  # numbers a record may leave out (or null)
     dedup: tuple[str, ...]  # joined, the text exact and near dedup compare
-    answers: tuple[str, ...]  # joined, signed apart: a near-duplicate's answers are near-duplicates too
+    answers: tuple[
+        str, ...
+    ]  # joined, signed apart: a near-duplicate's answers are near-duplicates too
     judged: str  # the answer the quality rules judge
     decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
     split_key: str  # the column whose hash decides a record's train/validation side
@@ -41,7 +43,9 @@ class RecordFormat:
     @property
     def known(self) -> frozenset[str]:
         """Every field the format names; any other lands verbatim in ``extra``."""
-        return frozenset(self.required + self.optional_text + self.optional_numbers + SHARED_OPTIONAL)
+        return frozenset(
+            self.required + self.optional_text + self.optional_numbers + SHARED_OPTIONAL
+        )
 
     def looks_like(self, fields: set[str]) -> bool:
         """A record with these fields has every field this format requires."""
@@ -49,18 +53,35 @@ class RecordFormat:
 
 
 SFT = RecordFormat(
-    name="sft", required=("prompt", "response"), optional_text=("system",), optional_numbers=(),
-    dedup=("prompt", "response"), answers=("response",), judged="response", decontaminate=("prompt", "response"),
-    split_key="exact_hash", objective="sft", bronze_table="records", silver_table="records",
+    name="sft",
+    required=("prompt", "response"),
+    optional_text=("system",),
+    optional_numbers=(),
+    dedup=("prompt", "response"),
+    answers=("response",),
+    judged="response",
+    decontaminate=("prompt", "response"),
+    split_key="exact_hash",
+    objective="sft",
+    bronze_table="records",
+    silver_table="records",
     about="sft records (prompt, response: the default format)",
 )
 # Several pairs for one prompt are legitimate, so all of one prompt's pairs share a side of the split.
 PREFERENCE = RecordFormat(
-    name="preference", required=("prompt", "chosen", "rejected"), optional_text=("system",),
-    optional_numbers=("score_chosen", "score_rejected"), dedup=("prompt", "chosen", "rejected"),
-    answers=("chosen", "rejected"), judged="chosen", decontaminate=("prompt", "chosen", "rejected"),
-    split_key="prompt_hash", objective="dpo", bronze_table="preference_records",
-    silver_table="preference_pairs", about="preference pairs (prompt, chosen, rejected)",
+    name="preference",
+    required=("prompt", "chosen", "rejected"),
+    optional_text=("system",),
+    optional_numbers=("score_chosen", "score_rejected"),
+    dedup=("prompt", "chosen", "rejected"),
+    answers=("chosen", "rejected"),
+    judged="chosen",
+    decontaminate=("prompt", "chosen", "rejected"),
+    split_key="prompt_hash",
+    objective="dpo",
+    bronze_table="preference_records",
+    silver_table="preference_pairs",
+    about="preference pairs (prompt, chosen, rejected)",
 )
 FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
 

@@ -9,7 +9,13 @@ from functools import lru_cache, partial
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_best_fit_decreasing, shuffle_sequences
+from pipeline_assets.lib.packing import (
+    PackingPlan,
+    pack,
+    packed_frame,
+    plan_best_fit_decreasing,
+    shuffle_sequences,
+)
 from pipeline_assets.lib.splits import SPLITS
 from pipeline_assets.lib.stages import BlockStage
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
@@ -17,17 +23,30 @@ from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
 # block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
 SEQUENCES_PER_BLOCK = 4096
-SCORED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "record_ids")  # what a packed row is scored on
+SCORED_COLUMNS = (
+    "input_ids",
+    "loss_mask",
+    "position_ids",
+    "record_ids",
+)  # what a packed row is scored on
 LONG_RECORD_MODES = ("truncate", "drop")
 DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
 LEFT_OUT_SCHEMA = pl.Schema(
-    {"record_id": pl.String, "split": pl.String, "n_tokens": pl.Int32, "prompt_tokens": pl.Int32, "reason": pl.String}
+    {
+        "record_id": pl.String,
+        "split": pl.String,
+        "n_tokens": pl.Int32,
+        "prompt_tokens": pl.Int32,
+        "reason": pl.String,
+    }
 )
 
 
 @dataclass(frozen=True)
 class FittedRecords:
-    records: pl.DataFrame  # every record fits in seq_len with its whole prompt and >= 1 response token
+    records: (
+        pl.DataFrame
+    )  # every record fits in seq_len with its whole prompt and >= 1 response token
     left_out: pl.DataFrame  # LEFT_OUT_SCHEMA; reason: prompt_too_long | too_long
     truncated_documents: int
 
@@ -41,11 +60,15 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     end (``truncate``), or left out as ``too_long`` (``drop``).
     """
     if mode not in LONG_RECORD_MODES:
-        raise ValueError(f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not {mode!r}")
+        raise ValueError(
+            f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not {mode!r}"
+        )
     prompt_tokens = pl.col("n_tokens") - pl.col("n_response_tokens")
     reason = (
-        pl.when(prompt_tokens >= seq_len).then(pl.lit("prompt_too_long"))
-        .when((pl.col("n_tokens") > seq_len) & (mode == "drop")).then(pl.lit("too_long"))
+        pl.when(prompt_tokens >= seq_len)
+        .then(pl.lit("prompt_too_long"))
+        .when((pl.col("n_tokens") > seq_len) & (mode == "drop"))
+        .then(pl.lit("too_long"))
     )
     judged = encoded.with_columns(reason=reason, prompt_tokens=prompt_tokens.cast(pl.Int32))
     kept = judged.filter(pl.col("reason").is_null())
@@ -54,9 +77,15 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
         pl.col("input_ids").list.head(seq_len),
         pl.col("loss_mask").list.head(seq_len),
         n_tokens=pl.min_horizontal("n_tokens", pl.lit(seq_len, pl.Int32)),
-        n_response_tokens=pl.min_horizontal("n_response_tokens", pl.lit(seq_len, pl.Int32) - prompt_tokens.cast(pl.Int32)),
+        n_response_tokens=pl.min_horizontal(
+            "n_response_tokens", pl.lit(seq_len, pl.Int32) - prompt_tokens.cast(pl.Int32)
+        ),
     )
-    left_out = judged.filter(pl.col("reason").is_not_null()).select(LEFT_OUT_SCHEMA.names()).cast(dict(LEFT_OUT_SCHEMA))
+    left_out = (
+        judged.filter(pl.col("reason").is_not_null())
+        .select(LEFT_OUT_SCHEMA.names())
+        .cast(dict(LEFT_OUT_SCHEMA))
+    )
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
@@ -68,7 +97,9 @@ def tokenize_stage(tokenizer_json: str) -> BlockStage:
 
 
 def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
-    encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(block.select("source", "split"))
+    encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(
+        block.select("source", "split")
+    )
     return encoded, None, {"rows_in": block.height, "tokens": int(encoded["n_tokens"].sum())}
 
 
@@ -84,7 +115,9 @@ def shard_seed(seed: int, batch_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{batch_id}".encode()).digest()[:4], "big")
 
 
-def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int) -> tuple[pl.DataFrame, dict]:
+def build_sequences(
+    encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int
+) -> tuple[pl.DataFrame, dict]:
     """``encoded`` has record_id, split, input_ids, loss_mask, n_tokens (sorted by record_id, so the
     plan does not depend on the order silver stored its rows). Each split is packed best-fit
     decreasing, then shuffled with ``seed``."""
@@ -108,10 +141,16 @@ def build_sequences(encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int)
     sequences = pl.concat(frames) if frames else pl.DataFrame()
     real = int(sequences["real_tokens"].sum()) if frames else 0
     efficiency = real / (sequences.height * seq_len) if frames else 0.0
-    return sequences, {"efficiency": efficiency, "sequences_by_split": by_split, "split_documents": split_documents}
+    return sequences, {
+        "efficiency": efficiency,
+        "sequences_by_split": by_split,
+        "split_documents": split_documents,
+    }
 
 
-def pack_records(records: pl.DataFrame, seq_len: int, pad_id: int) -> tuple[pl.DataFrame, PackingPlan]:
+def pack_records(
+    records: pl.DataFrame, seq_len: int, pad_id: int
+) -> tuple[pl.DataFrame, PackingPlan]:
     """Records (record_id, input_ids, loss_mask, n_tokens) packed best-fit decreasing into rows of
     ``seq_len``: input_ids, loss_mask, position_ids (restarting at every piece), document_lengths and
     record_ids (the record of each piece, in order). The one packing rule of gold and evaluation."""
@@ -127,9 +166,13 @@ def pack_documents(encoded: pl.DataFrame, max_len: int, pad_id: int) -> pl.DataF
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> packed rows
     as ``pack_records`` makes them, each document cut to ``max_len`` tokens first (it still attends
     only to itself): short items padded one to a row would cost ``max_len`` positions each."""
-    cut = encoded.with_columns(
-        pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
-    ).with_columns(n_tokens=pl.col("input_ids").list.len()).filter(pl.col("n_tokens") > 0)
+    cut = (
+        encoded.with_columns(
+            pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
+        )
+        .with_columns(n_tokens=pl.col("input_ids").list.len())
+        .filter(pl.col("n_tokens") > 0)
+    )
     packed, _ = pack_records(cut, max_len, pad_id)
     return packed
 
@@ -137,20 +180,38 @@ def pack_documents(encoded: pl.DataFrame, max_len: int, pad_id: int) -> pl.DataF
 def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:
     """Per sequence, the record of each piece, in the order the pieces sit in the sequence."""
     order = np.lexsort((plan.offset_in_sequence, plan.sequence_of_doc))
-    pieces = pl.DataFrame({"sequence": plan.sequence_of_doc[order], "record_id": record_ids[plan.piece_doc[order]]})
+    pieces = pl.DataFrame(
+        {"sequence": plan.sequence_of_doc[order], "record_id": record_ids[plan.piece_doc[order]]}
+    )
     grouped = pieces.group_by("sequence", maintain_order=True).agg("record_id")
     every = pl.DataFrame({"sequence": np.arange(plan.n_sequences)})
-    return every.join(grouped, on="sequence", how="left").sort("sequence")["record_id"].alias("record_ids")
+    return (
+        every.join(grouped, on="sequence", how="left")
+        .sort("sequence")["record_id"]
+        .alias("record_ids")
+    )
 
 
 def token_statistics(encoded: pl.DataFrame) -> dict:
     """Tokens in total and per source, and the tokens-per-record distribution."""
     by_source = (
         encoded.group_by("source")
-        .agg(records=pl.len(), tokens=pl.col("n_tokens").sum(), response_tokens=pl.col("n_response_tokens").sum())
+        .agg(
+            records=pl.len(),
+            tokens=pl.col("n_tokens").sum(),
+            response_tokens=pl.col("n_response_tokens").sum(),
+        )
         .with_columns(tokens_per_record=(pl.col("tokens") / pl.col("records")).round(1))
         .sort("source")
     )
     lengths = encoded["n_tokens"]
-    quantiles = {f"p{q}": float(lengths.quantile(q / 100)) for q in (5, 25, 50, 75, 95, 99)} if lengths.len() else {}
-    return {"tokens": int(lengths.sum()), "by_source": by_source, "per_record_quantiles": {**quantiles, "max": int(lengths.max() or 0)}}
+    quantiles = (
+        {f"p{q}": float(lengths.quantile(q / 100)) for q in (5, 25, 50, 75, 95, 99)}
+        if lengths.len()
+        else {}
+    )
+    return {
+        "tokens": int(lengths.sum()),
+        "by_source": by_source,
+        "per_record_quantiles": {**quantiles, "max": int(lengths.max() or 0)},
+    }

@@ -58,11 +58,15 @@ def with_content_hash(records: pl.LazyFrame, fmt: RecordFormat = SFT) -> pl.Lazy
     first 32 hex digits of BLAKE3 over its text joined by U+001F (sft: system, prompt and response;
     a missing optional text counts as empty). Vectorized, so both readers hash a whole file at once
     (lazily: on every polars thread)."""
-    payload = plh.concat_str(*(pl.col(name).fill_null("") for name in fmt.optional_text), *fmt.required, separator="\x1f")
+    payload = plh.concat_str(
+        *(pl.col(name).fill_null("") for name in fmt.optional_text), *fmt.required, separator="\x1f"
+    )
     return records.with_columns(content_hash=payload.chash.blake3().str.slice(0, 32))
 
 
-def validate_landing_object(obj: object, field_mapping: Mapping[str, str], fmt: RecordFormat = SFT) -> tuple:
+def validate_landing_object(
+    obj: object, field_mapping: Mapping[str, str], fmt: RecordFormat = SFT
+) -> tuple:
     """Check one parsed record against the landing contract of ``fmt``.
 
     Returns the values of ``parsed_schema(fmt)`` but ``source_line`` (sft: ``(prompt, response,
@@ -137,15 +141,24 @@ def _optional_timestamp(obj: dict, name: str) -> datetime | None:
         try:
             value = datetime.fromisoformat(value)
         except ValueError:
-            raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value!r} is not an RFC 3339 timestamp") from None
+            raise Rejected(
+                f"invalid_timestamp:{name}", f"'{name}'={value!r} is not an RFC 3339 timestamp"
+            ) from None
     if not isinstance(value, datetime):
-        raise Rejected(f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}")
+        raise Rejected(
+            f"wrong_type:{name}", f"'{name}' must be an RFC 3339 string, got {_json_type(value)}"
+        )
     if value.tzinfo is None:
-        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset")
+        raise Rejected(
+            f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} has no UTC offset"
+        )
     try:
         return value.astimezone(timezone.utc)
     except OverflowError:
-        raise Rejected(f"invalid_timestamp:{name}", f"'{name}'={value.isoformat()!r} is outside the years 1 to 9999 in UTC") from None
+        raise Rejected(
+            f"invalid_timestamp:{name}",
+            f"'{name}'={value.isoformat()!r} is outside the years 1 to 9999 in UTC",
+        ) from None
 
 
 def _optional_object_json(obj: dict, name: str) -> str | None:
@@ -161,12 +174,20 @@ def _json_text(value: object, name: str) -> str:
     try:
         return orjson.dumps(value, default=str).decode()
     except TypeError:  # orjson writes 255 levels of nesting, where it reads 1024
-        raise Rejected(f"too_deep:{name}", f"'{name}' is nested deeper than the 255 levels a JSON text column holds") from None
+        raise Rejected(
+            f"too_deep:{name}",
+            f"'{name}' is nested deeper than the 255 levels a JSON text column holds",
+        ) from None
 
 
 def _json_type(value: object) -> str:
     if value is None:
         return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__
-    )
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)

@@ -60,13 +60,20 @@ _KEYS_IN_ORDER = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _REFUSED = (ValueError, RecursionError)
 
 # A character Python's str.strip() keeps: any but those str.isspace() is true for.
-_NOT_SPACE = "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(sys.maxunicode + 1)) if c.isspace()) + "]"
+_NOT_SPACE = (
+    "[^"
+    + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(sys.maxunicode + 1)) if c.isspace())
+    + "]"
+)
 _TIMESTAMP = (
     r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?"
     r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])$"
 )
 # Within a day of the ends of datetime's years 1..9999, astimezone(utc) can overflow: exact path.
-_TIMESTAMP_RANGE = (datetime(2, 1, 1, tzinfo=timezone.utc), datetime(9998, 12, 31, tzinfo=timezone.utc))
+_TIMESTAMP_RANGE = (
+    datetime(2, 1, 1, tzinfo=timezone.utc),
+    datetime(9998, 12, 31, tzinfo=timezone.utc),
+)
 _PARSED_TIMESTAMP = (
     pl.col("created_at")
     .str.to_datetime("%Y-%m-%dT%H:%M:%S%.f%#z", time_unit="us", time_zone="UTC", strict=False)
@@ -78,7 +85,10 @@ _CLEAN = (
     & pl.col("response").str.contains(_NOT_SPACE)
     & (
         pl.col("created_at").is_null()
-        | (pl.col("created_at").str.contains(_TIMESTAMP) & pl.col("_created_at").is_between(*_TIMESTAMP_RANGE))
+        | (
+            pl.col("created_at").str.contains(_TIMESTAMP)
+            & pl.col("_created_at").is_between(*_TIMESTAMP_RANGE)
+        )
     )
 ).fill_null(False)
 
@@ -110,7 +120,7 @@ class LineBuffer(Sequence[bytes]):
         return len(self._ends)
 
     def __getitem__(self, index: int) -> bytes:  # type: ignore[override]  # an int: no slices
-        return self._text[self._starts[index]:self._ends[index]]
+        return self._text[self._starts[index] : self._ends[index]]
 
     def offset(self, index: int) -> int:
         return int(self._starts[index])
@@ -121,7 +131,7 @@ class LineBuffer(Sequence[bytes]):
 
     def span(self, start: int, stop: int) -> memoryview:
         """Lines ``start`` to ``stop`` (exclusive) with the newlines between them."""
-        return memoryview(self._text)[self._starts[start]:self._ends[stop - 1]]
+        return memoryview(self._text)[self._starts[start] : self._ends[stop - 1]]
 
     def object_runs(self) -> list[tuple[int, int]]:
         """Runs ``(start, stop)`` of consecutive lines that start with ``{`` and end with ``}`` (one
@@ -129,16 +139,23 @@ class LineBuffer(Sequence[bytes]):
         if not len(self):
             return []
         starts, last = self._starts, self._ends - 1
-        last = np.where((last > starts) & (self._codes[np.maximum(last, 0)] == ord("\r")), last - 1, last)
+        last = np.where(
+            (last > starts) & (self._codes[np.maximum(last, 0)] == ord("\r")), last - 1, last
+        )
         whole = last > starts  # at least two bytes, so both ends below are inside the line
         shaped = np.zeros(len(self) + 2, dtype=np.int8)
-        shaped[1:-1] = whole & (self._codes[np.where(whole, starts, 0)] == ord("{")) & (
-            self._codes[np.where(whole, last, 0)] == ord("}"))
+        shaped[1:-1] = (
+            whole
+            & (self._codes[np.where(whole, starts, 0)] == ord("{"))
+            & (self._codes[np.where(whole, last, 0)] == ord("}"))
+        )
         edges = np.flatnonzero(np.diff(shaped))  # a run starts where 0 -> 1 and stops where 1 -> 0
         return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
-def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] | None = None) -> CleanLines:
+def split_clean_lines(
+    lines: Sequence[bytes], field_mapping: Mapping[str, str] | None = None
+) -> CleanLines:
     """Records of the lines proven clean, and the numbers of the lines the exact path must decide.
     ``lines``: a ``LineBuffer`` (decoded a run at a time) or any sequence (a line at a time)."""
     mapping = dict(field_mapping or {})
@@ -148,12 +165,19 @@ def split_clean_lines(lines: Sequence[bytes], field_mapping: Mapping[str, str] |
     unsure: set[int] = set()  # positions in decoded.rows found unclean while building the columns
     if mapping:
         _apply_mapping(decoded, mapping, unsure)
-    texts = {name: [getattr(row, name) for row in decoded.rows] for name in ("prompt", "response", "system")}
-    frame = pl.DataFrame({**texts, **_columns(decoded, lines, mapping, unsure)}, schema=_DECODED_SCHEMA)
+    texts = {
+        name: [getattr(row, name) for row in decoded.rows]
+        for name in ("prompt", "response", "system")
+    }
+    frame = pl.DataFrame(
+        {**texts, **_columns(decoded, lines, mapping, unsure)}, schema=_DECODED_SCHEMA
+    )
     return _checked(frame, unsure, decoded.failed)
 
 
-def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None) -> CleanLines | None:
+def split_clean_rows(
+    frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None
+) -> CleanLines | None:
     """``split_clean_lines`` for a Parquet file's rows; None when a known field's column is of a type
     only the exact path reads (a timestamp type for ``created_at``, say): then every row takes it.
 
@@ -162,11 +186,18 @@ def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | Non
     if not _mapping_is_supported(mapping):
         return None
     # Every row has every column, so a mapping applies to all rows or none: a column rename.
-    frame = frame.rename({theirs: ours for theirs, ours in mapping.items() if theirs in frame and ours not in frame})
+    frame = frame.rename(
+        {theirs: ours for theirs, ours in mapping.items() if theirs in frame and ours not in frame}
+    )
     known = {name: dtype for name, dtype in frame.schema.items() if name in KNOWN_FIELDS}
-    if not {"prompt", "response"} <= set(known) or not all(_is_plain(n, t) for n, t in known.items()):
+    if not {"prompt", "response"} <= set(known) or not all(
+        _is_plain(n, t) for n, t in known.items()
+    ):
         return None
-    texts = {name: frame[name].to_list() if name in frame else [None] * frame.height for name in ("prompt", "response", "system")}
+    texts = {
+        name: frame[name].to_list() if name in frame else [None] * frame.height
+        for name in ("prompt", "response", "system")
+    }
     unknown = [name for name in frame.columns if name not in KNOWN_FIELDS]
     extra = None
     if unknown:
@@ -174,7 +205,10 @@ def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | Non
         extra = [orjson.dumps(dict(zip(unknown, row)), default=str).decode() for row in values]
     meta = None
     if "meta" in frame:
-        meta = [None if value is None else orjson.dumps(value, default=str).decode() for value in frame["meta"].to_list()]
+        meta = [
+            None if value is None else orjson.dumps(value, default=str).decode()
+            for value in frame["meta"].to_list()
+        ]
     columns = {
         **texts,
         "source_line": range(1, frame.height + 1),
@@ -183,7 +217,13 @@ def split_clean_rows(frame: pl.DataFrame, field_mapping: Mapping[str, str] | Non
         "meta": meta,
         "extra": extra,
     }
-    shaped = pl.DataFrame({n: columns[n] if columns[n] is not None else [None] * frame.height for n in _DECODED_SCHEMA}, schema=_DECODED_SCHEMA)
+    shaped = pl.DataFrame(
+        {
+            n: columns[n] if columns[n] is not None else [None] * frame.height
+            for n in _DECODED_SCHEMA
+        },
+        schema=_DECODED_SCHEMA,
+    )
     return _checked(shaped, set(), [])
 
 
@@ -198,7 +238,9 @@ def _checked(frame: pl.DataFrame, unsure: set[int], failed: list[int]) -> CleanL
     """The rows that pass the vectorized checks as records; every other number for the exact path."""
     clean = _CLEAN if not unsure else _CLEAN & ~pl.int_range(pl.len()).is_in(sorted(unsure))
     checked = frame.with_columns(_PARSED_TIMESTAMP).with_columns(clean.alias("_clean"))
-    as_records = [pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in PARSED_SCHEMA]
+    as_records = [
+        pl.col("_created_at").alias("created_at") if n == "created_at" else n for n in PARSED_SCHEMA
+    ]
     if checked["_clean"].all():
         return CleanLines(checked.select(as_records), failed)
     records = checked.filter("_clean").select(as_records)
@@ -209,7 +251,9 @@ def _checked(frame: pl.DataFrame, unsure: set[int], failed: list[int]) -> CleanL
 def _mapping_is_supported(mapping: dict[str, str]) -> bool:
     """Mappings from unknown fields to distinct known ones; others are left to the exact path."""
     distinct = len(set(mapping.values())) == len(mapping)
-    return distinct and all(theirs not in KNOWN_FIELDS and ours in KNOWN_FIELDS for theirs, ours in mapping.items())
+    return distinct and all(
+        theirs not in KNOWN_FIELDS and ours in KNOWN_FIELDS for theirs, ours in mapping.items()
+    )
 
 
 # --- Decoding -----------------------------------------------------------------------------------
@@ -225,7 +269,9 @@ class _Decoded:
 
 def _decode(lines: Sequence[bytes], mapping: dict[str, str]) -> _Decoded:
     """Decode every line with a typed struct; unknown fields met on the way are added to it."""
-    decoding = _Decoding(tuple(mapping), frozenset(mapping.values()))  # a mapped field is read like an unknown one, then moved
+    decoding = _Decoding(
+        tuple(mapping), frozenset(mapping.values())
+    )  # a mapped field is read like an unknown one, then moved
     done = 0
     for start, stop in lines.object_runs() if isinstance(lines, LineBuffer) else []:
         decoding.alone(lines, done, start)
@@ -271,7 +317,9 @@ class _Decoding:
         """Lines ``start`` to ``stop``, each starting with ``{`` and ending with ``}``, a run at a
         time. Where a run is refused, the lines before the line it names are a run and that line is
         decided alone; where the refusal names no line, the run is halved."""
-        then: list[tuple[int, bool]] = []  # (stop to go on to, whether the line at ``start`` is decided alone first)
+        then: list[
+            tuple[int, bool]
+        ] = []  # (stop to go on to, whether the line at ``start`` is decided alone first)
         while True:
             if start < stop:
                 try:
@@ -393,7 +441,9 @@ class _NotClean(Exception):
     """A value the fast path cannot vouch for: its line takes the exact path."""
 
 
-def _columns(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> dict:
+def _columns(
+    decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]
+) -> dict:
     """The record columns of the decoded rows but the texts; rows found unclean
     go to unsure."""
     rows = decoded.rows
@@ -419,7 +469,9 @@ def _id_texts(ids: list, unsure: set[int]) -> list:
     return texts
 
 
-def _distinct_texts(raws: list[bytes], to_text: Callable[[bytes], str | None], unsure: set[int]) -> list:
+def _distinct_texts(
+    raws: list[bytes], to_text: Callable[[bytes], str | None], unsure: set[int]
+) -> list:
     """``to_text`` of each raw value, computed once per distinct value (values repeat: annotators,
     sessions); a value it raises ``_NotClean`` for leaves its row unsure."""
     memo: dict[bytes, str | None] = {}
@@ -445,7 +497,9 @@ def _object_json(raw: bytes) -> str | None:
     return _dumped(value)
 
 
-def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]) -> list:
+def _extra_texts(
+    decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]
+) -> list:
     """``extra``: the unknown fields as one JSON object in the line's order, as the exact path writes it."""
     if not decoded.unknown:
         return [None] * len(decoded.rows)
@@ -457,7 +511,11 @@ def _extra_texts(decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, s
     for position, row in enumerate(decoded.rows):
         present = any(getattr(row, attr, _ABSENT) for attr in attrs)
         try:
-            texts.append(_extra_in_line_order(lines[decoded.numbers[position] - 1], mapping) if present else None)
+            texts.append(
+                _extra_in_line_order(lines[decoded.numbers[position] - 1], mapping)
+                if present
+                else None
+            )
         except _NotClean:
             unsure.add(position)
             texts.append(None)
@@ -476,19 +534,25 @@ def _one_field_texts(key: str, raws: list[bytes], unsure: set[int]) -> pl.Series
     except pl.exceptions.ComputeError:  # a value is not UTF-8: every value is parsed
         text = pl.Series([None] * len(raws), dtype=pl.String)
     copied = (text.str.starts_with('"') & ~text.str.contains(r"[\\\x00-\x1f]")).fill_null(False)
-    written = pl.select(pl.when(copied).then(pl.lit("{" + key_json + ":") + text + pl.lit("}"))).to_series()
+    written = pl.select(
+        pl.when(copied).then(pl.lit("{" + key_json + ":") + text + pl.lit("}"))
+    ).to_series()
     parsed = (~copied & (present.bin.size() > 0)).arg_true().to_list()
     if not parsed:
         return written
     refused: set[int] = set()
-    values = _distinct_texts([raws[i] for i in parsed], lambda raw: _dumped({key: _parsed(raw)}), refused)
+    values = _distinct_texts(
+        [raws[i] for i in parsed], lambda raw: _dumped({key: _parsed(raw)}), refused
+    )
     unsure.update(parsed[i] for i in refused)
     return written.scatter(parsed, pl.Series(values, dtype=pl.String))
 
 
 def _extra_in_line_order(line: bytes, mapping: dict[str, str]) -> str | None:
     try:
-        values = _KEYS_IN_ORDER.decode(line)  # a dict, like orjson's: in order, a repeated key's last value
+        values = _KEYS_IN_ORDER.decode(
+            line
+        )  # a dict, like orjson's: in order, a repeated key's last value
     except _REFUSED:
         raise _NotClean() from None
     for theirs, ours in mapping.items():

@@ -31,7 +31,12 @@ from pipeline_assets.lib.landing_contract import (
 )
 from pipeline_assets.lib.landing_fast import LineBuffer, split_clean_lines, split_clean_rows
 
-FORMATS = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet"}
+FORMATS = {
+    ".jsonl.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+}
 
 _CHUNK = 1 << 20
 
@@ -51,8 +56,12 @@ def landing_format(name: str) -> str | None:
     return None
 
 
-def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None,
-                      record_format: RecordFormat = SFT) -> FileReadResult:
+def read_landing_file(
+    name: str,
+    data: bytes,
+    field_mapping: Mapping[str, str] | None = None,
+    record_format: RecordFormat = SFT,
+) -> FileReadResult:
     """Parse and validate one landing file's bytes as records of ``record_format``; ``field_mapping``
     renames the source's fields.
 
@@ -62,15 +71,25 @@ def read_landing_file(name: str, data: bytes, field_mapping: Mapping[str, str] |
     return _read(name, data, field_mapping, fast=record_format is SFT, record_format=record_format)
 
 
-def read_landing_file_exact(name: str, data: bytes, field_mapping: Mapping[str, str] | None = None,
-                            record_format: RecordFormat = SFT) -> FileReadResult:
+def read_landing_file_exact(
+    name: str,
+    data: bytes,
+    field_mapping: Mapping[str, str] | None = None,
+    record_format: RecordFormat = SFT,
+) -> FileReadResult:
     """``read_landing_file`` with every line on the exact per-line path: the reference the fast path
     must match, record for record and reason for reason."""
     return _read(name, data, field_mapping, fast=False, record_format=record_format)
 
 
-def _read(name: str, data: bytes, field_mapping: Mapping[str, str] | None, *, fast: bool,
-          record_format: RecordFormat) -> FileReadResult:
+def _read(
+    name: str,
+    data: bytes,
+    field_mapping: Mapping[str, str] | None,
+    *,
+    fast: bool,
+    record_format: RecordFormat,
+) -> FileReadResult:
     builder = _FrameBuilder(field_mapping or {}, record_format)
     fmt = landing_format(name)
     if fmt is None:
@@ -148,7 +167,9 @@ def _gunzip_into(data: bytes, out: io.BytesIO) -> None:
                 break
         if not inflater.eof:
             raise EOFError("gzip stream ended before its end-of-stream marker")
-        remaining = inflater.unused_data + remaining[start + _CHUNK :]  # the next member may span later chunks
+        remaining = (
+            inflater.unused_data + remaining[start + _CHUNK :]
+        )  # the next member may span later chunks
 
 
 def _unzstd_into(data: bytes, out: io.BytesIO) -> None:
@@ -246,7 +267,10 @@ def _classify_unparseable(line: bytes, exc: Exception) -> tuple[str, str]:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as utf8_error:
-        return "invalid_utf8", f"bytes {utf8_error.start}-{utf8_error.end} are not UTF-8: {utf8_error.reason}"
+        return (
+            "invalid_utf8",
+            f"bytes {utf8_error.start}-{utf8_error.end} are not UTF-8: {utf8_error.reason}",
+        )
     if not text.strip():
         return "blank_line", "the line is empty"
     return "invalid_json", str(exc)

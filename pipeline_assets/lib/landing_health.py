@@ -24,9 +24,11 @@ def quarantine_rates(records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.Data
     accepted = records.group_by("source").agg(accepted=pl.len())
     rejected = quarantine.group_by("source").agg(quarantined=pl.len())
     top_reason = (
-        quarantine.group_by("source", "reason").agg(n=pl.len())
+        quarantine.group_by("source", "reason")
+        .agg(n=pl.len())
         .sort(["source", "n", "reason"], descending=[False, True, False])
-        .group_by("source", maintain_order=True).agg(top_reason=pl.col("reason").first())
+        .group_by("source", maintain_order=True)
+        .agg(top_reason=pl.col("reason").first())
     )
     return (
         accepted.join(rejected, on="source", how="full", coalesce=True)
@@ -49,12 +51,15 @@ def unreadable_files(quarantine: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def unaccounted_files(lines_counted: dict[str, int], records: pl.DataFrame, quarantine: pl.DataFrame) -> pl.DataFrame:
+def unaccounted_files(
+    lines_counted: dict[str, int], records: pl.DataFrame, quarantine: pl.DataFrame
+) -> pl.DataFrame:
     """Files whose counted lines differ from the rows that reached bronze and quarantine:
     source_file, lines_counted, rows (both tables), difference (counted - rows)."""
     rows = (
         pl.concat([records.select("source_file"), quarantine.select("source_file")])
-        .group_by("source_file").agg(rows=pl.len())
+        .group_by("source_file")
+        .agg(rows=pl.len())
     )
     counted = pl.DataFrame(
         {"source_file": list(lines_counted), "lines_counted": list(lines_counted.values())},
@@ -69,7 +74,9 @@ def unaccounted_files(lines_counted: dict[str, int], records: pl.DataFrame, quar
     )
 
 
-def schema_drift_hints(quarantine: pl.DataFrame, formats: Mapping[str, str] | None = None) -> list[dict]:
+def schema_drift_hints(
+    quarantine: pl.DataFrame, formats: Mapping[str, str] | None = None
+) -> list[dict]:
     """For lines quarantined for a missing field: what most likely happened, per source and field.
 
     - The lines carry another record format's fields (a preference file, prompt/chosen/rejected,
@@ -98,12 +105,28 @@ def schema_drift_hints(quarantine: pl.DataFrame, formats: Mapping[str, str] | No
         candidates = [(n, key) for (s, f, key), n in counts.items() if (s, f) == (source, field)]
         if like and max(like)[0] * 2 > total:  # most of these lines are another format's records
             n, name = max(like)
-            hints.append({"source": source, "missing_field": field, "record_format": name, "lines": total,
-                          "lines_of_that_format": n, "fix": fix_format(source, name)})
+            hints.append(
+                {
+                    "source": source,
+                    "missing_field": field,
+                    "record_format": name,
+                    "lines": total,
+                    "lines_of_that_format": n,
+                    "fix": fix_format(source, name),
+                }
+            )
         elif candidates:
             n, key = max(candidates)
-            hints.append({"source": source, "missing_field": field, "unknown_field": key, "lines": total,
-                          "lines_with_unknown_field": n, "fix": fix_mapping(source, key, field)})
+            hints.append(
+                {
+                    "source": source,
+                    "missing_field": field,
+                    "unknown_field": key,
+                    "lines": total,
+                    "lines_with_unknown_field": n,
+                    "fix": fix_mapping(source, key, field),
+                }
+            )
     return hints
 
 

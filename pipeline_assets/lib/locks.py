@@ -62,8 +62,14 @@ class Lock:
 class FileLock(Lock):
     """``flock`` on ``path``; the file keeps the holder's pid, for the messages of those who wait."""
 
-    def __init__(self, path: str | Path, *, timeout: float | None, on_wait: Callable[[str], None] | None = None,
-                 poll_seconds: float = 0.05):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        timeout: float | None,
+        on_wait: Callable[[str], None] | None = None,
+        poll_seconds: float = 0.05,
+    ):
         self.path = Path(path)
         self.timeout = timeout
         self.on_wait = on_wait
@@ -83,7 +89,9 @@ class FileLock(Lock):
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
                 if deadline is not None and time.monotonic() >= deadline:
                     os.close(fd)
-                    raise LockTimeout(f"lock {self.path} is still held by {holder} after {self.timeout:g} s") from None
+                    raise LockTimeout(
+                        f"lock {self.path} is still held by {holder} after {self.timeout:g} s"
+                    ) from None
                 if not waiting and self.on_wait is not None:
                     self.on_wait(holder)
                 waiting = True
@@ -116,8 +124,16 @@ class S3Lease(Lock):
     that agree to well within ``ttl_seconds`` (NTP does).
     """
 
-    def __init__(self, client, uri: str, *, timeout: float | None, ttl_seconds: float,
-                 on_wait: Callable[[str], None] | None = None, poll_seconds: float = 0.2):
+    def __init__(
+        self,
+        client,
+        uri: str,
+        *,
+        timeout: float | None,
+        ttl_seconds: float,
+        on_wait: Callable[[str], None] | None = None,
+        poll_seconds: float = 0.2,
+    ):
         self.client = client
         self.uri = uri
         self.bucket, self.key = uris.split_s3(uri)
@@ -146,13 +162,17 @@ class S3Lease(Lock):
                 continue
             holder = f"{lease['holder']} (lease until {_iso(lease['expires_at'])})"
             if deadline is not None and time.monotonic() >= deadline:
-                raise LockTimeout(f"lock {self.uri} is still held by {holder} after {self.timeout:g} s")
+                raise LockTimeout(
+                    f"lock {self.uri} is still held by {holder} after {self.timeout:g} s"
+                )
             if not waiting and self.on_wait is not None:
                 self.on_wait(holder)
             waiting = True
             time.sleep(self.poll_seconds)
         self._stop.clear()
-        self._renewer = threading.Thread(target=self._keep_renewing, name=f"lease {self.uri}", daemon=True)
+        self._renewer = threading.Thread(
+            target=self._keep_renewing, name=f"lease {self.uri}", daemon=True
+        )
         self._renewer.start()
 
     def confirm(self) -> None:
@@ -160,7 +180,9 @@ class S3Lease(Lock):
         with self._guard:
             if self._lost or not self._put(IfMatch=self._etag):
                 self._lost = True
-                raise LockLost(f"lock {self.uri} expired while held by {this_process()} and was taken over")
+                raise LockLost(
+                    f"lock {self.uri} expired while held by {this_process()} and was taken over"
+                )
 
     def release(self) -> None:
         if self._renewer is None:
@@ -173,7 +195,9 @@ class S3Lease(Lock):
                 try:
                     self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self._etag)
                 except Exception as exc:
-                    if not _lost_race(exc):  # taken over after expiry: theirs now, not ours to delete
+                    if not _lost_race(
+                        exc
+                    ):  # taken over after expiry: theirs now, not ours to delete
                         raise
             self._etag = None
 
@@ -185,11 +209,19 @@ class S3Lease(Lock):
                     return
 
     def _put(self, **condition) -> bool:
-        body = {"holder": f"{this_process()} since {_since()}", "token": self._token,
-                "expires_at": time.time() + self.ttl_seconds}
+        body = {
+            "holder": f"{this_process()} since {_since()}",
+            "token": self._token,
+            "expires_at": time.time() + self.ttl_seconds,
+        }
         try:
-            response = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=json.dumps(body).encode(),
-                                              ContentType="application/json", **condition)
+            response = self.client.put_object(
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=json.dumps(body).encode(),
+                ContentType="application/json",
+                **condition,
+            )
         except Exception as exc:
             if _lost_race(exc):
                 return False

@@ -45,11 +45,38 @@ import zstandard
 
 from pipeline_assets.lib import markov_text
 from pipeline_assets.lib.sample_corpus import (
-    _EVAL_PROMPTS, EVAL_RESPONSE_MIN_WORDS, EVAL_SETS, FILES_PER_SOURCE, INJECTION_RATES, MANIFEST_NAME,
-    MARKOV_FILE_RECORDS, NEAR_DUPLICATE_MIN_WORDS, RESPONSE_LENGTH_SIGMA, RESPONSE_MAX_WORDS,
-    RESPONSE_MEDIAN_WORDS, RESPONSE_MIN_WORDS, SOURCE_FORMATS, SOURCES, SYNTH_SYSTEM_PROMPTS,
-    TIME_SPREAD_S, Doc, LandingFile, _CopyInjection, _doc_pool, _dumps, _encode_file, _eval_items_per_set,
-    _injection_counts, _malformed_line, _prompt, _Record, _record_object, _Slot, _slot_kinds, _SourceVoice, _write,
+    _EVAL_PROMPTS,
+    EVAL_RESPONSE_MIN_WORDS,
+    EVAL_SETS,
+    FILES_PER_SOURCE,
+    INJECTION_RATES,
+    MANIFEST_NAME,
+    MARKOV_FILE_RECORDS,
+    NEAR_DUPLICATE_MIN_WORDS,
+    RESPONSE_LENGTH_SIGMA,
+    RESPONSE_MAX_WORDS,
+    RESPONSE_MEDIAN_WORDS,
+    RESPONSE_MIN_WORDS,
+    SOURCE_FORMATS,
+    SOURCES,
+    SYNTH_SYSTEM_PROMPTS,
+    TIME_SPREAD_S,
+    Doc,
+    LandingFile,
+    _CopyInjection,
+    _doc_pool,
+    _dumps,
+    _encode_file,
+    _eval_items_per_set,
+    _injection_counts,
+    _malformed_line,
+    _prompt,
+    _Record,
+    _record_object,
+    _Slot,
+    _slot_kinds,
+    _SourceVoice,
+    _write,
     low_quality_response,
 )  # fmt: skip
 
@@ -106,7 +133,9 @@ class _FastRandom(random.Random):
 # --- Layout ---------------------------------------------------------------------------------------
 
 
-def landing_shards(records: int, file_records: int = MARKOV_FILE_RECORDS) -> list[list[LandingFile]]:
+def landing_shards(
+    records: int, file_records: int = MARKOV_FILE_RECORDS
+) -> list[list[LandingFile]]:
     """Shard k holds file k of every source, in path order; a source's lines spread evenly over
     its files, at least ``FILES_PER_SOURCE`` of them and none over ``file_records`` lines."""
     per_source = [
@@ -119,7 +148,9 @@ def landing_shards(records: int, file_records: int = MARKOV_FILE_RECORDS) -> lis
         fmt = SOURCE_FORMATS[source]
         for index, shard in enumerate(shards):
             share = lines // files_per_source + (index < lines % files_per_source)
-            shard.append(LandingFile(source, f"{source}/{source}-{index:0{width}d}.{fmt}", fmt, share))
+            shard.append(
+                LandingFile(source, f"{source}/{source}-{index:0{width}d}.{fmt}", fmt, share)
+            )
     return shards
 
 
@@ -173,7 +204,9 @@ def _eval_items(
     batch = _answers_for(answers, len(EVAL_SETS) * per_set)
     used: set[str] = set()
     names = _subject_names(held_out, rng, used)
-    stdlib_names = _subject_names([d for d in held_out if d.origin == "stdlib"] or held_out, rng, used)
+    stdlib_names = _subject_names(
+        [d for d in held_out if d.origin == "stdlib"] or held_out, rng, used
+    )
     eval_sets: dict[str, list[dict]] = {}
     responses = iter(batch.texts)
     for name in EVAL_SETS:
@@ -350,7 +383,9 @@ class _MarkovCorpusBuilder(_CopyInjection):
         subject = self._subjects[rng.randrange(len(self._subjects))]
         prompt = _prompt(slot.file.source, subject, False, rng)
         response = " ".join(self._answers.take()[0].split()[:12])  # quarantined: any text
-        record = self._voice.record(slot.file.source, prompt, response, rng.randrange(TIME_SPREAD_S))
+        record = self._voice.record(
+            slot.file.source, prompt, response, rng.randrange(TIME_SPREAD_S)
+        )
         self._note("malformed", {"source": slot.file.source, "file": slot.file.path,
                                  "line": slot.line, "reason": slot.detail})  # fmt: skip
         if slot.file.format != "parquet":
@@ -381,7 +416,9 @@ def write_markov_corpus(
     ``workers``: processes that generate answers (None: one per core for a corpus of
     ``PARALLEL_MIN_RECORDS`` or more, else none); the files do not depend on it."""
     if records < len(SOURCES) * FILES_PER_SOURCE:
-        raise ValueError(f"records must be at least {len(SOURCES) * FILES_PER_SOURCE}, got {records}")
+        raise ValueError(
+            f"records must be at least {len(SOURCES) * FILES_PER_SOURCE}, got {records}"
+        )
     if file_records < 1:
         raise ValueError(f"file_records must be at least 1, got {file_records}")
     out_dir = Path(out_dir)
@@ -397,7 +434,9 @@ def write_markov_corpus(
                 written = _write_files(out_dir, shards, counts, builder)
             finally:
                 builder.close()
-            manifest = _manifest(records, seed, file_records, shards, written, builder, eval_sets_dir)
+            manifest = _manifest(
+                records, seed, file_records, shards, written, builder, eval_sets_dir
+            )
             _write_manifest(out_dir / MANIFEST_NAME, manifest, spool)
         finally:
             for handle in spool.values():
@@ -433,7 +472,9 @@ def _encode_and_write(path: Path, fmt: str, content: bytes | list[dict]) -> str:
         return _write(path, _encode_file(fmt, content))
     if fmt == "jsonl.gz":
         buffer = io.BytesIO()
-        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="", compresslevel=GZIP_LEVEL) as gz:
+        with gzip.GzipFile(
+            fileobj=buffer, mode="wb", mtime=0, filename="", compresslevel=GZIP_LEVEL
+        ) as gz:
             gz.write(content)
         return _write(path, buffer.getvalue())
     if fmt == "jsonl.zst":
@@ -482,7 +523,10 @@ def _write_manifest(path: Path, manifest: dict, spool: dict) -> None:
     """The manifest as sample_corpus writes it, with the spooled injected entries inserted, one
     per line, without holding them in memory."""
     head = json.dumps(manifest, indent=1, ensure_ascii=False)
-    before, after = head[: head.index('\n "clean_records"')], head[head.index('\n "clean_records"'):]
+    before, after = (
+        head[: head.index('\n "clean_records"')],
+        head[head.index('\n "clean_records"') :],
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as out:
         out.write(before.encode() + b'\n "injected": {')

@@ -84,7 +84,9 @@ class TokenTable:
         lowered = [w.lower() for w in words]
         decontam = [" ".join(text_words(w)) for w in words]  # one word or none: no spaces inside
         self.fold_keys = _string_keys(lowered)
-        self.gram_keys = np.where([bool(w) for w in decontam], _string_keys(decontam), 0).astype(np.uint64)
+        self.gram_keys = np.where([bool(w) for w in decontam], _string_keys(decontam), 0).astype(
+            np.uint64
+        )
         self.chars = np.array([len(w) for w in words], dtype=np.int64)
         self.has_letter = np.array([bool(_LETTER.search(w)) for w in words])
         self.has_letter_or_digit = np.array([bool(_LETTER_OR_DIGIT.search(w)) for w in words])
@@ -192,7 +194,9 @@ def generate_sentences(chain: MarkovChain, tokens: int, rng: np.random.Generator
     ends = np.flatnonzero(emitted == END)
     starts = np.maximum(np.concatenate([[0], ends[:-1] + 1]), ends - ends % steps)
     lengths = ends - starts
-    usable = (lengths >= SENTENCE_MIN_WORDS) & (lengths <= SENTENCE_MAX_WORDS) & ~bad[sentence[ends]]
+    usable = (
+        (lengths >= SENTENCE_MIN_WORDS) & (lengths <= SENTENCE_MAX_WORDS) & ~bad[sentence[ends]]
+    )
     starts, lengths = starts[usable], lengths[usable]
     owner = np.repeat(np.arange(len(starts)), lengths)
     ids = emitted[_ranges(starts, lengths)]
@@ -200,7 +204,9 @@ def generate_sentences(chain: MarkovChain, tokens: int, rng: np.random.Generator
     return Sentences(ids[distinct[owner]], lengths[distinct])
 
 
-def _next_transitions(chain: MarkovChain, states: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _next_transitions(
+    chain: MarkovChain, states: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
     which, draw = rng.random((2, states.size))
     backoff = (which < BACKOFF_ODDS) & (states != 0)  # a first word always comes from a start
     pick = chain.offsets[states] + (draw * chain.counts[states]).astype(np.int64)
@@ -412,7 +418,9 @@ def passes_word_rules(
     words = answers.words.astype(np.float64)
 
     def per_answer(values: np.ndarray) -> np.ndarray:
-        return np.bincount(answers.owner, values[answers.tokens].astype(np.float64), minlength=count)
+        return np.bincount(
+            answers.owner, values[answers.tokens].astype(np.float64), minlength=count
+        )
 
     chars, letters = per_answer(table.chars), per_answer(table.has_letter)
     symbols = per_answer(~table.has_letter_or_digit)
@@ -523,7 +531,9 @@ def answer_batch(recipe: AnswerRecipe, index: int) -> tuple[Answers, np.ndarray]
     if recipe.ban is not None:
         ok &= ~recipe.ban.hits(answers.tokens, answers.owner, len(answers.texts))
     answers = subset(answers, ok)
-    keys = _polynomial_keys(recipe.table.fold_keys[answers.tokens], answers.owner, len(answers.texts))
+    keys = _polynomial_keys(
+        recipe.table.fold_keys[answers.tokens], answers.owner, len(answers.texts)
+    )
     if not recipe.keep_tokens:
         answers = Answers(answers.texts, answers.words, _NO_IDS, _NO_IDS)
     return answers, keys
@@ -534,7 +544,9 @@ def _sentences_for(chain: MarkovChain, words: int, rng: np.random.Generator) -> 
     parts = [generate_sentences(chain, int(words / SENTENCE_YIELD), rng)]
     while (have := sum(int(p.lengths.sum()) for p in parts)) < words:
         parts.append(generate_sentences(chain, int((words - have) / SENTENCE_YIELD) + LANES, rng))
-    return Sentences(np.concatenate([p.tokens for p in parts]), np.concatenate([p.lengths for p in parts]))
+    return Sentences(
+        np.concatenate([p.tokens for p in parts]), np.concatenate([p.lengths for p in parts])
+    )
 
 
 class AnswerSource:

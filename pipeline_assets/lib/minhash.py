@@ -24,10 +24,22 @@ import polars as pl
 import polars_hash as plh
 import pyarrow as pa
 
-_CHUNK_CHARS = 1 << 20  # texts of about 1M characters shingled and hashed at once: their arrays stay in cache
+_CHUNK_CHARS = (
+    1 << 20
+)  # texts of about 1M characters shingled and hashed at once: their arrays stay in cache
 _BLOCK_HASHES = 1 << 18  # whole texts with about this many hashes permuted together (1 MB)
 # Unicode White_Space beyond ASCII: with \t \n \v \f \r and space, what \s matches in polars and Python
-_NON_ASCII_SPACE = (0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000)
+_NON_ASCII_SPACE = (
+    0x85,
+    0xA0,
+    0x1680,
+    *range(0x2000, 0x200B),
+    0x2028,
+    0x2029,
+    0x202F,
+    0x205F,
+    0x3000,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,9 @@ def shingles(text: str, config: MinHashConfig = MinHashConfig()) -> set[bytes]:
 
 @lru_cache(maxsize=8)
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    from datasketch import MinHash  # imported here: it pulls in scipy, which every command would otherwise load
+    from datasketch import (
+        MinHash,  # imported here: it pulls in scipy, which every command would otherwise load
+    )
 
     a, b = MinHash(num_perm=num_perm, seed=seed).permutations
     return a.astype(np.uint32), b.astype(np.uint32)
@@ -88,7 +102,9 @@ def signatures(
         pending = []
         for first, last in _chunks(texts):
             hashes, bounds = shingle_hashes(texts[first:last], config)
-            permute = partial(_min_permuted, _fmix32(hashes), bounds, out=out[first:last], config=config)
+            permute = partial(
+                _min_permuted, _fmix32(hashes), bounds, out=out[first:last], config=config
+            )
             blocks = _blocks(bounds, threads)
             for block in zip(blocks[:-1], blocks[1:], strict=True):
                 if pool:
@@ -118,7 +134,12 @@ def _blocks(bounds: np.ndarray, threads: int) -> np.ndarray:
 
 
 def _min_permuted(
-    mixed: np.ndarray, bounds: np.ndarray, first: int, last: int, out: np.ndarray, config: MinHashConfig
+    mixed: np.ndarray,
+    bounds: np.ndarray,
+    first: int,
+    last: int,
+    out: np.ndarray,
+    config: MinHashConfig,
 ) -> None:
     """Minimum over each text's shingles of a * h + b (mod 2^32), for texts first to last.
 
@@ -135,7 +156,9 @@ def _min_permuted(
         out[first:last, j] = np.minimum.reduceat(permuted, starts)
 
 
-def shingle_hashes(texts: Sequence[str], config: MinHashConfig = MinHashConfig()) -> tuple[np.ndarray, np.ndarray]:
+def shingle_hashes(
+    texts: Sequence[str], config: MinHashConfig = MinHashConfig()
+) -> tuple[np.ndarray, np.ndarray]:
     """The sha1_hash32 of every shingle of every text, and the bounds of each text's hashes
     (text i's are ``hashes[bounds[i]:bounds[i + 1]]``).
 
@@ -146,9 +169,17 @@ def shingle_hashes(texts: Sequence[str], config: MinHashConfig = MinHashConfig()
     is_space, word_starts, word_ends = _words(buffer)
     word_counts = np.diff(np.searchsorted(word_starts, text_starts))
     joined, word_starts, word_ends = _joined(buffer, is_space, word_starts, word_ends, word_counts)
-    shingle_starts, shingle_ends, bounds = _shingle_spans(word_starts, word_ends, word_counts, config.shingle_words)
-    views = pl.from_arrow(_binary_views(joined, shingle_starts, shingle_ends)).alias("shingle").to_frame()
-    first4 = views.select(plh.col("shingle").nchash.sha1().str.slice(0, 8).str.to_integer(base=16, dtype=pl.UInt32))
+    shingle_starts, shingle_ends, bounds = _shingle_spans(
+        word_starts, word_ends, word_counts, config.shingle_words
+    )
+    views = (
+        pl.from_arrow(_binary_views(joined, shingle_starts, shingle_ends))
+        .alias("shingle")
+        .to_frame()
+    )
+    first4 = views.select(
+        plh.col("shingle").nchash.sha1().str.slice(0, 8).str.to_integer(base=16, dtype=pl.UInt32)
+    )
     # sha1_hash32 reads the first 4 digest bytes little-endian; the hex digits read them big-endian
     return first4.to_series().to_numpy().byteswap(), bounds
 
@@ -172,7 +203,9 @@ def _words(buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     np.equal(buffer, ord(" "), out=is_space)
     is_space |= buffer - np.uint8(9) <= 4  # \t \n \v \f \r: 9 to 13 (smaller bytes wrap to large)
     is_space[_non_ascii_spaces(buffer)] = True
-    edges = np.flatnonzero(spaces[1:] != spaces[:-1])  # the buffer ends with a space: every word has an end
+    edges = np.flatnonzero(
+        spaces[1:] != spaces[:-1]
+    )  # the buffer ends with a space: every word has an end
     return is_space, edges[0::2], edges[1::2]
 
 
@@ -195,7 +228,13 @@ def _non_ascii_spaces(buffer: np.ndarray) -> np.ndarray:
     return np.concatenate([two, two + 1, three, three + 1, three + 2])
 
 
-def _joined(buffer: np.ndarray, is_space: np.ndarray, starts: np.ndarray, ends: np.ndarray, counts: np.ndarray):
+def _joined(
+    buffer: np.ndarray,
+    is_space: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    counts: np.ndarray,
+):
     """The words of each text joined by one space, text after text (16 zero bytes after them, so
     views may read whole 4-byte words at any start); and each word's start and end there."""
     last_words = (np.cumsum(counts) - 1)[counts > 0]
@@ -228,12 +267,17 @@ def _shingle_spans(starts: np.ndarray, ends: np.ndarray, counts: np.ndarray, n: 
     empty = np.repeat(counts == 0, per_text)
     if not empty.any():
         return starts[first], ends[last], bounds
-    padded_starts, padded_ends = np.append(starts, 0), np.append(ends, 0)  # an empty text reads index -1: 0 to 0
+    padded_starts, padded_ends = (
+        np.append(starts, 0),
+        np.append(ends, 0),
+    )  # an empty text reads index -1: 0 to 0
     first[empty], last[empty] = -1, -1
     return padded_starts[first], padded_ends[last], bounds
 
 
-_LOW_BYTES = np.array([0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF], dtype=np.uint32)  # mask of the first k bytes
+_LOW_BYTES = np.array(
+    [0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF], dtype=np.uint32
+)  # mask of the first k bytes
 
 
 def _binary_views(buffer: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
@@ -243,7 +287,9 @@ def _binary_views(buffer: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> p
     buffer's index and the offset (Arrow's columnar format, "Variable-size Binary View Layout").
     """
     lengths = (ends - starts).astype(np.uint32)
-    word_at = np.ndarray((len(buffer) - 3,), dtype="<u4", buffer=buffer, strides=(1,))  # 4 bytes from any offset
+    word_at = np.ndarray(
+        (len(buffer) - 3,), dtype="<u4", buffer=buffer, strides=(1,)
+    )  # 4 bytes from any offset
     views = np.empty((len(starts), 4), dtype=np.uint32)
     views[:, 0] = lengths
     views[:, 1] = word_at[starts]

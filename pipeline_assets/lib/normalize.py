@@ -12,7 +12,6 @@ import polars as pl
 
 from pipeline_assets.lib.formats import all_text_fields
 
-
 # C0 and C1 controls except tab and newline (\r is folded into \n below).
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
 
@@ -40,11 +39,14 @@ def normalize_text(expr: pl.Expr, config: NormalizeConfig = NormalizeConfig()) -
     return expr
 
 
-def normalize_records(frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()) -> tuple[pl.DataFrame, dict]:
+def normalize_records(
+    frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()
+) -> tuple[pl.DataFrame, dict]:
     """Normalize the text columns; the counters say how many values each column had changed."""
     present = [c for c in all_text_fields() if c in frame.columns]  # a frame holds one format's
     normalized = frame.with_columns(normalize_text(pl.col(c), config) for c in present)
     changed = {
-        f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0) for column in present
+        f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0)
+        for column in present
     }
     return normalized, {"rows": frame.height, **changed}

@@ -55,7 +55,9 @@ class PackingPlan:
         return float(self.piece_length.sum()) / (self.n_sequences * seq_len)
 
 
-def split_long_documents(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_long_documents(
+    lengths: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(piece_doc, piece_start, piece_length): consecutive pieces of seq_len tokens, the last shorter.
 
     A document of length <= seq_len is one piece; a document of length 0 is a ValueError.
@@ -87,7 +89,9 @@ def plan_best_fit_decreasing(lengths: np.ndarray, seq_len: int = DEFAULT_SEQ_LEN
     for start, end in zip(run_starts.tolist(), run_ends.tolist(), strict=True):
         pieces = placement_order[start:end]
         sequence[pieces], offset[pieces] = rooms.place_run(int(sorted_lengths[start]), end - start)
-    return _plan(piece_doc, piece_start, piece_length, sequence, offset, rooms.n_sequences, lengths, seq_len)
+    return _plan(
+        piece_doc, piece_start, piece_length, sequence, offset, rooms.n_sequences, lengths, seq_len
+    )
 
 
 def plan_greedy_sequential(lengths: np.ndarray, seq_len: int = DEFAULT_SEQ_LEN) -> PackingPlan:
@@ -101,7 +105,9 @@ def plan_greedy_sequential(lengths: np.ndarray, seq_len: int = DEFAULT_SEQ_LEN) 
             current, used = current + 1, 0
         sequence[i], offset[i] = current, used
         used += length
-    return _plan(piece_doc, piece_start, piece_length, sequence, offset, current + 1, lengths, seq_len)
+    return _plan(
+        piece_doc, piece_start, piece_length, sequence, offset, current + 1, lengths, seq_len
+    )
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,9 @@ def first_fit_rows(piece_lengths: np.ndarray, seq_len: int) -> int:
         raise ValueError(f"a piece of {lengths.max()} tokens does not fit a row of {seq_len}")
     lengths = lengths.tolist()
     leaves = 1 << max(len(lengths) - 1, 0).bit_length()
-    most_room = [0] * leaves + [seq_len] * leaves  # leaf i: row i's free room; unopened rows are empty
+    most_room = [0] * leaves + [
+        seq_len
+    ] * leaves  # leaf i: row i's free room; unopened rows are empty
     for node in range(leaves - 1, 0, -1):
         most_room[node] = seq_len
     used = 0
@@ -171,7 +179,9 @@ def pack(
     flat_ids, ids_lengths = _flatten(input_ids)
     flat_mask, mask_lengths = _flatten(loss_mask)
     _check_tokens(plan, flat_ids, ids_lengths, flat_mask, mask_lengths, pad_id)
-    real, source, lengths, position_in_piece, tokens_per_sequence = _placement(plan, ids_lengths, seq_len)
+    real, source, lengths, position_in_piece, tokens_per_sequence = _placement(
+        plan, ids_lengths, seq_len
+    )
     columns = np.arange(seq_len, dtype=np.int64)
     packed_ids = np.full(real.shape, pad_id, dtype=np.int32)
     packed_ids[real] = flat_ids[source]
@@ -185,12 +195,19 @@ def pack(
         "loss_mask": packed_mask,
         "position_ids": position_ids,
         "doc_lengths": lengths.astype(np.int32),
-        "doc_lengths_offsets": np.concatenate([[0], np.cumsum(pieces_per_sequence)]).astype(np.int64),
+        "doc_lengths_offsets": np.concatenate([[0], np.cumsum(pieces_per_sequence)]).astype(
+            np.int64
+        ),
     }
 
 
-def packed_values(plan: PackingPlan, documents: Sequence[np.ndarray] | pl.Series, seq_len: int = DEFAULT_SEQ_LEN,
-                  fill: float = 0.0, dtype=np.float32) -> np.ndarray:
+def packed_values(
+    plan: PackingPlan,
+    documents: Sequence[np.ndarray] | pl.Series,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    fill: float = 0.0,
+    dtype=np.float32,
+) -> np.ndarray:
     """(n_sequences, seq_len): any per-token values of the documents (one array per document, as long as its
     tokens) placed where ``pack`` places their tokens, ``fill`` elsewhere."""
     flat, lengths = _flatten(documents)
@@ -230,7 +247,10 @@ def doc_lengths_column(packed: dict[str, np.ndarray]) -> pl.Series:
 
 def packed_frame(packed: dict[str, np.ndarray]) -> pl.DataFrame:
     """One row per sequence: input_ids, loss_mask, position_ids and doc_lengths as List columns."""
-    matrices = {name: _list_column(name, packed[name]) for name in ("input_ids", "loss_mask", "position_ids")}
+    matrices = {
+        name: _list_column(name, packed[name])
+        for name in ("input_ids", "loss_mask", "position_ids")
+    }
     return pl.DataFrame({**matrices, "doc_lengths": doc_lengths_column(packed)})
 
 
@@ -305,11 +325,15 @@ def _checked_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     lengths = lengths.astype(np.int64)
     if lengths.size and lengths.min() < 1:
         bad = int(np.flatnonzero(lengths < 1)[0])
-        raise ValueError(f"document {bad} has length {lengths[bad]}; every document needs >= 1 token")
+        raise ValueError(
+            f"document {bad} has length {lengths[bad]}; every document needs >= 1 token"
+        )
     return lengths
 
 
-def _plan(piece_doc, piece_start, piece_length, sequence, offset, n_sequences, lengths, seq_len) -> PackingPlan:
+def _plan(
+    piece_doc, piece_start, piece_length, sequence, offset, n_sequences, lengths, seq_len
+) -> PackingPlan:
     return PackingPlan(
         sequence_of_doc=sequence,
         offset_in_sequence=offset,
@@ -336,12 +360,20 @@ def _flatten(documents: Sequence[np.ndarray] | pl.Series) -> tuple[np.ndarray, n
         if documents.null_count():
             raise ValueError("a document is null")
         lengths = documents.list.len().to_numpy().astype(np.int64)
-        flat = documents.filter(pl.Series(lengths > 0)).explode()  # an empty list explodes to a null
+        flat = documents.filter(
+            pl.Series(lengths > 0)
+        ).explode()  # an empty list explodes to a null
         if flat.null_count():
             raise ValueError("a token is null")
         return flat.to_numpy(), lengths
-    lengths = np.fromiter((len(document) for document in documents), dtype=np.int64, count=len(documents))
-    flat = np.concatenate([np.asarray(document) for document in documents]) if len(documents) else np.empty(0)
+    lengths = np.fromiter(
+        (len(document) for document in documents), dtype=np.int64, count=len(documents)
+    )
+    flat = (
+        np.concatenate([np.asarray(document) for document in documents])
+        if len(documents)
+        else np.empty(0)
+    )
     return flat, lengths
 
 
@@ -372,12 +404,16 @@ def _pieces_by_position(plan: PackingPlan, seq_len: int) -> tuple[np.ndarray, np
     lengths = plan.piece_length[by_position]
     if sequence.size and (sequence[0] < 0 or sequence[-1] >= plan.n_sequences):
         raise ValueError("the plan refers to a sequence outside 0..n_sequences-1")
-    tokens_per_sequence = np.bincount(sequence, weights=lengths, minlength=plan.n_sequences).astype(np.int64)
+    tokens_per_sequence = np.bincount(sequence, weights=lengths, minlength=plan.n_sequences).astype(
+        np.int64
+    )
     if (tokens_per_sequence > seq_len).any():
         raise ValueError(f"the plan puts more than {seq_len} tokens into a sequence")
     end_before = np.cumsum(lengths) - lengths
     sequence_begin = np.cumsum(tokens_per_sequence) - tokens_per_sequence
-    if not np.array_equal(plan.offset_in_sequence[by_position], end_before - sequence_begin[sequence]):
+    if not np.array_equal(
+        plan.offset_in_sequence[by_position], end_before - sequence_begin[sequence]
+    ):
         raise ValueError("the plan's pieces overlap or leave gaps within a sequence")
     return by_position, tokens_per_sequence
 

@@ -16,7 +16,12 @@ import polars as pl
 
 OVERALL = "overall"
 SOURCE_PREFIX = "source:"
-SLICE_SCHEMA = {"slice": pl.String, "pairs": pl.Int64, "preference_accuracy": pl.Float64, "mean_margin": pl.Float64}
+SLICE_SCHEMA = {
+    "slice": pl.String,
+    "pairs": pl.Int64,
+    "preference_accuracy": pl.Float64,
+    "mean_margin": pl.Float64,
+}
 
 
 def pair_margins(rows: pl.DataFrame, beta: float) -> pl.DataFrame:
@@ -26,8 +31,11 @@ def pair_margins(rows: pl.DataFrame, beta: float) -> pl.DataFrame:
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
     _check_two_documents_a_pair(rows)
-    sides = {f"{model}_{side}": pl.col(f"{model}_logps").list.gather_every(2, offset=offset)
-             for model in ("policy", "reference") for side, offset in (("chosen", 0), ("rejected", 1))}
+    sides = {
+        f"{model}_{side}": pl.col(f"{model}_logps").list.gather_every(2, offset=offset)
+        for model in ("policy", "reference")
+        for side, offset in (("chosen", 0), ("rejected", 1))
+    }
     pairs = rows.select(pl.col("pair_ids").alias("pair_id"), **sides).explode("pair_id", *sides)
     return pairs.select(
         "pair_id",
@@ -44,8 +52,12 @@ def preference_slices(margins: pl.DataFrame, sources: pl.DataFrame) -> pl.DataFr
     if unknown.height:
         raise ValueError(f"{unknown.height} pair(s) have no source, e.g. {unknown['pair_id'][0]}")
     overall = _summary(labelled).with_columns(slice=pl.lit(OVERALL))
-    per_source = _summary(labelled, by="source").with_columns(slice=pl.lit(SOURCE_PREFIX) + pl.col("source"))
-    return pl.concat([overall.select(*SLICE_SCHEMA), per_source.sort("slice").select(*SLICE_SCHEMA)]).cast(SLICE_SCHEMA)
+    per_source = _summary(labelled, by="source").with_columns(
+        slice=pl.lit(SOURCE_PREFIX) + pl.col("source")
+    )
+    return pl.concat(
+        [overall.select(*SLICE_SCHEMA), per_source.sort("slice").select(*SLICE_SCHEMA)]
+    ).cast(SLICE_SCHEMA)
 
 
 def within_tolerance(candidate_loss: float, champion_loss: float, tolerance: float) -> bool:
@@ -54,8 +66,11 @@ def within_tolerance(candidate_loss: float, champion_loss: float, tolerance: flo
 
 
 def _summary(labelled: pl.DataFrame, by: str | None = None) -> pl.DataFrame:
-    aggregates = [pl.len().alias("pairs"), (pl.col("margin") > 0).mean().alias("preference_accuracy"),
-                  pl.col("margin").mean().alias("mean_margin")]
+    aggregates = [
+        pl.len().alias("pairs"),
+        (pl.col("margin") > 0).mean().alias("preference_accuracy"),
+        pl.col("margin").mean().alias("mean_margin"),
+    ]
     if by is None:
         return labelled.select(aggregates)
     return labelled.group_by(by).agg(aggregates)
@@ -67,5 +82,7 @@ def _check_two_documents_a_pair(rows: pl.DataFrame) -> None:
         wrong = rows.filter(rows[column].list.len() != 2 * pairs)
         if wrong.height:
             row = wrong.row(0, named=True)
-            raise ValueError(f"a row lists {len(row['pair_ids'])} pair(s) but {len(row[column])} {column}: "
-                             "a packed row holds a chosen and a rejected document per pair")
+            raise ValueError(
+                f"a row lists {len(row['pair_ids'])} pair(s) but {len(row[column])} {column}: "
+                "a packed row holds a chosen and a rejected document per pair"
+            )

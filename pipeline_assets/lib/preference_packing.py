@@ -32,13 +32,15 @@ from pipeline_assets.lib.packing import PackingPlan, pack, packed_frame, plan_be
 
 PAIR_COLUMNS = ("pair_id", "prefix_ids", "chosen_ids", "rejected_ids")
 LEFT_OUT_SCHEMA = pl.Schema({"pair_id": pl.String, "n_tokens": pl.Int64, "reason": pl.String})
-ROWS_SCHEMA = pl.Schema({
-    "input_ids": pl.List(pl.Int32),
-    "loss_mask": pl.List(pl.Boolean),
-    "position_ids": pl.List(pl.Int32),
-    "document_lengths": pl.List(pl.Int32),
-    "pair_ids": pl.List(pl.String),
-})
+ROWS_SCHEMA = pl.Schema(
+    {
+        "input_ids": pl.List(pl.Int32),
+        "loss_mask": pl.List(pl.Boolean),
+        "position_ids": pl.List(pl.Int32),
+        "document_lengths": pl.List(pl.Int32),
+        "pair_ids": pl.List(pl.String),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,13 @@ class PackedPairs:
 
     @property
     def counters(self) -> dict:
-        return {"pairs_in": self.pairs_in, "pairs_packed": self.pairs_packed, "pairs_too_long": self.pairs_too_long,
-                "rows": self.rows.height, "efficiency": self.efficiency}
+        return {
+            "pairs_in": self.pairs_in,
+            "pairs_packed": self.pairs_packed,
+            "pairs_too_long": self.pairs_too_long,
+            "rows": self.rows.height,
+            "efficiency": self.efficiency,
+        }
 
 
 def pack_pairs(pairs: pl.DataFrame, seq_len: int, pad_id: int) -> PackedPairs:
@@ -64,7 +71,9 @@ def pack_pairs(pairs: pl.DataFrame, seq_len: int, pad_id: int) -> PackedPairs:
     fits = unit_lengths <= seq_len
     kept = pairs.filter(pl.Series(fits))
     left_out = pairs.filter(pl.Series(~fits)).select(
-        "pair_id", n_tokens=pl.Series(unit_lengths[~fits], dtype=pl.Int64), reason=pl.lit("too_long")
+        "pair_id",
+        n_tokens=pl.Series(unit_lengths[~fits], dtype=pl.Int64),
+        reason=pl.lit("too_long"),
     )
     rows = _packed_rows(kept, unit_lengths[fits], seq_len, pad_id)
     real_tokens = int(unit_lengths[fits].sum())
@@ -88,15 +97,27 @@ def pair_lengths(pairs: pl.DataFrame) -> np.ndarray:
     return lengths.to_series().to_numpy().astype(np.int64)
 
 
-def _packed_rows(pairs: pl.DataFrame, unit_lengths: np.ndarray, seq_len: int, pad_id: int) -> pl.DataFrame:
+def _packed_rows(
+    pairs: pl.DataFrame, unit_lengths: np.ndarray, seq_len: int, pad_id: int
+) -> pl.DataFrame:
     if pairs.is_empty():
         return pl.DataFrame(schema=ROWS_SCHEMA)
     unit_plan = plan_best_fit_decreasing(unit_lengths, seq_len)
     documents = _documents(pairs)
-    packed = pack(_document_plan(unit_plan, pairs), documents["input_ids"], documents["loss_mask"], seq_len, pad_id)
-    return packed_frame(packed).rename({"doc_lengths": "document_lengths"}).with_columns(
-        pl.col("loss_mask").cast(pl.List(pl.Boolean)),
-        pair_ids=_pair_ids_per_row(unit_plan, pairs["pair_id"]),
+    packed = pack(
+        _document_plan(unit_plan, pairs),
+        documents["input_ids"],
+        documents["loss_mask"],
+        seq_len,
+        pad_id,
+    )
+    return (
+        packed_frame(packed)
+        .rename({"doc_lengths": "document_lengths"})
+        .with_columns(
+            pl.col("loss_mask").cast(pl.List(pl.Boolean)),
+            pair_ids=_pair_ids_per_row(unit_plan, pairs["pair_id"]),
+        )
     )
 
 
@@ -108,7 +129,9 @@ def _documents(pairs: pl.DataFrame) -> pl.DataFrame:
     def document(response: str) -> pl.DataFrame:
         return pairs.select(
             input_ids=pl.concat_list("prefix_ids", response),
-            loss_mask=pl.concat_list(pl.col("prefix_ids").list.eval(zeros), pl.col(response).list.eval(ones)),
+            loss_mask=pl.concat_list(
+                pl.col("prefix_ids").list.eval(zeros), pl.col(response).list.eval(ones)
+            ),
         )
 
     return pl.concat([document("chosen_ids"), document("rejected_ids")])
@@ -123,7 +146,9 @@ def _document_plan(unit_plan: PackingPlan, pairs: pl.DataFrame) -> PackingPlan:
     n_documents = 2 * pairs.height
     return PackingPlan(
         sequence_of_doc=np.concatenate([unit_plan.sequence_of_doc, unit_plan.sequence_of_doc]),
-        offset_in_sequence=np.concatenate([unit_plan.offset_in_sequence, unit_plan.offset_in_sequence + chosen]),
+        offset_in_sequence=np.concatenate(
+            [unit_plan.offset_in_sequence, unit_plan.offset_in_sequence + chosen]
+        ),
         piece_doc=np.arange(n_documents, dtype=np.int64),
         piece_start=np.zeros(n_documents, dtype=np.int64),
         piece_length=np.concatenate([chosen, rejected]),
@@ -135,7 +160,9 @@ def _document_plan(unit_plan: PackingPlan, pairs: pl.DataFrame) -> PackingPlan:
 def _pair_ids_per_row(unit_plan: PackingPlan, pair_ids: pl.Series) -> pl.Series:
     """Per row, the pair of each unit in the order the units sit in the row."""
     order = np.lexsort((unit_plan.offset_in_sequence, unit_plan.sequence_of_doc))
-    units = pl.DataFrame({"row": unit_plan.sequence_of_doc[order], "pair_id": pair_ids.gather(order)})
+    units = pl.DataFrame(
+        {"row": unit_plan.sequence_of_doc[order], "pair_id": pair_ids.gather(order)}
+    )
     grouped = units.group_by("row", maintain_order=True).agg("pair_id")
     every_row = pl.DataFrame({"row": np.arange(unit_plan.n_sequences, dtype=np.int64)})
     return every_row.join(grouped, on="row", how="left").sort("row")["pair_id"].alias("pair_ids")
@@ -148,11 +175,15 @@ def _checked_pairs(pairs: pl.DataFrame) -> pl.DataFrame:
         raise ValueError(f"pairs lack column(s) {', '.join(missing)}")
     pairs = pairs.select(PAIR_COLUMNS)
     if pairs["pair_id"].is_duplicated().any():
-        raise ValueError(f"pair_id {pairs.filter(pl.col('pair_id').is_duplicated())['pair_id'][0]!r} appears twice")
+        raise ValueError(
+            f"pair_id {pairs.filter(pl.col('pair_id').is_duplicated())['pair_id'][0]!r} appears twice"
+        )
     for name in PAIR_COLUMNS:
         # A document needs a prefix (its first response token is predicted from it) and a response
         # (the trainer tells a document from the padding tail by its loss tokens).
-        empty = pl.col(name).is_null() | (pl.col(name).list.len() == 0 if name != "pair_id" else pl.lit(False))
+        empty = pl.col(name).is_null() | (
+            pl.col(name).list.len() == 0 if name != "pair_id" else pl.lit(False)
+        )
         bad = pairs.filter(empty)
         if bad.height:
             raise ValueError(f"pair {bad['pair_id'][0]!r} has no {name}")

@@ -11,11 +11,18 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 def git_commit(folder: Path = _PACKAGE_DIR) -> str:
     """``<sha>``, ``<sha>+dirty`` with uncommitted changes, or ``unknown`` outside a git checkout."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=10
+        )
         if sha.returncode != 0:
             return "unknown"
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
-                                capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return sha.stdout.strip() + ("+dirty" if status.stdout.strip() else "")

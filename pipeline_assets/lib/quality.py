@@ -254,9 +254,8 @@ def _ngram_key(n: int) -> pl.Expr:
 def _per_input_row(rows: int, per_row: pl.DataFrame, **quantities: pl.Expr) -> pl.DataFrame:
     """The quantities for every input row, in input order; 0 for a row with no words or lines."""
     every_row = pl.DataFrame({_ROW: pl.int_range(rows, dtype=pl.UInt32, eager=True)})
-    return (
-        every_row.join(per_row, on=_ROW, how="left", maintain_order="left")
-        .select(value.fill_null(0).cast(pl.Float64).alias(q) for q, value in quantities.items())
+    return every_row.join(per_row, on=_ROW, how="left", maintain_order="left").select(
+        value.fill_null(0).cast(pl.Float64).alias(q) for q, value in quantities.items()
     )
 
 

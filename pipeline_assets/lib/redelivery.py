@@ -17,7 +17,9 @@ from pipeline_assets.lib.unit_counts import complete_lines
 ALREADY_INGESTED = "already_ingested"
 
 
-def redelivered_lines(name: str, data: bytes, previous_size: int | None, previous_checksum: str | None) -> int:
+def redelivered_lines(
+    name: str, data: bytes, previous_size: int | None, previous_checksum: str | None
+) -> int:
     """How many leading lines of ``data`` the earlier version delivered whole: its newline-ended
     lines when ``data`` starts with exactly its bytes, else 0 (the file was rewritten, not appended)."""
     if previous_size is None or previous_checksum is None or previous_size > len(data):
@@ -44,6 +46,8 @@ def set_aside_redelivered(result: FileReadResult, lines: int, detail: str) -> Fi
     fresh = pl.col("source_line") > lines
     return FileReadResult(
         records=result.records.filter(fresh),
-        quarantine=pl.concat([redelivered, result.quarantine.filter(fresh | (pl.col("source_line") == 0))]),
+        quarantine=pl.concat(
+            [redelivered, result.quarantine.filter(fresh | (pl.col("source_line") == 0))]
+        ),
         lines_read=result.lines_read,
     )

@@ -31,13 +31,17 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected", "score_chosen", "score_rejected",
 
 # A character Python's str.strip() keeps, as the landing reader tests required text (every character
 # str.isspace() is true for lies in the Basic Multilingual Plane).
-_NOT_SPACE = "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x10000)) if c.isspace()) + "]"
+_NOT_SPACE = (
+    "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x10000)) if c.isspace()) + "]"
+)
 
 
 @dataclass(frozen=True)
 class StalenessPolicy:
     max_staleness: int  # versions a completion's generating policy may lag the policy it updates
-    max_pending_seconds: float  # how long a completion may wait in the buffer before an update takes it
+    max_pending_seconds: (
+        float  # how long a completion may wait in the buffer before an update takes it
+    )
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,14 @@ class Judgement:
 # --- taking rows for an update -------------------------------------------------------------------
 
 
-def take_for_update(buffer: pl.DataFrame, current_version: int, policy: StalenessPolicy, *,
-                    now: datetime | None = None, max_groups: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def take_for_update(
+    buffer: pl.DataFrame,
+    current_version: int,
+    policy: StalenessPolicy,
+    *,
+    now: datetime | None = None,
+    max_groups: int | None = None,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The pending rows an update at ``current_version`` takes: ``(consumed, dropped)``, both with
     ``status``, ``consumed_by_version`` (= ``current_version``) and ``updated_at`` (``now``, by
     default the current UTC time) set, ready to merge back into the buffer by ``rollout_id``.
@@ -69,11 +79,21 @@ def take_for_update(buffer: pl.DataFrame, current_version: int, policy: Stalenes
     taken_at = now or datetime.now(timezone.utc)
     fresh = pending.join(stale_groups, on="group_id", how="anti")
     if max_groups is not None:
-        oldest = (fresh.group_by("group_id").agg(pl.col("generated_at").min()).sort("generated_at", "group_id")
-                  .head(max_groups).select("group_id"))
+        oldest = (
+            fresh.group_by("group_id")
+            .agg(pl.col("generated_at").min())
+            .sort("generated_at", "group_id")
+            .head(max_groups)
+            .select("group_id")
+        )
         fresh = fresh.join(oldest, on="group_id", how="semi")
     consumed = _mark(fresh, CONSUMED, current_version, taken_at)
-    dropped = _mark(pending.join(stale_groups, on="group_id", how="semi"), DROPPED_STALE, current_version, taken_at)
+    dropped = _mark(
+        pending.join(stale_groups, on="group_id", how="semi"),
+        DROPPED_STALE,
+        current_version,
+        taken_at,
+    )
     return consumed, dropped
 
 
@@ -110,7 +130,9 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
     worst_lag = int(lags.max() or 0)
     lagged_too_far = int((lags > policy.max_staleness).sum())
     pending = buffer.filter(pl.col("status") == PENDING)
-    waits = (pl.lit(now, dtype=pl.Datetime("us", "UTC")) - pl.col("generated_at")).dt.total_microseconds() / 1e6
+    waits = (
+        pl.lit(now, dtype=pl.Datetime("us", "UTC")) - pl.col("generated_at")
+    ).dt.total_microseconds() / 1e6
     wait_seconds = pending.select(waits).to_series()
     oldest_wait = float(wait_seconds.max() or 0.0)
     waited_too_long = int((wait_seconds > policy.max_pending_seconds).sum())
@@ -119,26 +141,38 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
     dropped_lags = dropped.get_column("consumed_by_version") - dropped.get_column("policy_version")
     failures = []
     if dropped.height:
-        failures.append(f"{dropped.height} row(s) dropped as stale, lagging up to {int(dropped_lags.max())} versions "
-                        f"(limit {policy.max_staleness})")
+        failures.append(
+            f"{dropped.height} row(s) dropped as stale, lagging up to {int(dropped_lags.max())} versions "
+            f"(limit {policy.max_staleness})"
+        )
     if lagged_too_far:
-        failures.append(f"{lagged_too_far} consumed row(s) lagged up to {worst_lag} versions "
-                        f"(limit {policy.max_staleness})")
+        failures.append(
+            f"{lagged_too_far} consumed row(s) lagged up to {worst_lag} versions "
+            f"(limit {policy.max_staleness})"
+        )
     if waited_too_long:
-        failures.append(f"{waited_too_long} pending row(s) waited too long, the oldest {oldest_wait:.0f}s "
-                        f"(limit {policy.max_pending_seconds:.0f}s)")
-    summary = (f"consumed rows lagged at most {worst_lag} versions (limit {policy.max_staleness}); the oldest "
-               f"pending row has waited {oldest_wait:.0f}s (limit {policy.max_pending_seconds:.0f}s)")
-    return Judgement(not failures, "; ".join(failures) or summary, {
-        "staleness_mean": float(lags.mean() or 0.0),
-        "staleness_max": worst_lag,
-        "consumed_rows": consumed.height,
-        "dropped_stale_rows": dropped.height,
-        "pending_rows": pending.height,
-        "oldest_pending_seconds": oldest_wait,
-        "max_staleness": policy.max_staleness,
-        "max_pending_seconds": policy.max_pending_seconds,
-    })
+        failures.append(
+            f"{waited_too_long} pending row(s) waited too long, the oldest {oldest_wait:.0f}s "
+            f"(limit {policy.max_pending_seconds:.0f}s)"
+        )
+    summary = (
+        f"consumed rows lagged at most {worst_lag} versions (limit {policy.max_staleness}); the oldest "
+        f"pending row has waited {oldest_wait:.0f}s (limit {policy.max_pending_seconds:.0f}s)"
+    )
+    return Judgement(
+        not failures,
+        "; ".join(failures) or summary,
+        {
+            "staleness_mean": float(lags.mean() or 0.0),
+            "staleness_max": worst_lag,
+            "consumed_rows": consumed.height,
+            "dropped_stale_rows": dropped.height,
+            "pending_rows": pending.height,
+            "oldest_pending_seconds": oldest_wait,
+            "max_staleness": policy.max_staleness,
+            "max_pending_seconds": policy.max_pending_seconds,
+        },
+    )
 
 
 def reward_signal(buffer: pl.DataFrame, max_zero_spread_share: float = 0.9) -> Judgement:
@@ -148,14 +182,23 @@ def reward_signal(buffer: pl.DataFrame, max_zero_spread_share: float = 0.9) -> J
     rows, what updates trained on; before any update has consumed, all rows."""
     consumed = buffer.filter(pl.col("status") == CONSUMED)
     judged, judged_rows = (consumed, CONSUMED) if consumed.height else (buffer, "all")
-    spreads = judged.group_by("group_id").agg(zero_spread=pl.col("reward").max() == pl.col("reward").min())
+    spreads = judged.group_by("group_id").agg(
+        zero_spread=pl.col("reward").max() == pl.col("reward").min()
+    )
     groups = spreads.height
     zero_spread = int(spreads.get_column("zero_spread").sum())
     share = zero_spread / groups if groups else 0.0
-    metrics = {"groups": groups, "zero_spread_groups": zero_spread, "zero_spread_share": share,
-               "max_zero_spread_share": max_zero_spread_share, "judged_rows": judged_rows}
-    verdict = (f"{share:.1%} of {groups} group(s) ({judged_rows} rows) gave every completion one reward "
-               f"(limit {max_zero_spread_share:.1%})")
+    metrics = {
+        "groups": groups,
+        "zero_spread_groups": zero_spread,
+        "zero_spread_share": share,
+        "max_zero_spread_share": max_zero_spread_share,
+        "judged_rows": judged_rows,
+    }
+    verdict = (
+        f"{share:.1%} of {groups} group(s) ({judged_rows} rows) gave every completion one reward "
+        f"(limit {max_zero_spread_share:.1%})"
+    )
     if share > max_zero_spread_share:
         return Judgement(False, f"{verdict}: no advantage to learn from", metrics)
     return Judgement(True, verdict, metrics)
@@ -177,21 +220,41 @@ def preference_pairs_from_groups(rows: pl.DataFrame, prompts: pl.DataFrame) -> p
     """
     usable = rows.filter(pl.col("completion").str.contains(_NOT_SPACE)).sort("rollout_id")
     chosen = _first_per_group(usable.filter(pl.col("reward") == CORRECT_REWARD)).select(
-        "group_id", "prompt_id", "policy_version", chosen="completion", score_chosen="reward",
-        chosen_rollout_id="rollout_id")
+        "group_id",
+        "prompt_id",
+        "policy_version",
+        chosen="completion",
+        score_chosen="reward",
+        chosen_rollout_id="rollout_id",
+    )
     rejected = _first_per_group(usable.filter(pl.col("reward") < CORRECT_REWARD)).select(
-        "group_id", rejected="completion", score_rejected="reward", rejected_rollout_id="rollout_id",
-        rejected_verifier_detail="verifier_detail")
-    prompt_texts = prompts.select("prompt_id", "prompt").filter(pl.col("prompt").str.contains(_NOT_SPACE))
+        "group_id",
+        rejected="completion",
+        score_rejected="reward",
+        rejected_rollout_id="rollout_id",
+        rejected_verifier_detail="verifier_detail",
+    )
+    prompt_texts = prompts.select("prompt_id", "prompt").filter(
+        pl.col("prompt").str.contains(_NOT_SPACE)
+    )
     return (
         chosen.join(rejected, on="group_id")
         .join(prompt_texts, on="prompt_id", validate="m:1")
         .sort("group_id")
         .select(
-            "prompt", "chosen", "rejected", "score_chosen", "score_rejected",
+            "prompt",
+            "chosen",
+            "rejected",
+            "score_chosen",
+            "score_rejected",
             id=pl.lit("rl:") + pl.col("group_id"),
-            meta=pl.struct("group_id", "policy_version", "chosen_rollout_id", "rejected_rollout_id",
-                           "rejected_verifier_detail"),
+            meta=pl.struct(
+                "group_id",
+                "policy_version",
+                "chosen_rollout_id",
+                "rejected_rollout_id",
+                "rejected_verifier_detail",
+            ),
         )
     )
 

@@ -7,7 +7,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-DELTA_TAG_PREFIX = "delta."  # a registered version's tag ``delta.<layer>/<name>`` = the Delta version it read
+DELTA_TAG_PREFIX = (
+    "delta."  # a registered version's tag ``delta.<layer>/<name>`` = the Delta version it read
+)
 EXPORT = "final"  # the exported model inside a snapshot's checkpoint folder
 _SNAPSHOT_FOLDER = re.compile(r"^[a-z]+-v\d+$")  # gold-v<N>, dpo-v<N>: folders the trainer writes
 
@@ -48,7 +50,7 @@ def pinned_versions(version_tags: Iterable[Mapping[str, str]]) -> dict[str, list
     for tags in version_tags:
         for tag, value in tags.items():
             if tag.startswith(DELTA_TAG_PREFIX) and str(value).isdigit():
-                pinned.setdefault(tag[len(DELTA_TAG_PREFIX):], set()).add(int(value))
+                pinned.setdefault(tag[len(DELTA_TAG_PREFIX) :], set()).add(int(value))
     return {table: sorted(versions) for table, versions in sorted(pinned.items())}
 
 
@@ -56,8 +58,9 @@ def is_snapshot_folder(name: str) -> bool:
     return bool(_SNAPSHOT_FOLDER.match(name))
 
 
-def checkpoints_to_delete(snapshots: Iterable[SnapshotCheckpoints], registered: set[str],
-                          before: float) -> list[tuple[str, str | None]]:
+def checkpoints_to_delete(
+    snapshots: Iterable[SnapshotCheckpoints], registered: set[str], before: float
+) -> list[tuple[str, str | None]]:
     """``(partition, None)``: the whole folder of a snapshot no registered version comes from;
     ``(partition, folder)``: a registered snapshot's folder other than its export and best step.
     Only what was last written before ``before``: a newer folder may belong to a training, evaluation
@@ -69,15 +72,25 @@ def checkpoints_to_delete(snapshots: Iterable[SnapshotCheckpoints], registered: 
                 doomed.append((snapshot.partition, None))
             continue
         kept = {EXPORT, snapshot.best_folder}
-        doomed += [(snapshot.partition, name) for name, modified in sorted(snapshot.folders.items())
-                   if name not in kept and modified < before]
+        doomed += [
+            (snapshot.partition, name)
+            for name, modified in sorted(snapshot.folders.items())
+            if name not in kept and modified < before
+        ]
     return doomed
 
 
-def staging_to_delete(staged: Mapping[tuple[str, str], float], published: set[tuple[str, str]],
-                      deleted_partitions: set[str], before: float) -> list[tuple[str, str]]:
+def staging_to_delete(
+    staged: Mapping[tuple[str, str], float],
+    published: set[tuple[str, str]],
+    deleted_partitions: set[str],
+    before: float,
+) -> list[tuple[str, str]]:
     """Local staging folders ``(partition, folder)`` (with their newest modification) whose upload is
     published, whose snapshot's checkpoints are gone, or which were left unfinished before ``before``;
     an upload under way stays."""
-    return [item for item, modified in sorted(staged.items())
-            if item in published or item[0] in deleted_partitions or modified < before]
+    return [
+        item
+        for item, modified in sorted(staged.items())
+        if item in published or item[0] in deleted_partitions or modified < before
+    ]

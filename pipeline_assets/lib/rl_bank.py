@@ -27,13 +27,30 @@ from pipeline_assets.lib.stages import run_in_process
 TASK_SOURCE = "rl_tasks"  # the generated tasks' source
 IN_BANK = "in_bank"
 DUPLICATE = "duplicate_prompt"
-BANK_COLUMNS = ("prompt_id", "source", "task", "prompt", "ground_truth", "verifier", "split", "status", "evidence")
+BANK_COLUMNS = (
+    "prompt_id",
+    "source",
+    "task",
+    "prompt",
+    "ground_truth",
+    "verifier",
+    "split",
+    "status",
+    "evidence",
+)
 # Answers of one to five words, digits or spaced letters: the prose rules' word counts and letter shares
 # would reject every one; length, symbol and runaway-repetition limits still hold.
-TASK_QUALITY = QualityThresholds(min_words=1, min_mean_word_length=1, min_alpha_word_fraction=0.0,
-                                 max_top_2gram_char_fraction=1.0, max_duplicate_5gram_char_fraction=1.0)
+TASK_QUALITY = QualityThresholds(
+    min_words=1,
+    min_mean_word_length=1,
+    min_alpha_word_fraction=0.0,
+    max_top_2gram_char_fraction=1.0,
+    max_duplicate_5gram_char_fraction=1.0,
+)
 _INTEGER_ANSWER = r"^[+-]?[0-9]+$"
-_SPLIT_SALT = "rl-tasks-v1"  # the generator's: a prompt is on one side of the split wherever it came from
+_SPLIT_SALT = (
+    "rl-tasks-v1"  # the generator's: a prompt is on one side of the split wherever it came from
+)
 _ROWS_PER_BLOCK = 50_000
 
 
@@ -41,7 +58,10 @@ def checkable_silver(records: pl.DataFrame, held_out_fraction: float) -> pl.Data
     """Silver records whose answer is a bare integer, as bank candidates checked by ``int_equal``."""
     integers = records.filter(pl.col("response").str.strip_chars().str.contains(_INTEGER_ANSWER))
     candidates = integers.select(
-        "prompt", "source", task=pl.lit("silver:integer"), ground_truth=pl.col("response").str.strip_chars(),
+        "prompt",
+        "source",
+        task=pl.lit("silver:integer"),
+        ground_truth=pl.col("response").str.strip_chars(),
         verifier=pl.lit("int_equal"),
     )
     return _with_ids_and_split(candidates, held_out_fraction)
@@ -50,20 +70,33 @@ def checkable_silver(records: pl.DataFrame, held_out_fraction: float) -> pl.Data
 def generated_tasks(n: int, seed: int, held_out_fraction: float) -> pl.DataFrame:
     """The seeded tasks, as bank candidates."""
     tasks = generate_tasks(n, seed, held_out_fraction)
-    return tasks.select("prompt_id", source=pl.lit(TASK_SOURCE), *("task", "prompt", "ground_truth", "verifier",
-                                                                  "split"))
+    return tasks.select(
+        "prompt_id",
+        source=pl.lit(TASK_SOURCE),
+        *("task", "prompt", "ground_truth", "verifier", "split"),
+    )
 
 
-def curate_bank(candidates: pl.DataFrame, eval_index: EvalNgramIndex, config: SilverConfig) -> pl.DataFrame:
+def curate_bank(
+    candidates: pl.DataFrame, eval_index: EvalNgramIndex, config: SilverConfig
+) -> pl.DataFrame:
     """Every candidate with its ``status``: ``in_bank``, ``duplicate_prompt``, or the stage of the batch path
     that removed it (``decontaminated``, ``quality:<rule>``), with the evidence."""
     repeated = pl.int_range(pl.len()).over("prompt_id") > 0
     first, duplicates = candidates.filter(~repeated), candidates.filter(repeated)
-    judged = run_in_process(after_dedup(_with_task_quality(config), eval_index), as_records(first), _ROWS_PER_BLOCK)
-    removed = pl.concat(list(judged.removed.values()), how="diagonal_relaxed") if judged.removed else None
+    judged = run_in_process(
+        after_dedup(_with_task_quality(config), eval_index), as_records(first), _ROWS_PER_BLOCK
+    )
+    removed = (
+        pl.concat(list(judged.removed.values()), how="diagonal_relaxed") if judged.removed else None
+    )
     frames = [
         _bank_rows(judged.kept, IN_BANK, None),
-        _bank_rows(as_records(duplicates), DUPLICATE, pl.lit("a candidate with the same prompt comes first")),
+        _bank_rows(
+            as_records(duplicates),
+            DUPLICATE,
+            pl.lit("a candidate with the same prompt comes first"),
+        ),
     ]
     if removed is not None and removed.height:
         frames.append(_bank_rows(removed, pl.col("stage"), pl.col("evidence")))
@@ -71,27 +104,45 @@ def curate_bank(candidates: pl.DataFrame, eval_index: EvalNgramIndex, config: Si
 
 
 def _with_ids_and_split(candidates: pl.DataFrame, held_out_fraction: float) -> pl.DataFrame:
-    split = assign_split(candidates.with_columns(prompt_id=hash_of("prompt")), held_out_fraction, salt=_SPLIT_SALT,
-                         key="prompt")
-    return split.with_columns(pl.when(pl.col("split") == VALIDATION).then(pl.lit(HELD_OUT)).otherwise(pl.lit(TRAIN))
-                              .alias("split"))
+    split = assign_split(
+        candidates.with_columns(prompt_id=hash_of("prompt")),
+        held_out_fraction,
+        salt=_SPLIT_SALT,
+        key="prompt",
+    )
+    return split.with_columns(
+        pl.when(pl.col("split") == VALIDATION)
+        .then(pl.lit(HELD_OUT))
+        .otherwise(pl.lit(TRAIN))
+        .alias("split")
+    )
 
 
 def _with_task_quality(config: SilverConfig) -> SilverConfig:
-    return replace(config, quality_by_source={TASK_SOURCE: TASK_QUALITY, **config.quality_by_source})
+    return replace(
+        config, quality_by_source={TASK_SOURCE: TASK_QUALITY, **config.quality_by_source}
+    )
 
 
 def as_records(candidates: pl.DataFrame) -> pl.DataFrame:
     """Candidates shaped as the sft records the batch path's stages read: the ground truth is the response."""
     return candidates.rename({"prompt_id": "record_id", "ground_truth": "response"}).with_columns(
-        system=pl.lit(None, pl.String))
-
-
-def _bank_rows(records: pl.DataFrame, status: str | pl.Expr, evidence: pl.Expr | None) -> pl.DataFrame:
-    """``records`` (shaped by ``as_records``) back as bank rows with their status and evidence."""
-    return records.select(
-        prompt_id="record_id", source="source", task="task", prompt="prompt", ground_truth="response",
-        verifier="verifier", split="split", status=pl.lit(status) if isinstance(status, str) else status,
-        evidence=pl.lit(None, pl.String) if evidence is None else evidence.cast(pl.String),
+        system=pl.lit(None, pl.String)
     )
 
+
+def _bank_rows(
+    records: pl.DataFrame, status: str | pl.Expr, evidence: pl.Expr | None
+) -> pl.DataFrame:
+    """``records`` (shaped by ``as_records``) back as bank rows with their status and evidence."""
+    return records.select(
+        prompt_id="record_id",
+        source="source",
+        task="task",
+        prompt="prompt",
+        ground_truth="response",
+        verifier="verifier",
+        split="split",
+        status=pl.lit(status) if isinstance(status, str) else status,
+        evidence=pl.lit(None, pl.String) if evidence is None else evidence.cast(pl.String),
+    )

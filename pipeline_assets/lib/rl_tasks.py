@@ -68,7 +68,11 @@ def _add(number: int) -> tuple[str, str]:
     return f"add: {left} + {right}", str(left + right)
 
 
-_SPACES = (*map(_reverse, (3, 4, 5)), *map(_sort, (3, 4, 5)), _Space("add", (ADD_MAX + 1) ** 2, _add))
+_SPACES = (
+    *map(_reverse, (3, 4, 5)),
+    *map(_sort, (3, 4, 5)),
+    _Space("add", (ADD_MAX + 1) ** 2, _add),
+)
 TASK_SPACE_SIZE = sum(space.size for space in _SPACES)
 
 
@@ -83,11 +87,20 @@ def generate_tasks(n: int, seed: int, held_out_fraction: float = 0.2) -> pl.Data
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"held-out fraction must be in [0, 1), got {held_out_fraction}")
     rng = random.Random(seed)
-    rows = [(space.task, *space.build(number)) for space, count in _space_counts(n)
-            for number in rng.sample(range(space.size), count)]
+    rows = [
+        (space.task, *space.build(number))
+        for space, count in _space_counts(n)
+        for number in rng.sample(range(space.size), count)
+    ]
     rng.shuffle(rows)
-    tasks = pl.DataFrame(rows, schema={"task": pl.String, "prompt": pl.String, "ground_truth": pl.String}, orient="row")
-    tasks = tasks.with_columns(prompt_id=hash_of("prompt"), verifier=pl.col("task").replace_strict(VERIFIER_OF_TASK))
+    tasks = pl.DataFrame(
+        rows,
+        schema={"task": pl.String, "prompt": pl.String, "ground_truth": pl.String},
+        orient="row",
+    )
+    tasks = tasks.with_columns(
+        prompt_id=hash_of("prompt"), verifier=pl.col("task").replace_strict(VERIFIER_OF_TASK)
+    )
     split = assign_split(tasks, held_out_fraction, salt=_SPLIT_SALT, key="prompt")["split"]
     return tasks.with_columns(split=split.replace({VALIDATION: HELD_OUT})).select(COLUMNS)
 
@@ -96,12 +109,19 @@ def _space_counts(n: int) -> list[tuple[_Space, int]]:
     """Each of ``_SPACES`` with how many prompts it gives: the tasks share ``n`` evenly, then a task's
     lengths share its part."""
     if not 0 <= n <= TASK_SPACE_SIZE:
-        raise ValueError(f"asked for {n} tasks; n must be between 0 and {TASK_SPACE_SIZE}, "
-                         "the number of distinct prompts")
+        raise ValueError(
+            f"asked for {n} tasks; n must be between 0 and {TASK_SPACE_SIZE}, "
+            "the number of distinct prompts"
+        )
     by_task = [[space for space in _SPACES if space.task == task] for task in task_names()]
     task_counts = _even_shares(n, [sum(space.size for space in spaces) for spaces in by_task])
-    return [(space, count) for spaces, task_count in zip(by_task, task_counts, strict=True)
-            for space, count in zip(spaces, _even_shares(task_count, [space.size for space in spaces]), strict=True)]
+    return [
+        (space, count)
+        for spaces, task_count in zip(by_task, task_counts, strict=True)
+        for space, count in zip(
+            spaces, _even_shares(task_count, [space.size for space in spaces]), strict=True
+        )
+    ]
 
 
 def _even_shares(total: int, capacities: list[int]) -> list[int]:

@@ -594,7 +594,9 @@ def _injection_counts(files: list[LandingFile]) -> list[dict[str, int]]:
     return counts
 
 
-def _slot_kinds(file: LandingFile, counts: dict[str, int], rng: random.Random) -> list[tuple[str, str | None]]:
+def _slot_kinds(
+    file: LandingFile, counts: dict[str, int], rng: random.Random
+) -> list[tuple[str, str | None]]:
     """(kind, detail) of every line ``file`` will hold, grouped by kind: the caller shuffles them."""
     reasons = PARQUET_MALFORMED_REASONS if file.format == "parquet" else JSON_MALFORMED_REASONS
     kinds = _cycled("malformed", reasons, counts["malformed"], rng)
@@ -994,7 +996,9 @@ class _CopyInjection:
     def _copy_of(self, original: _Record, slot: _Slot, response: str) -> _Record:
         """A later record with the original's prompt (and system) and ``response``."""
         later = original.created_s + self._rng.randint(600, 3 * 86_400)
-        return self._voice.record(slot.file.source, original.prompt, response, later, original.system)
+        return self._voice.record(
+            slot.file.source, original.prompt, response, later, original.system
+        )
 
     def _eval_copy(self, slot: _Slot) -> tuple[_Record, dict] | None:
         if not self._eval_queue:
@@ -1079,7 +1083,9 @@ class _CorpusBuilder(_CopyInjection):
 
     def _original(self, source: str, other_source_odds: float, near: bool) -> _Record | None:
         min_words = NEAR_DUPLICATE_MIN_WORDS if near else 0
-        return self._originals.pick(self._rng, source, other_source_odds=other_source_odds, min_words=min_words)
+        return self._originals.pick(
+            self._rng, source, other_source_odds=other_source_odds, min_words=min_words
+        )
 
     def _low_quality(self, slot: _Slot) -> tuple[_Record, dict]:
         rng = self._rng

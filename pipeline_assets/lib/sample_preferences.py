@@ -51,6 +51,7 @@ from pathlib import Path
 
 from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT as PROMPT_PAIR_CAP
 from pipeline_assets.lib.sample_corpus import (
+    _SENTENCE_BREAK,
     LOW_QUALITY_KINDS,
     MANIFEST_NAME,
     NEAR_DUPLICATE_MIN_JACCARD,
@@ -68,7 +69,6 @@ from pipeline_assets.lib.sample_corpus import (
     _encode_file,
     _PoolExhausted,
     _prompt,
-    _SENTENCE_BREAK,
     _shuffled_by_module,
     _Slot,
     _split_at_sentence,
@@ -109,7 +109,10 @@ ANSWER_MIN_WORDS = 24  # so the rejected answer, a tenth shorter, keeps at least
 ANSWER_MAX_WORDS = 150  # prompt, chosen and rejected fit 512 tokens together
 ANSWER_TARGET_WORDS = (30, 110)
 DROP_SHARE = 0.1  # of the chosen answer's words, left out of the rejected one
-_DROPPED_FIRST = (frozenset({"the", "a", "an"}), frozenset({"of", "to", "is", "in", "and", "for", "that", "or"}))
+_DROPPED_FIRST = (
+    frozenset({"the", "a", "an"}),
+    frozenset({"of", "to", "is", "in", "and", "for", "that", "or"}),
+)
 
 MULTI_PAIR_SHARE = 0.2  # of prompts, with 2-4 pairs
 LARGEST_PROMPT_PAIRS = 11
@@ -175,7 +178,9 @@ def _in_two_paragraphs(text: str) -> str:
         return text
     sentences = _SENTENCE_BREAK.split(text)
     half = (len(sentences) + 1) // 2
-    return " ".join(sentences[:half]) + ("\n\n" + " ".join(sentences[half:]) if half < len(sentences) else "")
+    return " ".join(sentences[:half]) + (
+        "\n\n" + " ".join(sentences[half:]) if half < len(sentences) else ""
+    )
 
 
 def _edited_prompt(prompt: str, rng: random.Random) -> str:
@@ -265,14 +270,23 @@ def _slots(files: list[LandingFile], rng: random.Random) -> list[_Slot]:
     kinds: list[list[tuple[str, str | None]]] = [[] for _ in files]
     for kind, rate in INJECTION_RATES.items():
         wanted = _count(rate, total)
-        details = _cycled(kind, _SLOT_DETAILS[kind], wanted, rng) if kind in _SLOT_DETAILS else [(kind, None)] * wanted
+        details = (
+            _cycled(kind, _SLOT_DETAILS[kind], wanted, rng)
+            if kind in _SLOT_DETAILS
+            else [(kind, None)] * wanted
+        )
         for index in range(len(files)):
-            kinds[index] += details[wanted * index // len(files) : wanted * (index + 1) // len(files)]
+            kinds[index] += details[
+                wanted * index // len(files) : wanted * (index + 1) // len(files)
+            ]
     slots = []
     for file, file_kinds in zip(files, kinds, strict=True):
         file_kinds += [("clean", None)] * (file.lines - len(file_kinds))
         rng.shuffle(file_kinds)
-        slots += [_Slot(file, line, kind, detail) for line, (kind, detail) in enumerate(file_kinds, start=1)]
+        slots += [
+            _Slot(file, line, kind, detail)
+            for line, (kind, detail) in enumerate(file_kinds, start=1)
+        ]
     return slots
 
 
@@ -284,7 +298,9 @@ class _PreferenceBuilder:
         self.source = source
         self.files = _landing_files(source, pairs)
         self._slots = _slots(self.files, rng)
-        self._stream = _TextStream(_shuffled_by_module(_docs_without_eval_text(words, eval_items), rng))
+        self._stream = _TextStream(
+            _shuffled_by_module(_docs_without_eval_text(words, eval_items), rng)
+        )
         self._eval_queue = list(eval_items)
         rng.shuffle(self._eval_queue)
         self._originals = _Originals()
@@ -322,7 +338,9 @@ class _PreferenceBuilder:
             kind = self._deferred.popleft()
         if kind == "malformed":
             self.lines[slot.file.path].append(self._malformed_line(slot.detail))
-            self.injected[kind].append({"file": slot.file.path, "line": slot.line, "reason": slot.detail})
+            self.injected[kind].append(
+                {"file": slot.file.path, "line": slot.line, "reason": slot.detail}
+            )
             return
         made = self._injections[kind](slot.detail) if kind in self._injections else None
         if made is None:  # a clean slot, or a copy with nothing to copy yet
@@ -332,7 +350,9 @@ class _PreferenceBuilder:
             self.clean_ids.append(pair.id)
         else:
             pair, facts = made
-            self.injected[kind].append({"id": pair.id, "file": slot.file.path, "line": slot.line, **facts})
+            self.injected[kind].append(
+                {"id": pair.id, "file": slot.file.path, "line": slot.line, **facts}
+            )
         self.lines[slot.file.path].append(_dumps(pair.as_object()).encode())
 
     # --- clean pairs ------------------------------------------------------------------------------
@@ -341,7 +361,9 @@ class _PreferenceBuilder:
         if not self._pending:
             self._pending.extend(self._prompt_group())
         text = self._pending.popleft()
-        pair = self._pair(text.prompt, text.chosen, rejected_answer(text.chosen), text.system, self._scores())
+        pair = self._pair(
+            text.prompt, text.chosen, rejected_answer(text.chosen), text.system, self._scores()
+        )
         self._groups[text.group].append(pair.id)
         if text.group > 0:  # the largest prompt keeps its 11 pairs, so its cap rejects exactly 3
             self._originals.add(pair)
@@ -351,7 +373,11 @@ class _PreferenceBuilder:
         rng = self._rng
         group = len(self._groups)
         self._groups.append([])
-        size = LARGEST_PROMPT_PAIRS if group == 0 else (rng.randint(2, 4) if rng.random() < MULTI_PAIR_SHARE else 1)
+        size = (
+            LARGEST_PROMPT_PAIRS
+            if group == 0
+            else (rng.randint(2, 4) if rng.random() < MULTI_PAIR_SHARE else 1)
+        )
         prompt, system, first = self._fresh_prompt_and_answer()
         return [_PairText(group, prompt, system, first)] + [
             _PairText(group, prompt, system, self._answer()[2]) for _ in range(size - 1)
@@ -365,7 +391,11 @@ class _PreferenceBuilder:
                 prompt = _prompt(self._rng.choice(SOURCES), doc, continued, self._rng)
                 if prompt not in self._prompts:
                     self._prompts.add(prompt)
-                    system = self._rng.choice(SYNTH_SYSTEM_PROMPTS) if self._rng.random() < SYSTEM_SHARE else None
+                    system = (
+                        self._rng.choice(SYNTH_SYSTEM_PROMPTS)
+                        if self._rng.random() < SYSTEM_SHARE
+                        else None
+                    )
                     return prompt, system, answer
 
     def _answer(self) -> tuple[Doc, bool, str]:
@@ -373,11 +403,15 @@ class _PreferenceBuilder:
         while True:
             doc, continued, text = self._stream.take(self._rng.randint(*ANSWER_TARGET_WORDS))
             if _word_count(text) > ANSWER_MAX_WORDS:
-                text, _ = _split_at_sentence(text, ANSWER_MIN_WORDS, ANSWER_TARGET_WORDS[1], ANSWER_MAX_WORDS)
+                text, _ = _split_at_sentence(
+                    text, ANSWER_MIN_WORDS, ANSWER_TARGET_WORDS[1], ANSWER_MAX_WORDS
+                )
             if ANSWER_MIN_WORDS <= _word_count(text) <= ANSWER_MAX_WORDS:
                 return doc, continued, text
 
-    def _pair(self, prompt, chosen, rejected, system=None, scores=None, created_s=None, meta=None) -> _Pair:
+    def _pair(
+        self, prompt, chosen, rejected, system=None, scores=None, created_s=None, meta=None
+    ) -> _Pair:
         pair_id = f"{self.source}-{self._next_id:06d}"
         self._next_id += 1
         created = self._rng.randrange(TIME_SPREAD_S) if created_s is None else created_s
@@ -401,8 +435,15 @@ class _PreferenceBuilder:
         original = self._originals.pick(self._rng)
         if original is None:
             return None
-        copy = self._pair(original.prompt, original.chosen, original.rejected, original.system, original.scores,
-                          self._later(original), original.meta)
+        copy = self._pair(
+            original.prompt,
+            original.chosen,
+            original.rejected,
+            original.system,
+            original.scores,
+            self._later(original),
+            original.meta,
+        )
         return copy, {"duplicate_of": original.id}
 
     def _near_duplicate(self, _: str | None) -> tuple[_Pair, dict] | None:
@@ -417,8 +458,14 @@ class _PreferenceBuilder:
                 continue
             jaccard = shingle_jaccard(before, dedup_text(prompt, edit[0], original.rejected))
             if jaccard >= NEAR_DUPLICATE_MIN_JACCARD:
-                copy = self._pair(prompt, edit[0], original.rejected, original.system, original.scores,
-                                  self._later(original))
+                copy = self._pair(
+                    prompt,
+                    edit[0],
+                    original.rejected,
+                    original.system,
+                    original.scores,
+                    self._later(original),
+                )
                 return copy, {"duplicate_of": original.id, "jaccard": round(jaccard, 4)}
         return None
 
@@ -426,14 +473,22 @@ class _PreferenceBuilder:
         original = self._originals.pick(self._rng)
         if original is None:
             return None
-        swapped = self._pair(original.prompt, original.rejected, original.chosen, original.system, self._scores(),
-                             self._later(original))
+        swapped = self._pair(
+            original.prompt,
+            original.rejected,
+            original.chosen,
+            original.system,
+            self._scores(),
+            self._later(original),
+        )
         return swapped, {"contradicts": original.id}
 
     def _tie(self, _: str | None) -> tuple[_Pair, dict]:
         prompt, system, answer = self._fresh_prompt_and_answer()
         score = round(self._rng.uniform(3.0, 8.0), 1)
-        return self._pair(prompt, answer, rejected_answer(answer), system, (score, score)), {"score": score}
+        return self._pair(prompt, answer, rejected_answer(answer), system, (score, score)), {
+            "score": score
+        }
 
     def _chosen_equals_rejected(self, variant: str) -> tuple[_Pair, dict]:
         prompt, system, answer = self._fresh_prompt_and_answer()
@@ -444,19 +499,27 @@ class _PreferenceBuilder:
         if not self._eval_queue:
             return None
         item = self._eval_queue.pop()
-        prompt, answer = eval_copy_text(item["prompt"], _answer_within_limits(item["response"]), self._rng)
+        prompt, answer = eval_copy_text(
+            item["prompt"], _answer_within_limits(item["response"]), self._rng
+        )
         pair = self._pair(prompt, answer, rejected_answer(answer), scores=self._scores())
         return pair, {"eval_set": item["eval_set"], "item_id": item["item_id"]}
 
     def _low_quality(self, kind: str) -> tuple[_Pair, dict]:
-        prompt, system, answer = self._fresh_prompt_and_answer()  # a real question, a useless answer
+        prompt, system, answer = (
+            self._fresh_prompt_and_answer()
+        )  # a real question, a useless answer
         chosen = low_quality_response(kind, self._rng)
-        return self._pair(prompt, chosen, rejected_answer(answer), system, self._scores()), {"kind": kind}
+        return self._pair(prompt, chosen, rejected_answer(answer), system, self._scores()), {
+            "kind": kind
+        }
 
     def _malformed_line(self, reason: str) -> bytes:
         """One line that the preference landing contract rejects with exactly ``reason``."""
         prompt, system, answer = self._fresh_prompt_and_answer()
-        obj = self._pair(prompt, answer, rejected_answer(answer), system, self._scores()).as_object()
+        obj = self._pair(
+            prompt, answer, rejected_answer(answer), system, self._scores()
+        ).as_object()
         if reason == "missing_field:rejected":
             del obj["rejected"]
         elif reason == "empty_field:chosen":
@@ -472,7 +535,11 @@ class _PreferenceBuilder:
 def _docs_without_eval_text(words: int, eval_items: list[dict]) -> list[Doc]:
     """Docs with at least ``words`` words, less those any eval item's answer was taken from."""
     eval_paragraphs = {p for item in eval_items for p in item["response"].split("\n\n")}
-    return [doc for doc in _doc_pool().docs_with_words(words) if eval_paragraphs.isdisjoint(doc.paragraphs)]
+    return [
+        doc
+        for doc in _doc_pool().docs_with_words(words)
+        if eval_paragraphs.isdisjoint(doc.paragraphs)
+    ]
 
 
 def _built(pairs: int, seed: int, eval_items: list[dict], source: str) -> _PreferenceBuilder:
@@ -489,8 +556,10 @@ def _built(pairs: int, seed: int, eval_items: list[dict], source: str) -> _Prefe
 
 def check_pair_count(pairs: int) -> None:
     if pairs < MIN_PAIRS:
-        raise ValueError(f"preference pairs must be at least {MIN_PAIRS} (the largest prompt alone has "
-                         f"{LARGEST_PROMPT_PAIRS}), got {pairs}")
+        raise ValueError(
+            f"preference pairs must be at least {MIN_PAIRS} (the largest prompt alone has "
+            f"{LARGEST_PROMPT_PAIRS}), got {pairs}"
+        )
 
 
 def write_preference_source(
@@ -503,14 +572,26 @@ def write_preference_source(
     builder = _built(pairs, seed, eval_items, source)
     files = []
     for file in builder.files:
-        sha256 = _write(Path(out_dir) / file.path, _encode_file(file.format, builder.lines[file.path]))
+        sha256 = _write(
+            Path(out_dir) / file.path, _encode_file(file.format, builder.lines[file.path])
+        )
         malformed = sum(entry["file"] == file.path for entry in builder.injected["malformed"])
-        files.append({"path": file.path, "source": source, "format": file.format, "lines": file.lines,
-                      "pairs": file.lines - malformed, "sha256": sha256})
+        files.append(
+            {
+                "path": file.path,
+                "source": source,
+                "format": file.format,
+                "lines": file.lines,
+                "pairs": file.lines - malformed,
+                "sha256": sha256,
+            }
+        )
     return _manifest_section(builder, files, pairs, seed)
 
 
-def _manifest_section(builder: _PreferenceBuilder, files: list[dict], pairs: int, seed: int) -> dict:
+def _manifest_section(
+    builder: _PreferenceBuilder, files: list[dict], pairs: int, seed: int
+) -> dict:
     quarantined = len(builder.injected["malformed"])
     groups = builder.prompt_groups
     return {
@@ -550,8 +631,13 @@ def add_preference_source(
         for line in (eval_sets_dir / entry["path"]).read_text(encoding="utf-8").splitlines()
         if line.strip()
     ]
-    manifest["preference"] = write_preference_source(out_dir, pairs, eval_items, manifest["seed"], source)
-    _write(out_dir / MANIFEST_NAME, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
+    manifest["preference"] = write_preference_source(
+        out_dir, pairs, eval_items, manifest["seed"], source
+    )
+    _write(
+        out_dir / MANIFEST_NAME,
+        (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode(),
+    )
     return manifest
 
 

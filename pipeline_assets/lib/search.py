@@ -16,7 +16,10 @@ import random
 def grid(space: dict[str, list]) -> list[dict]:
     """Every combination of the values, in a stable order."""
     names = sorted(space)
-    return [dict(zip(names, values, strict=True)) for values in itertools.product(*(space[n] for n in names))]
+    return [
+        dict(zip(names, values, strict=True))
+        for values in itertools.product(*(space[n] for n in names))
+    ]
 
 
 def sample_configurations(space: dict[str, list], n: int, seed: int) -> list[dict]:

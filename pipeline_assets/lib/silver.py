@@ -62,7 +62,9 @@ class SilverConfig:
     quality_default: QualityThresholds = QualityThresholds()
     quality_by_source: dict[str, QualityThresholds] = field(default_factory=dict)
     max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT
-    max_length_ratio: float | None = None  # preference pairs: None counts the ratio, a number also rejects beyond it
+    max_length_ratio: float | None = (
+        None  # preference pairs: None counts the ratio, a number also rejects beyond it
+    )
 
 
 @dataclass(frozen=True)
@@ -72,24 +74,50 @@ class CuratedBatch:
     index: pl.DataFrame  # MinHash index entries of the kept rows
     stages: dict[str, dict]  # per stage: counters and seconds
     block_wall_seconds: float = 0.0  # waiting for the block stages, wherever they ran
-    block_stage_seconds: float = 0.0  # the block stages' own seconds summed over every block: their work
-    index_lookup: dict = field(default_factory=dict)  # its keys looked up, the other batches' entries found
+    block_stage_seconds: float = (
+        0.0  # the block stages' own seconds summed over every block: their work
+    )
+    index_lookup: dict = field(
+        default_factory=dict
+    )  # its keys looked up, the other batches' entries found
 
 
 def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[BlockStage]:
-    pair_rules = [BlockStage("pair_sides", partial(pair_sides, max_length_ratio=config.max_length_ratio))]
+    pair_rules = [
+        BlockStage("pair_sides", partial(pair_sides, max_length_ratio=config.max_length_ratio))
+    ]
     return [
-        BlockStage("normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)),
+        BlockStage(
+            "normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)
+        ),
         *(pair_rules if fmt is PREFERENCE else []),
-        BlockStage("minhash", lambda block: (with_signatures(block, config.minhash, fmt), None, {"rows_in": block.height})),
+        BlockStage(
+            "minhash",
+            lambda block: (
+                with_signatures(block, config.minhash, fmt),
+                None,
+                {"rows_in": block.height},
+            ),
+        ),
     ]
 
 
-def after_dedup(config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFormat = SFT) -> list[BlockStage]:
+def after_dedup(
+    config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFormat = SFT
+) -> list[BlockStage]:
     return [
-        BlockStage("decontaminate", partial(find_contamination, index=eval_index, fields=fmt.decontaminate)),
-        BlockStage("quality", partial(quality_gate, thresholds=config.quality_by_source, default=config.quality_default,
-                                      judged=fmt.judged)),
+        BlockStage(
+            "decontaminate", partial(find_contamination, index=eval_index, fields=fmt.decontaminate)
+        ),
+        BlockStage(
+            "quality",
+            partial(
+                quality_gate,
+                thresholds=config.quality_by_source,
+                default=config.quality_default,
+                judged=fmt.judged,
+            ),
+        ),
     ]
 
 
@@ -110,14 +138,25 @@ class _Prepared:
     block_wall_seconds: float
 
 
-def curate(bronze: pl.DataFrame, look_up: IndexLookup | None, eval_index: EvalNgramIndex, config: SilverConfig,
-           run_blocks: RunBlocks | None = None, fmt: RecordFormat = SFT) -> CuratedBatch:
+def curate(
+    bronze: pl.DataFrame,
+    look_up: IndexLookup | None,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks | None = None,
+    fmt: RecordFormat = SFT,
+) -> CuratedBatch:
     """``curate_formats`` on a batch of one record format."""
     return curate_formats({fmt: bronze}, look_up, eval_index, config, run_blocks).formats[fmt]
 
 
-def curate_formats(bronze: dict[RecordFormat, pl.DataFrame], look_up: IndexLookup | None, eval_index: EvalNgramIndex,
-                   config: SilverConfig, run_blocks: RunBlocks | None = None) -> CuratedFormats:
+def curate_formats(
+    bronze: dict[RecordFormat, pl.DataFrame],
+    look_up: IndexLookup | None,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks | None = None,
+) -> CuratedFormats:
     """Run the stages on one batch's bronze rows of each record format. ``look_up`` finds the index entries
     of the batches it dedups against (None: there are none), once for every format's keys; ``run_blocks``
     runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
@@ -125,26 +164,39 @@ def curate_formats(bronze: dict[RecordFormat, pl.DataFrame], look_up: IndexLooku
     prepared = {fmt: _prepare(frame, config, run_blocks, fmt) for fmt, frame in bronze.items()}
     histories, lookup_counters = _histories(prepared, look_up, config.minhash)
     return CuratedFormats(
-        formats={fmt: _finish(p, *histories[fmt], eval_index, config, run_blocks) for fmt, p in prepared.items()},
+        formats={
+            fmt: _finish(p, *histories[fmt], eval_index, config, run_blocks)
+            for fmt, p in prepared.items()
+        },
         index_lookup=lookup_counters,
     )
 
 
-def _prepare(bronze: pl.DataFrame, config: SilverConfig, run_blocks: RunBlocks, fmt: RecordFormat) -> _Prepared:
+def _prepare(
+    bronze: pl.DataFrame, config: SilverConfig, run_blocks: RunBlocks, fmt: RecordFormat
+) -> _Prepared:
     started = time.perf_counter()
     prepared = run_blocks(before_dedup(config, fmt), bronze)
     block_wall = time.perf_counter() - started
-    hashed = prepared.kept.with_columns(exact_hashes(prepared.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else []))
-    return _Prepared(fmt, hashed, dict(prepared.counters), list(prepared.removed.values()), block_wall)
+    hashed = prepared.kept.with_columns(
+        exact_hashes(prepared.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else [])
+    )
+    return _Prepared(
+        fmt, hashed, dict(prepared.counters), list(prepared.removed.values()), block_wall
+    )
 
 
-def _histories(prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
-               ) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
+def _histories(
+    prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
+) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
     """One lookup over every format's keys: each format's history (the other batches' index entries holding
     one of its own keys: all its dedup stages read of them) with its counters, and the lookup's counters."""
     started = time.perf_counter()
-    wanted = {fmt: wanted_keys(p.hashed, config, fmt) for fmt, p in prepared.items()
-              if look_up is not None and not p.hashed.is_empty()}
+    wanted = {
+        fmt: wanted_keys(p.hashed, config, fmt)
+        for fmt, p in prepared.items()
+        if look_up is not None and not p.hashed.is_empty()
+    }
     every_key = pl.concat(wanted.values()).unique() if wanted else None
     found = look_up(every_key) if every_key is not None else None
     histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in prepared}
@@ -152,11 +204,21 @@ def _histories(prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | N
         own = entries_holding(found, keys)  # what a lookup of the format's keys alone finds
         histories[fmt] = own.lazy(), {"keys": keys.height, "entries_found": own.height}
     keys, entries = (0, 0) if found is None else (every_key.height, found.height)
-    return histories, {"keys": keys, "entries_found": entries, "seconds": round(time.perf_counter() - started, 3)}
+    return histories, {
+        "keys": keys,
+        "entries_found": entries,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
-def _finish(prepared: _Prepared, history: pl.LazyFrame | None, lookup_counters: dict, eval_index: EvalNgramIndex,
-            config: SilverConfig, run_blocks: RunBlocks) -> CuratedBatch:
+def _finish(
+    prepared: _Prepared,
+    history: pl.LazyFrame | None,
+    lookup_counters: dict,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks,
+) -> CuratedBatch:
     """The stages from exact dedup on, against ``history``."""
     fmt, stages, removed = prepared.fmt, dict(prepared.stages), list(prepared.removed)
     pairs = fmt is PREFERENCE

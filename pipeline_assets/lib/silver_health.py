@@ -18,12 +18,20 @@ def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def pass_rate_drops(rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int) -> pl.DataFrame:
+def pass_rate_drops(
+    rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
+) -> pl.DataFrame:
     """Per source of ``batch_id``: its pass rate, the median of its last ``trailing`` batches, the
     drop in points, and the stage whose share of removals grew most (what removed the difference)."""
     current = rates.filter(pl.col("batch_id") == batch_id).select("source", "rows", "pass_rate")
-    earlier = rates.filter(pl.col("batch_id") < batch_id).sort("batch_id").group_by("source").agg(
-        baseline=pl.col("pass_rate").tail(trailing).median(), baseline_batches=pl.col("pass_rate").tail(trailing).len()
+    earlier = (
+        rates.filter(pl.col("batch_id") < batch_id)
+        .sort("batch_id")
+        .group_by("source")
+        .agg(
+            baseline=pl.col("pass_rate").tail(trailing).median(),
+            baseline_batches=pl.col("pass_rate").tail(trailing).len(),
+        )
     )
     blame = _stage_growth(rates, rejects, batch_id, trailing)
     return (
@@ -34,22 +42,30 @@ def pass_rate_drops(rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, t
     )
 
 
-def _stage_growth(rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int) -> pl.DataFrame:
+def _stage_growth(
+    rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
+) -> pl.DataFrame:
     """Per source: the stage whose removed share (of the batch's rows) grew most against the trailing batches."""
     shares = (
-        rejects.group_by("batch_id", "source", "stage").agg(removed=pl.len())
+        rejects.group_by("batch_id", "source", "stage")
+        .agg(removed=pl.len())
         .join(rates.select("batch_id", "source", "rows"), on=["batch_id", "source"])
         .with_columns(share=pl.col("removed") / pl.col("rows"))
     )
     now = shares.filter(pl.col("batch_id") == batch_id).select("source", "stage", now="share")
     recent_batches = (
-        rates.filter(pl.col("batch_id") < batch_id).select("source", "batch_id").unique()
-        .sort("batch_id").group_by("source").agg(pl.col("batch_id").tail(trailing))
+        rates.filter(pl.col("batch_id") < batch_id)
+        .select("source", "batch_id")
+        .unique()
+        .sort("batch_id")
+        .group_by("source")
+        .agg(pl.col("batch_id").tail(trailing))
         .explode("batch_id")
     )
     before = (
         shares.join(recent_batches, on=["source", "batch_id"])
-        .group_by("source", "stage").agg(before=pl.col("share").sum())
+        .group_by("source", "stage")
+        .agg(before=pl.col("share").sum())
         .join(recent_batches.group_by("source").agg(n=pl.len()), on="source")
         .with_columns(before=pl.col("before") / pl.col("n"))
         .select("source", "stage", "before")

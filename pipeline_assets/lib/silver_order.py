@@ -51,7 +51,13 @@ class Stage(Enum):
     SILVER_BLOCKED = "excluded: a blocking check on silver failed"
 
 
-SETTLED = {Stage.DONE, Stage.BRONZE_FAILED, Stage.BRONZE_BLOCKED, Stage.SILVER_FAILED, Stage.SILVER_BLOCKED}
+SETTLED = {
+    Stage.DONE,
+    Stage.BRONZE_FAILED,
+    Stage.BRONZE_BLOCKED,
+    Stage.SILVER_FAILED,
+    Stage.SILVER_BLOCKED,
+}
 
 
 def stage(batch: BatchEvents) -> Stage:
@@ -71,7 +77,9 @@ def stage(batch: BatchEvents) -> Stage:
             return Stage.SILVER_IN_FLIGHT
         return Stage.SILVER_BLOCKED if batch.silver_blocked else Stage.DONE
     # A run that does bronze and silver plans both before it writes bronze.
-    if attempt is not None and (attempt.storage_id > bronze.storage_id or attempt.run_id == bronze.run_id):
+    if attempt is not None and (
+        attempt.storage_id > bronze.storage_id or attempt.run_id == bronze.run_id
+    ):
         return Stage.SILVER_FAILED
     return Stage.PENDING
 
@@ -91,10 +99,14 @@ def next_batch(batches: Iterable[BatchEvents]) -> Decision:
     excluded = []
     for batch, state in staged:
         if state is Stage.PENDING:
-            skipped = f" (skipping {len(excluded)} excluded: {', '.join(excluded)})" if excluded else ""
+            skipped = (
+                f" (skipping {len(excluded)} excluded: {', '.join(excluded)})" if excluded else ""
+            )
             return Decision(batch, f"batch {batch.batch_id} is the oldest pending batch{skipped}")
         if state not in SETTLED:
-            return Decision(None, f"batch {batch.batch_id}: {state.value}; later batches wait for it")
+            return Decision(
+                None, f"batch {batch.batch_id}: {state.value}; later batches wait for it"
+            )
         if state is not Stage.DONE:
             excluded.append(batch.batch_id)
     return Decision(None, "every batch is done or excluded")
@@ -103,5 +115,6 @@ def next_batch(batches: Iterable[BatchEvents]) -> Decision:
 def unsettled_before(batches: Iterable[BatchEvents], batch_id: str) -> list[tuple[str, Stage]]:
     """Earlier batches that are neither done nor excluded, with their stage."""
     staged = ((batch.batch_id, stage(batch)) for batch in sorted(batches, key=lambda b: b.batch_id))
-    return [(earlier, state) for earlier, state in staged if earlier < batch_id and state not in SETTLED]
-
+    return [
+        (earlier, state) for earlier, state in staged if earlier < batch_id and state not in SETTLED
+    ]

@@ -38,7 +38,12 @@ from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK
 from pipeline_assets.lib.formats import SFT, all_text_fields
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 
-BATCHES, SEQUENTIAL, SINGLE, DEVICES = "batches in parallel", "batches one at a time", "one process", "data parallel"
+BATCHES, SEQUENTIAL, SINGLE, DEVICES = (
+    "batches in parallel",
+    "batches one at a time",
+    "one process",
+    "data parallel",
+)
 STAGES = {  # stage -> (unit of work, parallelism)
     "bronze": ("characters", BATCHES),
     "silver": ("characters", SEQUENTIAL),
@@ -47,9 +52,17 @@ STAGES = {  # stage -> (unit of work, parallelism)
     "training": ("tokens", DEVICES),
     "evaluation": ("tokens", SINGLE),
 }
-POINTS = {"stage": pl.String, "materializations": pl.Int64, "work": pl.Float64, "wall_seconds": pl.Float64,
-          "history": pl.Float64}  # history: rows of the earlier batches' index a silver batch read (0 elsewhere)
-TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = 6, 2  # a token's forward + backward, forward only
+POINTS = {
+    "stage": pl.String,
+    "materializations": pl.Int64,
+    "work": pl.Float64,
+    "wall_seconds": pl.Float64,
+    "history": pl.Float64,
+}  # history: rows of the earlier batches' index a silver batch read (0 elsewhere)
+TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = (
+    6,
+    2,
+)  # a token's forward + backward, forward only
 
 
 TEXT_COLUMNS = SFT.text
@@ -80,7 +93,11 @@ class StageFit:
     seconds_per_history_row: float = 0.0
 
     def seconds(self, materializations: float, work: float, history: float = 0.0) -> float:
-        return self.fixed_seconds * materializations + self.seconds_per_unit * work + self.seconds_per_history_row * history
+        return (
+            self.fixed_seconds * materializations
+            + self.seconds_per_unit * work
+            + self.seconds_per_history_row * history
+        )
 
 
 def fit_stage(points: pl.DataFrame) -> StageFit:
@@ -101,13 +118,27 @@ def fit_stage(points: pl.DataFrame) -> StageFit:
         raise ValueError("no measurement with any work in it")
     ratios = np.unique(np.round(work / n, 6))
     if len(ratios) < 2:
-        return StageFit(0.0, float(wall.sum() / work.sum()), len(points), "one size measured: no fixed part fitted")
+        return StageFit(
+            0.0,
+            float(wall.sum() / work.sum()),
+            len(points),
+            "one size measured: no fixed part fitted",
+        )
     (fixed, rate), *_ = np.linalg.lstsq(np.column_stack([n, work]), wall, rcond=None)
     if rate <= 0:  # time does not grow with work here: all fixed
-        return StageFit(float(wall.sum() / n.sum()), 0.0, len(points), "no growth with work measured")
+        return StageFit(
+            float(wall.sum() / n.sum()), 0.0, len(points), "no growth with work measured"
+        )
     if fixed < 0:
-        return StageFit(0.0, float((work @ wall) / (work @ work)), len(points), "fixed part fitted below zero: rate only")
-    return StageFit(float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes ({runs} runs)")
+        return StageFit(
+            0.0,
+            float((work @ wall) / (work @ work)),
+            len(points),
+            "fixed part fitted below zero: rate only",
+        )
+    return StageFit(
+        float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes ({runs} runs)"
+    )
 
 
 def _fit_with_history(points: pl.DataFrame) -> StageFit | None:
@@ -115,15 +146,27 @@ def _fit_with_history(points: pl.DataFrame) -> StageFit | None:
     two-term fit stands)."""
     runs = len(points)
     points = points.group_by("materializations", "work", "history").agg(pl.median("wall_seconds"))
-    design = np.column_stack([points["materializations"].cast(pl.Float64).to_numpy(), points["work"].to_numpy(),
-                              points["history"].to_numpy()])
+    design = np.column_stack(
+        [
+            points["materializations"].cast(pl.Float64).to_numpy(),
+            points["work"].to_numpy(),
+            points["history"].to_numpy(),
+        ]
+    )
     if len(points) < 3 or np.linalg.matrix_rank(design) < 3:
         return None
-    (fixed, rate, per_row), *_ = np.linalg.lstsq(design, points["wall_seconds"].to_numpy(), rcond=None)
+    (fixed, rate, per_row), *_ = np.linalg.lstsq(
+        design, points["wall_seconds"].to_numpy(), rcond=None
+    )
     if min(fixed, rate, per_row) < 0:
         return None
-    return StageFit(float(fixed), float(rate), len(points), f"fitted on {len(points)} sizes ({runs} runs), with the index read",
-                    float(per_row))
+    return StageFit(
+        float(fixed),
+        float(rate),
+        len(points),
+        f"fitted on {len(points)} sizes ({runs} runs), with the index read",
+        float(per_row),
+    )
 
 
 @dataclass(frozen=True)
@@ -140,12 +183,18 @@ class Calibration:
     train_ranks: int
     train_gpus: int
     validation_fraction: float
-    parameters: int  # of the model the measured training run trained (training's and evaluation's FLOPs)
+    parameters: (
+        int  # of the model the measured training run trained (training's and evaluation's FLOPs)
+    )
     silver_row_keep: float = 1.0  # silver rows / bronze rows: what a batch adds to the dedup index
     tokenizer_sample_chars: float = math.inf  # the tokenizer trains on at most this many characters
     eval_max_tokens: float = math.inf  # validation tokens evaluation scores per model
-    silver_blocks: StageFit | None = None  # silver's block stages on their own seconds; None: inside silver's fit
-    silver_lookup: StageFit | None = None  # its index lookup's task seconds against the earlier rows it searched
+    silver_blocks: StageFit | None = (
+        None  # silver's block stages on their own seconds; None: inside silver's fit
+    )
+    silver_lookup: StageFit | None = (
+        None  # its index lookup's task seconds against the earlier rows it searched
+    )
     lookup_bands: int = 0  # lookup tasks a slice of the index (its bands and the exact hash's)
 
 
@@ -159,9 +208,13 @@ class Target:
     epochs: float = 1.0
     train_tokens: float | None = None  # None: epochs over the training split
     models_scored: int = 2  # the candidate and the champion; 1 for a first model
-    gpu_tokens_per_second: float | None = None  # per GPU; None: measured if the calibration had GPUs
+    gpu_tokens_per_second: float | None = (
+        None  # per GPU; None: measured if the calibration had GPUs
+    )
     parameters: int | None = None  # of the model to train (its preset); None: the calibration's
-    ray_min_rows: int = RAY_MIN_ROWS  # batches this large run their block stages on Ray (0: a Ray cluster, always)
+    ray_min_rows: int = (
+        RAY_MIN_ROWS  # batches this large run their block stages on Ray (0: a Ray cluster, always)
+    )
 
 
 def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[pl.DataFrame, dict]:
@@ -171,42 +224,84 @@ def predict(calibration: Calibration, target: Target, prices: Prices) -> tuple[p
     batches = max(1, math.ceil(target.records / target.batch_records))
     gold_chars = chars * c.silver_keep
     tokens = gold_chars * c.tokens_per_char
-    train_tokens = target.train_tokens if target.train_tokens is not None else target.epochs * tokens * (1 - c.validation_share)
-    scored = target.models_scored * (min(tokens * c.validation_share, c.eval_max_tokens) + c.eval_set_tokens)
+    train_tokens = (
+        target.train_tokens
+        if target.train_tokens is not None
+        else target.epochs * tokens * (1 - c.validation_share)
+    )
+    scored = target.models_scored * (
+        min(tokens * c.validation_share, c.eval_max_tokens) + c.eval_set_tokens
+    )
     side_by_side = min(batches, max(1, target.cpu_cores // max(c.cores, 1)))
     parameters = target.parameters or c.parameters
     kept_per_batch = target.records / batches * c.silver_row_keep
     rows = [
         _cpu_row("bronze", c.fits["bronze"], batches, chars, c.cores, side_by_side),
-        _silver_row(c, target, batches, chars, history=kept_per_batch * batches * (batches - 1) / 2),  # batch k reads the k before it
-        _cpu_row("gold/tokenizer", c.fits["gold/tokenizer"], 1, min(gold_chars * (1 - c.validation_fraction), c.tokenizer_sample_chars),
-                 c.cores, 1),
-        _cpu_row("gold/sequences", c.fits["gold/sequences"], batches, gold_chars, c.cores, side_by_side),
+        _silver_row(
+            c, target, batches, chars, history=kept_per_batch * batches * (batches - 1) / 2
+        ),  # batch k reads the k before it
+        _cpu_row(
+            "gold/tokenizer",
+            c.fits["gold/tokenizer"],
+            1,
+            min(gold_chars * (1 - c.validation_fraction), c.tokenizer_sample_chars),
+            c.cores,
+            1,
+        ),
+        _cpu_row(
+            "gold/sequences", c.fits["gold/sequences"], batches, gold_chars, c.cores, side_by_side
+        ),
         _training_row(c, target, train_tokens, TRAIN_FLOPS_PER_PARAMETER * parameters),
         _evaluation_row(c, target, scored, parameters),
     ]
-    table = pl.DataFrame(rows).with_columns(
-        cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),
-    ).with_columns(share_of_wall=pl.col("wall_seconds") / pl.col("wall_seconds").sum())
+    table = (
+        pl.DataFrame(rows)
+        .with_columns(
+            cost_usd=prices.cost(pl.col("cpu_core_seconds"), pl.col("gpu_seconds")),
+        )
+        .with_columns(share_of_wall=pl.col("wall_seconds") / pl.col("wall_seconds").sum())
+    )
     total_cost = float(table["cost_usd"].sum())
     totals = {
-        "records": target.records, "characters": chars, "batches": batches, "dataset_tokens": tokens,
-        "train_tokens": train_tokens, "cpu_cores": target.cpu_cores, "gpus": target.gpus,
-        "wall_seconds": float(table["wall_seconds"].sum()), "cost_usd": total_cost,
+        "records": target.records,
+        "characters": chars,
+        "batches": batches,
+        "dataset_tokens": tokens,
+        "train_tokens": train_tokens,
+        "cpu_cores": target.cpu_cores,
+        "gpus": target.gpus,
+        "wall_seconds": float(table["wall_seconds"].sum()),
+        "cost_usd": total_cost,
         "usd_per_million_tokens": total_cost / max(tokens, 1) * 1e6,
         "bottleneck": bottleneck(table),
     }
     return table, totals
 
 
-def _cpu_row(stage: str, fit: StageFit, materializations: int, work: float, cores: int, side_by_side: int,
-             history: float = 0.0, flops_per_work: float = 1.0) -> dict:
+def _cpu_row(
+    stage: str,
+    fit: StageFit,
+    materializations: int,
+    work: float,
+    cores: int,
+    side_by_side: int,
+    history: float = 0.0,
+    flops_per_work: float = 1.0,
+) -> dict:
     """Materializations split the work evenly; ``side_by_side`` of them run at once, ``cores`` each.
     ``history``: index rows read in all; ``flops_per_work``: the fit's units per unit of work."""
     rounds = math.ceil(materializations / side_by_side)
-    seconds = rounds * fit.seconds(1, work * flops_per_work / materializations, history / materializations)
-    return _row(stage, work, f"{side_by_side} x {cores} cores" if side_by_side > 1 else f"{cores} cores",
-                seconds, cpu_core_seconds=seconds * cores * side_by_side, gpu_seconds=0.0)
+    seconds = rounds * fit.seconds(
+        1, work * flops_per_work / materializations, history / materializations
+    )
+    return _row(
+        stage,
+        work,
+        f"{side_by_side} x {cores} cores" if side_by_side > 1 else f"{cores} cores",
+        seconds,
+        cpu_core_seconds=seconds * cores * side_by_side,
+        gpu_seconds=0.0,
+    )
 
 
 def _silver_row(c: Calibration, target: Target, batches: int, chars: float, history: float) -> dict:
@@ -219,12 +314,27 @@ def _silver_row(c: Calibration, target: Target, batches: int, chars: float, hist
     cores = target.cpu_cores if on_ray else 1
     block_core_seconds = c.silver_blocks.seconds(1, per_batch_chars) if c.silver_blocks else 0.0
     kept_per_batch = target.records / batches * c.silver_row_keep
-    lookups = [_lookup_seconds(c, batch * kept_per_batch, cores) for batch in range(1, batches)]  # the first has no history
-    lookup_wall, lookup_core_seconds = sum(wall for wall, _ in lookups), sum(work for _, work in lookups)
+    lookups = [
+        _lookup_seconds(c, batch * kept_per_batch, cores) for batch in range(1, batches)
+    ]  # the first has no history
+    lookup_wall, lookup_core_seconds = (
+        sum(wall for wall, _ in lookups),
+        sum(work for _, work in lookups),
+    )
     seconds = batches * (driver + block_core_seconds / cores) + lookup_wall
-    runs_on = f"{c.cores} + {target.cpu_cores} on Ray" if on_ray and (c.silver_blocks or c.silver_lookup) else f"{c.cores} cores"
-    return _row("silver", chars, runs_on, seconds,
-                cpu_core_seconds=batches * (driver * c.cores + block_core_seconds) + lookup_core_seconds, gpu_seconds=0.0)
+    runs_on = (
+        f"{c.cores} + {target.cpu_cores} on Ray"
+        if on_ray and (c.silver_blocks or c.silver_lookup)
+        else f"{c.cores} cores"
+    )
+    return _row(
+        "silver",
+        chars,
+        runs_on,
+        seconds,
+        cpu_core_seconds=batches * (driver * c.cores + block_core_seconds) + lookup_core_seconds,
+        gpu_seconds=0.0,
+    )
 
 
 def _lookup_seconds(c: Calibration, index_rows: float, cores: int) -> tuple[float, float]:
@@ -240,20 +350,51 @@ def _lookup_seconds(c: Calibration, index_rows: float, cores: int) -> tuple[floa
 def _evaluation_row(c: Calibration, target: Target, scored: float, parameters: int) -> dict:
     fit = c.fits["evaluation"]
     if target.gpus == 0:
-        return _cpu_row("evaluation", fit, 1, scored, c.cores, 1, flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters)
+        return _cpu_row(
+            "evaluation",
+            fit,
+            1,
+            scored,
+            c.cores,
+            1,
+            flops_per_work=EVAL_FLOPS_PER_PARAMETER * parameters,
+        )
     train_tokens_per_second = _gpu_speed(c, target, TRAIN_FLOPS_PER_PARAMETER * parameters)
-    tokens_per_second = train_tokens_per_second * TRAIN_FLOPS_PER_PARAMETER / EVAL_FLOPS_PER_PARAMETER
+    tokens_per_second = (
+        train_tokens_per_second * TRAIN_FLOPS_PER_PARAMETER / EVAL_FLOPS_PER_PARAMETER
+    )
     seconds = fit.fixed_seconds + scored / (tokens_per_second * target.gpus)
-    return _row("evaluation", scored, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus, parallelism=DEVICES)
+    return _row(
+        "evaluation",
+        scored,
+        f"{target.gpus} GPUs",
+        seconds,
+        0.0,
+        seconds * target.gpus,
+        parallelism=DEVICES,
+    )
 
 
-def _training_row(c: Calibration, target: Target, train_tokens: float, flops_per_token: float) -> dict:
+def _training_row(
+    c: Calibration, target: Target, train_tokens: float, flops_per_token: float
+) -> dict:
     fit = c.fits["training"]
     if target.gpus == 0:  # as measured: the same CPU ranks, at the target model's FLOPs per token
         seconds = fit.seconds(1, train_tokens * flops_per_token)
-        return _row("training", train_tokens, f"{c.train_ranks} CPU rank(s)", seconds, seconds * c.cores, 0.0)
-    seconds = fit.fixed_seconds + train_tokens / (_gpu_speed(c, target, flops_per_token) * target.gpus)
-    return _row("training", train_tokens, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus)
+        return _row(
+            "training",
+            train_tokens,
+            f"{c.train_ranks} CPU rank(s)",
+            seconds,
+            seconds * c.cores,
+            0.0,
+        )
+    seconds = fit.fixed_seconds + train_tokens / (
+        _gpu_speed(c, target, flops_per_token) * target.gpus
+    )
+    return _row(
+        "training", train_tokens, f"{target.gpus} GPUs", seconds, 0.0, seconds * target.gpus
+    )
 
 
 def _gpu_speed(c: Calibration, target: Target, flops_per_token: float) -> float:
@@ -262,15 +403,32 @@ def _gpu_speed(c: Calibration, target: Target, flops_per_token: float) -> float:
         return target.gpu_tokens_per_second
     fit = c.fits["training"]
     if not c.train_gpus or fit.seconds_per_unit <= 0:
-        raise ValueError("the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)")
+        raise ValueError(
+            "the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)"
+        )
     return 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
 
 
-def _row(stage: str, work: float, runs_on: str, seconds: float, cpu_core_seconds: float, gpu_seconds: float,
-         parallelism: str | None = None) -> dict:
+def _row(
+    stage: str,
+    work: float,
+    runs_on: str,
+    seconds: float,
+    cpu_core_seconds: float,
+    gpu_seconds: float,
+    parallelism: str | None = None,
+) -> dict:
     unit, parallelism = STAGES[stage][0], parallelism or STAGES[stage][1]
-    return {"stage": stage, "work": float(work), "unit": unit, "parallelism": parallelism, "runs_on": runs_on,
-            "wall_seconds": float(seconds), "cpu_core_seconds": float(cpu_core_seconds), "gpu_seconds": float(gpu_seconds)}
+    return {
+        "stage": stage,
+        "work": float(work),
+        "unit": unit,
+        "parallelism": parallelism,
+        "runs_on": runs_on,
+        "wall_seconds": float(seconds),
+        "cpu_core_seconds": float(cpu_core_seconds),
+        "gpu_seconds": float(gpu_seconds),
+    }
 
 
 def gpu_tokens_per_second(flops_per_token: float, peak_flops: float, mfu: float) -> float:

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CadenceInputs:
-    changed_batches: dict[str, int]  # usable gold shards built since the last cut: their real tokens
+    changed_batches: dict[
+        str, int
+    ]  # usable gold shards built since the last cut: their real tokens
     last_snapshot: str | None  # the newest snapshot's key, None before the first
     last_snapshot_tokens: int  # the real tokens that snapshot holds
 
@@ -22,6 +24,8 @@ def snapshot_due(inputs: CadenceInputs, min_new_fraction: float) -> tuple[bool, 
     if inputs.last_snapshot is None or inputs.last_snapshot_tokens <= 0:
         return True, f"first snapshot ({len(inputs.changed_batches)} batch shard(s))"
     share = sum(inputs.changed_batches.values()) / inputs.last_snapshot_tokens
-    words = (f"gold shards built since {inputs.last_snapshot}: {len(inputs.changed_batches)} batch(es), "
-             f"{share:.1%} of its tokens (cut at {min_new_fraction:.0%})")
+    words = (
+        f"gold shards built since {inputs.last_snapshot}: {len(inputs.changed_batches)} batch(es), "
+        f"{share:.1%} of its tokens (cut at {min_new_fraction:.0%})"
+    )
     return share >= min_new_fraction, words

@@ -51,7 +51,9 @@ def run_stages(stages: Sequence[BlockStage], block: pl.DataFrame) -> StagesResul
     return StagesResult(kept, removed, counters)
 
 
-def run_in_process(stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
+def run_in_process(
+    stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int
+) -> StagesResult:
     return merge([run_stages(stages, block) for block in split_blocks(frame, rows_per_block)])
 
 
@@ -64,12 +66,18 @@ def split_blocks(frame: pl.DataFrame, rows_per_block: int) -> list[pl.DataFrame]
 def merge(results: Sequence[StagesResult]) -> StagesResult:
     """The blocks' results in block order; counters summed (a stage's seconds: over all blocks)."""
     first = results[0]
-    removed = {name: pl.concat([r.removed[name] for r in results], how="diagonal_relaxed") for name in first.removed}
+    removed = {
+        name: pl.concat([r.removed[name] for r in results], how="diagonal_relaxed")
+        for name in first.removed
+    }
     counters = first.counters
     for result in results[1:]:
         counters = {name: _summed(counters[name], result.counters[name]) for name in counters}
-    return StagesResult(pl.concat([r.kept for r in results], how="diagonal_relaxed"), removed,
-                        {name: {**c, "seconds": round(c["seconds"], 3)} for name, c in counters.items()})
+    return StagesResult(
+        pl.concat([r.kept for r in results], how="diagonal_relaxed"),
+        removed,
+        {name: {**c, "seconds": round(c["seconds"], 3)} for name, c in counters.items()},
+    )
 
 
 def _summed(left: dict, right: dict) -> dict:
@@ -96,7 +104,10 @@ def to_row(result: StagesResult) -> dict:
 
 
 def from_row(row: dict) -> StagesResult:
-    removed = {name: pl.read_ipc(io.BytesIO(bytes.fromhex(data))) for name, data in json.loads(row["removed"]).items()}
+    removed = {
+        name: pl.read_ipc(io.BytesIO(bytes.fromhex(data)))
+        for name, data in json.loads(row["removed"]).items()
+    }
     return StagesResult(pl.read_ipc(io.BytesIO(row["kept"])), removed, json.loads(row["counters"]))
 
 

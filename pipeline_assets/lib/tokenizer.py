@@ -45,7 +45,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int =
     """
     min_vocab_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_vocab_size:
-        raise ValueError(f"vocab_size must be at least {min_vocab_size} (special tokens + 256 bytes), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {min_vocab_size} (special tokens + 256 bytes), got {vocab_size}"
+        )
     tokenizer = Tokenizer(models.BPE())
     # No normalizer and no prefix space, so that decode(encode(text)) == text.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -79,9 +81,13 @@ def tokenizer_from_json(text: str) -> Tokenizer:
 def check_tokenizer(tokenizer: Tokenizer) -> None:
     """Raise ValueError naming everything that makes the tokenizer unusable for the chat format:
     a special token that is not one id in running text, or truncation/padding left enabled."""
-    problems = [problem for token in SPECIAL_TOKENS if (problem := _special_token_problem(tokenizer, token))]
+    problems = [
+        problem for token in SPECIAL_TOKENS if (problem := _special_token_problem(tokenizer, token))
+    ]
     if tokenizer.truncation is not None:
-        problems.append(f"truncation is enabled ({tokenizer.truncation}); gold packs sequences itself")
+        problems.append(
+            f"truncation is enabled ({tokenizer.truncation}); gold packs sequences itself"
+        )
     if tokenizer.padding is not None:
         problems.append(f"padding is enabled ({tokenizer.padding}); gold packs sequences itself")
     if problems:
@@ -96,7 +102,9 @@ def _special_token_problem(tokenizer: Tokenizer, token: str) -> str | None:
     # is split by the pre-tokenizer and never produced.
     ids = tokenizer.encode(f"x{token}x", add_special_tokens=False).ids
     if token_id not in ids:
-        return f"special token {token} is not encoded as its single id {token_id} in text (got {ids})"
+        return (
+            f"special token {token} is not encoded as its single id {token_id} in text (got {ids})"
+        )
     return None
 
 
@@ -115,8 +123,13 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     systems = frame["system"].fill_null("").to_list()
     parts = (systems, frame["prompt"].to_list(), frame["response"].to_list())
-    chunks = [_read_chunk(encodings, ids) for encodings in _encode_chunks(_plain_text_encoder(tokenizer), *parts)]
-    flat_ids, n_prefix, n_response = (np.concatenate(values) for values in zip(*chunks, strict=True))
+    chunks = [
+        _read_chunk(encodings, ids)
+        for encodings in _encode_chunks(_plain_text_encoder(tokenizer), *parts)
+    ]
+    flat_ids, n_prefix, n_response = (
+        np.concatenate(values) for values in zip(*chunks, strict=True)
+    )
     n_tokens = n_prefix + n_response
     offsets = np.zeros(len(n_tokens) + 1, np.int64)
     np.cumsum(n_tokens, out=offsets[1:])
@@ -132,15 +145,26 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Tokenizer, prompts: Sequence[str], system: str | None = None
+) -> list[list[int]]:
     """Each prompt's ids up to the assistant's turn (``prefix_text``), encoded as gold encodes records:
     what a model generates its answer after."""
-    frame = pl.DataFrame({"record_id": [str(i) for i in range(len(prompts))], "system": [system] * len(prompts),
-                          "prompt": list(prompts), "response": [""] * len(prompts)},
-                         schema_overrides={"system": pl.String})
+    frame = pl.DataFrame(
+        {
+            "record_id": [str(i) for i in range(len(prompts))],
+            "system": [system] * len(prompts),
+            "prompt": list(prompts),
+            "response": [""] * len(prompts),
+        },
+        schema_overrides={"system": pl.String},
+    )
     encoded = encode_records(tokenizer, frame)
     prefix = encoded["n_tokens"] - encoded["n_response_tokens"]
-    return [ids[:length] for ids, length in zip(encoded["input_ids"].to_list(), prefix.to_list(), strict=True)]
+    return [
+        ids[:length]
+        for ids, length in zip(encoded["input_ids"].to_list(), prefix.to_list(), strict=True)
+    ]
 
 
 def _plain_text_encoder(tokenizer: Tokenizer) -> Tokenizer:
@@ -165,7 +189,9 @@ def _encode_chunks(tokenizer: Tokenizer, *columns: Sequence[str]) -> Iterator[li
     with ThreadPoolExecutor(max_workers=1) as encoder:
         pending = None
         for start in range(0, len(columns[0]), ENCODE_CHUNK_ROWS):
-            texts = [text for column in columns for text in column[start : start + ENCODE_CHUNK_ROWS]]
+            texts = [
+                text for column in columns for text in column[start : start + ENCODE_CHUNK_ROWS]
+            ]
             submitted = encoder.submit(tokenizer.encode_batch, texts, add_special_tokens=False)
             if pending is not None:
                 yield pending.result()
@@ -174,7 +200,9 @@ def _encode_chunks(tokenizer: Tokenizer, *columns: Sequence[str]) -> Iterator[li
             yield pending.result()
 
 
-def _read_chunk(encodings: list[Encoding], ids: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _read_chunk(
+    encodings: list[Encoding], ids: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat ids, row by row: prefix ids then response ids), prefix lengths, response lengths.
 
     Row layout: BOS [SYSTEM system END] USER prompt END ASSISTANT | response END EOS, laid out

@@ -25,21 +25,28 @@ _SALT = "tokenizer-sample-v1"  # not the split's salt: the sample must not lean 
 
 @dataclass(frozen=True)
 class TokenizerSample:
-    records: pl.DataFrame  # record_id and the text columns of the sampled records, in ascending rank
+    records: (
+        pl.DataFrame
+    )  # record_id and the text columns of the sampled records, in ascending rank
     chars: int  # characters of their texts
     train_records: int  # records in the training split, sampled or not
     train_chars: int
     max_chars: int  # the cap
 
 
-def sample_for_tokenizer(silver: pl.LazyFrame, max_chars: int, validation_fraction: float,
-                         search_fraction: float) -> TokenizerSample:
+def sample_for_tokenizer(
+    silver: pl.LazyFrame, max_chars: int, validation_fraction: float, search_fraction: float
+) -> TokenizerSample:
     """The training-split records of ``silver`` (record_id, exact_hash and the text columns) whose
     texts total at most ``max_chars`` characters, lowest rank first."""
     if max_chars < 1:
-        raise ValueError(f"the tokenizer sample's cap must be at least 1 character, got {max_chars}")
+        raise ValueError(
+            f"the tokenizer sample's cap must be at least 1 character, got {max_chars}"
+        )
     train = _ranked_training_records(silver, validation_fraction, search_fraction)
-    picked, totals = pl.collect_all([_lowest_ranks_within(train, max_chars), _totals(train)], engine="streaming")
+    picked, totals = pl.collect_all(
+        [_lowest_ranks_within(train, max_chars), _totals(train)], engine="streaming"
+    )
     return TokenizerSample(
         records=_texts_of(silver, picked),
         chars=int(picked["chars"].sum()),
@@ -49,13 +56,19 @@ def sample_for_tokenizer(silver: pl.LazyFrame, max_chars: int, validation_fracti
     )
 
 
-def _ranked_training_records(silver: pl.LazyFrame, validation_fraction: float, search_fraction: float) -> pl.LazyFrame:
+def _ranked_training_records(
+    silver: pl.LazyFrame, validation_fraction: float, search_fraction: float
+) -> pl.LazyFrame:
     """record_id, rank, chars of every training-split record: no text column is kept."""
     keyed = silver.select("record_id", "exact_hash", chars=record_chars().cast(pl.Int64))
     return (
         assign_split(keyed, validation_fraction, search_fraction=search_fraction)
         .filter(pl.col("split") == TRAIN)
-        .select("record_id", "chars", rank=plh.concat_str(pl.lit(_SALT), pl.col("exact_hash")).nchash.xxh3_64())
+        .select(
+            "record_id",
+            "chars",
+            rank=plh.concat_str(pl.lit(_SALT), pl.col("exact_hash")).nchash.xxh3_64(),
+        )
     )
 
 

@@ -21,8 +21,12 @@ def torchrun_executable() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def torchrun_command(nproc_per_node: int, trainer_args: list[str], max_restarts: int = 0,
-                     module: str = TRAINER_MODULE) -> list[str]:
+def torchrun_command(
+    nproc_per_node: int,
+    trainer_args: list[str],
+    max_restarts: int = 0,
+    module: str = TRAINER_MODULE,
+) -> list[str]:
     """One node, a free rendezvous port (``--standalone``), the trainer (or ``module``) as a module."""
     return [
         *torchrun_executable(),

@@ -46,7 +46,9 @@ def _count_stream(chunks) -> int:
             if chunk:
                 newlines, last = newlines + chunk.count(b"\n"), chunk[-1:]
     except (EOFError, OSError, zlib.error, zstandard.ZstdError):
-        return newlines + 1 if last else 1  # the broken tail is one more unit; nothing decoded: the file
+        return (
+            newlines + 1 if last else 1
+        )  # the broken tail is one more unit; nothing decoded: the file
     return newlines + (1 if last not in (b"", b"\n") else 0)
 
 
@@ -76,7 +78,13 @@ def complete_lines(name: str, data: bytes) -> int:
     """Newline-ended lines of a JSON-lines file whose stream decodes whole; 0 for anything else."""
     if name.endswith(".jsonl"):
         return data.count(b"\n")
-    chunks = _gunzip_chunks(data) if name.endswith(".jsonl.gz") else _unzstd_chunks(data) if name.endswith(".jsonl.zst") else ()
+    chunks = (
+        _gunzip_chunks(data)
+        if name.endswith(".jsonl.gz")
+        else _unzstd_chunks(data)
+        if name.endswith(".jsonl.zst")
+        else ()
+    )
     try:
         return sum(chunk.count(b"\n") for chunk in chunks)
     except (EOFError, OSError, zlib.error, zstandard.ZstdError):

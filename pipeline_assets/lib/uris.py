@@ -24,8 +24,11 @@ _DELTA_S3_ENV = (
 # ``scheme://user:password@`` anywhere in a text; the password ends at the last ``@`` before the host.
 _USERINFO_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^/?#\s]*@")
 # query parameters that carry a secret, e.g. ``?password=...`` or a presigned URL's signature
-_SECRET_QUERY = re.compile(r"(?P<head>[?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey|sig|signature|"
-                           r"x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&;#\s]*", re.IGNORECASE)
+_SECRET_QUERY = re.compile(
+    r"(?P<head>[?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey|sig|signature|"
+    r"x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&;#\s]*",
+    re.IGNORECASE,
+)
 REDACTED = "***"
 
 
@@ -48,7 +51,7 @@ def split_s3(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")``."""
     if not is_s3(uri):
         raise ValueError(f"not an s3:// URI: {uri}")
-    bucket, _, key = uri[len(S3_PREFIX):].partition("/")
+    bucket, _, key = uri[len(S3_PREFIX) :].partition("/")
     return bucket, key
 
 

@@ -56,7 +56,9 @@ def known_verifiers() -> tuple[str, ...]:
 
 def _exact_match(ground_truth: str, completion: str, _: str) -> Verdict:
     answer = completion.strip()
-    return _verdict(answer == ground_truth, f"expected {_clip(ground_truth)!r}, got {_clip(answer)!r}")
+    return _verdict(
+        answer == ground_truth, f"expected {_clip(ground_truth)!r}, got {_clip(answer)!r}"
+    )
 
 
 def _int_equal(ground_truth: str, completion: str, _: str) -> Verdict:
@@ -71,7 +73,10 @@ def _int_equal(ground_truth: str, completion: str, _: str) -> Verdict:
 def _regex_fullmatch(_: str, completion: str, pattern: str) -> Verdict:
     answer = completion.strip()
     matched = _compiled(pattern).fullmatch(answer) is not None
-    return _verdict(matched, f"{_clip(answer)!r} {'matches' if matched else 'does not match'} /{_clip(pattern)}/")
+    return _verdict(
+        matched,
+        f"{_clip(answer)!r} {'matches' if matched else 'does not match'} /{_clip(pattern)}/",
+    )
 
 
 # The one list of verifiers. A name ending in ':' takes the rest of the verifier string as its argument.

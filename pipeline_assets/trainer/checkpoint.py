@@ -73,7 +73,9 @@ class Checkpointer:
         self.store = store
         self.group = group
         self.keep = keep
-        self.saved_step: int | None = None  # the newest step saved or loaded (its save may still be in flight)
+        self.saved_step: int | None = (
+            None  # the newest step saved or loaded (its save may still be in flight)
+        )
         self.rank = dist.get_rank()
         self._pending: _Pending | None = None
         self.published: list[str] = []
@@ -108,9 +110,13 @@ class Checkpointer:
             pending.future.result()
         folder = step_folder(pending.step)
         local = self.store.local_folder(folder)
-        mine = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp")) + [plain_state_file(self.rank)]
+        mine = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp")) + [
+            plain_state_file(self.rank)
+        ]
         if self.rank == 0:
-            dist.barrier(group=self.group)  # every other rank has checksummed and uploaded its files
+            dist.barrier(
+                group=self.group
+            )  # every other rank has checksummed and uploaded its files
             mine.append(".metadata")
         files = describe_files(local, mine)
         self.store.upload(folder, mine)
@@ -144,7 +150,9 @@ class Checkpointer:
             problems = [r for r in reasons if r]
             if problems:
                 if self.rank == 0:
-                    log.warning(f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: {problems[0]}")
+                    log.warning(
+                        f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: {problems[0]}"
+                    )
                 continue
             tensors, _ = split_state(state)
             dcp.load(tensors, checkpoint_id=str(folder), process_group=self.group)
@@ -159,8 +167,14 @@ class Checkpointer:
     def _update_best(self, step: int, validation_loss: float | None) -> dict | None:
         """The best checkpoint after this one (``best.json``, rewritten only when this one is better)."""
         best = self.store.read_json(BEST)
-        if validation_loss is not None and (best is None or validation_loss < best["validation_loss"]):
-            best = {"step": step, "validation_loss": validation_loss, "uri": self.store.folder_uri(step_folder(step))}
+        if validation_loss is not None and (
+            best is None or validation_loss < best["validation_loss"]
+        ):
+            best = {
+                "step": step,
+                "validation_loss": validation_loss,
+                "uri": self.store.folder_uri(step_folder(step)),
+            }
             self.store.write_json(BEST, best)
         return best
 
@@ -168,7 +182,7 @@ class Checkpointer:
         """Keep the newest ``keep`` complete checkpoints and the best; clear partial writes left behind."""
         complete = self.store.complete_steps()
         keep = set(complete[: self.keep]) | ({best["step"]} if best else set())
-        for step in complete[self.keep:]:
+        for step in complete[self.keep :]:
             if step not in keep:
                 self.store.delete(step_folder(step))
         for name in self.store.partial_folders():

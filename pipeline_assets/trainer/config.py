@@ -6,13 +6,19 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-
 # The trainer's exit code after a SIGTERM/SIGINT stop that saved a checkpoint (128 + SIGTERM, as a
 # shell reports a process SIGTERM ended): the same command resumes.
 EXIT_PREEMPTED = 143
 EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.splits)
-ATTENTION_SETTINGS = ("auto", "flex", "dense")  # the attention kernel (parallel.attention_kernel resolves auto)
-OBJECTIVES = ("sft", "dpo")  # next-token prediction on gold-v<N>, or DPO on the pairs of dpo-v<N> (trainer.objective)
+ATTENTION_SETTINGS = (
+    "auto",
+    "flex",
+    "dense",
+)  # the attention kernel (parallel.attention_kernel resolves auto)
+OBJECTIVES = (
+    "sft",
+    "dpo",
+)  # next-token prediction on gold-v<N>, or DPO on the pairs of dpo-v<N> (trainer.objective)
 DEFAULT_BETA = 0.1  # DPO's KL strength, the paper's and TRL's default (trainer.dpo uses it too)
 # What training/dpo_checkpoint runs by default: a short, gentle run from an already trained sft model.
 DPO_STEPS, DPO_LR, DPO_WARMUP_STEPS, DPO_LOG_EVERY, DPO_EVAL_EVERY = 60, 3e-5, 5, 5, 20
@@ -84,37 +90,61 @@ class TrainConfig:
     objective: str = "sft"  # OBJECTIVES
     beta: float = DEFAULT_BETA  # dpo: the KL strength of the sigmoid loss
     init_from: str = ""  # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required
-    reference_logps_version: int = NO_VERSION  # dpo, required: the Delta version of gold/reference_logps to read
+    reference_logps_version: int = (
+        NO_VERSION  # dpo, required: the Delta version of gold/reference_logps to read
+    )
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.width and self.width % PRESETS[self.preset].n_heads:
-            raise ValueError(f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads")
+            raise ValueError(
+                f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads"
+            )
         if self.eval_split not in EVAL_SPLITS:
-            raise ValueError(f"unknown eval split {self.eval_split!r}; choose one of {', '.join(EVAL_SPLITS)}")
+            raise ValueError(
+                f"unknown eval split {self.eval_split!r}; choose one of {', '.join(EVAL_SPLITS)}"
+            )
         if self.attention not in ATTENTION_SETTINGS:
-            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_SETTINGS)}")
+            raise ValueError(
+                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_SETTINGS)}"
+            )
         if self.keep_checkpoints < 2:
-            raise ValueError("keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one")
+            raise ValueError(
+                "keep_checkpoints must be at least 2, so a corrupt newest one leaves a previous one"
+            )
         self._check_objective()
-        for name in ("steps", "micro_batch_size", "warmup_steps", "grad_accum_steps", "log_every", "eval_every", "checkpoint_every_steps"):
+        for name in (
+            "steps",
+            "micro_batch_size",
+            "warmup_steps",
+            "grad_accum_steps",
+            "log_every",
+            "eval_every",
+            "checkpoint_every_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
     def _check_objective(self) -> None:
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+            raise ValueError(
+                f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}"
+            )
         if self.objective != "dpo":
             if self.reference_logps_version != NO_VERSION:
                 raise ValueError("--reference-logps-version is for --objective dpo only")
             return
         if not self.init_from:
-            raise ValueError("--objective dpo needs --init-from: the exported SFT model the policy starts from "
-                             "(the reference model whose log-probabilities gold/reference_logps holds)")
+            raise ValueError(
+                "--objective dpo needs --init-from: the exported SFT model the policy starts from "
+                "(the reference model whose log-probabilities gold/reference_logps holds)"
+            )
         if self.reference_logps_version < 0:
-            raise ValueError("--objective dpo needs --reference-logps-version: the Delta version of "
-                             "gold/reference_logps to read the reference log-probabilities at")
+            raise ValueError(
+                "--objective dpo needs --reference-logps-version: the Delta version of "
+                "gold/reference_logps to read the reference log-probabilities at"
+            )
         if self.beta <= 0:
             raise ValueError(f"beta must be positive, got {self.beta}")
 
@@ -130,11 +160,18 @@ def architecture_flags(model: dict) -> dict:
     """The preset, width and vocab_size that rebuild an exported model's architecture (its config.json's
     ``model``): what a run starting from it (``init_from``) must be given."""
     for name, preset in PRESETS.items():
-        same_shape = dataclasses.replace(preset, dim=model["dim"], vocab_size=model["vocab_size"],
-                                         max_seq_len=model["max_seq_len"])
+        same_shape = dataclasses.replace(
+            preset,
+            dim=model["dim"],
+            vocab_size=model["vocab_size"],
+            max_seq_len=model["max_seq_len"],
+        )
         if dataclasses.asdict(same_shape) == model:
-            return {"preset": name, "width": 0 if model["dim"] == preset.dim else model["dim"],
-                    "vocab_size": model["vocab_size"]}
+            return {
+                "preset": name,
+                "width": 0 if model["dim"] == preset.dim else model["dim"],
+                "vocab_size": model["vocab_size"],
+            }
     raise ValueError(f"no preset builds the model {model}")
 
 
@@ -173,7 +210,9 @@ class RlConfig:
     warm_start_max_steps: int = 600
     warm_start_lr: float = 3e-3
     warm_start_batch: int = 64
-    landing_uri: str = ""  # where groups with a right and a wrong completion land as preference pairs
+    landing_uri: str = (
+        ""  # where groups with a right and a wrong completion land as preference pairs
+    )
     wait_seconds: float = 120.0  # how long the learner waits for rollouts before it gives up
     worker: int = -1  # >= 0: this process is rollout worker number ``worker``, not the learner
     lag: int = 0  # workers sample with the policy ``lag`` versions behind the newest (a test of the staleness limit)
@@ -182,12 +221,21 @@ class RlConfig:
     scratch_dir: str = ""
 
     def __post_init__(self):
-        for name in ("updates", "prompts_per_update", "max_new_tokens", "eval_every", "held_out_prompts",
-                     "steps_per_update", "warm_start_batch"):
+        for name in (
+            "updates",
+            "prompts_per_update",
+            "max_new_tokens",
+            "eval_every",
+            "held_out_prompts",
+            "steps_per_update",
+            "warm_start_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.group_size < 2:
-            raise ValueError("group_size must be at least 2: GRPO compares completions within a group")
+            raise ValueError(
+                "group_size must be at least 2: GRPO compares completions within a group"
+            )
 
     def to_args(self) -> list[str]:
         return dataclass_args(self)
@@ -201,7 +249,9 @@ def dataclass_args(config) -> list[str]:
         flag = "--" + item.name.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + item.name.replace("_", "-"))
-        elif value not in ("", NO_VERSION) or item.default is dataclasses.MISSING:  # unset: left out
+        elif (
+            value not in ("", NO_VERSION) or item.default is dataclasses.MISSING
+        ):  # unset: left out
             args += [flag, str(value)]
     return args
 
@@ -216,5 +266,7 @@ def parse_dataclass(cls, argv: list[str] | None, prog: str):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=item.default)
         else:
             kind = {"int": int, "float": float}.get(str(item.type), str)
-            parser.add_argument(flag, type=kind, required=required, default=None if required else item.default)
+            parser.add_argument(
+                flag, type=kind, required=required, default=None if required else item.default
+            )
     return cls(**vars(parser.parse_args(argv)))

@@ -38,10 +38,14 @@ from pipeline_assets.lib.snapshot_manifest import (
 from pipeline_assets.lib.splits import SPLITS
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
-STREAM_BLOCK = SEQUENCES_PER_BLOCK  # the unit of the stream's shuffle and of reading: gold's row groups
+STREAM_BLOCK = (
+    SEQUENCES_PER_BLOCK  # the unit of the stream's shuffle and of reading: gold's row groups
+)
 CACHED_BLOCKS = 4
 REFERENCE_TABLE = ("gold", "reference_logps")
-LOGPS_COLUMN = "reference_logps"  # per row, one value per document in row order (trainer.reference writes it)
+LOGPS_COLUMN = (
+    "reference_logps"  # per row, one value per document in row order (trainer.reference writes it)
+)
 
 
 class Rows(Protocol):
@@ -75,7 +79,9 @@ class PackedSequences:
 
     @staticmethod
     def concat(parts: list[PackedSequences]) -> PackedSequences:
-        return PackedSequences(*(np.concatenate([getattr(part, name) for part in parts]) for name in COLUMNS))
+        return PackedSequences(
+            *(np.concatenate([getattr(part, name) for part in parts]) for name in COLUMNS)
+        )
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         return {
@@ -93,7 +99,9 @@ class PreferenceRows:
     """Packed preference rows and the reference model's log-probability of each of their documents."""
 
     sequences: PackedSequences
-    reference_logps: np.ndarray  # (documents,) float64: row 0's documents in row order, then row 1's, ...
+    reference_logps: (
+        np.ndarray
+    )  # (documents,) float64: row 0's documents in row order, then row 1's, ...
     documents: np.ndarray  # (N,) int64: documents per row
 
     def __len__(self) -> int:
@@ -108,21 +116,32 @@ class PreferenceRows:
 
     @staticmethod
     def concat(parts: list[PreferenceRows]) -> PreferenceRows:
-        return PreferenceRows(PackedSequences.concat([part.sequences for part in parts]),
-                              np.concatenate([part.reference_logps for part in parts]),
-                              np.concatenate([part.documents for part in parts]))
+        return PreferenceRows(
+            PackedSequences.concat([part.sequences for part in parts]),
+            np.concatenate([part.reference_logps for part in parts]),
+            np.concatenate([part.documents for part in parts]),
+        )
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The sequences' tensors and ``reference_logps``: (documents,) float64, in ``document_logps`` order."""
-        return {**self.sequences.tensors(device), "reference_logps": torch.from_numpy(self.reference_logps).to(device)}
+        return {
+            **self.sequences.tensors(device),
+            "reference_logps": torch.from_numpy(self.reference_logps).to(device),
+        }
 
 
 class SplitRows:
     """One split of a snapshot, global ``sequence_index`` 0..n-1 over its shards, read a block at a time by
     ``read`` (global indexes -> their rows), the most recently used CACHED_BLOCKS blocks kept."""
 
-    def __init__(self, read: Callable[[np.ndarray], Rows], n_sequences: int, split: str,
-                 block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS):
+    def __init__(
+        self,
+        read: Callable[[np.ndarray], Rows],
+        n_sequences: int,
+        split: str,
+        block: int = STREAM_BLOCK,
+        cached_blocks: int = CACHED_BLOCKS,
+    ):
         self._read, self.n_sequences, self.split = read, n_sequences, split
         self.block, self.cached_blocks = block, cached_blocks
         self._cache: OrderedDict[int, Rows] = OrderedDict()
@@ -141,8 +160,10 @@ class SplitRows:
         if not indexes.size:
             return self._read(indexes).tensors(device)
         if indexes.min() < 0 or indexes.max() >= self.n_sequences:
-            raise IndexError(f"{self.split} has {self.n_sequences} sequences, "
-                             f"asked for {indexes.min()}..{indexes.max()}")
+            raise IndexError(
+                f"{self.split} has {self.n_sequences} sequences, "
+                f"asked for {indexes.min()}..{indexes.max()}"
+            )
         blocks, offsets = np.divmod(indexes, self.block)
         numbers = np.unique(blocks)
         parts = [self._block(int(number)).take(offsets[blocks == number]) for number in numbers]
@@ -187,14 +208,20 @@ class SequenceReader:
         lengths = frame["input_ids"].list.len()
         if frame.height and (lengths.min() != self.seq_len or lengths.max() != self.seq_len):
             where = f"{frame['sequence_index'][0]}..{frame['sequence_index'][-1]}"
-            raise ValueError(f"{self.describe} {self.layout.split} sequences {where}: expected rows of {self.seq_len} "
-                             f"tokens, found {lengths.min()}..{lengths.max()} "
-                             "(shards packed to other sequence lengths)")
-        rows = PackedSequences(**{name: frame[name].list.to_array(self.seq_len).to_numpy() for name in COLUMNS})
+            raise ValueError(
+                f"{self.describe} {self.layout.split} sequences {where}: expected rows of {self.seq_len} "
+                f"tokens, found {lengths.min()}..{lengths.max()} "
+                "(shards packed to other sequence lengths)"
+            )
+        rows = PackedSequences(
+            **{name: frame[name].list.to_array(self.seq_len).to_numpy() for name in COLUMNS}
+        )
         largest = int(rows.input_ids.max(initial=0))
         if self.vocab_size is not None and largest >= self.vocab_size:
-            raise ValueError(f"{self.describe} holds token id {largest}, beyond --vocab-size {self.vocab_size}: "
-                             "pass the tokenizer's vocabulary size")
+            raise ValueError(
+                f"{self.describe} holds token id {largest}, beyond --vocab-size {self.vocab_size}: "
+                "pass the tokenizer's vocabulary size"
+            )
         return rows
 
 
@@ -228,21 +255,29 @@ class PreferenceReader:
         mismatched = np.flatnonzero(scored != documents)
         if mismatched.size:
             bad = int(mismatched[0])
-            raise ValueError(f"{self.reference.describe}: {self.sequences.layout.split} sequence {indexes[bad]} has "
-                             f"{documents[bad]} documents but {max(scored[bad], 0)} reference log-probabilities: "
-                             "redo the reference pass for this snapshot")
+            raise ValueError(
+                f"{self.reference.describe}: {self.sequences.layout.split} sequence {indexes[bad]} has "
+                f"{documents[bad]} documents but {max(scored[bad], 0)} reference log-probabilities: "
+                "redo the reference pass for this snapshot"
+            )
         values = logps.explode()
         if values.null_count():
-            raise ValueError(f"{self.reference.describe}: a null reference log-probability in "
-                             f"{self.sequences.layout.split} sequences {indexes[0]}..{indexes[-1]}")
-        return PreferenceRows(self.sequences.sequences(frame), values.to_numpy().astype(np.float64), documents)
+            raise ValueError(
+                f"{self.reference.describe}: a null reference log-probability in "
+                f"{self.sequences.layout.split} sequences {indexes[0]}..{indexes[-1]}"
+            )
+        return PreferenceRows(
+            self.sequences.sequences(frame), values.to_numpy().astype(np.float64), documents
+        )
 
     def _reference_frame(self, indexes: np.ndarray) -> pl.DataFrame:
         try:
             return self.sequences.layout.take(self.reference.scan, indexes, [LOGPS_COLUMN])
         except ValueError as exc:
-            raise ValueError(f"{self.reference.describe} lacks reference log-probabilities of rows it should hold "
-                             f"({exc}): redo the reference pass for this snapshot") from None
+            raise ValueError(
+                f"{self.reference.describe} lacks reference log-probabilities of rows it should hold "
+                f"({exc}): redo the reference pass for this snapshot"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -262,34 +297,65 @@ class Snapshot:
         """What names the data a run trained on (tags, the export's config, the run's metadata)."""
         about = {"data_snapshot": self.manifest.key}
         if self.reference:
-            about |= {"reference_model": self.reference.model, "reference_logps_version": self.reference.version}
+            about |= {
+                "reference_model": self.reference.model,
+                "reference_logps_version": self.reference.version,
+            }
         return about
 
     def inputs(self, lake_uri: str) -> list[tuple[str, int, str]]:
         """(table URI, Delta version, description) of every table the run reads rows from."""
         kind, manifest = self.manifest.kind, self.manifest
-        shards = f"{kind.sequences_name}@v{manifest.sequences_version}, {len(manifest.batches)} shard(s)"
-        inputs = [(uris.join(lake_uri, *kind.sequences_table), manifest.sequences_version, f"{manifest.key}: {shards}")]
+        shards = (
+            f"{kind.sequences_name}@v{manifest.sequences_version}, {len(manifest.batches)} shard(s)"
+        )
+        inputs = [
+            (
+                uris.join(lake_uri, *kind.sequences_table),
+                manifest.sequences_version,
+                f"{manifest.key}: {shards}",
+            )
+        ]
         if self.reference:
-            inputs.append((self.reference.uri, self.reference.version,
-                           f"{manifest.key}: gold/reference_logps@v{self.reference.version} ({self.reference.model})"))
+            inputs.append(
+                (
+                    self.reference.uri,
+                    self.reference.version,
+                    f"{manifest.key}: gold/reference_logps@v{self.reference.version} ({self.reference.model})",
+                )
+            )
         return inputs
 
 
-def read_snapshot(lake_uri: str, number: int, vocab_size: int | None = None,
-                  block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS) -> Snapshot:
+def read_snapshot(
+    lake_uri: str,
+    number: int,
+    vocab_size: int | None = None,
+    block: int = STREAM_BLOCK,
+    cached_blocks: int = CACHED_BLOCKS,
+) -> Snapshot:
     """Data snapshot gold-v<number>: its manifest's shards of gold/sequences, exactly as the pinned
     Delta version holds them, each split in global sequence_index order; only the manifest is read
     here, the rows when a batch asks for them (a block with a token id beyond ``vocab_size`` is an error)."""
     manifest = _with_sequences(read_manifest(lake_uri, number))
     readers = _sequence_readers(lake_uri, manifest, vocab_size)
-    parts = {split: SplitRows(readers[split], readers[split].layout.n_sequences, split, block, cached_blocks)
-             for split in SPLITS}
+    parts = {
+        split: SplitRows(
+            readers[split], readers[split].layout.n_sequences, split, block, cached_blocks
+        )
+        for split in SPLITS
+    }
     return Snapshot(**parts, seq_len=manifest.seq_len, manifest=manifest)
 
 
-def read_preference_snapshot(lake_uri: str, number: int, reference_version: int, vocab_size: int | None = None,
-                             block: int = STREAM_BLOCK, cached_blocks: int = CACHED_BLOCKS) -> Snapshot:
+def read_preference_snapshot(
+    lake_uri: str,
+    number: int,
+    reference_version: int,
+    vocab_size: int | None = None,
+    block: int = STREAM_BLOCK,
+    cached_blocks: int = CACHED_BLOCKS,
+) -> Snapshot:
     """Preference snapshot dpo-v<number>, read as ``read_snapshot`` reads gold-v<N>; every row comes with its
     reference log-probabilities from gold/reference_logps at ``reference_version``. Fails here when that
     version does not hold one reference model's values for every row of the snapshot, and when a block is
@@ -297,8 +363,16 @@ def read_preference_snapshot(lake_uri: str, number: int, reference_version: int,
     manifest = _with_sequences(read_manifest(lake_uri, number, PREFERENCE_SNAPSHOTS))
     reference = open_reference_logps(lake_uri, reference_version, manifest)
     readers = _sequence_readers(lake_uri, manifest, vocab_size)
-    parts = {split: SplitRows(PreferenceReader(readers[split], reference), readers[split].layout.n_sequences, split,
-                              block, cached_blocks) for split in SPLITS}
+    parts = {
+        split: SplitRows(
+            PreferenceReader(readers[split], reference),
+            readers[split].layout.n_sequences,
+            split,
+            block,
+            cached_blocks,
+        )
+        for split in SPLITS
+    }
     return Snapshot(**parts, seq_len=manifest.seq_len, manifest=manifest, reference=reference)
 
 
@@ -307,24 +381,38 @@ def open_reference_logps(lake_uri: str, version: int, manifest: Manifest) -> Ref
     reference model's rows, as many per split as the manifest lists (only small columns are read)."""
     uri = uris.join(lake_uri, *REFERENCE_TABLE)
     try:
-        table = pl.scan_delta(uri, version=version, storage_options=uris.delta_storage_options(lake_uri))
+        table = pl.scan_delta(
+            uri, version=version, storage_options=uris.delta_storage_options(lake_uri)
+        )
         scan = table.filter(pl.col("snapshot") == manifest.key)
         counts = scan.group_by("reference_model", "split").agg(rows=pl.len()).collect()
-    except Exception as exc:  # no table, or no such version: deltalake and polars raise their own types
+    except (
+        Exception
+    ) as exc:  # no table, or no such version: deltalake and polars raise their own types
         raise ValueError(f"cannot read {uri} at version {version} ({exc})") from exc
     described = f"gold/reference_logps v{version}"
     models = sorted(counts["reference_model"].unique())
     if len(models) != 1:
-        found = f"those of {len(models)} reference models ({', '.join(models)})" if models else "none"
-        raise ValueError(f"{described} should hold one reference model's log-probabilities of {manifest.key}, "
-                         f"found {found}: run the reference pass for it")
+        found = (
+            f"those of {len(models)} reference models ({', '.join(models)})" if models else "none"
+        )
+        raise ValueError(
+            f"{described} should hold one reference model's log-probabilities of {manifest.key}, "
+            f"found {found}: run the reference pass for it"
+        )
     held = dict(counts.select("split", "rows").iter_rows())
     expected = manifest.sequences_by_split()
-    wrong = {split: (held.get(split, 0), n) for split, n in expected.items() if held.get(split, 0) != n}
+    wrong = {
+        split: (held.get(split, 0), n) for split, n in expected.items() if held.get(split, 0) != n
+    }
     if wrong:
-        listed = ", ".join(f"{split}: {have} rows for {n} sequences" for split, (have, n) in wrong.items())
-        raise ValueError(f"{described} does not hold a row per sequence of {manifest.key} ({listed}): "
-                         "run the reference pass for it")
+        listed = ", ".join(
+            f"{split}: {have} rows for {n} sequences" for split, (have, n) in wrong.items()
+        )
+        raise ValueError(
+            f"{described} does not hold a row per sequence of {manifest.key} ({listed}): "
+            "run the reference pass for it"
+        )
     return ReferenceLogps(uri, version, manifest.key, models[0], scan)
 
 
@@ -334,14 +422,20 @@ def _with_sequences(manifest: Manifest) -> Manifest:
     return manifest
 
 
-def _sequence_readers(lake_uri: str, manifest: Manifest, vocab_size: int | None) -> dict[str, SequenceReader]:
+def _sequence_readers(
+    lake_uri: str, manifest: Manifest, vocab_size: int | None
+) -> dict[str, SequenceReader]:
     scan = sequences_scan(lake_uri, manifest)
     describe = f"{manifest.key} ({manifest.kind.sequences_name} v{manifest.sequences_version})"
-    return {split: SequenceReader(scan, manifest.split(split), manifest.seq_len, describe, vocab_size)
-            for split in SPLITS}
+    return {
+        split: SequenceReader(scan, manifest.split(split), manifest.seq_len, describe, vocab_size)
+        for split in SPLITS
+    }
 
 
-def stream_indexes(n_sequences: int, seed: int, start: int, count: int, block: int = STREAM_BLOCK) -> np.ndarray:
+def stream_indexes(
+    n_sequences: int, seed: int, start: int, count: int, block: int = STREAM_BLOCK
+) -> np.ndarray:
     """Positions [start, start + count) of the stream, as sequence indexes."""
     if n_sequences == 0:
         raise ValueError("the snapshot has no training sequences")
@@ -354,7 +448,9 @@ def stream_indexes(n_sequences: int, seed: int, start: int, count: int, block: i
     return out
 
 
-def _epoch_order(n_sequences: int, seed: int, epoch: int, block: int, offsets: np.ndarray) -> np.ndarray:
+def _epoch_order(
+    n_sequences: int, seed: int, epoch: int, block: int, offsets: np.ndarray
+) -> np.ndarray:
     """The sequence at each offset of one epoch: blocks in a seeded order, each block's own
     sequences in a seeded order."""
     n_blocks = -(-n_sequences // block)
@@ -371,8 +467,15 @@ def _epoch_order(n_sequences: int, seed: int, epoch: int, block: int, offsets: n
     return out
 
 
-def rank_micro_batches(n_sequences: int, seed: int, position: int, rank: int, world_size: int,
-                       micro_batch_size: int, grad_accum_steps: int) -> list[np.ndarray]:
+def rank_micro_batches(
+    n_sequences: int,
+    seed: int,
+    position: int,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+) -> list[np.ndarray]:
     """This rank's micro-batches of the global batch starting at ``position``: disjoint across ranks."""
     per_rank = micro_batch_size * grad_accum_steps
     mine = stream_indexes(n_sequences, seed, position + rank * per_rank, per_rank)

@@ -16,8 +16,12 @@ from pipeline_assets.trainer.config import DEFAULT_BETA
 from pipeline_assets.trainer.model import counted_targets
 
 
-def document_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   position_ids: torch.Tensor) -> torch.Tensor:
+def document_logps(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
     """(n_documents,): per document, the summed log-probability of its loss-masked tokens, documents
     in row order, row after row.
 
@@ -29,9 +33,12 @@ def document_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     n_segments = int(last_of_row[-1]) + 1 if last_of_row.numel() else 0
     counted = counted_targets(loss_mask.bool(), position_ids)
     token_logps = torch.where(counted, _target_logps(logits, input_ids), 0.0)
-    sums = token_logps.new_zeros(n_segments).index_add(0, segment[:, 1:].flatten(), token_logps.flatten())
+    sums = token_logps.new_zeros(n_segments).index_add(
+        0, segment[:, 1:].flatten(), token_logps.flatten()
+    )
     loss_tokens = torch.zeros(n_segments, dtype=torch.long, device=logits.device).index_add(
-        0, segment.flatten(), loss_mask.flatten().long())
+        0, segment.flatten(), loss_mask.flatten().long()
+    )
     is_padding = torch.zeros(n_segments, dtype=torch.bool, device=logits.device)
     is_padding[last_of_row] = loss_tokens[last_of_row] == 0
     return sums[~is_padding]
@@ -40,14 +47,21 @@ def document_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
 def chosen_and_rejected(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-document values in packed order -> (chosen, rejected), one entry per pair."""
     if logps.numel() % 2:
-        raise ValueError(f"{logps.numel()} documents: packed pairs give an even number (chosen, rejected, ...)")
+        raise ValueError(
+            f"{logps.numel()} documents: packed pairs give an even number (chosen, rejected, ...)"
+        )
     return logps[0::2], logps[1::2]
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
-             reference_rejected: torch.Tensor, beta: float = DEFAULT_BETA,
-             global_pairs: int | torch.Tensor | None = None,
-             world_size: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float = DEFAULT_BETA,
+    global_pairs: int | torch.Tensor | None = None,
+    world_size: int = 1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sigmoid DPO over this rank's pairs, normalised for data parallelism; returns (loss, metrics).
 
     ``global_pairs``: the pairs of the whole global batch, over every rank and micro-batch (None: this
@@ -68,7 +82,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     """
     if global_pairs is None:
         if world_size != 1:
-            raise ValueError("with world_size > 1, pass global_pairs: the pairs of the whole global batch")
+            raise ValueError(
+                "with world_size > 1, pass global_pairs: the pairs of the whole global batch"
+            )
         global_pairs = policy_chosen.numel()
     chosen_rewards = beta * (policy_chosen - reference_chosen.detach())
     rejected_rewards = beta * (policy_rejected - reference_rejected.detach())
@@ -92,7 +108,11 @@ def _segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if position_ids.numel() and (position_ids[:, 0] != 0).any():
         raise ValueError("every row must start a document: position_ids[:, 0] == 0")
     within_row = torch.cumsum(position_ids == 0, dim=-1) - 1
-    per_row = within_row[:, -1] + 1 if position_ids.numel() else position_ids.new_zeros(position_ids.shape[0])
+    per_row = (
+        within_row[:, -1] + 1
+        if position_ids.numel()
+        else position_ids.new_zeros(position_ids.shape[0])
+    )
     first_of_row = torch.cumsum(per_row, dim=0) - per_row
     return within_row + first_of_row[:, None], first_of_row + per_row - 1
 
@@ -102,7 +122,9 @@ def _target_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
     dtype = torch.promote_types(logits.dtype, torch.float32)
     batch, length = input_ids.shape
     targets = input_ids[:, 1:].flatten()
-    return -F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), targets, reduction="none").view(batch, length - 1)
+    return -F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), targets, reduction="none").view(
+        batch, length - 1
+    )
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,9 @@ DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "token
 
 
 @torch.no_grad()
-def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: int = 16) -> pl.DataFrame:
+def packed_document_losses(
+    model: Transformer, rows: pl.DataFrame, batch_size: int = 16
+) -> pl.DataFrame:
     """rows: input_ids, loss_mask, position_ids, record_ids (gold sequences) -> per record: summed
     loss over its counted targets and how many there are. A record split over several rows is summed."""
     model.eval()
@@ -27,16 +29,29 @@ def packed_document_losses(model: Transformer, rows: pl.DataFrame, batch_size: i
     parts = []
     for start in range(0, rows.height, batch_size):
         chunk = rows.slice(start, batch_size)
-        input_ids, loss_mask, position_ids = (_matrix(chunk[name]) for name in ("input_ids", "loss_mask", "position_ids"))
-        token_losses, counted = _token_losses(model, input_ids.to(device), loss_mask.to(device), position_ids.to(device))
-        piece = np.cumsum(position_ids.numpy() == 0, axis=1)[:, 1:] - 1  # the piece each target belongs to
+        input_ids, loss_mask, position_ids = (
+            _matrix(chunk[name]) for name in ("input_ids", "loss_mask", "position_ids")
+        )
+        token_losses, counted = _token_losses(
+            model, input_ids.to(device), loss_mask.to(device), position_ids.to(device)
+        )
+        piece = (
+            np.cumsum(position_ids.numpy() == 0, axis=1)[:, 1:] - 1
+        )  # the piece each target belongs to
         parts.append(_per_piece(token_losses, counted, piece, chunk["record_ids"]))
     if not parts:
         return pl.DataFrame(schema=DOCUMENT_LOSSES_SCHEMA)
-    return pl.concat(parts).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")).sort("record_id")
+    return (
+        pl.concat(parts)
+        .group_by("record_id")
+        .agg(pl.sum("loss_sum"), pl.sum("tokens"))
+        .sort("record_id")
+    )
 
 
-def sequence_losses(model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16) -> pl.DataFrame:
+def sequence_losses(
+    model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16
+) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
     same per-record sums, each document cut to ``max_len`` tokens and packed (``lib.gold.pack_documents``)."""
     return packed_document_losses(model, pack_documents(encoded, max_len, pad_id), batch_size)
@@ -64,16 +79,30 @@ def _matrix(column: pl.Series) -> torch.Tensor:
 def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray, np.ndarray]:
     """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule)."""
     logits = model(input_ids, position_ids)
-    return token_losses(logits, input_ids).cpu().numpy(), counted_targets(loss_mask, position_ids).cpu().numpy()
+    return token_losses(logits, input_ids).cpu().numpy(), counted_targets(
+        loss_mask, position_ids
+    ).cpu().numpy()
 
 
-def _per_piece(token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: pl.Series) -> pl.DataFrame:
+def _per_piece(
+    token_losses: np.ndarray, counted: np.ndarray, piece: np.ndarray, record_ids: pl.Series
+) -> pl.DataFrame:
     """Sum the counted targets' losses per (row, piece), then name each piece by its record."""
     rows, columns = np.nonzero(counted)
     lengths = record_ids.list.len().to_numpy().astype(np.int64)
-    first_piece = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # of each row, in the flattened pieces
+    first_piece = np.concatenate(
+        [[0], np.cumsum(lengths)[:-1]]
+    )  # of each row, in the flattened pieces
     flat = first_piece[rows] + piece[rows, columns]
-    loss_sum = np.bincount(flat, weights=token_losses[rows, columns].astype(np.float64), minlength=int(lengths.sum()))
+    loss_sum = np.bincount(
+        flat, weights=token_losses[rows, columns].astype(np.float64), minlength=int(lengths.sum())
+    )
     tokens = np.bincount(flat, minlength=int(lengths.sum()))
-    frame = pl.DataFrame({"record_id": record_ids.explode(), "loss_sum": loss_sum, "tokens": tokens.astype(np.int64)})
-    return frame.filter(pl.col("tokens") > 0).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens"))
+    frame = pl.DataFrame(
+        {"record_id": record_ids.explode(), "loss_sum": loss_sum, "tokens": tokens.astype(np.int64)}
+    )
+    return (
+        frame.filter(pl.col("tokens") > 0)
+        .group_by("record_id")
+        .agg(pl.sum("loss_sum"), pl.sum("tokens"))
+    )

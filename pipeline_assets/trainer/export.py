@@ -17,7 +17,9 @@ CONFIG = "config.json"
 TIED = "output.weight"  # the output layer shares the embedding's weights; stored once
 
 
-def save_exported(full_state: dict[str, torch.Tensor], model_config: ModelConfig, folder: Path, about: dict) -> list[str]:
+def save_exported(
+    full_state: dict[str, torch.Tensor], model_config: ModelConfig, folder: Path, about: dict
+) -> list[str]:
     """Write weights (safetensors: no pickle, safe to load) and config; returns the file names."""
     tensors = {name: tensor.contiguous() for name, tensor in full_state.items() if name != TIED}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
@@ -40,6 +42,10 @@ def exported_config(folder: Path) -> dict:
 
 def load_weights(model: Transformer, folder: Path, device: str = "cpu") -> None:
     """Copy an exported folder's weights into ``model`` (of the same architecture)."""
-    missing, unexpected = model.load_state_dict(load_file(str(Path(folder) / WEIGHTS), device=device), strict=False)
+    missing, unexpected = model.load_state_dict(
+        load_file(str(Path(folder) / WEIGHTS), device=device), strict=False
+    )
     if unexpected or set(missing) - {TIED}:
-        raise ValueError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"{folder} does not match its config: missing {missing}, unexpected {unexpected}"
+        )

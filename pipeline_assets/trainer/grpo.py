@@ -23,7 +23,9 @@ from pipeline_assets.lib.packing import pack, packed_values, plan_best_fit_decre
 from pipeline_assets.trainer.model import counted_targets, token_losses
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """(N,): per completion, ``(r - mean_g) / (std_g + eps)`` over the completions of its group g, std the
     sample one (divided by the group's size - 1, as TRL's and verl's GRPO). A group whose rewards all equal,
     a single completion included, has nothing to compare: each of its completions gets exactly 0."""
@@ -31,7 +33,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     group, sizes, spread = _groups(rewards, group_ids)
     mean = rewards.new_zeros(sizes.numel()).index_add(0, group, rewards) / sizes
     centred = rewards - mean[group]
-    std = (centred.new_zeros(sizes.numel()).index_add(0, group, centred**2) / (sizes - 1).clamp(min=1)).sqrt()
+    std = (
+        centred.new_zeros(sizes.numel()).index_add(0, group, centred**2) / (sizes - 1).clamp(min=1)
+    ).sqrt()
     # Equal rewards can leave a rounding error in the mean (0.9 * 3 / 3 != 0.9 in fp32), which divided by a
     # std as small would be noise, not 0: a group without spread is found by min == max instead.
     return torch.where(spread[group], centred / (std[group] + eps), 0.0)
@@ -42,7 +46,9 @@ def zero_spread_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> int:
     return int((~_groups(rewards, group_ids)[2]).sum())
 
 
-def stale_mask(policy_versions: torch.Tensor, current_version: int, max_staleness: int) -> torch.Tensor:
+def stale_mask(
+    policy_versions: torch.Tensor, current_version: int, max_staleness: int
+) -> torch.Tensor:
     """Bool, shaped like ``policy_versions``: True where a completion was sampled more than ``max_staleness``
     versions before ``current_version`` (``current - version > max_staleness``), too old to train on."""
     return current_version - policy_versions > max_staleness
@@ -55,16 +61,25 @@ def counted_tokens(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch
     return torch.cat([torch.zeros_like(targets[:, :1]), targets], dim=1)
 
 
-def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                     position_ids: torch.Tensor) -> torch.Tensor:
+def completion_logps(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
     """(B, T), in fp32: ``log p(token t | tokens < t of its document)`` where ``counted_tokens`` holds, 0
     elsewhere. The negated ``token_losses``, shifted to sit on the token they predict."""
     logps = F.pad(-token_losses(logits, input_ids), (1, 0))
     return torch.where(counted_tokens(loss_mask, position_ids), logps, 0.0)
 
 
-def grpo_loss(new_logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages_per_token: torch.Tensor,
-              mask: torch.Tensor, clip_eps: float = 0.2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(
+    new_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    advantages_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate, summed over the tokens where ``mask`` is set; returns (loss_sum, stats).
 
     Per token, ``ratio = exp(new - behaviour)`` and the loss is ``-min(ratio * A, clip(ratio, 1 - eps,
@@ -81,8 +96,12 @@ def grpo_loss(new_logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages
     # (prompt, padding, even inf or nan) reaches neither the sum nor a gradient.
     log_ratio = torch.where(mask, new_logps - behaviour_logps.detach(), 0.0)
     ratio, advantages = log_ratio.exp(), torch.where(mask, advantages_per_token.detach(), 0.0)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    clipped = ((ratio > 1 + clip_eps) & (advantages > 0)) | ((ratio < 1 - clip_eps) & (advantages < 0))
+    surrogate = torch.minimum(
+        ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    )
+    clipped = ((ratio > 1 + clip_eps) & (advantages > 0)) | (
+        (ratio < 1 - clip_eps) & (advantages < 0)
+    )
     stats = {
         "clipped": clipped.sum(),
         "ratio": torch.where(mask, ratio, 0.0).sum().detach(),
@@ -91,12 +110,18 @@ def grpo_loss(new_logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages
     return -surrogate.sum(), stats
 
 
-def _groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _groups(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each completion's group numbered 0.., each group's size, whether its rewards differ at all)."""
     _, group, sizes = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n_groups = sizes.numel()
-    highest = rewards.new_zeros(n_groups).scatter_reduce(0, group, rewards, "amax", include_self=False)
-    lowest = rewards.new_zeros(n_groups).scatter_reduce(0, group, rewards, "amin", include_self=False)
+    highest = rewards.new_zeros(n_groups).scatter_reduce(
+        0, group, rewards, "amax", include_self=False
+    )
+    lowest = rewards.new_zeros(n_groups).scatter_reduce(
+        0, group, rewards, "amin", include_self=False
+    )
     return group, sizes, highest > lowest
 
 
@@ -114,14 +139,30 @@ class PackedCompletions:
     advantages: torch.Tensor
 
 
-def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]], behaviour_logps: list[list[float]],
-                     advantages: torch.Tensor, seq_len: int, pad_id: int = 0) -> PackedCompletions:
+def pack_completions(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    behaviour_logps: list[list[float]],
+    advantages: torch.Tensor,
+    seq_len: int,
+    pad_id: int = 0,
+) -> PackedCompletions:
     """Completion ``i`` after prompt ``i``, every one a document, packed into rows of ``seq_len``."""
-    documents = [np.asarray(p + c, dtype=np.int64) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    masks = [np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)] for p, c in zip(prompt_ids, completion_ids)]
-    logps = [np.r_[np.zeros(len(p)), np.asarray(lp, dtype=np.float64)] for p, lp in zip(prompt_ids, behaviour_logps)]
-    per_token = [np.r_[np.zeros(len(p)), np.full(len(c), float(a))]
-                 for p, c, a in zip(prompt_ids, completion_ids, advantages.tolist())]
+    documents = [
+        np.asarray(p + c, dtype=np.int64) for p, c in zip(prompt_ids, completion_ids, strict=True)
+    ]
+    masks = [
+        np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
+        for p, c in zip(prompt_ids, completion_ids)
+    ]
+    logps = [
+        np.r_[np.zeros(len(p)), np.asarray(lp, dtype=np.float64)]
+        for p, lp in zip(prompt_ids, behaviour_logps)
+    ]
+    per_token = [
+        np.r_[np.zeros(len(p)), np.full(len(c), float(a))]
+        for p, c, a in zip(prompt_ids, completion_ids, advantages.tolist())
+    ]
     plan = plan_best_fit_decreasing(np.array([len(d) for d in documents]), seq_len)
     packed = pack(plan, documents, masks, seq_len, pad_id)
     return PackedCompletions(

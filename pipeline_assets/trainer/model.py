@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) pair: (max_seq_len, head_dim / 2)."""
     frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), frequencies)
@@ -80,10 +82,19 @@ def document_block_mask(position_ids: torch.Tensor) -> BlockMask:
     """The mask as FlexAttention's block mask, built once per forward and shared by every layer."""
     batch, length = position_ids.shape
     build = _compiled(create_block_mask) if position_ids.is_cuda else create_block_mask
-    return build(document_causal_mask_mod(position_ids), batch, None, length, length, device=position_ids.device)
+    return build(
+        document_causal_mask_mod(position_ids),
+        batch,
+        None,
+        length,
+        length,
+        device=position_ids.device,
+    )
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask
+) -> torch.Tensor:
     """Masked attention of q, k, v (B, H, T, D): FlexAttention for a block mask, SDPA for a dense one."""
     if isinstance(mask, BlockMask):
         kernel = _compiled(flex_attention) if q.is_cuda else flex_attention
@@ -108,7 +119,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask):
         batch, length, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = attend(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, dim))
@@ -146,7 +159,9 @@ class Transformer(nn.Module):
         if config.dim % config.n_heads:
             raise ValueError(f"dim {config.dim} is not a multiple of n_heads {config.n_heads}")
         if attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"unknown attention kernel {attention_kernel!r}; choose {' or '.join(ATTENTION_KERNELS)}")
+            raise ValueError(
+                f"unknown attention kernel {attention_kernel!r}; choose {' or '.join(ATTENTION_KERNELS)}"
+            )
         self.config = config
         self.attention_kernel = attention_kernel
         self.embedding = nn.Embedding(config.vocab_size, config.dim)
@@ -154,7 +169,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.output.weight = self.embedding.weight
-        cos, sin = rotary_tables(config.dim // config.n_heads, config.max_seq_len, config.rope_theta)
+        cos, sin = rotary_tables(
+            config.dim // config.n_heads, config.max_seq_len, config.rope_theta
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -166,7 +183,11 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(parameter)
             else:
-                std = residual_std if name.endswith(("attention.out.weight", "ffn.down.weight")) else 0.02
+                std = (
+                    residual_std
+                    if name.endswith(("attention.out.weight", "ffn.down.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(parameter, mean=0.0, std=std)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -186,7 +207,10 @@ def count_parameters(model: nn.Module) -> int:
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 per weight plus attention's scores (PaLM, app. B)."""
-    weights = config.n_layers * (4 * config.dim**2 + 3 * config.dim * config.ffn_dim) + config.vocab_size * config.dim
+    weights = (
+        config.n_layers * (4 * config.dim**2 + 3 * config.dim * config.ffn_dim)
+        + config.vocab_size * config.dim
+    )
     attention = 12 * config.n_layers * config.dim * seq_len
     return 6 * weights + attention
 
@@ -199,12 +223,18 @@ def counted_targets(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torc
 
 def token_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """(B, T-1): next-token cross-entropy of every target, in fp32."""
-    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="none")
+    losses = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="none"
+    )
     return losses.view(input_ids.shape[0], -1)
 
 
-def loss_sum_and_count(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                       position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_sum_and_count(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the counted targets, and how many there are."""
     counted = counted_targets(loss_mask, position_ids)
     return (token_losses(logits, input_ids) * counted).sum(), counted.sum()

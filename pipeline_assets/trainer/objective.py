@@ -31,8 +31,9 @@ class Objective:
         """How many units of the loss's mean this batch holds (an integer tensor)."""
         raise NotImplementedError
 
-    def loss(self, logits: torch.Tensor, batch: Batch, global_units: torch.Tensor,
-             world_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, logits: torch.Tensor, batch: Batch, global_units: torch.Tensor, world_size: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(what this micro-batch backpropagates, the sums over its units of what a step reports: ``loss``
         and the objective's own metrics; divided by the global units, they are the global batch's means)."""
         raise NotImplementedError
@@ -56,7 +57,9 @@ class NextTokenPrediction(Objective):
         return counted_targets(batch["loss_mask"], batch["position_ids"]).sum()
 
     def loss(self, logits, batch, global_units, world_size):
-        loss_sum, _ = loss_sum_and_count(logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"])
+        loss_sum, _ = loss_sum_and_count(
+            logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"]
+        )
         return loss_sum * (world_size / global_units.clamp(min=1)), {"loss": loss_sum.detach()}
 
 
@@ -71,8 +74,12 @@ class DirectPreference(Objective):
         self.beta = beta
 
     def read_snapshot(self, config: TrainConfig) -> Snapshot:
-        return read_preference_snapshot(config.lake_uri, config.snapshot, config.reference_logps_version,
-                                        vocab_size=config.vocab_size)
+        return read_preference_snapshot(
+            config.lake_uri,
+            config.snapshot,
+            config.reference_logps_version,
+            vocab_size=config.vocab_size,
+        )
 
     def units(self, batch: Batch) -> torch.Tensor:
         reference = batch["reference_logps"]  # two documents a pair, checked when read
@@ -81,16 +88,26 @@ class DirectPreference(Objective):
     def loss(self, logits, batch, global_units, world_size):
         policy, reference = document_logps(logits, **_sequences(batch)), batch["reference_logps"]
         if policy.numel() != reference.numel():
-            raise ValueError(f"the policy finds {policy.numel()} documents in a batch whose reference "
-                             f"log-probabilities list {reference.numel()}: rows and reference pass disagree")
-        loss, means = dpo_loss(*chosen_and_rejected(policy), *chosen_and_rejected(reference), beta=self.beta,
-                               global_pairs=global_units, world_size=world_size)
+            raise ValueError(
+                f"the policy finds {policy.numel()} documents in a batch whose reference "
+                f"log-probabilities list {reference.numel()}: rows and reference pass disagree"
+            )
+        loss, means = dpo_loss(
+            *chosen_and_rejected(policy),
+            *chosen_and_rejected(reference),
+            beta=self.beta,
+            global_pairs=global_units,
+            world_size=world_size,
+        )
         pairs = means.pop("pairs")
         return loss, {name: mean * pairs for name, mean in means.items()}
 
     def evaluation(self, means: dict[str, float], split: str) -> dict[str, float]:
-        return {f"{split}_loss": means["loss"], "eval/preference_accuracy": means["rewards/accuracies"],
-                "eval/reward_margin": means["rewards/margins"]}
+        return {
+            f"{split}_loss": means["loss"],
+            "eval/preference_accuracy": means["rewards/accuracies"],
+            "eval/reward_margin": means["rewards/margins"],
+        }
 
 
 def build_objective(config: TrainConfig) -> Objective:

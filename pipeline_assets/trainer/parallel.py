@@ -57,7 +57,9 @@ def mixed_precision_policy(setting: str, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernel (Triton's tl.dot) needs at least 16 channels per head
+FLEX_MIN_HEAD_DIM = (
+    16  # FlexAttention's CUDA kernel (Triton's tl.dot) needs at least 16 channels per head
+)
 
 
 def attention_kernel(setting: str, device: torch.device, head_dim: int) -> str:
@@ -68,8 +70,10 @@ def attention_kernel(setting: str, device: torch.device, head_dim: int) -> str:
     if setting == "auto":
         return "flex" if flex_trains else "dense"
     if setting == "flex" and not flex_trains:
-        raise ValueError(f"--attention flex needs a CUDA device and heads of at least {FLEX_MIN_HEAD_DIM} channels "
-                         f"(this run: {device.type}, {head_dim} channels per head); use --attention auto or dense")
+        raise ValueError(
+            f"--attention flex needs a CUDA device and heads of at least {FLEX_MIN_HEAD_DIM} channels "
+            f"(this run: {device.type}, {head_dim} channels per head); use --attention auto or dense"
+        )
     return setting
 
 

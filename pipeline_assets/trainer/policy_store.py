@@ -35,25 +35,40 @@ class PolicyStore:
     def versions(self) -> list[int]:
         """Published versions, newest first."""
         found = (_VERSION_DIR.match(name) for name in self.store.folders())
-        published = [int(match.group(1)) for match in found
-                     if match and self.store.exists(f"{match.group(0)}/{MANIFEST}")]
+        published = [
+            int(match.group(1))
+            for match in found
+            if match and self.store.exists(f"{match.group(0)}/{MANIFEST}")
+        ]
         return sorted(published, reverse=True)
 
     def newest(self) -> int | None:
         versions = self.versions()
         return versions[0] if versions else None
 
-    def publish(self, version: int, model: Transformer, model_config: ModelConfig,
-                optimizer: torch.optim.Optimizer | None, about: dict) -> None:
+    def publish(
+        self,
+        version: int,
+        model: Transformer,
+        model_config: ModelConfig,
+        optimizer: torch.optim.Optimizer | None,
+        about: dict,
+    ) -> None:
         name = version_folder(version)
         folder = self.store.prepare(name)
-        files = save_exported({k: v.detach().cpu() for k, v in model.state_dict().items()}, model_config, folder,
-                              {"policy_version": version, **about})
+        files = save_exported(
+            {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            model_config,
+            folder,
+            {"policy_version": version, **about},
+        )
         if optimizer is not None:
             torch.save(optimizer.state_dict(), folder / OPTIMIZER_STATE)
             files.append(OPTIMIZER_STATE)
         self.store.upload(name, files)
-        self.store.publish(name, {"files": describe_files(folder, files), "policy_version": version, **about})
+        self.store.publish(
+            name, {"files": describe_files(folder, files), "policy_version": version, **about}
+        )
 
     def load(self, version: int, reader: str) -> tuple[Transformer, dict, Path]:
         """The model of ``version`` (its files verified), its config, and the local folder holding it."""
@@ -65,7 +80,9 @@ class PolicyStore:
 
     def optimizer_state(self, folder: Path) -> dict | None:
         path = folder / OPTIMIZER_STATE
-        return torch.load(path, weights_only=True) if path.exists() else None  # our own file, still never pickled code
+        return (
+            torch.load(path, weights_only=True) if path.exists() else None
+        )  # our own file, still never pickled code
 
     def prune(self, keep_from: int) -> None:
         """Delete versions older than ``keep_from`` (workers lagging within the staleness limit still find theirs)."""

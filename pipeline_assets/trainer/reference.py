@@ -32,20 +32,33 @@ from pipeline_assets.trainer.model import Transformer
 from pipeline_assets.trainer.score import scoring_device
 
 KEY_COLUMNS = ("split", "sequence_index")
-SHARD_COLUMN = "batch_id"  # part of the key when present: sequence_index restarts in every gold shard
+SHARD_COLUMN = (
+    "batch_id"  # part of the key when present: sequence_index restarts in every gold shard
+)
 LOGPS_TYPE = pl.List(pl.Float64)
 RANK_FILE = "reference-rank{rank}.parquet"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m pipeline_assets.trainer.reference", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=Path, required=True, help="packed preference rows to score (Parquet)")
-    parser.add_argument("--model", type=Path, required=True, help="the exported reference model's folder")
-    parser.add_argument("--out", type=Path, required=True, help="folder for each rank's reference log-probabilities")
+    parser = argparse.ArgumentParser(
+        prog="torchrun ... -m pipeline_assets.trainer.reference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--rows", type=Path, required=True, help="packed preference rows to score (Parquet)"
+    )
+    parser.add_argument(
+        "--model", type=Path, required=True, help="the exported reference model's folder"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for each rank's reference log-probabilities"
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--log-every", type=int, default=50, help="a progress line every this many batches")
+    parser.add_argument(
+        "--log-every", type=int, default=50, help="a progress line every this many batches"
+    )
     return parser.parse_args(argv)
 
 
@@ -57,15 +70,22 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_exported(args.model, device=str(device))
     where = f"rank {rank}/{world_size}"
     try:
-        logps = reference_logps(model, rows, args.batch_size, lambda done: _progress(where, done, rows.height),
-                                args.log_every)
+        logps = reference_logps(
+            model,
+            rows,
+            args.batch_size,
+            lambda done: _progress(where, done, rows.height),
+            args.log_every,
+        )
     except ValueError as error:
         raise SystemExit(f"{where}: {error}") from error
     args.out.mkdir(parents=True, exist_ok=True)
     logps.write_parquet(args.out / RANK_FILE.format(rank=rank))
     documents = int(logps[LOGPS_COLUMN].list.len().sum()) if logps.height else 0
-    print(f"{where}: reference log-probabilities of {logps.height} rows, {documents:,} documents on {device}",
-          flush=True)
+    print(
+        f"{where}: reference log-probabilities of {logps.height} rows, {documents:,} documents on {device}",
+        flush=True,
+    )
 
 
 def read_rank_rows(path: Path, rank: int, world_size: int) -> pl.DataFrame:
@@ -84,8 +104,9 @@ def key_columns(columns) -> list[str]:
 
 
 @torch.no_grad()
-def reference_logps(model: Transformer, rows: pl.DataFrame, batch_size: int = 16, progress=None,
-                    log_every: int = 50) -> pl.DataFrame:
+def reference_logps(
+    model: Transformer, rows: pl.DataFrame, batch_size: int = 16, progress=None, log_every: int = 50
+) -> pl.DataFrame:
     """rows: the key columns, input_ids, loss_mask, position_ids, pair_ids -> the key columns and
     ``reference_logps`` (one value per document, in row order), row for row. ``progress(rows_done)``
     is called every ``log_every`` batches. A ValueError names the first row whose documents are not
@@ -99,7 +120,9 @@ def reference_logps(model: Transformer, rows: pl.DataFrame, batch_size: int = 16
         _check_documents(chunk, per_row[start:])
         if progress is not None and number % log_every == 0:
             progress(start + chunk.height)
-    return rows.select(key_columns(rows.columns)).with_columns(pl.Series(LOGPS_COLUMN, per_row, dtype=LOGPS_TYPE))
+    return rows.select(key_columns(rows.columns)).with_columns(
+        pl.Series(LOGPS_COLUMN, per_row, dtype=LOGPS_TYPE)
+    )
 
 
 def read_reference_logps(out_dir: Path, expected_rows: int) -> pl.DataFrame:
@@ -112,29 +135,45 @@ def read_reference_logps(out_dir: Path, expected_rows: int) -> pl.DataFrame:
     key = key_columns(logps.columns)
     doubled = logps.filter(pl.struct(key).is_duplicated())
     if doubled.height:
-        raise ValueError(f"{doubled.n_unique(key)} row(s) scored twice, e.g. {doubled.select(key).row(0, named=True)}")
+        raise ValueError(
+            f"{doubled.n_unique(key)} row(s) scored twice, e.g. {doubled.select(key).row(0, named=True)}"
+        )
     if logps.height != expected_rows:
-        raise ValueError(f"{logps.height} rows scored in {len(parts)} rank file(s), expected {expected_rows}")
+        raise ValueError(
+            f"{logps.height} rows scored in {len(parts)} rank file(s), expected {expected_rows}"
+        )
     return logps.sort(key)
 
 
-def _batch_logps(model: Transformer, chunk: pl.DataFrame, device: torch.device) -> list[list[float]]:
+def _batch_logps(
+    model: Transformer, chunk: pl.DataFrame, device: torch.device
+) -> list[list[float]]:
     """Per row of the chunk, its documents' summed response log-probabilities."""
     width = int(chunk["input_ids"].list.len().max())
-    sequences = PackedSequences(**{name: chunk[name].list.to_array(width).to_numpy() for name in COLUMNS})
+    sequences = PackedSequences(
+        **{name: chunk[name].list.to_array(width).to_numpy() for name in COLUMNS}
+    )
     batch = sequences.batch(np.arange(chunk.height), device)
     logits = model(batch["input_ids"], batch["position_ids"])
     # row by row, so each row's documents are counted by the same rule that scores them
-    return [document_logps(logits[i:i + 1], *(batch[name][i:i + 1] for name in COLUMNS)).double().tolist()
-            for i in range(chunk.height)]
+    return [
+        document_logps(logits[i : i + 1], *(batch[name][i : i + 1] for name in COLUMNS))
+        .double()
+        .tolist()
+        for i in range(chunk.height)
+    ]
 
 
 def _check_documents(chunk: pl.DataFrame, logps: list[list[float]]) -> None:
-    for index, (pairs, documents) in enumerate(zip(chunk["pair_ids"].list.len().fill_null(0), logps)):
+    for index, (pairs, documents) in enumerate(
+        zip(chunk["pair_ids"].list.len().fill_null(0), logps)
+    ):
         if len(documents) != 2 * pairs:
             key = chunk.select(key_columns(chunk.columns)).row(index, named=True)
-            raise ValueError(f"row {key} holds {len(documents)} documents but pair_ids lists {pairs} pairs: "
-                             f"a packed row holds a chosen and a rejected document per pair")
+            raise ValueError(
+                f"row {key} holds {len(documents)} documents but pair_ids lists {pairs} pairs: "
+                f"a packed row holds a chosen and a rejected document per pair"
+            )
 
 
 def _progress(where: str, done: int, total: int) -> None:

@@ -20,7 +20,12 @@ from deltalake.exceptions import TableNotFoundError
 from pipeline_assets.contracts import ReplayBufferRow, conform, polars_schema, validate
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, Lock, S3Lease
-from pipeline_assets.lib.replay import ROLLOUT_SOURCE, StalenessPolicy, take_for_update, write_rollout_pairs
+from pipeline_assets.lib.replay import (
+    ROLLOUT_SOURCE,
+    StalenessPolicy,
+    take_for_update,
+    write_rollout_pairs,
+)
 
 TABLE = ("rl", "replay_buffer")
 _LOCK_TIMEOUT_SECONDS = 300.0
@@ -38,7 +43,9 @@ class ReplayTable:
         """Add a batch of completions (one commit)."""
         frame = validate(conform(rows, ReplayBufferRow), ReplayBufferRow)
         with self._lock():
-            write_deltalake(self.uri, frame.to_arrow(), mode="append", storage_options=self.storage_options)
+            write_deltalake(
+                self.uri, frame.to_arrow(), mode="append", storage_options=self.storage_options
+            )
 
     def read(self, run: str | None = None) -> pl.DataFrame:
         """Every row (of ``run``), or an empty frame of the contract's columns before the first append."""
@@ -49,13 +56,20 @@ class ReplayTable:
         rows = pl.from_arrow(table.to_pyarrow_table())
         return rows if run is None else rows.filter(pl.col("run") == run)
 
-    def take(self, run: str, current_version: int, policy: StalenessPolicy, now: datetime | None = None,
-             max_groups: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    def take(
+        self,
+        run: str,
+        current_version: int,
+        policy: StalenessPolicy,
+        now: datetime | None = None,
+        max_groups: int | None = None,
+    ) -> tuple[pl.DataFrame, pl.DataFrame]:
         """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops as stale
         (``lib.replay.take_for_update``), their new status written back before they are returned."""
         with self._lock():
-            consumed, dropped = take_for_update(self.read(run), current_version, policy, now=now,
-                                                max_groups=max_groups)
+            consumed, dropped = take_for_update(
+                self.read(run), current_version, policy, now=now, max_groups=max_groups
+            )
             changed = pl.concat([consumed, dropped])
             if changed.height:
                 self._merge_status(validate(conform(changed, ReplayBufferRow), ReplayBufferRow))
@@ -63,10 +77,16 @@ class ReplayTable:
 
     def _merge_status(self, changed: pl.DataFrame) -> None:
         table = DeltaTable(self.uri, storage_options=self.storage_options)
-        (table.merge(changed.select("rollout_id", *_STATUS_COLUMNS).to_arrow(), predicate="t.rollout_id = s.rollout_id",
-                     source_alias="s", target_alias="t")
-         .when_matched_update(updates={column: f"s.{column}" for column in _STATUS_COLUMNS})
-         .execute())
+        (
+            table.merge(
+                changed.select("rollout_id", *_STATUS_COLUMNS).to_arrow(),
+                predicate="t.rollout_id = s.rollout_id",
+                source_alias="s",
+                target_alias="t",
+            )
+            .when_matched_update(updates={column: f"s.{column}" for column in _STATUS_COLUMNS})
+            .execute()
+        )
 
     def _lock(self) -> Lock:
         lock_uri = uris.join(self.lake_uri, TABLE[0], f"_{TABLE[1]}.lock")
@@ -78,8 +98,9 @@ class ReplayTable:
         return S3Lease(client, lock_uri, timeout=_LOCK_TIMEOUT_SECONDS, ttl_seconds=_LEASE_SECONDS)
 
 
-
-def land_rollout_pairs(pairs: pl.DataFrame, landing_uri: str, name: str, scratch_dir: str) -> str | None:
+def land_rollout_pairs(
+    pairs: pl.DataFrame, landing_uri: str, name: str, scratch_dir: str
+) -> str | None:
     """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.replay.write_rollout_pairs``), on a local
     landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object appears at once).
     Returns where it landed; None when there are no pairs."""
@@ -93,6 +114,8 @@ def land_rollout_pairs(pairs: pl.DataFrame, landing_uri: str, name: str, scratch
 
     target = uris.join(landing_uri, ROLLOUT_SOURCE, staged.name)
     bucket, key = uris.split_s3(target)
-    boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None).upload_file(str(staged), bucket, key)
+    boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None).upload_file(
+        str(staged), bucket, key
+    )
     staged.unlink()
     return target

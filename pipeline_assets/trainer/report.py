@@ -73,7 +73,9 @@ class Reporter:
         from mlflow.data.meta_dataset import MetaDataset
 
         source = DeltaDatasetSource(path=uri, delta_table_version=version)
-        self._mlflow.log_input(MetaDataset(source, name=name, digest=f"v{version}"), context="training")
+        self._mlflow.log_input(
+            MetaDataset(source, name=name, digest=f"v{version}"), context="training"
+        )
 
     def artifact(self, path: Path) -> None:
         if self._mlflow:

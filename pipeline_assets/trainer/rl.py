@@ -41,16 +41,18 @@ from pipeline_assets.trainer.grpo import (
     pack_completions,
     zero_spread_groups,
 )
+from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
-from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.rollout import Prompts, judge, stop_token_ids
 from pipeline_assets.trainer.sampling import PAD_ID, greedy_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
 _POLL_SECONDS = 0.25
-_WARM_START_EVAL_EVERY = 5  # sft steps between held-out checks: the warm start stops just past the threshold
+_WARM_START_EVAL_EVERY = (
+    5  # sft steps between held-out checks: the warm start stops just past the threshold
+)
 METRICS_FILE = "rl_metrics.jsonl"
 
 
@@ -76,10 +78,14 @@ class Learner:
             if self.stopping:
                 return self._stopped(version)
             if taken is None:
-                return self._fail(f"no fresh rollouts within {self.config.wait_seconds:g} s at policy v{version}")
+                return self._fail(
+                    f"no fresh rollouts within {self.config.wait_seconds:g} s at policy v{version}"
+                )
             metrics = self._update(model, optimizer, taken, version)
             version += 1
-            self.policies.publish(version, model, model.config, optimizer, {"partition": self.config.partition})
+            self.policies.publish(
+                version, model, model.config, optimizer, {"partition": self.config.partition}
+            )
             self.policies.prune(keep_from=version - self.config.max_staleness - 2)
             if version % self.config.eval_every == 0 or version == self.config.updates:
                 metrics["held_out_accuracy"] = self.held_out_accuracy(model)
@@ -89,7 +95,9 @@ class Learner:
         return self._finish(version)
 
     def _stopped(self, version: int) -> int:
-        self.reporter.info(f"stopped by a signal at policy v{version}: the same command resumes from it")
+        self.reporter.info(
+            f"stopped by a signal at policy v{version}: the same command resumes from it"
+        )
         return EXIT_PREEMPTED
 
     # --- start and resume -----------------------------------------------------------------------
@@ -100,7 +108,9 @@ class Learner:
             warm_start = self._warm_start(model)
             optimizer = self._optimizer(model)
             self.policies.clear_done()
-            self.policies.publish(0, model, model.config, None, {"partition": self.config.partition, **warm_start})
+            self.policies.publish(
+                0, model, model.config, None, {"partition": self.config.partition, **warm_start}
+            )
             self.reporter.info(f"policy v0 from {self.config.init_from}: {warm_start}")
             return 0, model, optimizer
         model, _, folder = self.policies.load(newest, reader="learner")
@@ -112,7 +122,9 @@ class Learner:
         return newest, model, optimizer
 
     def _optimizer(self, model) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return torch.optim.AdamW(
+            model.parameters(), lr=self.config.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
 
     def _warm_start(self, model) -> dict:
         """A starting policy that cannot do the task (held-out accuracy below ``warm_start_accuracy``) is tuned
@@ -121,19 +133,37 @@ class Learner:
         if accuracy >= self.config.warm_start_accuracy:
             return {"warm_start_steps": 0, "warm_start_accuracy": accuracy}
         train = Prompts(self.config.lake_uri, TRAIN, self.tokenizer, self.config.tasks)
-        examples = encode_records(self.tokenizer, train.rows.select(
-            record_id="prompt_id", system=pl.lit(None, pl.String), prompt="prompt", response="ground_truth"))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.config.warm_start_lr, betas=(0.9, 0.95),
-                                      weight_decay=0.0)
+        examples = encode_records(
+            self.tokenizer,
+            train.rows.select(
+                record_id="prompt_id",
+                system=pl.lit(None, pl.String),
+                prompt="prompt",
+                response="ground_truth",
+            ),
+        )
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.config.warm_start_lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
         choice = random.Random(self.config.seed)
         step = 0
         for step in range(1, self.config.warm_start_max_steps + 1):
-            batch = examples[choice.sample(range(examples.height), min(self.config.warm_start_batch, examples.height))]
+            batch = examples[
+                choice.sample(
+                    range(examples.height), min(self.config.warm_start_batch, examples.height)
+                )
+            ]
             packed, _ = pack_records(batch, model.config.max_seq_len, PAD_ID)  # gold's packer
-            input_ids, position_ids = (torch.tensor(packed[c].to_list()) for c in ("input_ids", "position_ids"))
+            input_ids, position_ids = (
+                torch.tensor(packed[c].to_list()) for c in ("input_ids", "position_ids")
+            )
             model.train()
-            loss_sum, count = loss_sum_and_count(model(input_ids, position_ids), input_ids,
-                                                 torch.tensor(packed["loss_mask"].to_list()), position_ids)
+            loss_sum, count = loss_sum_and_count(
+                model(input_ids, position_ids),
+                input_ids,
+                torch.tensor(packed["loss_mask"].to_list()),
+                position_ids,
+            )
             optimizer.zero_grad(set_to_none=True)
             (loss_sum / count).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -142,8 +172,10 @@ class Learner:
                 accuracy = self.held_out_accuracy(model)
                 if accuracy >= self.config.warm_start_accuracy:
                     break
-        self.reporter.info(f"warm start: {step} sft step(s) on the bank's training prompts, held-out accuracy "
-                           f"{accuracy:.3f}")
+        self.reporter.info(
+            f"warm start: {step} sft step(s) on the bank's training prompts, held-out accuracy "
+            f"{accuracy:.3f}"
+        )
         return {"warm_start_steps": step, "warm_start_accuracy": accuracy}
 
     def _stop(self, signum, frame) -> None:
@@ -156,41 +188,66 @@ class Learner:
         while time.monotonic() < deadline and not self.stopping:
             pending = self.table.read(self.config.partition).filter(pl.col("status") == "pending")
             if pending["group_id"].n_unique() >= self.config.prompts_per_update:
-                consumed, stale = self.table.take(self.config.partition, version, self.staleness,
-                                                  max_groups=self.config.prompts_per_update)
+                consumed, stale = self.table.take(
+                    self.config.partition,
+                    version,
+                    self.staleness,
+                    max_groups=self.config.prompts_per_update,
+                )
                 dropped.append(stale)
                 if consumed["group_id"].n_unique() >= 1:
                     return consumed, pl.concat(dropped)
             time.sleep(_POLL_SECONDS)
         return None
 
-    def _update(self, model, optimizer, taken: tuple[pl.DataFrame, pl.DataFrame], version: int) -> dict:
+    def _update(
+        self, model, optimizer, taken: tuple[pl.DataFrame, pl.DataFrame], version: int
+    ) -> dict:
         consumed, dropped = taken
         consumed = consumed.sort("group_id", "rollout_id")
         rewards = torch.tensor(consumed["reward"].to_list(), dtype=torch.float32)
-        groups = torch.tensor((consumed["group_id"].rank("dense") - 1).to_list(), dtype=torch.long)  # 0 .. G-1
+        groups = torch.tensor(
+            (consumed["group_id"].rank("dense") - 1).to_list(), dtype=torch.long
+        )  # 0 .. G-1
         advantages = group_advantages(rewards, groups)
-        rows = pack_completions(consumed["prompt_token_ids"].to_list(), consumed["completion_token_ids"].to_list(),
-                                consumed["behaviour_logps"].to_list(), advantages, model.config.max_seq_len, PAD_ID)
+        rows = pack_completions(
+            consumed["prompt_token_ids"].to_list(),
+            consumed["completion_token_ids"].to_list(),
+            consumed["behaviour_logps"].to_list(),
+            advantages,
+            model.config.max_seq_len,
+            PAD_ID,
+        )
         model.train()
         tokens = rows.loss_mask.sum().clamp(min=1)
-        for _ in range(self.config.steps_per_update):  # the same batch, its ratio moving away from 1
+        for _ in range(
+            self.config.steps_per_update
+        ):  # the same batch, its ratio moving away from 1
             logits = model(rows.input_ids, rows.position_ids)
             new_logps = completion_logps(logits, rows.input_ids, rows.loss_mask, rows.position_ids)
-            loss_sum, stats = grpo_loss(new_logps, rows.behaviour_logps, rows.advantages, rows.loss_mask,
-                                        clip_eps=self.config.clip_eps)
+            loss_sum, stats = grpo_loss(
+                new_logps,
+                rows.behaviour_logps,
+                rows.advantages,
+                rows.loss_mask,
+                clip_eps=self.config.clip_eps,
+            )
             optimizer.zero_grad(set_to_none=True)
             (loss_sum / tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         lags = version - consumed["policy_version"]
         return {
-            "loss": float(loss_sum / tokens), "reward_mean": float(rewards.mean()),
+            "loss": float(loss_sum / tokens),
+            "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "zero_spread_share": zero_spread_groups(rewards, groups) / int(groups.max() + 1),
-            "staleness_mean": float(lags.mean()), "staleness_max": int(lags.max()),
-            "dropped_stale": dropped.height, "groups": int(groups.max() + 1),
-            "clip_fraction": float(stats["clipped"] / tokens), "approx_kl": float(stats["approx_kl"] / tokens),
+            "staleness_mean": float(lags.mean()),
+            "staleness_max": int(lags.max()),
+            "dropped_stale": dropped.height,
+            "groups": int(groups.max() + 1),
+            "clip_fraction": float(stats["clipped"] / tokens),
+            "approx_kl": float(stats["approx_kl"] / tokens),
         }
 
     # --- evaluation and reports -----------------------------------------------------------------
@@ -198,14 +255,20 @@ class Learner:
         """The share of held-out prompts whose greedy answer passes the prompt's verifier."""
         count = min(self.config.held_out_prompts, len(self.held_out))
         model.eval()
-        answers = greedy_completions(model, self.held_out.token_ids[:count], self.config.max_new_tokens, self.stop_ids)
+        answers = greedy_completions(
+            model, self.held_out.token_ids[:count], self.config.max_new_tokens, self.stop_ids
+        )
         prompts = self.held_out.rows.head(count).iter_rows(named=True)
-        right = [judge(self.tokenizer, prompt, answer, self.stop_ids).reward
-                 for prompt, answer in zip(prompts, answers, strict=True)]
+        right = [
+            judge(self.tokenizer, prompt, answer, self.stop_ids).reward
+            for prompt, answer in zip(prompts, answers, strict=True)
+        ]
         return sum(right) / count
 
     def _report(self, version: int, metrics: dict) -> None:
-        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        shown = ", ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+        )
         self.reporter.info(f"policy v{version}/{self.config.updates}: {shown}")
         self.reporter.metrics(version, {f"rl/{k}": float(v) for k, v in metrics.items()})
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,7 +278,9 @@ class Learner:
     def _finish(self, version: int) -> int:
         pairs = self._hand_off_pairs()
         self.policies.mark_done({"policy_version": version, "preference_pairs": pairs})
-        self.reporter.finish({}, succeeded=True, report=False)  # rl/policy reports from the metrics file
+        self.reporter.finish(
+            {}, succeeded=True, report=False
+        )  # rl/policy reports from the metrics file
         return 0
 
     def _hand_off_pairs(self) -> int:
@@ -223,10 +288,16 @@ class Learner:
         if not self.config.landing_uri:
             return 0
         rows = self.table.read(self.config.partition).filter(pl.col("status") == "consumed")
-        bank = pl.read_delta(f"{self.config.lake_uri.rstrip('/')}/rl/prompt_bank").select("prompt_id", "prompt")
+        bank = pl.read_delta(f"{self.config.lake_uri.rstrip('/')}/rl/prompt_bank").select(
+            "prompt_id", "prompt"
+        )
         pairs = preference_pairs_from_groups(rows, bank.unique("prompt_id"))
-        written = land_rollout_pairs(pairs, self.config.landing_uri, self.config.partition,
-                                     self.config.scratch_dir or str(self.policies.store.scratch))
+        written = land_rollout_pairs(
+            pairs,
+            self.config.landing_uri,
+            self.config.partition,
+            self.config.scratch_dir or str(self.policies.store.scratch),
+        )
         if written is not None:
             self.reporter.info(f"{pairs.height} preference pair(s) from the rollouts: {written}")
         return pairs.height

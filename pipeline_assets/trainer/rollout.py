@@ -32,7 +32,9 @@ from pipeline_assets.trainer.sampling import sample_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rollout")
 _POLL_SECONDS = 0.2
-_AHEAD_UPDATES = 1  # pending groups a worker leaves in the buffer before it waits, in updates' worth: one
+_AHEAD_UPDATES = (
+    1  # pending groups a worker leaves in the buffer before it waits, in updates' worth: one
+)
 # update ahead keeps the learner busy; two doubled the lag (and cost reward, measured on the sort task)
 
 
@@ -42,12 +44,16 @@ class Prompts:
 
     def __init__(self, lake_uri: str, split: str, tokenizer, tasks: str = ""):
         bank = pl.read_delta(f"{lake_uri.rstrip('/')}/rl/prompt_bank")
-        self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort("prompt_id")
+        self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort(
+            "prompt_id"
+        )
         if tasks:
             self.rows = self.rows.filter(pl.col("task").is_in(tasks.split(",")))
         if self.rows.is_empty():
-            raise RuntimeError(f"rl/prompt_bank holds no {split} prompt{' of ' + tasks if tasks else ''}: "
-                               "materialize it first")
+            raise RuntimeError(
+                f"rl/prompt_bank holds no {split} prompt{' of ' + tasks if tasks else ''}: "
+                "materialize it first"
+            )
         self.token_ids = encode_prompts(tokenizer, self.rows["prompt"].to_list())
 
     def __len__(self) -> int:
@@ -78,7 +84,9 @@ class RolloutWorker:
         self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
         self.prompts = Prompts(config.lake_uri, TRAIN, self.tokenizer, config.tasks)
         self.stop_ids = stop_token_ids(self.tokenizer)
-        self.choice = random.Random(f"{config.seed}:{config.worker}:{uuid.uuid4()}")  # a restarted worker draws anew
+        self.choice = random.Random(
+            f"{config.seed}:{config.worker}:{uuid.uuid4()}"
+        )  # a restarted worker draws anew
         self.generator = torch.Generator().manual_seed(self.choice.randrange(2**62))
         self.model, self.loaded = None, None
 
@@ -112,8 +120,14 @@ class RolloutWorker:
     def _batch(self, version: int, number: int) -> pl.DataFrame:
         chosen = self.choice.sample(range(len(self.prompts)), self.config.prompts_per_update)
         prompt_ids = [self.prompts.token_ids[index] for index in chosen]
-        completions = sample_completions(self.model, prompt_ids, self.config.group_size, self.config.max_new_tokens,
-                                         self.stop_ids, generator=self.generator)
+        completions = sample_completions(
+            self.model,
+            prompt_ids,
+            self.config.group_size,
+            self.config.max_new_tokens,
+            self.stop_ids,
+            generator=self.generator,
+        )
         now = datetime.now(timezone.utc)
         batch_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         rows = []
@@ -121,15 +135,30 @@ class RolloutWorker:
             prompt = self.prompts.rows.row(chosen[completion.prompt_index], named=True)
             text = completion_text(self.tokenizer, completion.token_ids)
             verdict = judge(self.tokenizer, prompt, completion.token_ids, self.stop_ids)
-            rows.append({
-                "rollout_id": f"{batch_id}-{row}", "run": self.config.partition, "group_id": f"{batch_id}-g{completion.prompt_index}",
-                "prompt_id": prompt["prompt_id"], "policy_version": version, "generated_at": now, "worker": self.name,
-                "prompt_token_ids": prompt_ids[completion.prompt_index], "completion_token_ids": completion.token_ids,
-                "behaviour_logps": completion.logps, "completion": text, "reward": verdict.reward,
-                "verifier_detail": verdict.detail, "status": PENDING, "consumed_by_version": None, "updated_at": now,
-            })
-        log.info(f"{self.name}: batch {number} with policy v{version}: mean reward "
-                 f"{sum(r['reward'] for r in rows) / len(rows):.3f}")
+            rows.append(
+                {
+                    "rollout_id": f"{batch_id}-{row}",
+                    "run": self.config.partition,
+                    "group_id": f"{batch_id}-g{completion.prompt_index}",
+                    "prompt_id": prompt["prompt_id"],
+                    "policy_version": version,
+                    "generated_at": now,
+                    "worker": self.name,
+                    "prompt_token_ids": prompt_ids[completion.prompt_index],
+                    "completion_token_ids": completion.token_ids,
+                    "behaviour_logps": completion.logps,
+                    "completion": text,
+                    "reward": verdict.reward,
+                    "verifier_detail": verdict.detail,
+                    "status": PENDING,
+                    "consumed_by_version": None,
+                    "updated_at": now,
+                }
+            )
+        log.info(
+            f"{self.name}: batch {number} with policy v{version}: mean reward "
+            f"{sum(r['reward'] for r in rows) / len(rows):.3f}"
+        )
         return pl.DataFrame(rows, schema_overrides={"consumed_by_version": pl.Int64})
 
 

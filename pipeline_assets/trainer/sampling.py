@@ -27,7 +27,9 @@ import torch.nn.functional as F
 
 from pipeline_assets.trainer.model import Transformer
 
-PAD_ID = 0  # what fills a row past its end (chat_format's <|pad|>); never attended to by a real token
+PAD_ID = (
+    0  # what fills a row past its end (chat_format's <|pad|>); never attended to by a real token
+)
 
 # Per step: (last logits (A, V) fp32 of the A running rows, their row numbers) -> (tokens (A,), logps (A,)).
 Chooser = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
@@ -57,9 +59,15 @@ class CompletionRows:
     behaviour_logps: torch.Tensor
 
 
-def sample_completions(model: Transformer, prompt_ids: list[list[int]], group_size: int, max_new_tokens: int,
-                       stop_ids: set[int], temperature: float = 1.0,
-                       generator: Generators = None) -> list[Completion]:
+def sample_completions(
+    model: Transformer,
+    prompt_ids: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    temperature: float = 1.0,
+    generator: Generators = None,
+) -> list[Completion]:
     """``group_size`` sampled completions of every prompt, prompt by prompt (row ``p * group_size + k`` is
     prompt p's k-th), each token drawn from ``softmax(logits / temperature)``.
 
@@ -69,21 +77,30 @@ def sample_completions(model: Transformer, prompt_ids: list[list[int]], group_si
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature} (greedy_completions decodes greedily)")
+        raise ValueError(
+            f"temperature must be positive, got {temperature} (greedy_completions decodes greedily)"
+        )
     rows = [prompt for prompt in prompt_ids for _ in range(group_size)]
-    tokens, logps = _decode(model, rows, max_new_tokens, stop_ids, _sampler(temperature, generator, len(rows)))
-    return [Completion(row // group_size, row_tokens, row_logps)
-            for row, (row_tokens, row_logps) in enumerate(zip(tokens, logps, strict=True))]
+    tokens, logps = _decode(
+        model, rows, max_new_tokens, stop_ids, _sampler(temperature, generator, len(rows))
+    )
+    return [
+        Completion(row // group_size, row_tokens, row_logps)
+        for row, (row_tokens, row_logps) in enumerate(zip(tokens, logps, strict=True))
+    ]
 
 
-def greedy_completions(model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int,
-                       stop_ids: set[int]) -> list[list[int]]:
+def greedy_completions(
+    model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]
+) -> list[list[int]]:
     """The most likely next token, step after step: one completion per prompt, up to and including the first
     stop token (or ``max_new_tokens`` of them)."""
     return _decode(model, prompt_ids, max_new_tokens, stop_ids, _greedy)[0]
 
 
-def completion_rows(prompt_ids: list[list[int]], completions: Sequence[Completion]) -> CompletionRows:
+def completion_rows(
+    prompt_ids: list[list[int]], completions: Sequence[Completion]
+) -> CompletionRows:
     """Each completion after its prompt, as the tensors a learner feeds the model and ``grpo_loss``."""
     sequences = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
     input_ids, position_ids, _ = right_padded(sequences)
@@ -97,7 +114,9 @@ def completion_rows(prompt_ids: list[list[int]], completions: Sequence[Completio
     return CompletionRows(input_ids, position_ids, loss_mask, behaviour_logps)
 
 
-def right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def right_padded(
+    sequences: Sequence[Sequence[int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, position_ids) (N, T) of the sequences padded with PAD_ID to the longest, and their lengths
     (N,). Positions count 0.. along each sequence and again from 0 along its padding, which is thus a
     document of its own (``model.document_ids``)."""
@@ -112,8 +131,13 @@ def right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torc
     return input_ids, position_ids, lengths
 
 
-def _decode(model: Transformer, rows: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-            choose: Chooser) -> tuple[list[list[int]], list[list[float]]]:
+def _decode(
+    model: Transformer,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    choose: Chooser,
+) -> tuple[list[list[int]], list[list[float]]]:
     """Extend every row token by token until it emits a stop token or has ``max_new_tokens`` new ones: the
     new tokens and their log-probabilities, per row."""
     _check_lengths(model, rows, max_new_tokens)
@@ -127,8 +151,11 @@ def _decode(model: Transformer, rows: list[list[int]], max_new_tokens: int, stop
             for row, token, logp in zip(running, tokens.tolist(), logps.tolist(), strict=True):
                 new_tokens[row].append(token)
                 new_logps[row].append(logp)
-            running = [row for row in running if new_tokens[row][-1] not in stop_ids
-                       and len(new_tokens[row]) < max_new_tokens]
+            running = [
+                row
+                for row in running
+                if new_tokens[row][-1] not in stop_ids and len(new_tokens[row]) < max_new_tokens
+            ]
     return new_tokens, new_logps
 
 
@@ -137,8 +164,10 @@ def _check_lengths(model: Transformer, rows: list[list[int]], max_new_tokens: in
         raise ValueError("every prompt needs at least one token")
     longest = max(map(len, rows), default=0) + max_new_tokens
     if longest > model.config.max_seq_len:
-        raise ValueError(f"a prompt plus {max_new_tokens} new tokens is {longest} tokens, more than the model's "
-                         f"max_seq_len {model.config.max_seq_len}")
+        raise ValueError(
+            f"a prompt plus {max_new_tokens} new tokens is {longest} tokens, more than the model's "
+            f"max_seq_len {model.config.max_seq_len}"
+        )
 
 
 @contextlib.contextmanager
@@ -169,14 +198,20 @@ def _greedy(logits: torch.Tensor, _: list[int]) -> tuple[torch.Tensor, torch.Ten
 def _sampler(temperature: float, generator: Generators, n_rows: int) -> Chooser:
     """Draws by inverse CDF of ``softmax(logits / temperature)``, one uniform per running row and step."""
     if isinstance(generator, Sequence) and len(generator) != n_rows:
-        raise ValueError(f"got {len(generator)} generators for {n_rows} rows; pass one per row, or a single one")
+        raise ValueError(
+            f"got {len(generator)} generators for {n_rows} rows; pass one per row, or a single one"
+        )
 
     def choose(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs = F.log_softmax(logits / temperature, dim=-1)
         cdf = log_probs.double().exp().cumsum(dim=-1)
         targets = _uniforms(generator, rows).to(cdf.device) * cdf[:, -1]
         # right=True: the first token whose cdf exceeds the target, so never one of probability 0.
-        tokens = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+        tokens = (
+            torch.searchsorted(cdf, targets[:, None], right=True)
+            .squeeze(-1)
+            .clamp(max=cdf.shape[-1] - 1)
+        )
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
     return choose

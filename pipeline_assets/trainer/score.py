@@ -25,12 +25,24 @@ from pipeline_assets.trainer.export import load_exported
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m pipeline_assets.trainer.score", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=Path, required=True, help="packed sequences to score (Parquet)")
-    parser.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
-                        help="an exported model folder, named; repeat for each model")
-    parser.add_argument("--out", type=Path, required=True, help="folder for each model's and rank's losses")
+    parser = argparse.ArgumentParser(
+        prog="torchrun ... -m pipeline_assets.trainer.score",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--rows", type=Path, required=True, help="packed sequences to score (Parquet)"
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="an exported model folder, named; repeat for each model",
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for each model's and rank's losses"
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--batch-size", type=int, default=16)
     return parser.parse_args(argv)
@@ -40,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = scoring_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
-    rows = pl.read_parquet(args.rows, columns=list(SCORED_COLUMNS)).gather_every(world_size, offset=rank)
+    rows = pl.read_parquet(args.rows, columns=list(SCORED_COLUMNS)).gather_every(
+        world_size, offset=rank
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     for named in args.model:
         name, _, folder = named.partition("=")
@@ -48,9 +62,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--model takes NAME=DIR, got {named!r}")
         model, _ = load_exported(Path(folder), device=str(device))
         losses = packed_document_losses(model, rows, args.batch_size)
-        losses.write_parquet(args.out / f"{name}-rank{rank}.parquet")  # the name evaluation's asset reads
-        print(f"rank {rank}/{world_size}: {name} scored {rows.height} sequences, {int(losses['tokens'].sum()):,} tokens "
-              f"on {device}", flush=True)
+        losses.write_parquet(
+            args.out / f"{name}-rank{rank}.parquet"
+        )  # the name evaluation's asset reads
+        print(
+            f"rank {rank}/{world_size}: {name} scored {rows.height} sequences, {int(losses['tokens'].sum()):,} tokens "
+            f"on {device}",
+            flush=True,
+        )
 
 
 def scoring_device(choice: str, local_rank: int) -> torch.device:

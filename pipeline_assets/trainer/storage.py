@@ -33,7 +33,10 @@ def sha256_file(path: Path) -> str:
 
 
 def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in names}
+    return {
+        name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+        for name in names
+    }
 
 
 def local_scratch(configured: str = "") -> str:
@@ -94,7 +97,11 @@ class CheckpointStore:
         return sorted(steps, reverse=True)
 
     def partial_folders(self) -> list[str]:
-        return [name for name in self._folders() if _STEP_DIR.match(name) and not self.exists(f"{name}/{MANIFEST}")]
+        return [
+            name
+            for name in self._folders()
+            if _STEP_DIR.match(name) and not self.exists(f"{name}/{MANIFEST}")
+        ]
 
     def fetch_verified(self, name: str, reader: str = "main") -> tuple[Path | None, str]:
         """A local folder holding ``name`` with every file matching the manifest, or (None, why not).
@@ -119,7 +126,10 @@ class CheckpointStore:
             if not path.exists():
                 return None, f"{file} is missing"
             if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
-                return None, f"{file} does not match its checksum in {MANIFEST}: refused, nothing of it is loaded"
+                return (
+                    None,
+                    f"{file} does not match its checksum in {MANIFEST}: refused, nothing of it is loaded",
+                )
         return folder, ""
 
     def clear(self) -> None:
@@ -143,7 +153,9 @@ class CheckpointStore:
             shutil.rmtree(Path(self.uri) / name, ignore_errors=True)
             return
         bucket, key = uris.split_s3(self.folder_uri(name))
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/"):
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=f"{key}/"
+        ):
             for item in page.get("Contents", []):
                 self.client.delete_object(Bucket=bucket, Key=item["Key"])
 
@@ -151,7 +163,11 @@ class CheckpointStore:
         """Files, bytes and the newest modification (epoch seconds) under folder ``name`` (the whole
         partition when empty); (0, 0, 0.0) when there is nothing."""
         objects = list(self._objects(name))
-        return len(objects), sum(size for size, _ in objects), max((mtime for _, mtime in objects), default=0.0)
+        return (
+            len(objects),
+            sum(size for size, _ in objects),
+            max((mtime for _, mtime in objects), default=0.0),
+        )
 
     def remove(self, name: str = "") -> tuple[int, int]:
         """Delete folder ``name`` (the whole partition when empty); the files and bytes it held."""
@@ -169,7 +185,9 @@ class CheckpointStore:
                     yield stat.st_size, stat.st_mtime
             return
         bucket, key = uris.split_s3(uris.join(self.uri, name))
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/"):
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=f"{key}/"
+        ):
             for item in page.get("Contents", []):
                 yield item["Size"], item["LastModified"].timestamp()
 
@@ -202,7 +220,9 @@ class CheckpointStore:
         if not self.is_s3:
             return (Path(self.uri) / relative).exists()
         bucket, key = uris.split_s3(uris.join(self.uri, relative))
-        return self.client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("KeyCount", 0) > 0
+        return (
+            self.client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("KeyCount", 0) > 0
+        )
 
     # --- internals ------------------------------------------------------------------------------
     def _folders(self) -> list[str]:
@@ -211,8 +231,13 @@ class CheckpointStore:
             return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
         bucket, key = uris.split_s3(self.uri)
         names = set()
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/", Delimiter="/"):
-            names.update(prefix["Prefix"][len(key) + 1:].rstrip("/") for prefix in page.get("CommonPrefixes", []))
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=f"{key}/", Delimiter="/"
+        ):
+            names.update(
+                prefix["Prefix"][len(key) + 1 :].rstrip("/")
+                for prefix in page.get("CommonPrefixes", [])
+            )
         return sorted(names)
 
     @property
@@ -220,5 +245,7 @@ class CheckpointStore:
         if self._client is None:
             import boto3  # only S3 stores need it
 
-            self._client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+            self._client = boto3.client(
+                "s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None
+            )
         return self._client

@@ -27,11 +27,24 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
+from pipeline_assets.lib.charts import loss_curve_png
+from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.checkpoint import Checkpointer
-from pipeline_assets.trainer.config import EXIT_PREEMPTED, PRESETS, TrainConfig, architecture_flags, parse_args
+from pipeline_assets.trainer.config import (
+    EXIT_PREEMPTED,
+    PRESETS,
+    TrainConfig,
+    architecture_flags,
+    parse_args,
+)
 from pipeline_assets.trainer.data import rank_micro_batches, stream_indexes, validation_shard
 from pipeline_assets.trainer.export import exported_config, load_weights, save_exported
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
@@ -44,8 +57,6 @@ from pipeline_assets.trainer.parallel import (
     mixed_precision_policy,
     shard_model,
 )
-from pipeline_assets.lib.charts import loss_curve_png
-from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.storage import CheckpointStore, describe_files
 
@@ -63,7 +74,9 @@ class Progress:
 
     step: int = 0
     position: int = 0  # training sequences consumed: the loader's place in its stream
-    best_validation_loss: float = math.inf  # on the config's eval_split (the name predates the search split)
+    best_validation_loss: float = (
+        math.inf
+    )  # on the config's eval_split (the name predates the search split)
     history: list = field(default_factory=list)
 
 
@@ -88,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code, metadata = Trainer(config, env, reporter).run()
     except Exception as exc:
-        log.error(redact(f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        log.error(
+            redact(
+                f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            )
+        )
         if reporter:
             reporter.finish({}, succeeded=False)
         return 1
@@ -103,13 +120,19 @@ class Trainer:
         self.config, self.env, self.reporter = config, env, reporter
         self.objective = build_objective(config)
         self.snapshot = self.objective.read_snapshot(config)
-        self.model_config = dataclasses.replace(PRESETS[config.preset], vocab_size=config.vocab_size,
-                                                max_seq_len=self.snapshot.seq_len, dim=config.width or PRESETS[config.preset].dim)
+        self.model_config = dataclasses.replace(
+            PRESETS[config.preset],
+            vocab_size=config.vocab_size,
+            max_seq_len=self.snapshot.seq_len,
+            dim=config.width or PRESETS[config.preset].dim,
+        )
         head_dim = self.model_config.dim // self.model_config.n_heads
         self.attention_kernel = attention_kernel(config.attention, env.device, head_dim)
         if config.eval_split == "search" and self.eval_sequences == 0:
-            raise ValueError(f"{self.snapshot.manifest.key} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
-                             f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
+            raise ValueError(
+                f"{self.snapshot.manifest.key} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
+                f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot"
+            )
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config, self.attention_kernel).to(env.device)
         if config.init_from:
@@ -119,7 +142,9 @@ class Trainer:
         self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(config))
         self.store = CheckpointStore(config.checkpoint_uri, config.partition, config.scratch_dir)
-        self.checkpointer = Checkpointer(self.store, env.checkpoint_group, keep=config.keep_checkpoints)
+        self.checkpointer = Checkpointer(
+            self.store, env.checkpoint_group, keep=config.keep_checkpoints
+        )
         self.progress = Progress()
         self.global_batch = config.global_batch(env.world_size)
         self.stop = StopSignal()
@@ -128,13 +153,17 @@ class Trainer:
     def run(self) -> tuple[int, dict]:
         self._resume()
         self._announce()
-        throughput = Throughput(tokens_per_step=self.global_batch * self.snapshot.seq_len,
-                                flops_per_token=flops_per_token(self.model_config, self.snapshot.seq_len),
-                                peak_flops=peak_flops(self.env.device) * self.env.world_size)
+        throughput = Throughput(
+            tokens_per_step=self.global_batch * self.snapshot.seq_len,
+            flops_per_token=flops_per_token(self.model_config, self.snapshot.seq_len),
+            peak_flops=peak_flops(self.env.device) * self.env.world_size,
+        )
         last_save = time.monotonic()
         while self.progress.step < self.config.steps:
-            stop, time_due = self._vote(self.stop.received,
-                                        time.monotonic() - last_save > self.config.checkpoint_every_minutes * 60)
+            stop, time_due = self._vote(
+                self.stop.received,
+                time.monotonic() - last_save > self.config.checkpoint_every_minutes * 60,
+            )
             if stop:
                 return self._stop_for_signal(), {}
             metrics, grad_norm = self._train_step()
@@ -146,7 +175,11 @@ class Trainer:
             if step % self.config.eval_every == 0 or step == self.config.steps:
                 held_out_loss = self._validate()
                 throughput.restart()
-            if step % self.config.checkpoint_every_steps == 0 or time_due or step == self.config.steps:
+            if (
+                step % self.config.checkpoint_every_steps == 0
+                or time_due
+                or step == self.config.steps
+            ):
                 self._save(held_out_loss, final=step == self.config.steps)
                 last_save = time.monotonic()
                 throughput.restart()
@@ -155,9 +188,18 @@ class Trainer:
 
     def _train_step(self) -> tuple[dict[str, float], float]:
         config, env = self.config, self.env
-        micro_batches = [self.snapshot.train.batch(indexes, env.device) for indexes in rank_micro_batches(
-            len(self.snapshot.train), config.seed, self.progress.position, env.rank, env.world_size,
-            config.micro_batch_size, config.grad_accum_steps)]
+        micro_batches = [
+            self.snapshot.train.batch(indexes, env.device)
+            for indexes in rank_micro_batches(
+                len(self.snapshot.train),
+                config.seed,
+                self.progress.position,
+                env.rank,
+                env.world_size,
+                config.micro_batch_size,
+                config.grad_accum_steps,
+            )
+        ]
         metrics = self.accumulate_gradients(micro_batches)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
         if isinstance(grad_norm, DTensor):
@@ -173,7 +215,9 @@ class Trainer:
         """Gradients of the global batch's mean loss; returns that loss."""
         return self.accumulate_gradients(micro_batches)["loss"]
 
-    def accumulate_gradients(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def accumulate_gradients(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
         """Gradients of the global batch's mean loss (per loss token for SFT, per pair for DPO); returns
         that loss and the objective's other metrics, means over the global batch.
 
@@ -210,7 +254,9 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         self.model.eval()
         for start in range(0, len(mine), self.config.micro_batch_size):
-            batch = held_out.batch(mine[start:start + self.config.micro_batch_size], self.env.device)
+            batch = held_out.batch(
+                mine[start : start + self.config.micro_batch_size], self.env.device
+            )
             batch_units = self.objective.units(batch)
             logits = self.model(batch["input_ids"], batch["position_ids"])
             _, batch_sums = self.objective.loss(logits, batch, batch_units, 1)
@@ -221,15 +267,23 @@ class Trainer:
         metrics = self.objective.evaluation(self._global_means(sums, units), split)
         self._report_metrics(metrics)
         loss = metrics[f"{split}_loss"]
-        others = "".join(f", {name} {value:.4f}" for name, value in metrics.items() if name != f"{split}_loss")
-        self._info(f"step {self.progress.step}: {split} loss {loss:.4f}{others} over {usable} sequences")
+        others = "".join(
+            f", {name} {value:.4f}" for name, value in metrics.items() if name != f"{split}_loss"
+        )
+        self._info(
+            f"step {self.progress.step}: {split} loss {loss:.4f}{others} over {usable} sequences"
+        )
         return loss
 
     @property
     def eval_sequences(self) -> int:
         """How many held-out sequences each evaluation scores: a whole number per rank."""
         held_out = len(self.snapshot.held_out(self.config.eval_split))
-        return min(held_out, self.config.eval_max_sequences) // self.env.world_size * self.env.world_size
+        return (
+            min(held_out, self.config.eval_max_sequences)
+            // self.env.world_size
+            * self.env.world_size
+        )
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -247,10 +301,14 @@ class Trainer:
             self.progress.best_validation_loss = validation_loss
         extra = {"validation_loss": validation_loss} if validation_loss is not None else {}
         asynchronous = self.config.async_checkpoint and not final
-        blocked = self.checkpointer.save(self.progress.step, self._state(), extra, asynchronous=asynchronous)
+        blocked = self.checkpointer.save(
+            self.progress.step, self._state(), extra, asynchronous=asynchronous
+        )
         self._report_metrics({"checkpoint_blocking_seconds": blocked})
         mode = "asynchronous" if asynchronous else "synchronous"
-        self._info(f"step {self.progress.step}: {mode} checkpoint save blocked training for {blocked:.3f}s")
+        self._info(
+            f"step {self.progress.step}: {mode} checkpoint save blocked training for {blocked:.3f}s"
+        )
 
     def _resume(self) -> None:
         state = self._state()
@@ -258,20 +316,29 @@ class Trainer:
         if step is None:
             self._info(f"no checkpoint under {self.store.uri}: starting from step 0")
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.progress = Progress(**state["progress"])
         torch.set_rng_state(state[f"rng/rank{self.env.rank}"])
-        self._info(f"resumed from {self.store.folder_uri(f'step-{step}')}: step {step}, "
-                   f"{self.progress.position} sequences consumed")
+        self._info(
+            f"resumed from {self.store.folder_uri(f'step-{step}')}: step {step}, "
+            f"{self.progress.position} sequences consumed"
+        )
 
     def _stop_for_signal(self) -> int:
         """Every rank saw the vote: save this step synchronously, then exit for a later resume."""
         if self.checkpointer.saved_step != self.progress.step:
             self.checkpointer.save(self.progress.step, self._state(), {}, asynchronous=False)
         self.checkpointer.finish()  # publishes this step's save if it was still in flight
-        self._warning(f"stopped by a signal at step {self.progress.step}; checkpoint step-{self.progress.step} "
-                      "is saved: run the same command again to resume")
+        self._warning(
+            f"stopped by a signal at step {self.progress.step}; checkpoint step-{self.progress.step} "
+            "is saved: run the same command again to resume"
+        )
         return EXIT_PREEMPTED
 
     def _vote(self, *flags: bool) -> list[bool]:
@@ -283,16 +350,24 @@ class Trainer:
     # --- the end --------------------------------------------------------------------------------
     def _finish(self) -> dict:
         """Export the consolidated model and say what was produced."""
-        full_state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         export_uri = self.store.folder_uri("final")
         metadata = {}
         if self.env.rank == 0:
             folder = self.store.prepare("final")
-            about = {"snapshot": self.config.snapshot, "partition": self.config.partition, "steps": self.progress.step,
-                     "objective": self.config.objective, **self.snapshot.about(),
-                     "eval_split": self.config.eval_split, "eval_sequences": self.eval_sequences,
-                     **self._last_evaluation(),
-                     f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss)}
+            about = {
+                "snapshot": self.config.snapshot,
+                "partition": self.config.partition,
+                "steps": self.progress.step,
+                "objective": self.config.objective,
+                **self.snapshot.about(),
+                "eval_split": self.config.eval_split,
+                "eval_sequences": self.eval_sequences,
+                **self._last_evaluation(),
+                f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss),
+            }
             files = save_exported(full_state, self.model_config, folder, about)
             metadata = self._summary(export_uri, folder)
             files += [LOSS_CURVE] if (folder / LOSS_CURVE).exists() else []
@@ -327,11 +402,19 @@ class Trainer:
             **self._last_evaluation(),
         }
         if self.reporter:
-            self.reporter.tags({"export_uri": export_uri, "best_checkpoint_uri": summary["best_checkpoint_uri"],
-                                "checkpoint_uris": json.dumps(self.checkpointer.published[-20:])})
-            picture = loss_curve_png(history, export_folder / LOSS_CURVE,
-                                     f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)",
-                                     self.objective.loss_unit)
+            self.reporter.tags(
+                {
+                    "export_uri": export_uri,
+                    "best_checkpoint_uri": summary["best_checkpoint_uri"],
+                    "checkpoint_uris": json.dumps(self.checkpointer.published[-20:]),
+                }
+            )
+            picture = loss_curve_png(
+                history,
+                export_folder / LOSS_CURVE,
+                f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)",
+                self.objective.loss_unit,
+            )
             if picture:
                 self.reporter.artifact(picture)
         return summary
@@ -345,18 +428,36 @@ class Trainer:
     # --- reporting ------------------------------------------------------------------------------
     def _announce(self) -> None:
         config = self.config
-        self._info(f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size {self.env.world_size} "
-                   f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
-                   f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
-                   f"({self.snapshot.manifest.key}), steps {self.progress.step} -> {config.steps}")
-        self._info(f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention {config.attention})")
+        self._info(
+            f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size {self.env.world_size} "
+            f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
+            f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
+            f"({self.snapshot.manifest.key}), steps {self.progress.step} -> {config.steps}"
+        )
+        self._info(
+            f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention {config.attention})"
+        )
         if self.reporter and self.progress.step == 0:
-            self.reporter.params({**dataclasses.asdict(config), "world_size": self.env.world_size,
-                                  "parameters": self.n_parameters, "global_batch": self.global_batch,
-                                  "seq_len": self.snapshot.seq_len, "model": dataclasses.asdict(self.model_config)})
-            self.reporter.tags({"partition": config.partition, **self.snapshot.about(),
-                                "torch_version": torch.__version__, "device": _device_name(self.env.device),
-                                "backend": self.env.backend, "attention_kernel": self.attention_kernel})
+            self.reporter.params(
+                {
+                    **dataclasses.asdict(config),
+                    "world_size": self.env.world_size,
+                    "parameters": self.n_parameters,
+                    "global_batch": self.global_batch,
+                    "seq_len": self.snapshot.seq_len,
+                    "model": dataclasses.asdict(self.model_config),
+                }
+            )
+            self.reporter.tags(
+                {
+                    "partition": config.partition,
+                    **self.snapshot.about(),
+                    "torch_version": torch.__version__,
+                    "device": _device_name(self.env.device),
+                    "backend": self.env.backend,
+                    "attention_kernel": self.attention_kernel,
+                }
+            )
             for uri, version, name in self.snapshot.inputs(config.lake_uri):
                 self.reporter.dataset(uri, version, name)
             self.reporter.tags({"first_batch_sha256": self.first_batch_fingerprint})
@@ -366,16 +467,25 @@ class Trainer:
         """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data order."""
         first = stream_indexes(len(self.snapshot.train), self.config.seed, 0, self.global_batch)
         token_ids = self.snapshot.train.batch(first, torch.device("cpu"))["input_ids"].numpy()
-        return hashlib.sha256(np.ascontiguousarray(token_ids.astype(np.int32)).tobytes()).hexdigest()
+        return hashlib.sha256(
+            np.ascontiguousarray(token_ids.astype(np.int32)).tobytes()
+        ).hexdigest()
 
     def _log_step(self, metrics: dict[str, float], grad_norm: float, speed: dict) -> None:
         """``metrics``: the objective's, ``loss`` first."""
-        values = {**metrics, "learning_rate": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, **speed}
+        values = {
+            **metrics,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            **speed,
+        }
         self._report_metrics(values)
         objective = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
         mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
-        self._info(f"step {self.progress.step}/{self.config.steps}: {objective}, lr {values['learning_rate']:.2e}, "
-                   f"grad norm {grad_norm:.3f}, {speed['tokens_per_second']:,.0f} tokens/s{mfu}")
+        self._info(
+            f"step {self.progress.step}/{self.config.steps}: {objective}, lr {values['learning_rate']:.2e}, "
+            f"grad norm {grad_norm:.3f}, {speed['tokens_per_second']:,.0f} tokens/s{mfu}"
+        )
 
     def _report_metrics(self, values: dict) -> None:
         row = {"step": self.progress.step, **values}
@@ -393,15 +503,23 @@ class Trainer:
 def _load_initial_weights(model: Transformer, folder: str) -> None:
     """Start from an exported model (``init_from``) of the run's architecture; any other is refused."""
     exported = exported_config(Path(folder))["model"]
-    wanted = {**dataclasses.asdict(model.config), "max_seq_len": exported["max_seq_len"]}  # rotary tables: not weights
+    wanted = {
+        **dataclasses.asdict(model.config),
+        "max_seq_len": exported["max_seq_len"],
+    }  # rotary tables: not weights
     if exported != wanted:
-        raise ValueError(f"--init-from {folder} holds a model of another architecture ({_shape(exported)}) than this "
-                         f"run's ({_shape(wanted)}): {_flags_for(exported)}")
+        raise ValueError(
+            f"--init-from {folder} holds a model of another architecture ({_shape(exported)}) than this "
+            f"run's ({_shape(wanted)}): {_flags_for(exported)}"
+        )
     load_weights(model, Path(folder), device=str(next(model.parameters()).device))
 
 
 def _shape(model: dict) -> str:
-    return ", ".join(f"{name} {model[name]}" for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_multiple"))
+    return ", ".join(
+        f"{name} {model[name]}"
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_multiple")
+    )
 
 
 def _flags_for(model: dict) -> str:
@@ -409,7 +527,9 @@ def _flags_for(model: dict) -> str:
         flags = architecture_flags(model)
     except ValueError:
         return "no preset builds it"
-    return "run with " + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in flags.items())
+    return "run with " + ", ".join(
+        f"--{name.replace('_', '-')} {value}" for name, value in flags.items()
+    )
 
 
 def _add(sums: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> None:
@@ -421,8 +541,13 @@ def _adamw(model: torch.nn.Module, config: TrainConfig, fused: bool) -> torch.op
     """Weight decay on matrices only; norms' gains are left alone."""
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": config.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused or None)
+    groups = [
+        {"params": matrices, "weight_decay": config.weight_decay},
+        {"params": vectors, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused or None
+    )
 
 
 def _warmup_cosine(config: TrainConfig):
@@ -432,7 +557,9 @@ def _warmup_cosine(config: TrainConfig):
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
         progress = (step - config.warmup_steps) / max(1, horizon - config.warmup_steps)
-        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * min(progress, 1.0))
+        )
 
     return factor
 
@@ -446,6 +573,9 @@ def _device_name(device: torch.device) -> str:
 
 
 def _configure_logging(rank: int) -> None:
-    logging.basicConfig(stream=sys.stderr, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
-                        level=logging.INFO if rank == 0 else logging.WARNING, force=True)
-
+    logging.basicConfig(
+        stream=sys.stderr,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        force=True,
+    )

@@ -34,7 +34,8 @@ def materialize_bronze(instance, resources, batch_id: str, **overrides):
 
 def checks_by_name(result) -> dict[str, AssetCheckEvaluation]:
     return {
-        f"{e.asset_key.to_user_string()}:{e.check_name}": e for e in result.get_asset_check_evaluations()
+        f"{e.asset_key.to_user_string()}:{e.check_name}": e
+        for e in result.get_asset_check_evaluations()
     }
 
 

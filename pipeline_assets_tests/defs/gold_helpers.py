@@ -26,22 +26,46 @@ class GoldRuns:
 
 
 def build_tokenizer(instance, resources, upstream):
-    return materialize([*upstream, *GOLD], selection=[gold_tokenizer], instance=instance, resources=resources,
-                       raise_on_error=False)
+    return materialize(
+        [*upstream, *GOLD],
+        selection=[gold_tokenizer],
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+    )
 
 
 def build_shards(instance, resources, upstream, batches: list[str] | None = None) -> dict:
-    batches = batches if batches is not None else instance.get_dynamic_partitions(ingest_batches.name)
-    return {batch: materialize([*upstream, *GOLD], selection=[gold_sequences], partition_key=batch, instance=instance,
-                               resources=resources, raise_on_error=False) for batch in batches}
+    batches = (
+        batches if batches is not None else instance.get_dynamic_partitions(ingest_batches.name)
+    )
+    return {
+        batch: materialize(
+            [*upstream, *GOLD],
+            selection=[gold_sequences],
+            partition_key=batch,
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+        for batch in batches
+    }
 
 
 def cut_snapshot(instance, resources, upstream, tags: dict | None = None):
-    return materialize([*upstream, *GOLD], selection=[gold_snapshots], instance=instance, resources=resources,
-                       raise_on_error=False, tags=tags)
+    return materialize(
+        [*upstream, *GOLD],
+        selection=[gold_snapshots],
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+        tags=tags,
+    )
 
 
-def build_gold(instance, resources, upstream, batches: list[str] | None = None, tags: dict | None = None) -> GoldRuns:
+def build_gold(
+    instance, resources, upstream, batches: list[str] | None = None, tags: dict | None = None
+) -> GoldRuns:
     """The tokenizer, every (or these) batch's shard, and a snapshot of them; stops at the first failure."""
     runs = GoldRuns(tokenizer=build_tokenizer(instance, resources, upstream))
     if not runs.success:

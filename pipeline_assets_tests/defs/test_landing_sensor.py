@@ -27,7 +27,9 @@ def _tick(instance, resources):
 def test_first_tick_requests_one_run_for_one_batch(instance, resources, landing_dir):
     write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(3)])
     write_landing_file(landing_dir, "logs", "l.jsonl.gz", [record(i) for i in range(3)])
-    write_landing_file(landing_dir, "logs", "_upload_in_progress.jsonl", [record(9)])  # hidden: not data
+    write_landing_file(
+        landing_dir, "logs", "_upload_in_progress.jsonl", [record(9)]
+    )  # hidden: not data
     result = _tick(instance, resources)
     assert isinstance(result, SensorResult) and len(result.run_requests) == 1
     request = result.run_requests[0]
@@ -53,11 +55,14 @@ def test_new_file_makes_a_new_batch(instance, resources, landing_dir):
     assert second > first
     manifest = resources["lake"].read("landing", "manifest").sort("batch_id")
     assert manifest.select("batch_id", "uri").rows() == [
-        (first, str(landing_dir / "annotate" / "a.jsonl")), (second, str(landing_dir / "annotate" / "b.jsonl"))
+        (first, str(landing_dir / "annotate" / "a.jsonl")),
+        (second, str(landing_dir / "annotate" / "b.jsonl")),
     ]
 
 
-def test_touched_file_is_not_reingested_and_changed_file_is_reported(instance, resources, landing_dir):
+def test_touched_file_is_not_reingested_and_changed_file_is_reported(
+    instance, resources, landing_dir
+):
     path = write_landing_file(landing_dir, "annotate", "a.jsonl", [record(1)])
     first = _tick(instance, resources).run_requests[0].partition_key
     os.utime(path, ns=(1, 1))  # same bytes, new mtime

@@ -18,7 +18,13 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.engine import RayEngine
 from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
-from pipeline_assets.resources import EvalSetsResource, GoldPolicy, LakeResource, LandingResource, SilverPolicy
+from pipeline_assets.resources import (
+    EvalSetsResource,
+    GoldPolicy,
+    LakeResource,
+    LandingResource,
+    SilverPolicy,
+)
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 
@@ -34,10 +40,16 @@ def batches() -> list[list[dict]]:
     rng = random.Random(11)
     batches = []
     for batch in range(BATCHES):
-        rows = [record(i, response=" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))))
-                for i in range(batch * 1000, batch * 1000 + 150)]
+        rows = [
+            record(i, response=" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))))
+            for i in range(batch * 1000, batch * 1000 + 150)
+        ]
         rows[3]["response"] = " ".join(rng.choice(WORDS) for _ in range(120))
-        rows[7] = {**rows[3], "id": rows[7]["id"], "response": rows[3]["response"] + " again"}  # one word more
+        rows[7] = {
+            **rows[3],
+            "id": rows[7]["id"],
+            "response": rows[3]["response"] + " again",
+        }  # one word more
         batches.append(rows)
     for rows in batches[1:]:
         rows[11] = {**batches[0][0], "id": rows[11]["id"]}
@@ -49,13 +61,23 @@ def two_node_cluster():
     """A head and a worker node, one CPU each, in this test's process tree."""
     from ray.cluster_utils import Cluster
 
-    folder = Path(tempfile.mkdtemp(prefix="ray-"))  # short: Ray's socket paths must fit in 107 bytes
+    folder = Path(
+        tempfile.mkdtemp(prefix="ray-")
+    )  # short: Ray's socket paths must fit in 107 bytes
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")  # no token file under the user's home
         env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        env.setenv("RAY_TMPDIR", str(folder))  # Ray's session files, and the address file of the newest cluster
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "include_dashboard": False, "object_store_memory": 200 * 1024**2})
+        env.setenv(
+            "RAY_TMPDIR", str(folder)
+        )  # Ray's session files, and the address file of the newest cluster
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "object_store_memory": 200 * 1024**2,
+            },
+        )
         cluster.add_node(num_cpus=1, object_store_memory=200 * 1024**2)
         try:
             yield cluster.address
@@ -76,7 +98,9 @@ def tokenizer_file(batches, tmp_path_factory) -> str:
     return str(path)
 
 
-def _landing_to_gold(root, rows_by_batch, instance, tokenizer_file) -> tuple[dict[str, pl.DataFrame], list[dict]]:
+def _landing_to_gold(
+    root, rows_by_batch, instance, tokenizer_file
+) -> tuple[dict[str, pl.DataFrame], list[dict]]:
     """Each batch from landing to its gold shard, one run a batch; the tables by record origin, and
     each run's silver and gold metadata."""
     landing_dir = root / "landing"
@@ -90,44 +114,86 @@ def _landing_to_gold(root, rows_by_batch, instance, tokenizer_file) -> tuple[dic
     }
     (root / "eval").mkdir(parents=True, exist_ok=True)
     assets = [eval_sets, bronze, silver, gold_tokenizer, gold_sequences]
-    assert materialize(assets, selection=[gold_tokenizer], instance=instance, resources=resources).success
+    assert materialize(
+        assets, selection=[gold_tokenizer], instance=instance, resources=resources
+    ).success
     metadata = []
     for number, rows in enumerate(rows_by_batch):
         write_landing_file(landing_dir, "synth", f"part-{number}.jsonl", rows)
         batch = register(instance, resources)
-        result = materialize(assets, selection=[eval_sets, bronze, silver, gold_sequences], partition_key=batch,
-                             instance=instance, resources=resources)
+        result = materialize(
+            assets,
+            selection=[eval_sets, bronze, silver, gold_sequences],
+            partition_key=batch,
+            instance=instance,
+            resources=resources,
+        )
         assert result.success
-        metadata.append({step: {k: v.value for k, v in result.asset_materializations_for_node(step)[0].metadata.items()}
-                         for step in ("silver", "gold__sequences")})
+        metadata.append(
+            {
+                step: {
+                    k: v.value
+                    for k, v in result.asset_materializations_for_node(step)[0].metadata.items()
+                }
+                for step in ("silver", "gold__sequences")
+            }
+        )
     lake = resources["lake"]
-    where = {rid: f"{file}:{line}" for rid, file, line in lake.read("bronze", "records").select("record_id", "source_file", "source_line").iter_rows()}
-    tables = {name: _by_origin(lake.read("silver", name), where) for name in ("records", "rejects", "minhash_index", "minhash_bands")}
-    return {**tables, "gold/sequences": _sequences_by_origin(lake.read("gold", "sequences"), where)}, metadata
+    where = {
+        rid: f"{file}:{line}"
+        for rid, file, line in lake.read("bronze", "records")
+        .select("record_id", "source_file", "source_line")
+        .iter_rows()
+    }
+    tables = {
+        name: _by_origin(lake.read("silver", name), where)
+        for name in ("records", "rejects", "minhash_index", "minhash_bands")
+    }
+    return {
+        **tables,
+        "gold/sequences": _sequences_by_origin(lake.read("gold", "sequences"), where),
+    }, metadata
 
 
 def _sequences_by_origin(sequences: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
     """Each shard's sequences with their records named by origin. A shard's shuffle is seeded by its batch
     key, which names the registration time, so the sequences are compared in the order of their records."""
-    return (sequences.with_columns(pl.col("record_ids").list.eval(pl.element().replace_strict(where, default=None)))
-            .drop("batch_id", "sequence_index").sort("split", "record_ids"))
+    return (
+        sequences.with_columns(
+            pl.col("record_ids").list.eval(pl.element().replace_strict(where, default=None))
+        )
+        .drop("batch_id", "sequence_index")
+        .sort("split", "record_ids")
+    )
 
 
 def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
     """Record ids (which name the batch's registration time) as the file and line they came from;
     the columns that say when a run happened, dropped."""
     ids = [c for c in ("record_id", "cluster_id", "duplicate_of") if c in frame.columns]
-    return (frame.with_columns(pl.col(c).replace_strict(where, default=None) for c in ids)
-            .drop([c for c in ("batch_id", "ingested_at", "evidence", "duplicate_of_batch") if c in frame.columns])
-            .sort("record_id", *(["band"] if "band" in frame.columns else [])))
+    return (
+        frame.with_columns(pl.col(c).replace_strict(where, default=None) for c in ids)
+        .drop(
+            [
+                c
+                for c in ("batch_id", "ingested_at", "evidence", "duplicate_of_batch")
+                if c in frame.columns
+            ]
+        )
+        .sort("record_id", *(["band"] if "band" in frame.columns else []))
+    )
 
 
-def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_cluster, batches, tokenizer_file, instance,
-                                                                       tmp_path, monkeypatch):
+def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
+    two_node_cluster, batches, tokenizer_file, instance, tmp_path, monkeypatch
+):
     local, local_metadata = _landing_to_gold(tmp_path / "local", batches, instance, tokenizer_file)
     assert {m["silver"]["block_stages_ran_on"] for m in local_metadata} == {"this process"}
     assert {m["gold__sequences"]["tokenized_on"] for m in local_metadata} == {"this process"}
-    assert [m["silver"]["index_lookup_ran_on"] for m in local_metadata] == ["nothing to look up", *["this process"] * 2]
+    assert [m["silver"]["index_lookup_ran_on"] for m in local_metadata] == [
+        "nothing to look up",
+        *["this process"] * 2,
+    ]
 
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     on_ray, ray_metadata = _landing_to_gold(tmp_path / "ray", batches, instance, tokenizer_file)
@@ -135,10 +201,17 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(two_node_c
     both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"  # four blocks a batch, each task's polars on its one CPU
     assert {m["silver"]["block_stages_ran_on"] for m in ray_metadata} == {both_nodes}
     assert {m["gold__sequences"]["tokenized_on"] for m in ray_metadata} == {both_nodes}
-    assert [m["silver"]["index_lookup_ran_on"] for m in ray_metadata] == ["nothing to look up", *["Ray, 2 node(s)"] * 2]  # a task a band
+    assert [m["silver"]["index_lookup_ran_on"] for m in ray_metadata] == [
+        "nothing to look up",
+        *["Ray, 2 node(s)"] * 2,
+    ]  # a task a band
     found = [m["silver"]["index_entries_found"] for m in ray_metadata]
-    assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[0] == 0 < min(found[1:])
+    assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[
+        0
+    ] == 0 < min(found[1:])
     assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
-    assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, "every silver record in a shard"
+    assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, (
+        "every silver record in a shard"
+    )
     for name, frame in local.items():
         assert on_ray[name].equals(frame), name

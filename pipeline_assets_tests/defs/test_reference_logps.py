@@ -24,14 +24,26 @@ TOKENIZER_TAG = "delta.gold/tokenizer"
 
 @pytest.fixture
 def mlflow_tracking(tmp_path) -> MlflowResource:
-    return MlflowResource(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", artifact_root=str(tmp_path / "mlartifacts"))
+    return MlflowResource(
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", artifact_root=str(tmp_path / "mlartifacts")
+    )
 
 
 @pytest.fixture
 def snapshot(instance, lake) -> str:
     """dpo-v0's manifest (row 0 of gold/preference_snapshots), encoded with gold/tokenizer v0; no shard behind it."""
-    manifest = Manifest(0, 0, SNAPSHOT_TOKENIZER, 8, ("b1",), {split: (1,) for split in SPLITS}, PREFERENCE_SNAPSHOTS)
-    lake.append(*PREFERENCE_SNAPSHOTS.manifest_table, manifest.frame("test", datetime.now(timezone.utc)))
+    manifest = Manifest(
+        0,
+        0,
+        SNAPSHOT_TOKENIZER,
+        8,
+        ("b1",),
+        {split: (1,) for split in SPLITS},
+        PREFERENCE_SNAPSHOTS,
+    )
+    lake.append(
+        *PREFERENCE_SNAPSHOTS.manifest_table, manifest.frame("test", datetime.now(timezone.utc))
+    )
     instance.add_dynamic_partitions(preference_snapshots.name, [SNAPSHOT])
     return SNAPSHOT
 
@@ -39,7 +51,9 @@ def snapshot(instance, lake) -> str:
 def _registered_version(mlflow_tracking: MlflowResource, tags: dict[str, str]) -> str:
     """A registered sft version whose run holds no model: the refusals read only its tags."""
     run_id = mlflow_tracking.client().create_run(mlflow_tracking.experiment_id()).info.run_id
-    return mlflow_tracking.registered_version(MODEL, run_id, "model", tags={"partition": "gold-v0", **tags})
+    return mlflow_tracking.registered_version(
+        MODEL, run_id, "model", tags={"partition": "gold-v0", **tags}
+    )
 
 
 def _champion(mlflow_tracking: MlflowResource, tags: dict[str, str]) -> None:
@@ -49,11 +63,20 @@ def _champion(mlflow_tracking: MlflowResource, tags: dict[str, str]) -> None:
 
 def _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot: str) -> str:
     """Materialize the snapshot's reference pass; the run must fail, and its one step failure's message is returned."""
-    result = materialize([gold_reference_logps], partition_key=snapshot, instance=instance, raise_on_error=False,
-                         resources={"lake": lake, "mlflow_tracking": mlflow_tracking,
-                                    "registry_policy": RegistryPolicy(model_name=MODEL),
-                                    "launcher": TorchrunLauncher(checkpoint_uri=str(tmp_path / "checkpoints"),
-                                                                 scratch_dir=str(tmp_path / "scratch"))})
+    result = materialize(
+        [gold_reference_logps],
+        partition_key=snapshot,
+        instance=instance,
+        raise_on_error=False,
+        resources={
+            "lake": lake,
+            "mlflow_tracking": mlflow_tracking,
+            "registry_policy": RegistryPolicy(model_name=MODEL),
+            "launcher": TorchrunLauncher(
+                checkpoint_uri=str(tmp_path / "checkpoints"), scratch_dir=str(tmp_path / "scratch")
+            ),
+        },
+    )
     assert not result.success
     [failure] = result.get_step_failure_events()
     return failure.event_specific_data.error.message
@@ -64,8 +87,12 @@ def _nothing_written(lake, snapshot: str) -> bool:
     return rows is None or rows.is_empty()
 
 
-def test_no_champion_yet_is_refused_until_one_is_promoted(instance, lake, mlflow_tracking, tmp_path, snapshot):
-    _registered_version(mlflow_tracking, {TOKENIZER_TAG: str(SNAPSHOT_TOKENIZER)})  # a candidate, never promoted
+def test_no_champion_yet_is_refused_until_one_is_promoted(
+    instance, lake, mlflow_tracking, tmp_path, snapshot
+):
+    _registered_version(
+        mlflow_tracking, {TOKENIZER_TAG: str(SNAPSHOT_TOKENIZER)}
+    )  # a candidate, never promoted
 
     message = _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot)
 
@@ -74,17 +101,26 @@ def test_no_champion_yet_is_refused_until_one_is_promoted(instance, lake, mlflow
     assert _nothing_written(lake, snapshot)
 
 
-def test_a_champion_of_another_tokenizer_is_refused(instance, lake, mlflow_tracking, tmp_path, snapshot):
+def test_a_champion_of_another_tokenizer_is_refused(
+    instance, lake, mlflow_tracking, tmp_path, snapshot
+):
     _champion(mlflow_tracking, {TOKENIZER_TAG: str(SNAPSHOT_TOKENIZER + 1)})
 
     message = _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot)
 
-    assert f"{MODEL} v1 was trained with gold/tokenizer v1, {snapshot} is encoded with v0" in message
-    assert "cut a new preference snapshot once the champion and the shards share a tokenizer" in message
+    assert (
+        f"{MODEL} v1 was trained with gold/tokenizer v1, {snapshot} is encoded with v0" in message
+    )
+    assert (
+        "cut a new preference snapshot once the champion and the shards share a tokenizer"
+        in message
+    )
     assert _nothing_written(lake, snapshot)
 
 
-def test_a_champion_that_records_no_tokenizer_is_refused(instance, lake, mlflow_tracking, tmp_path, snapshot):
+def test_a_champion_that_records_no_tokenizer_is_refused(
+    instance, lake, mlflow_tracking, tmp_path, snapshot
+):
     _champion(mlflow_tracking, {})
 
     message = _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot)

@@ -40,8 +40,12 @@ def _race(landing_uri: str, lake_uri: str, rounds: int, land) -> list[list[str |
     """Two workers register at the same moment, ``rounds`` times; ``land(r)`` writes round r's files."""
     context = multiprocessing.get_context("spawn")  # deltalake's runtime does not survive fork
     start, done, results = context.Barrier(3), context.Barrier(3), context.Queue()
-    workers = [context.Process(target=_register_on_signal, args=(landing_uri, lake_uri, rounds, start, done, results))
-               for _ in range(2)]
+    workers = [
+        context.Process(
+            target=_register_on_signal, args=(landing_uri, lake_uri, rounds, start, done, results)
+        )
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.start()
     outcomes = []
@@ -60,21 +64,31 @@ def _race(landing_uri: str, lake_uri: str, rounds: int, land) -> list[list[str |
     return outcomes
 
 
-def _assert_one_batch_per_round(outcomes: list[list[str | None]], manifest: pl.DataFrame, files: int) -> None:
+def _assert_one_batch_per_round(
+    outcomes: list[list[str | None]], manifest: pl.DataFrame, files: int
+) -> None:
     assert not [o for o in outcomes if any(str(b).startswith("error") for b in o)], outcomes
-    assert all(o[0] is None and o[1] is not None for o in outcomes), f"one winner per round: {outcomes}"
-    versions = manifest.group_by("uri", "checksum").agg(batches=pl.col("batch_id").n_unique(), rows=pl.len())
+    assert all(o[0] is None and o[1] is not None for o in outcomes), (
+        f"one winner per round: {outcomes}"
+    )
+    versions = manifest.group_by("uri", "checksum").agg(
+        batches=pl.col("batch_id").n_unique(), rows=pl.len()
+    )
     assert versions.height == files
     twice = versions.filter((pl.col("batches") != 1) | (pl.col("rows") != 1))
     assert twice.is_empty(), f"file versions registered twice: {twice}"
     assert sorted(manifest["batch_id"].unique()) == sorted(o[1] for o in outcomes)
 
 
-def _assert_bronze_has_each_line_once(instance, lake: LakeResource, landing: LandingResource, batches: list[str]):
+def _assert_bronze_has_each_line_once(
+    instance, lake: LakeResource, landing: LandingResource, batches: list[str]
+):
     instance.add_dynamic_partitions(ingest_batches.name, batches)
     resources = {"lake": lake, "landing": landing}
     for batch in batches:  # the asset alone: its checks have their own tests
-        assert materialize([bronze], partition_key=batch, instance=instance, resources=resources).success
+        assert materialize(
+            [bronze], partition_key=batch, instance=instance, resources=resources
+        ).success
     records = lake.read("bronze", "records")
     assert records.height == len(batches) * FILES_PER_ROUND * LINES_PER_FILE
     assert records.select("source_file", "source_line").is_duplicated().sum() == 0
@@ -92,7 +106,9 @@ def test_two_processes_registering_a_local_landing_zone_at_once(tmp_path, landin
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
             lines = _lines(round_number, file_number)
-            write_landing_file(landing_dir, f"source{file_number}", f"r{round_number:03d}.jsonl", lines)
+            write_landing_file(
+                landing_dir, f"source{file_number}", f"r{round_number:03d}.jsonl", lines
+            )
 
     outcomes = _race(landing.uri, lake.uri, rounds, land)
     _assert_one_batch_per_round(outcomes, read_manifest(lake), rounds * FILES_PER_ROUND)
@@ -107,8 +123,11 @@ def test_two_processes_registering_an_s3_landing_zone_at_once(s3_endpoint, insta
 
     def land(round_number: int) -> None:
         for file_number in range(FILES_PER_ROUND):
-            client.put_object(Bucket=BUCKET, Key=f"landing/source{file_number}/r{round_number:03d}.jsonl",
-                              Body=jsonl_bytes(_lines(round_number, file_number)))
+            client.put_object(
+                Bucket=BUCKET,
+                Key=f"landing/source{file_number}/r{round_number:03d}.jsonl",
+                Body=jsonl_bytes(_lines(round_number, file_number)),
+            )
 
     outcomes = _race(landing.uri, lake.uri, rounds, land)
     _assert_one_batch_per_round(outcomes, read_manifest(lake), rounds * FILES_PER_ROUND)
@@ -128,11 +147,15 @@ with LakeResource(uri=sys.argv[1]).lock(*MANIFEST_TABLE):
 def test_a_registration_killed_while_holding_the_lock_blocks_nothing(tmp_path, landing_dir):
     write_landing_file(landing_dir, "annotate", "a.jsonl", [record(1)])
     landing, lake_uri = LandingResource(uri=str(landing_dir)), str(tmp_path / "lake")
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_THE_MANIFEST, lake_uri], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_MANIFEST, lake_uri], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         impatient = LakeResource(uri=lake_uri, lock_timeout_seconds=0.3)
-        with pytest.raises(LockTimeout, match=rf"landing/_manifest.lock is still held by pid {holder.pid} on "):
+        with pytest.raises(
+            LockTimeout, match=rf"landing/_manifest.lock is still held by pid {holder.pid} on "
+        ):
             register_new_batch(landing, impatient, logging.getLogger("race"))
     finally:
         holder.send_signal(signal.SIGKILL)

@@ -15,18 +15,32 @@ import polars as pl
 from dagster import PipesSubprocessClient, materialize
 
 from pipeline_assets.defs.rl.policy import rl_policy
-from pipeline_assets.resources import LakeResource, LandingResource, MlflowResource, RegistryPolicy, RlPolicy, TorchrunLauncher
+from pipeline_assets.resources import (
+    LakeResource,
+    LandingResource,
+    MlflowResource,
+    RegistryPolicy,
+    RlPolicy,
+    TorchrunLauncher,
+)
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets_tests.trainer.rl_setup import rl_inputs
 
 
 def _resources(tmp_path, config, **policy) -> dict:
     return {
-        "lake": LakeResource(uri=config.lake_uri), "landing": LandingResource(uri=str(tmp_path / "landing")),
-        "launcher": TorchrunLauncher(checkpoint_uri=config.checkpoint_uri, scratch_dir=str(tmp_path / "scratch"),
-                                     nproc_per_node=1, threads_per_rank=1),
-        "mlflow_tracking": MlflowResource(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
-                                          artifact_root=str(tmp_path / "mlartifacts")),
+        "lake": LakeResource(uri=config.lake_uri),
+        "landing": LandingResource(uri=str(tmp_path / "landing")),
+        "launcher": TorchrunLauncher(
+            checkpoint_uri=config.checkpoint_uri,
+            scratch_dir=str(tmp_path / "scratch"),
+            nproc_per_node=1,
+            threads_per_rank=1,
+        ),
+        "mlflow_tracking": MlflowResource(
+            tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+            artifact_root=str(tmp_path / "mlartifacts"),
+        ),
         "registry_policy": RegistryPolicy(),
         "rl_policy": RlPolicy(group_size=4, rollout_workers=2, **policy),
         "pipes_subprocess_client": PipesSubprocessClient(),
@@ -34,8 +48,14 @@ def _resources(tmp_path, config, **policy) -> dict:
 
 
 def _run_config(config, **overrides) -> dict:
-    values = {"updates": 6, "prompts_per_update": 4, "init_from": config.init_from,
-              "tokenizer_path": config.tokenizer_path, "wait_seconds": 60, **overrides}
+    values = {
+        "updates": 6,
+        "prompts_per_update": 4,
+        "init_from": config.init_from,
+        "tokenizer_path": config.tokenizer_path,
+        "wait_seconds": 60,
+        **overrides,
+    }
     return {"ops": {"rl_policy": {"config": values}}}
 
 
@@ -60,8 +80,13 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, in
     config = rl_inputs(tmp_path)
     killer = _kill_a_worker_once_a_version_is_out(tmp_path / "scratch", config.checkpoint_uri)
 
-    result = materialize([rl_policy], instance=instance, resources=_resources(tmp_path, config),
-                         run_config=_run_config(config), raise_on_error=False)
+    result = materialize(
+        [rl_policy],
+        instance=instance,
+        resources=_resources(tmp_path, config),
+        run_config=_run_config(config),
+        raise_on_error=False,
+    )
 
     killer.join()
     assert result.success
@@ -80,12 +105,22 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, in
 def test_rollouts_forced_to_lag_fail_the_freshness_check_naming_the_lag(tmp_path, instance):
     config = rl_inputs(tmp_path)
 
-    result = materialize([rl_policy], instance=instance, resources=_resources(tmp_path, config, max_staleness=1),
-                         run_config=_run_config(config, lagging_worker_lag=3), raise_on_error=False)
+    result = materialize(
+        [rl_policy],
+        instance=instance,
+        resources=_resources(tmp_path, config, max_staleness=1),
+        run_config=_run_config(config, lagging_worker_lag=3),
+        raise_on_error=False,
+    )
 
     rows = pl.read_delta(f"{config.lake_uri}/rl/replay_buffer")
     dropped = rows.filter(pl.col("status") == "dropped_stale")
-    assert dropped.height and set(dropped["worker"]) == {"worker-0"}, "worker 0 lags; worker 1 keeps the run going"
+    assert dropped.height and set(dropped["worker"]) == {"worker-0"}, (
+        "worker 0 lags; worker 1 keeps the run going"
+    )
     freshness = {c.check_name: c for c in result.get_asset_check_evaluations()}["freshness"]
     assert not freshness.passed and not result.success, "a blocking check"
-    assert "dropped as stale, lagging up to" in freshness.description and "(limit 1)" in freshness.description
+    assert (
+        "dropped as stale, lagging up to" in freshness.description
+        and "(limit 1)" in freshness.description
+    )

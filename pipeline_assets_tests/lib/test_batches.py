@@ -4,15 +4,29 @@ from datetime import datetime, timezone
 
 import polars as pl
 
-from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, pending_batches, unseen_files
+from pipeline_assets.lib.batches import (
+    LISTING_SCHEMA,
+    batch_key,
+    classify_candidates,
+    pending_batches,
+    unseen_files,
+)
 
 NOW = datetime(2026, 11, 21, 5, 30, tzinfo=timezone.utc)
 
 
 def _manifest(rows):
     return pl.DataFrame(
-        rows, schema={"uri": pl.String, "size": pl.Int64, "modified": pl.String, "checksum": pl.String,
-                      "batch_id": pl.String, "registered_at": pl.Datetime("us", "UTC")}, orient="row"
+        rows,
+        schema={
+            "uri": pl.String,
+            "size": pl.Int64,
+            "modified": pl.String,
+            "checksum": pl.String,
+            "batch_id": pl.String,
+            "registered_at": pl.Datetime("us", "UTC"),
+        },
+        orient="row",
     )
 
 
@@ -25,7 +39,11 @@ def test_batch_keys_sort_by_arrival_even_within_one_second():
 
 
 def test_unseen_files_skips_files_with_same_path_size_and_mtime():
-    listing = pl.DataFrame([("a", "s", 10, "1"), ("b", "s", 10, "1"), ("c", "s", 5, "2")], schema=LISTING_SCHEMA, orient="row")
+    listing = pl.DataFrame(
+        [("a", "s", 10, "1"), ("b", "s", 10, "1"), ("c", "s", 5, "2")],
+        schema=LISTING_SCHEMA,
+        orient="row",
+    )
     manifest = _manifest([("a", 10, "1", "h1", "b1", NOW), ("b", 10, "0", "h2", "b1", NOW)])
     assert unseen_files(listing, manifest)["uri"].to_list() == ["b", "c"]
 

@@ -106,7 +106,9 @@ def test_a_12_word_overlap_is_not_caught(index):
 
 
 def test_case_and_punctuation_differences_still_match(index):
-    changed = " ".join(f'"{w.upper()}",' if i % 2 else f"({w.title()})." for i, w in enumerate(EVAL_WORDS[:13]))
+    changed = " ".join(
+        f'"{w.upper()}",' if i % 2 else f"({w.title()})." for i, w in enumerate(EVAL_WORDS[:13])
+    )
     row = rejected_one(index, "What is this?", changed)
     assert row is not None and row["matched_ngram"] == " ".join(EVAL_WORDS[:13])
 
@@ -120,7 +122,9 @@ def test_case_matters_when_lowercase_is_off():
 
 def test_a_short_item_is_caught_whole_but_not_in_part(index):
     # The summ prompt has 11 words (< 13): contained anywhere, it is caught as one gram.
-    prompt = "Please: describe the standard library module for reading ZIP archives briefly, please!"
+    prompt = (
+        "Please: describe the standard library module for reading ZIP archives briefly, please!"
+    )
     row = rejected_one(index, prompt, "An answer.")
     assert row is not None
     assert (row["eval_set"], row["eval_item_id"]) == ("summ", "summ-7")
@@ -170,8 +174,12 @@ def test_a_gram_shared_by_two_items_reports_the_first_item():
 
 def test_a_hash_collision_never_flags_a_record(monkeypatch):
     # Every window hashes to 0: every record hits the table, and only equal words may count.
-    monkeypatch.setattr(decontam, "_window_hashes", lambda words, size: (0 for _ in words[size - 1 :]))
-    colliding = EvalNgramIndex.build(eval_items(("qa", "qa-1", "Tell me a story about animals.", EVAL_RESPONSE)))
+    monkeypatch.setattr(
+        decontam, "_window_hashes", lambda words, size: (0 for _ in words[size - 1 :])
+    )
+    colliding = EvalNgramIndex.build(
+        eval_items(("qa", "qa-1", "Tell me a story about animals.", EVAL_RESPONSE))
+    )
     clean = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen."
     assert rejected_one(colliding, "Nothing to see here.", clean) is None
     row = rejected_one(colliding, "Nothing to see here.", f"{FILLER} {EVAL_RESPONSE}")
@@ -198,7 +206,9 @@ def test_order_columns_and_counters(index):
     assert kept.equals(frame.filter(pl.col("record_id").is_in(["r0", "r2", "r4"])))
     assert rejected.columns == [*frame.columns, *decontam.REJECT_COLUMNS]
     assert rejected["record_id"].to_list() == ["r1", "r3"]
-    assert rejected.select(frame.columns).equals(frame.filter(pl.col("record_id").is_in(["r1", "r3"])))
+    assert rejected.select(frame.columns).equals(
+        frame.filter(pl.col("record_id").is_in(["r1", "r3"]))
+    )
     assert rejected["eval_set"].to_list() == ["qa", "summ"]
     assert counters == {
         "rows_in": 5, "kept": 3, "rejected": 2, "rejected_by_eval_set": {"qa": 1, "summ": 1},
@@ -210,7 +220,12 @@ def test_empty_records_and_empty_eval_sets(index, tmp_path):
     kept, rejected, counters = find_contamination(empty, index)
     assert kept.height == rejected.height == 0
     assert rejected.columns == [*empty.columns, *decontam.REJECT_COLUMNS]
-    assert counters == {"rows_in": 0, "kept": 0, "rejected": 0, "rejected_by_eval_set": {"qa": 0, "summ": 0}}
+    assert counters == {
+        "rows_in": 0,
+        "kept": 0,
+        "rejected": 0,
+        "rejected_by_eval_set": {"qa": 0, "summ": 0},
+    }
 
     no_evals = EvalNgramIndex.build(read_eval_sets(tmp_path))
     assert len(no_evals) == 0
@@ -227,7 +242,9 @@ def test_missing_record_column_is_an_error(index):
 
 
 def test_read_eval_sets_reads_every_jsonl_file_in_name_order(tmp_path):
-    (tmp_path / "b.jsonl").write_text(json.dumps({"eval_set": "b", "item_id": "b-1", "prompt": "p", "response": "r"}) + "\n\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"eval_set": "b", "item_id": "b-1", "prompt": "p", "response": "r"}) + "\n\n"
+    )
     (tmp_path / "a.jsonl").write_text("".join(
         json.dumps({"eval_set": "a", "item_id": f"a-{i}", "prompt": "p", "response": "r", "extra": 1}) + "\n"
         for i in (1, 2)
@@ -243,8 +260,14 @@ def test_read_eval_sets_reads_every_jsonl_file_in_name_order(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"eval_set": "s", "item_id": "2", "prompt": "p"}', "field 'response' must be a string \\(missing\\)"),
-        ('{"eval_set": "s", "item_id": 2, "prompt": "p", "response": "r"}', "field 'item_id' must be a string \\(int\\)"),
+        (
+            '{"eval_set": "s", "item_id": "2", "prompt": "p"}',
+            "field 'response' must be a string \\(missing\\)",
+        ),
+        (
+            '{"eval_set": "s", "item_id": 2, "prompt": "p", "response": "r"}',
+            "field 'item_id' must be a string \\(int\\)",
+        ),
     ],
 )
 def test_read_eval_sets_names_the_file_and_line_of_a_bad_line(tmp_path, bad_line, reason):
@@ -267,7 +290,10 @@ def test_read_eval_sets_needs_a_folder(tmp_path):
 def sample(tmp_path_factory) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     out = tmp_path_factory.mktemp("sample")
     manifest = write_sample_corpus(out, records=4000, eval_sets_dir=out / "_eval_sets")
-    frames = [read_landing_file(Path(f["path"]).name, (out / f["path"]).read_bytes()).records for f in manifest["files"]]
+    frames = [
+        read_landing_file(Path(f["path"]).name, (out / f["path"]).read_bytes()).records
+        for f in manifest["files"]
+    ]
     frame, _ = normalize_records(pl.concat(frames))
     return frame.rename({"id": "record_id"}), read_eval_sets(out / "_eval_sets"), manifest
 
@@ -275,8 +301,12 @@ def sample(tmp_path_factory) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
 @pytest.mark.parametrize("fields", [("prompt", "response"), ("response",)])
 def test_sample_corpus_eval_copies_are_caught_and_clean_records_are_not(sample, fields):
     frame, evals, manifest = sample
-    _, rejected, counters = find_contamination(frame, EvalNgramIndex.build(evals, DecontamConfig(fields=fields)))
-    found = {r["record_id"]: (r["eval_set"], r["eval_item_id"]) for r in rejected.iter_rows(named=True)}
+    _, rejected, counters = find_contamination(
+        frame, EvalNgramIndex.build(evals, DecontamConfig(fields=fields))
+    )
+    found = {
+        r["record_id"]: (r["eval_set"], r["eval_item_id"]) for r in rejected.iter_rows(named=True)
+    }
     copies = {e["id"]: (e["eval_set"], e["item_id"]) for e in manifest["injected"]["eval_copy"]}
     assert len(copies) >= 30
     caught = [record_id for record_id, item in copies.items() if found.get(record_id) == item]

@@ -36,13 +36,15 @@ def _datasketch_signature(text: str) -> np.ndarray:
 
 
 def _batch(texts: list[str], batch_id: str = "b1", prefix: str = "r") -> pl.DataFrame:
-    return pl.DataFrame({
-        "record_id": [f"{prefix}{i:05d}" for i in range(len(texts))],
-        "batch_id": batch_id,
-        "prompt": "Explain this.",
-        "response": texts,
-        "exact_hash": "h",  # near dedup runs after exact dedup, which adds it
-    })
+    return pl.DataFrame(
+        {
+            "record_id": [f"{prefix}{i:05d}" for i in range(len(texts))],
+            "batch_id": batch_id,
+            "prompt": "Explain this.",
+            "response": texts,
+            "exact_hash": "h",  # near dedup runs after exact dedup, which adds it
+        }
+    )
 
 
 def _edited(text: str, rng: random.Random, edits: int = 1) -> str:  # 120 words: Jaccard ~0.92
@@ -81,14 +83,18 @@ def test_signatures_equal_datasketch_on_long_documents_in_chunks_blocks_and_thre
     texts = [_long_text(rng, chars) for chars in (2_000, 7_000, 20_000)] + _texts(30)
     expected = np.array([_datasketch_signature(text) for text in texts])
     assert np.array_equal(signatures(texts, threads=1), expected)
-    monkeypatch.setattr("pipeline_assets.lib.minhash._CHUNK_CHARS", 3_000)  # several chunks of several blocks
+    monkeypatch.setattr(
+        "pipeline_assets.lib.minhash._CHUNK_CHARS", 3_000
+    )  # several chunks of several blocks
     monkeypatch.setattr("pipeline_assets.lib.minhash._BLOCK_HASHES", 400)
     assert np.array_equal(signatures(texts, threads=1), expected)
     assert np.array_equal(signatures(texts, threads=2), expected)
 
 
 def test_words_split_at_the_whitespace_polars_matches_with_backslash_s():
-    code_points = [c for c in range(0x10000) if not 0xD800 <= c < 0xE000]  # White_Space has none above
+    code_points = [
+        c for c in range(0x10000) if not 0xD800 <= c < 0xE000
+    ]  # White_Space has none above
     texts = [f"x{chr(c)}y" for c in code_points]
     split_by_polars = pl.Series(texts).str.extract_all(r"\S+").list.len().to_numpy() == 2
     hashes, bounds = shingle_hashes(texts)
@@ -99,21 +105,31 @@ def test_words_split_at_the_whitespace_polars_matches_with_backslash_s():
 
 def test_lsh_params_match_datasketch_at_equal_weights():
     for threshold, num_perm in [(0.8, 128), (0.5, 128), (0.9, 256)]:
-        assert tuple(vars(lsh_params(threshold, num_perm, 0.5)).values()) == _optimal_param(threshold, num_perm, 0.5, 0.5)
+        assert tuple(vars(lsh_params(threshold, num_perm, 0.5)).values()) == _optimal_param(
+            threshold, num_perm, 0.5, 0.5
+        )
 
 
 def test_exact_dedup_keeps_smallest_record_id_and_earlier_batches_win():
-    batch = _batch(["alpha beta", "gamma", "alpha beta", "alpha beta"]).drop("exact_hash").sample(fraction=1.0, shuffle=True, seed=3)
+    batch = (
+        _batch(["alpha beta", "gamma", "alpha beta", "alpha beta"])
+        .drop("exact_hash")
+        .sample(fraction=1.0, shuffle=True, seed=3)
+    )
     first = exact_dedup(batch, None)
     assert sorted(first.kept["record_id"]) == ["r00000", "r00001"]
     assert first.rejected.sort("record_id")["duplicate_of"].to_list() == ["r00000", "r00000"]
     assert set(first.rejected["stage"]) == {"exact_dup"}
 
     history = first.kept.select("record_id", "batch_id", "exact_hash").lazy()
-    later = exact_dedup(_batch(["gamma", "delta"], batch_id="b2", prefix="s").drop("exact_hash"), history)
+    later = exact_dedup(
+        _batch(["gamma", "delta"], batch_id="b2", prefix="s").drop("exact_hash"), history
+    )
     assert later.kept["record_id"].to_list() == ["s00001"]
     rejected = later.rejected.row(0, named=True)
-    assert rejected["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in rejected["evidence"]
+    assert (
+        rejected["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in rejected["evidence"]
+    )
     assert later.counters == {"rows_in": 2, "kept": 1, "rejected": 1, "against_other_batches": 1}
 
 
@@ -124,10 +140,16 @@ def test_near_dedup_within_a_batch_is_deterministic():
     batch = _batch(originals + copies)
     result, index = near_dedup(batch, None)
     assert sorted(result.rejected["record_id"]) == [f"r{i:05d}" for i in range(50, 60)]
-    assert result.rejected.sort("record_id")["duplicate_of"].to_list() == [f"r{i:05d}" for i in range(10)]
-    assert (result.rejected["jaccard"] >= 0.8).all() and set(result.rejected["stage"]) == {"near_dup"}
+    assert result.rejected.sort("record_id")["duplicate_of"].to_list() == [
+        f"r{i:05d}" for i in range(10)
+    ]
+    assert (result.rejected["jaccard"] >= 0.8).all() and set(result.rejected["stage"]) == {
+        "near_dup"
+    }
     assert result.kept.filter(pl.col("record_id") == "r00003")["cluster_id"].item() == "r00003"
-    assert index.height == 60 and index["lsh_params"].unique().to_list() == ["perm128-seed1-shingle5-b16-r8"]
+    assert index.height == 60 and index["lsh_params"].unique().to_list() == [
+        "perm128-seed1-shingle5-b16-r8"
+    ]
 
     shuffled, _ = near_dedup(batch.sample(fraction=1.0, shuffle=True, seed=9), None)
     assert sorted(shuffled.rejected["record_id"]) == sorted(result.rejected["record_id"])
@@ -152,7 +174,9 @@ def test_a_record_kept_in_another_batch_wins_even_when_that_batch_is_later():
     later_kept = _batch(texts[:2], batch_id="b3", prefix="t").drop("exact_hash")
     exact_kept = exact_dedup(later_kept, None).kept
     _, history = near_dedup(exact_kept, None)
-    rerun = _batch([texts[0], _edited(texts[1], rng), texts[2]], batch_id="b2", prefix="s").drop("exact_hash")
+    rerun = _batch([texts[0], _edited(texts[1], rng), texts[2]], batch_id="b2", prefix="s").drop(
+        "exact_hash"
+    )
     exact = exact_dedup(rerun, history.lazy())
     assert exact.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "t00000")]
     assert exact.counters["against_other_batches"] == 1
@@ -160,6 +184,7 @@ def test_a_record_kept_in_another_batch_wins_even_when_that_batch_is_later():
     assert near.rejected.select("record_id", "duplicate_of").rows() == [("s00001", "t00001")]
     assert near.counters["against_other_batches"] == 1
     assert near.kept["record_id"].to_list() == ["s00002"]
+
 
 def test_index_built_with_other_settings_is_refused():
     _, index = near_dedup(_batch(_texts(5)), None)
@@ -177,8 +202,12 @@ def test_different_answers_to_one_long_shared_prompt_all_survive():
     assert result.rejected.is_empty() and result.kept.height == 50
     assert result.counters["candidate_pairs_verified"] == 0
 
-    later, _ = near_dedup(_batch([answers[3], answers[0][::-1]], batch_id="b2", prefix="s")
-                          .with_columns(prompt=pl.lit(prompt)), index.lazy())
+    later, _ = near_dedup(
+        _batch([answers[3], answers[0][::-1]], batch_id="b2", prefix="s").with_columns(
+            prompt=pl.lit(prompt)
+        ),
+        index.lazy(),
+    )
     assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00003")]
     assert '"response_jaccard":1.0' in later.rejected["evidence"].item()
 
@@ -189,14 +218,23 @@ def test_an_index_written_before_responses_were_signed_still_dedups():
     originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(5)]
     _, index = near_dedup(_batch(originals), None)
     legacy = index.drop("response_signature")
-    later, _ = near_dedup(_batch([_edited(originals[1], rng)], batch_id="b2", prefix="s"), legacy.lazy())
+    later, _ = near_dedup(
+        _batch([_edited(originals[1], rng)], batch_id="b2", prefix="s"), legacy.lazy()
+    )
     assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00001")]
     assert '"response_jaccard":null' in later.rejected["evidence"].item()
 
 
 def test_clusters_are_connected_components_led_by_their_smallest_order_key():
     # 0-1-2 is a chain (0 and 2 never matched directly), 3-4 a pair, 5 alone
-    order_keys = [(1, "b2", "r0"), (0, "b1", "r9"), (1, "b2", "r2"), (1, "b3", "r3"), (1, "b2", "r4"), (1, "b1", "r5")]
+    order_keys = [
+        (1, "b2", "r0"),
+        (0, "b1", "r9"),
+        (1, "b2", "r2"),
+        (1, "b3", "r3"),
+        (1, "b2", "r4"),
+        (1, "b1", "r5"),
+    ]
     survivors = _cluster_survivors(6, [(0, 1), (2, 1), (3, 4)], order_keys)
     assert survivors == [1, 1, 1, 4, 4, 5]
     assert _cluster_survivors(3, [], order_keys[:3]) == [0, 1, 2]

@@ -10,9 +10,13 @@ def test_the_sample_fits_the_cap_is_deterministic_and_spread_over_the_split():
     index, tokens = np.arange(1000), rng.integers(50, 500, 1000)
     chosen = capped_sample(index, tokens, 20_000)
     assert tokens[chosen].sum() <= 20_000 < tokens[chosen].sum() + tokens.max()
-    assert np.array_equal(chosen, capped_sample(index[::-1], tokens[::-1], 20_000)), "the row order does not matter"
+    assert np.array_equal(chosen, capped_sample(index[::-1], tokens[::-1], 20_000)), (
+        "the row order does not matter"
+    )
     assert np.array_equal(chosen, np.sort(chosen))
-    assert chosen.min() < 100 and chosen.max() > 900, "a pseudo-random sample, not the first sequences"
+    assert chosen.min() < 100 and chosen.max() > 900, (
+        "a pseudo-random sample, not the first sequences"
+    )
 
 
 def test_a_larger_cap_keeps_the_smaller_sample_and_a_tiny_cap_still_scores_one():

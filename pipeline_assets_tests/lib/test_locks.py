@@ -30,7 +30,9 @@ time.sleep(600)
 
 def _holder(where: str) -> subprocess.Popen:
     """Another process that takes the lock, says so, and keeps it until it is killed."""
-    process = subprocess.Popen([sys.executable, "-c", _HOLD, where], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, where], stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline().strip() == "held"
     return process
 
@@ -44,7 +46,9 @@ def test_a_file_lock_is_exclusive_and_released_when_its_holder_is_killed(tmp_pat
     path = tmp_path / "lake" / "landing" / "_manifest.lock"
     holder = _holder(str(path))
     try:
-        with pytest.raises(LockTimeout, match=rf"lock .*_manifest.lock is still held by pid {holder.pid} on "):
+        with pytest.raises(
+            LockTimeout, match=rf"lock .*_manifest.lock is still held by pid {holder.pid} on "
+        ):
             FileLock(path, timeout=0.3).acquire()
     finally:
         _kill(holder)
@@ -75,7 +79,10 @@ def test_an_s3_lease_is_exclusive_and_renewed_while_held(s3_endpoint):
     client = boto3.client("s3")
     with S3Lease(client, LEASE, timeout=5, ttl_seconds=1):
         # Waiting three times the lease's life: a holder that renews keeps it.
-        with pytest.raises(LockTimeout, match=r"lock s3://.*_manifest.lock is still held by pid \d+ on .*lease until"):
+        with pytest.raises(
+            LockTimeout,
+            match=r"lock s3://.*_manifest.lock is still held by pid \d+ on .*lease until",
+        ):
             S3Lease(client, LEASE, timeout=3, ttl_seconds=1).acquire()
     with S3Lease(client, LEASE, timeout=0.5, ttl_seconds=1):  # released: free at once
         pass
@@ -90,7 +97,9 @@ def test_the_expired_lease_of_a_killed_holder_is_taken_over(s3_endpoint):
             S3Lease(client, LEASE, timeout=0.2, ttl_seconds=60).acquire()
     finally:
         _kill(holder)
-    with S3Lease(client, LEASE, timeout=30, ttl_seconds=60):  # the dead holder's lease expires within 1 s
+    with S3Lease(
+        client, LEASE, timeout=30, ttl_seconds=60
+    ):  # the dead holder's lease expires within 1 s
         with pytest.raises(LockTimeout):
             S3Lease(client, LEASE, timeout=0.2, ttl_seconds=60).acquire()
 

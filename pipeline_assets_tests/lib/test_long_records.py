@@ -15,9 +15,18 @@ def _encoded(shapes: dict[str, tuple[int, int]]) -> pl.DataFrame:
     rows = []
     for record_id, (prompt, response) in shapes.items():
         ids = list(range(1000, 1000 + prompt)) + list(range(1, 1 + response))
-        rows.append({"record_id": record_id, "input_ids": ids, "loss_mask": [0] * prompt + [1] * response,
-                     "n_tokens": prompt + response, "n_response_tokens": response})
-    return pl.DataFrame(rows, schema=ENCODED_SCHEMA).with_columns(split=pl.lit("train"), source=pl.lit("s"))
+        rows.append(
+            {
+                "record_id": record_id,
+                "input_ids": ids,
+                "loss_mask": [0] * prompt + [1] * response,
+                "n_tokens": prompt + response,
+                "n_response_tokens": response,
+            }
+        )
+    return pl.DataFrame(rows, schema=ENCODED_SCHEMA).with_columns(
+        split=pl.lit("train"), source=pl.lit("s")
+    )
 
 
 SHAPES = {"fits": (10, 20), "long": (12, 100), "huge_prompt": (40, 5), "prompt_fills_row": (32, 3)}
@@ -33,15 +42,20 @@ def test_truncate_keeps_the_whole_prompt_and_cuts_the_response():
     assert (long["n_tokens"], long["n_response_tokens"]) == (32, 20)
     assert kept["fits"]["n_tokens"] == 30
     assert fitted.left_out.sort("record_id").select("record_id", "reason").rows() == [
-        ("huge_prompt", "prompt_too_long"), ("prompt_fills_row", "prompt_too_long"),
+        ("huge_prompt", "prompt_too_long"),
+        ("prompt_fills_row", "prompt_too_long"),
     ]
 
 
 def test_drop_leaves_long_records_out_and_names_them():
     fitted = fit_long_records(_encoded(SHAPES), seq_len=32, mode="drop")
     assert fitted.records["record_id"].to_list() == ["fits"] and fitted.truncated_documents == 0
-    assert fitted.left_out.sort("record_id").select("record_id", "reason", "n_tokens", "prompt_tokens").rows() == [
-        ("huge_prompt", "prompt_too_long", 45, 40), ("long", "too_long", 112, 12), ("prompt_fills_row", "prompt_too_long", 35, 32),
+    assert fitted.left_out.sort("record_id").select(
+        "record_id", "reason", "n_tokens", "prompt_tokens"
+    ).rows() == [
+        ("huge_prompt", "prompt_too_long", 45, 40),
+        ("long", "too_long", 112, 12),
+        ("prompt_fills_row", "prompt_too_long", 35, 32),
     ]
 
 
@@ -50,11 +64,18 @@ def test_no_packed_piece_trains_a_response_without_its_prompt():
         fitted = fit_long_records(_encoded(SHAPES), seq_len=32, mode=mode)
         sequences, packing = build_sequences(fitted.records, seq_len=32, seed=1, pad_id=0)
         assert packing["split_documents"] == 0
-        for ids, mask, lengths in sequences.select("input_ids", "loss_mask", "document_lengths").iter_rows():
+        for ids, mask, lengths in sequences.select(
+            "input_ids", "loss_mask", "document_lengths"
+        ).iter_rows():
             start = 0
             for length in lengths:
-                piece_ids, piece_mask = np.array(ids[start : start + length]), np.array(mask[start : start + length])
-                assert piece_ids[0] == 1000 and not piece_mask[0], "every piece opens with its prompt"
+                piece_ids, piece_mask = (
+                    np.array(ids[start : start + length]),
+                    np.array(mask[start : start + length]),
+                )
+                assert piece_ids[0] == 1000 and not piece_mask[0], (
+                    "every piece opens with its prompt"
+                )
                 start += length
 
 

@@ -59,7 +59,9 @@ def test_gram_ban_finds_a_13_word_run_as_decontamination_does():
     index = EvalNgramIndex.build(
         pl.DataFrame({"eval_set": ["e"], "item_id": ["e-1"], "prompt": ["x"], "response": [LONG]})
     )
-    records = pl.DataFrame({"record_id": ["1", "2", "3"], "prompt": ["q"] * 3, "response": candidates})
+    records = pl.DataFrame(
+        {"record_id": ["1", "2", "3"], "prompt": ["q"] * 3, "response": candidates}
+    )
     _, contaminated, _ = find_contamination(records, index)
     assert hits == [i in set(contaminated["record_id"]) for i in ("1", "2", "3")]
     assert hits == [True, False, True]
@@ -92,7 +94,10 @@ def test_chain_walks_only_through_word_pairs_it_was_trained_on():
         assert words[0] in starts
         assert all(pair in pairs for pair in zip(words, words[1:], strict=False))
     assert len(made.lengths) > 20  # and many, all different
-    rows = {tuple(tokens[s : s + n]) for s, n in zip(made.starts.tolist(), made.lengths.tolist(), strict=True)}
+    rows = {
+        tuple(tokens[s : s + n])
+        for s, n in zip(made.starts.tolist(), made.lengths.tolist(), strict=True)
+    }
     assert len(rows) == len(made.lengths)
 
 
@@ -100,6 +105,16 @@ def test_answers_made_in_a_worker_process_are_the_ones_made_here():
     vocabulary = mt.Vocabulary()
     sentences = mt.training_sentences([LONG, *TEXTS[1:3], TEXTS[6]], vocabulary)
     table = vocabulary.freeze()
-    recipe = mt.AnswerRecipe(mt.train_chain(sentences, table.space), table, mt.UniformWords(6, 30), seed=3, stream=0, batch=64)
-    with mt.AnswerSource(recipe, mt.UniqueKeys()) as here, mt.AnswerSource(recipe, mt.UniqueKeys(), workers=1) as there:
+    recipe = mt.AnswerRecipe(
+        mt.train_chain(sentences, table.space),
+        table,
+        mt.UniformWords(6, 30),
+        seed=3,
+        stream=0,
+        batch=64,
+    )
+    with (
+        mt.AnswerSource(recipe, mt.UniqueKeys()) as here,
+        mt.AnswerSource(recipe, mt.UniqueKeys(), workers=1) as there,
+    ):
         assert [here.take() for _ in range(40)] == [there.take() for _ in range(40)]

@@ -9,7 +9,10 @@ from pipeline_assets.lib.normalize import NormalizeConfig, normalize_records
 
 
 def _frame(prompt: str) -> pl.DataFrame:
-    return pl.DataFrame({"prompt": [prompt], "response": ["same"], "system": [None]}, schema_overrides={"system": pl.String})
+    return pl.DataFrame(
+        {"prompt": [prompt], "response": ["same"], "system": [None]},
+        schema_overrides={"system": pl.String},
+    )
 
 
 def test_normalize_nfc_controls_and_whitespace():
@@ -21,7 +24,9 @@ def test_normalize_nfc_controls_and_whitespace():
 
 def test_normalize_steps_can_be_switched_off():
     frame = _frame("e\u0301\x07  x")
-    untouched, _ = normalize_records(frame, NormalizeConfig(unicode_form=None, strip_control=False, collapse_whitespace=False))
+    untouched, _ = normalize_records(
+        frame, NormalizeConfig(unicode_form=None, strip_control=False, collapse_whitespace=False)
+    )
     assert untouched["prompt"][0] == "e\u0301\x07  x"
     nfkc, _ = normalize_records(_frame("\ufb01"), NormalizeConfig(unicode_form="NFKC"))
     assert nfkc["prompt"][0] == "fi"

@@ -9,11 +9,11 @@ import pytest
 from pipeline_assets.lib.packing import (
     PackingPlan,
     doc_lengths_column,
+    first_fit_rows,
     pack,
     packed_frame,
-    plan_best_fit_decreasing,
-    first_fit_rows,
     packing_floor,
+    plan_best_fit_decreasing,
     plan_greedy_sequential,
     shuffle_sequences,
     split_long_documents,
@@ -84,7 +84,10 @@ def test_split_pieces_tile_every_document(seed):
     lengths = _edge_lengths(seed, 300, seq_len)
     piece_doc, piece_start, piece_length = split_long_documents(lengths, seq_len)
     assert (piece_length >= 1).all() and (piece_length <= seq_len).all()
-    assert np.bincount(piece_doc, weights=piece_length, minlength=lengths.size).tolist() == lengths.tolist()
+    assert (
+        np.bincount(piece_doc, weights=piece_length, minlength=lengths.size).tolist()
+        == lengths.tolist()
+    )
     next_start = piece_start + piece_length
     same_doc = piece_doc[1:] == piece_doc[:-1]
     assert (piece_start[1:][same_doc] == next_start[:-1][same_doc]).all()
@@ -110,7 +113,9 @@ def _assert_layout(plan: PackingPlan, lengths: np.ndarray, seq_len: int) -> None
     assert (plan.offset_in_sequence + plan.piece_length <= seq_len).all()
     assert plan.sequence_of_doc.min() == 0 and plan.sequence_of_doc.max() == plan.n_sequences - 1
     covered = np.zeros((plan.n_sequences, seq_len), dtype=np.int64)
-    for sequence, offset, length in zip(plan.sequence_of_doc, plan.offset_in_sequence, plan.piece_length, strict=True):
+    for sequence, offset, length in zip(
+        plan.sequence_of_doc, plan.offset_in_sequence, plan.piece_length, strict=True
+    ):
         covered[sequence, offset : offset + length] += 1
     assert covered.max() == 1
     assert covered.sum() == lengths.sum()
@@ -121,16 +126,28 @@ def _assert_packed(plan: PackingPlan, packed: dict, ids, masks, seq_len: int) ->
     real = np.zeros((plan.n_sequences, seq_len), dtype=bool)
     for piece in range(plan.piece_length.size):
         sequence, offset = plan.sequence_of_doc[piece], plan.offset_in_sequence[piece]
-        start, length, doc = plan.piece_start[piece], plan.piece_length[piece], plan.piece_doc[piece]
+        start, length, doc = (
+            plan.piece_start[piece],
+            plan.piece_length[piece],
+            plan.piece_doc[piece],
+        )
         cells = slice(offset, offset + length)
-        assert packed["input_ids"][sequence, cells].tolist() == ids[doc][start : start + length].tolist()
-        assert packed["loss_mask"][sequence, cells].tolist() == masks[doc][start : start + length].tolist()
+        assert (
+            packed["input_ids"][sequence, cells].tolist()
+            == ids[doc][start : start + length].tolist()
+        )
+        assert (
+            packed["loss_mask"][sequence, cells].tolist()
+            == masks[doc][start : start + length].tolist()
+        )
         assert packed["position_ids"][sequence, cells].tolist() == list(range(length))
         real[sequence, cells] = True
     assert (packed["input_ids"][~real] == PAD).all()
     assert (packed["loss_mask"][~real] == 0).all()
     every_token = np.sort(packed["input_ids"][real])
-    assert every_token.tolist() == list(range(1, sum(len(doc) for doc in ids) + 1))  # each exactly once
+    assert every_token.tolist() == list(
+        range(1, sum(len(doc) for doc in ids) + 1)
+    )  # each exactly once
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
@@ -141,7 +158,10 @@ def test_planner_invariants_hold_after_packing(planner, seed, seq_len):
     _assert_layout(plan, lengths, seq_len)
     ids, masks = _documents(lengths, seed)
     packed = pack(plan, ids, masks, seq_len, pad_id=PAD)
-    assert packed["input_ids"].shape == (plan.n_sequences, seq_len) and packed["input_ids"].dtype == np.int32
+    assert (
+        packed["input_ids"].shape == (plan.n_sequences, seq_len)
+        and packed["input_ids"].dtype == np.int32
+    )
     assert packed["loss_mask"].dtype == np.uint8 and packed["position_ids"].dtype == np.int32
     _assert_packed(plan, packed, ids, masks, seq_len)
 
@@ -171,17 +191,30 @@ def test_small_examples_by_hand():
     assert best_fit.n_sequences == 2 and best_fit.efficiency(8) == 1.0
     # Ties on length go by document index: the three 4s fill sequences 0, 0, 1 in document order.
     ties = plan_best_fit_decreasing(np.array([4, 4, 4]), 8)
-    assert ties.sequence_of_doc.tolist() == [0, 0, 1] and ties.offset_in_sequence.tolist() == [0, 4, 0]
+    assert ties.sequence_of_doc.tolist() == [0, 0, 1] and ties.offset_in_sequence.tolist() == [
+        0,
+        4,
+        0,
+    ]
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_plans_are_deterministic(planner):
     lengths = _realistic_lengths(5000, seed=3)
     first, second = planner(lengths, 512), planner(lengths.copy(), 512)
-    for name in ("sequence_of_doc", "offset_in_sequence", "piece_doc", "piece_start", "piece_length"):
+    for name in (
+        "sequence_of_doc",
+        "offset_in_sequence",
+        "piece_doc",
+        "piece_start",
+        "piece_length",
+    ):
         assert np.array_equal(getattr(first, name), getattr(second, name))
         assert getattr(first, name).dtype == np.int64
-    assert (first.n_sequences, first.split_documents) == (second.n_sequences, second.split_documents)
+    assert (first.n_sequences, first.split_documents) == (
+        second.n_sequences,
+        second.split_documents,
+    )
 
 
 def test_shuffle_is_a_seeded_permutation():
@@ -195,7 +228,9 @@ def test_shuffle_is_a_seeded_permutation():
 def test_best_fit_beats_greedy_on_realistic_lengths():
     lengths = _realistic_lengths(50_000)
     best_fit, greedy = plan_best_fit_decreasing(lengths, 512), plan_greedy_sequential(lengths, 512)
-    print(f"efficiency: best-fit decreasing {best_fit.efficiency(512):.4f}, greedy {greedy.efficiency(512):.4f}")
+    print(
+        f"efficiency: best-fit decreasing {best_fit.efficiency(512):.4f}, greedy {greedy.efficiency(512):.4f}"
+    )
     assert best_fit.efficiency(512) >= 0.995
     assert greedy.efficiency(512) <= best_fit.efficiency(512) - 0.05
     assert best_fit.n_sequences >= -(-int(lengths.sum()) // 512)  # never below the lower bound
@@ -217,7 +252,9 @@ def test_polars_list_input_packs_like_numpy_input():
     ids, masks = _documents(lengths)
     plan = plan_best_fit_decreasing(lengths, 24)
     from_numpy = pack(plan, ids, masks, 24, pad_id=PAD)
-    from_polars = pack(plan, pl.Series(ids, dtype=pl.List(pl.Int64)), pl.Series(masks), 24, pad_id=PAD)
+    from_polars = pack(
+        plan, pl.Series(ids, dtype=pl.List(pl.Int64)), pl.Series(masks), 24, pad_id=PAD
+    )
     for name, array in from_numpy.items():
         assert np.array_equal(array, from_polars[name]), name
 
@@ -230,17 +267,28 @@ def test_doc_lengths_describe_each_sequence_and_position_ids():
     assert packed["doc_lengths"].tolist() == [8, 6, 2, 5, 3, 1]
     assert packed["doc_lengths_offsets"].tolist() == [0, 1, 3, 5, 6]
     assert packed["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
-    assert packed["position_ids"][3].tolist() == [0, 0, 1, 2, 3, 4, 5, 6]  # padding is one more segment
+    assert packed["position_ids"][3].tolist() == [
+        0,
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # padding is one more segment
     column = doc_lengths_column(packed)
     assert column.dtype == pl.List(pl.Int32)
     assert column.to_list() == [[8], [6, 2], [5, 3], [1]]
     frame = packed_frame(packed)
-    assert frame.schema == pl.Schema({
-        "input_ids": pl.List(pl.Int32),
-        "loss_mask": pl.List(pl.UInt8),
-        "position_ids": pl.List(pl.Int32),
-        "doc_lengths": pl.List(pl.Int32),
-    })
+    assert frame.schema == pl.Schema(
+        {
+            "input_ids": pl.List(pl.Int32),
+            "loss_mask": pl.List(pl.UInt8),
+            "position_ids": pl.List(pl.Int32),
+            "doc_lengths": pl.List(pl.Int32),
+        }
+    )
     assert frame["input_ids"].to_list()[3] == [int(ids[4][-1])] + [PAD] * 7
 
 
@@ -255,7 +303,9 @@ def test_doc_lengths_match_the_plan_on_random_lengths():
         assert row == plan.piece_length[in_sequence][by_offset].tolist()
         segment_starts = np.flatnonzero(packed["position_ids"][sequence] == 0)
         padding = 40 - sum(row)
-        assert segment_starts.tolist() == (np.cumsum([0, *row])[: len(row) + (padding > 0)]).tolist()
+        assert (
+            segment_starts.tolist() == (np.cumsum([0, *row])[: len(row) + (padding > 0)]).tolist()
+        )
 
 
 def test_pack_rejects_inputs_that_do_not_match_the_plan():
@@ -317,4 +367,6 @@ def test_packing_floor_of_uniform_short_documents():
     assert floor.lower_bound_rows <= plan.n_sequences <= floor.first_fit_rows
     assert plan.efficiency(512) < 0.98
     one_per_row = packing_floor(lengths, 512)
-    assert 1000 > one_per_row.first_fit_rows  # a broken packer that puts each answer in its own row exceeds the floor
+    assert (
+        1000 > one_per_row.first_fit_rows
+    )  # a broken packer that puts each answer in its own row exceeds the floor

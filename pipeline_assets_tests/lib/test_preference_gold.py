@@ -19,15 +19,28 @@ def _pairs(n: int, seed: int = 1) -> pl.DataFrame:
     def text(words: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(words))
 
-    return pl.DataFrame([{"record_id": f"r{i:03d}", "system": "Be brief." if i % 3 == 0 else None,
-                          "prompt": text(rng.randint(5, 15)), "chosen": text(rng.randint(10, 40)),
-                          "rejected": text(rng.randint(10, 40)), "source": "prefs",
-                          "split": "validation" if i % 5 == 0 else "train"} for i in range(n)],
-                        schema_overrides={"system": pl.String})
+    return pl.DataFrame(
+        [
+            {
+                "record_id": f"r{i:03d}",
+                "system": "Be brief." if i % 3 == 0 else None,
+                "prompt": text(rng.randint(5, 15)),
+                "chosen": text(rng.randint(10, 40)),
+                "rejected": text(rng.randint(10, 40)),
+                "source": "prefs",
+                "split": "validation" if i % 5 == 0 else "train",
+            }
+            for i in range(n)
+        ],
+        schema_overrides={"system": pl.String},
+    )
 
 
 def _tokenizer_json(pairs: pl.DataFrame) -> str:
-    texts = [prefix_text(s, p) + response_text(c) for s, p, c in pairs.select("system", "prompt", "chosen").iter_rows()]
+    texts = [
+        prefix_text(s, p) + response_text(c)
+        for s, p, c in pairs.select("system", "prompt", "chosen").iter_rows()
+    ]
     return tokenizer_to_json(train_bpe(texts, vocab_size=400))
 
 
@@ -42,23 +55,37 @@ def test_a_pair_is_its_prompt_once_and_each_answer_as_the_chat_format_renders_it
         for side in ("chosen", "rejected"):
             whole = tokenizer.encode(prefix + response_text(pair[side])).ids
             assert row["prefix_ids"] + row[f"{side}_ids"] == whole
-        assert row["n_tokens"] == 2 * len(row["prefix_ids"]) + len(row["chosen_ids"]) + len(row["rejected_ids"])
+        assert row["n_tokens"] == 2 * len(row["prefix_ids"]) + len(row["chosen_ids"]) + len(
+            row["rejected_ids"]
+        )
 
 
 def test_pairs_are_packed_per_split_and_a_pair_too_long_is_left_out_whole():
     pairs = _pairs(30)
     tokenizer_json = _tokenizer_json(pairs)
     tokenized = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs).kept
-    seq_len = int(tokenized["n_tokens"].sort()[-2]) + 1  # the longest pair does not fit, every other one does
+    seq_len = (
+        int(tokenized["n_tokens"].sort()[-2]) + 1
+    )  # the longest pair does not fit, every other one does
     rows, left_out, counters = build_pair_sequences(tokenized, seq_len, seed=7, pad_id=0)
     longest = tokenized.sort("n_tokens")["pair_id"][-1]
-    assert left_out["pair_id"].to_list() == [longest] and left_out["reason"].to_list() == ["too_long"]
+    assert left_out["pair_id"].to_list() == [longest] and left_out["reason"].to_list() == [
+        "too_long"
+    ]
     assert counters["pairs_too_long"] == 1 and counters["pairs_packed"] == 29
     by_split = dict(tokenized.select("pair_id", "split").iter_rows())
     for row in rows.iter_rows(named=True):
         assert {by_split[p] for p in row["pair_ids"]} == {row["split"]}
-        assert len(row["input_ids"]) == seq_len and sum(row["document_lengths"]) == row["real_tokens"]
-    assert rows.group_by("split").agg(pl.col("sequence_index").sort())["sequence_index"].map_elements(
-        lambda s: s.to_list() == list(range(len(s))), return_dtype=pl.Boolean).all()
-    again, _, _ = build_pair_sequences(tokenized.sample(fraction=1.0, shuffle=True, seed=3), seq_len, seed=7, pad_id=0)
+        assert (
+            len(row["input_ids"]) == seq_len and sum(row["document_lengths"]) == row["real_tokens"]
+        )
+    assert (
+        rows.group_by("split")
+        .agg(pl.col("sequence_index").sort())["sequence_index"]
+        .map_elements(lambda s: s.to_list() == list(range(len(s))), return_dtype=pl.Boolean)
+        .all()
+    )
+    again, _, _ = build_pair_sequences(
+        tokenized.sample(fraction=1.0, shuffle=True, seed=3), seq_len, seed=7, pad_id=0
+    )
     assert again.equals(rows), "the rows do not depend on the order the pairs arrive in"

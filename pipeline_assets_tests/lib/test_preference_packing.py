@@ -8,7 +8,12 @@ import polars as pl
 import pytest
 
 from pipeline_assets.lib.packing import plan_best_fit_decreasing, plan_greedy_sequential
-from pipeline_assets.lib.preference_packing import LEFT_OUT_SCHEMA, ROWS_SCHEMA, pack_pairs, pair_lengths
+from pipeline_assets.lib.preference_packing import (
+    LEFT_OUT_SCHEMA,
+    ROWS_SCHEMA,
+    pack_pairs,
+    pair_lengths,
+)
 from pipeline_assets_tests.lib.tokenized_pairs import random_pairs as _pairs
 
 SEQ_LEN, PAD_ID = 32, 0
@@ -16,7 +21,10 @@ SEQ_LEN, PAD_ID = 32, 0
 
 def _random_shapes(n: int, seed: int) -> list[tuple[int, int, int]]:
     rng = np.random.default_rng(seed)
-    return [(int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(1, 8))) for _ in range(n)]
+    return [
+        (int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(1, 8)))
+        for _ in range(n)
+    ]
 
 
 def _documents(row: dict) -> list[dict]:
@@ -24,7 +32,9 @@ def _documents(row: dict) -> list[dict]:
     documents, start = [], 0
     for length in row["document_lengths"]:
         end = start + length
-        documents.append({name: row[name][start:end] for name in ("input_ids", "loss_mask", "position_ids")})
+        documents.append(
+            {name: row[name][start:end] for name in ("input_ids", "loss_mask", "position_ids")}
+        )
         start = end
     return documents
 
@@ -46,7 +56,10 @@ def packed(pairs):
 def test_rows_have_gold_columns_and_pair_ids(packed):
     assert packed.rows.schema == ROWS_SCHEMA
     assert packed.rows["input_ids"].list.len().unique().to_list() == [SEQ_LEN]
-    assert packed.rows["document_lengths"].list.len().to_list() == (2 * packed.rows["pair_ids"].list.len()).to_list()
+    assert (
+        packed.rows["document_lengths"].list.len().to_list()
+        == (2 * packed.rows["pair_ids"].list.len()).to_list()
+    )
 
 
 def test_each_row_holds_whole_pairs_chosen_then_rejected(pairs, packed):
@@ -88,7 +101,9 @@ def test_the_tail_is_padding_with_no_loss(packed):
 def test_every_pair_is_packed_once_or_left_out(pairs, packed):
     packed_ids = packed.rows["pair_ids"].explode().to_list()
     assert len(packed_ids) == len(set(packed_ids))
-    assert sorted(packed_ids + packed.left_out["pair_id"].to_list()) == sorted(pairs["pair_id"].to_list())
+    assert sorted(packed_ids + packed.left_out["pair_id"].to_list()) == sorted(
+        pairs["pair_id"].to_list()
+    )
     assert packed.pairs_in == packed.pairs_packed + packed.pairs_too_long == pairs.height
 
 
@@ -98,8 +113,13 @@ def test_a_pair_longer_than_a_row_is_left_out_whole_and_one_exactly_a_row_long_i
 
     packed = pack_pairs(pairs, SEQ_LEN, PAD_ID)
 
-    assert packed.counters == {"pairs_in": 3, "pairs_packed": 2, "pairs_too_long": 1, "rows": 2,
-                               "efficiency": (32 + 10) / (2 * SEQ_LEN)}
+    assert packed.counters == {
+        "pairs_in": 3,
+        "pairs_packed": 2,
+        "pairs_too_long": 1,
+        "rows": 2,
+        "efficiency": (32 + 10) / (2 * SEQ_LEN),
+    }
     assert packed.left_out.schema == LEFT_OUT_SCHEMA
     assert packed.left_out.to_dicts() == [{"pair_id": "p01", "n_tokens": 33, "reason": "too_long"}]
     assert packed.rows["pair_ids"].to_list() == [["p00"], ["p02"]]
@@ -142,7 +162,13 @@ def test_no_pairs_give_no_rows():
     packed = pack_pairs(_pairs([]), SEQ_LEN, PAD_ID)
 
     assert packed.rows.schema == ROWS_SCHEMA and packed.rows.is_empty()
-    assert packed.counters == {"pairs_in": 0, "pairs_packed": 0, "pairs_too_long": 0, "rows": 0, "efficiency": 0.0}
+    assert packed.counters == {
+        "pairs_in": 0,
+        "pairs_packed": 0,
+        "pairs_too_long": 0,
+        "rows": 0,
+        "efficiency": 0.0,
+    }
 
 
 @pytest.mark.parametrize("part", ["prefix_ids", "chosen_ids", "rejected_ids"])

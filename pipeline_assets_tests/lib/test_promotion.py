@@ -31,7 +31,9 @@ def test_a_worse_model_is_refused():
 
 
 def test_an_improvement_below_the_margin_is_refused():
-    decision = promotion_gate({**CHAMPION, "overall": 1.995}, CHAMPION, vocab_size=8192, margin=0.005)
+    decision = promotion_gate(
+        {**CHAMPION, "overall": 1.995}, CHAMPION, vocab_size=8192, margin=0.005
+    )
     assert not decision.passed  # 0.25% better, 0.5% required
 
 
@@ -52,7 +54,9 @@ def test_a_slice_regression_within_the_tolerance_is_allowed():
 def test_a_first_model_must_beat_the_uniform_baseline():
     assert promotion_gate({"overall": math.log(8192) - 0.01}, None, vocab_size=8192).passed
     refused = promotion_gate({"overall": math.log(8192) + 0.01}, None, vocab_size=8192)
-    assert not refused.passed and refused.numbers["uniform_baseline_loss"] == pytest.approx(math.log(8192))
+    assert not refused.passed and refused.numbers["uniform_baseline_loss"] == pytest.approx(
+        math.log(8192)
+    )
 
 
 def _entry(version: str, previous: str | None, kind: str = "promote") -> dict:
@@ -62,12 +66,16 @@ def _entry(version: str, previous: str | None, kind: str = "promote") -> dict:
 def test_numbers_measured_against_the_current_champion_still_judge():
     assert champion_moved(seen="1", current="1", candidate="3") is None
     assert champion_moved(seen=None, current=None, candidate="1") is None
-    assert champion_moved(seen="1", current="3", candidate="3") is None, "a candidate already champion (a rerun)"
+    assert champion_moved(seen="1", current="3", candidate="3") is None, (
+        "a candidate already champion (a rerun)"
+    )
 
 
 def test_a_champion_that_moved_since_evaluation_refuses_with_both_versions():
     reason = champion_moved(seen="1", current="2", candidate="3")
-    assert reason is not None and "v1" in reason and "v2" in reason and "evaluation/report" in reason
+    assert (
+        reason is not None and "v1" in reason and "v2" in reason and "evaluation/report" in reason
+    )
     assert "no champion" in champion_moved(seen=None, current="2", candidate="3")
 
 
@@ -75,7 +83,9 @@ def test_rollbacks_walk_back_through_the_champion_history():
     promotions = [_entry("1", None), _entry("2", "1"), _entry("3", "2")]
     assert rollback_target(promotions, current="3") == "2"
     once = promotions + [_entry("2", "3", "rollback")]
-    assert rollback_target(once, current="2") == "1", "a second rollback goes one further back, never to v3"
+    assert rollback_target(once, current="2") == "1", (
+        "a second rollback goes one further back, never to v3"
+    )
     twice = once + [_entry("1", "2", "rollback")]
     assert rollback_target(twice, current="1") is None, "nothing before the first champion"
 
@@ -87,17 +97,25 @@ def test_a_rollback_after_a_hand_promotion_returns_to_the_version_it_replaced():
 
 
 def test_an_old_history_without_kinds_reads_its_rollbacks_by_who_made_them():
-    history = [_entry("1", None), _entry("2", "1"), _entry("3", "2"),
-               {"version": "2", "previous": "3", "by": "pipeline-assets rollback"}]
+    history = [
+        _entry("1", None),
+        _entry("2", "1"),
+        _entry("3", "2"),
+        {"version": "2", "previous": "3", "by": "pipeline-assets rollback"},
+    ]
     assert rollback_target(history, current="2") == "1"
 
 
 def _scores(**slices: tuple[float, float]) -> dict[str, PreferenceScore]:
-    return {name.replace("_", ":", 1) if name != "overall" else name: PreferenceScore(*values)
-            for name, values in slices.items()}
+    return {
+        name.replace("_", ":", 1) if name != "overall" else name: PreferenceScore(*values)
+        for name, values in slices.items()
+    }
 
 
-DPO_CHAMPION = _scores(overall=(0.80, 1.0), source_annotate=(0.90, 1.2), source_rollouts=(0.70, 0.8))
+DPO_CHAMPION = _scores(
+    overall=(0.80, 1.0), source_annotate=(0.90, 1.2), source_rollouts=(0.70, 0.8)
+)
 SFT_KEPT = (2.01, 2.00)  # the candidate's sft validation loss against the sft champion's: +0.5%
 
 
@@ -105,7 +123,9 @@ def test_a_first_dpo_model_must_beat_chance_and_keep_the_sft_loss():
     assert preference_gate(_scores(overall=(0.6, 0.1)), None, sft_losses=SFT_KEPT).passed
     at_chance = preference_gate(_scores(overall=(0.5, 0.1)), None, sft_losses=SFT_KEPT)
     assert not at_chance.passed and "does not beat chance" in at_chance.reason
-    forgot = preference_gate(_scores(overall=(0.95, 2.0)), None, sft_losses=(2.10, 2.00), slice_tolerance=0.02)
+    forgot = preference_gate(
+        _scores(overall=(0.95, 2.0)), None, sft_losses=(2.10, 2.00), slice_tolerance=0.02
+    )
     assert not forgot.passed and "beyond the tolerance 2.00%" in forgot.reason
     assert forgot.numbers["sft_relative_change"] == pytest.approx(0.05)
     unknown = preference_gate(_scores(overall=(0.95, 2.0)), None, sft_losses=None)
@@ -113,22 +133,34 @@ def test_a_first_dpo_model_must_beat_chance_and_keep_the_sft_loss():
 
 
 def test_a_dpo_candidate_promotes_on_accuracy_or_on_margin_at_level_accuracy():
-    more_accurate = _scores(overall=(0.85, 0.5), source_annotate=(0.90, 0.6), source_rollouts=(0.80, 0.4))
+    more_accurate = _scores(
+        overall=(0.85, 0.5), source_annotate=(0.90, 0.6), source_rollouts=(0.80, 0.4)
+    )
     decision = preference_gate(more_accurate, DPO_CHAMPION, sft_losses=SFT_KEPT)
     assert decision.passed and decision.numbers["accuracy_gain"] == pytest.approx(0.05)
-    level_wider = _scores(overall=(0.80, 1.5), source_annotate=(0.90, 1.6), source_rollouts=(0.70, 1.4))
+    level_wider = _scores(
+        overall=(0.80, 1.5), source_annotate=(0.90, 1.6), source_rollouts=(0.70, 1.4)
+    )
     decision = preference_gate(level_wider, DPO_CHAMPION, sft_losses=SFT_KEPT)
     assert decision.passed and decision.numbers["mean_margin_gain"] == pytest.approx(0.5)
-    level_narrower = _scores(overall=(0.80, 0.9), source_annotate=(0.90, 1.0), source_rollouts=(0.70, 0.8))
+    level_narrower = _scores(
+        overall=(0.80, 0.9), source_annotate=(0.90, 1.0), source_rollouts=(0.70, 0.8)
+    )
     refused = preference_gate(level_narrower, DPO_CHAMPION, sft_losses=SFT_KEPT)
     assert not refused.passed and "neither better" in refused.reason
-    less_accurate_wider = _scores(overall=(0.75, 3.0), source_annotate=(0.85, 3.0), source_rollouts=(0.65, 3.0))
+    less_accurate_wider = _scores(
+        overall=(0.75, 3.0), source_annotate=(0.85, 3.0), source_rollouts=(0.65, 3.0)
+    )
     assert not preference_gate(less_accurate_wider, DPO_CHAMPION, sft_losses=SFT_KEPT).passed
 
 
 def test_a_better_dpo_candidate_that_loses_one_source_or_the_sft_loss_is_refused():
-    one_source_down = _scores(overall=(0.90, 1.2), source_annotate=(1.0, 1.5), source_rollouts=(0.60, 0.7))
-    refused = preference_gate(one_source_down, DPO_CHAMPION, sft_losses=SFT_KEPT, slice_tolerance=0.05)
+    one_source_down = _scores(
+        overall=(0.90, 1.2), source_annotate=(1.0, 1.5), source_rollouts=(0.60, 0.7)
+    )
+    refused = preference_gate(
+        one_source_down, DPO_CHAMPION, sft_losses=SFT_KEPT, slice_tolerance=0.05
+    )
     assert not refused.passed and "source:rollouts loses 0.100" in refused.reason
     assert refused.numbers["worst_slice"] == "source:rollouts"
     better = _scores(overall=(0.90, 1.2), source_annotate=(0.95, 1.5), source_rollouts=(0.85, 0.9))

@@ -264,9 +264,7 @@ def reference_values(text: str) -> dict[str, float]:
             repeated_lines.append(line)
         seen_lines.add(line)
     bigrams = Counter(zip(words, words[1:], strict=False))
-    top_bigram = max(
-        (n * (len(a) + len(b)) for (a, b), n in bigrams.items() if n > 1), default=0
-    )
+    top_bigram = max((n * (len(a) + len(b)) for (a, b), n in bigrams.items() if n > 1), default=0)
     covered = [False] * len(words)
     seen_5grams: set[tuple[str, ...]] = set()
     for i in range(len(words) - 4):
@@ -330,8 +328,9 @@ def sample(tmp_path_factory) -> tuple[pl.DataFrame, dict]:
     out = tmp_path_factory.mktemp("landing")
     manifest = write_sample_corpus(out, records=SAMPLE_RECORDS)
     frames = [
-        read_landing_file(entry["path"], (out / entry["path"]).read_bytes())
-        .records.with_columns(source=pl.lit(entry["source"]))
+        read_landing_file(entry["path"], (out / entry["path"]).read_bytes()).records.with_columns(
+            source=pl.lit(entry["source"])
+        )
         for entry in manifest["files"]
     ]
     frame, _ = normalize_records(pl.concat(frames).with_columns(record_id=pl.col("id")))

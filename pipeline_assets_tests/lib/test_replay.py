@@ -29,16 +29,35 @@ NOW = datetime(2026, 11, 20, 12, 0, tzinfo=timezone.utc)
 POLICY = StalenessPolicy(max_staleness=1, max_pending_seconds=3600.0)
 
 
-def rollout(rollout_id: str, group_id: str, *, version: int = 5, reward: float = 0.0, status: str = "pending",
-            consumed_by: int | None = None, completion: str | None = None, age_seconds: float = 60.0,
-            prompt_id: str | None = None) -> dict:
+def rollout(
+    rollout_id: str,
+    group_id: str,
+    *,
+    version: int = 5,
+    reward: float = 0.0,
+    status: str = "pending",
+    consumed_by: int | None = None,
+    completion: str | None = None,
+    age_seconds: float = 60.0,
+    prompt_id: str | None = None,
+) -> dict:
     return {
-        "rollout_id": rollout_id, "run": "rl-v0", "group_id": group_id, "prompt_id": prompt_id or f"p-{group_id}",
-        "policy_version": version, "generated_at": NOW - timedelta(seconds=age_seconds), "worker": "w0",
-        "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5], "behaviour_logps": [-0.5, -1.25],
+        "rollout_id": rollout_id,
+        "run": "rl-v0",
+        "group_id": group_id,
+        "prompt_id": prompt_id or f"p-{group_id}",
+        "policy_version": version,
+        "generated_at": NOW - timedelta(seconds=age_seconds),
+        "worker": "w0",
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [4, 5],
+        "behaviour_logps": [-0.5, -1.25],
         "completion": f"answer {rollout_id}" if completion is None else completion,
-        "reward": reward, "verifier_detail": "exact match" if reward == 1.0 else "expected 42",
-        "status": status, "consumed_by_version": consumed_by, "updated_at": NOW - timedelta(seconds=age_seconds),
+        "reward": reward,
+        "verifier_detail": "exact match" if reward == 1.0 else "expected 42",
+        "status": status,
+        "consumed_by_version": consumed_by,
+        "updated_at": NOW - timedelta(seconds=age_seconds),
     }
 
 
@@ -54,8 +73,12 @@ def group(group_id: str, rewards: list[float], **fields) -> list[dict]:
 
 
 def test_rows_lagging_beyond_the_limit_are_dropped_whole_groups_at_a_time_and_counted():
-    rows = buffer(*group("fresh", [1.0, 0.0], version=5), *group("old", [1.0, 0.0], version=2),
-                  rollout("mixed-0", "mixed", version=5), rollout("mixed-1", "mixed", version=2))
+    rows = buffer(
+        *group("fresh", [1.0, 0.0], version=5),
+        *group("old", [1.0, 0.0], version=2),
+        rollout("mixed-0", "mixed", version=5),
+        rollout("mixed-1", "mixed", version=2),
+    )
     consumed, dropped = take_for_update(rows, 5, POLICY, now=NOW)
 
     assert consumed.get_column("rollout_id").to_list() == ["fresh-0", "fresh-1"]
@@ -67,12 +90,17 @@ def test_rows_lagging_beyond_the_limit_are_dropped_whole_groups_at_a_time_and_co
     updated = validate(merged(rows, consumed, dropped), ReplayBufferRow)
     judgement = freshness(updated, POLICY, NOW)
     assert judgement.metrics["dropped_stale_rows"] == 4
-    assert not judgement.passed and "4 row(s) dropped as stale, lagging up to 3 versions (limit 1)" in judgement.description
+    assert (
+        not judgement.passed
+        and "4 row(s) dropped as stale, lagging up to 3 versions (limit 1)" in judgement.description
+    )
 
 
 def test_freshness_fails_naming_the_worst_lag_and_the_limit():
-    rows = buffer(*group("late", [1.0, 0.0, 0.5], version=2, status="consumed", consumed_by=5),
-                  *group("on_time", [1.0, 0.0], version=4, status="consumed", consumed_by=5))
+    rows = buffer(
+        *group("late", [1.0, 0.0, 0.5], version=2, status="consumed", consumed_by=5),
+        *group("on_time", [1.0, 0.0], version=4, status="consumed", consumed_by=5),
+    )
     judgement = freshness(rows, POLICY, NOW)
 
     assert not judgement.passed
@@ -93,7 +121,9 @@ def test_rows_within_the_limit_are_consumed_once():
 
 
 def test_a_pending_row_older_than_the_limit_fails_freshness_naming_its_age():
-    rows = buffer(rollout("waiting", "g", age_seconds=7200.0), rollout("recent", "g", age_seconds=10.0))
+    rows = buffer(
+        rollout("waiting", "g", age_seconds=7200.0), rollout("recent", "g", age_seconds=10.0)
+    )
     judgement = freshness(rows, POLICY, NOW)
 
     assert not judgement.passed
@@ -133,13 +163,18 @@ def test_reward_signal_passes_under_the_limit_and_judges_all_rows_before_any_is_
 def test_contract_accepts_a_valid_buffer():
     rows = buffer(*group("g", [1.0, 0.0]), rollout("c", "h", status="consumed", consumed_by=6))
     validate(rows, ReplayBufferRow)
-    assert set(ReplayBufferRow.to_schema().columns["status"].checks[0].statistics["allowed_values"]) == set(STATUSES)
+    assert set(
+        ReplayBufferRow.to_schema().columns["status"].checks[0].statistics["allowed_values"]
+    ) == set(STATUSES)
 
 
-@pytest.mark.parametrize("broken", [
-    {"behaviour_logps": [-0.5]},  # one log-probability for two completion tokens
-    {"status": "in_flight"},
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"behaviour_logps": [-0.5]},  # one log-probability for two completion tokens
+        {"status": "in_flight"},
+    ],
+)
 def test_contract_rejects_mismatched_logps_and_unknown_status(broken):
     with pytest.raises(pandera.errors.SchemaErrors):
         validate(buffer({**rollout("r", "g"), **broken}), ReplayBufferRow)
@@ -150,17 +185,36 @@ def test_contract_rejects_mismatched_logps_and_unknown_status(broken):
 
 def pair_source() -> tuple[pl.DataFrame, pl.DataFrame]:
     rows = buffer(
-        rollout("a2", "mixed", reward=1.0), rollout("a1", "mixed", reward=1.0),
-        rollout("a4", "mixed", reward=0.25), rollout("a3", "mixed", reward=0.0),
-        *group("all_right", [1.0, 1.0]), *group("all_wrong", [0.0, 0.5]),
-        rollout("b1", "blank_wrong", reward=1.0), rollout("b2", "blank_wrong", reward=0.0, completion="  \n"),
-        rollout("c1", "blank_right", reward=1.0, completion=""), rollout("c2", "blank_right", reward=0.0),
+        rollout("a2", "mixed", reward=1.0),
+        rollout("a1", "mixed", reward=1.0),
+        rollout("a4", "mixed", reward=0.25),
+        rollout("a3", "mixed", reward=0.0),
+        *group("all_right", [1.0, 1.0]),
+        *group("all_wrong", [0.0, 0.5]),
+        rollout("b1", "blank_wrong", reward=1.0),
+        rollout("b2", "blank_wrong", reward=0.0, completion="  \n"),
+        rollout("c1", "blank_right", reward=1.0, completion=""),
+        rollout("c2", "blank_right", reward=0.0),
         rollout("c3", "blank_right", reward=1.0),
     )
-    prompts = pl.DataFrame({
-        "prompt_id": ["p-mixed", "p-all_right", "p-all_wrong", "p-blank_wrong", "p-blank_right"],
-        "prompt": ["What is 6 x 7?", "What is 1 + 1?", "Prove P != NP.", "Name a prime.", "What is 2 + 2?"],
-    })
+    prompts = pl.DataFrame(
+        {
+            "prompt_id": [
+                "p-mixed",
+                "p-all_right",
+                "p-all_wrong",
+                "p-blank_wrong",
+                "p-blank_right",
+            ],
+            "prompt": [
+                "What is 6 x 7?",
+                "What is 1 + 1?",
+                "Prove P != NP.",
+                "Name a prime.",
+                "What is 2 + 2?",
+            ],
+        }
+    )
     return rows, prompts
 
 
@@ -171,11 +225,22 @@ def test_pairs_only_from_groups_with_a_correct_and_a_wrong_completion():
     assert pairs.columns == list(PAIR_FIELDS)
     assert pairs.get_column("id").to_list() == ["rl:blank_right", "rl:mixed"]
     mixed = pairs.row(1, named=True)
-    assert (mixed["prompt"], mixed["chosen"], mixed["rejected"]) == ("What is 6 x 7?", "answer a1", "answer a3")
+    assert (mixed["prompt"], mixed["chosen"], mixed["rejected"]) == (
+        "What is 6 x 7?",
+        "answer a1",
+        "answer a3",
+    )
     assert (mixed["score_chosen"], mixed["score_rejected"]) == (1.0, 0.0)
-    assert mixed["meta"] == {"group_id": "mixed", "policy_version": 5, "chosen_rollout_id": "a1",
-                             "rejected_rollout_id": "a3", "rejected_verifier_detail": "expected 42"}
-    assert pairs.row(0, named=True)["chosen"] == "answer c3"  # the blank correct completion is passed over
+    assert mixed["meta"] == {
+        "group_id": "mixed",
+        "policy_version": 5,
+        "chosen_rollout_id": "a1",
+        "rejected_rollout_id": "a3",
+        "rejected_verifier_detail": "expected 42",
+    }
+    assert (
+        pairs.row(0, named=True)["chosen"] == "answer c3"
+    )  # the blank correct completion is passed over
     assert blank_completions(rows) == 2
 
 
@@ -185,7 +250,9 @@ def test_written_pairs_parse_back_and_pass_the_landing_contract(tmp_path):
     path = write_rollout_pairs(pairs, tmp_path, "policy-v5")
 
     assert path == tmp_path / "rl_rollouts" / "policy-v5.jsonl"
-    assert [p.name for p in path.parent.iterdir()] == ["policy-v5.jsonl"]  # no temporary file left behind
+    assert [p.name for p in path.parent.iterdir()] == [
+        "policy-v5.jsonl"
+    ]  # no temporary file left behind
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
     assert [set(line) for line in lines] == [set(PAIR_FIELDS)] * 2
     assert lines[1]["meta"]["group_id"] == "mixed"
@@ -205,9 +272,11 @@ def test_no_pairs_write_no_file(tmp_path):
 
 
 def test_an_update_takes_at_most_max_groups_fresh_groups_the_oldest_first_and_drops_every_stale_one():
-    rows = buffer(*group("newer", [1.0, 0.0], version=5, age_seconds=10),
-                  *group("older", [1.0, 0.0], version=5, age_seconds=50),
-                  *group("stale", [1.0, 0.0], version=1, age_seconds=5))
+    rows = buffer(
+        *group("newer", [1.0, 0.0], version=5, age_seconds=10),
+        *group("older", [1.0, 0.0], version=5, age_seconds=50),
+        *group("stale", [1.0, 0.0], version=1, age_seconds=5),
+    )
     consumed, dropped = take_for_update(rows, 5, POLICY, now=NOW, max_groups=1)
 
     assert set(consumed["group_id"]) == {"older"} and set(dropped["group_id"]) == {"stale"}

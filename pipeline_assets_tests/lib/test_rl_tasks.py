@@ -41,17 +41,26 @@ def test_every_ground_truth_is_the_answer_and_passes_its_own_verifier(tasks):
         assert row["ground_truth"] == solve(row["prompt"]), row
         assert row["verifier"] == VERIFIER_OF_TASK[row["task"]]
         assert ground_truth_passes(row["verifier"], row["ground_truth"]), row
-        assert verify(row["verifier"], row["ground_truth"], "1" + row["ground_truth"]).reward == 0.0, row
+        assert (
+            verify(row["verifier"], row["ground_truth"], "1" + row["ground_truth"]).reward == 0.0
+        ), row
 
 
 def test_prompts_are_short_and_regular(tasks):
     patterns = {
-        "reverse": r"reverse: [a-z]( [a-z]){2,4}", "sort": r"sort: [0-9]( [0-9]){2,4}", "add": r"add: [0-9]{1,2} \+ [0-9]{1,2}",
+        "reverse": r"reverse: [a-z]( [a-z]){2,4}",
+        "sort": r"sort: [0-9]( [0-9]){2,4}",
+        "add": r"add: [0-9]{1,2} \+ [0-9]{1,2}",
     }
     for task, pattern in patterns.items():
         prompts = tasks.filter(pl.col("task") == task)["prompt"]
         assert prompts.str.contains(f"^{pattern}$").all(), task
-    numbers = tasks.filter(pl.col("task") == "add")["prompt"].str.extract_all("[0-9]+").explode().cast(pl.Int64)
+    numbers = (
+        tasks.filter(pl.col("task") == "add")["prompt"]
+        .str.extract_all("[0-9]+")
+        .explode()
+        .cast(pl.Int64)
+    )
     assert numbers.min() == 0 and numbers.max() == 20
 
 
@@ -68,8 +77,16 @@ def test_prompts_are_distinct_and_their_ids_are_a_hash_of_the_text(tasks):
 
 def test_tasks_are_mixed_evenly_and_lengths_too():
     mix = generate_tasks(1200, seed=0)
-    assert mix["task"].value_counts().sort("task").rows() == [("add", 400), ("reverse", 400), ("sort", 400)]
-    words = mix.filter(pl.col("task") == "reverse")["ground_truth"].str.replace_all(" ", "").str.len_chars()
+    assert mix["task"].value_counts().sort("task").rows() == [
+        ("add", 400),
+        ("reverse", 400),
+        ("sort", 400),
+    ]
+    words = (
+        mix.filter(pl.col("task") == "reverse")["ground_truth"]
+        .str.replace_all(" ", "")
+        .str.len_chars()
+    )
     assert words.value_counts().sort("ground_truth").rows() == [(3, 134), (4, 133), (5, 133)]
     assert mix.head(30)["task"].n_unique() == 3, "the order is shuffled, not task by task"
 

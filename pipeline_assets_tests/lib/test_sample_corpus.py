@@ -27,7 +27,12 @@ from datasketch import MinHash, MinHashLSH
 from pipeline_assets.lib.decontam import EvalNgramIndex, read_eval_sets
 from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.markov_corpus import write_markov_corpus
-from pipeline_assets.lib.sample_corpus import RESPONSE_MAX_WORDS, RESPONSE_MIN_WORDS, SOURCES, write_sample_corpus
+from pipeline_assets.lib.sample_corpus import (
+    RESPONSE_MAX_WORDS,
+    RESPONSE_MIN_WORDS,
+    SOURCES,
+    write_sample_corpus,
+)
 from pipeline_assets.lib.silver import SilverConfig, curate
 
 RECORDS = 3000
@@ -221,7 +226,9 @@ def test_clean_records_have_the_promised_lengths_and_each_source_its_style(corpu
     assert sum(n > 100 for n in lengths) / len(lengths) >= 0.03, "a tail of long ones"
     for record_id in manifest["clean_ids"]:
         record = records[record_id]
-        assert RESPONSE_MIN_WORDS <= len(record["response"].split()) <= RESPONSE_MAX_WORDS, record_id
+        assert RESPONSE_MIN_WORDS <= len(record["response"].split()) <= RESPONSE_MAX_WORDS, (
+            record_id
+        )
         assert 5 <= len(record["prompt"].split()) <= 60, record_id
         assert datetime.fromisoformat(record["created_at"]).utcoffset().total_seconds() == 0
         assert record["created_at"].endswith("Z")
@@ -474,9 +481,13 @@ def markov_records(markov) -> pl.DataFrame:
 
 def test_markov_same_seed_gives_identical_bytes_and_another_seed_does_not(tmp_path, markov):
     out, _ = markov
-    write_markov_corpus(tmp_path / "again", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS)
+    write_markov_corpus(
+        tmp_path / "again", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS
+    )
     assert file_digests(tmp_path / "again") == file_digests(out)
-    write_markov_corpus(tmp_path / "other", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS, seed=7)
+    write_markov_corpus(
+        tmp_path / "other", records=MARKOV_RECORDS, file_records=MARKOV_FILE_RECORDS, seed=7
+    )
     other = file_digests(tmp_path / "other")
     assert other.keys() == file_digests(out).keys()
     assert all(other[path] != digest for path, digest in file_digests(out).items())
@@ -492,8 +503,16 @@ def test_markov_layout_and_injected_counts_follow_the_rates(markov, markov_recor
     for entry in files:
         assert hashlib.sha256((out / entry["path"]).read_bytes()).hexdigest() == entry["sha256"]
     injected = manifest["injected"]
-    rates = {"exact_duplicate": 0.03, "near_duplicate": 0.03, "eval_copy": 0.01, "low_quality": 0.02, "malformed": 0.01}
-    assert {kind: len(injected[kind]) for kind in rates} == {k: round(r * MARKOV_RECORDS) for k, r in rates.items()}
+    rates = {
+        "exact_duplicate": 0.03,
+        "near_duplicate": 0.03,
+        "eval_copy": 0.01,
+        "low_quality": 0.02,
+        "malformed": 0.01,
+    }
+    assert {kind: len(injected[kind]) for kind in rates} == {
+        k: round(r * MARKOV_RECORDS) for k, r in rates.items()
+    }
     assert manifest["injected_counts"] == {kind: len(entries) for kind, entries in injected.items()}
     assert manifest["clean_records"] + sum(map(len, injected.values())) == MARKOV_RECORDS
     assert markov_records.height == MARKOV_RECORDS - len(injected["malformed"])
@@ -502,16 +521,22 @@ def test_markov_layout_and_injected_counts_follow_the_rates(markov, markov_recor
 
 def test_markov_clean_answers_are_distinct_and_long_tailed(markov, markov_records):
     _, manifest = markov
-    injected = {e["id"] for kind, entries in manifest["injected"].items() for e in entries if "id" in e}
+    injected = {
+        e["id"] for kind, entries in manifest["injected"].items() for e in entries if "id" in e
+    }
     clean = markov_records.filter(~pl.col("id").is_in(list(injected)))
     assert clean.height == manifest["clean_records"]
-    folded = clean["response"].map_elements(lambda r: " ".join(r.lower().split()), return_dtype=pl.String)
+    folded = clean["response"].map_elements(
+        lambda r: " ".join(r.lower().split()), return_dtype=pl.String
+    )
     assert folded.n_unique() == clean.height
     words = clean["response"].str.extract_all(r"\S+").list.len()
     assert (words < 30).mean() >= 0.2 and (words > 100).mean() >= 0.03
 
 
-def test_markov_duplicates_copy_a_record_that_precedes_them_in_every_landing_order(markov, markov_records):
+def test_markov_duplicates_copy_a_record_that_precedes_them_in_every_landing_order(
+    markov, markov_records
+):
     _, manifest = markov
     place = {
         row["id"]: (row["shard"], row["file"], row["source_line"])
@@ -522,17 +547,33 @@ def test_markov_duplicates_copy_a_record_that_precedes_them_in_every_landing_ord
         original, copy = place[entry["duplicate_of"]], place[entry["id"]]
         assert original < copy, entry  # landed shard by shard
         assert original[1:] < copy[1:], entry  # landed at once, in path order
-    assert sum(place[e["duplicate_of"]][0] < place[e["id"]][0] for e in entries) > 0  # across shards
+    assert (
+        sum(place[e["duplicate_of"]][0] < place[e["id"]][0] for e in entries) > 0
+    )  # across shards
 
 
 def test_markov_curation_removes_exactly_the_injected_records(markov, markov_records):
     out, manifest = markov
     index = EvalNgramIndex.build(read_eval_sets(out / "_eval_sets"))
     curated = curate(markov_records, None, index, SilverConfig())
-    stage = dict(zip(curated.rejects["id"], curated.rejects["stage"].str.replace(r"quality:.*", "quality"), strict=True))
+    stage = dict(
+        zip(
+            curated.rejects["id"],
+            curated.rejects["stage"].str.replace(r"quality:.*", "quality"),
+            strict=True,
+        )
+    )
     expected = manifest["expected"]["silver_rejects"]
-    for kind, stage_name in {"exact_duplicate": "exact_dup", "eval_copy": "decontaminated", "low_quality": "quality"}.items():
-        assert [stage.get(e["id"]) for e in manifest["injected"][kind]] == [stage_name] * expected[stage_name]
+    for kind, stage_name in {
+        "exact_duplicate": "exact_dup",
+        "eval_copy": "decontaminated",
+        "low_quality": "quality",
+    }.items():
+        assert [stage.get(e["id"]) for e in manifest["injected"][kind]] == [stage_name] * expected[
+            stage_name
+        ]
     near = [stage.get(e["id"]) for e in manifest["injected"]["near_duplicate"]]
-    assert set(near) <= {"near_dup", None} and near.count("near_dup") >= 0.9 * len(near)  # MinHash estimates
+    assert set(near) <= {"near_dup", None} and near.count("near_dup") >= 0.9 * len(
+        near
+    )  # MinHash estimates
     assert len(stage) == sum(expected.values()) - near.count(None)  # no clean record removed

@@ -88,17 +88,24 @@ def read_lines(path: Path) -> list[bytes]:
 
 
 def file_digests(root: Path) -> dict[str, str]:
-    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in root.rglob("*") if path.is_file()}
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in root.rglob("*")
+        if path.is_file()
+    }
 
 
 def normalized(*texts: str) -> list[str]:
-    return pl.DataFrame({"text": list(texts)}).select(normalize_text(pl.col("text")))["text"].to_list()
+    return (
+        pl.DataFrame({"text": list(texts)}).select(normalize_text(pl.col("text")))["text"].to_list()
+    )
 
 
 def entries(section: dict, kind: str) -> list[dict]:
     found = section["injected"][kind]
-    assert len(found) == section["injected_counts"][kind] == round(INJECTION_RATES[kind] * PAIRS), kind
+    assert len(found) == section["injected_counts"][kind] == round(INJECTION_RATES[kind] * PAIRS), (
+        kind
+    )
     return found
 
 
@@ -109,26 +116,51 @@ def earlier(pair: dict, original: dict) -> bool:
 # --- Determinism and the opt-in -------------------------------------------------------------------
 
 
-def test_same_pairs_and_seed_give_identical_bytes_and_another_seed_does_not(tmp_path, corpus, section):
-    items = [json.loads(line) for name in ("stdlib_qa", "doc_summaries")
-             for line in (corpus[0] / "_eval_sets" / f"{name}.jsonl").read_text().splitlines()]
+def test_same_pairs_and_seed_give_identical_bytes_and_another_seed_does_not(
+    tmp_path, corpus, section
+):
+    items = [
+        json.loads(line)
+        for name in ("stdlib_qa", "doc_summaries")
+        for line in (corpus[0] / "_eval_sets" / f"{name}.jsonl").read_text().splitlines()
+    ]
     again = write_preference_source(tmp_path / "again", PAIRS, items, seed=section["seed"])
     other = write_preference_source(tmp_path / "other", PAIRS, items, seed=7)
     assert again == section
-    written = {entry["path"]: (corpus[0] / entry["path"]).read_bytes() for entry in section["files"]}
+    written = {
+        entry["path"]: (corpus[0] / entry["path"]).read_bytes() for entry in section["files"]
+    }
     assert {path: (tmp_path / "again" / path).read_bytes() for path in written} == written
-    assert all(a["sha256"] != b["sha256"] for a, b in zip(section["files"], other["files"], strict=True))
+    assert all(
+        a["sha256"] != b["sha256"] for a, b in zip(section["files"], other["files"], strict=True)
+    )
 
 
 def test_zero_preference_pairs_leave_the_corpus_as_it_was(tmp_path, capsys):
     flag = tmp_path / "flag"
     before = signal.getsignal(signal.SIGTERM)
     try:
-        assert main(["sample-data", "--records", str(RECORDS), "--preference-pairs", "0",
-                     "--out", str(flag / "landing"), "--eval-sets-out", str(flag / "eval")]) == 0
+        assert (
+            main(
+                [
+                    "sample-data",
+                    "--records",
+                    str(RECORDS),
+                    "--preference-pairs",
+                    "0",
+                    "--out",
+                    str(flag / "landing"),
+                    "--eval-sets-out",
+                    str(flag / "eval"),
+                ]
+            )
+            == 0
+        )
     finally:
         signal.signal(signal.SIGTERM, before)  # main() routes SIGTERM for a command's lifetime
-    write_sample_corpus(tmp_path / "plain" / "landing", records=RECORDS, eval_sets_dir=tmp_path / "plain" / "eval")
+    write_sample_corpus(
+        tmp_path / "plain" / "landing", records=RECORDS, eval_sets_dir=tmp_path / "plain" / "eval"
+    )
     assert file_digests(tmp_path / "flag") == file_digests(tmp_path / "plain")
     assert "preference" not in json.loads(capsys.readouterr().out)
 
@@ -137,16 +169,40 @@ def test_command_writes_the_pairs_and_prints_the_setting(tmp_path, corpus, secti
     """In a fresh process with another hash seed: the bytes this process writes, and the setting bronze needs."""
     landing = tmp_path / "landing"
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", "sample-data", "--records", str(RECORDS),
-         "--preference-pairs", str(PAIRS), "--out", str(landing), "--eval-sets-out", str(tmp_path / "eval")],
-        env=cli_environment(tmp_path, PYTHONHASHSEED="12345"), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "pipeline_assets.cli",
+            "sample-data",
+            "--records",
+            str(RECORDS),
+            "--preference-pairs",
+            str(PAIRS),
+            "--out",
+            str(landing),
+            "--eval-sets-out",
+            str(tmp_path / "eval"),
+        ],
+        env=cli_environment(tmp_path, PYTHONHASHSEED="12345"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert """PIPELINE_SOURCE_FORMATS='{"prefs": "preference"}'""" in done.stderr
     assert json.loads(done.stdout)["preference"] == section["expected"]
-    assert sorted(p.name for p in (landing / "prefs").iterdir()) == ["prefs-000.jsonl", "prefs-001.jsonl.zst"]
+    assert sorted(p.name for p in (landing / "prefs").iterdir()) == [
+        "prefs-000.jsonl",
+        "prefs-001.jsonl.zst",
+    ]
     here = file_digests(corpus[0])
-    assert {path: digest for path, digest in file_digests(landing).items() if path != MANIFEST_NAME} == {
-        path: digest for path, digest in here.items() if not path.startswith(("_eval_sets", MANIFEST_NAME))}
+    assert {
+        path: digest for path, digest in file_digests(landing).items() if path != MANIFEST_NAME
+    } == {
+        path: digest
+        for path, digest in here.items()
+        if not path.startswith(("_eval_sets", MANIFEST_NAME))
+    }
     assert json.loads((landing / MANIFEST_NAME).read_text()) == corpus[1]
 
 
@@ -155,20 +211,39 @@ def test_command_writes_the_pairs_and_prints_the_setting(tmp_path, corpus, secti
 
 def test_files_hold_the_stated_lines_and_sources(corpus, section, lines):
     _, manifest = corpus
-    assert [entry["path"] for entry in section["files"]] == ["prefs/prefs-000.jsonl", "prefs/prefs-001.jsonl.zst"]
-    assert sum(entry["lines"] for entry in section["files"]) == section["expected"]["lines"] == PAIRS
+    assert [entry["path"] for entry in section["files"]] == [
+        "prefs/prefs-000.jsonl",
+        "prefs/prefs-001.jsonl.zst",
+    ]
+    assert (
+        sum(entry["lines"] for entry in section["files"]) == section["expected"]["lines"] == PAIRS
+    )
     for entry in section["files"]:
         units = lines[entry["path"]]
         assert len(units) == entry["lines"]
-        assert hashlib.sha256((corpus[0] / entry["path"]).read_bytes()).hexdigest() == entry["sha256"]
+        assert (
+            hashlib.sha256((corpus[0] / entry["path"]).read_bytes()).hexdigest() == entry["sha256"]
+        )
     assert section["setting"] == {"PIPELINE_SOURCE_FORMATS": {"prefs": "preference"}}
-    assert manifest["expected"] == {"lines": RECORDS, "quarantined": manifest["expected"]["quarantined"],
-                                    "bronze_rows": RECORDS - manifest["expected"]["quarantined"]}, "sft's own"
+    assert manifest["expected"] == {
+        "lines": RECORDS,
+        "quarantined": manifest["expected"]["quarantined"],
+        "bronze_rows": RECORDS - manifest["expected"]["quarantined"],
+    }, "sft's own"
 
 
-def test_every_line_meets_the_contract_but_the_malformed_ones_which_break_it_as_stated(section, lines):
-    malformed = {(entry["file"], entry["line"]): entry["reason"] for entry in section["injected"]["malformed"]}
-    assert sorted(malformed.values()) == ["empty_field:chosen", "invalid_json", "missing_field:rejected"]
+def test_every_line_meets_the_contract_but_the_malformed_ones_which_break_it_as_stated(
+    section, lines
+):
+    malformed = {
+        (entry["file"], entry["line"]): entry["reason"]
+        for entry in section["injected"]["malformed"]
+    }
+    assert sorted(malformed.values()) == [
+        "empty_field:chosen",
+        "invalid_json",
+        "missing_field:rejected",
+    ]
     for path, units in lines.items():
         pairs_here = 0
         for number, line in enumerate(units, start=1):
@@ -183,7 +258,9 @@ def test_every_line_meets_the_contract_but_the_malformed_ones_which_break_it_as_
                 with pytest.raises(Rejected) as rejected:
                     validate_landing_object(json.loads(line), {}, PREFERENCE)
                 assert rejected.value.reason == reason
-        assert pairs_here == next(entry["pairs"] for entry in section["files"] if entry["path"] == path)
+        assert pairs_here == next(
+            entry["pairs"] for entry in section["files"] if entry["path"] == path
+        )
     assert section["expected"]["quarantined"] == len(malformed)
     assert section["expected"]["bronze_rows"] == PAIRS - len(malformed)
 
@@ -191,15 +268,24 @@ def test_every_line_meets_the_contract_but_the_malformed_ones_which_break_it_as_
 def test_bronze_reader_quarantines_exactly_the_malformed_lines(corpus, section):
     quarantined = []
     for entry in section["files"]:
-        read = read_landing_file(entry["path"], (corpus[0] / entry["path"]).read_bytes(), record_format=PREFERENCE)
+        read = read_landing_file(
+            entry["path"], (corpus[0] / entry["path"]).read_bytes(), record_format=PREFERENCE
+        )
         assert read.records.height == entry["pairs"] and read.lines_read == entry["lines"]
         where = read.quarantine.select("source_line", "reason").rows()
         quarantined += [(entry["path"], line, reason) for line, reason in where]
-    assert sorted(quarantined) == sorted((e["file"], e["line"], e["reason"]) for e in section["injected"]["malformed"])
+    assert sorted(quarantined) == sorted(
+        (e["file"], e["line"], e["reason"]) for e in section["injected"]["malformed"]
+    )
 
 
 def test_every_pair_is_clean_or_injected_exactly_once(section, pairs):
-    injected = [entry["id"] for kind, found in section["injected"].items() if kind != "malformed" for entry in found]
+    injected = [
+        entry["id"]
+        for kind, found in section["injected"].items()
+        if kind != "malformed"
+        for entry in found
+    ]
     assert Counter(injected + section["clean_ids"]) == Counter(list(pairs))
     assert len(section["clean_ids"]) > 0.8 * PAIRS
 
@@ -240,8 +326,13 @@ def test_prompts_with_several_pairs_and_one_over_the_cap(section, pairs):
     for ids in groups:
         assert len({pairs[i]["chosen"] for i in ids}) == len(ids)
     every_prompt = Counter(pair["prompt"] for pair in pairs.values())
-    over = {prompt: n - PROMPT_PAIR_CAP for prompt, n in every_prompt.items() if n > PROMPT_PAIR_CAP}
-    assert over == {pairs[groups[0][0]]["prompt"]: 3} and section["expected"]["pairs_over_prompt_cap"] == 3
+    over = {
+        prompt: n - PROMPT_PAIR_CAP for prompt, n in every_prompt.items() if n > PROMPT_PAIR_CAP
+    }
+    assert (
+        over == {pairs[groups[0][0]]["prompt"]: 3}
+        and section["expected"]["pairs_over_prompt_cap"] == 3
+    )
 
 
 # --- Injected defects -----------------------------------------------------------------------------
@@ -262,10 +353,14 @@ def test_near_duplicates_edit_prompt_and_chosen_and_stay_close(section, pairs):
         assert entry["duplicate_of"] in clean and earlier(copy, original)
         assert copy["prompt"] != original["prompt"] and copy["chosen"] != original["chosen"]
         assert copy["rejected"] == original["rejected"]
-        jaccard = shingle_jaccard(*(dedup_text(p["prompt"], p["chosen"], p["rejected"]) for p in (original, copy)))
+        jaccard = shingle_jaccard(
+            *(dedup_text(p["prompt"], p["chosen"], p["rejected"]) for p in (original, copy))
+        )
         assert jaccard >= 0.85 and jaccard == pytest.approx(entry["jaccard"], abs=1e-4)
         assert shingle_jaccard(original["chosen"], copy["chosen"]) >= 0.85
-        assert len(set(normalized(original["chosen"], copy["chosen"]))) == 2, "not an exact duplicate"
+        assert len(set(normalized(original["chosen"], copy["chosen"]))) == 2, (
+            "not an exact duplicate"
+        )
 
 
 def test_contradictions_swap_an_earlier_clean_pair(section, pairs):
@@ -275,7 +370,10 @@ def test_contradictions_swap_an_earlier_clean_pair(section, pairs):
         swapped, original = pairs[entry["id"]], pairs[entry["contradicts"]]
         assert entry["contradicts"] in clean and earlier(swapped, original)
         assert swapped["prompt"] == original["prompt"]
-        assert (swapped["chosen"], swapped["rejected"]) == (original["rejected"], original["chosen"])
+        assert (swapped["chosen"], swapped["rejected"]) == (
+            original["rejected"],
+            original["chosen"],
+        )
     assert len({entry["contradicts"] for entry in found}) == len(found)
 
 
@@ -284,7 +382,11 @@ def test_ties_have_equal_scores(section, pairs):
         pair = pairs[entry["id"]]
         assert pair["score_chosen"] == pair["score_rejected"] == entry["score"]
         assert len(set(normalized(pair["chosen"], pair["rejected"]))) == 2
-    ties = [p["id"] for p in pairs.values() if "score_chosen" in p and p["score_chosen"] == p["score_rejected"]]
+    ties = [
+        p["id"]
+        for p in pairs.values()
+        if "score_chosen" in p and p["score_chosen"] == p["score_rejected"]
+    ]
     assert sorted(ties) == sorted(entry["id"] for entry in section["injected"]["tie"])
 
 
@@ -298,7 +400,9 @@ def test_chosen_equals_rejected_after_normalization_only(section, pairs):
             assert "\r\n" in rejected
         elif entry["variant"] == "nfd":
             assert unicodedata.normalize("NFC", rejected) == chosen
-    equal = [p["id"] for p in pairs.values() if len(set(normalized(p["chosen"], p["rejected"]))) == 1]
+    equal = [
+        p["id"] for p in pairs.values() if len(set(normalized(p["chosen"], p["rejected"]))) == 1
+    ]
     assert sorted(equal) == sorted(entry["id"] for entry in found)
 
 
@@ -309,18 +413,33 @@ def test_eval_copies_are_caught_by_decontamination_and_nothing_else_is(section, 
     for entry in found:
         pair = pairs[entry["id"]]
         match = index.first_match([pair[name] for name in PREFERENCE.decontaminate])
-        assert match is not None and (match.eval_set, match.item_id) == (entry["eval_set"], entry["item_id"])
+        assert match is not None and (match.eval_set, match.item_id) == (
+            entry["eval_set"],
+            entry["item_id"],
+        )
         assert match.field == "prompt"
-        item_words, chosen_words = text_words(responses[entry["item_id"]]), text_words(pair["chosen"])
+        item_words, chosen_words = (
+            text_words(responses[entry["item_id"]]),
+            text_words(pair["chosen"]),
+        )
         assert item_words[:13] == chosen_words[:13], "the chosen answer copies 13 words and more"
     copies = {entry["id"] for entry in found}
-    caught = {i for i, p in pairs.items() if index.first_match([p[name] for name in PREFERENCE.decontaminate])}
+    caught = {
+        i
+        for i, p in pairs.items()
+        if index.first_match([p[name] for name in PREFERENCE.decontaminate])
+    }
     assert caught == copies
 
 
 def test_low_quality_chosen_answers_are_of_the_stated_kind(section, pairs):
     found = entries(section, "low_quality")
-    assert {entry["kind"] for entry in found} == {"too_short", "symbol_spam", "repeated_lines", "non_alpha"}
+    assert {entry["kind"] for entry in found} == {
+        "too_short",
+        "symbol_spam",
+        "repeated_lines",
+        "non_alpha",
+    }
     for entry in found:
         chosen = pairs[entry["id"]]["chosen"]
         visible = "".join(chosen.split())
@@ -330,4 +449,6 @@ def test_low_quality_chosen_answers_are_of_the_stated_kind(section, pairs):
             assert len(set(chosen.split("\n"))) == 1 and chosen.count("\n") >= 9
         else:
             assert sum(c.isalpha() for c in visible) < 0.2 * len(visible)
-        assert len(pairs[entry["id"]]["rejected"].split()) >= 20, "a real answer lost to a useless one"
+        assert len(pairs[entry["id"]]["rejected"].split()) >= 20, (
+            "a real answer lost to a useless one"
+        )

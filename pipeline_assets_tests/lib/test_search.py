@@ -27,6 +27,9 @@ def test_sampling_is_seeded_distinct_and_takes_the_whole_grid_when_small():
     space = {"lr": [1e-3, 3e-3, 1e-2], "width": [64, 128]}
     assert len(grid(space)) == 6
     picked = sample_configurations(space, 4, seed=1)
-    assert picked == sample_configurations(space, 4, seed=1) and len({tuple(p.items()) for p in picked}) == 4
+    assert (
+        picked == sample_configurations(space, 4, seed=1)
+        and len({tuple(p.items()) for p in picked}) == 4
+    )
     assert picked != sample_configurations(space, 4, seed=2)
     assert sample_configurations(space, 10, seed=1) == grid(space)

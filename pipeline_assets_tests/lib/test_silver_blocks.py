@@ -26,31 +26,50 @@ def _bronze(n: int = 120, seed: int = 5) -> pl.DataFrame:
     responses[40] = "ok"  # too short for the quality gate
     prompts = [f"Question {i}:  explain\u00a0this." for i in range(n)]
     prompts[10] = prompts[3]
-    return pl.DataFrame({
-        "record_id": [f"r{i:05d}" for i in range(n)],
-        "batch_id": "b1",
-        "source": "synth",
-        "system": None,
-        "prompt": prompts,
-        "response": responses,
-    }, schema_overrides={"system": pl.String})
+    return pl.DataFrame(
+        {
+            "record_id": [f"r{i:05d}" for i in range(n)],
+            "batch_id": "b1",
+            "source": "synth",
+            "system": None,
+            "prompt": prompts,
+            "response": responses,
+        },
+        schema_overrides={"system": pl.String},
+    )
 
 
 def _eval_index() -> EvalNgramIndex:
-    return EvalNgramIndex.build(pl.DataFrame({"eval_set": ["bench"], "item_id": ["1"], "prompt": ["What?"], "response": [EVAL_ANSWER]}))
+    return EvalNgramIndex.build(
+        pl.DataFrame(
+            {
+                "eval_set": ["bench"],
+                "item_id": ["1"],
+                "prompt": ["What?"],
+                "response": [EVAL_ANSWER],
+            }
+        )
+    )
 
 
 def test_blocks_of_any_size_give_the_batch_judged_whole():
     bronze, index, config = _bronze(), _eval_index(), SilverConfig()
-    whole = curate(bronze, None, index, config, partial(run_in_process, rows_per_block=bronze.height))
+    whole = curate(
+        bronze, None, index, config, partial(run_in_process, rows_per_block=bronze.height)
+    )
     blocked = curate(bronze, None, index, config, partial(run_in_process, rows_per_block=7))
     assert whole.kept.height + whole.rejects.height == bronze.height
     assert set(whole.rejects["stage"]) >= {"exact_dup", "near_dup", "decontaminated"}
     assert any(stage.startswith("quality:") for stage in whole.rejects["stage"])
-    assert blocked.kept.equals(whole.kept) and blocked.rejects.equals(whole.rejects) and blocked.index.equals(whole.index)
+    assert (
+        blocked.kept.equals(whole.kept)
+        and blocked.rejects.equals(whole.rejects)
+        and blocked.index.equals(whole.index)
+    )
     for stage in ("normalize", "decontaminate", "quality"):
-        assert {k: v for k, v in blocked.stages[stage].items() if k != "seconds"} == \
-            {k: v for k, v in whole.stages[stage].items() if k != "seconds"}, stage
+        assert {k: v for k, v in blocked.stages[stage].items() if k != "seconds"} == {
+            k: v for k, v in whole.stages[stage].items() if k != "seconds"
+        }, stage
 
 
 def test_a_block_result_crosses_a_process_boundary_as_one_row():
@@ -71,14 +90,31 @@ def test_a_later_batch_finds_only_the_entries_that_share_a_key_and_is_judged_as_
     first = curate(_bronze(), None, eval_index, config)
     rng = random.Random(8)
     originals = first.kept.sort("record_id")
-    later = pl.DataFrame({
-        "record_id": [f"s{i:05d}" for i in range(40)], "batch_id": "b2", "source": "synth", "system": None,
-        "prompt": [f"Other question {i}." for i in range(40)],
-        "response": [" ".join(rng.choice(WORDS) for _ in range(80)) for _ in range(40)],
-    }, schema_overrides={"system": pl.String}).with_columns(
-        prompt=pl.Series([originals["prompt"][0], originals["prompt"][1], *[f"Other question {i}." for i in range(2, 40)]]),
-        response=pl.Series([originals["response"][0], _edited(originals["response"][1], rng),
-                            *[" ".join(rng.choice(WORDS) for _ in range(80)) for _ in range(38)]]),
+    later = pl.DataFrame(
+        {
+            "record_id": [f"s{i:05d}" for i in range(40)],
+            "batch_id": "b2",
+            "source": "synth",
+            "system": None,
+            "prompt": [f"Other question {i}." for i in range(40)],
+            "response": [" ".join(rng.choice(WORDS) for _ in range(80)) for _ in range(40)],
+        },
+        schema_overrides={"system": pl.String},
+    ).with_columns(
+        prompt=pl.Series(
+            [
+                originals["prompt"][0],
+                originals["prompt"][1],
+                *[f"Other question {i}." for i in range(2, 40)],
+            ]
+        ),
+        response=pl.Series(
+            [
+                originals["response"][0],
+                _edited(originals["response"][1], rng),
+                *[" ".join(rng.choice(WORDS) for _ in range(80)) for _ in range(38)],
+            ]
+        ),
     )
     asked = []
 
@@ -87,18 +123,30 @@ def test_a_later_batch_finds_only_the_entries_that_share_a_key_and_is_judged_as_
             found = look_up(wanted)
             asked.append((wanted, found))
             return found
+
         return wrapped
 
     by_band = curate(later, counting(lookup_in(first.index.lazy())), eval_index, config)
-    (wanted, found), = asked
-    assert set(wanted["band"].unique()) == {EXACT_BAND, *range(16)} and wanted.height == wanted.unique().height
-    assert sorted(found["record_id"]) == sorted(originals["record_id"][:2])  # not the index's other 100-odd entries
-    rejected = by_band.rejects.filter(pl.col("stage").is_in(["exact_dup", "near_dup"])).sort("record_id")
+    ((wanted, found),) = asked
+    assert (
+        set(wanted["band"].unique()) == {EXACT_BAND, *range(16)}
+        and wanted.height == wanted.unique().height
+    )
+    assert sorted(found["record_id"]) == sorted(
+        originals["record_id"][:2]
+    )  # not the index's other 100-odd entries
+    rejected = by_band.rejects.filter(pl.col("stage").is_in(["exact_dup", "near_dup"])).sort(
+        "record_id"
+    )
     assert rejected.select("record_id", "stage", "duplicate_of").rows() == [
-        ("s00000", "exact_dup", originals["record_id"][0]), ("s00001", "near_dup", originals["record_id"][1])]
+        ("s00000", "exact_dup", originals["record_id"][0]),
+        ("s00001", "near_dup", originals["record_id"][1]),
+    ]
     assert by_band.index_lookup["entries_found"] == 2
 
-    whole = curate(later, lambda wanted: first.index, eval_index, config)  # every entry, matching or not
+    whole = curate(
+        later, lambda wanted: first.index, eval_index, config
+    )  # every entry, matching or not
     assert whole.kept.equals(by_band.kept) and whole.rejects.equals(by_band.rejects)
 
 

@@ -5,12 +5,22 @@ from pipeline_assets.lib.splits import SEARCH, TRAIN, VALIDATION, assign_split
 
 
 def frame(n: int, prefix: str) -> pl.DataFrame:
-    return pl.DataFrame({"record_id": [f"{prefix}-{i:06d}" for i in range(n)], "exact_hash": [f"{i:032x}" for i in range(n)]})
+    return pl.DataFrame(
+        {
+            "record_id": [f"{prefix}-{i:06d}" for i in range(n)],
+            "exact_hash": [f"{i:032x}" for i in range(n)],
+        }
+    )
 
 
 def test_the_split_follows_the_content_not_the_record_id():
-    first, again = assign_split(frame(5000, "20261121T053000Z"), 0.1), assign_split(frame(5000, "20261122T000000Z"), 0.1)
-    assert first["split"].to_list() == again["split"].to_list(), "the same texts ingested another day split the same"
+    first, again = (
+        assign_split(frame(5000, "20261121T053000Z"), 0.1),
+        assign_split(frame(5000, "20261122T000000Z"), 0.1),
+    )
+    assert first["split"].to_list() == again["split"].to_list(), (
+        "the same texts ingested another day split the same"
+    )
     by_id = assign_split(frame(5000, "20261121T053000Z"), 0.1, key="record_id")
     assert by_id["split"].to_list() != first["split"].to_list()
 

@@ -16,7 +16,10 @@ from pipeline_assets.lib.unit_counts import complete_lines, count_units
 
 
 def _lines(n: int, start: int = 0, width: int = 40) -> bytes:
-    return b"".join(orjson.dumps({"prompt": f"q{start + i}", "response": f"{start + i:x}" * width}) + b"\n" for i in range(n))
+    return b"".join(
+        orjson.dumps({"prompt": f"q{start + i}", "response": f"{start + i:x}" * width}) + b"\n"
+        for i in range(n)
+    )
 
 
 def _zst(data: bytes) -> bytes:
@@ -48,15 +51,22 @@ def test_counts_agree_with_the_parser_on_every_kind_of_file(name, data, units):
 
 def test_parquet_rows_come_from_the_footer():
     buffer = io.BytesIO()
-    pl.DataFrame({"prompt": ["q"] * 12, "response": ["a"] * 12}).write_parquet(buffer, row_group_size=5)
+    pl.DataFrame({"prompt": ["q"] * 12, "response": ["a"] * 12}).write_parquet(
+        buffer, row_group_size=5
+    )
     assert count_units("p.parquet", buffer.getvalue()) == 12
 
 
 def test_members_larger_than_a_read_chunk_are_all_counted():
     """Two gzip members of more than a MiB each: every line of the second member counts."""
     rng = random.Random(7)
-    first, second = ([orjson.dumps({"prompt": "q", "response": rng.randbytes(300).hex()}) + b"\n" for _ in range(3000)]
-                     for _ in range(2))
+    first, second = (
+        [
+            orjson.dumps({"prompt": "q", "response": rng.randbytes(300).hex()}) + b"\n"
+            for _ in range(3000)
+        ]
+        for _ in range(2)
+    )
     first, second = b"".join(first), b"".join(second)
     data = gzip.compress(first, compresslevel=1) + gzip.compress(second, compresslevel=1)
     assert len(data) > 2 << 20
@@ -66,15 +76,24 @@ def test_members_larger_than_a_read_chunk_are_all_counted():
 def test_complete_lines_count_only_newline_ended_lines_of_a_whole_stream():
     assert complete_lines("a.jsonl", _lines(3) + b'{"prompt": "unfinished') == 3
     assert complete_lines("a.jsonl.gz", gzip.compress(_lines(6))) == 6
-    assert complete_lines("a.jsonl.gz", gzip.compress(_lines(6))[:-20]) == 0, "a broken stream proves nothing"
+    assert complete_lines("a.jsonl.gz", gzip.compress(_lines(6))[:-20]) == 0, (
+        "a broken stream proves nothing"
+    )
     assert complete_lines("a.parquet", b"PAR1") == 0
 
 
 def test_the_parser_reads_every_member_of_a_large_multi_member_gzip():
     """The accounting check's count found this: the parser lost the second member's first chunk."""
     rng = random.Random(8)
-    members = [b"".join(orjson.dumps({"prompt": f"q{m}-{i}", "response": rng.randbytes(300).hex()}) + b"\n"
-                        for i in range(3000)) for m in range(2)]
+    members = [
+        b"".join(
+            orjson.dumps({"prompt": f"q{m}-{i}", "response": rng.randbytes(300).hex()}) + b"\n"
+            for i in range(3000)
+        )
+        for m in range(2)
+    ]
     data = b"".join(gzip.compress(member, compresslevel=1) for member in members)
     parsed = read_landing_file("big.jsonl.gz", data)
-    assert parsed.quarantine.is_empty() and parsed.records.height == 6000 == count_units("big.jsonl.gz", data)
+    assert parsed.quarantine.is_empty() and parsed.records.height == 6000 == count_units(
+        "big.jsonl.gz", data
+    )

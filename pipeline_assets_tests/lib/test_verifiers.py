@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.lib.verifiers import Verdict, check_verifier, ground_truth_passes, known_verifiers, verify
+from pipeline_assets.lib.verifiers import (
+    Verdict,
+    check_verifier,
+    ground_truth_passes,
+    known_verifiers,
+    verify,
+)
 
 
 def reward(verifier: str, ground_truth: str, completion: str) -> float:
@@ -23,20 +29,28 @@ def test_exact_match_refuses_anything_else(completion):
     assert verify("exact_match", "1 2 3", "1 2 4").detail == "expected '1 2 3', got '1 2 4'"
 
 
-@pytest.mark.parametrize("completion", ["19", " 19 ", "019", "+19", "the answer is 19.", "19 and then 20", "19abc"])
+@pytest.mark.parametrize(
+    "completion", ["19", " 19 ", "019", "+19", "the answer is 19.", "19 and then 20", "19abc"]
+)
 def test_int_equal_takes_the_first_integer(completion):
     assert reward("int_equal", "19", completion) == 1.0
 
 
-@pytest.mark.parametrize(("completion", "detail"), [
-    ("41", "expected 42, got 41"),
-    ("-42", "expected 42, got -42"),
-    ("7 + 35 = 42", "expected 42, got 7"),
-    ("4.2", "expected 42, got 4"),
-    ("no idea", "no integer in the completion"),
-    ("", "no integer in the completion"),
-    ("- 42", "expected 42, got 42"),  # a sign apart from the digits is not the integer's: this one is right
-])
+@pytest.mark.parametrize(
+    ("completion", "detail"),
+    [
+        ("41", "expected 42, got 41"),
+        ("-42", "expected 42, got -42"),
+        ("7 + 35 = 42", "expected 42, got 7"),
+        ("4.2", "expected 42, got 4"),
+        ("no idea", "no integer in the completion"),
+        ("", "no integer in the completion"),
+        (
+            "- 42",
+            "expected 42, got 42",
+        ),  # a sign apart from the digits is not the integer's: this one is right
+    ],
+)
 def test_int_equal_verdicts(completion, detail):
     verdict = verify("int_equal", "42", completion)
     assert verdict.detail == detail
@@ -56,18 +70,30 @@ def test_int_equal_survives_a_completion_of_thousands_of_digits():
 
 
 def test_int_equal_with_a_ground_truth_that_is_no_integer_rewards_nothing():
-    assert verify("int_equal", "nineteen", "19") == Verdict(0.0, "ground truth 'nineteen' is not an integer")
+    assert verify("int_equal", "nineteen", "19") == Verdict(
+        0.0, "ground truth 'nineteen' is not an integer"
+    )
 
 
-@pytest.mark.parametrize(("completion", "expected"), [
-    ("yes", 1.0), (" Yes\n", 1.0), ("yes!", 0.0), ("oh yes", 0.0), ("yesno", 0.0), ("", 0.0),
-])
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("yes", 1.0),
+        (" Yes\n", 1.0),
+        ("yes!", 0.0),
+        ("oh yes", 0.0),
+        ("yesno", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_regex_must_match_the_whole_stripped_completion(completion, expected):
     assert reward("regex:[Yy]es", "yes", completion) == expected
 
 
 def test_regex_anchors_hold_even_for_a_pattern_that_could_match_a_prefix():
-    assert reward("regex:a|ab", "", "ab") == 1.0, "fullmatch tries every alternative against the whole text"
+    assert reward("regex:a|ab", "", "ab") == 1.0, (
+        "fullmatch tries every alternative against the whole text"
+    )
     assert reward("regex:[0-9]+", "", "12 34") == 0.0
     assert verify("regex:[0-9]+", "", "12x").detail == "'12x' does not match /[0-9]+/"
 
@@ -108,7 +134,9 @@ def test_every_known_verifier_checks():
 
 def test_a_ground_truth_passes_its_own_verifier_only_when_it_can_be_rewarded():
     assert ground_truth_passes("exact_match", "dcba")
-    assert not ground_truth_passes("exact_match", " dcba"), "a completion is stripped, so this could never match"
+    assert not ground_truth_passes("exact_match", " dcba"), (
+        "a completion is stripped, so this could never match"
+    )
     assert ground_truth_passes("int_equal", "-19")
     assert not ground_truth_passes("int_equal", "nineteen")
     assert ground_truth_passes("regex:[0-9]+", "123")

@@ -45,16 +45,26 @@ def policy_and_reference(attention_kernel: str = "dense") -> tuple[Transformer, 
     return policy, Transformer(CONFIG, attention_kernel).eval()
 
 
-def logps_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def logps_of(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed response log-probabilities, one per pair of the batch."""
     logits = model(batch["input_ids"], batch["position_ids"])
     return chosen_and_rejected(document_logps(logits, **batch))
 
 
-def batch_loss(policy, reference, batch: dict[str, torch.Tensor], global_pairs=None, world_size: int = 1):
+def batch_loss(
+    policy, reference, batch: dict[str, torch.Tensor], global_pairs=None, world_size: int = 1
+):
     """The DPO loss of a batch of packed rows: what one rank computes for its share."""
     with torch.no_grad():
         reference_chosen, reference_rejected = logps_of(reference, batch)
     policy_chosen, policy_rejected = logps_of(policy, batch)
-    return dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected,
-                    global_pairs=global_pairs, world_size=world_size)
+    return dpo_loss(
+        policy_chosen,
+        policy_rejected,
+        reference_chosen,
+        reference_rejected,
+        global_pairs=global_pairs,
+        world_size=world_size,
+    )

@@ -1,6 +1,6 @@
 """Run under torchrun: the trainer's gradients for its first global batch, gathered to rank 0.
 
-    torchrun --nproc-per-node N gradient_probe.py OUT.pt <trainer arguments>
+torchrun --nproc-per-node N gradient_probe.py OUT.pt <trainer arguments>
 """
 
 import sys
@@ -16,8 +16,15 @@ from pipeline_assets.trainer.train import Trainer
 out, config = sys.argv[1], parse_args(sys.argv[2:])
 env = init_distributed("cpu")
 trainer = Trainer(config, env, reporter=None)
-indexes = rank_micro_batches(len(trainer.snapshot.train), config.seed, 0, env.rank, env.world_size,
-                             config.micro_batch_size, config.grad_accum_steps)
+indexes = rank_micro_batches(
+    len(trainer.snapshot.train),
+    config.seed,
+    0,
+    env.rank,
+    env.world_size,
+    config.micro_batch_size,
+    config.grad_accum_steps,
+)
 loss = trainer.backward([trainer.snapshot.train.batch(chosen, env.device) for chosen in indexes])
 gradients = {}
 for name, parameter in trainer.model.named_parameters():

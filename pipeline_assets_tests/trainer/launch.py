@@ -20,10 +20,26 @@ from pipeline_assets_tests.trainer.synthetic import VOCAB
 
 
 def tiny_config(lake_uri: str, snapshot: int, checkpoint_uri: str, **overrides) -> TrainConfig:
-    values = dict(lake_uri=lake_uri, snapshot=snapshot, checkpoint_uri=checkpoint_uri, partition=f"gold-v{snapshot}",
-                  preset="tiny", vocab_size=VOCAB, steps=120, micro_batch_size=2, grad_accum_steps=2, lr=3e-3,
-                  warmup_steps=10, log_every=1, eval_every=40, checkpoint_every_steps=10, keep_checkpoints=2,
-                  scratch_dir=str(Path(checkpoint_uri).parent / "scratch") if "://" not in checkpoint_uri else "")
+    values = dict(
+        lake_uri=lake_uri,
+        snapshot=snapshot,
+        checkpoint_uri=checkpoint_uri,
+        partition=f"gold-v{snapshot}",
+        preset="tiny",
+        vocab_size=VOCAB,
+        steps=120,
+        micro_batch_size=2,
+        grad_accum_steps=2,
+        lr=3e-3,
+        warmup_steps=10,
+        log_every=1,
+        eval_every=40,
+        checkpoint_every_steps=10,
+        keep_checkpoints=2,
+        scratch_dir=str(Path(checkpoint_uri).parent / "scratch")
+        if "://" not in checkpoint_uri
+        else "",
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -35,8 +51,13 @@ class Job:
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = {**environ_without_mlflow(), **torchrun_env(threads_per_rank=1)}
-        self.process = subprocess.Popen(torchrun_command(nproc, config.to_args()), stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(
+            torchrun_command(nproc, config.to_args()),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def wait(self, timeout: float = 240) -> int:
         try:
@@ -119,13 +140,22 @@ def assert_same_weights(actual: dict, expected: dict) -> None:
     """Both hold the same tensors, bit for bit."""
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=f"{name} differs")
+        torch.testing.assert_close(
+            actual[name], expected[name], rtol=0, atol=0, msg=f"{name} differs"
+        )
 
 
 def probe_gradients(config: TrainConfig, out: Path) -> dict:
     """The loss and the gradients two torchrun ranks compute for the first global batch (gradient_probe.py)."""
     probe = Path(__file__).with_name("gradient_probe.py")
-    command = [*torchrun_executable(), "--standalone", "--nproc-per-node=2", str(probe), str(out), *config.to_args()]
+    command = [
+        *torchrun_executable(),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(probe),
+        str(out),
+        *config.to_args(),
+    ]
     env = {**environ_without_mlflow(), **torchrun_env(1)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -137,7 +167,9 @@ def assert_close_gradients(gradients: dict, model: torch.nn.Module, atol: float)
     reference = dict(model.named_parameters())
     assert gradients.keys() == reference.keys()
     for name, gradient in gradients.items():
-        torch.testing.assert_close(gradient, reference[name].grad, rtol=1e-4, atol=atol, msg=f"gradient of {name}")
+        torch.testing.assert_close(
+            gradient, reference[name].grad, rtol=1e-4, atol=atol, msg=f"gradient of {name}"
+        )
 
 
 def kill_once_saved(config: TrainConfig, step: int, log_path: Path) -> None:
@@ -146,10 +178,14 @@ def kill_once_saved(config: TrainConfig, step: int, log_path: Path) -> None:
     job.wait_for(partition_dir(config) / f"step-{step}" / "COMPLETE.json")
     job.kill_all()
     job.wait()
-    assert not (partition_dir(config) / "final").exists(), "the kill came after the end: nothing tested"
+    assert not (partition_dir(config) / "final").exists(), (
+        "the kill came after the end: nothing tested"
+    )
 
 
-def assert_sigkill_then_restart_matches(config: TrainConfig, workspace: Path, step: int, uninterrupted: dict) -> None:
+def assert_sigkill_then_restart_matches(
+    config: TrainConfig, workspace: Path, step: int, uninterrupted: dict
+) -> None:
     """A job killed after checkpointing ``step`` resumes at or after it and ends with ``uninterrupted``'s weights."""
     killed = with_checkpoints_at(config, str(workspace / "killed"))
     kill_once_saved(killed, step, workspace / "killed-1.log")
@@ -173,7 +209,9 @@ def stop_by_sigterm(config: TrainConfig, step: int, log_path: Path) -> int:
     return stop_step
 
 
-def assert_rerun_resumes_and_matches(config: TrainConfig, stop_step: int, log_path: Path, uninterrupted: dict) -> None:
+def assert_rerun_resumes_and_matches(
+    config: TrainConfig, stop_step: int, log_path: Path, uninterrupted: dict
+) -> None:
     """The rerun of a job stopped at ``stop_step`` resumes there and ends with ``uninterrupted``'s weights."""
     rerun = run_job(config, log_path)
     assert f"step {stop_step}, " in re.search(r"resumed from .*", rerun).group(0)

@@ -37,7 +37,9 @@ INIT_SEED = 7
 class PreferenceLake:
     lake_uri: str
     snapshot: int  # N of dpo-v<N>
-    reference_version: int  # the gold/reference_logps version holding its reference log-probabilities
+    reference_version: (
+        int  # the gold/reference_logps version holding its reference log-probabilities
+    )
     init_model: Path  # the exported model the policy starts from and the reference pass scored with
     manifest: Manifest
 
@@ -50,15 +52,21 @@ def counting_pairs(n_pairs: int, seed: int = 0) -> pl.DataFrame:
     for number in range(n_pairs):
         prefix = rng.integers(1, VOCAB, int(rng.integers(2, 6))).tolist()
         steps = range(1, int(rng.integers(3, 8)))
-        rows.append({
-            "pair_id": f"p{number:05d}",
-            "split": "validation" if number % 5 == 0 else "train",
-            "prefix_ids": prefix,
-            "chosen_ids": [(prefix[-1] - 1 + k) % (VOCAB - 1) + 1 for k in steps],
-            "rejected_ids": [(prefix[-1] - 1 - k) % (VOCAB - 1) + 1 for k in steps],
-        })
-    return pl.DataFrame(rows, schema_overrides={name: pl.List(pl.Int64) for name in ("prefix_ids", "chosen_ids",
-                                                                                        "rejected_ids")})
+        rows.append(
+            {
+                "pair_id": f"p{number:05d}",
+                "split": "validation" if number % 5 == 0 else "train",
+                "prefix_ids": prefix,
+                "chosen_ids": [(prefix[-1] - 1 + k) % (VOCAB - 1) + 1 for k in steps],
+                "rejected_ids": [(prefix[-1] - 1 - k) % (VOCAB - 1) + 1 for k in steps],
+            }
+        )
+    return pl.DataFrame(
+        rows,
+        schema_overrides={
+            name: pl.List(pl.Int64) for name in ("prefix_ids", "chosen_ids", "rejected_ids")
+        },
+    )
 
 
 def export_init_model(folder: Path, seed: int = INIT_SEED) -> Path:
@@ -70,8 +78,9 @@ def export_init_model(folder: Path, seed: int = INIT_SEED) -> Path:
     return folder
 
 
-def write_preference_lake(lake_uri: str, init_model: Path, n_pairs: int = 400, shards: int = 2,
-                          seed: int = 0) -> PreferenceLake:
+def write_preference_lake(
+    lake_uri: str, init_model: Path, n_pairs: int = 400, shards: int = 2, seed: int = 0
+) -> PreferenceLake:
     """Shards b0, b1, ... of counting pairs (dealt round-robin), snapshot dpo-v<N> of them and their
     reference log-probabilities by ``init_model``."""
     pairs = counting_pairs(n_pairs, seed).with_row_index("row")
@@ -88,12 +97,20 @@ def write_shard(lake_uri: str, batch: str, pairs: pl.DataFrame) -> None:
     frames = []
     for split in ("train", "validation"):
         rows = pack_pairs(pairs.filter(pl.col("split") == split), SEQ_LEN, PAD_ID).rows
-        frames.append(rows.with_columns(
-            batch_id=pl.lit(batch), tokenizer_version=pl.lit(0, pl.Int64), split=pl.lit(split),
-            sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
-            real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32)))
-    pl.concat(frames).write_delta(_table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table), mode="append",
-                                  delta_write_options={"partition_by": ["batch_id"]})
+        frames.append(
+            rows.with_columns(
+                batch_id=pl.lit(batch),
+                tokenizer_version=pl.lit(0, pl.Int64),
+                split=pl.lit(split),
+                sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
+                real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32),
+            )
+        )
+    pl.concat(frames).write_delta(
+        _table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table),
+        mode="append",
+        delta_write_options={"partition_by": ["batch_id"]},
+    )
 
 
 def cut_preference_snapshot(lake_uri: str, batches: list[str]) -> Manifest:
@@ -102,33 +119,50 @@ def cut_preference_snapshot(lake_uri: str, batches: list[str]) -> Manifest:
     version = DeltaTable(shards_uri).version()
     counts = shard_counts(pl.scan_delta(shards_uri, version=version), batches)
     number = _next_version(_table(lake_uri, PREFERENCE_SNAPSHOTS.manifest_table))
-    manifest = Manifest.from_counts(number, version, 0, SEQ_LEN, batches, counts, PREFERENCE_SNAPSHOTS)
+    manifest = Manifest.from_counts(
+        number, version, 0, SEQ_LEN, batches, counts, PREFERENCE_SNAPSHOTS
+    )
     manifest.frame("synthetic", datetime.now(timezone.utc)).write_delta(
-        _table(lake_uri, PREFERENCE_SNAPSHOTS.manifest_table), mode="append")
+        _table(lake_uri, PREFERENCE_SNAPSHOTS.manifest_table), mode="append"
+    )
     return manifest
 
 
 def score_rows(lake_uri: str, manifest: Manifest, model_folder: Path) -> pl.DataFrame:
     """The snapshot's rows scored by the model: batch_id, split, sequence_index (local), reference_logps."""
-    rows = pl.read_delta(_table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table), version=manifest.sequences_version)
+    rows = pl.read_delta(
+        _table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table), version=manifest.sequences_version
+    )
     rows = rows.filter(pl.col("batch_id").is_in(list(manifest.batches)))
     model, _ = load_exported(model_folder)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a torchrun rank computes: the policy's first forward gives the same values
+    torch.set_num_threads(
+        1
+    )  # as a torchrun rank computes: the policy's first forward gives the same values
     try:
         return reference_logps(model, rows, batch_size=8)
     finally:
         torch.set_num_threads(threads)
 
 
-def write_reference_logps(lake_uri: str, manifest: Manifest, scored: pl.DataFrame,
-                          reference_model: str = REFERENCE_MODEL, mode: str = "append") -> int:
+def write_reference_logps(
+    lake_uri: str,
+    manifest: Manifest,
+    scored: pl.DataFrame,
+    reference_model: str = REFERENCE_MODEL,
+    mode: str = "append",
+) -> int:
     """Append the snapshot's rows to gold/reference_logps (or replace what it holds: ``mode`` overwrite);
     returns the version that holds them."""
     uri = _table(lake_uri, REFERENCE_TABLE)
-    frame = scored.select(snapshot=pl.lit(manifest.key), reference_model=pl.lit(reference_model),
-                          batch_id="batch_id", split="split", sequence_index="sequence_index",
-                          reference_logps=LOGPS_COLUMN)
+    frame = scored.select(
+        snapshot=pl.lit(manifest.key),
+        reference_model=pl.lit(reference_model),
+        batch_id="batch_id",
+        split="split",
+        sequence_index="sequence_index",
+        reference_logps=LOGPS_COLUMN,
+    )
     frame.write_delta(uri, mode=mode)
     return DeltaTable(uri).version()
 

@@ -22,29 +22,57 @@ from pipeline_assets.trainer.model import Transformer
 from pipeline_assets_tests.trainer.launch import environ_without_mlflow
 
 
-def rl_inputs(root: Path, bank_tasks: int = 400, dim: int = 32, n_layers: int = 2, **overrides) -> RlConfig:
+def rl_inputs(
+    root: Path, bank_tasks: int = 400, dim: int = 32, n_layers: int = 2, **overrides
+) -> RlConfig:
     """The inputs, and a config of a short run (no warm start: the functional tests need no skill)."""
     lake = root / "lake"
-    no_eval_items = EvalNgramIndex.build(pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig())
-    bank = curate_bank(generated_tasks(bank_tasks, seed=1, held_out_fraction=0.2), no_eval_items, SilverConfig())
+    no_eval_items = EvalNgramIndex.build(
+        pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig()
+    )
+    bank = curate_bank(
+        generated_tasks(bank_tasks, seed=1, held_out_fraction=0.2), no_eval_items, SilverConfig()
+    )
     bank.write_delta(str(lake / "rl" / "prompt_bank"), mode="overwrite")
-    tokenizer = train_bpe((bank["prompt"] + " " + bank["ground_truth"]).to_list(), vocab_size=512, min_frequency=1)
+    tokenizer = train_bpe(
+        (bank["prompt"] + " " + bank["ground_truth"]).to_list(), vocab_size=512, min_frequency=1
+    )
     (root / "tokenizer.json").write_text(tokenizer_to_json(tokenizer))
-    model_config = ModelConfig(dim=dim, n_layers=n_layers, n_heads=4, vocab_size=tokenizer.get_vocab_size(),
-                               max_seq_len=64)
+    model_config = ModelConfig(
+        dim=dim, n_layers=n_layers, n_heads=4, vocab_size=tokenizer.get_vocab_size(), max_seq_len=64
+    )
     (root / "init").mkdir(exist_ok=True)
     torch.manual_seed(0)
     save_exported(Transformer(model_config).state_dict(), model_config, root / "init", {})
-    config = RlConfig(lake_uri=str(lake), checkpoint_uri=str(root / "checkpoints"), partition="rl-v0",
-                      tokenizer_path=str(root / "tokenizer.json"), init_from=str(root / "init"), updates=3,
-                      prompts_per_update=4, group_size=4, eval_every=2, held_out_prompts=8,
-                      landing_uri=str(root / "landing"), wait_seconds=60, warm_start_accuracy=0.0)
+    config = RlConfig(
+        lake_uri=str(lake),
+        checkpoint_uri=str(root / "checkpoints"),
+        partition="rl-v0",
+        tokenizer_path=str(root / "tokenizer.json"),
+        init_from=str(root / "init"),
+        updates=3,
+        prompts_per_update=4,
+        group_size=4,
+        eval_every=2,
+        held_out_prompts=8,
+        landing_uri=str(root / "landing"),
+        wait_seconds=60,
+        warm_start_accuracy=0.0,
+    )
     return replace(config, **overrides)
 
 
 def start(config: RlConfig, log: Path, worker: int | None = None, lag: int = 0) -> subprocess.Popen:
     """The learner, or rollout worker ``worker``, as its own process (its output in ``log``)."""
     args = replace(config, worker=-1 if worker is None else worker, lag=lag).to_args()
-    env = {**environ_without_mlflow(), **torchrun_env(threads_per_rank=1)}  # one core each, as the launcher gives
-    return subprocess.Popen([sys.executable, "-m", "pipeline_assets.trainer.rl", *args], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    env = {
+        **environ_without_mlflow(),
+        **torchrun_env(threads_per_rank=1),
+    }  # one core each, as the launcher gives
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets.trainer.rl", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )

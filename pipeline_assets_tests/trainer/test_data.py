@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import polars as pl
 import pytest
 import torch
 
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.trainer.data import (
     PackedSequences,
     Snapshot,
     SplitRows,
-    read_snapshot,
     rank_micro_batches,
+    read_snapshot,
     stream_indexes,
     validation_shard,
 )
-from pipeline_assets.lib import uris
-from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets_tests.trainer.synthetic import write_synthetic_gold
 
 SEQ_LEN = 32
@@ -49,10 +48,12 @@ def test_different_seeds_give_different_streams():
 def test_stream_read_in_two_pieces_equals_one_read(split_at):
     start, count = 30, 100
     whole = stream_indexes(N, 7, start, count)
-    pieces = np.concatenate([
-        stream_indexes(N, 7, start, split_at),
-        stream_indexes(N, 7, start + split_at, count - split_at),
-    ])
+    pieces = np.concatenate(
+        [
+            stream_indexes(N, 7, start, split_at),
+            stream_indexes(N, 7, start + split_at, count - split_at),
+        ]
+    )
 
     assert np.array_equal(pieces, whole)
 
@@ -62,9 +63,13 @@ def test_stream_of_no_sequences_is_an_error():
         stream_indexes(0, 7, 0, 4)
 
 
-@pytest.mark.parametrize("world_size, micro_batch_size, grad_accum_steps", [(1, 4, 3), (2, 2, 3), (4, 1, 3), (4, 3, 1)])
+@pytest.mark.parametrize(
+    "world_size, micro_batch_size, grad_accum_steps", [(1, 4, 3), (2, 2, 3), (4, 1, 3), (4, 3, 1)]
+)
 @pytest.mark.parametrize("position", [0, 30, 111])
-def test_ranks_together_read_the_global_batch_in_stream_order(world_size, micro_batch_size, grad_accum_steps, position):
+def test_ranks_together_read_the_global_batch_in_stream_order(
+    world_size, micro_batch_size, grad_accum_steps, position
+):
     global_batch = micro_batch_size * grad_accum_steps * world_size
     assert global_batch == 12
 
@@ -84,9 +89,13 @@ def test_the_stream_visits_one_block_at_a_time(block):
     epoch = stream_indexes(N, 7, 0, N, block=block)
     assert np.array_equal(np.sort(epoch), np.arange(N))
     visited = epoch // block
-    assert (np.diff(visited) != 0).sum() == -(-N // block) - 1, "each block's sequences are consecutive in the stream"
+    assert (np.diff(visited) != 0).sum() == -(-N // block) - 1, (
+        "each block's sequences are consecutive in the stream"
+    )
     again = stream_indexes(N, 7, N, N, block=block)
-    assert np.array_equal(np.sort(again), np.arange(N)) and (N <= block or not np.array_equal(again // block, visited))
+    assert np.array_equal(np.sort(again), np.arange(N)) and (
+        N <= block or not np.array_equal(again // block, visited)
+    )
 
 
 def test_ranks_read_distinct_sequences_within_an_epoch():
@@ -96,7 +105,9 @@ def test_ranks_read_distinct_sequences_within_an_epoch():
     assert sum(len(r) for r in ranks) == len(set().union(*ranks)) == 16
 
 
-@pytest.mark.parametrize("n_sequences, limit, world_size", [(10, 7, 3), (5, 100, 2), (9, 9, 4), (2, 10, 4)])
+@pytest.mark.parametrize(
+    "n_sequences, limit, world_size", [(10, 7, 3), (5, 100, 2), (9, 9, 4), (2, 10, 4)]
+)
 def test_validation_shards_are_disjoint_and_cover_the_first_limit(n_sequences, limit, world_size):
     shards = [validation_shard(n_sequences, limit, rank, world_size) for rank in range(world_size)]
     together = np.concatenate(shards)
@@ -117,12 +128,18 @@ def lake_uri(tmp_path_factory) -> str:
 def _snapshot_rows(lake_uri: str, number: int) -> pl.DataFrame:
     """The snapshot's rows as Delta holds them at its manifest's version."""
     manifest = read_manifest(lake_uri, number)
-    return pl.read_delta(uris.join(lake_uri, "gold", "sequences"), version=manifest.sequences_version)
+    return pl.read_delta(
+        uris.join(lake_uri, "gold", "sequences"), version=manifest.sequences_version
+    )
 
 
 def _delta_rows(lake_uri: str, number: int, split: str) -> pl.DataFrame:
     """A split in its defined global order: the shards in batch order, each in its own sequence_index order."""
-    return _snapshot_rows(lake_uri, number).filter(pl.col("split") == split).sort("batch_id", "sequence_index")
+    return (
+        _snapshot_rows(lake_uri, number)
+        .filter(pl.col("split") == split)
+        .sort("batch_id", "sequence_index")
+    )
 
 
 def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
@@ -130,7 +147,10 @@ def _as_array(frame: pl.DataFrame, column: str, dtype) -> np.ndarray:
 
 
 def _all_rows(rows: SplitRows) -> dict[str, np.ndarray]:
-    return {name: tensor.numpy() for name, tensor in rows.batch(np.arange(len(rows)), torch.device("cpu")).items()}
+    return {
+        name: tensor.numpy()
+        for name, tensor in rows.batch(np.arange(len(rows)), torch.device("cpu")).items()
+    }
 
 
 @pytest.mark.parametrize("split", ["train", "validation", "search"])
@@ -173,7 +193,9 @@ def test_read_snapshot_at_another_version_differs(lake_uri):
     first, second = read_snapshot(lake_uri, 0), read_snapshot(lake_uri, 1)
     expected = _delta_rows(lake_uri, 1, "train")
 
-    assert np.array_equal(_all_rows(second.train)["input_ids"], _as_array(expected, "input_ids", np.int64))
+    assert np.array_equal(
+        _all_rows(second.train)["input_ids"], _as_array(expected, "input_ids", np.int64)
+    )
     assert len(first.train) != len(second.train) or not np.array_equal(
         _all_rows(first.train)["input_ids"], _all_rows(second.train)["input_ids"]
     )
@@ -186,9 +208,13 @@ def test_a_rank_holds_a_bounded_number_of_blocks_over_a_whole_epoch(lake_uri):
     expected = _all_rows(read_snapshot(lake_uri, 0).train)["input_ids"]
     for start in range(0, len(train), 6):  # the first epoch, six sequences a step
         indexes = stream_indexes(len(train), 7, start, min(6, len(train) - start), block=8)
-        assert np.array_equal(train.batch(indexes, torch.device("cpu"))["input_ids"].numpy(), expected[indexes])
+        assert np.array_equal(
+            train.batch(indexes, torch.device("cpu"))["input_ids"].numpy(), expected[indexes]
+        )
         assert train.cached_sequences <= 2 * 8
-    assert train.blocks_read <= 2 * blocks, "a step's rows come from one or two blocks: each is read about once per epoch"
+    assert train.blocks_read <= 2 * blocks, (
+        "a step's rows come from one or two blocks: each is read about once per epoch"
+    )
 
 
 def test_a_token_beyond_the_vocabulary_is_an_error_when_its_block_is_read(lake_uri):

@@ -39,7 +39,9 @@ def _one_document_per_row(documents: list[tuple[list[int], list[int]]]) -> dict[
     for prefix, response in documents:
         length = len(prefix) + len(response)
         rows["input_ids"].append(prefix + response + [PAD_ID] * (width - length))
-        rows["loss_mask"].append([False] * len(prefix) + [True] * len(response) + [False] * (width - length))
+        rows["loss_mask"].append(
+            [False] * len(prefix) + [True] * len(response) + [False] * (width - length)
+        )
         rows["position_ids"].append(list(range(length)) + list(range(width - length)))
     return {name: torch.tensor(values) for name, values in rows.items()}
 
@@ -50,7 +52,10 @@ def _one_document_per_row(documents: list[tuple[list[int], list[int]]]) -> dict[
 def test_packed_document_logps_equal_each_document_run_alone(kernel, dtype):
     pairs = random_pairs(PACKED_SHAPES, seed=3)
     rows = pack_pairs(pairs, SEQ_LEN, PAD_ID).rows
-    assert rows["document_lengths"].list.sum().max() == SEQ_LEN and rows["document_lengths"].list.sum().min() < SEQ_LEN
+    assert (
+        rows["document_lengths"].list.sum().max() == SEQ_LEN
+        and rows["document_lengths"].list.sum().min() < SEQ_LEN
+    )
     model, _ = policy_and_reference(kernel)
     model = model.to(dtype).eval()
     by_id = {pair["pair_id"]: pair for pair in pairs.iter_rows(named=True)}
@@ -58,9 +63,13 @@ def test_packed_document_logps_equal_each_document_run_alone(kernel, dtype):
     with torch.no_grad():
         batch = batch_of(rows)
         packed = document_logps(model(batch["input_ids"], batch["position_ids"]), **batch)
-        unpacked = _one_document_per_row([(by_id[pair_id]["prefix_ids"], by_id[pair_id][response])
-                                          for pair_id in rows["pair_ids"].explode()
-                                          for response in ("chosen_ids", "rejected_ids")])
+        unpacked = _one_document_per_row(
+            [
+                (by_id[pair_id]["prefix_ids"], by_id[pair_id][response])
+                for pair_id in rows["pair_ids"].explode()
+                for response in ("chosen_ids", "rejected_ids")
+            ]
+        )
         alone = document_logps(model(unpacked["input_ids"], unpacked["position_ids"]), **unpacked)
 
     assert packed.dtype == dtype and packed.shape == (2 * pairs.height,)
@@ -83,15 +92,19 @@ def test_document_logps_sum_each_documents_response_predictions_worked_by_hand()
     logp = logits.log_softmax(-1)
     ids = batch["input_ids"]
 
-    def predicted(row: int, target: int) -> torch.Tensor:  # the logits at target - 1 predict the token at target
+    def predicted(
+        row: int, target: int
+    ) -> torch.Tensor:  # the logits at target - 1 predict the token at target
         return logp[row, target - 1, ids[row, target]]
 
-    expected = torch.stack([
-        predicted(0, 1) + predicted(0, 2),
-        predicted(0, 4),
-        predicted(1, 1),
-        predicted(1, 4) + predicted(1, 5),
-    ])  # the tail of row 0 is not a document
+    expected = torch.stack(
+        [
+            predicted(0, 1) + predicted(0, 2),
+            predicted(0, 4),
+            predicted(1, 1),
+            predicted(1, 4) + predicted(1, 5),
+        ]
+    )  # the tail of row 0 is not a document
 
     torch.testing.assert_close(document_logps(logits, **batch), expected)
 
@@ -105,7 +118,9 @@ def test_a_document_is_never_predicted_from_the_one_before():
     within = logits.clone()
     within[0, 0] += torch.linspace(-3.0, 3.0, 10, dtype=logits.dtype)
 
-    torch.testing.assert_close(document_logps(across_a_boundary, **batch), document_logps(logits, **batch))
+    torch.testing.assert_close(
+        document_logps(across_a_boundary, **batch), document_logps(logits, **batch)
+    )
     assert (document_logps(within, **batch) - document_logps(logits, **batch)).abs()[0] > 1e-3
 
 
@@ -121,7 +136,9 @@ def test_loss_worked_by_hand():
     policy_chosen, policy_rejected = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
     reference_chosen, reference_rejected = torch.tensor([-1.5, -2.0]), torch.tensor([-2.0, -2.0])
 
-    loss, metrics = dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta=0.5)
+    loss, metrics = dpo_loss(
+        policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta=0.5
+    )
 
     # pair 0: rewards 0.5 * 0.5 = 0.25 and 0.5 * -1 = -0.5, margin 0.75, loss log(1 + e^-0.75) = 0.386871
     # pair 1: rewards 0.5 * 0 = 0 and 0.5 * 1 = 0.5, margin -0.5, loss log(1 + e^0.5) = 0.974077
@@ -139,7 +156,9 @@ def test_at_policy_equal_to_reference_the_loss_is_log_2_and_no_pair_is_won():
     loss, metrics = dpo_loss(logps, logps + 1.0, logps, logps + 1.0)
 
     assert loss.item() == pytest.approx(math.log(2))
-    assert [metrics[name].item() for name in ("rewards/chosen", "rewards/rejected", "rewards/margins")] == [0, 0, 0]
+    assert [
+        metrics[name].item() for name in ("rewards/chosen", "rewards/rejected", "rewards/margins")
+    ] == [0, 0, 0]
     assert metrics["rewards/accuracies"].item() == 0.0  # a tie is no win
 
 
@@ -148,7 +167,10 @@ def test_the_default_beta_is_0_1_and_used_by_the_loss():
 
     loss, _ = dpo_loss(*pair)
 
-    assert DEFAULT_BETA == 0.1 and inspect.signature(dpo_loss).parameters["beta"].default == DEFAULT_BETA
+    assert (
+        DEFAULT_BETA == 0.1
+        and inspect.signature(dpo_loss).parameters["beta"].default == DEFAULT_BETA
+    )
     assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(0.1)).item())
 
 
@@ -173,12 +195,16 @@ def test_no_local_pairs_give_a_zero_loss_and_zero_metrics():
     assert all(metrics[name].item() == 0.0 for name in metrics)
 
 
-def _single_process_gradients(rows: pl.DataFrame, per_rank_mean: bool = False) -> tuple[float, dict]:
+def _single_process_gradients(
+    rows: pl.DataFrame, per_rank_mean: bool = False
+) -> tuple[float, dict]:
     """The reference: one process, the whole global batch. per_rank_mean: the wrong normalisation, each
     row's mean loss averaged, to show the test tells them apart."""
     policy, reference = policy_and_reference()
     if per_rank_mean:
-        losses = [batch_loss(policy, reference, batch_of(rows[k:k + 1]))[0] for k in range(rows.height)]
+        losses = [
+            batch_loss(policy, reference, batch_of(rows[k : k + 1]))[0] for k in range(rows.height)
+        ]
         loss = torch.stack(losses).mean()
     else:
         loss, _ = batch_loss(policy, reference, batch_of(rows))
@@ -190,7 +216,10 @@ def test_two_fsdp_ranks_with_3_and_1_pairs_give_the_single_process_gradients(tmp
     out = tmp_path / "dpo_gradients.pt"
     probe = Path(__file__).with_name("dpo_gradient_probe.py")
     command = [*torchrun_executable(), "--standalone", "--nproc-per-node=2", str(probe), str(out)]
-    environment = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **torchrun_env(1)}
+    environment = {
+        **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+        **torchrun_env(1),
+    }
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
     assert done.returncode == 0, done.stdout + done.stderr
     sharded = torch.load(out, weights_only=True)
@@ -203,8 +232,13 @@ def test_two_fsdp_ranks_with_3_and_1_pairs_give_the_single_process_gradients(tmp
     assert sharded["loss"].item() == pytest.approx(loss, rel=1e-5)
     assert sharded["gradients"].keys() == gradients.keys()
     for name, gradient in gradients.items():
-        torch.testing.assert_close(sharded["gradients"][name], gradient, rtol=1e-4, atol=1e-7,
-                                   msg=f"gradient of {name}")
-    difference = max((per_rank_mean_gradients[name] - gradient).abs().max().item()
-                     for name, gradient in gradients.items())
-    assert difference > 1e-4, "per-rank means would pass too: the batch cannot tell the normalisations apart"
+        torch.testing.assert_close(
+            sharded["gradients"][name], gradient, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}"
+        )
+    difference = max(
+        (per_rank_mean_gradients[name] - gradient).abs().max().item()
+        for name, gradient in gradients.items()
+    )
+    assert difference > 1e-4, (
+        "per-rank means would pass too: the batch cannot tell the normalisations apart"
+    )

@@ -32,7 +32,9 @@ def documents() -> dict[str, tuple[list[int], list[bool]]]:
     generator = torch.Generator().manual_seed(1)
     out = {}
     for name, prompt, response in (("a", 3, 4), ("b", 5, 6), ("c", 2, 9), ("d", 4, 3)):
-        ids = torch.randint(1, CONFIG.vocab_size, (prompt + response,), generator=generator).tolist()
+        ids = torch.randint(
+            1, CONFIG.vocab_size, (prompt + response,), generator=generator
+        ).tolist()
         out[name] = (ids, [False] * prompt + [True] * response)
     return out
 
@@ -45,8 +47,14 @@ def packed_rows(docs) -> pl.DataFrame:
         mask = [m for n in names for m in docs[n][1]]
         positions = [p for n in names for p in range(len(docs[n][0]))]
         padding = SEQ_LEN - len(ids)
-        rows.append({"input_ids": ids + [PAD] * padding, "loss_mask": mask + [False] * padding,
-                     "position_ids": positions + list(range(padding)), "record_ids": list(names)})
+        rows.append(
+            {
+                "input_ids": ids + [PAD] * padding,
+                "loss_mask": mask + [False] * padding,
+                "position_ids": positions + list(range(padding)),
+                "record_ids": list(names),
+            }
+        )
     return pl.DataFrame(rows)
 
 
@@ -71,11 +79,15 @@ def test_packed_documents_score_as_if_each_were_alone(model):
 
 def test_a_record_split_over_two_rows_is_summed_and_batching_changes_nothing(model):
     docs = documents()
-    rows = packed_rows(docs).with_columns(record_ids=pl.Series([["a", "b"], ["c", "a"]]))  # "d" is now a's second piece
+    rows = packed_rows(docs).with_columns(
+        record_ids=pl.Series([["a", "b"], ["c", "a"]])
+    )  # "d" is now a's second piece
     one_by_one = packed_document_losses(model, rows, batch_size=1)
     together = packed_document_losses(model, rows, batch_size=16)
     assert one_by_one.drop("loss_sum").equals(together.drop("loss_sum"))
-    assert one_by_one["loss_sum"].to_list() == pytest.approx(together["loss_sum"].to_list(), rel=1e-5)
+    assert one_by_one["loss_sum"].to_list() == pytest.approx(
+        together["loss_sum"].to_list(), rel=1e-5
+    )
     a = one_by_one.filter(pl.col("record_id") == "a").row(0, named=True)
     expected = [alone(model, *docs[name]) for name in ("a", "d")]
     assert a["tokens"] == sum(tokens for _, tokens in expected)
@@ -84,12 +96,20 @@ def test_a_record_split_over_two_rows_is_summed_and_batching_changes_nothing(mod
 
 def test_sequence_losses_and_slices(model):
     docs = documents()
-    encoded = pl.DataFrame({"record_id": list(docs), "input_ids": [d[0] for d in docs.values()],
-                            "loss_mask": [d[1] for d in docs.values()]})
+    encoded = pl.DataFrame(
+        {
+            "record_id": list(docs),
+            "input_ids": [d[0] for d in docs.values()],
+            "loss_mask": [d[1] for d in docs.values()],
+        }
+    )
     scored = sequence_losses(model, encoded, max_len=SEQ_LEN, pad_id=PAD)
     for row in scored.iter_rows(named=True):
         assert row["loss_sum"] == pytest.approx(alone(model, *docs[row["record_id"]])[0], rel=1e-5)
-    slices = slice_losses(scored, pl.DataFrame({"record_id": ["a", "b", "c", "d", "a"], "slice": ["x", "x", "y", "y", "y"]}))
+    slices = slice_losses(
+        scored,
+        pl.DataFrame({"record_id": ["a", "b", "c", "d", "a"], "slice": ["x", "x", "y", "y", "y"]}),
+    )
     y = slices.filter(pl.col("slice") == "y").row(0, named=True)
     parts = scored.filter(pl.col("record_id").is_in(["a", "c", "d"]))
     assert y["tokens"] == parts["tokens"].sum() and y["documents"] == 3
@@ -99,12 +119,21 @@ def test_sequence_losses_and_slices(model):
 
 def test_short_items_are_packed_and_a_long_one_is_cut(model):
     docs = documents()
-    long_ids = torch.randint(1, CONFIG.vocab_size, (SEQ_LEN + 7,), generator=torch.Generator().manual_seed(2)).tolist()
+    long_ids = torch.randint(
+        1, CONFIG.vocab_size, (SEQ_LEN + 7,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
     docs["long"] = (long_ids, [True] * len(long_ids))
-    encoded = pl.DataFrame({"record_id": list(docs), "input_ids": [d[0] for d in docs.values()],
-                            "loss_mask": [d[1] for d in docs.values()]})
+    encoded = pl.DataFrame(
+        {
+            "record_id": list(docs),
+            "input_ids": [d[0] for d in docs.values()],
+            "loss_mask": [d[1] for d in docs.values()],
+        }
+    )
     positions = []
-    hook = model.register_forward_hook(lambda module, inputs, output: positions.append(inputs[0].numel()))
+    hook = model.register_forward_hook(
+        lambda module, inputs, output: positions.append(inputs[0].numel())
+    )
     try:
         scored = sequence_losses(model, encoded, max_len=SEQ_LEN, pad_id=PAD)
     finally:
@@ -121,25 +150,48 @@ def test_the_scoring_program_under_torchrun_gives_each_model_the_in_process_loss
     """Two ranks split the rows; summed per record, each model's losses are those scored here."""
     torch.manual_seed(1)
     other = Transformer(CONFIG).eval()
-    rows = pl.concat([packed_rows(documents())] * 3).select(SCORED_COLUMNS)  # 6 rows, a record in several
+    rows = pl.concat([packed_rows(documents())] * 3).select(
+        SCORED_COLUMNS
+    )  # 6 rows, a record in several
     rows.write_parquet(tmp_path / "rows.parquet")
     for name, net in (("candidate", model), ("champion", other)):
         (tmp_path / name).mkdir()
         save_exported(net.state_dict(), CONFIG, tmp_path / name, {})
-    command = torchrun_command(2, ["--rows", str(tmp_path / "rows.parquet"), "--out", str(tmp_path / "scores"),
-                                   "--model", f"candidate={tmp_path / 'candidate'}",
-                                   "--model", f"champion={tmp_path / 'champion'}"], module=SCORER_MODULE)
-    finished = subprocess.run(command, env={**os.environ, **torchrun_env(1)}, capture_output=True, text=True)
+    command = torchrun_command(
+        2,
+        [
+            "--rows",
+            str(tmp_path / "rows.parquet"),
+            "--out",
+            str(tmp_path / "scores"),
+            "--model",
+            f"candidate={tmp_path / 'candidate'}",
+            "--model",
+            f"champion={tmp_path / 'champion'}",
+        ],
+        module=SCORER_MODULE,
+    )
+    finished = subprocess.run(
+        command, env={**os.environ, **torchrun_env(1)}, capture_output=True, text=True
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
 
     for name, net in (("candidate", model), ("champion", other)):
         parts = sorted((tmp_path / "scores").glob(f"{name}-rank*.parquet"))
         assert [p.name for p in parts] == [f"{name}-rank0.parquet", f"{name}-rank1.parquet"]
-        scored = pl.concat([pl.read_parquet(p) for p in parts]).group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens"))
+        scored = (
+            pl.concat([pl.read_parquet(p) for p in parts])
+            .group_by("record_id")
+            .agg(pl.sum("loss_sum"), pl.sum("tokens"))
+        )
         expected = packed_document_losses(net, rows)
         got = scored.sort("record_id")
         assert got["record_id"].to_list() == expected["record_id"].to_list()
         assert got["tokens"].to_list() == expected["tokens"].to_list()
-        assert got["loss_sum"].to_numpy() == pytest.approx(expected["loss_sum"].to_numpy(), rel=1e-5)
+        assert got["loss_sum"].to_numpy() == pytest.approx(
+            expected["loss_sum"].to_numpy(), rel=1e-5
+        )
     candidate = pl.read_parquet(tmp_path / "scores" / "candidate-rank0.parquet")["loss_sum"].sum()
-    assert candidate != pytest.approx(pl.read_parquet(tmp_path / "scores" / "champion-rank0.parquet")["loss_sum"].sum())
+    assert candidate != pytest.approx(
+        pl.read_parquet(tmp_path / "scores" / "champion-rank0.parquet")["loss_sum"].sum()
+    )

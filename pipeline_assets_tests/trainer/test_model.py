@@ -35,10 +35,14 @@ def _packed_position_ids() -> torch.Tensor:
 
 
 def _random_ids(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(1, CONFIG.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        1, CONFIG.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed)
+    )
 
 
-def _logits(model: Transformer, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def _logits(
+    model: Transformer, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids, position_ids)[0]
 
@@ -61,9 +65,9 @@ def test_attention_stays_within_a_packed_document(model):
 
 def test_a_document_has_the_same_logits_packed_after_another_or_alone(model):
     row = _random_ids(FIRST + SECOND + PADDING, seed=2)
-    second = row[:, FIRST:FIRST + SECOND]
+    second = row[:, FIRST : FIRST + SECOND]
 
-    packed = _logits(model, row, _packed_position_ids())[FIRST:FIRST + SECOND]
+    packed = _logits(model, row, _packed_position_ids())[FIRST : FIRST + SECOND]
     alone = _logits(model, second, torch.arange(SECOND)[None])
 
     torch.testing.assert_close(packed, alone)
@@ -93,33 +97,40 @@ def test_a_later_token_does_not_change_earlier_logits(model):
     before, after = _logits(model, row, position_ids), _logits(model, changed, position_ids)
 
     torch.testing.assert_close(after[:changed_at], before[:changed_at])
-    _assert_differs(after[changed_at:FIRST + SECOND], before[changed_at:FIRST + SECOND])
+    _assert_differs(after[changed_at : FIRST + SECOND], before[changed_at : FIRST + SECOND])
 
 
 def _flex_mask_at_every_pair(position_ids: torch.Tensor) -> torch.Tensor:
     batch, length = position_ids.shape
-    return flex_module.create_mask(document_causal_mask_mod(position_ids), batch, 1, length, length, device="cpu")
+    return flex_module.create_mask(
+        document_causal_mask_mod(position_ids), batch, 1, length, length, device="cpu"
+    )
 
 
-@pytest.mark.parametrize("build", [document_causal_mask, _flex_mask_at_every_pair], ids=["dense", "flex_mask_mod"])
+@pytest.mark.parametrize(
+    "build", [document_causal_mask, _flex_mask_at_every_pair], ids=["dense", "flex_mask_mod"]
+)
 def test_document_causal_mask_matches_a_hand_written_matrix(build):
     position_ids = torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 0]])
-    expected = torch.tensor([
+    expected = torch.tensor(
         [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [1, 1, 1, 0, 0],
-            [0, 0, 0, 1, 0],
-            [0, 0, 0, 1, 1],
+            [
+                [1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 1, 1, 0, 0],
+                [0, 0, 0, 1, 0],
+                [0, 0, 0, 1, 1],
+            ],
+            [
+                [1, 0, 0, 0, 0],
+                [0, 1, 0, 0, 0],
+                [0, 1, 1, 0, 0],
+                [0, 1, 1, 1, 0],
+                [0, 0, 0, 0, 1],
+            ],
         ],
-        [
-            [1, 0, 0, 0, 0],
-            [0, 1, 0, 0, 0],
-            [0, 1, 1, 0, 0],
-            [0, 1, 1, 1, 0],
-            [0, 0, 0, 0, 1],
-        ],
-    ], dtype=torch.bool)[:, None]
+        dtype=torch.bool,
+    )[:, None]
 
     mask = build(position_ids)
 
@@ -170,16 +181,21 @@ def test_flex_attention_gives_the_dense_masks_loss_and_gradients(monkeypatch):
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-6, atol=1e-6)
     assert flex_gradients.keys() == dense_gradients.keys()
     for name, gradient in dense_gradients.items():
-        torch.testing.assert_close(flex_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
+        torch.testing.assert_close(
+            flex_gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}"
+        )
 
 
-@pytest.mark.parametrize(("setting", "device", "head_dim", "expected"), [
-    ("auto", "cuda", 16, "flex"),
-    ("auto", "cuda", 8, "dense"),
-    ("auto", "cpu", 64, "dense"),
-    ("flex", "cuda", 16, "flex"),
-    ("dense", "cuda", 64, "dense"),
-])
+@pytest.mark.parametrize(
+    ("setting", "device", "head_dim", "expected"),
+    [
+        ("auto", "cuda", 16, "flex"),
+        ("auto", "cuda", 8, "dense"),
+        ("auto", "cpu", 64, "dense"),
+        ("flex", "cuda", 16, "flex"),
+        ("dense", "cuda", 64, "dense"),
+    ],
+)
 def test_attention_kernel_is_flex_only_where_flex_trains(setting, device, head_dim, expected):
     assert attention_kernel(setting, torch.device(device), head_dim) == expected
 
@@ -205,7 +221,9 @@ def test_loss_counts_only_masked_in_targets_inside_a_document():
     loss_sum, count = loss_sum_and_count(logits, input_ids, loss_mask, position_ids)
 
     counted_predictions, counted_targets = [0, 1, 4], [1, 2, 5]
-    expected = F.cross_entropy(logits[0, counted_predictions], input_ids[0, counted_targets], reduction="sum")
+    expected = F.cross_entropy(
+        logits[0, counted_predictions], input_ids[0, counted_targets], reduction="sum"
+    )
     assert int(count) == 3
     torch.testing.assert_close(loss_sum, expected)
 
@@ -259,7 +277,9 @@ def test_flops_per_token_weights_are_the_models_non_norm_parameters(model):
     norm_parameters = (2 * CONFIG.n_layers + 1) * CONFIG.dim
     attention = 12 * CONFIG.n_layers * CONFIG.dim * 16
 
-    assert flops_per_token(CONFIG, 16) == 6 * (count_parameters(model) - norm_parameters) + attention
+    assert (
+        flops_per_token(CONFIG, 16) == 6 * (count_parameters(model) - norm_parameters) + attention
+    )
 
 
 def test_flops_per_token_grows_with_sequence_length():

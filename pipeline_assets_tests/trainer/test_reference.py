@@ -17,7 +17,13 @@ from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.trainer import reference
 from pipeline_assets.trainer.export import load_exported, save_exported
 from pipeline_assets.trainer.reference import read_reference_logps, reference_logps
-from pipeline_assets_tests.trainer.dpo_batches import CONFIG, PAD_ID, SEQ_LEN, policy_and_reference, random_pairs
+from pipeline_assets_tests.trainer.dpo_batches import (
+    CONFIG,
+    PAD_ID,
+    SEQ_LEN,
+    policy_and_reference,
+    random_pairs,
+)
 
 MODULE = "pipeline_assets.trainer.reference"
 # Rows with a padding tail and one exactly full (2 * 8 + 24 + 24 = 64 tokens), as in test_dpo.
@@ -30,8 +36,13 @@ def tokenized_pairs() -> pl.DataFrame:
     frames = []
     for seed, (batch_id, split) in enumerate(SHARDS):
         pairs = random_pairs(SHAPES, seed=seed)
-        frames.append(pairs.with_columns(pair_id=pl.lit(f"{batch_id}-{split}-") + pl.col("pair_id"),
-                                         batch_id=pl.lit(batch_id), split=pl.lit(split)))
+        frames.append(
+            pairs.with_columns(
+                pair_id=pl.lit(f"{batch_id}-{split}-") + pl.col("pair_id"),
+                batch_id=pl.lit(batch_id),
+                split=pl.lit(split),
+            )
+        )
     return pl.concat(frames)
 
 
@@ -40,8 +51,13 @@ def packed_rows(pairs: pl.DataFrame) -> pl.DataFrame:
     frames = []
     for batch_id, split in SHARDS:
         shard = pairs.filter((pl.col("batch_id") == batch_id) & (pl.col("split") == split))
-        frames.append(pack_pairs(shard, SEQ_LEN, PAD_ID).rows.with_columns(
-            batch_id=pl.lit(batch_id), split=pl.lit(split), sequence_index=pl.int_range(pl.len(), dtype=pl.Int64)))
+        frames.append(
+            pack_pairs(shard, SEQ_LEN, PAD_ID).rows.with_columns(
+                batch_id=pl.lit(batch_id),
+                split=pl.lit(split),
+                sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
+            )
+        )
     return pl.concat(frames)
 
 
@@ -68,8 +84,11 @@ def exported(tmp_path_factory) -> Path:
 
 
 def _environment() -> dict[str, str]:
-    environment = {name: value for name, value in os.environ.items()
-                   if name not in ("MLFLOW_TRACKING_URI", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("MLFLOW_TRACKING_URI", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     return {**environment, **torchrun_env(1)}
 
 
@@ -83,20 +102,42 @@ def test_packed_rows_give_each_document_its_log_probability_alone(pairs, exporte
     assert scored.columns == ["batch_id", "split", "sequence_index", "reference_logps"]
     assert scored.schema["reference_logps"] == pl.List(pl.Float64)
     assert scored.drop("reference_logps").equals(rows.select("batch_id", "split", "sequence_index"))
-    expected = [[alone(model, by_id[pair_id]["prefix_ids"], by_id[pair_id][response])
-                 for pair_id in pair_ids for response in ("chosen_ids", "rejected_ids")]
-                for pair_ids in rows["pair_ids"].to_list()]
-    assert scored["reference_logps"].list.len().to_list() == [2 * len(ids) for ids in rows["pair_ids"].to_list()]
-    assert scored["reference_logps"].explode().to_list() == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-5)
+    expected = [
+        [
+            alone(model, by_id[pair_id]["prefix_ids"], by_id[pair_id][response])
+            for pair_id in pair_ids
+            for response in ("chosen_ids", "rejected_ids")
+        ]
+        for pair_ids in rows["pair_ids"].to_list()
+    ]
+    assert scored["reference_logps"].list.len().to_list() == [
+        2 * len(ids) for ids in rows["pair_ids"].to_list()
+    ]
+    assert scored["reference_logps"].explode().to_list() == pytest.approx(
+        sum(expected, []), rel=1e-5, abs=1e-5
+    )
 
 
-def test_two_torchrun_ranks_give_the_values_of_one_every_row_once(pairs, exported, tmp_path, monkeypatch, capsys):
+def test_two_torchrun_ranks_give_the_values_of_one_every_row_once(
+    pairs, exported, tmp_path, monkeypatch, capsys
+):
     rows = packed_rows(pairs).reverse()  # not in key order: the reader sorts
     rows.write_parquet(tmp_path / "rows.parquet")
     # a row a batch and one thread, as each torchrun rank has: the same arithmetic whatever the split
-    arguments = ["--rows", str(tmp_path / "rows.parquet"), "--model", str(exported), "--batch-size", "1"]
-    command = torchrun_command(2, [*arguments, "--out", str(tmp_path / "two"), "--log-every", "2"], module=MODULE)
-    finished = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=120)
+    arguments = [
+        "--rows",
+        str(tmp_path / "rows.parquet"),
+        "--model",
+        str(exported),
+        "--batch-size",
+        "1",
+    ]
+    command = torchrun_command(
+        2, [*arguments, "--out", str(tmp_path / "two"), "--log-every", "2"], module=MODULE
+    )
+    finished = subprocess.run(
+        command, env=_environment(), capture_output=True, text=True, timeout=120
+    )
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -107,45 +148,76 @@ def test_two_torchrun_ranks_give_the_values_of_one_every_row_once(pairs, exporte
     finally:
         torch.set_num_threads(threads)
 
-    assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["reference-rank0.parquet",
-                                                                          "reference-rank1.parquet"]
+    assert sorted(path.name for path in (tmp_path / "two").iterdir()) == [
+        "reference-rank0.parquet",
+        "reference-rank1.parquet",
+    ]
     two_ranks = read_reference_logps(tmp_path / "two", rows.height)
     one_rank = read_reference_logps(tmp_path / "one", rows.height)
     assert two_ranks.equals(one_rank)
     assert two_ranks.select("batch_id", "split", "sequence_index").equals(
-        rows.select("batch_id", "split", "sequence_index").sort("batch_id", "split", "sequence_index"))
+        rows.select("batch_id", "split", "sequence_index").sort(
+            "batch_id", "split", "sequence_index"
+        )
+    )
     documents = int(rows["pair_ids"].list.len().sum()) * 2
-    assert f"rank 0/1: reference log-probabilities of {rows.height} rows, {documents} documents on cpu" \
+    assert (
+        f"rank 0/1: reference log-probabilities of {rows.height} rows, {documents} documents on cpu"
         in capsys.readouterr().out
-    assert f"rank 1/2: 2/{rows.height // 2} rows scored" in finished.stdout  # a progress line every two batches
+    )
+    assert (
+        f"rank 1/2: 2/{rows.height // 2} rows scored" in finished.stdout
+    )  # a progress line every two batches
 
 
 def test_a_row_whose_documents_do_not_match_its_pairs_fails_the_run(pairs, exported, tmp_path):
     rows = packed_rows(pairs)
     bad = pl.int_range(pl.len()) == 3
-    rows = rows.with_columns(pair_ids=pl.when(bad).then(pl.col("pair_ids").list.concat(pl.lit(["stray"])))
-                             .otherwise(pl.col("pair_ids")))
+    rows = rows.with_columns(
+        pair_ids=pl.when(bad)
+        .then(pl.col("pair_ids").list.concat(pl.lit(["stray"])))
+        .otherwise(pl.col("pair_ids"))
+    )
     rows.write_parquet(tmp_path / "rows.parquet")
     key = rows.row(3, named=True)
-    command = [sys.executable, "-m", MODULE, "--rows", str(tmp_path / "rows.parquet"), "--model", str(exported),
-               "--out", str(tmp_path / "out"), "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        MODULE,
+        "--rows",
+        str(tmp_path / "rows.parquet"),
+        "--model",
+        str(exported),
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+    ]
 
-    finished = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=60)
+    finished = subprocess.run(
+        command, env=_environment(), capture_output=True, text=True, timeout=60
+    )
 
     assert finished.returncode != 0
     pairs_listed = len(key["pair_ids"])
-    assert (f"rank 0/1: row {{'batch_id': '{key['batch_id']}', 'split': '{key['split']}', 'sequence_index': "
-            f"{key['sequence_index']}}} holds {2 * (pairs_listed - 1)} documents but pair_ids lists {pairs_listed} "
-            "pairs") in finished.stderr
+    assert (
+        f"rank 0/1: row {{'batch_id': '{key['batch_id']}', 'split': '{key['split']}', 'sequence_index': "
+        f"{key['sequence_index']}}} holds {2 * (pairs_listed - 1)} documents but pair_ids lists {pairs_listed} "
+        "pairs"
+    ) in finished.stderr
     assert not (tmp_path / "out" / "reference-rank0.parquet").exists()
 
 
 def test_the_reader_finds_a_missing_or_doubled_row(tmp_path):
     def rank_file(rank: int, indexes: list[int]) -> None:
-        pl.DataFrame({"split": ["train"] * len(indexes), "sequence_index": indexes,
-                      "reference_logps": [[-1.0, -2.0]] * len(indexes)},
-                     schema_overrides={"reference_logps": pl.List(pl.Float64)}
-                     ).write_parquet(tmp_path / f"reference-rank{rank}.parquet")
+        pl.DataFrame(
+            {
+                "split": ["train"] * len(indexes),
+                "sequence_index": indexes,
+                "reference_logps": [[-1.0, -2.0]] * len(indexes),
+            },
+            schema_overrides={"reference_logps": pl.List(pl.Float64)},
+        ).write_parquet(tmp_path / f"reference-rank{rank}.parquet")
 
     rank_file(0, [2, 0])
     rank_file(1, [1])
@@ -153,7 +225,9 @@ def test_the_reader_finds_a_missing_or_doubled_row(tmp_path):
     with pytest.raises(ValueError, match="3 rows scored in 2 rank file.s., expected 4"):
         read_reference_logps(tmp_path, 4)
     rank_file(1, [0, 1])
-    with pytest.raises(ValueError, match=r"1 row\(s\) scored twice, e.g. \{'split': 'train', 'sequence_index': 0\}"):
+    with pytest.raises(
+        ValueError, match=r"1 row\(s\) scored twice, e.g. \{'split': 'train', 'sequence_index': 0\}"
+    ):
         read_reference_logps(tmp_path, 4)
     with pytest.raises(ValueError, match="no reference-rank"):
         read_reference_logps(tmp_path / "empty", 1)

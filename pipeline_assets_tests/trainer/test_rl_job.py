@@ -21,7 +21,9 @@ TIMEOUT = 240
 
 
 def _metrics(config) -> list[dict]:
-    path = PolicyStore(config.checkpoint_uri, config.partition).store.local_folder("rl_metrics.jsonl")
+    path = PolicyStore(config.checkpoint_uri, config.partition).store.local_folder(
+        "rl_metrics.jsonl"
+    )
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -35,14 +37,22 @@ def _wait_all(*processes) -> list[int]:
 
 def test_a_learner_and_its_worker_publish_versions_and_take_each_rollout_once(tmp_path):
     config = rl_inputs(tmp_path)
-    codes = _wait_all(start(config, tmp_path / "learner.log"), start(config, tmp_path / "worker.log", worker=0))
+    codes = _wait_all(
+        start(config, tmp_path / "learner.log"), start(config, tmp_path / "worker.log", worker=0)
+    )
 
     assert codes == [0, 0], (tmp_path / "learner.log").read_text()[-3000:]
     policies = PolicyStore(config.checkpoint_uri, config.partition)
     assert policies.newest() == 3 and policies.done()
     metrics = _metrics(config)
     assert [m["policy_version"] for m in metrics] == [1, 2, 3]
-    assert {"reward_mean", "zero_spread_share", "staleness_max", "dropped_stale", "clip_fraction"} <= set(metrics[0])
+    assert {
+        "reward_mean",
+        "zero_spread_share",
+        "staleness_max",
+        "dropped_stale",
+        "clip_fraction",
+    } <= set(metrics[0])
     assert "held_out_accuracy" in metrics[1] and "held_out_accuracy" in metrics[2]
     rows = _buffer(config)
     assert rows["rollout_id"].n_unique() == rows.height
@@ -50,18 +60,25 @@ def test_a_learner_and_its_worker_publish_versions_and_take_each_rollout_once(tm
     assert consumed.height >= 3 * config.prompts_per_update * config.group_size
     lag = consumed["consumed_by_version"] - consumed["policy_version"]
     assert lag.min() >= 0 and lag.max() <= config.max_staleness
-    assert set(consumed["consumed_by_version"]) == {0, 1, 2}, "each update consumed the rows it trained on"
+    assert set(consumed["consumed_by_version"]) == {0, 1, 2}, (
+        "each update consumed the rows it trained on"
+    )
 
 
 def test_a_lagging_worker_s_rollouts_are_dropped_and_freshness_fails_naming_the_lag(tmp_path):
     config = rl_inputs(tmp_path, updates=6, max_staleness=1)
-    codes = _wait_all(start(config, tmp_path / "learner.log"), start(config, tmp_path / "w0.log", worker=0),
-                      start(config, tmp_path / "w1.log", worker=1, lag=3))
+    codes = _wait_all(
+        start(config, tmp_path / "learner.log"),
+        start(config, tmp_path / "w0.log", worker=0),
+        start(config, tmp_path / "w1.log", worker=1, lag=3),
+    )
 
     assert codes == [0, 0, 0], (tmp_path / "learner.log").read_text()[-3000:]
     rows = _buffer(config)
     dropped = rows.filter(pl.col("status") == "dropped_stale")
-    assert dropped.height and set(dropped["worker"]) == {"worker-1"}, "only the lagging worker's rollouts"
+    assert dropped.height and set(dropped["worker"]) == {"worker-1"}, (
+        "only the lagging worker's rollouts"
+    )
     assert ((dropped["consumed_by_version"] - dropped["policy_version"]) > 1).all()
     assert sum(m["dropped_stale"] for m in _metrics(config)) == dropped.height
     judgement = freshness(rows, StalenessPolicy(1, 3600.0), datetime.now(timezone.utc))
@@ -78,7 +95,9 @@ def test_a_sigtermed_learner_resumes_from_its_newest_version(tmp_path):
     while (policies.newest() or 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     learner.send_signal(signal.SIGTERM)
-    assert learner.wait(timeout=TIMEOUT) == EXIT_PREEMPTED, (tmp_path / "learner-1.log").read_text()[-3000:]
+    assert learner.wait(timeout=TIMEOUT) == EXIT_PREEMPTED, (
+        tmp_path / "learner-1.log"
+    ).read_text()[-3000:]
     stopped_at = policies.newest()
     assert 2 <= stopped_at < config.updates and not policies.done()
 
@@ -86,6 +105,8 @@ def test_a_sigtermed_learner_resumes_from_its_newest_version(tmp_path):
     assert _wait_all(resumed, worker) == [0, 0], (tmp_path / "learner-2.log").read_text()[-3000:]
     assert f"resumed from policy v{stopped_at}" in (tmp_path / "learner-2.log").read_text()
     versions = [m["policy_version"] for m in _metrics(config)]
-    assert versions == list(range(1, config.updates + 1)), "versions still increase: none repeated, none skipped"
+    assert versions == list(range(1, config.updates + 1)), (
+        "versions still increase: none repeated, none skipped"
+    )
     rows = _buffer(config)
     assert rows["rollout_id"].n_unique() == rows.height

@@ -12,17 +12,37 @@ from pipeline_assets_tests.trainer.rl_setup import rl_inputs, start
 
 
 def test_grpo_raises_reward_and_held_out_accuracy_on_the_sort_task(tmp_path):
-    config = rl_inputs(tmp_path, bank_tasks=6000, dim=96, n_layers=3, tasks="sort", updates=60, prompts_per_update=32,
-                       group_size=8, eval_every=10, held_out_prompts=200, warm_start_accuracy=0.3)
-    learner, worker = start(config, tmp_path / "learner.log"), start(config, tmp_path / "worker.log", worker=0)
+    config = rl_inputs(
+        tmp_path,
+        bank_tasks=6000,
+        dim=96,
+        n_layers=3,
+        tasks="sort",
+        updates=60,
+        prompts_per_update=32,
+        group_size=8,
+        eval_every=10,
+        held_out_prompts=200,
+        warm_start_accuracy=0.3,
+    )
+    learner, worker = (
+        start(config, tmp_path / "learner.log"),
+        start(config, tmp_path / "worker.log", worker=0),
+    )
     assert learner.wait(timeout=600) == 0, (tmp_path / "learner.log").read_text()[-3000:]
     assert worker.wait(timeout=60) == 0
 
     log = (tmp_path / "learner.log").read_text()
-    assert "warm start:" in log, "the untrained policy could not sort: it was tuned on the training prompts first"
-    path = PolicyStore(config.checkpoint_uri, config.partition).store.local_folder("rl_metrics.jsonl")
+    assert "warm start:" in log, (
+        "the untrained policy could not sort: it was tuned on the training prompts first"
+    )
+    path = PolicyStore(config.checkpoint_uri, config.partition).store.local_folder(
+        "rl_metrics.jsonl"
+    )
     history = [json.loads(line) for line in path.read_text().splitlines()]
     first = sum(m["reward_mean"] for m in history[:10]) / 10
     last = sum(m["reward_mean"] for m in history[-10:]) / 10
-    assert last >= first + 0.2, f"mean reward {first:.3f} over the first 10 updates, {last:.3f} over the last 10"
+    assert last >= first + 0.2, (
+        f"mean reward {first:.3f} over the first 10 updates, {last:.3f} over the last 10"
+    )
     assert history[-1]["held_out_accuracy"] >= 0.5, history[-1]

@@ -27,7 +27,9 @@ NO_STOP: set[int] = set()
 def model() -> Transformer:
     torch.manual_seed(0)
     model = Transformer(CONFIG).eval()
-    with torch.no_grad():  # sharper than the N(0, 0.02) init, so that greedy decoding has no near-ties
+    with (
+        torch.no_grad()
+    ):  # sharper than the N(0, 0.02) init, so that greedy decoding has no near-ties
         model.embedding.weight.mul_(20)
     return model
 
@@ -37,12 +39,15 @@ def _seeded(seed: int) -> torch.Generator:
 
 
 def test_a_seeded_generator_makes_sampling_deterministic(model):
-    first = sample_completions(model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP,
-                               generator=_seeded(3))
-    again = sample_completions(model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP,
-                               generator=_seeded(3))
-    other = sample_completions(model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP,
-                               generator=_seeded(4))
+    first = sample_completions(
+        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(3)
+    )
+    again = sample_completions(
+        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(3)
+    )
+    other = sample_completions(
+        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(4)
+    )
 
     assert first == again
     assert [c.token_ids for c in first] != [c.token_ids for c in other]
@@ -52,26 +57,45 @@ def test_a_seeded_generator_makes_sampling_deterministic(model):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logps_equal_a_full_forward_pass_over_prompt_and_completion(model, temperature):
-    completions = sample_completions(model, PROMPTS, group_size=3, max_new_tokens=MAX_NEW, stop_ids={5, 6},
-                                     temperature=temperature, generator=_seeded(5))
+    completions = sample_completions(
+        model,
+        PROMPTS,
+        group_size=3,
+        max_new_tokens=MAX_NEW,
+        stop_ids={5, 6},
+        temperature=temperature,
+        generator=_seeded(5),
+    )
     rows = completion_rows(PROMPTS, completions)
 
     with torch.no_grad():
         logits = model(rows.input_ids, rows.position_ids)
-        logps = completion_logps(logits / temperature, rows.input_ids, rows.loss_mask, rows.position_ids)
+        logps = completion_logps(
+            logits / temperature, rows.input_ids, rows.loss_mask, rows.position_ids
+        )
 
     assert rows.loss_mask.sum() == sum(len(c.token_ids) for c in completions)
-    torch.testing.assert_close(logps[rows.loss_mask], rows.behaviour_logps[rows.loss_mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        logps[rows.loss_mask], rows.behaviour_logps[rows.loss_mask], rtol=0, atol=1e-5
+    )
     assert (rows.behaviour_logps[~rows.loss_mask] == 0).all()
 
 
 def test_the_recorded_logps_are_gathered_by_hand_at_the_sampled_tokens(model):
-    completion = sample_completions(model, PROMPTS[:1], group_size=1, max_new_tokens=MAX_NEW, stop_ids=NO_STOP,
-                                    generator=_seeded(6))[0]
+    completion = sample_completions(
+        model,
+        PROMPTS[:1],
+        group_size=1,
+        max_new_tokens=MAX_NEW,
+        stop_ids=NO_STOP,
+        generator=_seeded(6),
+    )[0]
     row = torch.tensor([PROMPTS[0] + completion.token_ids])
 
     with torch.no_grad():
-        log_softmax = torch.log_softmax(model(row, torch.arange(row.shape[1])[None])[0].double(), dim=-1)
+        log_softmax = torch.log_softmax(
+            model(row, torch.arange(row.shape[1])[None])[0].double(), dim=-1
+        )
 
     start = len(PROMPTS[0])
     by_hand = [log_softmax[t - 1, row[0, t]].item() for t in range(start, row.shape[1])]
@@ -79,15 +103,29 @@ def test_the_recorded_logps_are_gathered_by_hand_at_the_sampled_tokens(model):
 
 
 def test_sampling_stops_at_the_first_stop_token_and_keeps_it(model):
-    def per_row_generators() -> list[torch.Generator]:  # a row's draws then do not depend on when others stop
+    def per_row_generators() -> list[
+        torch.Generator
+    ]:  # a row's draws then do not depend on when others stop
         return [_seeded(7 + row) for row in range(len(PROMPTS) * 2)]
 
-    unstopped = sample_completions(model, PROMPTS, group_size=2, max_new_tokens=MAX_NEW, stop_ids=NO_STOP,
-                                   generator=per_row_generators())
+    unstopped = sample_completions(
+        model,
+        PROMPTS,
+        group_size=2,
+        max_new_tokens=MAX_NEW,
+        stop_ids=NO_STOP,
+        generator=per_row_generators(),
+    )
     stop_ids = {unstopped[0].token_ids[3], 49}
 
-    stopped = sample_completions(model, PROMPTS, group_size=2, max_new_tokens=MAX_NEW, stop_ids=stop_ids,
-                                 generator=per_row_generators())
+    stopped = sample_completions(
+        model,
+        PROMPTS,
+        group_size=2,
+        max_new_tokens=MAX_NEW,
+        stop_ids=stop_ids,
+        generator=per_row_generators(),
+    )
 
     for full, cut in zip(unstopped, stopped, strict=True):
         ends = [t for t, token in enumerate(full.token_ids) if token in stop_ids]
@@ -95,7 +133,9 @@ def test_sampling_stops_at_the_first_stop_token_and_keeps_it(model):
         assert cut.token_ids == expected
         assert cut.logps == pytest.approx(full.logps[: len(expected)], abs=1e-5)
     assert len(stopped[0].token_ids) <= 4 and stopped[0].token_ids[-1] in stop_ids
-    assert any(len(c.token_ids) < MAX_NEW for c in stopped[1:])  # other rows stopped too, at other steps
+    assert any(
+        len(c.token_ids) < MAX_NEW for c in stopped[1:]
+    )  # other rows stopped too, at other steps
 
 
 def test_greedy_is_the_argmax_step_by_step(model):
@@ -109,21 +149,35 @@ def test_greedy_is_the_argmax_step_by_step(model):
                 sequence.append(int(logits[0, -1].argmax()))
                 if sequence[-1] == 5:
                     break
-        assert completion == sequence[len(prompt):]
+        assert completion == sequence[len(prompt) :]
 
 
 def test_a_prompt_gets_the_same_completions_alone_as_beside_prompts_of_other_lengths(model):
     group_size = 3
     together_greedy = greedy_completions(model, PROMPTS, max_new_tokens=MAX_NEW, stop_ids={5})
-    together = sample_completions(model, PROMPTS, group_size, MAX_NEW, stop_ids={5},
-                                  generator=[_seeded(100 + row) for row in range(len(PROMPTS) * group_size)])
+    together = sample_completions(
+        model,
+        PROMPTS,
+        group_size,
+        MAX_NEW,
+        stop_ids={5},
+        generator=[_seeded(100 + row) for row in range(len(PROMPTS) * group_size)],
+    )
 
     for index, prompt in enumerate(PROMPTS):
-        assert greedy_completions(model, [prompt], max_new_tokens=MAX_NEW, stop_ids={5}) == [together_greedy[index]]
+        assert greedy_completions(model, [prompt], max_new_tokens=MAX_NEW, stop_ids={5}) == [
+            together_greedy[index]
+        ]
         seeds = range(100 + index * group_size, 100 + (index + 1) * group_size)
-        alone = sample_completions(model, [prompt], group_size, MAX_NEW, stop_ids={5},
-                                   generator=[_seeded(seed) for seed in seeds])
-        beside = together[index * group_size: (index + 1) * group_size]
+        alone = sample_completions(
+            model,
+            [prompt],
+            group_size,
+            MAX_NEW,
+            stop_ids={5},
+            generator=[_seeded(seed) for seed in seeds],
+        )
+        beside = together[index * group_size : (index + 1) * group_size]
         assert [c.token_ids for c in alone] == [c.token_ids for c in beside]
         for one, other in zip(alone, beside, strict=True):
             assert one.logps == pytest.approx(other.logps, abs=1e-5)

@@ -46,7 +46,9 @@ def gold_snapshot(workspace) -> int:
 
 @pytest.fixture(scope="module")
 def config(workspace, gold_snapshot):
-    return tiny_config(str(workspace / "lake"), gold_snapshot, str(workspace / "uninterrupted"), steps=60)
+    return tiny_config(
+        str(workspace / "lake"), gold_snapshot, str(workspace / "uninterrupted"), steps=60
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,21 +66,29 @@ def test_fsdp2_gradients_equal_a_single_process_on_the_same_global_batch(config,
 
     global_batch = config.global_batch(world_size=2)
     snapshot = read_snapshot(config.lake_uri, config.snapshot)
-    batch = snapshot.train.batch(stream_indexes(len(snapshot.train), config.seed, 0, global_batch), torch.device("cpu"))
+    batch = snapshot.train.batch(
+        stream_indexes(len(snapshot.train), config.seed, 0, global_batch), torch.device("cpu")
+    )
     torch.manual_seed(config.seed)
     model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB, max_seq_len=SEQ_LEN))
-    loss_sum, count = loss_sum_and_count(model(batch["input_ids"], batch["position_ids"]), **_loss_inputs(batch))
+    loss_sum, count = loss_sum_and_count(
+        model(batch["input_ids"], batch["position_ids"]), **_loss_inputs(batch)
+    )
     (loss_sum / count).backward()
 
     assert sharded["loss"] == pytest.approx((loss_sum / count).item(), rel=1e-5)
     assert_close_gradients(sharded["gradients"], model, atol=1e-6)
 
 
-def test_sigkill_mid_run_then_restart_ends_with_the_uninterrupted_parameters(config, workspace, uninterrupted):
+def test_sigkill_mid_run_then_restart_ends_with_the_uninterrupted_parameters(
+    config, workspace, uninterrupted
+):
     assert_sigkill_then_restart_matches(config, workspace, 30, uninterrupted)
 
 
-def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_finishes_identically(config, workspace, uninterrupted):
+def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_finishes_identically(
+    config, workspace, uninterrupted
+):
     stopped = with_checkpoints_at(config, str(workspace / "stopped"))
     stop_step = stop_by_sigterm(stopped, 20, workspace / "stopped-1.log")
     saved = partition_dir(stopped) / f"step-{stop_step}" / "COMPLETE.json"
@@ -86,7 +96,9 @@ def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_finishes_identically
     assert_rerun_resumes_and_matches(stopped, stop_step, workspace / "stopped-2.log", uninterrupted)
 
 
-def test_a_corrupt_newest_and_a_partial_checkpoint_are_skipped_for_the_previous_one(config, workspace, uninterrupted):
+def test_a_corrupt_newest_and_a_partial_checkpoint_are_skipped_for_the_previous_one(
+    config, workspace, uninterrupted
+):
     root = workspace / "corrupt"
     shutil.copytree(workspace / "uninterrupted", root)
     partition = root / config.partition
@@ -99,8 +111,13 @@ def test_a_corrupt_newest_and_a_partial_checkpoint_are_skipped_for_the_previous_
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a file")  # written, never published
 
-    output = run_job(with_checkpoints_at(config, str(root), steps=config.steps + 20), workspace / "corrupt.log")
-    assert re.search(rf"WARNING skipping checkpoint .*step-{newest}: __0_0.distcp does not match its checksum", output)
+    output = run_job(
+        with_checkpoints_at(config, str(root), steps=config.steps + 20), workspace / "corrupt.log"
+    )
+    assert re.search(
+        rf"WARNING skipping checkpoint .*step-{newest}: __0_0.distcp does not match its checksum",
+        output,
+    )
     assert f"resumed from {partition}/step-{previous}: step {previous}," in output
     assert not partial.exists(), "the unpublished folder is cleared"
     assert (partition / f"step-{config.steps + 20}" / "COMPLETE.json").exists()
@@ -108,14 +125,26 @@ def test_a_corrupt_newest_and_a_partial_checkpoint_are_skipped_for_the_previous_
 
 def test_checkpoints_on_s3_by_the_clock_publish_last_and_resume(config, workspace, s3_endpoint):
     # checkpoint_every_minutes alone triggers the saves here: the clock is due (nearly) every step
-    on_s3 = with_checkpoints_at(config, f"s3://{BUCKET}/checkpoints", steps=12, checkpoint_every_steps=1000,
-                                checkpoint_every_minutes=1e-6, scratch_dir=str(workspace / "s3-scratch"))
+    on_s3 = with_checkpoints_at(
+        config,
+        f"s3://{BUCKET}/checkpoints",
+        steps=12,
+        checkpoint_every_steps=1000,
+        checkpoint_every_minutes=1e-6,
+        scratch_dir=str(workspace / "s3-scratch"),
+    )
     output = run_job(on_s3, workspace / "s3-1.log")
-    assert len(re.findall(r"asynchronous checkpoint save blocked", output)) >= 5  # by the clock, not by steps (1000)
+    assert (
+        len(re.findall(r"asynchronous checkpoint save blocked", output)) >= 5
+    )  # by the clock, not by steps (1000)
     listing = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/")
     keys = {item["Key"] for item in listing["Contents"]}
     prefix = f"checkpoints/{config.partition}"
-    steps = sorted(int(key.split("/")[2][5:]) for key in keys if key.endswith("/COMPLETE.json") and "/step-" in key)
+    steps = sorted(
+        int(key.split("/")[2][5:])
+        for key in keys
+        if key.endswith("/COMPLETE.json") and "/step-" in key
+    )
     assert steps[-1] == 12 and len(steps) <= 3, "the newest two, and the best when it is older"
     assert f"{prefix}/final/model.safetensors" in keys
     assert f"{prefix}/step-12/.metadata" in keys and f"{prefix}/step-12/__1_0.distcp" in keys
@@ -125,4 +154,8 @@ def test_checkpoints_on_s3_by_the_clock_publish_last_and_resume(config, workspac
 
 
 def _loss_inputs(batch: dict) -> dict:
-    return {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], "position_ids": batch["position_ids"]}
+    return {
+        "input_ids": batch["input_ids"],
+        "loss_mask": batch["loss_mask"],
+        "position_ids": batch["position_ids"],
+    }

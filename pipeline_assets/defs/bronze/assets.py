@@ -2,7 +2,6 @@
 bronze/quarantine: one ingest batch of landing files, each read by its source's record format,
 contract-checked."""
 
-
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -12,18 +11,30 @@ from functools import partial
 from pathlib import PurePosixPath
 
 import polars as pl
-from dagster import AssetExecutionContext, AssetSpec, Failure, MaterializeResult, MetadataValue, multi_asset
+from dagster import (
+    AssetExecutionContext,
+    AssetSpec,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    multi_asset,
+)
 
 from pipeline_assets.contracts import QuarantineRecord, conform, polars_schema, validate
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE
 from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
-from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.lib.batches import earlier_versions
 from pipeline_assets.lib.formats import SFT, RecordFormat
-from pipeline_assets.lib.landing_files import FileReadResult, read_landing_file, rejected_file, with_provenance
+from pipeline_assets.lib.landing_files import (
+    FileReadResult,
+    read_landing_file,
+    rejected_file,
+    with_provenance,
+)
 from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.unit_counts import count_units
@@ -34,7 +45,9 @@ _KINDS = {"delta", "polars"}
 
 def _records_spec(tables: FormatTables) -> AssetSpec:
     return AssetSpec(
-        tables.bronze, group_name="bronze", kinds=_KINDS,
+        tables.bronze,
+        group_name="bronze",
+        kinds=_KINDS,
         description=f"The {tables.fmt.about} of the sources whose format is {tables.fmt.name} (PIPELINE_SOURCE_FORMATS) "
         "that passed its landing contract, with provenance. Append-only per ingest batch; re-materializing a batch "
         "replaces its rows.",
@@ -58,24 +71,50 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     manifest_version = lake.version(*MANIFEST_TABLE)
-    manifest = lake.read(*MANIFEST_TABLE, version=manifest_version, where=pl.col("batch_id") <= batch_id)
-    files = pl.DataFrame() if manifest is None else manifest.filter(pl.col("batch_id") == batch_id).sort("uri")
+    manifest = lake.read(
+        *MANIFEST_TABLE, version=manifest_version, where=pl.col("batch_id") <= batch_id
+    )
+    files = (
+        pl.DataFrame()
+        if manifest is None
+        else manifest.filter(pl.col("batch_id") == batch_id).sort("uri")
+    )
     if files.is_empty():
-        raise ValueError(f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})")
-    files = files.join(earlier_versions(manifest, batch_id), on="uri", how="left")  # what an appended file grew from
+        raise ValueError(
+            f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})"
+        )
+    files = files.join(
+        earlier_versions(manifest, batch_id), on="uri", how="left"
+    )  # what an appended file grew from
     entries = list(files.iter_rows(named=True))
-    read = _BatchRead(context, batch_id, entries, [landing.relative_name(entry["uri"]) for entry in entries])
+    read = _BatchRead(
+        context, batch_id, entries, [landing.relative_name(entry["uri"]) for entry in entries]
+    )
     # The sft records of each file are written as they are read: Delta encodes one chunk while the next is parsed.
-    commits = {SFT: lake.replace_partition_streaming(
-        *SFT_TABLES.bronze.path, read.record_chunks(_ingest_files(landing, entries, read.source_files)),
-        polars_schema(SFT_TABLES.bronze_contract), column="batch_id", value=batch_id, rows_per_group=_BatchRead.CHUNK_ROWS,
-    )}
+    commits = {
+        SFT: lake.replace_partition_streaming(
+            *SFT_TABLES.bronze.path,
+            read.record_chunks(_ingest_files(landing, entries, read.source_files)),
+            polars_schema(SFT_TABLES.bronze_contract),
+            column="batch_id",
+            value=batch_id,
+            rows_per_group=_BatchRead.CHUNK_ROWS,
+        )
+    }
     for tables in FORMAT_TABLES:
         if tables.fmt is not SFT:
-            commits[tables.fmt] = lake.replace_partition(*tables.bronze.path, read.held_records(tables.fmt),
-                                                         column="batch_id", value=batch_id)
-    quarantine = validate(conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord)
-    quarantine_commit = lake.replace_partition("bronze", "quarantine", quarantine, column="batch_id", value=batch_id)
+            commits[tables.fmt] = lake.replace_partition(
+                *tables.bronze.path,
+                read.held_records(tables.fmt),
+                column="batch_id",
+                value=batch_id,
+            )
+    quarantine = validate(
+        conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord
+    )
+    quarantine_commit = lake.replace_partition(
+        "bronze", "quarantine", quarantine, column="batch_id", value=batch_id
+    )
 
     accounting = pl.DataFrame(read.per_file)
     shared = {
@@ -84,7 +123,9 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         "lines_read": int(accounting["lines_read"].sum()),
         "lines_counted": int(accounting["lines_counted"].sum()),
         "already_ingested": int(accounting["already_ingested"].sum()),
-        "lines_counted_by_file": MetadataValue.json(dict(zip(accounting["source_file"], accounting["lines_counted"]))),
+        "lines_counted_by_file": MetadataValue.json(
+            dict(zip(accounting["source_file"], accounting["lines_counted"]))
+        ),
         "per_file_accounting": table_metadata(accounting),
     }
     upstream = {"landing/manifest": manifest_version}
@@ -95,21 +136,31 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
             asset_key=tables.bronze,
             metadata={
                 **delta_write_metadata(
-                    commits[record_format], polars_schema(tables.bronze_contract),
-                    upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
+                    commits[record_format],
+                    polars_schema(tables.bronze_contract),
+                    upstream_versions=upstream,
+                    input_bytes=read.input_bytes,
+                    stopwatch=stopwatch,
                 ),
                 **shared,
                 "input_chars": read.chars[record_format.name],
-                "rows_by_source": table_metadata(pl.DataFrame({"source": list(rows), "rows": list(rows.values())},
-                                                              schema={"source": pl.String, "rows": pl.UInt32}).sort("source")),
+                "rows_by_source": table_metadata(
+                    pl.DataFrame(
+                        {"source": list(rows), "rows": list(rows.values())},
+                        schema={"source": pl.String, "rows": pl.UInt32},
+                    ).sort("source")
+                ),
             },
         )
     yield MaterializeResult(
         asset_key=BRONZE_QUARANTINE,
         metadata={
             **delta_write_metadata(
-                quarantine_commit, polars_schema(QuarantineRecord),
-                upstream_versions=upstream, input_bytes=read.input_bytes, stopwatch=stopwatch,
+                quarantine_commit,
+                polars_schema(QuarantineRecord),
+                upstream_versions=upstream,
+                input_bytes=read.input_bytes,
+                stopwatch=stopwatch,
             ),
             **shared,
             "quarantined_by_reason": table_metadata(
@@ -119,24 +170,43 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     )
 
 
-_CONTRACTS = {tables.fmt.name: tables.bronze_contract for tables in FORMAT_TABLES}  # each format's bronze table
+_CONTRACTS = {
+    tables.fmt.name: tables.bronze_contract for tables in FORMAT_TABLES
+}  # each format's bronze table
 
 
 class _BatchRead:
     """A batch's files read in order into contract-checked chunks of records, with what the
     metadata and the accounting need of them tallied on the way."""
 
-    CHUNK_ROWS = 10_000  # records validated at once: the contract's fixed cost per call, against overlap
+    CHUNK_ROWS = (
+        10_000  # records validated at once: the contract's fixed cost per call, against overlap
+    )
     PROGRESS_SECONDS = 5.0  # a progress line at most this often
     FILES_NAMED = 20  # files with lines set aside a progress line names
 
-    def __init__(self, context: AssetExecutionContext, batch_id: str, entries: list[dict], source_files: list[str]):
-        self.context, self.batch_id, self.entries, self.source_files = context, batch_id, entries, source_files
+    def __init__(
+        self,
+        context: AssetExecutionContext,
+        batch_id: str,
+        entries: list[dict],
+        source_files: list[str],
+    ):
+        self.context, self.batch_id, self.entries, self.source_files = (
+            context,
+            batch_id,
+            entries,
+            source_files,
+        )
         self.ingested_at = datetime.now(timezone.utc)
         self.quarantine_parts: list[pl.DataFrame] = []
         self.per_file: list[dict] = []
-        self.rows_by_source: dict[str, dict[str, int]] = {name: {} for name in _CONTRACTS}  # format -> source -> rows
-        self.held_parts: dict[RecordFormat, list[pl.DataFrame]] = {tables.fmt: [] for tables in FORMAT_TABLES}
+        self.rows_by_source: dict[str, dict[str, int]] = {
+            name: {} for name in _CONTRACTS
+        }  # format -> source -> rows
+        self.held_parts: dict[RecordFormat, list[pl.DataFrame]] = {
+            tables.fmt: [] for tables in FORMAT_TABLES
+        }
         self.input_bytes = 0
         self.chars = dict.fromkeys(_CONTRACTS, 0)
         self.logged_at = time.monotonic()
@@ -145,10 +215,14 @@ class _BatchRead:
 
     def record_chunks(self, ingests: Iterator["FileIngest"]) -> Iterator[pl.DataFrame]:
         pending, pending_rows, chunks = [], 0, 0
-        for ordinal, (entry, source_file, ingest) in enumerate(zip(self.entries, self.source_files, ingests)):
+        for ordinal, (entry, source_file, ingest) in enumerate(
+            zip(self.entries, self.source_files, ingests)
+        ):
             records = self._add(ordinal, entry, source_file, ingest)
             if ingest.record_format is not SFT:
-                self.held_parts[ingest.record_format].append(records)  # few next to sft's: kept for one commit
+                self.held_parts[ingest.record_format].append(
+                    records
+                )  # few next to sft's: kept for one commit
                 continue
             pending.append(records)
             pending_rows += records.height
@@ -158,10 +232,16 @@ class _BatchRead:
         if pending_rows or not chunks:  # a batch with no records still writes its (empty) partition
             yield self._checked(pending)
 
-    def _add(self, ordinal: int, entry: dict, source_file: str, ingest: "FileIngest") -> pl.DataFrame:
+    def _add(
+        self, ordinal: int, entry: dict, source_file: str, ingest: "FileIngest"
+    ) -> pl.DataFrame:
         records, quarantined = with_provenance(
-            ingest.result, source=entry["source"], source_file=source_file, file_ordinal=ordinal,
-            batch_id=self.batch_id, ingested_at=self.ingested_at,
+            ingest.result,
+            source=entry["source"],
+            source_file=source_file,
+            file_ordinal=ordinal,
+            batch_id=self.batch_id,
+            ingested_at=self.ingested_at,
         )
         self.input_bytes += ingest.size
         self.quarantine_parts.append(quarantined)
@@ -182,18 +262,26 @@ class _BatchRead:
             self.files_not_named += 1
         if not last and time.monotonic() - self.logged_at < self.PROGRESS_SECONDS:
             return
-        accepted = sum(rows for by_source in self.rows_by_source.values() for rows in by_source.values())
+        accepted = sum(
+            rows for by_source in self.rows_by_source.values() for rows in by_source.values()
+        )
         set_aside = sum(part.height for part in self.quarantine_parts)
         progress = f"{len(self.per_file)} of {len(self.entries)} file(s) read: {accepted} record(s) accepted, {set_aside} set aside"
-        more = [f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting lists them)"]
-        self.context.log.info("\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])]))
+        more = [
+            f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting lists them)"
+        ]
+        self.context.log.info(
+            "\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])])
+        )
         self.files_named, self.files_not_named, self.logged_at = [], 0, time.monotonic()
 
     def held_records(self, record_format: RecordFormat) -> pl.DataFrame:
         """The records of a format other than sft, contract-checked (read after ``record_chunks``)."""
         return self._checked(self.held_parts[record_format], record_format)
 
-    def _checked(self, parts: list[pl.DataFrame], record_format: RecordFormat = SFT) -> pl.DataFrame:
+    def _checked(
+        self, parts: list[pl.DataFrame], record_format: RecordFormat = SFT
+    ) -> pl.DataFrame:
         contract = _CONTRACTS[record_format.name]
         frame = conform(pl.concat(parts), contract) if parts else polars_schema(contract).to_frame()
         frame = validate(frame, contract)
@@ -210,17 +298,25 @@ class FileIngest:
     already_ingested: int  # leading lines an earlier version of the file delivered
 
 
-def _ingest_files(landing: LandingResource, entries: list[dict], source_files: list[str]) -> Iterator[FileIngest]:
+def _ingest_files(
+    landing: LandingResource, entries: list[dict], source_files: list[str]
+) -> Iterator[FileIngest]:
     """Each registered file's ingest, in order, read ahead by one thread while this one validates
     and hands chunks to the Delta writer. One reader: its per-line work holds the GIL, so a second
     one gains nothing and starves the validation and the writer of the GIL. A file's checksum is
     computed on another thread while it is parsed (hashlib lets go of the GIL)."""
-    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-read") as reader,
-          ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-checksum") as checksums):
-        yield from reader.map(partial(_ingest_registered_file, landing, checksums), entries, source_files)
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-read") as reader,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="bronze-checksum") as checksums,
+    ):
+        yield from reader.map(
+            partial(_ingest_registered_file, landing, checksums), entries, source_files
+        )
 
 
-def _ingest_registered_file(landing: LandingResource, checksums: Executor, entry: dict, source_file: str) -> FileIngest:
+def _ingest_registered_file(
+    landing: LandingResource, checksums: Executor, entry: dict, source_file: str
+) -> FileIngest:
     """Read the file version the manifest registered (from the start of a file that grew by appending
     since). A file that is gone or otherwise changed is one quarantined unit; a read that fails for
     any other reason fails the step, to be retried."""
@@ -229,29 +325,47 @@ def _ingest_registered_file(landing: LandingResource, checksums: Executor, entry
     try:
         data = landing.read_bytes(entry["uri"])
     except LandingFileGone as gone:
-        return FileIngest(record_format, rejected_file("unreadable_file", f"the registered file is gone: {gone}", record_format), 0, 1, 0)
-    except Exception as exc:  # an I/O error, a timeout, an object-store 5xx or throttle, MemoryError
+        return FileIngest(
+            record_format,
+            rejected_file("unreadable_file", f"the registered file is gone: {gone}", record_format),
+            0,
+            1,
+            0,
+        )
+    except (
+        Exception
+    ) as exc:  # an I/O error, a timeout, an object-store 5xx or throttle, MemoryError
         raise Failure(
             description=f"reading landing file {source_file} failed ({type(exc).__name__}: {exc}); "
             "nothing of this batch was written, and the step is retried",
         ) from exc
-    registered = data[: entry["size"]] if len(data) > entry["size"] else data  # a file that grew: its start
+    registered = (
+        data[: entry["size"]] if len(data) > entry["size"] else data
+    )  # a file that grew: its start
     checksum = checksums.submit(sha256_hex, registered)
-    result = read_landing_file(name, registered, landing.mapping_for(entry["source"]), record_format)
+    result = read_landing_file(
+        name, registered, landing.mapping_for(entry["source"]), record_format
+    )
     if checksum.result() != entry["checksum"]:
         changed = rejected_file(
             "unreadable_file",
             f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {sha256_hex(data)[:12]}); "
-            "the landing sensor registers the new version as a new batch", record_format,
+            "the landing sensor registers the new version as a new batch",
+            record_format,
         )
         return FileIngest(record_format, changed, len(data), 1, 0)
-    redelivered = redelivered_lines(name, registered, entry["previous_size"], entry["previous_checksum"])
+    redelivered = redelivered_lines(
+        name, registered, entry["previous_size"], entry["previous_checksum"]
+    )
     if redelivered:
         result = set_aside_redelivered(
-            result, redelivered,
+            result,
+            redelivered,
             f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch {entry['previous_batch']}",
         )
-    return FileIngest(record_format, result, len(registered), count_units(name, registered), redelivered)
+    return FileIngest(
+        record_format, result, len(registered), count_units(name, registered), redelivered
+    )
 
 
 def _file_accounting(source_file: str, source: str, ingest: FileIngest) -> dict:

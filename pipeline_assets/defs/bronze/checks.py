@@ -1,6 +1,5 @@
 """Asset checks on bronze, per ingest batch: contract and quarantine rate block; volume and freshness warn."""
 
-
 import warnings
 from datetime import datetime, timezone
 
@@ -17,7 +16,11 @@ from dagster import (
 )
 
 from pipeline_assets.contracts import QuarantineRecord
-from pipeline_assets.defs.check_helpers import batch_contract_check, batch_of, trailing_median_result
+from pipeline_assets.defs.check_helpers import (
+    batch_contract_check,
+    batch_of,
+    trailing_median_result,
+)
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.registry import read_manifest
@@ -25,10 +28,10 @@ from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.lib.landing_health import (
+    WHOLE_FILE_REASONS,
     quarantine_rates,
     rows_per_mb,
     schema_drift_hints,
-    WHOLE_FILE_REASONS,
     unaccounted_files,
     unreadable_files,
 )
@@ -36,10 +39,14 @@ from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
 
 # Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
-warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
+warnings.filterwarnings(
+    "ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec"
+)
 
 
-_RECORD_TABLES = tuple(tables.bronze.path[1] for tables in FORMAT_TABLES)  # every accepted line is in one of them
+_RECORD_TABLES = tuple(
+    tables.bronze.path[1] for tables in FORMAT_TABLES
+)  # every accepted line is in one of them
 
 
 def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
@@ -49,7 +56,9 @@ def _batch(lake: LakeResource, name: str, batch_id: str) -> pl.DataFrame:
 def _accepted(lake: LakeResource, batch_id: str, columns: tuple[str, ...]) -> pl.DataFrame:
     """The batch's accepted records of every format (these columns of them); a lake written before
     bronze/preference_records existed has only bronze/records."""
-    records, *others = (lake.read("bronze", name, where=pl.col("batch_id") == batch_id) for name in _RECORD_TABLES)
+    records, *others = (
+        lake.read("bronze", name, where=pl.col("batch_id") == batch_id) for name in _RECORD_TABLES
+    )
     if records is None:
         raise ValueError("bronze/records does not exist yet: materialize it first")
     return pl.concat([frame.select(columns) for frame in (records, *others) if frame is not None])
@@ -57,35 +66,64 @@ def _accepted(lake: LakeResource, batch_id: str, columns: tuple[str, ...]) -> pl
 
 def _accepted_scan(lake: LakeResource, columns: tuple[str, ...]) -> pl.LazyFrame:
     """Every format's accepted records (these columns), lazily, over every batch."""
-    return pl.concat([scan.select(columns) for name in _RECORD_TABLES if (scan := lake.scan("bronze", name)) is not None])
+    return pl.concat(
+        [
+            scan.select(columns)
+            for name in _RECORD_TABLES
+            if (scan := lake.scan("bronze", name)) is not None
+        ]
+    )
 
 
-@asset_check(asset=BRONZE_RECORDS, name="quarantine_rate", blocking=True, partitions_def=ingest_batches,
-             additional_deps=[BRONZE_QUARANTINE],
-             description="No source has more than the allowed share of its lines quarantined in this batch.")
+@asset_check(
+    asset=BRONZE_RECORDS,
+    name="quarantine_rate",
+    blocking=True,
+    partitions_def=ingest_batches,
+    additional_deps=[BRONZE_QUARANTINE],
+    description="No source has more than the allowed share of its lines quarantined in this batch.",
+)
 def bronze_quarantine_rate(
-    context: AssetCheckExecutionContext, lake: LakeResource, landing: LandingResource, ingest_policy: IngestPolicy
+    context: AssetCheckExecutionContext,
+    lake: LakeResource,
+    landing: LandingResource,
+    ingest_policy: IngestPolicy,
 ) -> AssetCheckResult:
     batch_id = context.partition_key
     quarantine = _batch(lake, "quarantine", batch_id)
-    superseded = _superseded_files(lake, landing, batch_id) & set(unreadable_files(quarantine)["source_file"])
-    quarantine = quarantine.filter(~(pl.col("source_file").is_in(superseded) & pl.col("reason").is_in(WHOLE_FILE_REASONS)))
+    superseded = _superseded_files(lake, landing, batch_id) & set(
+        unreadable_files(quarantine)["source_file"]
+    )
+    quarantine = quarantine.filter(
+        ~(pl.col("source_file").is_in(superseded) & pl.col("reason").is_in(WHOLE_FILE_REASONS))
+    )
     rates = quarantine_rates(_accepted(lake, batch_id, ("source",)), quarantine)
     limit = ingest_policy.max_quarantine_rate
     over = rates.filter(pl.col("rate") > limit)
-    hints = {h["source"]: h for h in schema_drift_hints(quarantine.filter(pl.col("source").is_in(over["source"])),
-                                                         landing.formats_by_source)}
+    hints = {
+        h["source"]: h
+        for h in schema_drift_hints(
+            quarantine.filter(pl.col("source").is_in(over["source"])), landing.formats_by_source
+        )
+    }
     unreadable = unreadable_files(quarantine)
     messages = [_unreadable_message(row) for row in unreadable.iter_rows(named=True)]
-    messages += [_over_limit_message(row, limit, hints.get(row["source"])) for row in over.iter_rows(named=True)]
+    messages += [
+        _over_limit_message(row, limit, hints.get(row["source"]))
+        for row in over.iter_rows(named=True)
+    ]
     passed = over.is_empty() and unreadable.is_empty()
     if superseded:
-        messages.append(f"not read whole, but not judged here: {', '.join(sorted(superseded))} (a later version "
-                        "was registered in a later batch)")
+        messages.append(
+            f"not read whole, but not judged here: {', '.join(sorted(superseded))} (a later version "
+            "was registered in a later batch)"
+        )
     return AssetCheckResult(
         passed=passed,
         severity=AssetCheckSeverity.ERROR,
-        description="; ".join(messages) if messages else f"every source at or under {limit:.0%} quarantined",
+        description="; ".join(messages)
+        if messages
+        else f"every source at or under {limit:.0%} quarantined",
         metadata={
             "max_quarantine_rate": limit,
             "worst_rate": float(rates["rate"].max() or 0.0),
@@ -102,7 +140,9 @@ def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: st
     lines it did yield are still judged here)."""
     manifest = read_manifest(lake)
     here = manifest.filter(pl.col("batch_id") == batch_id)["uri"]
-    later = manifest.filter((pl.col("batch_id") > batch_id) & pl.col("uri").is_in(here.implode()))["uri"]
+    later = manifest.filter((pl.col("batch_id") > batch_id) & pl.col("uri").is_in(here.implode()))[
+        "uri"
+    ]
     return {landing.relative_name(uri) for uri in later}
 
 
@@ -134,21 +174,33 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
     return message
 
 
-@asset_check(asset=BRONZE_RECORDS, name="accounting", blocking=True, partitions_def=ingest_batches,
-             additional_deps=[BRONZE_QUARANTINE],
-             description="Every file's lines, counted from its bytes without the parser, are rows of bronze or quarantine.")
+@asset_check(
+    asset=BRONZE_RECORDS,
+    name="accounting",
+    blocking=True,
+    partitions_def=ingest_batches,
+    additional_deps=[BRONZE_QUARANTINE],
+    description="Every file's lines, counted from its bytes without the parser, are rows of bronze or quarantine.",
+)
 def bronze_accounting(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
     batch_id = context.partition_key
     counted = _lines_counted(context.instance, batch_id)
-    off = unaccounted_files(counted, _accepted(lake, batch_id, ("source_file",)), _batch(lake, "quarantine", batch_id))
+    off = unaccounted_files(
+        counted, _accepted(lake, batch_id, ("source_file",)), _batch(lake, "quarantine", batch_id)
+    )
     return AssetCheckResult(
         passed=off.is_empty(),
         severity=AssetCheckSeverity.ERROR,
         description="; ".join(
             f"{r['source_file']}: {r['lines_counted']} lines in the file, {r['rows']} rows in bronze and quarantine"
             for r in off.iter_rows(named=True)
-        ) or f"all {sum(counted.values())} lines of {len(counted)} file(s) are rows of bronze or quarantine",
-        metadata={"files": len(counted), "lines_counted": sum(counted.values()), "unaccounted": table_metadata(off)},
+        )
+        or f"all {sum(counted.values())} lines of {len(counted)} file(s) are rows of bronze or quarantine",
+        metadata={
+            "files": len(counted),
+            "lines_counted": sum(counted.values()),
+            "unaccounted": table_metadata(off),
+        },
     )
 
 
@@ -162,25 +214,44 @@ def _lines_counted(instance: DagsterInstance, batch_id: str) -> dict[str, int]:
     return records[0].asset_materialization.metadata["lines_counted_by_file"].value
 
 
-@asset_check(asset=BRONZE_RECORDS, name="volume", partitions_def=ingest_batches,
-             description="Each source's rows per input MB is within tolerance of its trailing median.")
-def bronze_volume(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
+@asset_check(
+    asset=BRONZE_RECORDS,
+    name="volume",
+    partitions_def=ingest_batches,
+    description="Each source's rows per input MB is within tolerance of its trailing median.",
+)
+def bronze_volume(
+    context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy
+) -> AssetCheckResult:
     batch_id = context.partition_key
     upto = pl.col("batch_id") <= batch_id
-    redelivered = lake.scan("bronze", "quarantine").filter(upto & (pl.col("reason") == ALREADY_INGESTED))
+    redelivered = lake.scan("bronze", "quarantine").filter(
+        upto & (pl.col("reason") == ALREADY_INGESTED)
+    )
     rows = pl.concat(
-        [scan.filter(upto).select("batch_id", "source") for scan in (_accepted_scan(lake, ("batch_id", "source")), redelivered)]
+        [
+            scan.filter(upto).select("batch_id", "source")
+            for scan in (_accepted_scan(lake, ("batch_id", "source")), redelivered)
+        ]
     ).collect()
     sizes = read_manifest(lake).filter(pl.col("batch_id") <= batch_id)
     judged = against_trailing_median(
         rows_per_mb(rows, sizes), batch_id, "rows_per_mb", ingest_policy.trailing_batches
     )
-    return trailing_median_result(judged, ingest_policy.volume_tolerance, "rows/MB", "rows_per_mb_by_source")
+    return trailing_median_result(
+        judged, ingest_policy.volume_tolerance, "rows/MB", "rows_per_mb_by_source"
+    )
 
 
-@asset_check(asset=BRONZE_RECORDS, name="freshness", partitions_def=ingest_batches,
-             description="Each source's newest record (created_at, else ingested_at) is within the freshness SLA.")
-def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy) -> AssetCheckResult:
+@asset_check(
+    asset=BRONZE_RECORDS,
+    name="freshness",
+    partitions_def=ingest_batches,
+    description="Each source's newest record (created_at, else ingested_at) is within the freshness SLA.",
+)
+def bronze_freshness(
+    context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy
+) -> AssetCheckResult:
     newest = (
         _accepted_scan(lake, ("batch_id", "source", "created_at", "ingested_at"))
         .filter(pl.col("batch_id") <= context.partition_key)
@@ -189,7 +260,9 @@ def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, in
         .collect()
     )
     now = datetime.now(timezone.utc)
-    ages = newest.with_columns(age_hours=(pl.lit(now) - pl.col("newest")).dt.total_seconds() / 3600).sort("source")
+    ages = newest.with_columns(
+        age_hours=(pl.lit(now) - pl.col("newest")).dt.total_seconds() / 3600
+    ).sort("source")
     sla = ingest_policy.freshness_sla_hours
     stale = ages.filter(pl.col("age_hours") > sla)
     return AssetCheckResult(
@@ -198,10 +271,20 @@ def bronze_freshness(context: AssetCheckExecutionContext, lake: LakeResource, in
         description="; ".join(
             f"source '{r['source']}': newest record is {r['age_hours']:.1f} h old (SLA {sla:g} h)"
             for r in stale.iter_rows(named=True)
-        ) or f"every source has a record newer than {sla:g} h",
-        metadata={"sla_hours": sla, "age_by_source": table_metadata(ages.with_columns(pl.col("newest").cast(pl.String)))},
+        )
+        or f"every source has a record newer than {sla:g} h",
+        metadata={
+            "sla_hours": sla,
+            "age_by_source": table_metadata(ages.with_columns(pl.col("newest").cast(pl.String))),
+        },
     )
 
 
-bronze_checks = [*(batch_contract_check(tables.bronze, tables.bronze_contract) for tables in FORMAT_TABLES),
-                 batch_contract_check(BRONZE_QUARANTINE, QuarantineRecord), bronze_quarantine_rate, bronze_accounting, bronze_volume, bronze_freshness]
+bronze_checks = [
+    *(batch_contract_check(tables.bronze, tables.bronze_contract) for tables in FORMAT_TABLES),
+    batch_contract_check(BRONZE_QUARANTINE, QuarantineRecord),
+    bronze_quarantine_rate,
+    bronze_accounting,
+    bronze_volume,
+    bronze_freshness,
+]

@@ -15,17 +15,30 @@ from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
-from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.charts import slice_bars_png
+from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.eval_sample import capped_validation
 from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.lib.torchrun import SCORER_MODULE
-from pipeline_assets.resources import EvalSetsResource, LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
+from pipeline_assets.resources import (
+    EvalSetsResource,
+    LakeResource,
+    MlflowResource,
+    RegistryPolicy,
+    TorchrunLauncher,
+)
 
-_SAMPLED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "document_lengths", "record_ids", "real_tokens")
+_SAMPLED_COLUMNS = (
+    "input_ids",
+    "loss_mask",
+    "position_ids",
+    "document_lengths",
+    "record_ids",
+    "real_tokens",
+)
 
 
 @asset(
@@ -53,7 +66,10 @@ def evaluation_report(
     versions = snapshot_versions(context.instance, partition)
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     if trained is None:
-        raise Failure(allow_retries=False, description=f"training/checkpoint has no materialization for {partition}: train it first")
+        raise Failure(
+            allow_retries=False,
+            description=f"training/checkpoint has no materialization for {partition}: train it first",
+        )
     data = EvaluationData.load(lake, eval_sets, versions, registry_policy.eval_max_tokens)
     context.log.info(
         f"scoring {data.validation_sequences[0]} of {data.validation_sequences[1]} validation sequences "
@@ -61,40 +77,68 @@ def evaluation_report(
     )
     candidate_dir, problem = launcher.store(partition).fetch_verified("final")
     if candidate_dir is None:
-        raise Failure(allow_retries=False, description=f"the exported model of {partition} is not usable: {problem}")
+        raise Failure(
+            allow_retries=False,
+            description=f"the exported model of {partition} is not usable: {problem}",
+        )
 
     seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
-    champion, champion_note = comparable_champion(seen, registry_policy.model_name, trained["mlflow_run_id"],
-                                                  versions["gold/tokenizer"], "the candidate is judged against the "
-                                                  "uniform baseline")
+    champion, champion_note = comparable_champion(
+        seen,
+        registry_policy.model_name,
+        trained["mlflow_run_id"],
+        versions["gold/tokenizer"],
+        "the candidate is judged against the uniform baseline",
+    )
     models = {"candidate": (candidate_dir, None)}
     scratch = Path(launcher.scratch()) / "evaluation"
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as folder:
         if champion is not None:
-            model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(champion.version), Path(folder))
+            model_dir = mlflow_tracking.download_model(
+                registry_policy.model_name, str(champion.version), Path(folder)
+            )
             models["champion"] = (model_dir, str(champion.version))
-        losses = score_under_torchrun(context, launcher, data.rows, {role: path for role, (path, _) in models.items()},
-                                      Path(folder))
-    frames = [data.report(losses[role], partition, role, version) for role, (_, version) in models.items()]
-    context.log.info(f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}")
+        losses = score_under_torchrun(
+            context,
+            launcher,
+            data.rows,
+            {role: path for role, (path, _) in models.items()},
+            Path(folder),
+        )
+    frames = [
+        data.report(losses[role], partition, role, version) for role, (_, version) in models.items()
+    ]
+    context.log.info(
+        f"candidate: overall loss {frames[0].filter(pl.col('slice') == OVERALL)['loss'][0]:.4f}"
+    )
     context.log.info(champion_note)
 
     report = validate(conform(pl.concat(frames), EvaluationSlice), EvaluationSlice)
-    commit = lake.replace_partition("evaluation", "report", report, column="partition", value=partition)
+    commit = lake.replace_partition(
+        "evaluation", "report", report, column="partition", value=partition
+    )
     comparison = _comparison(report)
     picture = slice_bars_png(
-        comparison["slice"].to_list(), comparison["candidate"].to_list(),
+        comparison["slice"].to_list(),
+        comparison["candidate"].to_list(),
         comparison["champion"].to_list() if champion is not None else None,
         Path(launcher.scratch()) / "reports" / partition / "evaluation.png",
-        f"{partition}: candidate vs champion (v{champion.version})" if champion else f"{partition}: candidate",
+        f"{partition}: candidate vs champion (v{champion.version})"
+        if champion
+        else f"{partition}: candidate",
     )
     _log_to_mlflow(mlflow_tracking, trained["mlflow_run_id"], report, picture)
     overall = comparison.filter(pl.col("slice") == OVERALL).row(0, named=True)
     return MaterializeResult(
         metadata={
-            **delta_write_metadata(commit, polars_schema(EvaluationSlice), upstream_versions=versions,
-                                   input_bytes=data.validation.estimated_size(), stopwatch=stopwatch),
+            **delta_write_metadata(
+                commit,
+                polars_schema(EvaluationSlice),
+                upstream_versions=versions,
+                input_bytes=data.validation.estimated_size(),
+                stopwatch=stopwatch,
+            ),
             "candidate_loss": overall["candidate"],
             "candidate_perplexity": overall["candidate_perplexity"],
             "champion_loss": overall["champion"],
@@ -121,38 +165,68 @@ def evaluation_report(
 class EvaluationData:
     """The rows both models are scored on, loaded once at the snapshot's pinned versions."""
 
-    def __init__(self, validation: pl.DataFrame, all_validation: pl.DataFrame, eval_packed: pl.DataFrame,
-                 eval_tokens: int, eval_items: int, slices: pl.DataFrame):
+    def __init__(
+        self,
+        validation: pl.DataFrame,
+        all_validation: pl.DataFrame,
+        eval_packed: pl.DataFrame,
+        eval_tokens: int,
+        eval_items: int,
+        slices: pl.DataFrame,
+    ):
         """validation: the sampled sequences; all_validation: sequence_index and real_tokens of every one;
         eval_packed: the eval-set items' responses, packed like gold."""
         self.validation, self.slices = validation, slices
         self.rows = pl.concat([frame.select(SCORED_COLUMNS) for frame in (validation, eval_packed)])
-        self.validation_sequences = (validation.height, all_validation.height)  # (scored, in the snapshot)
-        self.validation_tokens = (int(validation["real_tokens"].sum()), int(all_validation["real_tokens"].sum()))
+        self.validation_sequences = (
+            validation.height,
+            all_validation.height,
+        )  # (scored, in the snapshot)
+        self.validation_tokens = (
+            int(validation["real_tokens"].sum()),
+            int(all_validation["real_tokens"].sum()),
+        )
         self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
         self.eval_items, self.eval_set_tokens = eval_items, eval_tokens
         self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
-    def load(cls, lake: LakeResource, eval_sets: EvalSetsResource | None, versions: dict,
-             max_tokens: int) -> "EvaluationData":
+    def load(
+        cls, lake: LakeResource, eval_sets: EvalSetsResource | None, versions: dict, max_tokens: int
+    ) -> "EvaluationData":
         """Without ``eval_sets``, the validation sample alone (its slices by source), nothing encoded."""
         manifest = read_manifest(lake.uri, versions["gold/snapshots"])
-        validation, sizes = capped_validation(manifest, sequences_scan(lake.uri, manifest), max_tokens,
-                                              list(_SAMPLED_COLUMNS))
+        validation, sizes = capped_validation(
+            manifest, sequences_scan(lake.uri, manifest), max_tokens, list(_SAMPLED_COLUMNS)
+        )
         if sizes.is_empty():
-            raise Failure(allow_retries=False, description=f"{manifest.key} has no validation sequences")
+            raise Failure(
+                allow_retries=False, description=f"{manifest.key} has no validation sequences"
+            )
         record_ids = validation["record_ids"].explode().unique()
-        sources = (lake.scan("silver", "records", version=versions["silver/records"])
-                   .select("record_id", "source")  # two columns of silver, not its text
-                   .filter(pl.col("record_id").is_in(record_ids)).collect())
-        slices = [pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
-                  sources.select("record_id", slice=pl.lit("source:") + pl.col("source"))]
+        sources = (
+            lake.scan("silver", "records", version=versions["silver/records"])
+            .select("record_id", "source")  # two columns of silver, not its text
+            .filter(pl.col("record_id").is_in(record_ids))
+            .collect()
+        )
+        slices = [
+            pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
+            sources.select("record_id", slice=pl.lit("source:") + pl.col("source")),
+        ]
         if eval_sets is None:
-            return cls(validation, sizes, validation.select(SCORED_COLUMNS).clear(), 0, 0, pl.concat(slices))
+            return cls(
+                validation,
+                sizes,
+                validation.select(SCORED_COLUMNS).clear(),
+                0,
+                0,
+                pl.concat(slices),
+            )
         items = eval_sets.items(eval_sets.files())
         items = items.with_columns(
-            record_id=pl.concat_str(pl.lit("eval:"), "eval_set", pl.lit(":"), "item_id"), system=pl.lit(None, pl.String)
+            record_id=pl.concat_str(pl.lit("eval:"), "eval_set", pl.lit(":"), "item_id"),
+            system=pl.lit(None, pl.String),
         )
         slices.append(items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")))
         tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
@@ -160,34 +234,63 @@ class EvaluationData:
         seq_len = int(validation["input_ids"].list.len().max())
         encoded = encode_records(tokenizer, items)
         eval_packed = pack_documents(encoded, seq_len, tokenizer.token_to_id(PAD))
-        return cls(validation, sizes, eval_packed, int(encoded["n_tokens"].sum()), encoded.height, pl.concat(slices))
+        return cls(
+            validation,
+            sizes,
+            eval_packed,
+            int(encoded["n_tokens"].sum()),
+            encoded.height,
+            pl.concat(slices),
+        )
 
-    def report(self, document_losses: pl.DataFrame, partition: str, role: str, version: str | None) -> pl.DataFrame:
+    def report(
+        self, document_losses: pl.DataFrame, partition: str, role: str, version: str | None
+    ) -> pl.DataFrame:
         """One model's slices from its per-document losses on ``rows``."""
-        from pipeline_assets.trainer.evaluate import slice_losses  # polars only, but its module loads torch
+        from pipeline_assets.trainer.evaluate import (
+            slice_losses,  # polars only, but its module loads torch
+        )
 
         return slice_losses(document_losses, self.slices).with_columns(
-            partition=pl.lit(partition), model=pl.lit(role), model_version=pl.lit(version, pl.String),
+            partition=pl.lit(partition),
+            model=pl.lit(role),
+            model_version=pl.lit(version, pl.String),
             evaluated_at=pl.lit(datetime.now(timezone.utc)),
         )
 
 
-def score_under_torchrun(context: AssetExecutionContext, launcher: TorchrunLauncher, rows: pl.DataFrame,
-                         models: dict[str, Path], folder: Path) -> dict[str, pl.DataFrame]:
+def score_under_torchrun(
+    context: AssetExecutionContext,
+    launcher: TorchrunLauncher,
+    rows: pl.DataFrame,
+    models: dict[str, Path],
+    folder: Path,
+) -> dict[str, pl.DataFrame]:
     """Per model, its per-document losses on ``rows``, scored by the scoring program under torchrun
     (a rank a GPU of the launcher's, else one rank with its threads), not in this process."""
     rows_file, out = folder / "rows.parquet", folder / "scores"
     rows.write_parquet(rows_file)
     models_args = [arg for role, path in models.items() for arg in ("--model", f"{role}={path}")]
-    run_scoring_program(context, launcher, SCORER_MODULE, ["--rows", str(rows_file), "--out", str(out), *models_args],
-                        f"scoring {len(models)} model(s) on {rows.height} sequences")
-    return {role: (pl.concat([pl.read_parquet(part) for part in sorted(out.glob(f"{role}-rank*.parquet"))])
-                   .group_by("record_id").agg(pl.sum("loss_sum"), pl.sum("tokens")))
-            for role in models}
+    run_scoring_program(
+        context,
+        launcher,
+        SCORER_MODULE,
+        ["--rows", str(rows_file), "--out", str(out), *models_args],
+        f"scoring {len(models)} model(s) on {rows.height} sequences",
+    )
+    return {
+        role: (
+            pl.concat([pl.read_parquet(part) for part in sorted(out.glob(f"{role}-rank*.parquet"))])
+            .group_by("record_id")
+            .agg(pl.sum("loss_sum"), pl.sum("tokens"))
+        )
+        for role in models
+    }
 
 
-def comparable_champion(champion, model_name: str, candidate_run_id: str, tokenizer_version: int | None,
-                        alone: str):
+def comparable_champion(
+    champion, model_name: str, candidate_run_id: str, tokenizer_version: int | None, alone: str
+):
     """The champion to compare with (``champion``, the alias's version now), or None with the reason;
     ``alone`` says what the candidate is judged against without one."""
     if champion is None:
@@ -196,8 +299,10 @@ def comparable_champion(champion, model_name: str, candidate_run_id: str, tokeni
         return None, f"the candidate is already champion ({model_name} v{champion.version})"
     tokenizer = champion.tags.get("delta.gold/tokenizer")
     if tokenizer != str(tokenizer_version):
-        return None, (f"champion v{champion.version} used gold/tokenizer v{tokenizer}, the candidate's data "
-                      f"v{tokenizer_version}: they would read other text")
+        return None, (
+            f"champion v{champion.version} used gold/tokenizer v{tokenizer}, the candidate's data "
+            f"v{tokenizer_version}: they would read other text"
+        )
     return champion, f"champion: {model_name} v{champion.version}, scored on the same rows"
 
 
@@ -206,16 +311,22 @@ def _comparison(report: pl.DataFrame) -> pl.DataFrame:
     wide = report.pivot(on="model", index="slice", values="loss")
     if "champion" not in wide.columns:
         wide = wide.with_columns(champion=pl.lit(None, pl.Float64))
-    perplexity = report.filter(pl.col("model") == "candidate").select("slice", candidate_perplexity="perplexity")
+    perplexity = report.filter(pl.col("model") == "candidate").select(
+        "slice", candidate_perplexity="perplexity"
+    )
     return (
         wide.join(perplexity, on="slice")
-        .with_columns(relative_change=(pl.col("candidate") - pl.col("champion")) / pl.col("champion"))
+        .with_columns(
+            relative_change=(pl.col("candidate") - pl.col("champion")) / pl.col("champion")
+        )
         .select("slice", "candidate", "champion", "relative_change", "candidate_perplexity")
         .sort(pl.col("slice") != OVERALL, "slice")
     )
 
 
-def _log_to_mlflow(mlflow_tracking: MlflowResource, run_id: str, report: pl.DataFrame, picture: Path) -> None:
+def _log_to_mlflow(
+    mlflow_tracking: MlflowResource, run_id: str, report: pl.DataFrame, picture: Path
+) -> None:
     client = mlflow_tracking.client()
     for row in report.iter_rows(named=True):
         prefix = "eval" if row["model"] == "candidate" else "eval_champion"

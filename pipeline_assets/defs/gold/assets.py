@@ -10,16 +10,16 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
-from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
-from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.silver.order import blocked_batches
+from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.formats import SFT
-from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.gold import (
     SEQUENCES_PER_BLOCK,
     build_sequences,
@@ -28,15 +28,22 @@ from pipeline_assets.lib.gold import (
     token_statistics,
     tokenize_stage,
 )
-from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.sizing import text_chars
+from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.splits import SEARCH, VALIDATION, assign_split, split_shares
-from pipeline_assets.lib.tokenizer import check_tokenizer, tokenizer_from_json, tokenizer_to_json, train_bpe
+from pipeline_assets.lib.tokenizer import (
+    check_tokenizer,
+    tokenizer_from_json,
+    tokenizer_to_json,
+    train_bpe,
+)
 from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tokenizer
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _KINDS = {"delta", "polars"}
-SFT_OBJECTIVE_SILVER = [tables.silver for tables in FORMAT_TABLES if tables.fmt.objective == SFT.objective]
+SFT_OBJECTIVE_SILVER = [
+    tables.silver for tables in FORMAT_TABLES if tables.fmt.objective == SFT.objective
+]
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 
 
@@ -46,14 +53,20 @@ def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
     return manifest.in_order(sequences_scan(lake.uri, manifest)).collect()
 
 
-def scan_usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tuple[pl.LazyFrame, int, list[str]]:
+def scan_usable_silver(
+    context: AssetExecutionContext, lake: LakeResource
+) -> tuple[pl.LazyFrame, int, list[str]]:
     """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version, not
     read yet; and the batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
     blocked = sorted(blocked_batches(context.instance))
-    return lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)), version, blocked
+    return (
+        lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)),
+        version,
+        blocked,
+    )
 
 
 @asset(
@@ -66,35 +79,50 @@ def scan_usable_silver(context: AssetExecutionContext, lake: LakeResource) -> tu
     description="tokenizer.json (byte-level BPE trained on a sample of silver's training split capped at "
     "PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names); each Delta version is one tokenizer.",
 )
-def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy) -> MaterializeResult:
+def gold_tokenizer(
+    context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy
+) -> MaterializeResult:
     stopwatch = Stopwatch()
     if gold_policy.tokenizer_path:
         tokenizer = _provided_tokenizer(gold_policy.tokenizer_path)
-        origin, silver_version, sample_metadata = gold_policy.tokenizer_path, None, {"input_chars": 0}
+        origin, silver_version, sample_metadata = (
+            gold_policy.tokenizer_path,
+            None,
+            {"input_chars": 0},
+        )
     else:
         silver, silver_version, _ = scan_usable_silver(context, lake)
         sample = _tokenizer_sample(silver, silver_version, gold_policy)
-        context.log.info(f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} of "
-                         f"{sample.train_records} training records ({sample.chars:,} of {sample.train_chars:,} characters, "
-                         f"capped at {sample.max_chars:,})")
+        context.log.info(
+            f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} of "
+            f"{sample.train_records} training records ({sample.chars:,} of {sample.train_chars:,} characters, "
+            f"capped at {sample.max_chars:,})"
+        )
         tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
         origin = "trained on silver/records (a capped sample of the training split)"
         sample_metadata = _sample_metadata(sample)
     text = tokenizer_to_json(tokenizer)
-    row = pl.DataFrame({
-        "tokenizer_json": [text],
-        "sha256": [hashlib.sha256(text.encode()).hexdigest()],
-        "vocab_size": [tokenizer.get_vocab_size()],
-        "origin": [origin],
-        "silver_version": [silver_version],
-        "created_at": [datetime.now(timezone.utc)],
-    })
+    row = pl.DataFrame(
+        {
+            "tokenizer_json": [text],
+            "sha256": [hashlib.sha256(text.encode()).hexdigest()],
+            "vocab_size": [tokenizer.get_vocab_size()],
+            "origin": [origin],
+            "silver_version": [silver_version],
+            "created_at": [datetime.now(timezone.utc)],
+        }
+    )
     row = validate(conform(row, GoldTokenizer), GoldTokenizer)
     commit = lake.overwrite("gold", "tokenizer", row)
     return MaterializeResult(
         metadata={
-            **delta_write_metadata(commit, polars_schema(GoldTokenizer), upstream_versions={"silver/records": silver_version},
-                                   input_bytes=len(text), stopwatch=stopwatch),
+            **delta_write_metadata(
+                commit,
+                polars_schema(GoldTokenizer),
+                upstream_versions={"silver/records": silver_version},
+                input_bytes=len(text),
+                stopwatch=stopwatch,
+            ),
             "tokenizer_version": commit.version,
             "vocab_size": tokenizer.get_vocab_size(),
             "sha256": row["sha256"][0],
@@ -104,14 +132,26 @@ def gold_tokenizer(context: AssetExecutionContext, lake: LakeResource, gold_poli
     )
 
 
-def _tokenizer_sample(silver: pl.LazyFrame, silver_version: int, gold_policy: GoldPolicy) -> TokenizerSample:
-    sample = sample_for_tokenizer(silver, gold_policy.tokenizer_sample_chars, gold_policy.validation_fraction,
-                                  gold_policy.search_fraction)
+def _tokenizer_sample(
+    silver: pl.LazyFrame, silver_version: int, gold_policy: GoldPolicy
+) -> TokenizerSample:
+    sample = sample_for_tokenizer(
+        silver,
+        gold_policy.tokenizer_sample_chars,
+        gold_policy.validation_fraction,
+        gold_policy.search_fraction,
+    )
     if sample.train_records == 0:
-        raise Failure(allow_retries=False, description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})")
+        raise Failure(
+            allow_retries=False,
+            description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})",
+        )
     if sample.records.is_empty():
-        raise Failure(allow_retries=False, description=f"no training record fits the tokenizer sample's cap of {sample.max_chars:,} "
-                      "characters (PIPELINE_TOKENIZER_SAMPLE_CHARS): the first record in sample order is longer")
+        raise Failure(
+            allow_retries=False,
+            description=f"no training record fits the tokenizer sample's cap of {sample.max_chars:,} "
+            "characters (PIPELINE_TOKENIZER_SAMPLE_CHARS): the first record in sample order is longer",
+        )
     return sample
 
 
@@ -131,8 +171,12 @@ def _provided_tokenizer(path: str):
     try:
         tokenizer = tokenizer_from_json(Path(path).read_text())
         check_tokenizer(tokenizer)
-    except Exception as exc:  # a missing file, bad JSON (tokenizers has its own error type), missing tokens
-        raise Failure(allow_retries=False, description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}") from exc
+    except (
+        Exception
+    ) as exc:  # a missing file, bad JSON (tokenizers has its own error type), missing tokens
+        raise Failure(
+            allow_retries=False, description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}"
+        ) from exc
     return tokenizer
 
 
@@ -156,36 +200,63 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     "train/validation/search split: the batch's shard, built once, as soon as its silver passes. A data "
     "snapshot (gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
 )
-def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy,
-                   ray_engine: BlockEngine) -> MaterializeResult:
+def gold_sequences(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    gold_policy: GoldPolicy,
+    ray_engine: BlockEngine,
+) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
     silver, silver_versions = _sft_objective_rows(lake, batch)
     tokenizer_version, tokenizer_json = current_tokenizer(lake)
     tokenizer = tokenizer_from_json(tokenizer_json)
-    records = assign_split(silver.sort("record_id"), gold_policy.validation_fraction,
-                           search_fraction=gold_policy.search_fraction)
-    tokenized = ray_engine.run([tokenize_stage(tokenizer_json)],
-                               records.select("record_id", "system", "prompt", "response", "source", "split"))
+    records = assign_split(
+        silver.sort("record_id"),
+        gold_policy.validation_fraction,
+        search_fraction=gold_policy.search_fraction,
+    )
+    tokenized = ray_engine.run(
+        [tokenize_stage(tokenizer_json)],
+        records.select("record_id", "system", "prompt", "response", "source", "split"),
+    )
     encoded = tokenized.kept
-    context.log.info(f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} tokens "
-                     f"(gold/tokenizer v{tokenizer_version}) in {engine_used(tokenized.counters['tokenize'])}")
+    context.log.info(
+        f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} tokens "
+        f"(gold/tokenizer v{tokenizer_version}) in {engine_used(tokenized.counters['tokenize'])}"
+    )
     fitted = _fit_long_records(context, encoded, gold_policy)
     encoded = fitted.records
-    sequences, packing = build_sequences(encoded, seq_len=gold_policy.seq_len, pad_id=tokenizer.token_to_id(PAD),
-                                         seed=shard_seed(gold_policy.shuffle_seed, batch))
-    sequences = validate(conform(_shard_rows(sequences, batch, tokenizer_version), GoldSequence), GoldSequence)
-    commit = lake.replace_partition("gold", "sequences", sequences, column="batch_id", value=batch,
-                                    rows_per_group=SEQUENCES_PER_BLOCK)
+    sequences, packing = build_sequences(
+        encoded,
+        seq_len=gold_policy.seq_len,
+        pad_id=tokenizer.token_to_id(PAD),
+        seed=shard_seed(gold_policy.shuffle_seed, batch),
+    )
+    sequences = validate(
+        conform(_shard_rows(sequences, batch, tokenizer_version), GoldSequence), GoldSequence
+    )
+    commit = lake.replace_partition(
+        "gold",
+        "sequences",
+        sequences,
+        column="batch_id",
+        value=batch,
+        rows_per_group=SEQUENCES_PER_BLOCK,
+    )
     checks = judge_shard(sequences, gold_policy)
-    context.log.info(f"batch {batch}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}")
+    context.log.info(
+        f"batch {batch}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}"
+    )
     stats = token_statistics(encoded)
     return MaterializeResult(
         metadata={
             **delta_write_metadata(
-                commit, polars_schema(GoldSequence),
+                commit,
+                polars_schema(GoldSequence),
                 upstream_versions={**silver_versions, "gold/tokenizer": tokenizer_version},
-                input_bytes=int(silver.estimated_size()), stopwatch=stopwatch,
+                input_bytes=int(silver.estimated_size()),
+                stopwatch=stopwatch,
             ),
             "tokenizer_version": tokenizer_version,
             "sequences": sequences.height,
@@ -195,12 +266,18 @@ def gold_sequences(context: AssetExecutionContext, lake: LakeResource, gold_poli
             "long_records": gold_policy.long_records,
             "truncated_documents": fitted.truncated_documents,
             "dropped_long_records": fitted.left_out.height,
-            "dropped_long_records_by_reason": MetadataValue.json(dict(fitted.left_out["reason"].value_counts().iter_rows())),
-            "long_records_left_out": table_metadata(fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)),
+            "dropped_long_records_by_reason": MetadataValue.json(
+                dict(fitted.left_out["reason"].value_counts().iter_rows())
+            ),
+            "long_records_left_out": table_metadata(
+                fitted.left_out.sort("record_id").head(_LEFT_OUT_SHOWN)
+            ),
             "tokens": stats["tokens"],
             "tokenized_on": engine_used(tokenized.counters["tokenize"]),
             "real_tokens": int(sequences["real_tokens"].sum()),
-            "validation_tokens": int(encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()),
+            "validation_tokens": int(
+                encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()
+            ),
             "search_tokens": int(encoded.filter(pl.col("split") == SEARCH)["n_tokens"].sum()),
             "input_chars": text_chars(silver),
             "tokens_by_source": table_metadata(stats["by_source"]),
@@ -216,15 +293,25 @@ def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, d
     answer as ``response``), and the silver versions read."""
     frames, versions = [], {}
     for tables in FORMAT_TABLES:
-        version = lake.version(*tables.silver.path) if tables.fmt.objective == SFT.objective else None
+        version = (
+            lake.version(*tables.silver.path) if tables.fmt.objective == SFT.objective else None
+        )
         if version is None and tables.fmt is SFT:
             raise ValueError("silver/records does not exist yet: materialize silver first")
         if version is None:
             continue
         versions[tables.silver.to_user_string()] = version
         rows = lake.read(*tables.silver.path, version=version, where=pl.col("batch_id") == batch)
-        frames.append(rows.select("record_id", "system", "prompt", pl.col(tables.fmt.judged).alias("response"),
-                                  "source", "exact_hash"))
+        frames.append(
+            rows.select(
+                "record_id",
+                "system",
+                "prompt",
+                pl.col(tables.fmt.judged).alias("response"),
+                "source",
+                "exact_hash",
+            )
+        )
     return pl.concat(frames), versions
 
 
@@ -240,10 +327,14 @@ def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> 
     """The packed rows, labelled with their shard; a batch with no silver record left is an empty shard."""
     if sequences.width == 0:
         return pl.DataFrame(schema=polars_schema(GoldSequence))
-    return sequences.with_columns(batch_id=pl.lit(batch), tokenizer_version=pl.lit(tokenizer_version, pl.Int64))
+    return sequences.with_columns(
+        batch_id=pl.lit(batch), tokenizer_version=pl.lit(tokenizer_version, pl.Int64)
+    )
 
 
-def _fit_long_records(context: AssetExecutionContext, encoded: pl.DataFrame, gold_policy: GoldPolicy):
+def _fit_long_records(
+    context: AssetExecutionContext, encoded: pl.DataFrame, gold_policy: GoldPolicy
+):
     """Every record fits one sequence with its prompt (PIPELINE_LONG_RECORDS); what was cut or left out is logged."""
     try:
         fitted = fit_long_records(encoded, gold_policy.seq_len, gold_policy.long_records)

@@ -19,11 +19,17 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.partitions import data_snapshots, preference_snapshots
 from pipeline_assets.defs.silver.order import blocked_batches
-from pipeline_assets.defs.snapshots import latest_materialization_metadata, latest_records_by_partition, plain_metadata
+from pipeline_assets.defs.snapshots import (
+    latest_materialization_metadata,
+    latest_records_by_partition,
+    plain_metadata,
+)
 from pipeline_assets.lib.snapshot_cadence import CadenceInputs, snapshot_due
 from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind
 
-SNAPSHOT_REASON_TAG = "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold/snapshots records it
+SNAPSHOT_REASON_TAG = (
+    "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold/snapshots records it
+)
 
 
 @dataclass(frozen=True)
@@ -37,9 +43,16 @@ class SnapshotSeries:
     partitions: DynamicPartitionsDefinition
 
 
-SFT_SERIES = SnapshotSeries(SFT_SNAPSHOTS, GOLD_SEQUENCES, SHARD_CHECK_SPECS, GOLD_SNAPSHOTS, data_snapshots)
-PREFERENCE_SERIES = SnapshotSeries(PREFERENCE_SNAPSHOTS, GOLD_PREFERENCE_SEQUENCES, PREFERENCE_SHARD_CHECK_SPECS,
-                                   GOLD_PREFERENCE_SNAPSHOTS, preference_snapshots)
+SFT_SERIES = SnapshotSeries(
+    SFT_SNAPSHOTS, GOLD_SEQUENCES, SHARD_CHECK_SPECS, GOLD_SNAPSHOTS, data_snapshots
+)
+PREFERENCE_SERIES = SnapshotSeries(
+    PREFERENCE_SNAPSHOTS,
+    GOLD_PREFERENCE_SEQUENCES,
+    PREFERENCE_SHARD_CHECK_SPECS,
+    GOLD_PREFERENCE_SNAPSHOTS,
+    preference_snapshots,
+)
 
 
 @dataclass(frozen=True)
@@ -59,11 +72,14 @@ class ShardStates:
 
     usable: dict[str, Shard]
     left_out: dict[str, str]  # batch -> reason
-    stale: dict[str, Shard]  # usable but encoded by another tokenizer version: they wait for their rebuild
+    stale: dict[
+        str, Shard
+    ]  # usable but encoded by another tokenizer version: they wait for their rebuild
 
 
-def shard_states(instance: DagsterInstance, tokenizer_version: int | None,
-                 series: SnapshotSeries = SFT_SERIES) -> ShardStates:
+def shard_states(
+    instance: DagsterInstance, tokenizer_version: int | None, series: SnapshotSeries = SFT_SERIES
+) -> ShardStates:
     """A shard is usable when its blocking checks and its batch's (bronze, silver) passed, it holds
     rows, and it was encoded by ``tokenizer_version``."""
     failing = {batch for batch, _ in partitions_failing(instance, series.shard_checks)}
@@ -71,7 +87,13 @@ def shard_states(instance: DagsterInstance, tokenizer_version: int | None,
     usable, left_out, stale = {}, {}, {}
     for batch, record in sorted(latest_records_by_partition(instance, series.shards).items()):
         metadata = plain_metadata(record.asset_materialization)
-        shard = Shard(batch, record.storage_id, metadata.get("tokenizer_version"), int(metadata.get("sequences", 0)), metadata)
+        shard = Shard(
+            batch,
+            record.storage_id,
+            metadata.get("tokenizer_version"),
+            int(metadata.get("sequences", 0)),
+            metadata,
+        )
         if batch in blocked:
             left_out[batch] = "a blocking check on its bronze or silver failed"
         elif batch in failing:
@@ -92,19 +114,28 @@ class SnapshotDecision:
     state: str  # names what was judged (the newest shard write), so one state asks once
 
 
-def snapshot_decision(instance: DagsterInstance, min_new_fraction: float,
-                      series: SnapshotSeries = SFT_SERIES) -> SnapshotDecision:
+def snapshot_decision(
+    instance: DagsterInstance, min_new_fraction: float, series: SnapshotSeries = SFT_SERIES
+) -> SnapshotDecision:
     tokenizer = latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)
     if tokenizer is None:
         return SnapshotDecision(False, "gold/tokenizer is not built yet", "")
     states = shard_states(instance, tokenizer.get("tokenizer_version"), series)
     state = f"shards-{max((s.storage_id for s in (*states.usable.values(), *states.stale.values())), default=0)}"
     if states.stale:
-        return SnapshotDecision(False, f"{len(states.stale)} shard(s) still encoded by an older gold/tokenizer than "
-                                f"v{tokenizer.get('tokenizer_version')}: waiting for their rebuild", state)
+        return SnapshotDecision(
+            False,
+            f"{len(states.stale)} shard(s) still encoded by an older gold/tokenizer than "
+            f"v{tokenizer.get('tokenizer_version')}: waiting for their rebuild",
+            state,
+        )
     last_cut = instance.fetch_materializations(series.snapshots, limit=1).records
     since = last_cut[0].storage_id if last_cut else -1
-    changed = {batch: int(shard.metadata.get("real_tokens", 0)) for batch, shard in states.usable.items() if shard.storage_id > since}
+    changed = {
+        batch: int(shard.metadata.get("real_tokens", 0))
+        for batch, shard in states.usable.items()
+        if shard.storage_id > since
+    }
     last = None if not last_cut else last_cut[0].asset_materialization
     last_key = None if last is None else last.metadata["data_snapshot"].value
     last_tokens = 0 if last is None else int(last.metadata["real_tokens"].value)

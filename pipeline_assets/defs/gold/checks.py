@@ -18,25 +18,46 @@ from pipeline_assets.lib.packing import packing_floor
 from pipeline_assets.resources import GoldPolicy
 
 SHARD_CHECK_SPECS = [
-    AssetCheckSpec("contract", asset=GOLD_SEQUENCES, blocking=True, partitions_def=ingest_batches,
-                   description="The batch's shard satisfies the GoldSequence contract."),
-    AssetCheckSpec("packing_efficiency", asset=GOLD_SEQUENCES, blocking=True, partitions_def=ingest_batches,
-                   description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
-                   "required share of real tokens, or needs at most one row per split more than first-fit of the same pieces."),
+    AssetCheckSpec(
+        "contract",
+        asset=GOLD_SEQUENCES,
+        blocking=True,
+        partitions_def=ingest_batches,
+        description="The batch's shard satisfies the GoldSequence contract.",
+    ),
+    AssetCheckSpec(
+        "packing_efficiency",
+        asset=GOLD_SEQUENCES,
+        blocking=True,
+        partitions_def=ingest_batches,
+        description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
+        "required share of real tokens, or needs at most one row per split more than first-fit of the same pieces.",
+    ),
 ]
 PREFERENCE_SHARD_CHECK_SPECS = [
-    AssetCheckSpec("contract", asset=GOLD_PREFERENCE_SEQUENCES, blocking=True, partitions_def=ingest_batches,
-                   description="The batch's shard satisfies the GoldPreferenceSequence contract: two documents a pair."),
+    AssetCheckSpec(
+        "contract",
+        asset=GOLD_PREFERENCE_SEQUENCES,
+        blocking=True,
+        partitions_def=ingest_batches,
+        description="The batch's shard satisfies the GoldPreferenceSequence contract: two documents a pair.",
+    ),
 ]
 
 
 def snapshot_check_specs(key) -> list[AssetCheckSpec]:
     """The checks a snapshot asset (gold/snapshots, gold/preference_snapshots) judges as it cuts one."""
     return [
-        AssetCheckSpec("token_length_drift", asset=key,
-                       description="PSI of document token lengths against the previous snapshot."),
-        AssetCheckSpec("token_volume", asset=key,
-                       description="Real tokens are within tolerance of the previous snapshot's."),
+        AssetCheckSpec(
+            "token_length_drift",
+            asset=key,
+            description="PSI of document token lengths against the previous snapshot.",
+        ),
+        AssetCheckSpec(
+            "token_volume",
+            asset=key,
+            description="Real tokens are within tolerance of the previous snapshot's.",
+        ),
     ]
 
 
@@ -55,9 +76,23 @@ class JudgedSnapshot:
 
     @classmethod
     def of(cls, key: str, sequences: pl.DataFrame | pl.LazyFrame) -> "JudgedSnapshot":
-        pieces = sequences.lazy().select("split", "document_lengths").explode("document_lengths").drop_nulls().collect()
-        rows, seq_len = sequences.lazy().select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max()).collect().row(0)
-        splits = {split: part["document_lengths"].to_numpy() for (split,), part in pieces.group_by("split")}
+        pieces = (
+            sequences.lazy()
+            .select("split", "document_lengths")
+            .explode("document_lengths")
+            .drop_nulls()
+            .collect()
+        )
+        rows, seq_len = (
+            sequences.lazy()
+            .select(rows=pl.len(), seq_len=pl.col("input_ids").list.len().max())
+            .collect()
+            .row(0)
+        )
+        splits = {
+            split: part["document_lengths"].to_numpy()
+            for (split,), part in pieces.group_by("split")
+        }
         return cls(key, pieces["document_lengths"].to_numpy(), splits, int(rows), int(seq_len or 0))
 
     @property
@@ -83,8 +118,13 @@ class SnapshotLengths:
 
     @classmethod
     def of(cls, key: str, sequences: pl.LazyFrame, seq_len: int) -> "SnapshotLengths":
-        found = (sequences.select(pl.col("document_lengths").explode().alias("length")).drop_nulls()
-                 .group_by("length").len().collect(engine="streaming"))
+        found = (
+            sequences.select(pl.col("document_lengths").explode().alias("length"))
+            .drop_nulls()
+            .group_by("length")
+            .len()
+            .collect(engine="streaming")
+        )
         counts = np.zeros(seq_len + 1, dtype=np.int64)
         counts[found["length"].to_numpy()] = found["len"].to_numpy()
         return cls(key, counts)
@@ -94,11 +134,17 @@ class SnapshotLengths:
         return int((self.counts * np.arange(self.counts.size)).sum())
 
 
-def judge_snapshot(snapshot: SnapshotLengths, previous: SnapshotLengths | None, policy: GoldPolicy) -> list[AssetCheckResult]:
+def judge_snapshot(
+    snapshot: SnapshotLengths, previous: SnapshotLengths | None, policy: GoldPolicy
+) -> list[AssetCheckResult]:
     """Drift and volume of a snapshot against the previous one, each result naming the snapshot."""
     results = [
-        _first_snapshot("token_length_drift") if previous is None else _drift_result(snapshot, previous, policy),
-        _first_snapshot("token_volume") if previous is None else _volume_result(snapshot, previous, policy),
+        _first_snapshot("token_length_drift")
+        if previous is None
+        else _drift_result(snapshot, previous, policy),
+        _first_snapshot("token_volume")
+        if previous is None
+        else _volume_result(snapshot, previous, policy),
     ]
     return [_naming(result, snapshot.key) for result in results]
 
@@ -106,27 +152,47 @@ def judge_snapshot(snapshot: SnapshotLengths, previous: SnapshotLengths | None, 
 def packing_result(snapshot: JudgedSnapshot, minimum: float) -> AssetCheckResult:
     rows, seq_len = snapshot.rows, snapshot.seq_len
     efficiency = snapshot.real_tokens / (rows * seq_len) if rows and seq_len else 0.0
-    floors = [packing_floor(lengths, seq_len) for lengths in snapshot.split_lengths.values()] if seq_len else []
-    first_fit, lower_bound = sum(f.first_fit_rows for f in floors), sum(f.lower_bound_rows for f in floors)
+    floors = (
+        [packing_floor(lengths, seq_len) for lengths in snapshot.split_lengths.values()]
+        if seq_len
+        else []
+    )
+    first_fit, lower_bound = (
+        sum(f.first_fit_rows for f in floors),
+        sum(f.lower_bound_rows for f in floors),
+    )
     # Best-fit decreasing can lose a row to first-fit on some inputs; a broken packer loses many.
     allowed = first_fit + len(floors)
     passed = efficiency >= minimum or rows <= allowed
-    verdict = (f"at least {minimum}" if efficiency >= minimum
-               else f"below {minimum}, but {rows} rows where first-fit needs {first_fit} (allowed: one more per split) "
-               f"and the tokens alone fill {lower_bound}: {'what these lengths allow' if passed else 'packing is broken'}")
+    verdict = (
+        f"at least {minimum}"
+        if efficiency >= minimum
+        else f"below {minimum}, but {rows} rows where first-fit needs {first_fit} (allowed: one more per split) "
+        f"and the tokens alone fill {lower_bound}: {'what these lengths allow' if passed else 'packing is broken'}"
+    )
     return AssetCheckResult(
         check_name="packing_efficiency",
         passed=passed,
         description=f"packing efficiency {efficiency:.4f} ({verdict})",
-        metadata={"packing_efficiency": round(efficiency, 5), "rows": rows, "first_fit_rows": first_fit, "allowed_rows": allowed,
-                  "lower_bound_rows": lower_bound, "minimum": minimum},
+        metadata={
+            "packing_efficiency": round(efficiency, 5),
+            "rows": rows,
+            "first_fit_rows": first_fit,
+            "allowed_rows": allowed,
+            "lower_bound_rows": lower_bound,
+            "minimum": minimum,
+        },
     )
 
 
-def _drift_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy) -> AssetCheckResult:
+def _drift_result(
+    snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy
+) -> AssetCheckResult:
     size = max(snapshot.counts.size, previous.counts.size)  # two snapshots may differ in seq_len
-    psi = psi_numeric_counts(np.pad(previous.counts, (0, size - previous.counts.size)),
-                             np.pad(snapshot.counts, (0, size - snapshot.counts.size)))
+    psi = psi_numeric_counts(
+        np.pad(previous.counts, (0, size - previous.counts.size)),
+        np.pad(snapshot.counts, (0, size - snapshot.counts.size)),
+    )
     return AssetCheckResult(
         check_name="token_length_drift",
         passed=psi < policy.psi_warn,
@@ -137,7 +203,9 @@ def _drift_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy: 
     )
 
 
-def _volume_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy) -> AssetCheckResult:
+def _volume_result(
+    snapshot: SnapshotLengths, previous: SnapshotLengths, policy: GoldPolicy
+) -> AssetCheckResult:
     before, now = previous.real_tokens, snapshot.real_tokens
     change = (now - before) / before if before else float("inf")
     return AssetCheckResult(
@@ -146,13 +214,19 @@ def _volume_result(snapshot: SnapshotLengths, previous: SnapshotLengths, policy:
         severity=AssetCheckSeverity.WARN,
         description=f"{now:,} real tokens against {before:,} in {previous.key} "
         f"({change:+.0%}, tolerance ±{policy.volume_tolerance:.0%})",
-        metadata={"real_tokens": now, "previous_real_tokens": before, "change": round(change, 4),
-                  "compared_with": previous.key},
+        metadata={
+            "real_tokens": now,
+            "previous_real_tokens": before,
+            "change": round(change, 4),
+            "compared_with": previous.key,
+        },
     )
 
 
 def _first_snapshot(check_name: str) -> AssetCheckResult:
-    return AssetCheckResult(check_name=check_name, passed=True, description="first snapshot: nothing to compare with")
+    return AssetCheckResult(
+        check_name=check_name, passed=True, description="first snapshot: nothing to compare with"
+    )
 
 
 def _naming(result: AssetCheckResult, key: str) -> AssetCheckResult:

@@ -8,20 +8,27 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.check_helpers import contract_check_result
 from pipeline_assets.defs.gold.assets import current_tokenizer
 from pipeline_assets.defs.gold.checks import PREFERENCE_SHARD_CHECK_SPECS
-from pipeline_assets.defs.keys import GOLD_PREFERENCE_SEQUENCES, GOLD_TOKENIZER, SILVER_PREFERENCE_PAIRS
+from pipeline_assets.defs.keys import (
+    GOLD_PREFERENCE_SEQUENCES,
+    GOLD_TOKENIZER,
+    SILVER_PREFERENCE_PAIRS,
+)
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, shard_seed
-from pipeline_assets.lib.preference_gold import PAIR_INPUT, build_pair_sequences, tokenize_pairs_stage
+from pipeline_assets.lib.preference_gold import (
+    PAIR_INPUT,
+    build_pair_sequences,
+    tokenize_pairs_stage,
+)
 from pipeline_assets.lib.splits import VALIDATION, assign_split
 from pipeline_assets.lib.tokenizer import tokenizer_from_json
 from pipeline_assets.resources import GoldPolicy, LakeResource
 
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
-
 
 
 @asset(
@@ -37,34 +44,59 @@ _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts
     "decreasing a pair a unit (chosen then rejected, both whole, in one row), per train/validation split by prompt; "
     "a pair longer than seq_len is left out and counted.",
 )
-def gold_preference_sequences(context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy,
-                              ray_engine: BlockEngine) -> MaterializeResult:
+def gold_preference_sequences(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    gold_policy: GoldPolicy,
+    ray_engine: BlockEngine,
+) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
     silver_version = lake.version(*SILVER_PREFERENCE_PAIRS.path)
     if silver_version is None:
         raise ValueError("silver/preference_pairs does not exist yet: materialize silver first")
-    pairs = lake.read(*SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch)
+    pairs = lake.read(
+        *SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch
+    )
     tokenizer_version, tokenizer_json = current_tokenizer(lake)
     pad_id = tokenizer_from_json(tokenizer_json).token_to_id(PAD)
     # All pairs of one prompt on one side: a held-out prompt's pairs were never trained on.
-    split = assign_split(pairs.sort("record_id"), gold_policy.preference_validation_fraction, key="prompt_hash")
+    split = assign_split(
+        pairs.sort("record_id"), gold_policy.preference_validation_fraction, key="prompt_hash"
+    )
     tokenized = ray_engine.run([tokenize_pairs_stage(tokenizer_json)], split.select(PAIR_INPUT))
-    rows, left_out, packing = build_pair_sequences(tokenized.kept, gold_policy.seq_len,
-                                                   shard_seed(gold_policy.shuffle_seed, batch), pad_id)
-    labelled = rows.with_columns(batch_id=pl.lit(batch), tokenizer_version=pl.lit(tokenizer_version, pl.Int64))
-    shard = validate(conform(labelled, GoldPreferenceSequence), GoldPreferenceSequence)  # a broken shard is never committed
-    commit = lake.replace_partition(*GOLD_PREFERENCE_SEQUENCES.path, shard, column="batch_id", value=batch,
-                                    rows_per_group=SEQUENCES_PER_BLOCK)
-    context.log.info(f"batch {batch}: {packing['pairs_packed']} of {pairs.height} pairs in {shard.height} rows, "
-                     f"{packing['pairs_too_long']} longer than seq_len {gold_policy.seq_len} left out, "
-                     f"packing efficiency {packing['efficiency']:.4f}")
+    rows, left_out, packing = build_pair_sequences(
+        tokenized.kept, gold_policy.seq_len, shard_seed(gold_policy.shuffle_seed, batch), pad_id
+    )
+    labelled = rows.with_columns(
+        batch_id=pl.lit(batch), tokenizer_version=pl.lit(tokenizer_version, pl.Int64)
+    )
+    shard = validate(
+        conform(labelled, GoldPreferenceSequence), GoldPreferenceSequence
+    )  # a broken shard is never committed
+    commit = lake.replace_partition(
+        *GOLD_PREFERENCE_SEQUENCES.path,
+        shard,
+        column="batch_id",
+        value=batch,
+        rows_per_group=SEQUENCES_PER_BLOCK,
+    )
+    context.log.info(
+        f"batch {batch}: {packing['pairs_packed']} of {pairs.height} pairs in {shard.height} rows, "
+        f"{packing['pairs_too_long']} longer than seq_len {gold_policy.seq_len} left out, "
+        f"packing efficiency {packing['efficiency']:.4f}"
+    )
     return MaterializeResult(
         metadata={
             **delta_write_metadata(
-                commit, polars_schema(GoldPreferenceSequence),
-                upstream_versions={"silver/preference_pairs": silver_version, "gold/tokenizer": tokenizer_version},
-                input_bytes=int(pairs.estimated_size()), stopwatch=stopwatch,
+                commit,
+                polars_schema(GoldPreferenceSequence),
+                upstream_versions={
+                    "silver/preference_pairs": silver_version,
+                    "gold/tokenizer": tokenizer_version,
+                },
+                input_bytes=int(pairs.estimated_size()),
+                stopwatch=stopwatch,
             ),
             "tokenizer_version": tokenizer_version,
             "seq_len": gold_policy.seq_len,

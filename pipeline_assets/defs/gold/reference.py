@@ -12,11 +12,25 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
-from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, Manifest, read_manifest, sequences_scan, snapshot_number
+from pipeline_assets.lib.snapshot_manifest import (
+    PREFERENCE_SNAPSHOTS,
+    Manifest,
+    read_manifest,
+    sequences_scan,
+    snapshot_number,
+)
 from pipeline_assets.lib.torchrun import REFERENCE_MODULE
 from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
 
-_ROW_COLUMNS = ["batch_id", "split", "sequence_index", "input_ids", "loss_mask", "position_ids", "pair_ids"]
+_ROW_COLUMNS = [
+    "batch_id",
+    "split",
+    "sequence_index",
+    "input_ids",
+    "loss_mask",
+    "position_ids",
+    "pair_ids",
+]
 
 
 @asset(
@@ -25,20 +39,30 @@ _ROW_COLUMNS = ["batch_id", "split", "sequence_index", "input_ids", "loss_mask",
     deps=[GOLD_PREFERENCE_SNAPSHOTS],
     partitions_def=preference_snapshots,
     kinds={"delta", "pytorch"},
-    automation_condition=AutomationCondition.on_missing() & AutomationCondition.all_deps_blocking_checks_passed(),
+    automation_condition=AutomationCondition.on_missing()
+    & AutomationCondition.all_deps_blocking_checks_passed(),
     retry_policy=TRANSIENT,
     pool="model_registry",  # it reads the registry: one of its users at a time
     description="The reference model's summed response log-probabilities of every row of a preference snapshot, per "
     "document: DPO's reference pass, under torchrun, once per snapshot, so the DPO trainer holds one model. The "
     "reference is the sft champion when it runs (named in each row); DPO starts from the same model.",
 )
-def gold_reference_logps(context: AssetExecutionContext, lake: LakeResource, launcher: TorchrunLauncher,
-                         mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy) -> MaterializeResult:
-    from pipeline_assets.trainer.reference import read_reference_logps  # polars only, but its module loads torch
+def gold_reference_logps(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    launcher: TorchrunLauncher,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+) -> MaterializeResult:
+    from pipeline_assets.trainer.reference import (
+        read_reference_logps,  # polars only, but its module loads torch
+    )
 
     stopwatch = Stopwatch()
     key = context.partition_key
-    manifest = read_manifest(lake.uri, snapshot_number(key, PREFERENCE_SNAPSHOTS), PREFERENCE_SNAPSHOTS)
+    manifest = read_manifest(
+        lake.uri, snapshot_number(key, PREFERENCE_SNAPSHOTS), PREFERENCE_SNAPSHOTS
+    )
     reference = _reference_model(mlflow_tracking, registry_policy.model_name, manifest)
     reference_name = f"{registry_policy.model_name}/{reference.version}"
     rows = sum(manifest.sequences_by_split().values())
@@ -46,41 +70,66 @@ def gold_reference_logps(context: AssetExecutionContext, lake: LakeResource, lau
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as folder:
         rows_file, out = Path(folder) / "rows.parquet", Path(folder) / "logps"
-        sequences_scan(lake.uri, manifest).select(_ROW_COLUMNS).sink_parquet(rows_file)  # streamed, not held here
-        model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(reference.version), Path(folder) / "model")
-        run_scoring_program(context, launcher, REFERENCE_MODULE,
-                            ["--rows", str(rows_file), "--model", str(model_dir), "--out", str(out)],
-                            f"reference pass of {key} with {reference_name}: {rows} rows")
+        sequences_scan(lake.uri, manifest).select(_ROW_COLUMNS).sink_parquet(
+            rows_file
+        )  # streamed, not held here
+        model_dir = mlflow_tracking.download_model(
+            registry_policy.model_name, str(reference.version), Path(folder) / "model"
+        )
+        run_scoring_program(
+            context,
+            launcher,
+            REFERENCE_MODULE,
+            ["--rows", str(rows_file), "--model", str(model_dir), "--out", str(out)],
+            f"reference pass of {key} with {reference_name}: {rows} rows",
+        )
         logps = read_reference_logps(out, expected_rows=rows)
     frame = logps.with_columns(snapshot=pl.lit(key), reference_model=pl.lit(reference_name))
     frame = validate(conform(frame, GoldReferenceLogps), GoldReferenceLogps)
     commit = lake.replace_partition(*GOLD_REFERENCE_LOGPS.path, frame, column="snapshot", value=key)
     documents = frame["reference_logps"].explode()
-    return MaterializeResult(metadata={
-        **delta_write_metadata(commit, polars_schema(GoldReferenceLogps),
-                               upstream_versions={PREFERENCE_SNAPSHOTS.sequences_name: manifest.sequences_version,
-                                                  PREFERENCE_SNAPSHOTS.manifest_name: manifest.number},
-                               input_bytes=0, stopwatch=stopwatch),
-        "reference_model": reference_name,
-        "reference_run_id": reference.run_id,
-        "rows": frame.height,
-        "documents": documents.len(),
-        "mean_document_logp": round(float(documents.mean()), 4) if documents.len() else None,
-    })
+    return MaterializeResult(
+        metadata={
+            **delta_write_metadata(
+                commit,
+                polars_schema(GoldReferenceLogps),
+                upstream_versions={
+                    PREFERENCE_SNAPSHOTS.sequences_name: manifest.sequences_version,
+                    PREFERENCE_SNAPSHOTS.manifest_name: manifest.number,
+                },
+                input_bytes=0,
+                stopwatch=stopwatch,
+            ),
+            "reference_model": reference_name,
+            "reference_run_id": reference.run_id,
+            "rows": frame.height,
+            "documents": documents.len(),
+            "mean_document_logp": round(float(documents.mean()), 4) if documents.len() else None,
+        }
+    )
 
 
 def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest: Manifest):
     """The sft champion, if its tokenizer is the one the snapshot's pairs were encoded with."""
     champion = mlflow_tracking.version_by_alias(model_name, "champion")
     if champion is None:
-        raise Failure(allow_retries=False, description=f"no {model_name} champion yet: DPO's reference model, and its "
-                      f"starting point, is the sft champion; materialize {manifest.key} again once registry/model_version "
-                      "has promoted one")
+        raise Failure(
+            allow_retries=False,
+            description=f"no {model_name} champion yet: DPO's reference model, and its "
+            f"starting point, is the sft champion; materialize {manifest.key} again once registry/model_version "
+            "has promoted one",
+        )
     tokenizer = champion.tags.get("delta.gold/tokenizer")
     if tokenizer != str(manifest.tokenizer_version):
-        trained_with = (f"was trained with gold/tokenizer v{tokenizer}" if tokenizer is not None
-                        else "records no gold/tokenizer version (delta.gold/tokenizer tag)")
-        raise Failure(allow_retries=False, description=f"{model_name} v{champion.version} {trained_with}, "
-                      f"{manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean other text; "
-                      "cut a new preference snapshot once the champion and the shards share a tokenizer")
+        trained_with = (
+            f"was trained with gold/tokenizer v{tokenizer}"
+            if tokenizer is not None
+            else "records no gold/tokenizer version (delta.gold/tokenizer tag)"
+        )
+        raise Failure(
+            allow_retries=False,
+            description=f"{model_name} v{champion.version} {trained_with}, "
+            f"{manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean other text; "
+            "cut a new preference snapshot once the champion and the shards share a tokenizer",
+        )
     return champion

@@ -14,7 +14,11 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.gold.cadence import PREFERENCE_SERIES, SNAPSHOT_REASON_TAG, snapshot_decision
+from pipeline_assets.defs.gold.cadence import (
+    PREFERENCE_SERIES,
+    SNAPSHOT_REASON_TAG,
+    snapshot_decision,
+)
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
 from pipeline_assets.resources import GoldPolicy, MlflowResource, RegistryPolicy
 
@@ -38,7 +42,9 @@ def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
     if not decision.due:
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
-    return RunRequest(run_key=f"snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
+    return RunRequest(
+        run_key=f"snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason}
+    )
 
 
 preference_snapshot_job = define_asset_job(
@@ -57,24 +63,36 @@ preference_snapshot_job = define_asset_job(
     "snapshot once a shard of pairs exists, then a new one whenever the tokens of the shards built since the last "
     "cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
 )
-def preference_snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy,
-                                mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy):
+def preference_snapshot_cadence(
+    context: SensorEvaluationContext,
+    gold_policy: GoldPolicy,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+):
     waiting = no_reference_model(mlflow_tracking, registry_policy)
     if waiting:
         return SkipReason(waiting)
-    decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction, PREFERENCE_SERIES)
+    decision = snapshot_decision(
+        context.instance, gold_policy.snapshot_min_new_fraction, PREFERENCE_SERIES
+    )
     if not decision.due:
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
-    return RunRequest(run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason})
+    return RunRequest(
+        run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason}
+    )
 
 
-def no_reference_model(mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy) -> str | None:
+def no_reference_model(
+    mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy
+) -> str | None:
     """Why preference snapshots wait (no sft champion to be DPO's reference and starting point), or None."""
     if mlflow_tracking.version_by_alias(registry_policy.model_name, "champion") is not None:
         return None
-    return (f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since its reference "
-            "pass and DPO start from it")
+    return (
+        f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since its reference "
+        "pass and DPO start from it"
+    )
 
 
 @schedule(
@@ -90,4 +108,7 @@ def snapshot_schedule(context: ScheduleEvaluationContext):
     if not decision.due:
         return SkipReason(decision.reason)
     night = context.scheduled_execution_time.strftime("%Y-%m-%d")
-    return RunRequest(run_key=f"snapshot-schedule-{night}", tags={SNAPSHOT_REASON_TAG: f"schedule: {decision.reason}"})
+    return RunRequest(
+        run_key=f"snapshot-schedule-{night}",
+        tags={SNAPSHOT_REASON_TAG: f"schedule: {decision.reason}"},
+    )

@@ -9,7 +9,13 @@ from datetime import datetime, timezone
 import polars as pl
 
 from pipeline_assets.contracts import LandingManifestEntry, conform, validate
-from pipeline_assets.lib.batches import LISTING_SCHEMA, batch_key, classify_candidates, pending_batches, unseen_files
+from pipeline_assets.lib.batches import (
+    LISTING_SCHEMA,
+    batch_key,
+    classify_candidates,
+    pending_batches,
+    unseen_files,
+)
 from pipeline_assets.lib.locks import Lock
 from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
 
@@ -39,17 +45,26 @@ def register_new_batch(
         return _register(landing, lake, log, lock, now)
 
 
-def _register(landing: LandingResource, lake: LakeResource, log: logging.Logger, lock: Lock,
-              now: datetime | None) -> BatchRegistration:
+def _register(
+    landing: LandingResource,
+    lake: LakeResource,
+    log: logging.Logger,
+    lock: Lock,
+    now: datetime | None,
+) -> BatchRegistration:
     listing = pl.DataFrame(
-        [(f.uri, f.source, f.size, f.modified) for f in landing.list_files()], schema=LISTING_SCHEMA, orient="row"
+        [(f.uri, f.source, f.size, f.modified) for f in landing.list_files()],
+        schema=LISTING_SCHEMA,
+        orient="row",
     )
     manifest = read_manifest(lake)
     candidates = unseen_files(listing, manifest)
     if candidates.is_empty():
         return BatchRegistration(batch_id=None)
     hashed = candidates.with_columns(
-        checksum=pl.Series([sha256_hex(landing.read_bytes(uri)) for uri in candidates["uri"]], dtype=pl.String)
+        checksum=pl.Series(
+            [sha256_hex(landing.read_bytes(uri)) for uri in candidates["uri"]], dtype=pl.String
+        )
     )
     classified = classify_candidates(hashed, manifest)
     to_register = classified.filter(pl.col("status") != "unchanged")
@@ -64,11 +79,16 @@ def _register(landing: LandingResource, lake: LakeResource, log: logging.Logger,
             "landing file %s changed after it was ingested (sha256 %s -> %s): registering the new "
             "version in batch %s; if it grew by appending, only the new lines become records (the old "
             "ones are set aside as already_ingested), else the whole new version is ingested",
-            row["uri"], row["previous_checksum"][:12], row["checksum"][:12], batch_id,
+            row["uri"],
+            row["previous_checksum"][:12],
+            row["checksum"][:12],
+            batch_id,
         )
     entries = to_register.with_columns(batch_id=pl.lit(batch_id), registered_at=pl.lit(now))
     lock.confirm()
-    lake.append(*MANIFEST_TABLE, validate(conform(entries, LandingManifestEntry), LandingManifestEntry))
+    lake.append(
+        *MANIFEST_TABLE, validate(conform(entries, LandingManifestEntry), LandingManifestEntry)
+    )
     log.info("registered %d landing file(s) as ingest batch %s", to_register.height, batch_id)
     return BatchRegistration(
         batch_id=batch_id,

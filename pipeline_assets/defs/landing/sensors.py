@@ -1,6 +1,5 @@
 """landing_sensor: new landing files become an ingest batch (a dynamic partition) and a run."""
 
-
 from dagster import (
     AssetSelection,
     DefaultSensorStatus,
@@ -18,6 +17,7 @@ from pipeline_assets.defs.landing.registry import BatchRegistration, discover_ba
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LakeResource, LandingResource
 
+
 def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
     """Changed files are named on the run, where users look, as well as in the tick log."""
     if batch != registration.batch_id:
@@ -28,11 +28,15 @@ def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:
     return tags
 
 
-BRONZE_SELECTION = AssetSelection.assets(*(tables.bronze for tables in FORMAT_TABLES), BRONZE_QUARANTINE)
+BRONZE_SELECTION = AssetSelection.assets(
+    *(tables.bronze for tables in FORMAT_TABLES), BRONZE_QUARANTINE
+)
 
 # A named job: the sensor's target, and what clients submit (GraphQL, `dagster job launch`).
 ingest_job = define_asset_job(
-    "ingest_batch", selection=BRONZE_SELECTION, partitions_def=ingest_batches,
+    "ingest_batch",
+    selection=BRONZE_SELECTION,
+    partitions_def=ingest_batches,
     description="Bronze for one ingest batch: what landing_sensor requests when files land.",
 )
 
@@ -50,6 +54,9 @@ def landing_sensor(context: SensorEvaluationContext, landing: LandingResource, l
     if not batches:
         return SkipReason("no new landing files")
     return SensorResult(
-        run_requests=[RunRequest(partition_key=batch, run_key=batch, tags=_tags(batch, registration)) for batch in batches],
+        run_requests=[
+            RunRequest(partition_key=batch, run_key=batch, tags=_tags(batch, registration))
+            for batch in batches
+        ],
         dynamic_partitions_requests=[ingest_batches.build_add_request(batches)],
     )

@@ -43,12 +43,18 @@ def nightly_retrain(context: ScheduleEvaluationContext):
         return SkipReason("no data snapshot yet: gold/sequences has never been materialized")
     newest = max(snapshots, key=snapshot_number)
     if newest in context.instance.get_materialized_partitions(TRAINING_CHECKPOINT):
-        reason = (f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings would "
-                  "train the same model; a new snapshot (cut on its cadence) is what a retrain needs")
+        reason = (
+            f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings would "
+            "train the same model; a new snapshot (cut on its cadence) is what a retrain needs"
+        )
         context.log.info(reason)
         return SkipReason(reason)
     night = context.scheduled_execution_time.strftime("%Y-%m-%d")
-    return RunRequest(run_key=f"{newest}-{night}", partition_key=newest, tags={"pipeline/trigger": "nightly_retrain"})
+    return RunRequest(
+        run_key=f"{newest}-{night}",
+        partition_key=newest,
+        tags={"pipeline/trigger": "nightly_retrain"},
+    )
 
 
 @run_failure_sensor(
@@ -62,15 +68,22 @@ def run_failure_recorder(context: RunFailureSensorContext, lake: LakeResource):
     run = context.dagster_run
     step_failures = context.get_step_failure_events()
     failed_steps = sorted({event.step_key for event in step_failures if event.step_key})
-    reasons = [f"{event.step_key}: {event.step_failure_data.error.message.strip()}" for event in step_failures
-               if event.step_failure_data.error]
-    row = pl.DataFrame({
-        "run_id": [run.run_id],
-        "job_name": [run.job_name],
-        "partition": [run.tags.get("dagster/partition")],
-        "failed_steps": [",".join(failed_steps)],
-        "error": ["\n".join([context.failure_event.message or "", *reasons])[:4000]],
-        "failed_at": [datetime.now(timezone.utc)],
-    })
+    reasons = [
+        f"{event.step_key}: {event.step_failure_data.error.message.strip()}"
+        for event in step_failures
+        if event.step_failure_data.error
+    ]
+    row = pl.DataFrame(
+        {
+            "run_id": [run.run_id],
+            "job_name": [run.job_name],
+            "partition": [run.tags.get("dagster/partition")],
+            "failed_steps": [",".join(failed_steps)],
+            "error": ["\n".join([context.failure_event.message or "", *reasons])[:4000]],
+            "failed_at": [datetime.now(timezone.utc)],
+        }
+    )
     lake.append("ops", "run_failures", validate(conform(row, RunFailure), RunFailure))
-    context.log.warning(f"run {run.run_id} ({run.job_name}) failed at {', '.join(failed_steps) or 'the run level'}")
+    context.log.warning(
+        f"run {run.run_id} ({run.job_name}) failed at {', '.join(failed_steps) or 'the run level'}"
+    )

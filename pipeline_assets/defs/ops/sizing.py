@@ -17,10 +17,19 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
-from pipeline_assets.lib.sizing import EVAL_FLOPS_PER_PARAMETER, POINTS, TRAIN_FLOPS_PER_PARAMETER, Calibration, fit_stage
+from pipeline_assets.lib.sizing import (
+    EVAL_FLOPS_PER_PARAMETER,
+    POINTS,
+    TRAIN_FLOPS_PER_PARAMETER,
+    Calibration,
+    fit_stage,
+)
 
 # stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
-_FLOPS_PER_PARAMETER = {"training": TRAIN_FLOPS_PER_PARAMETER, "evaluation": EVAL_FLOPS_PER_PARAMETER}
+_FLOPS_PER_PARAMETER = {
+    "training": TRAIN_FLOPS_PER_PARAMETER,
+    "evaluation": EVAL_FLOPS_PER_PARAMETER,
+}
 _SILVER_BLOCKS = "silver/block stages"
 _SILVER_LOOKUP = "silver/index lookup"
 _MEASURED = {
@@ -33,13 +42,28 @@ _MEASURED = {
 }
 
 
-def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_sample_chars: float = math.inf,
-              eval_max_tokens: float = math.inf) -> Calibration:
+def calibrate(
+    instance: DagsterInstance,
+    validation_fraction: float,
+    tokenizer_sample_chars: float = math.inf,
+    eval_max_tokens: float = math.inf,
+) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
-    history = {key: materialization_history(instance, key) for key in [*(key for key, _ in _MEASURED.values()), GOLD_SNAPSHOTS]}
-    parameters = {m["partition"]: m["parameters"] for m in reversed(history[TRAINING_CHECKPOINT]) if m.get("parameters")}
+    history = {
+        key: materialization_history(instance, key)
+        for key in [*(key for key, _ in _MEASURED.values()), GOLD_SNAPSHOTS]
+    }
+    parameters = {
+        m["partition"]: m["parameters"]
+        for m in reversed(history[TRAINING_CHECKPOINT])
+        if m.get("parameters")
+    }
     points = pl.DataFrame(
-        [point for stage, (key, work) in _MEASURED.items() for point in _points(stage, history[key], work, parameters)],
+        [
+            point
+            for stage, (key, work) in _MEASURED.items()
+            for point in _points(stage, history[key], work, parameters)
+        ],
         schema=POINTS,
     )
     blocks = points.filter(pl.col("stage") == _SILVER_BLOCKS)
@@ -47,15 +71,22 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
     points = points.filter(~pl.col("stage").is_in([_SILVER_BLOCKS, _SILVER_LOOKUP]))
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
     if missing:
-        raise ValueError(f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
-                         "(pipeline-assets run, or make demo), with this version of the code, then size")
+        raise ValueError(
+            f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
+            "(pipeline-assets run, or make demo), with this version of the code, then size"
+        )
     fits = {stage: fit_stage(points.filter(pl.col("stage") == stage)) for stage in _MEASURED}
 
-    gold = _newest_with(history[GOLD_SNAPSHOTS], "input_chars")  # the newest snapshot: its shards' sums
+    gold = _newest_with(
+        history[GOLD_SNAPSHOTS], "input_chars"
+    )  # the newest snapshot: its shards' sums
     bronze = latest_per_partition(history[BRONZE_RECORDS])
     landed_chars = sum(m.get("input_chars") or 0 for m in bronze)
     landed_records = sum(m.get("lines_read") or 0 for m in bronze)
-    training, evaluation = _newest_with(history[TRAINING_CHECKPOINT], "parameters"), _newest_with(history[EVALUATION_REPORT], "tokens_scored")
+    training, evaluation = (
+        _newest_with(history[TRAINING_CHECKPOINT], "parameters"),
+        _newest_with(history[EVALUATION_REPORT], "tokens_scored"),
+    )
     silver = latest_per_partition(history[SILVER_RECORDS])
     return Calibration(
         fits=fits,
@@ -74,7 +105,8 @@ def calibrate(instance: DagsterInstance, validation_fraction: float, tokenizer_s
         silver_blocks=fit_stage(blocks) if not blocks.is_empty() else None,
         silver_lookup=fit_stage(lookups) if not lookups.is_empty() else None,
         lookup_bands=max((int(m.get("index_lookup_bands") or 0) for m in silver), default=0),
-        silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver) / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
+        silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver)
+        / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
 
 
@@ -92,8 +124,15 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
             if not parameters.get(m["partition"]):
                 continue
             amount *= _FLOPS_PER_PARAMETER[stage] * parameters[m["partition"]]
-        points.append({"stage": stage, "materializations": 1, "work": amount, "wall_seconds": float(m["wall_seconds"]),
-                       "history": 0.0})
+        points.append(
+            {
+                "stage": stage,
+                "materializations": 1,
+                "work": amount,
+                "wall_seconds": float(m["wall_seconds"]),
+                "history": 0.0,
+            }
+        )
     return points
 
 
@@ -108,18 +147,47 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
     looked_up = any(m.get("index_lookup_task_seconds") is not None for m in history)
     points = []
     for number, m in enumerate(history):
-        if not m.get(work) or m.get("wall_seconds") is None or (timed and m.get("block_stage_seconds") is None) or (
-                looked_up and m.get("index_lookup_task_seconds") is None):
+        if (
+            not m.get(work)
+            or m.get("wall_seconds") is None
+            or (timed and m.get("block_stage_seconds") is None)
+            or (looked_up and m.get("index_lookup_task_seconds") is None)
+        ):
             continue
-        own = float(m["wall_seconds"]) - float(m.get("block_wall_seconds") or 0.0) - float(m.get("index_lookup_wait_seconds") or 0.0)
-        points.append({"stage": "silver", "materializations": 1, "work": float(m[work]), "wall_seconds": own,
-                       "history": 0.0 if looked_up else float(earlier.get(number, 0))})
+        own = (
+            float(m["wall_seconds"])
+            - float(m.get("block_wall_seconds") or 0.0)
+            - float(m.get("index_lookup_wait_seconds") or 0.0)
+        )
+        points.append(
+            {
+                "stage": "silver",
+                "materializations": 1,
+                "work": float(m[work]),
+                "wall_seconds": own,
+                "history": 0.0 if looked_up else float(earlier.get(number, 0)),
+            }
+        )
         if timed:
-            points.append({"stage": _SILVER_BLOCKS, "materializations": 1, "work": float(m[work]),
-                           "wall_seconds": float(m["block_stage_seconds"]), "history": 0.0})
+            points.append(
+                {
+                    "stage": _SILVER_BLOCKS,
+                    "materializations": 1,
+                    "work": float(m[work]),
+                    "wall_seconds": float(m["block_stage_seconds"]),
+                    "history": 0.0,
+                }
+            )
         if looked_up and earlier.get(number):
-            points.append({"stage": _SILVER_LOOKUP, "materializations": 1, "work": float(earlier[number]),
-                           "wall_seconds": float(m["index_lookup_task_seconds"]), "history": 0.0})
+            points.append(
+                {
+                    "stage": _SILVER_LOOKUP,
+                    "materializations": 1,
+                    "work": float(earlier[number]),
+                    "wall_seconds": float(m["index_lookup_task_seconds"]),
+                    "history": 0.0,
+                }
+            )
     return points
 
 

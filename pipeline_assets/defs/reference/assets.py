@@ -48,7 +48,8 @@ def eval_sets(eval_sets: EvalSetsResource) -> ObserveResult:
 
 
 observe_eval_sets_job = define_asset_job(
-    "observe_eval_sets", selection=AssetSelection.assets(REFERENCE_EVAL_SETS),
+    "observe_eval_sets",
+    selection=AssetSelection.assets(REFERENCE_EVAL_SETS),
     description="Observe reference/eval_sets: records the sha256 of its files as its data version.",
 )
 

@@ -21,7 +21,11 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.retries import TRANSIENT
-from pipeline_assets.defs.snapshots import data_compute_behind, partition_metadata, snapshot_versions
+from pipeline_assets.defs.snapshots import (
+    data_compute_behind,
+    partition_metadata,
+    snapshot_versions,
+)
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.cost import Compute, model_version_cost
 from pipeline_assets.lib.promotion import OVERALL, GateDecision, champion_moved, promotion_gate
@@ -39,16 +43,23 @@ PROMOTION_GATE = "promotion_gate"
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
     pool="model_registry",  # with evaluation/report: one of them at a time (the instance's pool limit)
-    check_specs=[AssetCheckSpec(
-        PROMOTION_GATE, asset=REGISTRY_MODEL_VERSION, blocking=True,
-        description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
-        "tolerance (a first model: beats the uniform baseline). Only then does `champion` move.",
-    )],
+    check_specs=[
+        AssetCheckSpec(
+            PROMOTION_GATE,
+            asset=REGISTRY_MODEL_VERSION,
+            blocking=True,
+            description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
+            "tolerance (a first model: beats the uniform baseline). Only then does `champion` move.",
+        )
+    ],
     description="The trained model as an MLflow registered model version (aliases, never stages), with the "
     "snapshot's lineage in its tags.",
 )
 def registry_model_version(
-    context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy,
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
     cost_policy: CostPolicy,
 ) -> MaterializeResult:
     partition = context.partition_key
@@ -56,24 +67,48 @@ def registry_model_version(
     trained = partition_metadata(context.instance, TRAINING_CHECKPOINT, partition)
     report = lake.read("evaluation", "report", where=pl.col("partition") == partition)
     if trained is None or report is None or report.is_empty():
-        raise Failure(allow_retries=False, description=f"{partition} has no training run or evaluation report yet")
-    losses = {role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
-              for role in ("candidate", "champion")}
+        raise Failure(
+            allow_retries=False,
+            description=f"{partition} has no training run or evaluation report yet",
+        )
+    losses = {
+        role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
+        for role in ("candidate", "champion")
+    }
     name = registry_policy.model_name
-    training = Compute(float(trained.get("cpu_seconds") or 0), float(trained.get("gpu_seconds") or 0))
-    cost = model_version_cost(training, data_compute_behind(context.instance, partition), cost_policy.prices())
-    version = mlflow_tracking.registered_version(name, trained["mlflow_run_id"], MODEL_ARTIFACT_PATH, tags={
-        "cost_usd": json.dumps(cost, sort_keys=True),
-        "partition": partition,
-        "git_commit": trained.get("git_commit"),
-        "dagster_run_id": context.run_id,
-        **{f"delta.{table}": v for table, v in versions.items()},
-        **{f"loss.{slice_name}": round(loss, 5) for slice_name, loss in losses["candidate"].items()},
-    })
+    training = Compute(
+        float(trained.get("cpu_seconds") or 0), float(trained.get("gpu_seconds") or 0)
+    )
+    cost = model_version_cost(
+        training, data_compute_behind(context.instance, partition), cost_policy.prices()
+    )
+    version = mlflow_tracking.registered_version(
+        name,
+        trained["mlflow_run_id"],
+        MODEL_ARTIFACT_PATH,
+        tags={
+            "cost_usd": json.dumps(cost, sort_keys=True),
+            "partition": partition,
+            "git_commit": trained.get("git_commit"),
+            "dagster_run_id": context.run_id,
+            **{f"delta.{table}": v for table, v in versions.items()},
+            **{
+                f"loss.{slice_name}": round(loss, 5)
+                for slice_name, loss in losses["candidate"].items()
+            },
+        },
+    )
     evaluated = partition_metadata(context.instance, EVALUATION_REPORT, partition) or {}
     measured = evaluated.get("champion_at_evaluation", _scored_champion(report))
-    judged = judge_and_promote(context, lake, mlflow_tracking, name, version, measured,
-                               lambda champion: _decide(losses, champion, lake, versions, registry_policy))
+    judged = judge_and_promote(
+        context,
+        lake,
+        mlflow_tracking,
+        name,
+        version,
+        measured,
+        lambda champion: _decide(losses, champion, lake, versions, registry_policy),
+    )
     return MaterializeResult(
         metadata={
             "model_name": name,
@@ -94,18 +129,27 @@ def _scored_champion(report: pl.DataFrame) -> str | None:
     return scored[0] if scored else None
 
 
-def _decide(losses: dict, champion: str | None, lake: LakeResource, versions: dict,
-            policy: RegistryPolicy) -> GateDecision:
+def _decide(
+    losses: dict, champion: str | None, lake: LakeResource, versions: dict, policy: RegistryPolicy
+) -> GateDecision:
     if champion is not None and not losses["champion"]:
         # Scored on other tokens (another tokenizer): never beaten automatically; promote by hand.
-        return GateDecision(False, f"champion v{champion} could not be scored on the same rows (see "
-                                   "evaluation/report): compare by hand and use `pipeline-assets promote`")
+        return GateDecision(
+            False,
+            f"champion v{champion} could not be scored on the same rows (see "
+            "evaluation/report): compare by hand and use `pipeline-assets promote`",
+        )
     vocab_size = None
     if champion is None:  # a first model is judged against the uniform baseline over the vocabulary
-        vocab_size = int(lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])["vocab_size"][0])
+        vocab_size = int(
+            lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])["vocab_size"][0]
+        )
     return promotion_gate(
-        losses["candidate"], losses["champion"] if champion is not None else None,
-        vocab_size=vocab_size, margin=policy.promotion_margin, slice_tolerance=policy.slice_tolerance,
+        losses["candidate"],
+        losses["champion"] if champion is not None else None,
+        vocab_size=vocab_size,
+        margin=policy.promotion_margin,
+        slice_tolerance=policy.slice_tolerance,
     )
 
 
@@ -123,19 +167,35 @@ class Judged:
         return self.decision.passed and self.previous != self.version
 
     def metadata(self) -> dict:
-        return {"champion_version": self.version if self.decision.passed else self.previous,
-                "champion_at_evaluation": self.measured, "promoted": self.promoted, "gate": self.decision.reason}
+        return {
+            "champion_version": self.version if self.decision.passed else self.previous,
+            "champion_at_evaluation": self.measured,
+            "promoted": self.promoted,
+            "gate": self.decision.reason,
+        }
 
     def gate_result(self) -> AssetCheckResult:
         return AssetCheckResult(
-            check_name=PROMOTION_GATE, passed=self.decision.passed, severity=AssetCheckSeverity.ERROR,
+            check_name=PROMOTION_GATE,
+            passed=self.decision.passed,
+            severity=AssetCheckSeverity.ERROR,
             description=self.decision.reason,
-            metadata={k: MetadataValue.json(v) if isinstance(v, dict) else v for k, v in self.decision.numbers.items()},
+            metadata={
+                k: MetadataValue.json(v) if isinstance(v, dict) else v
+                for k, v in self.decision.numbers.items()
+            },
         )
 
 
-def judge_and_promote(context: AssetExecutionContext, lake: LakeResource, mlflow_tracking: MlflowResource, name: str,
-                      version: str, measured: str | None, decide: Callable[[str | None], GateDecision]) -> Judged:
+def judge_and_promote(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    mlflow_tracking: MlflowResource,
+    name: str,
+    version: str,
+    measured: str | None,
+    decide: Callable[[str | None], GateDecision],
+) -> Judged:
     """Alias ``version`` `challenger`; then, holding the registry's lock (the CLI takes it too), judge it with
     ``decide(champion)`` and move `champion` to it when the gate passes. Numbers measured against a champion
     other than the current one (``measured``) judge nothing: the gate refuses."""
@@ -145,13 +205,19 @@ def judge_and_promote(context: AssetExecutionContext, lake: LakeResource, mlflow
         previous = str(current.version) if current else None
         moved = champion_moved(seen=measured, current=previous, candidate=version)
         if moved:
-            decision = GateDecision(False, moved, {"champion_at_evaluation": measured, "champion_now": previous})
+            decision = GateDecision(
+                False, moved, {"champion_at_evaluation": measured, "champion_now": previous}
+            )
         elif previous == version:
             decision = GateDecision(True, f"v{version} is already the champion")
         else:
             decision = decide(previous)
         judged = Judged(version, measured, previous, decision)
         if judged.promoted:
-            mlflow_tracking.move_champion(name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason)
-    context.log.info(f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}")
+            mlflow_tracking.move_champion(
+                name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason
+            )
+    context.log.info(
+        f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}"
+    )
     return judged

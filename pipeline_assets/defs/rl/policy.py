@@ -25,13 +25,26 @@ from dagster import (
 
 from pipeline_assets.contracts import ReplayBufferRow, polars_schema
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
-from pipeline_assets.defs.keys import GOLD_TOKENIZER, REGISTRY_MODEL_VERSION, RL_POLICY, RL_PROMPT_BANK, RL_REPLAY_BUFFER
+from pipeline_assets.defs.keys import (
+    GOLD_TOKENIZER,
+    REGISTRY_MODEL_VERSION,
+    RL_POLICY,
+    RL_PROMPT_BANK,
+    RL_REPLAY_BUFFER,
+)
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.rl.workers import RolloutWorkers
 from pipeline_assets.lib.charts import reward_curve_png
 from pipeline_assets.lib.replay import StalenessPolicy, freshness, reward_signal
 from pipeline_assets.lib.uris import redact
-from pipeline_assets.resources import LakeResource, LandingResource, MlflowResource, RegistryPolicy, RlPolicy, TorchrunLauncher
+from pipeline_assets.resources import (
+    LakeResource,
+    LandingResource,
+    MlflowResource,
+    RegistryPolicy,
+    RlPolicy,
+    TorchrunLauncher,
+)
 from pipeline_assets.trainer.config import RlConfig
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.rl import METRICS_FILE
@@ -49,77 +62,152 @@ class RlRunConfig(Config):
     lr: float = 3e-4
     init_from: str = ""  # an exported model folder to start from instead of the sft champion (with tokenizer_path)
     tokenizer_path: str = ""
-    lagging_worker_lag: int = 0  # rollout worker 0 samples this many versions behind (a drill of the staleness limit)
+    lagging_worker_lag: int = (
+        0  # rollout worker 0 samples this many versions behind (a drill of the staleness limit)
+    )
     wait_seconds: float = 120.0
 
 
 @multi_asset(
     specs=[
-        AssetSpec(RL_POLICY, group_name="rl", deps=[RL_PROMPT_BANK, REGISTRY_MODEL_VERSION, GOLD_TOKENIZER],
-                  kinds={"pytorch", "mlflow"},
-                  description="One GRPO run from the sft champion on rl/prompt_bank's training prompts: a learner under "
-                  "torchrun publishes policy version v+1 after each update through the checkpoint store, rollout "
-                  "workers sample groups with the newest version. Materialized by hand (or selected explicitly)."),
-        AssetSpec(RL_REPLAY_BUFFER, group_name="rl", kinds={"delta"},
-                  description="Append-only Delta table, one row per completion: the policy version that generated it, "
-                  "its tokens and behaviour log-probabilities, its reward and verifier detail, and its status "
-                  "(pending, consumed, dropped_stale) with the version that consumed it."),
+        AssetSpec(
+            RL_POLICY,
+            group_name="rl",
+            deps=[RL_PROMPT_BANK, REGISTRY_MODEL_VERSION, GOLD_TOKENIZER],
+            kinds={"pytorch", "mlflow"},
+            description="One GRPO run from the sft champion on rl/prompt_bank's training prompts: a learner under "
+            "torchrun publishes policy version v+1 after each update through the checkpoint store, rollout "
+            "workers sample groups with the newest version. Materialized by hand (or selected explicitly).",
+        ),
+        AssetSpec(
+            RL_REPLAY_BUFFER,
+            group_name="rl",
+            kinds={"delta"},
+            description="Append-only Delta table, one row per completion: the policy version that generated it, "
+            "its tokens and behaviour log-probabilities, its reward and verifier detail, and its status "
+            "(pending, consumed, dropped_stale) with the version that consumed it.",
+        ),
     ],
     check_specs=[
-        AssetCheckSpec(FRESHNESS, asset=RL_REPLAY_BUFFER, blocking=True,
-                       description="No consumed rollout lagged more than PIPELINE_RL_MAX_STALENESS versions, none was "
-                       "dropped as stale, none waited longer than PIPELINE_RL_MAX_PENDING_SECONDS: the policy did not "
-                       "train on (or wait for) stale trajectories."),
-        AssetCheckSpec(REWARD_SIGNAL, asset=RL_REPLAY_BUFFER, blocking=False,
-                       description="At most 90% of the groups an update took gave all completions the same reward "
-                       "(such groups have no gradient)."),
+        AssetCheckSpec(
+            FRESHNESS,
+            asset=RL_REPLAY_BUFFER,
+            blocking=True,
+            description="No consumed rollout lagged more than PIPELINE_RL_MAX_STALENESS versions, none was "
+            "dropped as stale, none waited longer than PIPELINE_RL_MAX_PENDING_SECONDS: the policy did not "
+            "train on (or wait for) stale trajectories.",
+        ),
+        AssetCheckSpec(
+            REWARD_SIGNAL,
+            asset=RL_REPLAY_BUFFER,
+            blocking=False,
+            description="At most 90% of the groups an update took gave all completions the same reward "
+            "(such groups have no gradient).",
+        ),
     ],
     pool="training",
 )
-def rl_policy(context: AssetExecutionContext, config: RlRunConfig, lake: LakeResource, landing: LandingResource,
-              launcher: TorchrunLauncher, mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy,
-              rl_policy: RlPolicy, pipes_subprocess_client: PipesSubprocessClient):
+def rl_policy(
+    context: AssetExecutionContext,
+    config: RlRunConfig,
+    lake: LakeResource,
+    landing: LandingResource,
+    launcher: TorchrunLauncher,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+    rl_policy: RlPolicy,
+    pipes_subprocess_client: PipesSubprocessClient,
+):
     run = f"rl-{context.run_id[:8]}"  # a retry of this Dagster run resumes it
     folder = Path(launcher.scratch()) / "rl" / run
-    init_from, tokenizer_path, started_from = _starting_policy(config, lake, mlflow_tracking, registry_policy, folder)
-    mlflow_run = mlflow_tracking.open_run(name=f"rl {run}", tags={"started_from": started_from},
-                                          reuse_key={"dagster_run_id": context.run_id, "partition": run})
+    init_from, tokenizer_path, started_from = _starting_policy(
+        config, lake, mlflow_tracking, registry_policy, folder
+    )
+    mlflow_run = mlflow_tracking.open_run(
+        name=f"rl {run}",
+        tags={"started_from": started_from},
+        reuse_key={"dagster_run_id": context.run_id, "partition": run},
+    )
     rl_config = RlConfig(
-        lake_uri=lake.uri, checkpoint_uri=launcher.checkpoint_uri, partition=run, tokenizer_path=tokenizer_path,
-        init_from=init_from, tasks=config.tasks, updates=config.updates, prompts_per_update=config.prompts_per_update,
-        group_size=rl_policy.group_size, lr=config.lr, max_staleness=rl_policy.max_staleness,
-        max_pending_seconds=rl_policy.max_pending_seconds, landing_uri=landing.uri, wait_seconds=config.wait_seconds,
-        mlflow_run_id=mlflow_run, scratch_dir=launcher.scratch(),
+        lake_uri=lake.uri,
+        checkpoint_uri=launcher.checkpoint_uri,
+        partition=run,
+        tokenizer_path=tokenizer_path,
+        init_from=init_from,
+        tasks=config.tasks,
+        updates=config.updates,
+        prompts_per_update=config.prompts_per_update,
+        group_size=rl_policy.group_size,
+        lr=config.lr,
+        max_staleness=rl_policy.max_staleness,
+        max_pending_seconds=rl_policy.max_pending_seconds,
+        landing_uri=landing.uri,
+        wait_seconds=config.wait_seconds,
+        mlflow_run_id=mlflow_run,
+        scratch_dir=launcher.scratch(),
     )
     env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     command = launcher.command(rl_config.to_args(), nproc_per_node=1, module=RL_MODULE)
-    context.log.info(f"launching the learner (rerun by hand to debug): {redact(shlex.join(command))}")
+    context.log.info(
+        f"launching the learner (rerun by hand to debug): {redact(shlex.join(command))}"
+    )
     policies = PolicyStore(launcher.checkpoint_uri, run, launcher.scratch())
-    workers = RolloutWorkers(lambda n: _worker_command(rl_config, n, config.lagging_worker_lag), rl_policy.rollout_workers,
-                             {**launcher.env(), "MLFLOW_TRACKING_URI": ""}, folder / "workers", policies, context.log.warning)
+    workers = RolloutWorkers(
+        lambda n: _worker_command(rl_config, n, config.lagging_worker_lag),
+        rl_policy.rollout_workers,
+        {**launcher.env(), "MLFLOW_TRACKING_URI": ""},
+        folder / "workers",
+        policies,
+        context.log.warning,
+    )
     try:
         with workers:
             pipes_subprocess_client.run(context=context, command=command, env=env)
     except DagsterPipesExecutionError as exc:
-        raise Failure(description=redact(f"the RL learner failed: {exc}; replay buffer: "
-                                         f"{_freshness(lake, run, rl_policy).description}")) from None
-    yield from _results(lake, launcher, run, rl_policy, policies, workers.restarts, mlflow_tracking, mlflow_run,
-                        started_from)
+        raise Failure(
+            description=redact(
+                f"the RL learner failed: {exc}; replay buffer: "
+                f"{_freshness(lake, run, rl_policy).description}"
+            )
+        ) from None
+    yield from _results(
+        lake,
+        launcher,
+        run,
+        rl_policy,
+        policies,
+        workers.restarts,
+        mlflow_tracking,
+        mlflow_run,
+        started_from,
+    )
 
 
-def _starting_policy(config: RlRunConfig, lake: LakeResource, mlflow_tracking: MlflowResource,
-                     registry_policy: RegistryPolicy, folder: Path) -> tuple[str, str, str]:
+def _starting_policy(
+    config: RlRunConfig,
+    lake: LakeResource,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+    folder: Path,
+) -> tuple[str, str, str]:
     """(exported model folder, tokenizer.json, what it is): the run config's, else the sft champion with the
     gold/tokenizer version it was trained on."""
     if config.init_from or config.tokenizer_path:
         if not (config.init_from and config.tokenizer_path):
-            raise Failure(allow_retries=False, description="init_from and tokenizer_path go together")
+            raise Failure(
+                allow_retries=False, description="init_from and tokenizer_path go together"
+            )
         return config.init_from, config.tokenizer_path, config.init_from
     champion = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
     if champion is None:
-        raise Failure(allow_retries=False, description=f"no {registry_policy.model_name} champion to start the RL "
-                      "run from: run the batch path first, or give init_from and tokenizer_path")
-    model_dir = mlflow_tracking.download_model(registry_policy.model_name, str(champion.version), folder / "init")
+        raise Failure(
+            allow_retries=False,
+            description=f"no {registry_policy.model_name} champion to start the RL "
+            "run from: run the batch path first, or give init_from and tokenizer_path",
+        )
+    model_dir = mlflow_tracking.download_model(
+        registry_policy.model_name, str(champion.version), folder / "init"
+    )
     tokenizer = lake.read(*GOLD_TOKENIZER.path, version=int(champion.tags["delta.gold/tokenizer"]))
     tokenizer_path = folder / "tokenizer.json"
     tokenizer_path.write_text(tokenizer["tokenizer_json"][0])
@@ -128,7 +216,16 @@ def _starting_policy(config: RlRunConfig, lake: LakeResource, mlflow_tracking: M
 
 def _worker_command(config: RlConfig, number: int, lagging_worker_lag: int) -> list[str]:
     lag = lagging_worker_lag if number == 0 else 0
-    return [sys.executable, "-m", RL_MODULE, *config.to_args(), "--worker", str(number), "--lag", str(lag)]
+    return [
+        sys.executable,
+        "-m",
+        RL_MODULE,
+        *config.to_args(),
+        "--worker",
+        str(number),
+        "--lag",
+        str(lag),
+    ]
 
 
 def _run_rows(lake: LakeResource, run: str) -> pl.DataFrame:
@@ -141,37 +238,74 @@ def _freshness(lake: LakeResource, run: str, rl_policy: RlPolicy):
     return freshness(_run_rows(lake, run), staleness, datetime.now(timezone.utc))
 
 
-def _results(lake, launcher, run, rl_policy, policies, restarts, mlflow_tracking, mlflow_run, started_from):
-    history = [json.loads(line) for line in policies.store.local_folder(METRICS_FILE).read_text().splitlines()]
+def _results(
+    lake, launcher, run, rl_policy, policies, restarts, mlflow_tracking, mlflow_run, started_from
+):
+    history = [
+        json.loads(line)
+        for line in policies.store.local_folder(METRICS_FILE).read_text().splitlines()
+    ]
     rows = _run_rows(lake, run)
     fresh, signal = _freshness(lake, run, rl_policy), reward_signal(rows)
-    picture = reward_curve_png(history, Path(launcher.scratch()) / "reports" / run / "reward_curve.png",
-                               f"{run}: GRPO from {started_from}")
+    picture = reward_curve_png(
+        history,
+        Path(launcher.scratch()) / "reports" / run / "reward_curve.png",
+        f"{run}: GRPO from {started_from}",
+    )
     client = mlflow_tracking.client()
     if picture is not None:
         client.log_artifact(mlflow_run, str(picture), "rl")
-    first, last = history[: min(10, len(history))], history[-min(10, len(history)):]
-    yield MaterializeResult(asset_key=RL_POLICY, metadata={
-        "run": run, "started_from": started_from, "policy_version": history[-1]["policy_version"],
-        "policy_uri": policies.store.folder_uri(f"policy-v{history[-1]['policy_version']}"),
-        "reward_first_10": _mean(first, "reward_mean"), "reward_last_10": _mean(last, "reward_mean"),
-        "held_out_accuracy": next((r["held_out_accuracy"] for r in reversed(history) if "held_out_accuracy" in r), None),
-        "rollout_worker_restarts": restarts,
-        "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(mlflow_run)), "mlflow_run_id": mlflow_run,
-        **({"reward_curve": MetadataValue.path(str(picture))} if picture is not None else {}),
-    })
-    yield MaterializeResult(asset_key=RL_REPLAY_BUFFER, metadata={
-        "run": run, "rows": rows.height, "dagster/row_count": rows.height,
-        "delta_version": lake.version(*RL_REPLAY_BUFFER.path),
-        "rows_by_status": table_metadata(rows.group_by("status").len("rows").sort("status")),
-        **{k: v for k, v in fresh.metrics.items() if isinstance(v, (int, float))},
-    }, check_results=[
-        AssetCheckResult(asset_key=RL_REPLAY_BUFFER, check_name=FRESHNESS, passed=fresh.passed,
-                         severity=AssetCheckSeverity.ERROR, description=fresh.description, metadata=fresh.metrics),
-        AssetCheckResult(asset_key=RL_REPLAY_BUFFER, check_name=REWARD_SIGNAL, passed=signal.passed,
-                         severity=AssetCheckSeverity.WARN, description=signal.description,
-                         metadata={k: v for k, v in signal.metrics.items() if isinstance(v, (int, float, str))}),
-    ])
+    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
+    yield MaterializeResult(
+        asset_key=RL_POLICY,
+        metadata={
+            "run": run,
+            "started_from": started_from,
+            "policy_version": history[-1]["policy_version"],
+            "policy_uri": policies.store.folder_uri(f"policy-v{history[-1]['policy_version']}"),
+            "reward_first_10": _mean(first, "reward_mean"),
+            "reward_last_10": _mean(last, "reward_mean"),
+            "held_out_accuracy": next(
+                (r["held_out_accuracy"] for r in reversed(history) if "held_out_accuracy" in r),
+                None,
+            ),
+            "rollout_worker_restarts": restarts,
+            "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(mlflow_run)),
+            "mlflow_run_id": mlflow_run,
+            **({"reward_curve": MetadataValue.path(str(picture))} if picture is not None else {}),
+        },
+    )
+    yield MaterializeResult(
+        asset_key=RL_REPLAY_BUFFER,
+        metadata={
+            "run": run,
+            "rows": rows.height,
+            "dagster/row_count": rows.height,
+            "delta_version": lake.version(*RL_REPLAY_BUFFER.path),
+            "rows_by_status": table_metadata(rows.group_by("status").len("rows").sort("status")),
+            **{k: v for k, v in fresh.metrics.items() if isinstance(v, (int, float))},
+        },
+        check_results=[
+            AssetCheckResult(
+                asset_key=RL_REPLAY_BUFFER,
+                check_name=FRESHNESS,
+                passed=fresh.passed,
+                severity=AssetCheckSeverity.ERROR,
+                description=fresh.description,
+                metadata=fresh.metrics,
+            ),
+            AssetCheckResult(
+                asset_key=RL_REPLAY_BUFFER,
+                check_name=REWARD_SIGNAL,
+                passed=signal.passed,
+                severity=AssetCheckSeverity.WARN,
+                description=signal.description,
+                metadata={
+                    k: v for k, v in signal.metrics.items() if isinstance(v, (int, float, str))
+                },
+            ),
+        ],
+    )
 
 
 def _mean(rows: list[dict], key: str) -> float:

@@ -16,8 +16,15 @@ _STOP_SECONDS = 30.0
 
 
 class RolloutWorkers:
-    def __init__(self, command: Callable[[int], list[str]], count: int, env: dict[str, str], folder: Path,
-                 policies: PolicyStore, log: Callable[[str], None]):
+    def __init__(
+        self,
+        command: Callable[[int], list[str]],
+        count: int,
+        env: dict[str, str],
+        folder: Path,
+        policies: PolicyStore,
+        log: Callable[[str], None],
+    ):
         self.command, self.count, self.env, self.folder = command, count, env, folder
         self.policies, self.log = policies, log
         self.processes: dict[int, subprocess.Popen] = {}
@@ -37,15 +44,22 @@ class RolloutWorkers:
         self._watcher.join()
         for process in self.processes.values():
             try:
-                process.wait(timeout=_STOP_SECONDS)  # they stop on their own once the run is marked done
+                process.wait(
+                    timeout=_STOP_SECONDS
+                )  # they stop on their own once the run is marked done
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
 
     def _start(self, number: int) -> None:
         with (self.folder / f"worker-{number}.log").open("a") as log:
-            self.processes[number] = subprocess.Popen(self.command(number), stdout=log, stderr=subprocess.STDOUT,
-                                                      env=self.env, start_new_session=True)
+            self.processes[number] = subprocess.Popen(
+                self.command(number),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         pids = {str(n): process.pid for n, process in self.processes.items()}
         (self.folder / "workers.json").write_text(json.dumps(pids))
 
@@ -55,6 +69,8 @@ class RolloutWorkers:
                 code = process.poll()
                 if code is not None and not self.policies.done():
                     self.restarts += 1
-                    self.log(f"rollout worker {number} exited with code {code} before the run was done: restarted "
-                             f"(restart {self.restarts}; its log: {self.folder / f'worker-{number}.log'})")
+                    self.log(
+                        f"rollout worker {number} exited with code {code} before the run was done: restarted "
+                        f"(restart {self.restarts}; its log: {self.folder / f'worker-{number}.log'})"
+                    )
                     self._start(number)

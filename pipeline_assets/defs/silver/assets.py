@@ -14,7 +14,14 @@ from dagster import (
     multi_asset,
 )
 
-from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject, conform, polars_schema, validate
+from pipeline_assets.contracts import (
+    MinhashBandEntry,
+    MinhashIndexEntry,
+    SilverReject,
+    conform,
+    polars_schema,
+    validate,
+)
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
@@ -46,20 +53,40 @@ def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
 
 @multi_asset(
     specs=[
-        *(_spec(tables.silver, f"The {tables.fmt.about} silver kept: normalized, exact and near deduplicated, "
+        *(
+            _spec(
+                tables.silver,
+                f"The {tables.fmt.about} silver kept: normalized, exact and near deduplicated, "
                 "decontaminated, quality-gated, and judged by the format's own rules where it has some (preference "
-                "pairs: no empty side, chosen unlike rejected, no tie, no contradiction, a cap a prompt).", [tables])
-          for tables in FORMAT_TABLES),
-        _spec(SILVER_REJECTS, "Every record silver removed, with the stage that removed it and the evidence."),
-        _spec(SILVER_MINHASH_INDEX, "Exact hashes, MinHash signatures and LSH band keys of kept records."),
-        _spec(SILVER_MINHASH_BANDS, "The index's keys by band (the exact hashes' first 60 bits as band -1, preference "
-              "pairs' prompt hashes as band -2), partitioned by band: what a new batch is joined with, a task a band."),
+                "pairs: no empty side, chosen unlike rejected, no tie, no contradiction, a cap a prompt).",
+                [tables],
+            )
+            for tables in FORMAT_TABLES
+        ),
+        _spec(
+            SILVER_REJECTS,
+            "Every record silver removed, with the stage that removed it and the evidence.",
+        ),
+        _spec(
+            SILVER_MINHASH_INDEX,
+            "Exact hashes, MinHash signatures and LSH band keys of kept records.",
+        ),
+        _spec(
+            SILVER_MINHASH_BANDS,
+            "The index's keys by band (the exact hashes' first 60 bits as band -1, preference "
+            "pairs' prompt hashes as band -2), partitioned by band: what a new batch is joined with, a task a band.",
+        ),
     ],
     partitions_def=ingest_batches,
     pool="silver",  # one batch at a time: each dedups against the index the others wrote
 )
-def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSetsResource, silver_policy: SilverPolicy,
-           ray_engine: BlockEngine):
+def silver(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    eval_sets: EvalSetsResource,
+    silver_policy: SilverPolicy,
+    ray_engine: BlockEngine,
+):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     _require_earlier_batches(context.instance, batch_id)
@@ -68,36 +95,63 @@ def silver(context: AssetExecutionContext, lake: LakeResource, eval_sets: EvalSe
     rows = {tables: frame for tables, (_, frame) in bronze.items()}
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
-    look_up, lookup_report = index_lookup(context, lake, ray_engine, batch_rows=sum(f.height for f in rows.values()),
-                                          excluded=_left_out_of_dedup(context, batch_id), config=config.minhash)
+    look_up, lookup_report = index_lookup(
+        context,
+        lake,
+        ray_engine,
+        batch_rows=sum(f.height for f in rows.values()),
+        excluded=_left_out_of_dedup(context, batch_id),
+        config=config.minhash,
+    )
     context.log.info(
-        f"batch {batch_id}: " + ", ".join(f"{frame.height} rows of {tables.bronze.to_user_string()} v{version}"
-                                          for tables, (version, frame) in bronze.items())
+        f"batch {batch_id}: "
+        + ", ".join(
+            f"{frame.height} rows of {tables.bronze.to_user_string()} v{version}"
+            for tables, (version, frame) in bronze.items()
+        )
         + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
 
     # a format the batch has none of: an empty partition to write
-    curated = curate_formats({tables.fmt: frame for tables, frame in rows.items()}, look_up, eval_index, config,
-                             ray_engine.run)
+    curated = curate_formats(
+        {tables.fmt: frame for tables, frame in rows.items()},
+        look_up,
+        eval_index,
+        config,
+        ray_engine.run,
+    )
     _log_stages(context, curated, lookup_report)
     partitions = _batch_partitions(rows, {tables: curated.formats[tables.fmt] for tables in rows})
     commits = _write(lake, partitions, batch_id)
-    upstream = {**{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
-                "reference/eval_sets": eval_sets.fingerprint(eval_files), **lookup_report.get("versions", {})}
+    upstream = {
+        **{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
+        "reference/eval_sets": eval_sets.fingerprint(eval_files),
+        **lookup_report.get("versions", {}),
+    }
     metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
     input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
     for key, model in _CONTRACTS.items():
-        written = delta_write_metadata(commits[key], polars_schema(model), upstream_versions=upstream,
-                                       input_bytes=input_bytes, stopwatch=stopwatch)
+        written = delta_write_metadata(
+            commits[key],
+            polars_schema(model),
+            upstream_versions=upstream,
+            input_bytes=input_bytes,
+            stopwatch=stopwatch,
+        )
         yield MaterializeResult(asset_key=key, metadata={**written, **metadata[key]})
 
 
-_CONTRACTS = {**{tables.silver: tables.silver_contract for tables in FORMAT_TABLES}, SILVER_REJECTS: SilverReject,
-              SILVER_MINHASH_INDEX: MinhashIndexEntry, SILVER_MINHASH_BANDS: MinhashBandEntry}
+_CONTRACTS = {
+    **{tables.silver: tables.silver_contract for tables in FORMAT_TABLES},
+    SILVER_REJECTS: SilverReject,
+    SILVER_MINHASH_INDEX: MinhashIndexEntry,
+    SILVER_MINHASH_BANDS: MinhashBandEntry,
+}
 
 
-def _batch_partitions(rows: dict[FormatTables, pl.DataFrame], curated: dict[FormatTables, CuratedBatch]
-                      ) -> dict[AssetKey, pl.DataFrame]:
+def _batch_partitions(
+    rows: dict[FormatTables, pl.DataFrame], curated: dict[FormatTables, CuratedBatch]
+) -> dict[AssetKey, pl.DataFrame]:
     """The batch's partition of each silver table but the bands: each format's kept rows, and every format's
     rejects and index entries, to their contracts; every bronze row kept or rejected."""
     kept = {tables: _to_contract(tables.silver_contract, [c.kept]) for tables, c in curated.items()}
@@ -105,10 +159,15 @@ def _batch_partitions(rows: dict[FormatTables, pl.DataFrame], curated: dict[Form
     for tables, frame in rows.items():
         removed = rejects.filter(pl.col("record_id").is_in(frame["record_id"].implode())).height
         if frame.height != kept[tables].height + removed:
-            raise RuntimeError(f"accounting broken: {frame.height} {tables.bronze.to_user_string()} rows != "
-                               f"{kept[tables].height} kept + {removed} rejected")
-    return {**{tables.silver: kept[tables] for tables in FORMAT_TABLES}, SILVER_REJECTS: rejects,
-            SILVER_MINHASH_INDEX: _to_contract(MinhashIndexEntry, [c.index for c in curated.values()])}
+            raise RuntimeError(
+                f"accounting broken: {frame.height} {tables.bronze.to_user_string()} rows != "
+                f"{kept[tables].height} kept + {removed} rejected"
+            )
+    return {
+        **{tables.silver: kept[tables] for tables in FORMAT_TABLES},
+        SILVER_REJECTS: rejects,
+        SILVER_MINHASH_INDEX: _to_contract(MinhashIndexEntry, [c.index for c in curated.values()]),
+    }
 
 
 def _to_contract(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
@@ -116,42 +175,77 @@ def _to_contract(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
     return validate(conform(_concat(model, frames), model), model)
 
 
-def _write(lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_id: str) -> dict[AssetKey, DeltaCommit]:
+def _write(
+    lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_id: str
+) -> dict[AssetKey, DeltaCommit]:
     """Replace the batch's partition of each silver table; the bands table's from the index entries."""
     commits = {  # add_columns: a table written before a column existed (response_signature, prompt_hash) takes it
-        key: lake.replace_partition(*key.path, frame, column="batch_id", value=batch_id, add_columns=True)
+        key: lake.replace_partition(
+            *key.path, frame, column="batch_id", value=batch_id, add_columns=True
+        )
         for key, frame in partitions.items()
     }
     commits[SILVER_MINHASH_BANDS] = write_bands(lake, partitions[SILVER_MINHASH_INDEX], batch_id)
     return commits
 
 
-def _metadata(batch_id: str, rows: dict[FormatTables, pl.DataFrame], curated: CuratedFormats,
-              partitions: dict[AssetKey, pl.DataFrame], lookup_report: dict) -> dict[AssetKey, dict]:
+def _metadata(
+    batch_id: str,
+    rows: dict[FormatTables, pl.DataFrame],
+    curated: CuratedFormats,
+    partitions: dict[AssetKey, pl.DataFrame],
+    lookup_report: dict,
+) -> dict[AssetKey, dict]:
     """Each table's own metadata; the batch's sft records and lookup are reported on every table but the other
     formats' kept rows, which report their own."""
-    counted = {tables: {"batch_id": batch_id, **_format_metadata(rows[tables], partitions[tables.silver],
-                                                                 curated.formats[tables.fmt])}
-               for tables in FORMAT_TABLES}
-    kept = {tables.silver: {**counted[tables], **_kept_metadata(partitions[tables.silver], curated.formats[tables.fmt])}
-            for tables in FORMAT_TABLES}
+    counted = {
+        tables: {
+            "batch_id": batch_id,
+            **_format_metadata(
+                rows[tables], partitions[tables.silver], curated.formats[tables.fmt]
+            ),
+        }
+        for tables in FORMAT_TABLES
+    }
+    kept = {
+        tables.silver: {
+            **counted[tables],
+            **_kept_metadata(partitions[tables.silver], curated.formats[tables.fmt]),
+        }
+        for tables in FORMAT_TABLES
+    }
     rejects, index = partitions[SILVER_REJECTS], partitions[SILVER_MINHASH_INDEX]
     batch = {**counted[SFT_TABLES], **_lookup_metadata(curated, lookup_report)}
     return {
         **kept,
         SILVER_RECORDS: {**kept[SILVER_RECORDS], **batch},
-        SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(
-            rejects.group_by("source", "stage").len("rows").sort("source", "stage"))},
-        SILVER_MINHASH_INDEX: {**batch, "lsh_params": index["lsh_params"][0] if index.height else None},
+        SILVER_REJECTS: {
+            **batch,
+            "rejected_by_stage": table_metadata(
+                rejects.group_by("source", "stage").len("rows").sort("source", "stage")
+            ),
+        },
+        SILVER_MINHASH_INDEX: {
+            **batch,
+            "lsh_params": index["lsh_params"][0] if index.height else None,
+        },
         SILVER_MINHASH_BANDS: batch,
     }
 
 
-def _bronze_rows(lake: LakeResource, tables: FormatTables, batch_id: str) -> tuple[int | None, pl.DataFrame]:
+def _bronze_rows(
+    lake: LakeResource, tables: FormatTables, batch_id: str
+) -> tuple[int | None, pl.DataFrame]:
     """The batch's rows of the format's bronze table at its current version; none while it does not exist."""
     version = lake.version(*tables.bronze.path)
-    rows = None if version is None else lake.read(*tables.bronze.path, version=version, where=pl.col("batch_id") == batch_id)
-    return version, rows if rows is not None else pl.DataFrame(schema=polars_schema(tables.bronze_contract))
+    rows = (
+        None
+        if version is None
+        else lake.read(*tables.bronze.path, version=version, where=pl.col("batch_id") == batch_id)
+    )
+    return version, rows if rows is not None else pl.DataFrame(
+        schema=polars_schema(tables.bronze_contract)
+    )
 
 
 def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
@@ -159,10 +253,14 @@ def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
     return pl.concat([pl.DataFrame(schema=polars_schema(model)), *frames], how="diagonal_relaxed")
 
 
-def _log_stages(context: AssetExecutionContext, curated: CuratedFormats, lookup_report: dict) -> None:
+def _log_stages(
+    context: AssetExecutionContext, curated: CuratedFormats, lookup_report: dict
+) -> None:
     if "tasks" in lookup_report:
-        context.log.info(f"index lookup: {curated.index_lookup}; tasks: {lookup_report['tasks']}, on "
-                         f"{lookup_report['ran_on']}")
+        context.log.info(
+            f"index lookup: {curated.index_lookup}; tasks: {lookup_report['tasks']}, on "
+            f"{lookup_report['ran_on']}"
+        )
     for fmt, batch in curated.formats.items():
         context.log.info(f"{fmt.name} index lookup: {batch.index_lookup}")
         for stage, counters in batch.stages.items():
@@ -185,8 +283,11 @@ def _kept_metadata(kept: pl.DataFrame, curated: CuratedBatch) -> dict:
     """The kept rows by source, and what the pair rules watch for a format they judge."""
     if "pair_sides" not in curated.stages:
         return {"kept_by_source": _by_source(kept)}
-    return {"kept_by_source": _by_source(kept), "prompts": kept["prompt_hash"].n_unique(),
-            "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"]}  # DPO's length bias
+    return {
+        "kept_by_source": _by_source(kept),
+        "prompts": kept["prompt_hash"].n_unique(),
+        "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"],
+    }  # DPO's length bias
 
 
 def _by_source(kept: pl.DataFrame):
@@ -218,7 +319,9 @@ def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
     unsettled = unsettled_before(batch_events(instance), batch_id)
     if not unsettled:
         return
-    named = ", ".join(f"{batch} ({stage.value})" for batch, stage in unsettled[:3]) + (", ..." if len(unsettled) > 3 else "")
+    named = ", ".join(f"{batch} ({stage.value})" for batch, stage in unsettled[:3]) + (
+        ", ..." if len(unsettled) > 3 else ""
+    )
     raise Failure(
         allow_retries=False,
         description=f"silver takes batches in arrival order, and {len(unsettled)} batch(es) before {batch_id} are neither "
@@ -239,7 +342,12 @@ def _left_out_of_dedup(context: AssetExecutionContext, batch_id: str) -> list[st
 def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
     return pl.DataFrame(
         [
-            {"stage": name, "rows_in": c.get("rows_in", c.get("rows")), "removed": c.get("rejected", 0), "seconds": c["seconds"]}
+            {
+                "stage": name,
+                "rows_in": c.get("rows_in", c.get("rows")),
+                "removed": c.get("rejected", 0),
+                "seconds": c["seconds"],
+            }
             for name, c in stages.items()
         ]
     )

@@ -3,12 +3,23 @@
 import warnings
 
 import polars as pl
-from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, PreviewWarning, asset_check
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    PreviewWarning,
+    asset_check,
+)
 
 from pipeline_assets.contracts import MinhashBandEntry, MinhashIndexEntry, SilverReject
 from pipeline_assets.defs.check_helpers import batch_contract_check, trailing_median_result
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
-from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_RECORDS, SILVER_REJECTS
+from pipeline_assets.defs.keys import (
+    SILVER_MINHASH_BANDS,
+    SILVER_MINHASH_INDEX,
+    SILVER_RECORDS,
+    SILVER_REJECTS,
+)
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
@@ -16,34 +27,56 @@ from pipeline_assets.lib.quality import QUANTITIES
 from pipeline_assets.lib.silver_health import pass_rate_drops, pass_rates
 from pipeline_assets.resources import LakeResource, SilverPolicy
 
-warnings.filterwarnings("ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec")
+warnings.filterwarnings(
+    "ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec"
+)
 
 
 def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage) of
     rejects, up to this batch."""
     upto = pl.col("batch_id") <= batch_id
-    kept_tables = [scan for scan in (lake.scan(*tables.silver.path) for tables in FORMAT_TABLES) if scan is not None]
-    kept = pl.concat([scan.filter(upto).select("batch_id", "source") for scan in kept_tables]).collect()
-    rejects = lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
+    kept_tables = [
+        scan
+        for scan in (lake.scan(*tables.silver.path) for tables in FORMAT_TABLES)
+        if scan is not None
+    ]
+    kept = pl.concat(
+        [scan.filter(upto).select("batch_id", "source") for scan in kept_tables]
+    ).collect()
+    rejects = (
+        lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
+    )
     return kept, rejects
 
 
-@asset_check(asset=SILVER_RECORDS, name="pass_rate", blocking=True, partitions_def=ingest_batches,
-             additional_deps=[SILVER_REJECTS],
-             description="No source's pass rate falls more than the allowed points below its trailing median.")
-def silver_pass_rate(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+@asset_check(
+    asset=SILVER_RECORDS,
+    name="pass_rate",
+    blocking=True,
+    partitions_def=ingest_batches,
+    additional_deps=[SILVER_REJECTS],
+    description="No source's pass rate falls more than the allowed points below its trailing median.",
+)
+def silver_pass_rate(
+    context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
+) -> AssetCheckResult:
     batch_id = context.partition_key
     kept, rejects = _history(lake, batch_id)
-    drops = pass_rate_drops(pass_rates(kept, rejects), rejects, batch_id, silver_policy.trailing_batches)
+    drops = pass_rate_drops(
+        pass_rates(kept, rejects), rejects, batch_id, silver_policy.trailing_batches
+    )
     limit = silver_policy.max_pass_rate_drop
     fallen = drops.filter(pl.col("drop") > limit)
-    description = "; ".join(
-        f"source '{r['source']}': pass rate fell from {r['baseline']:.0%} to {r['pass_rate']:.0%} "
-        f"({r['drop'] * 100:.0f} points, limit {limit * 100:.0f}); most of the difference was removed by "
-        f"{r['blamed_stage']} (+{r['blamed_growth'] * 100:.0f} points of the batch)"
-        for r in fallen.iter_rows(named=True)
-    ) or f"every source within {limit * 100:.0f} points of its trailing median"
+    description = (
+        "; ".join(
+            f"source '{r['source']}': pass rate fell from {r['baseline']:.0%} to {r['pass_rate']:.0%} "
+            f"({r['drop'] * 100:.0f} points, limit {limit * 100:.0f}); most of the difference was removed by "
+            f"{r['blamed_stage']} (+{r['blamed_growth'] * 100:.0f} points of the batch)"
+            for r in fallen.iter_rows(named=True)
+        )
+        or f"every source within {limit * 100:.0f} points of its trailing median"
+    )
     return AssetCheckResult(
         passed=fallen.is_empty(),
         severity=AssetCheckSeverity.ERROR,
@@ -52,13 +85,26 @@ def silver_pass_rate(context: AssetCheckExecutionContext, lake: LakeResource, si
     )
 
 
-@asset_check(asset=SILVER_RECORDS, name="drift", partitions_def=ingest_batches,
-             description="PSI of response length, source mix and quality-rule values against trailing batches.")
-def silver_drift(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+@asset_check(
+    asset=SILVER_RECORDS,
+    name="drift",
+    partitions_def=ingest_batches,
+    description="PSI of response length, source mix and quality-rule values against trailing batches.",
+)
+def silver_drift(
+    context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
+) -> AssetCheckResult:
     batch_id = context.partition_key
     columns = ["batch_id", "source", *QUANTITIES]
-    history = lake.scan("silver", "records").filter(pl.col("batch_id") <= batch_id).select(columns).collect()
-    trailing_ids = sorted(set(history.filter(pl.col("batch_id") < batch_id)["batch_id"]))[-silver_policy.trailing_batches :]
+    history = (
+        lake.scan("silver", "records")
+        .filter(pl.col("batch_id") <= batch_id)
+        .select(columns)
+        .collect()
+    )
+    trailing_ids = sorted(set(history.filter(pl.col("batch_id") < batch_id)["batch_id"]))[
+        -silver_policy.trailing_batches :
+    ]
     reference = history.filter(pl.col("batch_id").is_in(trailing_ids))
     current = history.filter(pl.col("batch_id") == batch_id)
     if min(reference.height, current.height) < silver_policy.drift_min_rows:
@@ -66,35 +112,61 @@ def silver_drift(context: AssetCheckExecutionContext, lake: LakeResource, silver
             passed=True,
             description=f"not judged: {current.height} rows against {reference.height} from {len(trailing_ids)} earlier "
             f"batch(es); drift needs {silver_policy.drift_min_rows} on each side",
-            metadata={"reference_batches": len(trailing_ids), "rows": current.height, "reference_rows": reference.height},
+            metadata={
+                "reference_batches": len(trailing_ids),
+                "rows": current.height,
+                "reference_rows": reference.height,
+            },
         )
-    scores = {"source_mix": psi_categorical(reference["source"].to_list(), current["source"].to_list())}
+    scores = {
+        "source_mix": psi_categorical(reference["source"].to_list(), current["source"].to_list())
+    }
     scores |= {q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES}
     worst_name, worst = max(scores.items(), key=lambda item: item[1])
     drifted = {name: score for name, score in scores.items() if score >= silver_policy.psi_warn}
-    severity = AssetCheckSeverity.ERROR if worst >= silver_policy.psi_fail else AssetCheckSeverity.WARN
+    severity = (
+        AssetCheckSeverity.ERROR if worst >= silver_policy.psi_fail else AssetCheckSeverity.WARN
+    )
     return AssetCheckResult(
         passed=not drifted,
         severity=severity,
         description=(
-            "; ".join(f"{name} PSI {score:.2f}" for name, score in sorted(drifted.items(), key=lambda i: -i[1]))
+            "; ".join(
+                f"{name} PSI {score:.2f}"
+                for name, score in sorted(drifted.items(), key=lambda i: -i[1])
+            )
             + f" (warn at {silver_policy.psi_warn}, fail at {silver_policy.psi_fail})"
-        ) if drifted else f"stable: worst {worst_name} PSI {worst:.3f}",
+        )
+        if drifted
+        else f"stable: worst {worst_name} PSI {worst:.3f}",
         metadata={
             "reference_batches": len(trailing_ids),
-            "psi": table_metadata(pl.DataFrame({"feature": list(scores), "psi": [round(v, 4) for v in scores.values()]})),
+            "psi": table_metadata(
+                pl.DataFrame(
+                    {"feature": list(scores), "psi": [round(v, 4) for v in scores.values()]}
+                )
+            ),
             "worst_psi": round(worst, 4),
         },
     )
 
 
-@asset_check(asset=SILVER_RECORDS, name="volume", partitions_def=ingest_batches,
-             description="Each source's kept rows are within tolerance of its trailing median.")
-def silver_volume(context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy) -> AssetCheckResult:
+@asset_check(
+    asset=SILVER_RECORDS,
+    name="volume",
+    partitions_def=ingest_batches,
+    description="Each source's kept rows are within tolerance of its trailing median.",
+)
+def silver_volume(
+    context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
+) -> AssetCheckResult:
     batch_id = context.partition_key
     kept, _ = _history(lake, batch_id)
     judged = against_trailing_median(
-        kept.group_by("batch_id", "source").agg(rows=pl.len()), batch_id, "rows", silver_policy.trailing_batches
+        kept.group_by("batch_id", "source").agg(rows=pl.len()),
+        batch_id,
+        "rows",
+        silver_policy.trailing_batches,
     )
     return trailing_median_result(judged, silver_policy.volume_tolerance, "rows", "rows_by_source")
 

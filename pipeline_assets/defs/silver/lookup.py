@@ -16,7 +16,13 @@ from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
 from pipeline_assets.engine import BlockEngine
-from pipeline_assets.lib.dedup import ROWS_PER_LOOKUP_TASK, IndexLookup, band_entries, find_in_band, refuse_other_settings
+from pipeline_assets.lib.dedup import (
+    ROWS_PER_LOOKUP_TASK,
+    IndexLookup,
+    band_entries,
+    find_in_band,
+    refuse_other_settings,
+)
 from pipeline_assets.lib.minhash import MinHashConfig
 from pipeline_assets.resources import LakeResource
 
@@ -25,8 +31,15 @@ BANDS = ("silver", "minhash_bands")
 BANDS_PARTITIONED_BY = ("band", "batch_id")
 
 
-def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: BlockEngine, *, batch_rows: int,
-                 excluded: list[str], config: MinHashConfig) -> tuple[IndexLookup | None, dict]:
+def index_lookup(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    engine: BlockEngine,
+    *,
+    batch_rows: int,
+    excluded: list[str],
+    config: MinHashConfig,
+) -> tuple[IndexLookup | None, dict]:
     """The batch's lookup (None while no other batch has an index entry) and what it reports: the
     Delta versions it reads and, once it ran, its tasks and where they ran."""
     index = lake.table(*INDEX)
@@ -38,7 +51,12 @@ def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: Blo
     slices = batch_slices(index, excluded, ROWS_PER_LOOKUP_TASK)
     if bands is None or not slices:
         return None, {}
-    report = {"versions": {"silver/minhash_index": index.version(), "silver/minhash_bands": bands.version()}}
+    report = {
+        "versions": {
+            "silver/minhash_index": index.version(),
+            "silver/minhash_bands": bands.version(),
+        }
+    }
     options = lake.storage_options()
     bands_at = (lake.table_uri(*BANDS), options, bands.version())
     index_at = (lake.table_uri(*INDEX), options, index.version())
@@ -51,16 +69,28 @@ def index_lookup(context: AssetExecutionContext, lake: LakeResource, engine: Blo
     return look_up, report
 
 
-def look_up_by_band(wanted: pl.DataFrame, engine: BlockEngine, batch_rows: int, bands_at: tuple, index_at: tuple,
-                    slices: list[list[str]]) -> tuple[pl.DataFrame | None, dict]:
+def look_up_by_band(
+    wanted: pl.DataFrame,
+    engine: BlockEngine,
+    batch_rows: int,
+    bands_at: tuple,
+    index_at: tuple,
+    slices: list[list[str]],
+) -> tuple[pl.DataFrame | None, dict]:
     """The index entries holding one of the ``wanted`` (band, band_key) rows (None: none), and the
     tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options, version)."""
     by_key = wanted.sort("band").group_by("band", maintain_order=True)
-    calls = [(*bands_at, band, keys["band_key"], batches) for (band,), keys in by_key for batches in slices]
+    calls = [
+        (*bands_at, band, keys["band_key"], batches)
+        for (band,), keys in by_key
+        for batches in slices
+    ]
     by_band = engine.map_tasks(find_in_band_table, calls, batch_rows)
     found = pl.concat(by_band.results).unique()
     reads = [(*index_at, found.filter(pl.col("batch_id").is_in(batches))) for batches in slices]
-    entries = engine.map_tasks(read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows)
+    entries = engine.map_tasks(
+        read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows
+    )
     tasks = {
         "tasks": f"{len(calls)} by band, {len(entries.results)} reading entries",
         "ran_on": by_band.ran_on,
@@ -88,8 +118,12 @@ def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> 
     actions = pl.DataFrame(index.get_add_actions(flatten=True))
     if actions.is_empty():
         return []
-    rows = (actions.group_by(batch_id="partition.batch_id").agg(pl.col("num_records").sum())
-            .filter(~pl.col("batch_id").is_in(excluded)).sort("batch_id"))
+    rows = (
+        actions.group_by(batch_id="partition.batch_id")
+        .agg(pl.col("num_records").sum())
+        .filter(~pl.col("batch_id").is_in(excluded))
+        .sort("batch_id")
+    )
     slices, current, size = [], [], 0
     for batch_id, count in rows.iter_rows():
         if current and size + count > rows_per_task:
@@ -100,37 +134,66 @@ def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> 
     return [*slices, current] if current else slices
 
 
-def find_in_band_table(uri: str, storage_options: dict | None, version: int, band: int, keys: pl.Series,
-                       batches: list[str]) -> pl.DataFrame:
+def find_in_band_table(
+    uri: str,
+    storage_options: dict | None,
+    version: int,
+    band: int,
+    keys: pl.Series,
+    batches: list[str],
+) -> pl.DataFrame:
     """One task: ``find_in_band`` on one band of some batches' partitions of ``silver/minhash_bands``."""
-    return find_in_band(pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options)), band, keys, batches)
+    return find_in_band(
+        pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options)),
+        band,
+        keys,
+        batches,
+    )
 
 
-def read_entries(uri: str, storage_options: dict | None, version: int, found: pl.DataFrame) -> pl.DataFrame:
+def read_entries(
+    uri: str, storage_options: dict | None, version: int, found: pl.DataFrame
+) -> pl.DataFrame:
     """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from their batches' partitions."""
     return (
         pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options))
-        .filter(pl.col("batch_id").is_in(found["batch_id"].unique().implode()) & pl.col("record_id").is_in(found["record_id"].implode()))
+        .filter(
+            pl.col("batch_id").is_in(found["batch_id"].unique().implode())
+            & pl.col("record_id").is_in(found["record_id"].implode())
+        )
         .collect()
     )
 
 
 def write_bands(lake: LakeResource, index: pl.DataFrame, batch_id: str):
     """Replace the batch's rows of ``silver/minhash_bands`` with its index entries' keys."""
-    return lake.replace_partition(*BANDS, band_entries(index), column="batch_id", value=batch_id,
-                                  partition_by=BANDS_PARTITIONED_BY)
+    return lake.replace_partition(
+        *BANDS,
+        band_entries(index),
+        column="batch_id",
+        value=batch_id,
+        partition_by=BANDS_PARTITIONED_BY,
+    )
 
 
-def _add_missing_batches(context: AssetExecutionContext, lake: LakeResource, index: DeltaTable) -> None:
+def _add_missing_batches(
+    context: AssetExecutionContext, lake: LakeResource, index: DeltaTable
+) -> None:
     """Batches the index holds and the bands table does not (an index written before the bands table
     existed) get their keys written, one batch at a time."""
     bands = lake.table(*BANDS)
     have = set() if bands is None else {part["batch_id"] for part in bands.partitions()}
     missing = sorted({part["batch_id"] for part in index.partitions()} - have)
     if missing:
-        context.log.info(f"silver/minhash_bands: adding the keys of {len(missing)} batch(es) from silver/minhash_index")
+        context.log.info(
+            f"silver/minhash_bands: adding the keys of {len(missing)} batch(es) from silver/minhash_index"
+        )
     for batch_id in missing:
-        entries = pl.scan_delta(index).filter(pl.col("batch_id") == batch_id).select("record_id", "batch_id", "exact_hash", "band_keys")
+        entries = (
+            pl.scan_delta(index)
+            .filter(pl.col("batch_id") == batch_id)
+            .select("record_id", "batch_id", "exact_hash", "band_keys")
+        )
         write_bands(lake, entries.collect(), batch_id)
 
 
@@ -139,4 +202,6 @@ def _values_in_file_stats(table: DeltaTable, column: str) -> list[str]:
     actions = pl.DataFrame(table.get_add_actions(flatten=True))
     if actions.is_empty():
         return []
-    return sorted(set(actions[f"min.{column}"].drop_nulls()) | set(actions[f"max.{column}"].drop_nulls()))
+    return sorted(
+        set(actions[f"min.{column}"].drop_nulls()) | set(actions[f"max.{column}"].drop_nulls())
+    )

@@ -10,41 +10,68 @@ from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.snapshots import latest_records_by_partition
 from pipeline_assets.lib.silver_order import BatchEvents, Event
 
-
-_NOT_FINISHED = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
-                 DagsterRunStatus.STARTED, DagsterRunStatus.SUSPENDED, DagsterRunStatus.CANCELING]
+_NOT_FINISHED = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.SUSPENDED,
+    DagsterRunStatus.CANCELING,
+]
 
 
 def blocked_batches(instance: DagsterInstance) -> set[str]:
     """Batches whose latest run of a blocking check on bronze or silver failed: they feed neither gold nor dedup."""
-    return {partition for partition, _ in partitions_failing_blocking_checks(instance, [*bronze_checks, *silver_checks])}
+    return {
+        partition
+        for partition, _ in partitions_failing_blocking_checks(
+            instance, [*bronze_checks, *silver_checks]
+        )
+    }
 
 
 def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
     """Every registered batch, oldest first, with its latest bronze and silver materializations and attempts."""
     unfinished = set(instance.get_run_ids(RunsFilter(statuses=_NOT_FINISHED)))
-    bronze, silver = (_materializations(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS))
-    bronze_attempts, silver_attempts = (_attempts(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS))
+    bronze, silver = (
+        _materializations(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS)
+    )
+    bronze_attempts, silver_attempts = (
+        _attempts(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS)
+    )
     bronze_blocked = {p for p, _ in partitions_failing_blocking_checks(instance, bronze_checks)}
     silver_blocked = {p for p, _ in partitions_failing_blocking_checks(instance, silver_checks)}
     return [
         BatchEvents(
             batch,
-            bronze=bronze.get(batch), bronze_attempt=bronze_attempts.get(batch), bronze_blocked=batch in bronze_blocked,
-            silver=silver.get(batch), silver_attempt=silver_attempts.get(batch), silver_blocked=batch in silver_blocked,
+            bronze=bronze.get(batch),
+            bronze_attempt=bronze_attempts.get(batch),
+            bronze_blocked=batch in bronze_blocked,
+            silver=silver.get(batch),
+            silver_attempt=silver_attempts.get(batch),
+            silver_blocked=batch in silver_blocked,
         )
         for batch in sorted(instance.get_dynamic_partitions(ingest_batches.name))
     ]
 
 
-def _materializations(instance: DagsterInstance, key: AssetKey, unfinished: set[str]) -> dict[str, Event]:
+def _materializations(
+    instance: DagsterInstance, key: AssetKey, unfinished: set[str]
+) -> dict[str, Event]:
     """Per batch, the latest materialization of ``key``."""
-    return {batch: Event(r.storage_id, r.run_id, r.run_id not in unfinished)
-            for batch, r in latest_records_by_partition(instance, key).items()}
+    return {
+        batch: Event(r.storage_id, r.run_id, r.run_id not in unfinished)
+        for batch, r in latest_records_by_partition(instance, key).items()
+    }
 
 
 def _attempts(instance: DagsterInstance, key: AssetKey, unfinished: set[str]) -> dict[str, Event]:
     """Per batch, the latest planned materialization of ``key`` newer than its latest materialization."""
     storage = instance.event_log_storage
-    attempts = storage.get_latest_asset_partition_materialization_attempts_without_materializations(key)
-    return {batch: Event(storage_id, run_id, run_id not in unfinished) for batch, (run_id, storage_id) in attempts.items()}
+    attempts = storage.get_latest_asset_partition_materialization_attempts_without_materializations(
+        key
+    )
+    return {
+        batch: Event(storage_id, run_id, run_id not in unfinished)
+        for batch, (run_id, storage_id) in attempts.items()
+    }

@@ -1,6 +1,14 @@
 """silver_in_order: silver for one ingest batch at a time, oldest first, skipping blocked batches."""
 
-from dagster import AssetSelection, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, define_asset_job, sensor
+from dagster import (
+    AssetSelection,
+    DefaultSensorStatus,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    define_asset_job,
+    sensor,
+)
 
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_REJECTS
@@ -8,11 +16,17 @@ from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.silver_order import next_batch
 
-SILVER_SELECTION = AssetSelection.assets(*(tables.silver for tables in FORMAT_TABLES), SILVER_REJECTS,
-                                         SILVER_MINHASH_INDEX, SILVER_MINHASH_BANDS)
+SILVER_SELECTION = AssetSelection.assets(
+    *(tables.silver for tables in FORMAT_TABLES),
+    SILVER_REJECTS,
+    SILVER_MINHASH_INDEX,
+    SILVER_MINHASH_BANDS,
+)
 
 silver_job = define_asset_job(
-    "silver_batch", selection=SILVER_SELECTION, partitions_def=ingest_batches,
+    "silver_batch",
+    selection=SILVER_SELECTION,
+    partitions_def=ingest_batches,
     description="Silver (and its checks) for one ingest batch: what silver_in_order requests.",
 )
 
@@ -33,4 +47,6 @@ def silver_in_order(context: SensorEvaluationContext):
     context.log.info(decision.reason)
     batch = decision.batch
     # One request per bronze materialization: the daemon never launches it twice, and new bronze asks again.
-    return RunRequest(partition_key=batch.batch_id, run_key=f"{batch.batch_id}@bronze-{batch.bronze.storage_id}")
+    return RunRequest(
+        partition_key=batch.batch_id, run_key=f"{batch.batch_id}@bronze-{batch.bronze.storage_id}"
+    )

@@ -23,15 +23,20 @@ from dagster import (
 )
 
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
-from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
-from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_CHECKPOINT, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import (
+    GOLD_SNAPSHOTS,
+    GOLD_TOKENIZER,
+    TRAINING_CHECKPOINT,
+    TRAINING_HPARAM_SEARCH,
+)
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
+from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
 from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
-from pipeline_assets.trainer.storage import OWNER, CheckpointStore
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, TrainConfig
+from pipeline_assets.trainer.storage import OWNER, CheckpointStore
 
 MODEL_ARTIFACT_PATH = "model"  # the exported model inside the training run's MLflow artifacts
 
@@ -50,13 +55,17 @@ class TrainingRunConfig(Config):
     nproc_per_node: Optional[int] = None
 
     def hyperparameter_overrides(self) -> dict:
-        return {k: v for k, v in self.model_dump().items() if v is not None and k != "nproc_per_node"}
+        return {
+            k: v for k, v in self.model_dump().items() if v is not None and k != "nproc_per_node"
+        }
 
 
 def when_snapshot_added() -> AutomationCondition:
     """Train each new data snapshot once its blocking checks pass; older snapshots are not retrained."""
     return (
-        AutomationCondition.on_missing().ignore(AssetSelection.assets(TRAINING_HPARAM_SEARCH))  # optional, by hand
+        AutomationCondition.on_missing().ignore(
+            AssetSelection.assets(TRAINING_HPARAM_SEARCH)
+        )  # optional, by hand
         & AutomationCondition.all_deps_blocking_checks_passed()
     )
 
@@ -67,7 +76,9 @@ def when_snapshot_added() -> AutomationCondition:
     deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH],
     partitions_def=data_snapshots,
     pool="training",  # one job at a time by default: the instance's pool limit
-    retry_policy=RetryPolicy(max_retries=2, delay=5),  # a preempted job resumes from its newest checkpoint
+    retry_policy=RetryPolicy(
+        max_retries=2, delay=5
+    ),  # a preempted job resumes from its newest checkpoint
     kinds={"pytorch", "mlflow"},
     automation_condition=when_snapshot_added(),
     description="A torchrun FSDP2 job on one data snapshot (its manifest's shards, Delta versions pinned): checkpoints, the exported "
@@ -84,12 +95,25 @@ def training_checkpoint(
 ) -> MaterializeResult:
     partition = context.partition_key
     versions = snapshot_versions(context.instance, partition)
-    searched = (partition_metadata(context.instance, TRAINING_HPARAM_SEARCH, partition) or {}).get("best_config")
+    searched = (partition_metadata(context.instance, TRAINING_HPARAM_SEARCH, partition) or {}).get(
+        "best_config"
+    )
     if searched:
-        context.log.info(f"using training/hparam_search's best configuration for {partition}: {searched}")
-    train_config = train_config_for(partition, config, lake, launcher, training_policy, versions, searched)
-    trained = train_and_export(context, train_config, config.nproc_per_node, launcher, mlflow_tracking,
-                               pipes_subprocess_client, {f"delta.{name}": str(v) for name, v in versions.items()})
+        context.log.info(
+            f"using training/hparam_search's best configuration for {partition}: {searched}"
+        )
+    train_config = train_config_for(
+        partition, config, lake, launcher, training_policy, versions, searched
+    )
+    trained = train_and_export(
+        context,
+        train_config,
+        config.nproc_per_node,
+        launcher,
+        mlflow_tracking,
+        pipes_subprocess_client,
+        {f"delta.{name}": str(v) for name, v in versions.items()},
+    )
     return MaterializeResult(
         metadata={
             **trained,
@@ -100,9 +124,15 @@ def training_checkpoint(
     )
 
 
-def train_and_export(context: AssetExecutionContext, train_config: TrainConfig, nproc_per_node: int | None,
-                     launcher: TorchrunLauncher, mlflow_tracking: MlflowResource,
-                     pipes_subprocess_client: PipesSubprocessClient, tags: dict[str, str]) -> dict:
+def train_and_export(
+    context: AssetExecutionContext,
+    train_config: TrainConfig,
+    nproc_per_node: int | None,
+    launcher: TorchrunLauncher,
+    mlflow_tracking: MlflowResource,
+    pipes_subprocess_client: PipesSubprocessClient,
+    tags: dict[str, str],
+) -> dict:
     """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's unfinished
     checkpoints), log its export to a new MLflow run, and return the materialization's metadata."""
     partition = train_config.partition
@@ -116,7 +146,9 @@ def train_and_export(context: AssetExecutionContext, train_config: TrainConfig, 
         reuse_key={"dagster_run_id": context.run_id, "partition": partition},
     )
     command = launcher.command([*train_config.to_args(), "--mlflow-run-id", run_id], nproc_per_node)
-    context.log.info(f"launching (rerun by hand with the same arguments to debug): {redact(shlex.join(command))}")
+    context.log.info(
+        f"launching (rerun by hand with the same arguments to debug): {redact(shlex.join(command))}"
+    )
     env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     started, children_cpu = time.perf_counter(), _children_cpu_seconds()
     try:
@@ -125,9 +157,14 @@ def train_and_export(context: AssetExecutionContext, train_config: TrainConfig, 
         # This process was asked to stop (Ctrl-C, SIGTERM to the command or to its run worker): the
         # trainer saved and exited; retrying here would only be stopped again. The next
         # materialization resumes from the saved step.
-        raise Failure(description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved its newest checkpoint and exited; "
-                      "materializing this partition again resumes from it", allow_retries=False) from None
-    except DagsterPipesExecutionError as exc:  # the trainer failed, or was preempted on its own (exit 143): retried
+        raise Failure(
+            description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved its newest checkpoint and exited; "
+            "materializing this partition again resumes from it",
+            allow_retries=False,
+        ) from None
+    except (
+        DagsterPipesExecutionError
+    ) as exc:  # the trainer failed, or was preempted on its own (exit 143): retried
         raise Failure(description=redact(_failure_reason(str(exc), train_config))) from None
     reported = invocation.get_materialize_result().metadata or {}
     wall = time.perf_counter() - started
@@ -141,11 +178,15 @@ def train_and_export(context: AssetExecutionContext, train_config: TrainConfig, 
         **({"resumed_from": resumed} if resumed else {}),
         "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(run_id)),
         "mlflow_run_id": run_id,
-        "loss_curve": MetadataValue.path(join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")),
+        "loss_curve": MetadataValue.path(
+            join(train_config.checkpoint_uri, partition, "final", "loss_curve.png")
+        ),
         "git_commit": commit,
         "command": MetadataValue.text(redact(shlex.join(command))),
         "wall_seconds": round(wall, 2),
-        "cpu_seconds": round(_children_cpu_seconds() - children_cpu, 2),  # every rank, torchrun included
+        "cpu_seconds": round(
+            _children_cpu_seconds() - children_cpu, 2
+        ),  # every rank, torchrun included
         "gpu_seconds": round(wall * reported["gpus"].value, 2) if "gpus" in reported else 0.0,
     }
 
@@ -156,7 +197,9 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore, settings: str) -> str | None:
+def _claim_checkpoints(
+    context: AssetExecutionContext, store: CheckpointStore, settings: str
+) -> str | None:
     """A retry of this materialization resumes its checkpoints, and so does a new materialization of
     the partition whose previous one never finished with the same settings (its process was killed);
     otherwise the partition starts from step 0 (a finished one is not continued). Returns what was
@@ -168,11 +211,19 @@ def _claim_checkpoints(context: AssetExecutionContext, store: CheckpointStore, s
         steps = store.complete_steps()
         if not owner.get("finished") and owner.get("settings") == settings and steps:
             resumed = f"step {steps[0]} of run {owner['root_run_id']}"
-            context.log.info(f"resumed from {resumed}: that materialization of {context.partition_key} never "
-                             "finished, and its snapshot and settings are the same")
+            context.log.info(
+                f"resumed from {resumed}: that materialization of {context.partition_key} never "
+                "finished, and its snapshot and settings are the same"
+            )
         else:
-            why = "finished" if owner.get("finished") else ("trained with other settings" if steps else "no checkpoint")
-            context.log.info(f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')} ({why})")
+            why = (
+                "finished"
+                if owner.get("finished")
+                else ("trained with other settings" if steps else "no checkpoint")
+            )
+            context.log.info(
+                f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')} ({why})"
+            )
             store.clear()
     store.write_json(OWNER, {"root_run_id": root_run, "settings": settings})
     return resumed
@@ -186,8 +237,15 @@ def _settings_fingerprint(config: TrainConfig, nproc_per_node: int) -> str:
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
 
-def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResource, launcher: TorchrunLauncher,
-                     policy: TrainingPolicy, versions: dict, searched: dict | None = None) -> TrainConfig:
+def train_config_for(
+    partition: str,
+    config: TrainingRunConfig,
+    lake: LakeResource,
+    launcher: TorchrunLauncher,
+    policy: TrainingPolicy,
+    versions: dict,
+    searched: dict | None = None,
+) -> TrainConfig:
     """The policy's hyperparameters, then the search's best for this snapshot, then the run's config."""
     tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
     if tokenizer is None:
@@ -206,7 +264,11 @@ def train_config_for(partition: str, config: TrainingRunConfig, lake: LakeResour
 
 def _failure_reason(error: str, config: TrainConfig) -> str:
     if f"code {EXIT_PREEMPTED}" in error:
-        return (f"the training job was stopped by SIGTERM after saving a checkpoint under "
-                f"{join(config.checkpoint_uri, config.partition)}; a retry resumes from it")
-    return (f"the training job failed ({error}); each rank's error is in this run's logs. "
-            "Rerun the logged torchrun command by hand to debug; completed checkpoints are kept and resumed from.")
+        return (
+            f"the training job was stopped by SIGTERM after saving a checkpoint under "
+            f"{join(config.checkpoint_uri, config.partition)}; a retry resumes from it"
+        )
+    return (
+        f"the training job failed ({error}); each rank's error is in this run's logs. "
+        "Rerun the logged torchrun command by hand to debug; completed checkpoints are kept and resumed from."
+    )

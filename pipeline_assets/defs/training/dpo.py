@@ -15,7 +15,11 @@ from dagster import (
     asset,
 )
 
-from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_REFERENCE_LOGPS, TRAINING_DPO_CHECKPOINT
+from pipeline_assets.defs.keys import (
+    GOLD_PREFERENCE_SNAPSHOTS,
+    GOLD_REFERENCE_LOGPS,
+    TRAINING_DPO_CHECKPOINT,
+)
 from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_and_export
@@ -30,9 +34,12 @@ from pipeline_assets.trainer.config import TrainConfig, architecture_flags
     deps=[GOLD_PREFERENCE_SNAPSHOTS, GOLD_REFERENCE_LOGPS],
     partitions_def=preference_snapshots,
     pool="training",  # one job at a time by default, sft's and DPO's together
-    retry_policy=RetryPolicy(max_retries=2, delay=5),  # a preempted job resumes from its newest checkpoint
+    retry_policy=RetryPolicy(
+        max_retries=2, delay=5
+    ),  # a preempted job resumes from its newest checkpoint
     kinds={"pytorch", "mlflow"},
-    automation_condition=AutomationCondition.on_missing() & AutomationCondition.all_deps_blocking_checks_passed(),
+    automation_condition=AutomationCondition.on_missing()
+    & AutomationCondition.all_deps_blocking_checks_passed(),
     description="A torchrun FSDP2 DPO job on one preference snapshot (dpo-v<N>): it starts from the sft champion "
     "the reference pass scored with (gold/reference_logps names it), reads the stored reference log-probabilities "
     "beside the rows, and ends with checkpoints, the exported model and an MLflow run, like training/checkpoint.",
@@ -49,10 +56,15 @@ def training_dpo_checkpoint(
     partition = context.partition_key
     reference = partition_metadata(context.instance, GOLD_REFERENCE_LOGPS, partition)
     if reference is None:
-        raise Failure(allow_retries=False, description=f"gold/reference_logps has no materialization for {partition}: "
-                      "run the reference pass first")
+        raise Failure(
+            allow_retries=False,
+            description=f"gold/reference_logps has no materialization for {partition}: "
+            "run the reference pass first",
+        )
     model_name, version = reference["reference_model"].rsplit("/", 1)
-    folder = Path(launcher.scratch()) / "dpo" / partition / "init"  # the trainer reads it; kept for a resume
+    folder = (
+        Path(launcher.scratch()) / "dpo" / partition / "init"
+    )  # the trainer reads it; kept for a resume
     init_from = mlflow_tracking.download_model(model_name, version, folder)
     architecture = architecture_flags(json.loads((init_from / "config.json").read_text())["model"])
     train_config = TrainConfig(
@@ -67,15 +79,28 @@ def training_dpo_checkpoint(
         scratch_dir=launcher.scratch(),
         **{**dpo_policy.hyperparameters(), **architecture, **config.hyperparameter_overrides()},
     )
-    context.log.info(f"DPO on {partition} from {reference['reference_model']}, reference log-probabilities of "
-                     f"gold/reference_logps v{reference['delta_version']}")
+    context.log.info(
+        f"DPO on {partition} from {reference['reference_model']}, reference log-probabilities of "
+        f"gold/reference_logps v{reference['delta_version']}"
+    )
     versions = {"gold/reference_logps": int(reference["delta_version"])}
-    trained = train_and_export(context, train_config, config.nproc_per_node, launcher, mlflow_tracking,
-                               pipes_subprocess_client, {"reference_model": reference["reference_model"],
-                                                         **{f"delta.{k}": str(v) for k, v in versions.items()}})
-    return MaterializeResult(metadata={
-        **trained,
-        "reference_model": reference["reference_model"],
-        "upstream_delta_versions": MetadataValue.json(versions),
-        "beta": train_config.beta,
-    })
+    trained = train_and_export(
+        context,
+        train_config,
+        config.nproc_per_node,
+        launcher,
+        mlflow_tracking,
+        pipes_subprocess_client,
+        {
+            "reference_model": reference["reference_model"],
+            **{f"delta.{k}": str(v) for k, v in versions.items()},
+        },
+    )
+    return MaterializeResult(
+        metadata={
+            **trained,
+            "reference_model": reference["reference_model"],
+            "upstream_delta_versions": MetadataValue.json(versions),
+            "beta": train_config.beta,
+        }
+    )

@@ -19,7 +19,13 @@ from pipeline_assets.hparam_search import TrialResult, successive_halving
 from pipeline_assets.lib.search import sample_configurations
 from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.lib.uris import join
-from pipeline_assets.resources import HparamSearchPolicy, LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
+from pipeline_assets.resources import (
+    HparamSearchPolicy,
+    LakeResource,
+    MlflowResource,
+    TorchrunLauncher,
+    TrainingPolicy,
+)
 from pipeline_assets.trainer.config import TrainConfig
 
 
@@ -46,46 +52,82 @@ def hparam_search(
     stopwatch = Stopwatch()
     partition, policy = context.partition_key, hparam_search_policy
     versions = snapshot_versions(context.instance, partition)
-    base = train_config_for(partition, TrainingRunConfig(), lake, launcher, training_policy, versions)
+    base = train_config_for(
+        partition, TrainingRunConfig(), lake, launcher, training_policy, versions
+    )
     _require_search_rows(lake, base.snapshot, policy.nproc_per_node)
     launcher.store("search", root=join(launcher.checkpoint_uri, partition)).clear()
     configurations = sample_configurations(policy.space, policy.trials, policy.seed)
-    parent = mlflow_tracking.open_run(name=f"hparam_search {partition}", tags={"search_space": json.dumps(policy.space)},
-                                      reuse_key={"dagster_run_id": context.run_id, "partition": partition, "kind": "hparam_search"})
-    trial_runs = {trial: _trial_run(mlflow_tracking, parent, partition, trial, configurations[trial])
-                  for trial in range(len(configurations))}
+    parent = mlflow_tracking.open_run(
+        name=f"hparam_search {partition}",
+        tags={"search_space": json.dumps(policy.space)},
+        reuse_key={
+            "dagster_run_id": context.run_id,
+            "partition": partition,
+            "kind": "hparam_search",
+        },
+    )
+    trial_runs = {
+        trial: _trial_run(mlflow_tracking, parent, partition, trial, configurations[trial])
+        for trial in range(len(configurations))
+    }
 
     def launch(config: TrainConfig, trial: int) -> float:
-        return _run_trial(context, launcher, mlflow_tracking, dataclasses.replace(config, mlflow_run_id=trial_runs[trial]),
-                          policy.nproc_per_node)
+        return _run_trial(
+            context,
+            launcher,
+            mlflow_tracking,
+            dataclasses.replace(config, mlflow_run_id=trial_runs[trial]),
+            policy.nproc_per_node,
+        )
 
     def report(result: TrialResult) -> None:
         verdict = "continues" if result.continued else "stops here"
-        context.log.info(f"rung {result.rung} ({result.steps} steps): trial {result.trial} {result.hyperparameters} "
-                         f"search loss {result.search_loss:.4f}: {verdict}")
+        context.log.info(
+            f"rung {result.rung} ({result.steps} steps): trial {result.trial} {result.hyperparameters} "
+            f"search loss {result.search_loss:.4f}: {verdict}"
+        )
         if not result.continued:
-            mlflow_tracking.client().set_tag(trial_runs[result.trial], "search.stopped_at_steps", result.steps)
+            mlflow_tracking.client().set_tag(
+                trial_runs[result.trial], "search.stopped_at_steps", result.steps
+            )
 
-    outcome = successive_halving(base, configurations, min_steps=policy.min_steps, max_steps=policy.max_steps,
-                                 eta=policy.eta, launch=launch, on_result=report)
+    outcome = successive_halving(
+        base,
+        configurations,
+        min_steps=policy.min_steps,
+        max_steps=policy.max_steps,
+        eta=policy.eta,
+        launch=launch,
+        on_result=report,
+    )
     trials = _trials_frame(partition, outcome.results, trial_runs)
-    commit = lake.replace_partition("training", "hparam_search", trials, column="partition", value=partition)
+    commit = lake.replace_partition(
+        "training", "hparam_search", trials, column="partition", value=partition
+    )
     client = mlflow_tracking.client()
     client.log_metric(parent, "best_search_loss", outcome.best_search_loss)
     client.log_metric(parent, "steps_trained", outcome.steps_trained)
     client.set_tag(parent, "best_hyperparameters", json.dumps(outcome.best_hyperparameters))
     client.set_terminated(parent)
-    return MaterializeResult(metadata={
-        **delta_write_metadata(commit, polars_schema(HparamTrial), upstream_versions=versions, input_bytes=0,
-                               stopwatch=stopwatch),
-        "best_config": MetadataValue.json(outcome.best_hyperparameters),
-        "best_search_loss": outcome.best_search_loss,
-        "steps_trained": outcome.steps_trained,
-        "full_grid_steps": outcome.full_grid_steps,
-        "steps_saved": round(1 - outcome.steps_trained / outcome.full_grid_steps, 3),
-        "trials": table_metadata(trials.drop("partition", "mlflow_run_id")),
-        "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(parent)),
-    })
+    return MaterializeResult(
+        metadata={
+            **delta_write_metadata(
+                commit,
+                polars_schema(HparamTrial),
+                upstream_versions=versions,
+                input_bytes=0,
+                stopwatch=stopwatch,
+            ),
+            "best_config": MetadataValue.json(outcome.best_hyperparameters),
+            "best_search_loss": outcome.best_search_loss,
+            "steps_trained": outcome.steps_trained,
+            "full_grid_steps": outcome.full_grid_steps,
+            "steps_saved": round(1 - outcome.steps_trained / outcome.full_grid_steps, 3),
+            "trials": table_metadata(trials.drop("partition", "mlflow_run_id")),
+            "mlflow_run": MetadataValue.url(mlflow_tracking.run_url(parent)),
+        }
+    )
 
 
 def _require_search_rows(lake: LakeResource, snapshot: int, ranks: int) -> None:
@@ -93,44 +135,89 @@ def _require_search_rows(lake: LakeResource, snapshot: int, ranks: int) -> None:
     manifest = read_manifest(lake.uri, snapshot)
     rows = manifest.sequences_by_split()["search"]
     if rows < ranks:
-        raise Failure(allow_retries=False, description=f"{manifest.key} has {rows} search sequence(s), fewer "
-                      f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot")
+        raise Failure(
+            allow_retries=False,
+            description=f"{manifest.key} has {rows} search sequence(s), fewer "
+            f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot",
+        )
 
 
-def _trial_run(mlflow_tracking: MlflowResource, parent: str, partition: str, trial: int, hyperparameters: dict) -> str:
+def _trial_run(
+    mlflow_tracking: MlflowResource, parent: str, partition: str, trial: int, hyperparameters: dict
+) -> str:
     run = mlflow_tracking.client().create_run(
-        mlflow_tracking.experiment_id(), run_name=f"{partition} trial {trial}",
-        tags={"mlflow.parentRunId": parent, "partition": partition, "search.trial": str(trial),
-              "search.hyperparameters": json.dumps(hyperparameters)},
+        mlflow_tracking.experiment_id(),
+        run_name=f"{partition} trial {trial}",
+        tags={
+            "mlflow.parentRunId": parent,
+            "partition": partition,
+            "search.trial": str(trial),
+            "search.hyperparameters": json.dumps(hyperparameters),
+        },
     )
     return run.info.run_id
 
 
-def _run_trial(context: AssetExecutionContext, launcher: TorchrunLauncher, mlflow_tracking: MlflowResource,
-               config: TrainConfig, nproc: int) -> float:
-    env = {**os.environ, **launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
-    done = subprocess.run(launcher.command(config.to_args(), nproc), env=env, capture_output=True, text=True)
+def _run_trial(
+    context: AssetExecutionContext,
+    launcher: TorchrunLauncher,
+    mlflow_tracking: MlflowResource,
+    config: TrainConfig,
+    nproc: int,
+) -> float:
+    env = {
+        **os.environ,
+        **launcher.env(),
+        "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri(),
+    }
+    done = subprocess.run(
+        launcher.command(config.to_args(), nproc), env=env, capture_output=True, text=True
+    )
     if done.returncode != 0:
-        context.log.warning(f"trial {config.partition} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        context.log.warning(
+            f"trial {config.partition} failed (exit {done.returncode}): {done.stderr[-2000:]}"
+        )
         return math.nan
-    export, problem = launcher.store(config.partition, root=config.checkpoint_uri).fetch_verified("final")
+    export, problem = launcher.store(config.partition, root=config.checkpoint_uri).fetch_verified(
+        "final"
+    )
     if export is None:
         context.log.warning(f"trial {config.partition}: no usable export ({problem})")
         return math.nan
     about = json.loads((export / "config.json").read_text())
     loss = about.get("search_loss")
-    context.log.info(f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} {about.get('eval_split')} sequences")
+    context.log.info(
+        f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} {about.get('eval_split')} sequences"
+    )
     return math.nan if loss is None else float(loss)
 
 
-def _trials_frame(partition: str, results: list[TrialResult], trial_runs: dict[int, str]) -> pl.DataFrame:
+def _trials_frame(
+    partition: str, results: list[TrialResult], trial_runs: dict[int, str]
+) -> pl.DataFrame:
     frame = pl.DataFrame(
-        [{"partition": partition, "trial": r.trial, "rung": r.rung, "steps": r.steps,
-          "search_loss": None if math.isnan(r.search_loss) else r.search_loss,
-          "hyperparameters": json.dumps(r.hyperparameters, sort_keys=True), "continued": r.continued,
-          "mlflow_run_id": trial_runs[r.trial]} for r in results],
-        schema={"partition": pl.String, "trial": pl.Int64, "rung": pl.Int64, "steps": pl.Int64,
-                "search_loss": pl.Float64, "hyperparameters": pl.String, "continued": pl.Boolean,
-                "mlflow_run_id": pl.String},
+        [
+            {
+                "partition": partition,
+                "trial": r.trial,
+                "rung": r.rung,
+                "steps": r.steps,
+                "search_loss": None if math.isnan(r.search_loss) else r.search_loss,
+                "hyperparameters": json.dumps(r.hyperparameters, sort_keys=True),
+                "continued": r.continued,
+                "mlflow_run_id": trial_runs[r.trial],
+            }
+            for r in results
+        ],
+        schema={
+            "partition": pl.String,
+            "trial": pl.Int64,
+            "rung": pl.Int64,
+            "steps": pl.Int64,
+            "search_loss": pl.Float64,
+            "hyperparameters": pl.String,
+            "continued": pl.Boolean,
+            "mlflow_run_id": pl.String,
+        },
     )
     return validate(conform(frame, HparamTrial), HparamTrial)
