@@ -34,7 +34,7 @@ from deltalake import write_deltalake
 
 from bench.timing import best_seconds
 from pipeline_assets.defs.bronze.assets import bronze
-from pipeline_assets.defs.landing.registry import register_new_batch
+from pipeline_assets.defs.landing.batches import register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
 from pipeline_assets.lib.sample_corpus import write_sample_corpus

@@ -40,7 +40,7 @@ from pipeline_assets.defs.keys import (
     RL_REPLAY_BUFFER,
     TRAINING_HPARAM_SEARCH,
 )
-from pipeline_assets.defs.landing.registry import discover_batches
+from pipeline_assets.defs.landing.batches import discover_batches
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL

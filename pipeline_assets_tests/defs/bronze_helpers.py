@@ -9,7 +9,7 @@ from dagster import AssetCheckEvaluation, materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
-from pipeline_assets.defs.landing.registry import register_new_batch
+from pipeline_assets.defs.landing.batches import register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
 
 log = logging.getLogger("test")

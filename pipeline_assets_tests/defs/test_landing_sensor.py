@@ -7,7 +7,7 @@ import os
 
 from dagster import SensorResult, SkipReason, build_sensor_context
 
-from pipeline_assets.defs.landing.registry import register_new_batch
+from pipeline_assets.defs.landing.batches import register_new_batch
 from pipeline_assets.defs.landing.sensors import landing_sensor
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets_tests.conftest import record, write_landing_file

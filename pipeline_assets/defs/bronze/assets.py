@@ -23,7 +23,7 @@ from dagster import (
 from pipeline_assets.contracts import QuarantineRecord, conform, polars_schema, validate
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE
-from pipeline_assets.defs.landing.registry import MANIFEST_TABLE
+from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT

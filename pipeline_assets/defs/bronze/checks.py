@@ -23,7 +23,7 @@ from pipeline_assets.defs.check_helpers import (
 )
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
-from pipeline_assets.defs.landing.registry import read_manifest
+from pipeline_assets.defs.landing.batches import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import against_trailing_median

@@ -13,7 +13,7 @@ from dagster import (
 
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE
-from pipeline_assets.defs.landing.registry import BatchRegistration, discover_batches
+from pipeline_assets.defs.landing.batches import BatchRegistration, discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.resources import LakeResource, LandingResource
 
