@@ -21,6 +21,7 @@ from pipeline_assets.contracts import ReplayBufferRow, conform, polars_schema, v
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, Lock, S3Lease
 from pipeline_assets.lib.replay import (
+    PENDING,
     ROLLOUT_SOURCE,
     StalenessPolicy,
     take_for_update,
@@ -53,8 +54,21 @@ class ReplayTable:
             table = DeltaTable(self.uri, storage_options=self.storage_options)
         except TableNotFoundError:
             return pl.DataFrame(schema=polars_schema(ReplayBufferRow))
-        rows = pl.from_arrow(table.to_pyarrow_table())
-        return rows if run is None else rows.filter(pl.col("run") == run)
+        rows = pl.from_arrow(
+            table.to_pyarrow_table(filters=None if run is None else [("run", "=", run)])
+        )
+        return rows
+
+    def pending_groups(self, run: str) -> int:
+        """Groups of ``run`` waiting for an update: two columns read, the files of other runs skipped."""
+        try:
+            table = DeltaTable(self.uri, storage_options=self.storage_options)
+        except TableNotFoundError:
+            return 0
+        pending = table.to_pyarrow_table(
+            columns=["group_id"], filters=[("run", "=", run), ("status", "=", PENDING)]
+        )
+        return pl.from_arrow(pending)["group_id"].n_unique()
 
     def take(
         self,

@@ -45,7 +45,7 @@ from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
-from pipeline_assets.trainer.rollout import Prompts, judge, stop_token_ids
+from pipeline_assets.trainer.rollout import Prompts, judge, read_prompt_bank, stop_token_ids
 from pipeline_assets.trainer.sampling import PAD_ID, greedy_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
@@ -186,8 +186,7 @@ class Learner:
         """(consumed, dropped) of the first take holding ``prompts_per_update`` fresh groups; None past the wait."""
         deadline, dropped = time.monotonic() + self.config.wait_seconds, []
         while time.monotonic() < deadline and not self.stopping:
-            pending = self.table.read(self.config.partition).filter(pl.col("status") == "pending")
-            if pending["group_id"].n_unique() >= self.config.prompts_per_update:
+            if self.table.pending_groups(self.config.partition) >= self.config.prompts_per_update:
                 consumed, stale = self.table.take(
                     self.config.partition,
                     version,
@@ -288,9 +287,7 @@ class Learner:
         if not self.config.landing_uri:
             return 0
         rows = self.table.read(self.config.partition).filter(pl.col("status") == "consumed")
-        bank = pl.read_delta(f"{self.config.lake_uri.rstrip('/')}/rl/prompt_bank").select(
-            "prompt_id", "prompt"
-        )
+        bank = read_prompt_bank(self.config.lake_uri).select("prompt_id", "prompt")
         pairs = preference_pairs_from_groups(rows, bank.unique("prompt_id"))
         written = land_rollout_pairs(
             pairs,

@@ -20,6 +20,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from pipeline_assets.lib import uris
 from pipeline_assets.lib.chat_format import END, EOS
 from pipeline_assets.lib.replay import PENDING
 from pipeline_assets.lib.rl_tasks import TRAIN
@@ -38,12 +39,20 @@ _AHEAD_UPDATES = (
 # update ahead keeps the learner busy; two doubled the lag (and cost reward, measured on the sort task)
 
 
+def read_prompt_bank(lake_uri: str) -> pl.DataFrame:
+    """rl/prompt_bank, on a local lake or S3."""
+    return pl.read_delta(
+        uris.join(lake_uri, "rl", "prompt_bank"),
+        storage_options=uris.delta_storage_options(lake_uri),
+    )
+
+
 class Prompts:
     """The bank's prompts of one split (of ``tasks``, comma-separated; empty: all), each encoded as the policy
     reads it."""
 
     def __init__(self, lake_uri: str, split: str, tokenizer, tasks: str = ""):
-        bank = pl.read_delta(f"{lake_uri.rstrip('/')}/rl/prompt_bank")
+        bank = read_prompt_bank(lake_uri)
         self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort(
             "prompt_id"
         )
@@ -108,8 +117,10 @@ class RolloutWorker:
         return None if newest is None else max(0, newest - self.config.lag)
 
     def _far_ahead(self) -> bool:
-        pending = self.table.read(self.config.partition).filter(pl.col("status") == PENDING)
-        return pending["group_id"].n_unique() >= _AHEAD_UPDATES * self.config.prompts_per_update
+        return (
+            self.table.pending_groups(self.config.partition)
+            >= _AHEAD_UPDATES * self.config.prompts_per_update
+        )
 
     def _load(self, version: int) -> None:
         if version != self.loaded:

@@ -246,7 +246,9 @@ def _results(
         for line in policies.store.local_folder(METRICS_FILE).read_text().splitlines()
     ]
     rows = _run_rows(lake, run)
-    fresh, signal = _freshness(lake, run, rl_policy), reward_signal(rows)
+    staleness = StalenessPolicy(rl_policy.max_staleness, rl_policy.max_pending_seconds)
+    fresh = freshness(rows, staleness, datetime.now(timezone.utc))
+    signal = reward_signal(rows)
     picture = reward_curve_png(
         history,
         Path(launcher.scratch()) / "reports" / run / "reward_curve.png",
