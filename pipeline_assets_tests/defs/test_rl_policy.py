@@ -100,6 +100,21 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, in
     checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
     assert checks["freshness"].passed, checks["freshness"].description
     assert policy["reward_curve"].value.endswith(".png")
+    client = _resources(tmp_path, config)["mlflow_tracking"].client()
+    run_id = policy["mlflow_run_id"].value
+    for metric in (
+        "rl/reward_mean",
+        "rl/reward_std",
+        "rl/zero_spread_share",
+        "rl/staleness_max",
+        "rl/dropped_stale",
+    ):
+        assert [m.step for m in client.get_metric_history(run_id, metric)] == list(range(1, 7)), (
+            metric
+        )
+    # every 10 updates (RlConfig.eval_every) and at the last: a run of 6 measures it once, at the end
+    assert [m.step for m in client.get_metric_history(run_id, "rl/held_out_accuracy")] == [6]
+    assert [a.path for a in client.list_artifacts(run_id, "rl")] == ["rl/reward_curve.png"]
 
 
 def test_rollouts_forced_to_lag_fail_the_freshness_check_naming_the_lag(tmp_path, instance):
