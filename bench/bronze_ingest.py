@@ -37,8 +37,9 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.landing.batches import register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets.resources import LakeResource, LandingResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 COPIES = 5  # the sample corpus, five times: about 100,000 records
 LONG_SHARE = 0.02

@@ -8,7 +8,7 @@ import polars as pl
 
 from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.normalize import normalize_records
-from pipeline_assets.lib.sample_corpus import SAMPLE_RECORDS, write_sample_corpus
+from pipeline_assets.sample_data.corpus import SAMPLE_RECORDS, write_sample_corpus
 
 
 def sample_records(root: Path, records: int = SAMPLE_RECORDS) -> pl.DataFrame:

@@ -31,8 +31,8 @@ from pathlib import Path
 import polars as pl
 import zstandard
 
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.sizing import text_chars
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 ARRIVALS = (
     0.15,
@@ -49,7 +49,7 @@ TIMEOUT_S = 900
 
 def cli(home: Path, *args: str, steps: int = 20) -> str:
     """``pipeline-assets ARGS`` in ``home``."""
-    return _command(home, [sys.executable, "-m", "pipeline_assets.cli", *args], steps)
+    return _command(home, [sys.executable, "-m", "pipeline_assets.cli.main", *args], steps)
 
 
 def _command(home: Path, command: list[str], steps: int) -> str:

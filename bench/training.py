@@ -37,7 +37,7 @@ from pipeline_assets.contracts import GoldSequence, conform, validate
 from pipeline_assets.defs.gold.manifest import cut_manifest
 from pipeline_assets.lib.gold import build_sequences
 from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.trainer.config import TrainConfig
 
 VOCAB = 8192

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline_assets.resources import GoldPolicy
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.trainer.config import PRESETS, TrainConfig
 from pipeline_assets.trainer.metrics import peak_flops
 from pipeline_assets.trainer.model import (

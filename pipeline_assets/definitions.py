@@ -29,6 +29,7 @@ from pipeline_assets.defs.reference.assets import (
 )
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
+from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.rl.policy import rl_policy
 from pipeline_assets.defs.rl.prompt_bank import prompt_bank_checks, rl_prompt_bank
 from pipeline_assets.defs.silver.assets import silver
@@ -37,7 +38,7 @@ from pipeline_assets.defs.silver.sensors import silver_in_order, silver_job
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.dpo import training_dpo_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
-from pipeline_assets.resources import Settings, build_resources
+from pipeline_assets.resources.settings import Settings
 
 # One process per run by default: on one machine a process per step costs seconds of imports each and
 # gains little (training runs in torchrun's own processes). A cluster picks its executor.

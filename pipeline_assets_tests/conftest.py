@@ -17,16 +17,14 @@ import zstandard
 from dagster import instance_for_test
 from moto.server import ThreadedMotoServer
 
+from pipeline_assets.defs.bronze.policy import IngestPolicy
+from pipeline_assets.defs.gold.policy import GoldPolicy
+from pipeline_assets.defs.ops.policy import CostPolicy
+from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.engine import RayEngine
-from pipeline_assets.resources import (
-    CostPolicy,
-    EvalSetsResource,
-    GoldPolicy,
-    IngestPolicy,
-    LakeResource,
-    LandingResource,
-    SilverPolicy,
-)
+from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 
 # The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest first by
 # their time in a full run: started last, as alphabetical order would, they leave one pytest-xdist worker alone.
@@ -47,7 +45,7 @@ LONGEST_FIRST = [
     "defs/test_bronze.py",
     "test_ui_browser.py",
     "defs/test_registration_race.py",
-    "lib/test_sample_corpus.py",
+    "sample_data/test_corpus.py",
     "test_concurrent_runs.py",
     "test_appended_export.py",
     "test_ingest_faults.py",

@@ -16,9 +16,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_assets.headless import persistent_instance, register_batches
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets.resources import Settings, build_resources
+from pipeline_assets.cli.headless import persistent_instance, register_batches
+from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.resources.settings import Settings
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_SECONDS = 240

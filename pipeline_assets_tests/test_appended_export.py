@@ -12,7 +12,7 @@ import orjson
 import polars as pl
 
 from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 DATA_LAYERS = 'key:"bronze/*" or key:"silver/*" or key:"gold/*"'
 
@@ -46,7 +46,7 @@ def _run(home: Path) -> subprocess.CompletedProcess:
     }
     environment.update(PIPELINE_HOME=str(home))
     return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", "run", "--select", DATA_LAYERS],
+        [sys.executable, "-m", "pipeline_assets.cli.main", "run", "--select", DATA_LAYERS],
         env=environment,
         capture_output=True,
         text=True,

@@ -13,14 +13,14 @@ import pytest
 from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets.lib.sample_preferences import add_preference_source
+from pipeline_assets.sample_data.corpus import write_sample_corpus
+from pipeline_assets.sample_data.preferences import add_preference_source
 from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
 
 
 def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", *args],
+        [sys.executable, "-m", "pipeline_assets.cli.main", *args],
         env=cli_environment(home, **env),
         capture_output=True,
         text=True,

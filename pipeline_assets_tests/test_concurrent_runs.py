@@ -10,7 +10,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline_assets.headless import persistent_instance
+from pipeline_assets.cli.headless import persistent_instance
 from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
 
 
@@ -20,7 +20,7 @@ def test_two_runs_started_together_ingest_each_file_once(tmp_path):
         write_landing_file(
             landing, f"source{i % 2}", f"part-{i}.jsonl", [record(i * 10 + j) for j in range(3)]
         )
-    command = [sys.executable, "-m", "pipeline_assets.cli", "run", "--select", "key:bronze/*"]
+    command = [sys.executable, "-m", "pipeline_assets.cli.main", "run", "--select", "key:bronze/*"]
     runs = [
         subprocess.Popen(
             command,

@@ -14,10 +14,10 @@ from pathlib import Path
 import polars as pl
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
+from pipeline_assets.cli.headless import persistent_instance
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG
 from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
-from pipeline_assets.headless import persistent_instance
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import cli_environment
 
 ROOT = Path(__file__).resolve().parents[1]

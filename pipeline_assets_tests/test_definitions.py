@@ -66,7 +66,8 @@ def test_asset_keys_groups_checks_and_sensor():
 
 
 def test_resources_follow_settings(monkeypatch, tmp_path):
-    from pipeline_assets.resources import Settings, build_resources
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.resources.settings import Settings
 
     for inherited in (
         "DAGSTER_HOME",
@@ -90,7 +91,8 @@ def test_resources_follow_settings(monkeypatch, tmp_path):
 
 
 def test_long_records_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch, tmp_path):
-    from pipeline_assets.resources import Settings, build_resources
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.resources.settings import Settings
 
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     assert build_resources(Settings.from_env())["gold_policy"].long_records == "truncate"
@@ -104,7 +106,8 @@ def test_long_records_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch,
 
 
 def test_tokenizer_sample_setting_reaches_gold_and_a_bad_value_is_named(monkeypatch, tmp_path):
-    from pipeline_assets.resources import Settings, build_resources
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.resources.settings import Settings
 
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     assert build_resources(Settings.from_env())["gold_policy"].tokenizer_sample_chars == 100_000_000
@@ -116,7 +119,8 @@ def test_tokenizer_sample_setting_reaches_gold_and_a_bad_value_is_named(monkeypa
 
 
 def test_preference_pair_settings_reach_silver_and_a_bad_value_is_named(monkeypatch, tmp_path):
-    from pipeline_assets.resources import Settings, build_resources
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.resources.settings import Settings
 
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     default = build_resources(Settings.from_env())["silver_policy"].silver_config()

@@ -43,7 +43,7 @@ def _run_bronze(home: Path, endpoint: str) -> subprocess.CompletedProcess:
         PIPELINE_RETRY_DELAY_SECONDS="0.2",
     )
     return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", "run", "--select", 'key:"bronze/*"'],
+        [sys.executable, "-m", "pipeline_assets.cli.main", "run", "--select", 'key:"bronze/*"'],
         env=environment,
         capture_output=True,
         text=True,

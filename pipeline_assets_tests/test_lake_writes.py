@@ -8,7 +8,7 @@ from functools import partial
 import polars as pl
 import pytest
 
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 
 def _frame() -> pl.DataFrame:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.lineage import parse_model_spec
+from pipeline_assets.cli.lineage import parse_model_spec
 
 
 def test_model_specs_name_an_alias_or_a_version():

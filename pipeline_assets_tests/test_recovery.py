@@ -14,7 +14,7 @@ from pathlib import Path
 from dagster import DagsterInstance, DagsterRunStatus
 
 from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets.trainer.storage import CheckpointStore
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
 
@@ -31,7 +31,7 @@ def _environment(home: Path) -> dict[str, str]:
 def _start_run(home: Path, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline_assets.cli", "run"],
+            [sys.executable, "-m", "pipeline_assets.cli.main", "run"],
             env=_environment(home),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -41,7 +41,7 @@ def _start_run(home: Path, log: Path) -> subprocess.Popen:
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", *args],
+        [sys.executable, "-m", "pipeline_assets.cli.main", *args],
         env=_environment(home),
         capture_output=True,
         text=True,

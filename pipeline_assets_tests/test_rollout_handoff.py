@@ -59,7 +59,7 @@ def test_rollout_pairs_landed_by_a_run_are_ingested_as_preference_pairs(tmp_path
         [
             sys.executable,
             "-m",
-            "pipeline_assets.cli",
+            "pipeline_assets.cli.main",
             "run",
             "--select",
             "key:bronze/* or key:silver/*",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import boto3
 
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import BUCKET, cli_environment
 
 RECORDS = 800  # enough for gold's packing check on one batch
@@ -24,7 +24,7 @@ def _pipeline(home: Path, *run_args: str, **settings: str) -> dict:
     env = cli_environment(home, **settings)
     for command in (["run", *run_args], ["summary"]):
         done = subprocess.run(
-            [sys.executable, "-m", "pipeline_assets.cli", *command],
+            [sys.executable, "-m", "pipeline_assets.cli.main", *command],
             env=env,
             capture_output=True,
             text=True,

@@ -15,12 +15,12 @@ from dagster_graphql.test.utils import (
     infer_repository_selector,
 )
 
-from pipeline_assets import cli
+from pipeline_assets.cli import main as cli
 from pipeline_assets.definitions import build_definitions
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
-from pipeline_assets.resources import Settings
-from pipeline_assets.resources import build_resources as pipeline_resources
+from pipeline_assets.defs.resources import build_resources as pipeline_resources
+from pipeline_assets.resources.settings import Settings
 from pipeline_assets_tests.conftest import _free_port, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 

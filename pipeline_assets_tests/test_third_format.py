@@ -14,7 +14,7 @@ import textwrap
 
 import polars as pl
 
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
 
 ADD_QA_AND_RUN = textwrap.dedent("""
@@ -56,7 +56,7 @@ ADD_QA_AND_RUN = textwrap.dedent("""
     )
     contracts.FORMAT_CONTRACTS["qa"] = (BronzeQa, SilverQa)
 
-    from pipeline_assets.cli import main
+    from pipeline_assets.cli.main import main
 
     sys.exit(main(["run", "--select", "key:bronze/* or key:silver/* or key:gold/tokenizer or key:gold/sequences"]))
 """)

@@ -20,7 +20,7 @@ from pipeline_assets.contracts import validate
 from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 
 def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.DataFrame:

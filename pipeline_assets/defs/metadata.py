@@ -10,7 +10,7 @@ import polars as pl
 from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
 
 from pipeline_assets.lib.uris import redact
-from pipeline_assets.resources import DeltaCommit
+from pipeline_assets.resources.lake import DeltaCommit
 
 
 @dataclass

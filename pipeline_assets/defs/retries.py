@@ -6,7 +6,7 @@ A failure that would repeat (bad input, a missing upstream) is raised as
 
 from dagster import Backoff, RetryPolicy
 
-from pipeline_assets.resources import Settings
+from pipeline_assets.resources.settings import Settings
 
 # Three tries more, 10 s, 20 s, 40 s apart by default (PIPELINE_RETRY_DELAY_SECONDS): long enough
 # for a throttled S3 or a busy SQLite writer; a real error (a bad file, a failed contract) fails the

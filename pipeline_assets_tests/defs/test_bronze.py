@@ -9,7 +9,7 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.resources import LandingResource
+from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import jsonl_bytes, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import (
     batch_rows,

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from dagster import AssetMaterialization, materialize
 
-from pipeline_assets.cli import main
+from pipeline_assets.cli.main import main
 from pipeline_assets.contracts import EvaluationSlice, conform
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
@@ -23,9 +23,11 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
     TRAINING_CHECKPOINT,
 )
+from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
-from pipeline_assets.resources import CostPolicy, MlflowResource, RegistryPolicy
+from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 MODEL = "sft-model"
 CHAMPION_LOSS = 2.0

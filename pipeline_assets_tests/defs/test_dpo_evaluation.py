@@ -14,8 +14,8 @@ import pytest
 from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import EVALUATION_DPO_REPORT, REGISTRY_DPO_MODEL_VERSION
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets.lib.sample_preferences import add_preference_source
+from pipeline_assets.sample_data.corpus import write_sample_corpus
+from pipeline_assets.sample_data.preferences import add_preference_source
 from pipeline_assets_tests.conftest import cli_environment
 
 SETTINGS = {
@@ -38,7 +38,7 @@ def home(tmp_path_factory) -> Path:
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli", *args],
+        [sys.executable, "-m", "pipeline_assets.cli.main", *args],
         env=cli_environment(home, **SETTINGS),
         capture_output=True,
         text=True,

@@ -13,7 +13,8 @@ from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, Temp
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._time import get_current_datetime
 
-from pipeline_assets.backfill import backfill_decontamination
+from pipeline_assets.cli.backfill import backfill_decontamination
+from pipeline_assets.cli.headless import run_stale
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer, read_snapshot
@@ -27,7 +28,6 @@ from pipeline_assets.defs.reference.assets import (
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import silver_job
-from pipeline_assets.headless import run_stale
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 

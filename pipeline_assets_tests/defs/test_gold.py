@@ -23,6 +23,7 @@ from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import read_snapshot
 from pipeline_assets.defs.gold.cadence import SNAPSHOT_REASON_TAG, snapshot_decision
 from pipeline_assets.defs.gold.checks import JudgedSnapshot, packing_result
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.gold.sensors import snapshot_cadence, snapshot_schedule
 from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
 from pipeline_assets.defs.ops.schedules import nightly_retrain
@@ -31,9 +32,8 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib import gold as gold_lib
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.splits import assign_split
-from pipeline_assets.resources import GoldPolicy
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
 from pipeline_assets_tests.defs.gold_helpers import (

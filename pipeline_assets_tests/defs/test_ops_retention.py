@@ -11,17 +11,15 @@ import polars as pl
 import pytest
 from dagster import DefaultScheduleStatus
 
+from pipeline_assets.cli.lineage import model_lineage
+from pipeline_assets.defs.ops.policy import RetentionPolicy
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
 from pipeline_assets.lib.snapshot_manifest import Manifest
 from pipeline_assets.lib.splits import SPLITS
-from pipeline_assets.lineage import model_lineage
-from pipeline_assets.resources import (
-    LakeResource,
-    MlflowResource,
-    RetentionPolicy,
-    Settings,
-    TorchrunLauncher,
-)
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
+from pipeline_assets.resources.settings import Settings
 from pipeline_assets_tests.conftest import BUCKET
 
 MODEL = "sft-model"

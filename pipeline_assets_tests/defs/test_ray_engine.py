@@ -14,17 +14,15 @@ from dagster import materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
+from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.engine import RayEngine
 from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
-from pipeline_assets.resources import (
-    EvalSetsResource,
-    GoldPolicy,
-    LakeResource,
-    LandingResource,
-    SilverPolicy,
-)
+from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 

@@ -17,7 +17,8 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.landing.batches import read_manifest, register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.locks import LockTimeout
-from pipeline_assets.resources import LakeResource, LandingResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import BUCKET, jsonl_bytes, record, write_landing_file
 
 FILES_PER_ROUND = 2
@@ -137,7 +138,7 @@ def test_two_processes_registering_an_s3_landing_zone_at_once(s3_endpoint, insta
 _HOLD_THE_MANIFEST = """
 import sys, time
 from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 with LakeResource(uri=sys.argv[1]).lock(*MANIFEST_TABLE):
     print("held", flush=True)
     time.sleep(600)

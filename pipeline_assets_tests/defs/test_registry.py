@@ -14,15 +14,17 @@ import pytest
 from dagster import materialize
 from mlflow import MlflowClient
 
-from pipeline_assets import cli
+from pipeline_assets.cli import main as cli
 from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
+from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.training.assets import training_checkpoint
+from pipeline_assets.defs.training.policy import HparamSearchPolicy
 from pipeline_assets.defs.training.search import hparam_search
 from pipeline_assets.lib.snapshot_manifest import read_manifest
-from pipeline_assets.resources import HparamSearchPolicy, RegistryPolicy, TorchrunLauncher
+from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets_tests.defs.gold_helpers import shard_new_batches_and_cut
 from pipeline_assets_tests.defs.test_gold import UPSTREAM
 from pipeline_assets_tests.defs.test_training import snapshot, training_resources  # noqa: F401 (fixtures)

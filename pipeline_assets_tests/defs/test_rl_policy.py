@@ -14,15 +14,13 @@ import time
 import polars as pl
 from dagster import PipesSubprocessClient, materialize
 
+from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.rl.overlay_policy import RlPolicy
 from pipeline_assets.defs.rl.policy import rl_policy
-from pipeline_assets.resources import (
-    LakeResource,
-    LandingResource,
-    MlflowResource,
-    RegistryPolicy,
-    RlPolicy,
-    TorchrunLauncher,
-)
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets_tests.trainer.rl_setup import rl_inputs
 

@@ -8,7 +8,9 @@ import boto3
 import polars as pl
 from dagster import SkipReason
 
-from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
+from pipeline_assets.defs.bronze.policy import IngestPolicy
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import BUCKET, jsonl_bytes, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import (
     batch_rows,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, materialize_bronze, register
 
 

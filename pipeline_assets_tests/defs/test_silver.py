@@ -24,8 +24,8 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import SILVER_SELECTION, silver_in_order, silver_job
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
-from pipeline_assets.resources import LandingResource
+from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, materialize_bronze, register
 from pipeline_assets_tests.defs.gold_helpers import build_gold
@@ -409,7 +409,7 @@ def test_silver_run_by_hand_out_of_order_fails_at_once_naming_the_batches_it_nee
 def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_batches(
     instance, resources, landing_dir
 ):
-    from pipeline_assets.headless import run_stale, stale_partitions
+    from pipeline_assets.cli.headless import run_stale, stale_partitions
 
     defs = Definitions(
         assets=[eval_sets, bronze, silver],

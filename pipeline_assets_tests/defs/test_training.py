@@ -16,11 +16,14 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, PipesSubprocessClient, materialize
 from mlflow import MlflowClient
 
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.training.assets import training_checkpoint
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.defs.training.policy import TrainingPolicy
 from pipeline_assets.lib.snapshot_manifest import read_manifest
-from pipeline_assets.resources import GoldPolicy, MlflowResource, TorchrunLauncher, TrainingPolicy
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets_tests.defs.gold_helpers import build_gold
 from pipeline_assets_tests.defs.test_gold import UPSTREAM, _ingest

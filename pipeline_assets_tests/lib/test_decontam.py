@@ -18,7 +18,7 @@ from pipeline_assets.lib.decontam import (
 )
 from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.normalize import normalize_records
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 # 21 words: 9 windows of 13 words, no two alike.
 EVAL_RESPONSE = (

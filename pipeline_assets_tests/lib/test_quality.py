@@ -21,7 +21,7 @@ from pipeline_assets.lib.quality import (
     quality_gate,
     quality_values,
 )
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 DEFAULT = QualityThresholds()
 GOOD = (

@@ -21,7 +21,6 @@ from pipeline_assets.lib.chat_format import (
     response_text,
 )
 from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.sample_corpus import write_sample_corpus
 from pipeline_assets.lib.tokenizer import (
     ENCODED_SCHEMA,
     check_tokenizer,
@@ -30,6 +29,7 @@ from pipeline_assets.lib.tokenizer import (
     tokenizer_to_json,
     train_bpe,
 )
+from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 VOCAB_SIZE = 2048
 TRICKY_TEXTS = {

@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from pipeline_assets.hparam_search import successive_halving
 from pipeline_assets.trainer.data import read_snapshot
+from pipeline_assets.trainer.search_driver import successive_halving
 from pipeline_assets.trainer.storage import CheckpointStore
 from pipeline_assets_tests.trainer.launch import Job, tiny_config
 from pipeline_assets_tests.trainer.synthetic import write_synthetic_gold

@@ -38,7 +38,8 @@ from pipeline_assets.lib.landing_files import (
 from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
 from pipeline_assets.lib.sizing import text_chars
 from pipeline_assets.lib.unit_counts import count_units
-from pipeline_assets.resources import LakeResource, LandingFileGone, LandingResource, sha256_hex
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingFileGone, LandingResource, sha256_hex
 
 _KINDS = {"delta", "polars"}
 

@@ -16,6 +16,7 @@ from dagster import (
 )
 
 from pipeline_assets.contracts import QuarantineRecord
+from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.check_helpers import (
     batch_contract_check,
     batch_of,
@@ -36,7 +37,8 @@ from pipeline_assets.lib.landing_health import (
     unreadable_files,
 )
 from pipeline_assets.lib.redelivery import ALREADY_INGESTED
-from pipeline_assets.resources import IngestPolicy, LakeResource, LandingResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 
 # Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
 warnings.filterwarnings(

@@ -12,6 +12,7 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TRAINING_CHECKPOINT
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
@@ -23,13 +24,10 @@ from pipeline_assets.lib.promotion import OVERALL
 from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.lib.torchrun import SCORER_MODULE
-from pipeline_assets.resources import (
-    EvalSetsResource,
-    LakeResource,
-    MlflowResource,
-    RegistryPolicy,
-    TorchrunLauncher,
-)
+from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 _SAMPLED_COLUMNS = (
     "input_ids",

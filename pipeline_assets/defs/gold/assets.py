@@ -12,6 +12,7 @@ from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, pola
 from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -38,7 +39,7 @@ from pipeline_assets.lib.tokenizer import (
     train_bpe,
 )
 from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tokenizer
-from pipeline_assets.resources import GoldPolicy, LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 _KINDS = {"delta", "polars"}
 SFT_OBJECTIVE_SILVER = [

@@ -11,11 +11,11 @@ from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec
 
 from pipeline_assets.contracts import GoldSequence
 from pipeline_assets.defs.check_helpers import contract_check_result
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SEQUENCES, GOLD_SEQUENCES, GOLD_SNAPSHOTS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import psi_numeric_counts
 from pipeline_assets.lib.packing import packing_floor
-from pipeline_assets.resources import GoldPolicy
 
 SHARD_CHECK_SPECS = [
     AssetCheckSpec(

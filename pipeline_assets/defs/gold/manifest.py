@@ -25,6 +25,7 @@ from pipeline_assets.defs.gold.cadence import (
     shard_states,
 )
 from pipeline_assets.defs.gold.checks import SnapshotLengths, judge_snapshot, snapshot_check_specs
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_TOKENIZER
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.retries import TRANSIENT
@@ -37,7 +38,7 @@ from pipeline_assets.lib.snapshot_manifest import (
     shard_counts,
     snapshot_number,
 )
-from pipeline_assets.resources import DeltaCommit, GoldPolicy, LakeResource
+from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 
 
 def snapshot_asset(series: SnapshotSeries, description: str):

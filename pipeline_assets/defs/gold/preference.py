@@ -8,6 +8,7 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.check_helpers import contract_check_result
 from pipeline_assets.defs.gold.assets import current_tokenizer
 from pipeline_assets.defs.gold.checks import PREFERENCE_SHARD_CHECK_SPECS
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import (
     GOLD_PREFERENCE_SEQUENCES,
     GOLD_TOKENIZER,
@@ -26,7 +27,7 @@ from pipeline_assets.lib.preference_gold import (
 )
 from pipeline_assets.lib.splits import VALIDATION, assign_split
 from pipeline_assets.lib.tokenizer import tokenizer_from_json
-from pipeline_assets.resources import GoldPolicy, LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 

@@ -10,6 +10,7 @@ from pipeline_assets.contracts import GoldReferenceLogps, conform, polars_schema
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_REFERENCE_LOGPS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.lib.snapshot_manifest import (
@@ -20,7 +21,9 @@ from pipeline_assets.lib.snapshot_manifest import (
     snapshot_number,
 )
 from pipeline_assets.lib.torchrun import REFERENCE_MODULE
-from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy, TorchrunLauncher
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 _ROW_COLUMNS = [
     "batch_id",

@@ -19,8 +19,10 @@ from pipeline_assets.defs.gold.cadence import (
     SNAPSHOT_REASON_TAG,
     snapshot_decision,
 )
+from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
-from pipeline_assets.resources import GoldPolicy, MlflowResource, RegistryPolicy
+from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 snapshot_job = define_asset_job(
     "cut_snapshot",

@@ -17,7 +17,8 @@ from pipeline_assets.lib.batches import (
     unseen_files,
 )
 from pipeline_assets.lib.locks import Lock
-from pipeline_assets.resources import LakeResource, LandingResource, sha256_hex
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource, sha256_hex
 
 MANIFEST_TABLE = ("landing", "manifest")
 

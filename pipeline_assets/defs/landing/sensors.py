@@ -15,7 +15,8 @@ from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE
 from pipeline_assets.defs.landing.batches import BatchRegistration, discover_batches
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.resources import LakeResource, LandingResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
 
 
 def _tags(batch: str, registration: BatchRegistration) -> dict[str, str]:

@@ -29,6 +29,8 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.metadata import table_metadata
+from pipeline_assets.defs.ops.policy import CostPolicy
+from pipeline_assets.defs.ops.stages import PIPELINE_STAGES, MeasuredStage
 from pipeline_assets.defs.snapshots import (
     behind_snapshot,
     latest_materialization_metadata,
@@ -39,7 +41,8 @@ from pipeline_assets.defs.snapshots import (
 from pipeline_assets.lib.charts import time_breakdown_png
 from pipeline_assets.lib.cost import MEASURED, bottleneck, headline_throughput, stage_report
 from pipeline_assets.lib.drift import against_trailing_median
-from pipeline_assets.resources import CostPolicy, LakeResource, TorchrunLauncher
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
 
 
 @asset(
@@ -123,27 +126,22 @@ def pipeline_report(
 
 def measure_stages(instance: DagsterInstance, snapshot: str) -> list[dict]:
     """What each stage's latest materializations recorded, summed over ingest batches."""
-    stages = [
-        _stage("bronze", latest_per_partition(materialization_history(instance, BRONZE_RECORDS))),
-        _stage("silver", latest_per_partition(materialization_history(instance, SILVER_RECORDS))),
-        _stage(
-            "gold/tokenizer",
-            [latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)],
-        ),
-        _stage("gold/sequences", behind_snapshot(instance, snapshot).shards, tokens="tokens"),
-        _stage(
-            "training",
-            [partition_metadata(instance, TRAINING_CHECKPOINT, snapshot)],
-            tokens="tokens_trained",
-        ),
-        _stage("evaluation", [partition_metadata(instance, EVALUATION_REPORT, snapshot)]),
-    ]
+    measured = {  # what a stage's latest pass is, per stage
+        "bronze": lambda key: latest_per_partition(materialization_history(instance, key)),
+        "silver": lambda key: latest_per_partition(materialization_history(instance, key)),
+        "gold/tokenizer": lambda key: [
+            latest_materialization_metadata(instance, key, lambda m: True)
+        ],
+        "gold/sequences": lambda key: behind_snapshot(instance, snapshot).shards,
+        "training": lambda key: [partition_metadata(instance, key, snapshot)],
+        "evaluation": lambda key: [partition_metadata(instance, key, snapshot)],
+    }
+    stages = [_stage(stage, measured[stage.name](stage.asset)) for stage in PIPELINE_STAGES]
     return [stage for stage in stages if stage is not None]
 
 
-def _stage(
-    name: str, materializations: list[dict | None], tokens: str | None = None
-) -> dict | None:
+def _stage(stage: MeasuredStage, materializations: list[dict | None]) -> dict | None:
+    name, tokens = stage.name, stage.tokens
     found = [m for m in materializations if m]
     if not found:
         return None

@@ -15,6 +15,7 @@ from dagster import (
     op,
 )
 
+from pipeline_assets.defs.ops.policy import RetentionPolicy
 from pipeline_assets.lib.retention import (
     Removed,
     SnapshotCheckpoints,
@@ -24,12 +25,9 @@ from pipeline_assets.lib.retention import (
     pinned_versions,
     staging_to_delete,
 )
-from pipeline_assets.resources import (
-    LakeResource,
-    MlflowResource,
-    RetentionPolicy,
-    TorchrunLauncher,
-)
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.storage import BEST, MANIFEST
 
 

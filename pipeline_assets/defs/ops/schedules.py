@@ -19,7 +19,7 @@ from dagster import (
 from pipeline_assets.contracts import RunFailure, conform, validate
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 retrain_job = define_asset_job(
     "retrain_latest_snapshot",

@@ -10,12 +10,11 @@ from dagster import DagsterInstance
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     EVALUATION_REPORT,
-    GOLD_SEQUENCES,
     GOLD_SNAPSHOTS,
-    GOLD_TOKENIZER,
     SILVER_RECORDS,
     TRAINING_CHECKPOINT,
 )
+from pipeline_assets.defs.ops.stages import PIPELINE_STAGES
 from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
 from pipeline_assets.lib.sizing import (
     EVAL_FLOPS_PER_PARAMETER,
@@ -25,20 +24,14 @@ from pipeline_assets.lib.sizing import (
     fit_stage,
 )
 
-# stage -> (asset, the metadata field holding its work); evaluation's work counts both models' tokens
 _FLOPS_PER_PARAMETER = {
     "training": TRAIN_FLOPS_PER_PARAMETER,
     "evaluation": EVAL_FLOPS_PER_PARAMETER,
 }
 _SILVER_BLOCKS = "silver/block stages"
 _SILVER_LOOKUP = "silver/index lookup"
-_MEASURED = {
-    "bronze": (BRONZE_RECORDS, "input_chars"),
-    "silver": (SILVER_RECORDS, "input_chars"),
-    "gold/tokenizer": (GOLD_TOKENIZER, "input_chars"),
-    "gold/sequences": (GOLD_SEQUENCES, "input_chars"),
-    "training": (TRAINING_CHECKPOINT, "tokens_trained"),
-    "evaluation": (EVALUATION_REPORT, "tokens_scored"),
+_MEASURED = {  # stage -> (asset, the metadata field holding its work)
+    stage.name: (stage.asset, stage.work) for stage in PIPELINE_STAGES
 }
 
 

@@ -20,7 +20,7 @@ from dagster import (
 )
 
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
-from pipeline_assets.resources import EvalSetsResource
+from pipeline_assets.resources.eval_sets import EvalSetsResource
 
 _DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version is stored under
 

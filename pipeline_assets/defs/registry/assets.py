@@ -19,7 +19,9 @@ from dagster import (
 
 from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
+from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import (
     data_compute_behind,
@@ -29,7 +31,8 @@ from pipeline_assets.defs.snapshots import (
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.cost import Compute, model_version_cost
 from pipeline_assets.lib.promotion import OVERALL, GateDecision, champion_moved, promotion_gate
-from pipeline_assets.resources import CostPolicy, LakeResource, MlflowResource, RegistryPolicy
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 PROMOTION_GATE = "promotion_gate"
 

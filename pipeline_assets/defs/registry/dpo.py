@@ -20,11 +20,13 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, judge_and_promote
+from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.promotion import OVERALL, GateDecision, PreferenceScore, preference_gate
-from pipeline_assets.resources import LakeResource, MlflowResource, RegistryPolicy
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 
 @asset(

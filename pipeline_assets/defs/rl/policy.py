@@ -33,18 +33,16 @@ from pipeline_assets.defs.keys import (
     RL_REPLAY_BUFFER,
 )
 from pipeline_assets.defs.metadata import table_metadata
+from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.rl.overlay_policy import RlPolicy
 from pipeline_assets.defs.rl.workers import RolloutWorkers
 from pipeline_assets.lib.charts import reward_curve_png
 from pipeline_assets.lib.replay import StalenessPolicy, freshness, reward_signal
 from pipeline_assets.lib.uris import redact
-from pipeline_assets.resources import (
-    LakeResource,
-    LandingResource,
-    MlflowResource,
-    RegistryPolicy,
-    RlPolicy,
-    TorchrunLauncher,
-)
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import RlConfig
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets.trainer.rl import METRICS_FILE

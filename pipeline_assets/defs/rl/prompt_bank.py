@@ -14,6 +14,8 @@ from dagster import (
 from pipeline_assets.contracts import PromptBankRow, conform, polars_schema, validate
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, RL_PROMPT_BANK, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.rl.overlay_policy import RlPolicy
+from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
 from pipeline_assets.lib.rl_bank import (
     IN_BANK,
@@ -23,7 +25,8 @@ from pipeline_assets.lib.rl_bank import (
     generated_tasks,
 )
 from pipeline_assets.lib.verifiers import ground_truth_passes
-from pipeline_assets.resources import EvalSetsResource, LakeResource, RlPolicy, SilverPolicy
+from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.lake import LakeResource
 
 _SHOWN = 20  # rows a failed check names
 

@@ -34,12 +34,14 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
+from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver import CuratedBatch, CuratedFormats, curate_formats
 from pipeline_assets.lib.silver_order import unsettled_before
 from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.resources import DeltaCommit, EvalSetsResource, LakeResource, SilverPolicy
+from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 
 _KINDS = {"delta", "polars"}
 

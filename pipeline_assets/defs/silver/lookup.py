@@ -24,7 +24,7 @@ from pipeline_assets.lib.dedup import (
     refuse_other_settings,
 )
 from pipeline_assets.lib.minhash import MinHashConfig
-from pipeline_assets.resources import LakeResource
+from pipeline_assets.resources.lake import LakeResource
 
 INDEX = ("silver", "minhash_index")
 BANDS = ("silver", "minhash_bands")

@@ -32,9 +32,12 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
+from pipeline_assets.defs.training.policy import TrainingPolicy
 from pipeline_assets.lib.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
-from pipeline_assets.resources import LakeResource, MlflowResource, TorchrunLauncher, TrainingPolicy
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, TrainConfig
 from pipeline_assets.trainer.storage import OWNER, CheckpointStore
 

@@ -15,18 +15,15 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.snapshots import snapshot_versions
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_config_for
-from pipeline_assets.hparam_search import TrialResult, successive_halving
+from pipeline_assets.defs.training.policy import HparamSearchPolicy, TrainingPolicy
 from pipeline_assets.lib.search import sample_configurations
 from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.lib.uris import join
-from pipeline_assets.resources import (
-    HparamSearchPolicy,
-    LakeResource,
-    MlflowResource,
-    TorchrunLauncher,
-    TrainingPolicy,
-)
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.launcher import TorchrunLauncher
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import TrainConfig
+from pipeline_assets.trainer.search_driver import TrialResult, successive_halving
 
 
 @asset(

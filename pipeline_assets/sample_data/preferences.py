@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT as PROMPT_PAIR_CAP
-from pipeline_assets.lib.sample_corpus import (
+from pipeline_assets.sample_data.corpus import (
     _SENTENCE_BREAK,
     LOW_QUALITY_KINDS,
     MANIFEST_NAME,

@@ -17,14 +17,14 @@ import polars as pl
 import pytest
 import zstandard
 
-from pipeline_assets.cli import main
+from pipeline_assets.cli.main import main
 from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, read_eval_sets, text_words
 from pipeline_assets.lib.formats import PREFERENCE
 from pipeline_assets.lib.landing_contract import Rejected, validate_landing_object
 from pipeline_assets.lib.landing_files import read_landing_file
 from pipeline_assets.lib.normalize import normalize_text
-from pipeline_assets.lib.sample_corpus import MANIFEST_NAME, shingle_jaccard, write_sample_corpus
-from pipeline_assets.lib.sample_preferences import (
+from pipeline_assets.sample_data.corpus import MANIFEST_NAME, shingle_jaccard, write_sample_corpus
+from pipeline_assets.sample_data.preferences import (
     ANSWER_MAX_WORDS,
     INJECTION_RATES,
     LARGEST_PROMPT_PAIRS,
@@ -172,7 +172,7 @@ def test_command_writes_the_pairs_and_prints_the_setting(tmp_path, corpus, secti
         [
             sys.executable,
             "-m",
-            "pipeline_assets.cli",
+            "pipeline_assets.cli.main",
             "sample-data",
             "--records",
             str(RECORDS),

@@ -7,6 +7,12 @@ import logging
 
 from dagster import AssetRecordsFilter, DagsterInstance, Definitions
 
+from pipeline_assets.cli.headless import (
+    RunOutcome,
+    _execute,
+    cut_snapshot_if_due,
+    observe_eval_sets,
+)
 from pipeline_assets.defs.keys import (
     GOLD_SEQUENCES,
     GOLD_SNAPSHOTS,
@@ -14,7 +20,6 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
 )
 from pipeline_assets.defs.silver.order import batch_events
-from pipeline_assets.headless import RunOutcome, _execute, cut_snapshot_if_due, observe_eval_sets
 from pipeline_assets.lib.silver_order import BatchEvents, Stage, stage, unsettled_before
 
 log = logging.getLogger("pipeline_assets")

@@ -43,8 +43,8 @@ import numpy as np
 import orjson
 import zstandard
 
-from pipeline_assets.lib import markov_text
-from pipeline_assets.lib.sample_corpus import (
+from pipeline_assets.sample_data import markov_text
+from pipeline_assets.sample_data.corpus import (
     _EVAL_PROMPTS,
     EVAL_RESPONSE_MIN_WORDS,
     EVAL_SETS,

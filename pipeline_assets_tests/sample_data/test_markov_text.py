@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib import markov_text as mt
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
 from pipeline_assets.lib.quality import quality_gate
+from pipeline_assets.sample_data import markov_text as mt
 
 LONG = (
     "The parser reads the configuration file once at start-up, checks every section against "

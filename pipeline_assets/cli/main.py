@@ -10,9 +10,9 @@ import signal
 import sys
 from pathlib import Path
 
-from pipeline_assets.lib.sample_corpus import MARKOV_FILE_RECORDS, SAMPLE_RECORDS
 from pipeline_assets.lib.uris import redact
-from pipeline_assets.resources import Settings
+from pipeline_assets.resources.settings import Settings
+from pipeline_assets.sample_data.corpus import MARKOV_FILE_RECORDS, SAMPLE_RECORDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, settings: Settings) -> int:
-    from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import (
+    from pipeline_assets.cli.headless import (
         headless_instance,
         one_headless_run,
         register_batches,
         run_stale,
     )
+    from pipeline_assets.definitions import defs
 
     with one_headless_run(settings.dagster_home, say=_say):
         instance = headless_instance(settings.dagster_home, say=_say)
@@ -215,13 +215,13 @@ def _interrupt(signum, frame) -> None:
 
 
 def _snapshot(args, settings: Settings) -> int:
-    from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import (
+    from pipeline_assets.cli.headless import (
         RunOutcome,
         cut_snapshot_if_due,
         headless_instance,
         one_headless_run,
     )
+    from pipeline_assets.definitions import defs
 
     with one_headless_run(settings.dagster_home, say=_say):
         instance = headless_instance(settings.dagster_home, say=_say)
@@ -253,9 +253,9 @@ def _report(outcome, settings: Settings) -> int:
 
 
 def _backfill_decontamination(args, settings: Settings) -> int:
-    from pipeline_assets.backfill import backfill_decontamination
+    from pipeline_assets.cli.backfill import backfill_decontamination
+    from pipeline_assets.cli.headless import headless_instance, one_headless_run
     from pipeline_assets.definitions import defs
-    from pipeline_assets.headless import headless_instance, one_headless_run
 
     with one_headless_run(settings.dagster_home, say=_say):
         outcome = backfill_decontamination(defs, headless_instance(settings.dagster_home, say=_say))
@@ -271,13 +271,13 @@ def _sample_data(args, settings: Settings) -> int:
     out = args.out or _local(settings.landing_uri, "PIPELINE_LANDING_URI")
     eval_out = args.eval_sets_out or _local(settings.eval_sets_uri, "PIPELINE_EVAL_SETS_URI")
     if args.preference_pairs:
-        from pipeline_assets.lib.sample_preferences import check_pair_count
+        from pipeline_assets.sample_data.preferences import check_pair_count
 
         check_pair_count(args.preference_pairs)
         if args.text == "markov":
             raise ValueError("--preference-pairs applies to --text docstrings only")
     if args.text == "markov":
-        from pipeline_assets.lib.markov_corpus import write_markov_corpus
+        from pipeline_assets.sample_data.markov_corpus import write_markov_corpus
 
         file_records = MARKOV_FILE_RECORDS if args.file_records is None else args.file_records
         manifest = write_markov_corpus(
@@ -288,7 +288,7 @@ def _sample_data(args, settings: Settings) -> int:
             file_records=file_records,
         )
     else:
-        from pipeline_assets.lib.sample_corpus import write_sample_corpus
+        from pipeline_assets.sample_data.corpus import write_sample_corpus
 
         if args.file_records is not None:
             raise ValueError("--file-records applies to --text markov only")
@@ -296,7 +296,7 @@ def _sample_data(args, settings: Settings) -> int:
             out, records=args.records, eval_sets_dir=eval_out, seed=args.seed
         )
         if args.preference_pairs:
-            from pipeline_assets.lib.sample_preferences import add_preference_source
+            from pipeline_assets.sample_data.preferences import add_preference_source
 
             manifest = add_preference_source(out, args.preference_pairs, eval_sets_dir=eval_out)
     preference = manifest.get("preference")
@@ -307,7 +307,7 @@ def _sample_data(args, settings: Settings) -> int:
         )
     )
     if preference:
-        from pipeline_assets.lib.sample_preferences import source_formats_setting
+        from pipeline_assets.sample_data.preferences import source_formats_setting
 
         setting = source_formats_setting(preference["source"], settings.source_formats)
         print(
@@ -320,7 +320,7 @@ def _sample_data(args, settings: Settings) -> int:
 def _summary(args, settings: Settings) -> int:
     import polars as pl
 
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.defs.resources import build_resources
 
     lake = build_resources(settings)["lake"]
     report: dict = {"lake": settings.lake_uri, "tables": {}}
@@ -400,8 +400,8 @@ def _snapshot_summary(lake, number: int) -> dict:
 def _sizer(args, settings: Settings) -> int:
     from datetime import datetime, timezone
 
+    from pipeline_assets.cli.headless import persistent_instance
     from pipeline_assets.defs.ops.sizing import calibrate
-    from pipeline_assets.headless import persistent_instance
     from pipeline_assets.lib.charts import time_breakdown_png
     from pipeline_assets.lib.sizing import Target, predict
 
@@ -536,8 +536,8 @@ def _duration(seconds: float) -> str:
 
 
 def _lineage(args, settings: Settings) -> int:
-    from pipeline_assets.lineage import model_lineage
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.cli.lineage import model_lineage
+    from pipeline_assets.defs.resources import build_resources
 
     resources = build_resources(settings)
     print(
@@ -549,8 +549,8 @@ def _lineage(args, settings: Settings) -> int:
 
 
 def _promote(args, settings: Settings) -> int:
-    from pipeline_assets.lineage import parse_model_spec
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.cli.lineage import parse_model_spec
+    from pipeline_assets.defs.resources import build_resources
 
     name, alias, number = parse_model_spec(args.model)
     if alias:
@@ -569,7 +569,7 @@ def _promote(args, settings: Settings) -> int:
 
 
 def _rollback(args, settings: Settings) -> int:
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.defs.resources import build_resources
 
     resources = build_resources(settings)
     mlflow_tracking = resources["mlflow_tracking"]
@@ -618,7 +618,7 @@ def _latest_pipeline_report(lake) -> dict | None:
 
 def _champion_summary(settings: Settings) -> dict | None:
     """The champion's version, metrics and where it came from; None before the first registration."""
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.defs.resources import build_resources
 
     mlflow_tracking = build_resources(settings)["mlflow_tracking"]
     champion = mlflow_tracking.version_by_alias(settings.model_name, "champion")
@@ -639,8 +639,8 @@ def _champion_summary(settings: Settings) -> dict | None:
 
 def _dpo_summary(settings: Settings) -> dict | None:
     """The newest DPO run: its preference snapshot, where it started and how its held-out pairs were judged."""
+    from pipeline_assets.cli.headless import persistent_instance
     from pipeline_assets.defs.keys import TRAINING_DPO_CHECKPOINT
-    from pipeline_assets.headless import persistent_instance
 
     event = persistent_instance(settings.dagster_home).get_latest_materialization_event(
         TRAINING_DPO_CHECKPOINT
@@ -667,7 +667,7 @@ def _dpo_summary(settings: Settings) -> dict | None:
 
 
 def _dpo_champion(settings: Settings) -> dict | None:
-    from pipeline_assets.resources import build_resources
+    from pipeline_assets.defs.resources import build_resources
 
     champion = build_resources(settings)["mlflow_tracking"].version_by_alias(
         settings.dpo_model_name, "champion"

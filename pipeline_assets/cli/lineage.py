@@ -22,7 +22,8 @@ from pipeline_assets.lib.snapshot_manifest import (
     read_manifest,
     snapshot_number,
 )
-from pipeline_assets.resources import LakeResource, MlflowResource
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 _MLFLOW_METRICS = ("loss", "validation_loss")
 _MLFLOW_METRIC_PREFIXES = ("eval/", "dpo_report/")

@@ -26,14 +26,14 @@ from datasketch import MinHash, MinHashLSH
 
 from pipeline_assets.lib.decontam import EvalNgramIndex, read_eval_sets
 from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.markov_corpus import write_markov_corpus
-from pipeline_assets.lib.sample_corpus import (
+from pipeline_assets.lib.silver import SilverConfig, curate
+from pipeline_assets.sample_data.corpus import (
     RESPONSE_MAX_WORDS,
     RESPONSE_MIN_WORDS,
     SOURCES,
     write_sample_corpus,
 )
-from pipeline_assets.lib.silver import SilverConfig, curate
+from pipeline_assets.sample_data.markov_corpus import write_markov_corpus
 
 RECORDS = 3000
 
@@ -148,7 +148,7 @@ def test_same_seed_gives_identical_bytes_and_another_seed_does_not(tmp_path):
 def test_bytes_do_not_depend_on_the_process_or_its_hash_seed(tmp_path):
     script = (
         "import sys; from pathlib import Path; "
-        "from pipeline_assets.lib.sample_corpus import write_sample_corpus; "
+        "from pipeline_assets.sample_data.corpus import write_sample_corpus; "
         "write_sample_corpus(Path(sys.argv[1]), records=1200)"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -23,6 +23,7 @@ from dagster import (
     Definitions,
 )
 
+from pipeline_assets.cli.recovery import announce_pool_waits, process_tags, recover_dead_runs
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing
 from pipeline_assets.defs.gold.cadence import (
@@ -45,7 +46,6 @@ from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.lib.locks import FileLock
-from pipeline_assets.recovery import announce_pool_waits, process_tags, recover_dead_runs
 
 log = logging.getLogger("pipeline_assets")
 

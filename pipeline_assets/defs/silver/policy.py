@@ -1,0 +1,68 @@
+"""How silver curates, and what its checks allow."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pipeline_assets.lib.decontam import DecontamConfig
+from pipeline_assets.lib.minhash import MinHashConfig
+from pipeline_assets.lib.normalize import NormalizeConfig
+from pipeline_assets.lib.quality import QualityThresholds
+from pipeline_assets.lib.silver import SilverConfig
+from pipeline_assets.resources.settings import setting_field
+
+
+class SilverPolicy(ConfigurableResource):
+    """How silver normalizes, deduplicates, decontaminates and gates, and what its checks allow."""
+
+    unicode_form: str = "NFC"
+    strip_control: bool = True
+    collapse_whitespace: bool = True
+    minhash_num_perm: int = 128
+    minhash_seed: int = 1
+    minhash_shingle_words: int = 5
+    minhash_threshold: float = 0.8
+    decontam_ngram: int = 13
+    quality_thresholds: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description='per source rule overrides, e.g. {"logs": {"min_words": 3}}',
+    )
+    max_pass_rate_drop: float = Field(
+        default=0.20, description="blocking: a source's pass rate below its trailing median"
+    )
+    psi_warn: float = 0.10
+    psi_fail: float = 0.25
+    drift_min_rows: int = Field(
+        default=500,
+        description="below this many rows on either side, PSI is mostly sampling noise: not judged",
+    )
+    volume_tolerance: float = Field(
+        default=0.20, description="warning: kept rows against the trailing median"
+    )
+    trailing_batches: int = 10
+    max_pairs_per_prompt: int = setting_field("max_pairs_per_prompt")
+    max_length_ratio: float = setting_field("max_length_ratio")
+
+    def decontam_config(self) -> DecontamConfig:
+        return DecontamConfig(ngram=self.decontam_ngram)
+
+    def silver_config(self) -> SilverConfig:
+        return SilverConfig(
+            normalize=NormalizeConfig(
+                self.unicode_form or None, self.strip_control, self.collapse_whitespace
+            ),
+            minhash=MinHashConfig(
+                num_perm=self.minhash_num_perm,
+                seed=self.minhash_seed,
+                shingle_words=self.minhash_shingle_words,
+                threshold=self.minhash_threshold,
+            ),
+            decontam=self.decontam_config(),
+            quality_by_source={
+                source: QualityThresholds(**overrides)
+                for source, overrides in self.quality_thresholds.items()
+            },
+            max_pairs_per_prompt=self.max_pairs_per_prompt,
+            max_length_ratio=self.max_length_ratio or None,
+        )

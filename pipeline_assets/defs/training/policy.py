@@ -1,0 +1,90 @@
+"""Training's, DPO's and the search's hyperparameters."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from pipeline_assets.resources.settings import trainer_default
+from pipeline_assets.trainer.config import DEFAULT_BETA as _DPO_BETA
+from pipeline_assets.trainer.config import (
+    DPO_EVAL_EVERY,
+    DPO_LOG_EVERY,
+    DPO_LR,
+    DPO_STEPS,
+    DPO_WARMUP_STEPS,
+    PRESETS,
+)
+
+
+class TrainingPolicy(ConfigurableResource):
+    """Default hyperparameters of training/checkpoint; a run's config overrides any of them."""
+
+    preset: str = Field(
+        default=trainer_default("preset"), description=f"model size: {', '.join(PRESETS)}"
+    )
+    steps: int = trainer_default("steps")
+    micro_batch_size: int = trainer_default("micro_batch_size")
+    grad_accum_steps: int = trainer_default("grad_accum_steps")
+    lr: float = trainer_default("lr")
+    warmup_steps: int = trainer_default("warmup_steps")
+    weight_decay: float = trainer_default("weight_decay")
+    seed: int = trainer_default("seed")
+    log_every: int = trainer_default("log_every")
+    eval_every: int = trainer_default("eval_every")
+    checkpoint_every_steps: int = trainer_default("checkpoint_every_steps")
+    checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
+    keep_checkpoints: int = trainer_default("keep_checkpoints")
+
+    def hyperparameters(self) -> dict:
+        return self.model_dump()
+
+
+class DpoPolicy(ConfigurableResource):
+    """Hyperparameters of training/dpo_checkpoint: DPO from the sft champion, against the reference pass.
+    The model's architecture is the champion's; a run's config overrides any of these."""
+
+    steps: int = DPO_STEPS
+    lr: float = Field(default=DPO_LR, description="far below sft's: DPO nudges a trained model")
+    beta: float = Field(default=_DPO_BETA, description="DPO's KL strength")
+    micro_batch_size: int = trainer_default("micro_batch_size")
+    grad_accum_steps: int = trainer_default("grad_accum_steps")
+    warmup_steps: int = DPO_WARMUP_STEPS
+    weight_decay: float = (
+        0.0  # pulling weights towards zero pulls the policy away from its reference
+    )
+    seed: int = trainer_default("seed")
+    log_every: int = DPO_LOG_EVERY
+    eval_every: int = DPO_EVAL_EVERY
+    checkpoint_every_steps: int = trainer_default("checkpoint_every_steps")
+    checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
+    keep_checkpoints: int = trainer_default("keep_checkpoints")
+
+    def hyperparameters(self) -> dict:
+        return self.model_dump()
+
+
+class HparamSearchPolicy(ConfigurableResource):
+    """What training/hparam_search explores, and how hard it prunes."""
+
+    space: dict[str, list] = Field(
+        default_factory=lambda: {
+            "lr": [1e-3, 3e-3, 1e-2],
+            "warmup_steps": [5, 20],
+            "weight_decay": [0.0, 0.1],
+            "width": [64, 128],
+        },
+        description="hyperparameter -> values; any TrainConfig field (width: the model's dim)",
+    )
+    trials: int = Field(default=6, description="configurations sampled from the grid")
+    min_steps: int = Field(default=10, description="steps at the first rung")
+    max_steps: int = Field(
+        default=90, description="steps at the last rung (and the schedule's length)"
+    )
+    eta: int = Field(
+        default=3, description="keep the best 1/eta at each rung; budgets grow eta times"
+    )
+    seed: int = 0
+    nproc_per_node: int = Field(
+        default=1, description="ranks per trial: trials are short, one rank each"
+    )

@@ -1,0 +1,339 @@
+"""The lake: every Delta table, read and written through one resource."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+from botocore.exceptions import ClientError
+from dagster import ConfigurableResource
+from deltalake import DeltaTable, WriterProperties, write_deltalake
+from deltalake.exceptions import TableNotFoundError
+from pydantic import Field
+
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.locks import FileLock, S3Lease
+from pipeline_assets.lib.retention import Removed
+
+
+@dataclass(frozen=True)
+class DeltaCommit:
+    """What a write produced: the table version, where it lives, and how long it took."""
+
+    uri: str
+    version: int
+    rows: int
+    bytes_in_memory: int
+    wall_seconds: float
+    cpu_seconds: float
+
+
+_PARTITION_VALUE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+class LakeResource(ConfigurableResource):
+    """Delta tables at ``<uri>/<layer>/<name>``, on a local path or ``s3://``."""
+
+    uri: str = Field(description="root of the lake: a local path or s3://bucket/prefix")
+    lock_timeout_seconds: float = Field(
+        default=300.0, description="how long a writer waits for a table's lock"
+    )
+    lease_seconds: float = Field(
+        default=60.0,
+        description="s3:// lake: a lock whose holder died is taken over this long after its last renewal",
+    )
+
+    def table_uri(self, layer: str, name: str) -> str:
+        return uris.join(self.uri, layer, name)
+
+    def storage_options(self) -> dict[str, str] | None:
+        return uris.delta_storage_options(self.uri)
+
+    def lock(self, layer: str, name: str) -> FileLock | S3Lease:
+        """One process at a time in a read-modify-write of a table (Delta appends never conflict):
+        ``<lake>/<layer>/_<name>.lock``, released when its holder exits or dies."""
+        lock_uri = uris.join(self.uri, layer, f"_{name}.lock")
+        if not uris.is_s3(lock_uri):
+            return FileLock(lock_uri, timeout=self.lock_timeout_seconds)
+        return S3Lease(
+            self._s3_client(),
+            lock_uri,
+            timeout=self.lock_timeout_seconds,
+            ttl_seconds=self.lease_seconds,
+        )
+
+    def table(self, layer: str, name: str, version: int | None = None) -> DeltaTable | None:
+        try:
+            return DeltaTable(
+                self.table_uri(layer, name), version=version, storage_options=self.storage_options()
+            )
+        except TableNotFoundError:
+            return None
+
+    def version(self, layer: str, name: str) -> int | None:
+        table = self.table(layer, name)
+        return None if table is None else table.version()
+
+    def scan(self, layer: str, name: str, version: int | None = None) -> pl.LazyFrame | None:
+        """A lazy scan (partition pruning applies to filters), or None while the table does not exist."""
+        table = self.table(layer, name, version)
+        return None if table is None else pl.scan_delta(table)
+
+    def read(
+        self, layer: str, name: str, *, version: int | None = None, where: pl.Expr | None = None
+    ) -> pl.DataFrame | None:
+        scan = self.scan(layer, name, version)
+        if scan is None:
+            return None
+        return (scan if where is None else scan.filter(where)).collect()
+
+    def replace_partition(
+        self,
+        layer: str,
+        name: str,
+        frame: pl.DataFrame,
+        *,
+        column: str,
+        value: str,
+        add_columns: bool = False,
+        rows_per_group: int | None = None,
+        partition_by: tuple[str, ...] = (),
+    ) -> DeltaCommit:
+        """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
+
+        ``add_columns``: columns the table lacks are added (null in its older rows), for a table
+        written before its contract gained a nullable column. ``rows_per_group``: as in ``overwrite``.
+        ``partition_by``: the table's partition columns, when more than ``column``."""
+        _check_partition(layer, name, frame, column, value)
+        return self._write(
+            layer,
+            name,
+            frame,
+            mode="overwrite",
+            partition_by=list(partition_by or [column]),
+            predicate=f"{column} = '{value}'",
+            **({"schema_mode": "merge"} if add_columns else {}),
+            **_row_groups(rows_per_group),
+        )
+
+    def replace_partition_streaming(
+        self,
+        layer: str,
+        name: str,
+        frames: Iterable[pl.DataFrame],
+        schema: pl.Schema,
+        *,
+        column: str,
+        value: str,
+        rows_per_group: int,
+    ) -> DeltaCommit:
+        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they come.
+        delta-rs encodes a row group once it holds ``rows_per_group`` rows (by default only at the
+        end, a million rows): a few frames' worth lets the encoding of one overlap the making of the
+        next. Nothing is committed unless every frame was made; an exception raised while making one
+        is raised here."""
+        checked = (_check_partition(layer, name, frame, column, value) for frame in frames)
+        return self._write_frames(
+            layer,
+            name,
+            checked,
+            schema,
+            mode="overwrite",
+            partition_by=[column],
+            predicate=f"{column} = '{value}'",
+            **_row_groups(rows_per_group),
+        )
+
+    def append(self, layer: str, name: str, frame: pl.DataFrame) -> DeltaCommit:
+        return self._write(layer, name, frame, mode="append")
+
+    def overwrite(
+        self, layer: str, name: str, frame: pl.DataFrame, rows_per_group: int | None = None
+    ) -> DeltaCommit:
+        """A new version holding only ``frame``; earlier versions stay readable by time travel.
+        ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a time."""
+        return self._write(layer, name, frame, mode="overwrite", **_row_groups(rows_per_group))
+
+    def tables(self) -> list[tuple[str, str]]:
+        """Every Delta table of the lake, as (layer, name)."""
+        if not uris.is_s3(self.uri):
+            return sorted(
+                (log.parent.parent.name, log.parent.name)
+                for log in Path(self.uri).glob("*/*/_delta_log")
+            )
+        bucket, prefix = uris.split_s3(self.uri)
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        pages = (
+            self._s3_client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=bucket, Prefix=prefix)
+        )
+        found = set()
+        for page in pages:
+            for item in page.get("Contents", []):
+                parts = item["Key"][len(prefix) :].split("/")
+                if len(parts) > 3 and parts[2] == "_delta_log":
+                    found.add((parts[0], parts[1]))
+        return sorted(found)
+
+    def vacuum(
+        self, layer: str, name: str, retention_hours: float, keep_versions: list[int]
+    ) -> Removed:
+        """Delete the files no version newer than ``retention_hours`` and none of ``keep_versions``
+        reads. Delta's vacuum picks them; they are deleted here, so that the table gains no version
+        (a ``gold-v<N>`` snapshot stays the table's newest version until the next one is cut)."""
+        table = self.table(layer, name)
+        if table is None:
+            return Removed()
+        doomed = table.vacuum(
+            retention_hours=int(retention_hours),
+            dry_run=True,
+            enforce_retention_duration=False,
+            keep_versions=keep_versions,
+        )
+        table_uri = self.table_uri(layer, name)
+        paths = [
+            path if path.startswith(("/", uris.S3_PREFIX)) else uris.join(table_uri, path)
+            for path in doomed
+        ]
+        return self._delete_files(paths)
+
+    def _delete_files(self, paths: list[str]) -> Removed:
+        """Delete these files; a file already gone counts for nothing."""
+        removed = Removed()
+        for path in paths:
+            if not uris.is_s3(path):
+                local = Path(path)
+                if local.is_file():
+                    removed += Removed(1, local.stat().st_size)
+                    local.unlink()
+                continue
+            bucket, key = uris.split_s3(path)
+            client = self._s3_client()
+            try:
+                size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+            except ClientError:
+                continue  # already gone
+            client.delete_object(Bucket=bucket, Key=key)
+            removed += Removed(1, size)
+        return removed
+
+    def _s3_client(self):
+        import boto3  # only S3 lakes need it
+
+        return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+
+    def _write(self, layer: str, name: str, frame: pl.DataFrame, **options) -> DeltaCommit:
+        table_uri = self.table_uri(layer, name)
+        started = (time.perf_counter(), time.process_time())
+        write_deltalake(
+            table_uri,
+            frame.to_arrow(compat_level=_arrow_layout(frame.schema)),
+            storage_options=self.storage_options(),
+            **options,
+        )
+        return self._committed(table_uri, frame.height, frame.estimated_size(), started)
+
+    def _write_frames(
+        self, layer: str, name: str, frames: Iterable[pl.DataFrame], schema: pl.Schema, **options
+    ) -> DeltaCommit:
+        table_uri = self.table_uri(layer, name)
+        started = (time.perf_counter(), time.process_time())
+        compat = _arrow_layout(schema)
+        arrow_schema = schema.to_frame().to_arrow(compat_level=compat).schema
+        written = {"rows": 0, "bytes": 0}
+        failed: list[BaseException] = []
+
+        def batches():
+            try:
+                for frame in frames:
+                    written["rows"] += frame.height
+                    written["bytes"] += frame.estimated_size()
+                    yield from frame.to_arrow(compat_level=compat).cast(arrow_schema).to_batches()
+            except BaseException as exc:  # delta-rs reports it as its own error, without the type
+                failed.append(exc)
+                raise
+
+        existed = self.table(layer, name) is not None
+        try:
+            write_deltalake(
+                table_uri,
+                pa.RecordBatchReader.from_batches(arrow_schema, batches()),
+                storage_options=self.storage_options(),
+                **options,
+            )
+        except Exception:
+            if not existed:
+                _remove_uncommitted(table_uri)
+            if failed:
+                raise failed[0] from None
+            raise
+        return self._committed(table_uri, written["rows"], written["bytes"], started)
+
+    def _committed(
+        self, table_uri: str, rows: int, bytes_in_memory: int, started: tuple[float, float]
+    ) -> DeltaCommit:
+        """The write just committed: the table's new version, and the write's wall and CPU seconds since ``started``."""
+        wall, cpu = started
+        version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
+        return DeltaCommit(
+            uri=table_uri,
+            version=version,
+            rows=rows,
+            bytes_in_memory=bytes_in_memory,
+            wall_seconds=time.perf_counter() - wall,
+            cpu_seconds=time.process_time() - cpu,
+        )
+
+
+def _remove_uncommitted(table_uri: str) -> None:
+    """A first write that failed leaves its folder (and any data files it had flushed) without a log:
+    a table no reader can open. On S3 there are no folders; flushed objects stay invisible to Delta
+    (as a crashed writer's do) until vacuum."""
+    folder = Path(table_uri)
+    if not uris.is_s3(table_uri) and folder.is_dir() and not (folder / "_delta_log").exists():
+        shutil.rmtree(folder)
+
+
+def _row_groups(rows_per_group: int | None) -> dict:
+    # Given any WriterProperties, delta-rs writes columns uncompressed unless told: snappy is its default.
+    properties = WriterProperties(max_row_group_size=rows_per_group, compression="SNAPPY")
+    return {"writer_properties": properties} if rows_per_group else {}
+
+
+def _check_partition(
+    layer: str, name: str, frame: pl.DataFrame, column: str, value: str
+) -> pl.DataFrame:
+    if not set(value) <= _PARTITION_VALUE_CHARS:
+        raise ValueError(f"partition value {value!r} has characters outside [A-Za-z0-9._-]")
+    if frame.height and frame[column].unique().to_list() != [value]:
+        raise ValueError(f"every row written to {layer}/{name} must have {column} = {value!r}")
+    return frame
+
+
+def _arrow_layout(schema: pl.Schema) -> pl.CompatLevel:
+    """Text as Arrow string views: handed over without a copy, which takes a fifth off writing a
+    text-heavy table. The Parquet writer cannot take a categorical's views: those keep the old
+    layout."""
+    categorical = any(
+        isinstance(t, (pl.Categorical, pl.Enum)) for t in _all_dtypes(schema.dtypes())
+    )
+    return pl.CompatLevel.oldest() if categorical else pl.CompatLevel.newest()
+
+
+def _all_dtypes(dtypes) -> list[pl.DataType]:
+    """These types and every type nested in them (list items, struct fields)."""
+    found = []
+    for dtype in dtypes:
+        found.append(dtype)
+        if isinstance(dtype, (pl.List, pl.Array)):
+            found += _all_dtypes([dtype.inner])
+        elif isinstance(dtype, pl.Struct):
+            found += _all_dtypes([f.dtype for f in dtype.fields])
+    return found
