@@ -1,4 +1,5 @@
-"""Every record contract of the pipeline (pandera, polars backend), as the README describes them per layer.
+"""Every record contract of the pipeline (pandera, polars backend), as each layer's document
+(docs/bronze.md, docs/silver.md, docs/gold.md, ...) describes them.
 
 Each layer validates its output against its contract before the Delta commit, so a frame that
 breaks a contract never becomes a table version. ``polars_schema`` gives the exact column types a
@@ -82,7 +83,11 @@ class BronzePreferenceRecord(Provenance, PreferenceLandingRecord):
     """A preference landing record plus provenance."""
 
 
-QUARANTINE_REASON = r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file|unsupported_format|already_ingested|too_deep:(meta|extra)|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
+QUARANTINE_REASON = (
+    r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file"
+    r"|unsupported_format|already_ingested|too_deep:(meta|extra)"
+    r"|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
+)
 
 
 class QuarantineRecord(pa.DataFrameModel):
@@ -192,8 +197,8 @@ class MinhashIndexEntry(pa.DataFrameModel):
     signature: pl.Binary = pa.Field(description="MinHash signature: num_perm little-endian uint32")
     response_signature: pl.Binary = pa.Field(
         nullable=True,
-        description="MinHash signature of the answers alone (sft: the response; preference: chosen and "
-        "rejected); null in entries written before it was stored",
+        description="MinHash signature of the answers alone (sft: the response; preference: chosen "
+        "and rejected); null in entries written before it was stored",
     )
     band_keys: Annotated[pl.List, pl.Int64()] = pa.Field(description="one LSH key per band")
     lsh_params: str
@@ -285,7 +290,8 @@ class SequencePairs(pa.DataFrameModel):
 
 
 class GoldPreferenceSequence(SequencePairs, PackedShard):
-    """One packed row of preference pairs: each pair's chosen then rejected document, whole, in one row."""
+    """One packed row of preference pairs: each pair's chosen then rejected document, whole, in one
+    row."""
 
     @pa.dataframe_check
     def _two_documents_a_pair(cls, data: pa.PolarsData) -> pl.LazyFrame:
@@ -295,7 +301,8 @@ class GoldPreferenceSequence(SequencePairs, PackedShard):
 
 
 class GoldReferenceLogps(pa.DataFrameModel):
-    """The reference model's log-probabilities of one packed row of a preference snapshot, per document."""
+    """The reference model's log-probabilities of one packed row of a preference snapshot, per
+    document."""
 
     snapshot: str = pa.Field(str_startswith="dpo-v")
     reference_model: str = pa.Field(
@@ -307,7 +314,8 @@ class GoldReferenceLogps(pa.DataFrameModel):
         ge=0, description="the row's index in its shard and split, as gold stores it"
     )
     reference_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
-        description="per document of the row (chosen, rejected, ...): the summed log-probability of its response tokens"
+        description="per document of the row (chosen, rejected, ...): the summed log-probability "
+        "of its response tokens"
     )
 
     class Config:
@@ -373,7 +381,8 @@ class EvaluationSlice(pa.DataFrameModel):
 
 
 class DpoEvaluationSlice(pa.DataFrameModel):
-    """One model's judgement of one slice of a preference snapshot's held-out pairs, or its sft validation loss."""
+    """One model's judgement of one slice of a preference snapshot's held-out pairs, or its sft
+    validation loss."""
 
     partition: str = pa.Field(str_startswith="dpo-v")
     model: str = pa.Field(isin=["candidate", "champion"])
@@ -492,7 +501,8 @@ class LandingManifestEntry(pa.DataFrameModel):
 
 
 class PromptBankRow(pa.DataFrameModel):
-    """One candidate of the RL prompt bank (lib.rl_bank): in the bank, or the stage that removed it, and why."""
+    """One candidate of the RL prompt bank (lib.rl_bank): in the bank, or the stage that removed it,
+    and why."""
 
     prompt_id: str = pa.Field(**HASH_128, description="of the prompt's text")
     source: str = pa.Field(
@@ -518,8 +528,9 @@ class PromptBankRow(pa.DataFrameModel):
 
 
 class ReplayBufferRow(pa.DataFrameModel):
-    """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.replay): what generated it, its
-    tokens with the behaviour policy's log-probabilities, its reward, and whether an update consumed it."""
+    """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.replay): what generated
+    it, its tokens with the behaviour policy's log-probabilities, its reward, and whether an update
+    consumed it."""
 
     rollout_id: str = pa.Field(unique=True, str_length={"min_value": 1})
     run: str = pa.Field(
@@ -535,8 +546,8 @@ class ReplayBufferRow(pa.DataFrameModel):
     prompt_token_ids: Annotated[pl.List, pl.Int64()]
     completion_token_ids: Annotated[pl.List, pl.Int64()]
     behaviour_logps: Annotated[pl.List, pl.Float64()] = pa.Field(
-        description="per completion token: its log-probability under the generating policy (the importance ratio's "
-        "denominator)"
+        description="per completion token: its log-probability under the generating policy (the "
+        "importance ratio's denominator)"
     )
     completion: str = pa.Field(description="the completion's tokens, decoded")
     reward: float = pa.Field(description="the verifier's reward")

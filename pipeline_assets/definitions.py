@@ -40,8 +40,8 @@ from pipeline_assets.defs.training.dpo import training_dpo_checkpoint
 from pipeline_assets.defs.training.search import hparam_search
 from pipeline_assets.resources.settings import Settings
 
-# One process per run by default: on one machine a process per step costs seconds of imports each and
-# gains little (training runs in torchrun's own processes). A cluster picks its executor.
+# One process per run by default: on one machine a process per step costs seconds of imports each
+# and gains little (training runs in torchrun's own processes). A cluster picks its executor.
 EXECUTORS = {"in_process": in_process_executor, "multiprocess": multiprocess_executor}
 
 

@@ -53,8 +53,8 @@ _MAX_TEMP_DIR_CHARS = 36
 
 
 class BlockEngine(RayResource):
-    """What silver and gold ask for: run block stages on Ray, or in this process where Ray would cost
-    more than the work."""
+    """What silver and gold ask for: run block stages on Ray, or in this process where Ray would
+    cost more than the work."""
 
     rows_per_block: int = ROWS_PER_BLOCK
 
@@ -96,8 +96,8 @@ class BlockEngine(RayResource):
         )
 
     def _ensure_connected(self) -> None:
-        """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data would
-        start on this machine by itself."""
+        """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data
+        would start on this machine by itself."""
         import ray
 
         if not ray.is_initialized():
@@ -111,7 +111,8 @@ class RayEngine(BlockEngine, LocalRay):
     batches, or in this process."""
 
     home: str = Field(
-        description="PIPELINE_HOME: a local Ray keeps its temporary files and token under <home>/ray"
+        description="PIPELINE_HOME: a local Ray keeps its temporary files and token under "
+        "<home>/ray"
     )
     min_rows: int = Field(
         default=RAY_MIN_ROWS,
@@ -143,7 +144,8 @@ class RayEngine(BlockEngine, LocalRay):
         return self.cluster_address is not None or rows >= self.min_rows
 
     def _ensure_connected(self) -> None:
-        """ray.init once per step; dagster-ray's cleanup disconnects (and stops a local Ray) when the step ends."""
+        """ray.init once per step; dagster-ray's cleanup disconnects (and stops a local Ray) when
+        the step ends."""
         options = (
             {} if self.cluster_address else local_ray_options(Path(self.home))
         )  # before ray reads its environment
@@ -178,8 +180,9 @@ class KubeRayEngine(BlockEngine, KubeRayInteractiveJob):
 
     @classmethod
     def from_file(cls, path: str) -> KubeRayEngine:
-        """The engine from a YAML (or JSON) file of ``KubeRayInteractiveJob`` settings; a file that is
-        missing, unreadable or has a field dagster-ray does not know fails here, naming the setting."""
+        """The engine from a YAML (or JSON) file of ``KubeRayInteractiveJob`` settings; a file that
+        is missing, unreadable or has a field dagster-ray does not know fails here, naming the
+        setting."""
         try:
             settings = yaml.safe_load(Path(path).read_text()) or {}
             if not isinstance(settings, dict):
@@ -205,7 +208,8 @@ def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
     unknown = sorted(set(settings) - set(fields))
     if unknown:
         raise ValueError(
-            f"unknown field(s) {', '.join(prefix + name for name in unknown)}; known: {', '.join(sorted(fields))}"
+            f"unknown field(s) {', '.join(prefix + name for name in unknown)}; known: "
+            f"{', '.join(sorted(fields))}"
         )
 
 
@@ -256,7 +260,8 @@ def run_on_ray(
     stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int
 ) -> StagesResult:
     """One Ray Data task per block, results back in block order; the nodes that ran them and the
-    polars threads each task had are in each stage's counters (``ray_nodes``, ``ray_polars_threads``)."""
+    polars threads each task had are in each stage's counters (``ray_nodes``,
+    ``ray_polars_threads``)."""
     import pyarrow as pa
     import ray.data
 
@@ -292,7 +297,8 @@ def run_on_ray(
 
 
 def engine_used(counters: dict) -> str:
-    """Where a block stage ran, from its counters: this process, or Ray's nodes and each task's polars threads."""
+    """Where a block stage ran, from its counters: this process, or Ray's nodes and each task's
+    polars threads."""
     if not counters.get("ray_nodes"):
         return "this process"
     threads = "/".join(map(str, counters["ray_polars_threads"]))

@@ -28,10 +28,10 @@ _TAGS = {"pipeline/trigger": "backfill-decontamination"}
 
 
 def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> RunOutcome:
-    """Observe the eval sets; re-materialize silver, one batch at a time in arrival order, for every batch
-    whose silver was decontaminated against another version of them; then rebuild their gold
-    shards and cut a new snapshot without the newly contaminated records. Batches not done in silver are left to
-    silver_in_order and ``pipeline-assets run``, which use the current sets anyway."""
+    """Observe the eval sets; re-materialize silver, one batch at a time in arrival order, for every
+    batch whose silver was decontaminated against another version of them; then rebuild their gold
+    shards and cut a new snapshot without the newly contaminated records. Batches not done in silver
+    are left to silver_in_order and ``pipeline-assets run``, which use the current sets anyway."""
     outcome = RunOutcome()
     current = observe_eval_sets(defs, instance, outcome)
     if current is None:
@@ -63,7 +63,8 @@ def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> Ru
             instance,
             job,
             outcome,
-            by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against new eval sets",
+            by_hand=f"backfill-decontamination: {len(batches)} batch(es) decontaminated against "
+            "new eval sets",
         )
     return outcome
 
@@ -71,7 +72,8 @@ def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> Ru
 def _decontaminated_against_other_sets(
     instance: DagsterInstance, events: list[BatchEvents], current: str
 ) -> list[str]:
-    """Batches done in silver whose latest silver read eval sets of another fingerprint, oldest first."""
+    """Batches done in silver whose latest silver read eval sets of another fingerprint, oldest
+    first."""
     done = {
         batch.batch_id: batch.silver.storage_id for batch in events if stage(batch) is Stage.DONE
     }
@@ -91,11 +93,13 @@ def _eval_sets_version(metadata) -> str | None:
 
 
 def _require_settled_before(events: list[BatchEvents], last: str) -> None:
-    """Silver takes batches in arrival order: an earlier batch still pending or running would fail the redo."""
+    """Silver takes batches in arrival order: an earlier batch still pending or running would fail
+    the redo."""
     unsettled = unsettled_before(events, last)
     if unsettled:
         named = ", ".join(f"{batch} ({state.value})" for batch, state in unsettled[:3])
         raise ValueError(
-            f"{len(unsettled)} batch(es) are not through silver yet: {named}. Run `pipeline-assets run` "
-            "(or let silver_in_order finish), then run backfill-decontamination again."
+            f"{len(unsettled)} batch(es) are not through silver yet: {named}. Run "
+            "`pipeline-assets run` (or let silver_in_order finish), then run "
+            "backfill-decontamination again."
         )

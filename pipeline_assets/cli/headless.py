@@ -49,7 +49,8 @@ from pipeline_assets.lib.locks import FileLock
 
 log = logging.getLogger("pipeline_assets")
 
-# What runs only when a selection names it: the search (it costs several trainings) and the RL overlay.
+# What runs only when a selection names it: the search (it costs several trainings) and the
+# RL overlay.
 RUN_WHEN_SELECTED = {TRAINING_HPARAM_SEARCH, RL_PROMPT_BANK, RL_POLICY, RL_REPLAY_BUFFER}
 SERIES = (SFT_SERIES, PREFERENCE_SERIES)  # the snapshot series a run cuts, each on its cadence
 # Step logs at INFO (per-file accounting, check results); DEBUG event chatter stays in the instance.
@@ -195,7 +196,8 @@ def _is_made_unpartitioned(graph, key: AssetKey) -> bool:
 
 
 def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey) -> bool:
-    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes and has not made yet."""
+    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes and has not made
+    yet."""
     node = graph.get(key)
     return node.partitions_def == ingest_batches and any(
         _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0
@@ -206,8 +208,8 @@ def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey
 def stale_unpartitioned(
     defs: Definitions, instance: DagsterInstance, keys: list[AssetKey], explicit: bool = False
 ) -> list[AssetKey]:
-    """Selected unpartitioned assets never materialized, or older than an upstream materialization; the RL
-    overlay only when selected explicitly."""
+    """Selected unpartitioned assets never materialized, or older than an upstream materialization;
+    the RL overlay only when selected explicitly."""
     graph = defs.resolve_asset_graph()
 
     def latest(key: AssetKey) -> float | None:
@@ -243,8 +245,8 @@ def missing_snapshot_partitions(
     explicit: bool = False,
     series: SnapshotSeries = SFT_SERIES,
 ) -> dict[str, list[AssetKey]]:
-    """Per snapshot of the series, the selected assets partitioned by it never materialized for it. The
-    hyperparameter search, which costs several trainings, runs only when selected explicitly."""
+    """Per snapshot of the series, the selected assets partitioned by it never materialized for it.
+    The hyperparameter search, which costs several trainings, runs only when selected explicitly."""
     graph = defs.resolve_asset_graph()
     plan: dict[str, list[AssetKey]] = {}
     for key in keys:
@@ -276,7 +278,8 @@ def _after_snapshots(graph, key: AssetKey) -> bool:
 
 
 def _made_once(node) -> bool:
-    """Assets automation makes only when missing (the tokenizer: retraining it changes every token id)."""
+    """Assets automation makes only when missing (the tokenizer: retraining it changes every token
+    id)."""
     condition = node.automation_condition
     return condition is not None and condition.get_label() == ONCE_WHEN_MISSING
 
@@ -289,8 +292,8 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     outcome = RunOutcome()
     if _reads_eval_sets(defs, keys):
         observe_eval_sets(defs, instance, outcome)
-    # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is made;
-    # otherwise a batch's shard is built in the same run as its bronze and silver.
+    # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is
+    # made; otherwise a batch's shard is built in the same run as its bronze and silver.
     shards = [key for key in keys if _reads_missing_unpartitioned(graph, instance, key)]
     for batch, batch_keys in stale_partitions(
         defs, instance, [key for key in keys if key not in shards]
@@ -335,7 +338,8 @@ def cut_snapshot_if_due(
     by_hand: str = "",
     series: SnapshotSeries = SFT_SERIES,
 ) -> None:
-    """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says why."""
+    """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says
+    why."""
     decision = snapshot_decision(
         instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series
     )
@@ -362,8 +366,9 @@ def cut_snapshot_if_due(
 def observe_eval_sets(
     defs: Definitions, instance: DagsterInstance, outcome: RunOutcome
 ) -> str | None:
-    """Observe reference/eval_sets when its files differ from the version last observed, so silver records
-    the version it decontaminates against; returns that data version (None: not observable or not observed)."""
+    """Observe reference/eval_sets when its files differ from the version last observed, so silver
+    records the version it decontaminates against; returns that data version (None: not observable
+    or not observed)."""
     graph = defs.resolve_asset_graph()
     if not graph.has(REFERENCE_EVAL_SETS) or not graph.get(REFERENCE_EVAL_SETS).is_observable:
         return None
@@ -428,10 +433,14 @@ def _execute(
             for event in result.get_step_failure_events()
         ]
         outcome.failed_runs.append(
-            f"run {result.run_id} for {where} failed: {'; '.join(reasons) or 'see the run in the UI'}"
+            f"run {result.run_id} for {where} failed: "
+            f"{'; '.join(reasons) or 'see the run in the UI'}"
         )
     for check in result.get_asset_check_evaluations():
-        said = f"{check.asset_key.to_user_string()}:{check.check_name} failed for {where}: {check.description}"
+        said = (
+            f"{check.asset_key.to_user_string()}:{check.check_name} failed for {where}: "
+            f"{check.description}"
+        )
         if check.passed:
             outcome.checks_passed += 1
         elif check.blocking and check.severity == AssetCheckSeverity.ERROR:
@@ -441,7 +450,8 @@ def _execute(
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped a run: the headless command stops too, instead of starting the next."""
+    """Ctrl-C or SIGTERM stopped a run: the headless command stops too, instead of starting the
+    next."""
 
 
 def _interrupted(result) -> bool:

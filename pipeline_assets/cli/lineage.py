@@ -1,11 +1,12 @@
-"""From a registered model version back to the landing files that fed it (``pipeline-assets lineage``).
+"""From a registered model version back to the landing files that fed it
+(``pipeline-assets lineage``).
 
 Every link is read from where it was recorded: the model version's tags (partition, Delta versions),
 its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in gold/snapshots or
-gold/preference_snapshots (which ingest batches' shards), silver at the pinned version (which sources of
-those batches it kept records of), and the landing manifest (which file versions, with their checksums).
-A DPO version also names the sft model version it started from (``reference_model``), whose own lineage
-follows under ``started_from``.
+gold/preference_snapshots (which ingest batches' shards), silver at the pinned version (which
+sources of those batches it kept records of), and the landing manifest (which file versions, with
+their checksums). A DPO version also names the sft model version it started from
+(``reference_model``), whose own lineage follows under ``started_from``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def resolve_version(mlflow_tracking: MlflowResource, spec: str):
     )
     if found is None:
         raise ValueError(
-            f"{spec}: no such model version in the registry at {mlflow_tracking.shown_tracking_uri()}"
+            f"{spec}: no such model version in the registry at "
+            f"{mlflow_tracking.shown_tracking_uri()}"
         )
     return found
 
@@ -139,8 +141,9 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
 def _landing_files(
     lake: LakeResource, layers: _Layers, silver_version: int | None, batches: list[str]
 ) -> list[dict]:
-    """The landing files of ``batches`` from the sources silver kept records of at ``silver_version`` (a batch
-    may hold sources of other record formats, which fed other models)."""
+    """The landing files of ``batches`` from the sources silver kept records of at
+    ``silver_version`` (a batch may hold sources of other record formats, which fed other
+    models)."""
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
     fed = (
         lake.scan(*layers.silver, version=silver_version)

@@ -2,7 +2,8 @@
 
 Such a run stays STARTED in the instance and keeps its pool slots, so the next run would wait for
 them forever. Each headless run records its process (pid, host, boot id, start time) as run tags;
-the next ``pipeline-assets run`` marks the runs whose process is gone as failed and frees their slots.
+the next ``pipeline-assets run`` marks the runs whose process is gone as failed and frees their
+slots.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def recover_dead_runs(instance: DagsterInstance, say: Callable[[str], None]) -> 
             if pools
             else "it held no pool slot"
         )
-        message = f"run {run.run_id} (pid {process.pid} on host {process.host}) is gone: marked failed, {freed}"
+        message = (
+            f"run {run.run_id} (pid {process.pid} on host {process.host}) is gone: marked failed, "
+            f"{freed}"
+        )
         instance.report_run_failed(run, message=message)
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         say(message)
@@ -68,7 +72,8 @@ def recover_dead_runs(instance: DagsterInstance, say: Callable[[str], None]) -> 
 def announce_pool_waits(
     instance: DagsterInstance, pools: Iterable[str], say: Callable[[str], None]
 ) -> None:
-    """Say which runs hold the slots a step is about to wait for (Dagster logs the wait at DEBUG)."""
+    """Say which runs hold the slots a step is about to wait for (Dagster logs the wait at
+    DEBUG)."""
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
         return

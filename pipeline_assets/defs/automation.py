@@ -28,7 +28,8 @@ automation_sensor = AutomationConditionSensorDefinition(
     target=AssetSelection.all(),
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=10,
-    description="Evaluates every asset's automation condition: downstream layers follow upstream ones.",
+    description="Evaluates every asset's automation condition: downstream layers follow upstream "
+    "ones.",
 )
 
 

@@ -31,7 +31,8 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
 
 
 def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
-    """The blocking check ``contract`` of a table partitioned by ingest batch: the batch's rows satisfy ``model``."""
+    """The blocking check ``contract`` of a table partitioned by ingest batch: the batch's rows
+    satisfy ``model``."""
 
     @asset_check(
         asset=key,
@@ -81,7 +82,8 @@ def trailing_median_result(
     without_history = judged.filter(pl.col("baseline").is_null())["source"].to_list()
     description = (
         "; ".join(
-            f"source '{r['source']}': {r['current']:.4g} {unit} vs trailing median {r['baseline']:.4g} ({r['deviation']:+.0%})"
+            f"source '{r['source']}': {r['current']:.4g} {unit} vs trailing median "
+            f"{r['baseline']:.4g} ({r['deviation']:+.0%})"
             for r in off.iter_rows(named=True)
         )
         or f"every source within ±{tolerance:.0%} of its trailing median"

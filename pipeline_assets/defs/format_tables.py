@@ -1,5 +1,5 @@
-"""Each record format's tables: where its records land in bronze and silver, and their contracts, made
-from its description (lib.formats) for every format there is."""
+"""Each record format's tables: where its records land in bronze and silver, and their contracts,
+made from its description (lib.formats) for every format there is."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Asset keys, exactly as the README's asset graph names them. A record format's bronze and silver tables are
-named by its description (lib.formats)."""
+"""Asset keys, exactly as the README's asset graph names them. A record format's bronze and silver
+tables are named by its description (lib.formats)."""
 
 from dagster import AssetKey
 

@@ -7,8 +7,8 @@ from pipeline_assets.lib.snapshot_manifest import snapshot_key, snapshot_number
 # One partition per ingest batch; keys sort in arrival order (see lib.batches.batch_key).
 ingest_batches = DynamicPartitionsDefinition(name="ingest_batches")
 
-# One partition per data snapshot, "gold-v<N>" (row N of gold/snapshots): training on it reads exactly
-# the shards and versions its manifest names.
+# One partition per data snapshot, "gold-v<N>" (row N of gold/snapshots): training on it reads
+# exactly the shards and versions its manifest names.
 data_snapshots = DynamicPartitionsDefinition(name="data_snapshots")
 
 # One partition per preference snapshot, "dpo-v<N>" (row N of gold/preference_snapshots).

@@ -25,8 +25,9 @@ from pipeline_assets.resources.settings import Settings
 
 
 def _through_env(name: str, value: str) -> str:
-    """``value`` as a resource's config: ``EnvVar(name)`` when it came from that variable, so Dagster
-    shows the name, never the value (a URI with a password), in the UI, run config and events."""
+    """``value`` as a resource's config: ``EnvVar(name)`` when it came from that variable, so
+    Dagster shows the name, never the value (a URI with a password), in the UI, run config and
+    events."""
     return EnvVar(name) if os.environ.get(name, "").strip() == value else value
 
 

@@ -1,4 +1,5 @@
-"""The scoring programs (evaluation's, DPO's reference pass) launched under torchrun from an asset."""
+"""The scoring programs (evaluation's, DPO's reference pass) launched under torchrun from an
+asset."""
 
 import os
 import subprocess
@@ -16,8 +17,9 @@ def run_scoring_program(
     args: list[str],
     what: str,
 ) -> None:
-    """A scoring program (evaluation's, DPO's reference pass) under torchrun: a rank a GPU of the launcher's,
-    else one rank with its threads, not in this process; its lines go to the step's log."""
+    """A scoring program (evaluation's, DPO's reference pass) under torchrun: a rank a GPU of the
+    launcher's, else one rank with its threads, not in this process; its lines go to the step's
+    log."""
     ranks, threads = launcher.scoring_ranks()
     command = launcher.command(
         [*args, "--device", launcher.device], nproc_per_node=ranks, module=module

@@ -20,14 +20,16 @@ _SEARCH_LIMIT = 1000
 
 
 def plain_metadata(materialization) -> dict:
-    """A materialization's metadata as plain values (numbers, strings, dicts), without Dagster's wrappers."""
+    """A materialization's metadata as plain values (numbers, strings, dicts), without Dagster's
+    wrappers."""
     return {name: value.value for name, value in materialization.metadata.items()}
 
 
 def materialization_history(
     instance: DagsterInstance, key: AssetKey, limit: int = 10_000
 ) -> list[dict]:
-    """Plain metadata of every materialization of ``key``, newest first, each with its ``partition``."""
+    """Plain metadata of every materialization of ``key``, newest first, each with its
+    ``partition``."""
     return list(_history(instance, key, limit))
 
 
@@ -40,7 +42,8 @@ def _history(instance: DagsterInstance, key: AssetKey, limit: int) -> Iterator[d
 
 
 def latest_records_by_partition(instance: DagsterInstance, key: AssetKey) -> dict[str, object]:
-    """Per partition of ``key``, the event-log record of its latest materialization (storage id, run id, metadata)."""
+    """Per partition of ``key``, the event-log record of its latest materialization (storage id, run
+    id, metadata)."""
     latest = instance.event_log_storage.get_latest_storage_id_by_partition(
         key, DagsterEventType.ASSET_MATERIALIZATION
     )
@@ -63,13 +66,15 @@ def latest_per_partition(history: list[dict]) -> list[dict]:
 def latest_materialization_metadata(
     instance: DagsterInstance, key: AssetKey, matches: Callable[[dict], bool]
 ) -> dict | None:
-    """Plain metadata values of the newest of the last thousand materializations of ``key`` that ``matches``."""
+    """Plain metadata values of the newest of the last thousand materializations of ``key`` that
+    ``matches``."""
     return next((m for m in _history(instance, key, _SEARCH_LIMIT) if matches(m)), None)
 
 
 @dataclass(frozen=True)
 class Behind:
-    """The materializations a snapshot was built from: its cut, and per batch its shard, silver and bronze writes."""
+    """The materializations a snapshot was built from: its cut, and per batch its shard, silver and
+    bronze writes."""
 
     cut: dict | None
     shards: list[dict]
@@ -78,7 +83,8 @@ class Behind:
 
 
 def behind_snapshot(instance: DagsterInstance, partition_key: str) -> Behind:
-    """Per batch of the snapshot's manifest, the newest writes at or before the Delta versions it read."""
+    """Per batch of the snapshot's manifest, the newest writes at or before the Delta versions it
+    read."""
     cut = latest_materialization_metadata(
         instance, GOLD_SNAPSHOTS, lambda m: m.get("data_snapshot") == partition_key
     )
@@ -98,8 +104,9 @@ def behind_snapshot(instance: DagsterInstance, partition_key: str) -> Behind:
 
 
 def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:
-    """Delta versions behind a snapshot: its manifest row (gold/snapshots), gold/sequences and gold/tokenizer
-    as the manifest pins them, and the newest silver/records and bronze/records versions its shards read."""
+    """Delta versions behind a snapshot: its manifest row (gold/snapshots), gold/sequences and
+    gold/tokenizer as the manifest pins them, and the newest silver/records and bronze/records
+    versions its shards read."""
     behind = behind_snapshot(instance, partition_key)
     return {
         "gold/snapshots": snapshot_number(partition_key),
@@ -113,8 +120,9 @@ def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str
 def preference_pairs_version(
     instance: DagsterInstance, batches: set[str], sequences_version: int
 ) -> int | None:
-    """The newest silver/preference_pairs version read by the shards of gold/preference_sequences a preference
-    snapshot lists (those batches' writes at or before the version its manifest pins); None when unknown."""
+    """The newest silver/preference_pairs version read by the shards of gold/preference_sequences a
+    preference snapshot lists (those batches' writes at or before the version its manifest pins);
+    None when unknown."""
     shards = _per_batch_at_or_before(
         instance, GOLD_PREFERENCE_SEQUENCES, sequences_version, batches
     )
@@ -140,8 +148,9 @@ def partition_metadata(instance: DagsterInstance, key: AssetKey, partition_key: 
 
 
 def data_compute_behind(instance: DagsterInstance, partition_key: str) -> Compute:
-    """CPU and GPU seconds of the data stages behind a snapshot: bronze, silver and the gold shard of
-    every batch it holds (the writes at the Delta versions it read), the tokenizer it used, and its cut."""
+    """CPU and GPU seconds of the data stages behind a snapshot: bronze, silver and the gold shard
+    of every batch it holds (the writes at the Delta versions it read), the tokenizer it used, and
+    its cut."""
     behind = behind_snapshot(instance, partition_key)
     if behind.cut is None:
         return Compute()

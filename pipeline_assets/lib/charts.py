@@ -42,7 +42,8 @@ def slice_bars_png(
 def loss_curve_png(
     history: list[dict], path: Path, title: str, unit: str = "nats/token"
 ) -> Path | None:
-    """Training loss per log step, with validation loss where it was measured; ``unit``: what the loss is a mean over."""
+    """Training loss per log step, with validation loss where it was measured; ``unit``: what the
+    loss is a mean over."""
     train = [row for row in history if "loss" in row]
     validation = [row for row in history if "validation_loss" in row]
     if not train:

@@ -26,5 +26,6 @@ def prefix_text(system: str | None, prompt: str) -> str:
 
 
 def response_text(response: str) -> str:
-    """The response and what closes it: response END EOS. These are the tokens the loss is computed on."""
+    """The response and what closes it: response END EOS. These are the tokens the loss is computed
+    on."""
     return f"{response}{END}{EOS}"

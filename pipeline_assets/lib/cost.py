@@ -43,7 +43,8 @@ class Compute:
 
 
 def model_version_cost(training: Compute, data: Compute, prices: Prices) -> dict:
-    """What a model version cost: its training run, and the data stages behind its snapshot, in $."""
+    """What a model version cost: its training run, and the data stages behind its snapshot, in
+    $."""
     training_usd = round(prices.cost(training.cpu_seconds, training.gpu_seconds), 6)
     data_usd = round(prices.cost(data.cpu_seconds, data.gpu_seconds), 6)
     return {

@@ -243,7 +243,8 @@ class EvalNgramIndex:
     def first_match(
         self, texts: Sequence[str | None], fields: Sequence[str] | None = None
     ) -> Contamination | None:
-        """The first gram found in a record whose ``fields`` (default: ``config.fields``) values are ``texts``."""
+        """The first gram found in a record whose ``fields`` (default: ``config.fields``) values are
+        ``texts``."""
         for field, text in zip(fields or self.config.fields, texts, strict=True):
             words = text_words(text, self.config.lowercase)
             found = self._first_in_words(words)

@@ -53,7 +53,8 @@ HISTORY_SCHEMA = pl.Schema(
         "response_signature": pl.Binary,  # null in entries written before responses were signed
         "band_keys": pl.List(pl.Int64),
         "lsh_params": pl.String,
-        "prompt_hash": pl.String,  # preference pairs: their normalized prompt's hash; null for other formats
+        # preference pairs: their normalized prompt's hash; null for other formats
+        "prompt_hash": pl.String,
     }
 )
 
@@ -70,8 +71,9 @@ PROMPT_BAND = (
 BAND_SCHEMA = pl.Schema(
     {"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String}
 )
+# (band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA)
+# holding one.
 IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
-"""(band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA) holding one."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,10 @@ class LshParams:
 
     def label(self, config: MinHashConfig) -> str:
         """Names everything that must match for two signatures' band keys to be comparable."""
-        return f"perm{config.num_perm}-seed{config.seed}-shingle{config.shingle_words}-b{self.bands}-r{self.rows}"
+        return (
+            f"perm{config.num_perm}-seed{config.seed}-shingle{config.shingle_words}"
+            f"-b{self.bands}-r{self.rows}"
+        )
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ def exact_hashes(frame: pl.DataFrame, fmt: RecordFormat = SFT) -> pl.Series:
 
 
 def hash_of(*columns: str) -> pl.Expr:
-    """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization removes)."""
+    """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization
+    removes)."""
     return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)
 
 
@@ -185,7 +191,8 @@ def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0
 
 
 def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
-    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from ``salt``."""
+    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from
+    ``salt``."""
     keys = np.full((len(sigs), params.bands), salt, dtype=np.uint64)
     multiplier = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
@@ -294,8 +301,8 @@ def format_salt(fmt: RecordFormat) -> int:
 def with_signatures(
     frame: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
 ) -> pl.DataFrame:
-    """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone) as
-    little-endian bytes: computed block by block, before near dedup looks across the batch."""
+    """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone)
+    as little-endian bytes: computed block by block, before near dedup looks across the batch."""
     sigs = signatures(_joined(frame, fmt.dedup), config)
     response_sigs = signatures(_joined(frame, fmt.answers), config)
     return frame.with_columns(
@@ -315,7 +322,8 @@ def _joined(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
 def _history_matches(
     history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig
 ) -> pl.DataFrame:
-    """Other batches' records sharing at least one band key with this batch, with their signatures."""
+    """Other batches' records sharing at least one band key with this batch, with their
+    signatures."""
     columns = ["record_id", "batch_id", "signature", "response_signature"]
     empty = pl.DataFrame(schema={name: HISTORY_SCHEMA[name] for name in columns})
     if history is None:
@@ -352,14 +360,15 @@ def _history_matches(
 
 
 def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
-    """Band keys are comparable only between signatures made with the same MinHash and LSH settings."""
+    """Band keys are comparable only between signatures made with the same MinHash and LSH
+    settings."""
     label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(
         config
     )
     if set(built_with) - {label}:
         raise ValueError(
-            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, not {label}: "
-            "MinHash settings changed; rebuild silver from the first batch"
+            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, "
+            f"not {label}: MinHash settings changed; rebuild silver from the first batch"
         )
 
 
@@ -403,8 +412,9 @@ def band_entries(index: pl.DataFrame) -> pl.DataFrame:
 def wanted_keys(
     batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
 ) -> pl.DataFrame:
-    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a preference
-    batch also looks up its pairs' prompts and their pairs labelled the other way (``flipped_hash``)."""
+    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a
+    preference batch also looks up its pairs' prompts and their pairs labelled the other way
+    (``flipped_hash``)."""
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     keys = band_keys(
         _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
@@ -455,7 +465,8 @@ def find_in_band(
 
 
 def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
-    """An ``IndexLookup`` over index entries held here (a whole index in memory: for tests and small runs)."""
+    """An ``IndexLookup`` over index entries held here (a whole index in memory: for tests and small
+    runs)."""
     if index is None:
         return None
     entries = index.collect()
@@ -502,8 +513,8 @@ class _ResponseSignatures:
 def _verified_pairs(
     sigs: np.ndarray, responses: _ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
 ) -> list[tuple[int, int]]:
-    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the threshold
-    on prompt + response and on the response alone (where both responses were signed).
+    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the
+    threshold on prompt + response and on the response alone (where both responses were signed).
 
     Nodes 0..n_new-1 are this batch's rows, the rest the matched records of other batches.
     """

@@ -28,9 +28,9 @@ def psi_numeric(reference: Sequence[float], current: Sequence[float], bins: int 
 
 
 def psi_numeric_counts(reference: np.ndarray, current: np.ndarray, bins: int = 10) -> float:
-    """``psi_numeric`` of two samples of small non-negative integers given as their bincounts (count of
-    value v at index v): the same edges and the same result, in memory bounded by the largest value,
-    not by the samples (a snapshot's document lengths, summed over its shards)."""
+    """``psi_numeric`` of two samples of small non-negative integers given as their bincounts (count
+    of value v at index v): the same edges and the same result, in memory bounded by the largest
+    value, not by the samples (a snapshot's document lengths, summed over its shards)."""
     reference, current = np.asarray(reference, dtype=np.int64), np.asarray(current, dtype=np.int64)
     n_reference, n_current = int(reference.sum()), int(current.sum())
     if not n_reference or not n_current:

@@ -29,15 +29,17 @@ class RecordFormat:
     judged: str  # the answer the quality rules judge
     decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
     split_key: str  # the column whose hash decides a record's train/validation side
-    objective: str  # the loss a model trains on it with: trainer/objective.py's "sft" (next token on the answer
+    # the loss a model trains on it with: trainer/objective.py's "sft" (next token on the answer
     # after the prompt; such formats are packed into gold/sequences with sft records) or "dpo"
+    objective: str
     bronze_table: str  # bronze/<bronze_table>: its records with provenance
     silver_table: str  # silver/<silver_table>: its curated records
     about: str  # what its records are, for the descriptions of its tables
 
     @property
     def text(self) -> tuple[str, ...]:
-        """Every text field: what normalization rewrites and what a data stage's work is counted in."""
+        """Every text field: what normalization rewrites and what a data stage's work is counted
+        in."""
         return self.required + self.optional_text
 
     @property
@@ -67,7 +69,8 @@ SFT = RecordFormat(
     silver_table="records",
     about="sft records (prompt, response: the default format)",
 )
-# Several pairs for one prompt are legitimate, so all of one prompt's pairs share a side of the split.
+# Several pairs for one prompt are legitimate, so all of one prompt's pairs share a side of the
+# split.
 PREFERENCE = RecordFormat(
     name="preference",
     required=("prompt", "chosen", "rejected"),
@@ -87,7 +90,8 @@ FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
 
 
 def all_text_fields() -> tuple[str, ...]:
-    """Every format's text fields (read when called: a format added to ``FORMATS`` counts at once)."""
+    """Every format's text fields (read when called: a format added to ``FORMATS`` counts at
+    once)."""
     return tuple(dict.fromkeys(name for f in FORMATS.values() for name in f.text))
 
 

@@ -1,4 +1,5 @@
-"""Gold's assembly: encoded records per split -> packed, shuffled sequences, and their statistics."""
+"""Gold's assembly: encoded records per split -> packed, shuffled sequences, and their
+statistics."""
 
 from __future__ import annotations
 
@@ -56,12 +57,13 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     splits a record and trains a response piece with no prompt before it.
 
     A record whose prompt (everything the loss mask leaves out) fills ``seq_len`` on its own is left
-    out as ``prompt_too_long``; a longer record is cut to ``seq_len`` tokens, the response losing its
-    end (``truncate``), or left out as ``too_long`` (``drop``).
+    out as ``prompt_too_long``; a longer record is cut to ``seq_len`` tokens, the response losing
+    its end (``truncate``), or left out as ``too_long`` (``drop``).
     """
     if mode not in LONG_RECORD_MODES:
         raise ValueError(
-            f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not {mode!r}"
+            f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not "
+            f"{mode!r}"
         )
     prompt_tokens = pl.col("n_tokens") - pl.col("n_response_tokens")
     reason = (
@@ -105,13 +107,14 @@ def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFr
 
 @lru_cache(maxsize=2)
 def cached_tokenizer(tokenizer_json: str):
-    """Built once per process (a Ray worker keeps it for every block it runs), not once per block."""
+    """Built once per process (a Ray worker keeps it for every block it runs), not once per
+    block."""
     return tokenizer_from_json(tokenizer_json)
 
 
 def shard_seed(seed: int, batch_id: str) -> int:
-    """The shuffle seed of one batch's shard: a rebuild of the batch shuffles it the same way, and no
-    two batches share an order."""
+    """The shuffle seed of one batch's shard: a rebuild of the batch shuffles it the same way, and
+    no two batches share an order."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{batch_id}".encode()).digest()[:4], "big")
 
 
@@ -152,8 +155,9 @@ def pack_records(
     records: pl.DataFrame, seq_len: int, pad_id: int
 ) -> tuple[pl.DataFrame, PackingPlan]:
     """Records (record_id, input_ids, loss_mask, n_tokens) packed best-fit decreasing into rows of
-    ``seq_len``: input_ids, loss_mask, position_ids (restarting at every piece), document_lengths and
-    record_ids (the record of each piece, in order). The one packing rule of gold and evaluation."""
+    ``seq_len``: input_ids, loss_mask, position_ids (restarting at every piece), document_lengths
+    and record_ids (the record of each piece, in order). The one packing rule of gold and
+    evaluation."""
     plan = plan_best_fit_decreasing(records["n_tokens"].to_numpy(), seq_len)
     packed = packed_frame(pack(plan, records["input_ids"], records["loss_mask"], seq_len, pad_id))
     return packed.rename({"doc_lengths": "document_lengths"}).with_columns(
@@ -163,9 +167,10 @@ def pack_records(
 
 
 def pack_documents(encoded: pl.DataFrame, max_len: int, pad_id: int) -> pl.DataFrame:
-    """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> packed rows
-    as ``pack_records`` makes them, each document cut to ``max_len`` tokens first (it still attends
-    only to itself): short items padded one to a row would cost ``max_len`` positions each."""
+    """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> packed
+    rows as ``pack_records`` makes them, each document cut to ``max_len`` tokens first (it still
+    attends only to itself): short items padded one to a row would cost ``max_len`` positions
+    each."""
     cut = (
         encoded.with_columns(
             pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)

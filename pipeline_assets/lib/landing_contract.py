@@ -1,4 +1,5 @@
-"""The landing contract for one record: its fields, their types, and the reason code of each broken rule.
+"""The landing contract for one record: its fields, their types, and the reason code of each broken
+rule.
 
 Both readers use it: the exact per-line path calls ``validate_landing_object`` on every parsed
 record; the fast path (``landing_fast``) proves a clean line meets the same rules without it.
@@ -19,8 +20,8 @@ KNOWN_FIELDS = SFT.known
 
 
 def parsed_schema(fmt: RecordFormat) -> pl.Schema:
-    """What a reader collects for each accepted record of ``fmt``; ``with_content_hash`` completes it
-    to ``record_schema``."""
+    """What a reader collects for each accepted record of ``fmt``; ``with_content_hash`` completes
+    it to ``record_schema``."""
     return pl.Schema(
         {
             "source_line": pl.Int64,

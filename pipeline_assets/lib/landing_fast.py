@@ -9,10 +9,11 @@ with the values the exact path would give it, when
   ``created_at`` strings or null; ``id`` a string, null, or an integer in orjson's range (beyond
   it orjson reads a float: ``wrong_type:id``); ``meta`` and unknown fields as raw JSON;
 - ``meta``, when given and not null, is an object, and it and the unknown fields re-serialize
-  through orjson (which checks their UTF-8) into ``meta`` and ``extra`` as the exact path writes them;
+  through orjson (which checks their UTF-8) into ``meta`` and ``extra`` as the exact path writes
+  them;
 - ``prompt`` and ``response`` hold a character that ``str.strip`` keeps;
-- ``created_at`` is null, or ``YYYY-MM-DDTHH:MM:SS[.f{1,6}]`` with ``Z`` or ``±HH:MM``, naming a real
-  instant in the years 2 to 9998: the form polars and ``datetime.fromisoformat`` read alike;
+- ``created_at`` is null, or ``YYYY-MM-DDTHH:MM:SS[.f{1,6}]`` with ``Z`` or ``±HH:MM``, naming a
+  real instant in the years 2 to 9998: the form polars and ``datetime.fromisoformat`` read alike;
 - a field mapping, if any, renames unknown fields to distinct known ones (other mappings: every
   line takes the exact path).
 
@@ -55,8 +56,9 @@ _ABSENT = msgspec.Raw()  # a raw field the line does not have: an empty buffer
 _MAX_UNKNOWN_FIELDS = 32  # per file; a line bringing more takes the exact path
 _ORJSON_INTS = (-(2**63), 2**64 - 1)  # orjson reads integers beyond these as floats
 _KEYS_IN_ORDER = msgspec.json.Decoder(dict[str, msgspec.Raw])
-# What msgspec raises for a line it refuses: DecodeError and ValidationError (ValueErrors), bad UTF-8
-# in a string (UnicodeDecodeError, a ValueError too), and RecursionError past its nesting limit.
+# What msgspec raises for a line it refuses: DecodeError and ValidationError (ValueErrors), bad
+# UTF-8 in a string (UnicodeDecodeError, a ValueError too), and RecursionError past its nesting
+# limit.
 _REFUSED = (ValueError, RecursionError)
 
 # A character Python's str.strip() keeps: any but those str.isspace() is true for.
@@ -104,9 +106,9 @@ class CleanLines:
 
 
 class LineBuffer(Sequence[bytes]):
-    """The lines of a text as ``text.split(b"\\n")`` gives them, without copying them out: the text and
-    where each line starts and ends. A last line with no newline is a line unless ``keep_tail`` is
-    false (a stream that broke off: the exact path quarantines what is left of it)."""
+    """The lines of a text as ``text.split(b"\\n")`` gives them, without copying them out: the text
+    and where each line starts and ends. A last line with no newline is a line unless ``keep_tail``
+    is false (a stream that broke off: the exact path quarantines what is left of it)."""
 
     def __init__(self, text: bytes, *, keep_tail: bool = True):
         self._text, self._codes = text, np.frombuffer(text, dtype=np.uint8)
@@ -178,8 +180,9 @@ def split_clean_lines(
 def split_clean_rows(
     frame: pl.DataFrame, field_mapping: Mapping[str, str] | None = None
 ) -> CleanLines | None:
-    """``split_clean_lines`` for a Parquet file's rows; None when a known field's column is of a type
-    only the exact path reads (a timestamp type for ``created_at``, say): then every row takes it.
+    """``split_clean_lines`` for a Parquet file's rows; None when a known field's column is of a
+    type only the exact path reads (a timestamp type for ``created_at``, say): then every row takes
+    it.
 
     ``meta`` and unknown columns are written by orjson from the values the exact path sees."""
     mapping = dict(field_mapping or {})
@@ -235,7 +238,8 @@ def _is_plain(name: str, dtype: pl.DataType) -> bool:
 
 
 def _checked(frame: pl.DataFrame, unsure: set[int], failed: list[int]) -> CleanLines:
-    """The rows that pass the vectorized checks as records; every other number for the exact path."""
+    """The rows that pass the vectorized checks as records; every other number for the exact
+    path."""
     clean = _CLEAN if not unsure else _CLEAN & ~pl.int_range(pl.len()).is_in(sorted(unsure))
     checked = frame.with_columns(_PARSED_TIMESTAMP).with_columns(clean.alias("_clean"))
     as_records = [
@@ -500,7 +504,8 @@ def _object_json(raw: bytes) -> str | None:
 def _extra_texts(
     decoded: _Decoded, lines: Sequence[bytes], mapping: dict[str, str], unsure: set[int]
 ) -> list:
-    """``extra``: the unknown fields as one JSON object in the line's order, as the exact path writes it."""
+    """``extra``: the unknown fields as one JSON object in the line's order, as the exact path
+    writes it."""
     if not decoded.unknown:
         return [None] * len(decoded.rows)
     attrs = [f"u{i}" for i in range(len(decoded.unknown))]

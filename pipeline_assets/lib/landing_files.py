@@ -62,8 +62,8 @@ def read_landing_file(
     field_mapping: Mapping[str, str] | None = None,
     record_format: RecordFormat = SFT,
 ) -> FileReadResult:
-    """Parse and validate one landing file's bytes as records of ``record_format``; ``field_mapping``
-    renames the source's fields.
+    """Parse and validate one landing file's bytes as records of ``record_format``;
+    ``field_mapping`` renames the source's fields.
 
     Clean JSON lines and Parquet rows of sft records take the fast path (``landing_fast``); every
     other line or row takes the exact one.
@@ -131,7 +131,8 @@ def _read_jsonl(fmt: str, data: bytes, builder: "_FrameBuilder", *, fast: bool) 
     for number in numbers:
         builder.add_line(number, lines[number - 1])
     if failure is not None:
-        # The stream broke off: complete lines were kept; what is left of the last one is quarantined.
+        # The stream broke off: complete lines were kept; what is left of the last one is
+        # quarantined.
         builder.reject(len(lines) + 1, _as_text(tail), *failure)
 
 
@@ -296,9 +297,10 @@ def with_provenance(
     """Stamp one file's records and quarantined lines with where and when they came in.
 
     ``record_id`` (32 characters) sorts in arrival order: the batch's registration second and the
-    file's place in the batch (files sorted by path) in hex, then the line, zero-padded. It is stable across re-runs of a
-    batch (the manifest fixes its files), unique across batches (batch keys never share a second),
-    and it gives dedup's "smallest record_id" survivor its meaning: the first copy to arrive.
+    file's place in the batch (files sorted by path) in hex, then the line, zero-padded. It is
+    stable across re-runs of a batch (the manifest fixes its files), unique across batches (batch
+    keys never share a second), and it gives dedup's "smallest record_id" survivor its meaning: the
+    first copy to arrive.
     """
     prefix = f"{batch_seconds(batch_id):010x}{file_ordinal:06x}"
     stamp = [

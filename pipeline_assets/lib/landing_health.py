@@ -81,7 +81,8 @@ def schema_drift_hints(
 
     - The lines carry another record format's fields (a preference file, prompt/chosen/rejected,
       landed in an sft source, or the other way round): the fix is the source's format in
-      ``PIPELINE_SOURCE_FORMATS``, not a field mapping. ``formats``: each source's format (sft unless named).
+      ``PIPELINE_SOURCE_FORMATS``, not a field mapping. ``formats``: each source's format (sft
+      unless named).
     - Else a renamed field: a source that renamed ``response`` to ``completion`` shows as
       ``missing_field:response`` with ``completion`` present on (nearly) every such line.
     """

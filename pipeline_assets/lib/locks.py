@@ -28,7 +28,8 @@ class LockTimeout(TimeoutError):
 
 
 class LockLost(RuntimeError):
-    """An S3 lease expired while held (its holder stalled for longer than the lease) and was taken over."""
+    """An S3 lease expired while held (its holder stalled for longer than the lease) and was taken
+    over."""
 
 
 def this_process() -> str:
@@ -56,11 +57,13 @@ class Lock:
         raise NotImplementedError
 
     def confirm(self) -> None:
-        """Raise ``LockLost`` unless this process still holds the lock (call it just before committing)."""
+        """Raise ``LockLost`` unless this process still holds the lock (call it just before
+        committing)."""
 
 
 class FileLock(Lock):
-    """``flock`` on ``path``; the file keeps the holder's pid, for the messages of those who wait."""
+    """``flock`` on ``path``; the file keeps the holder's pid, for the messages of those who
+    wait."""
 
     def __init__(
         self,
@@ -118,7 +121,8 @@ def _lost_race(exc: Exception) -> bool:
 
 
 class S3Lease(Lock):
-    """A lease object at ``uri`` (``s3://bucket/key``) that expires ``ttl_seconds`` after its last renewal.
+    """A lease object at ``uri`` (``s3://bucket/key``) that expires ``ttl_seconds`` after its last
+    renewal.
 
     Expiry is judged on the waiters' clocks against the holder's: hosts sharing a lake need clocks
     that agree to well within ``ttl_seconds`` (NTP does).
@@ -176,7 +180,8 @@ class S3Lease(Lock):
         self._renewer.start()
 
     def confirm(self) -> None:
-        """Renew now: the caller's commit then has a whole ``ttl_seconds`` before anyone may take over."""
+        """Renew now: the caller's commit then has a whole ``ttl_seconds`` before anyone may take
+        over."""
         with self._guard:
             if self._lost or not self._put(IfMatch=self._etag):
                 self._lost = True

@@ -28,7 +28,8 @@ _CHUNK_CHARS = (
     1 << 20
 )  # texts of about 1M characters shingled and hashed at once: their arrays stay in cache
 _BLOCK_HASHES = 1 << 18  # whole texts with about this many hashes permuted together (1 MB)
-# Unicode White_Space beyond ASCII: with \t \n \v \f \r and space, what \s matches in polars and Python
+# Unicode White_Space beyond ASCII: with \t \n \v \f \r and space, what \s matches in polars and
+# Python
 _NON_ASCII_SPACE = (
     0x85,
     0xA0,

@@ -58,7 +58,8 @@ class PackingPlan:
 def split_long_documents(
     lengths: np.ndarray, seq_len: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(piece_doc, piece_start, piece_length): consecutive pieces of seq_len tokens, the last shorter.
+    """(piece_doc, piece_start, piece_length): consecutive pieces of seq_len tokens, the last
+    shorter.
 
     A document of length <= seq_len is one piece; a document of length 0 is a ValueError.
     """
@@ -208,8 +209,8 @@ def packed_values(
     fill: float = 0.0,
     dtype=np.float32,
 ) -> np.ndarray:
-    """(n_sequences, seq_len): any per-token values of the documents (one array per document, as long as its
-    tokens) placed where ``pack`` places their tokens, ``fill`` elsewhere."""
+    """(n_sequences, seq_len): any per-token values of the documents (one array per document, as
+    long as its tokens) placed where ``pack`` places their tokens, ``fill`` elsewhere."""
     flat, lengths = _flatten(documents)
     real, source, *_ = _placement(plan, lengths, seq_len)
     values = np.full(real.shape, fill, dtype=dtype)
@@ -218,15 +219,17 @@ def packed_values(
 
 
 def _placement(plan: PackingPlan, document_lengths: np.ndarray, seq_len: int):
-    """Where the plan puts every token: (real (n_sequences, seq_len) bool, the flat source index of each real
-    position row-major, the piece lengths by position, each token's position in its piece, tokens per row)."""
+    """Where the plan puts every token: (real (n_sequences, seq_len) bool, the flat source index of
+    each real position row-major, the piece lengths by position, each token's position in its piece,
+    tokens per row)."""
     by_position, tokens_per_sequence = _pieces_by_position(plan, seq_len)
     lengths = plan.piece_length[by_position]
     doc_offset = np.cumsum(document_lengths) - document_lengths
     source_start = doc_offset[plan.piece_doc[by_position]] + plan.piece_start[by_position]
     position_in_piece = _ranges(lengths)
     source = np.repeat(source_start, lengths) + position_in_piece
-    # Pieces lie end to end from offset 0, so the real tokens, row-major, are the pieces by position.
+    # Pieces lie end to end from offset 0, so the real tokens, row-major, are the pieces by
+    # position.
     real = np.arange(seq_len, dtype=np.int64) < tokens_per_sequence[:, None]
     return real, source, lengths, position_in_piece, tokens_per_sequence
 

@@ -1,13 +1,14 @@
 """How a DPO model judges held-out preference pairs: implicit reward margins, accuracy, per source.
 
-A packed preference row holds pair ``k``'s chosen answer as document ``2k`` and its rejected answer as
-document ``2k + 1``. With the policy's and the reference's summed response log-probabilities per
+A packed preference row holds pair ``k``'s chosen answer as document ``2k`` and its rejected answer
+as document ``2k + 1``. With the policy's and the reference's summed response log-probabilities per
 document, pair ``k``'s implicit reward margin is
 
     beta * ((policy_chosen - reference_chosen) - (policy_rejected - reference_rejected))
 
-and the model prefers the chosen answer when the margin is positive. Preference accuracy is the share
-of pairs with a positive margin (a tie counts as wrong, as in the trainer's ``rewards/accuracies``).
+and the model prefers the chosen answer when the margin is positive. Preference accuracy is the
+share of pairs with a positive margin (a tie counts as wrong, as in the trainer's
+``rewards/accuracies``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ SLICE_SCHEMA = {
 
 
 def pair_margins(rows: pl.DataFrame, beta: float) -> pl.DataFrame:
-    """rows: ``pair_ids`` (list), ``policy_logps`` and ``reference_logps`` (lists, one value per document)
-    -> one row per pair: pair_id, chosen_reward, rejected_reward, margin. A ValueError names the first
-    row whose lists do not hold two documents per pair."""
+    """rows: ``pair_ids`` (list), ``policy_logps`` and ``reference_logps`` (lists, one value per
+    document) -> one row per pair: pair_id, chosen_reward, rejected_reward, margin. A ValueError
+    names the first row whose lists do not hold two documents per pair."""
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
     _check_two_documents_a_pair(rows)
@@ -45,8 +46,9 @@ def pair_margins(rows: pl.DataFrame, beta: float) -> pl.DataFrame:
 
 
 def preference_slices(margins: pl.DataFrame, sources: pl.DataFrame) -> pl.DataFrame:
-    """margins: pair_id, margin; sources: pair_id, source -> per slice (``overall``, then ``source:<name>``
-    sorted): pairs, preference_accuracy, mean_margin. A ValueError when a pair has no source."""
+    """margins: pair_id, margin; sources: pair_id, source -> per slice (``overall``, then
+    ``source:<name>`` sorted): pairs, preference_accuracy, mean_margin. A ValueError when a pair has
+    no source."""
     labelled = margins.join(sources.select("pair_id", "source"), on="pair_id", how="left")
     unknown = labelled.filter(pl.col("source").is_null())
     if unknown.height:

@@ -20,13 +20,15 @@ from pipeline_assets.lib.splits import SPLITS
 from pipeline_assets.lib.stages import BlockStage
 from pipeline_assets.lib.tokenizer import encode_records
 
-VALIDATION_FRACTION = 0.10  # PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
+# PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
+VALIDATION_FRACTION = 0.10
 PAIR_INPUT = ("record_id", "system", "prompt", "chosen", "rejected", "source", "split")
 
 
 def tokenize_pairs_stage(tokenizer_json: str) -> BlockStage:
-    """Gold's block stage for pairs: PAIR_INPUT rows -> pair_id, prefix_ids, chosen_ids, rejected_ids,
-    n_tokens (the pair's unit: two prefixes and both responses), source and split, in the block's order."""
+    """Gold's block stage for pairs: PAIR_INPUT rows -> pair_id, prefix_ids, chosen_ids,
+    rejected_ids, n_tokens (the pair's unit: two prefixes and both responses), source and split, in
+    the block's order."""
     return BlockStage("tokenize", partial(_tokenize_pairs_block, tokenizer_json=tokenizer_json))
 
 
@@ -65,7 +67,8 @@ def _tokenize_pairs_block(
 def build_pair_sequences(
     tokenized: pl.DataFrame, seq_len: int, seed: int, pad_id: int
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """(rows with split, sequence_index and real_tokens; the pairs left out, with their split; counters)."""
+    """(rows with split, sequence_index and real_tokens; the pairs left out, with their split;
+    counters)."""
     frames, left_out, by_split, packed_pairs = [], [], {}, 0
     for number, split in enumerate(SPLITS):
         packed = pack_pairs(tokenized.filter(pl.col("split") == split), seq_len, pad_id)

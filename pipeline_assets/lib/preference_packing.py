@@ -16,9 +16,10 @@ A pair (prompt, chosen, rejected) is one packing unit of two documents, laid end
 - ``pair_ids``: the pair of each unit, in row order (``pair_ids[k]`` owns documents 2k and 2k + 1).
 
 These are the columns of gold's SFT rows (``lib.gold.pack_records``), with ``pair_ids`` in place of
-``record_ids``. Units are placed by the project's one packer (``lib.packing``): best-fit decreasing on
-the unit's total length, ``2 * prefix + chosen + rejected``. A pair longer than ``seq_len`` is left
-out whole (reason ``too_long``), never cut on one side: a cut response would change what is preferred.
+``record_ids``. Units are placed by the project's one packer (``lib.packing``): best-fit decreasing
+on the unit's total length, ``2 * prefix + chosen + rejected``. A pair longer than ``seq_len`` is
+left out whole (reason ``too_long``), never cut on one side: a cut response would change what is
+preferred.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def _packed_rows(
 
 
 def _documents(pairs: pl.DataFrame) -> pl.DataFrame:
-    """input_ids and loss_mask of every document: the chosen one of each pair, then the rejected ones
-    (document i is pair i's chosen, n + i its rejected)."""
+    """input_ids and loss_mask of every document: the chosen one of each pair, then the rejected
+    ones (document i is pair i's chosen, n + i its rejected)."""
     zeros, ones = (pl.element() * 0).cast(pl.UInt8), (pl.element() * 0 + 1).cast(pl.UInt8)
 
     def document(response: str) -> pl.DataFrame:
@@ -176,7 +177,8 @@ def _checked_pairs(pairs: pl.DataFrame) -> pl.DataFrame:
     pairs = pairs.select(PAIR_COLUMNS)
     if pairs["pair_id"].is_duplicated().any():
         raise ValueError(
-            f"pair_id {pairs.filter(pl.col('pair_id').is_duplicated())['pair_id'][0]!r} appears twice"
+            f"pair_id {pairs.filter(pl.col('pair_id').is_duplicated())['pair_id'][0]!r} appears "
+            "twice"
         )
     for name in PAIR_COLUMNS:
         # A document needs a prefix (its first response token is predicted from it) and a response

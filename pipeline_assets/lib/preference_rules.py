@@ -6,12 +6,14 @@
   limit is set.
 - ``contradictions`` (after exact dedup, across the batch and the earlier batches): the same pair
   labelled both ways. Within a batch both sides are rejected; against a pair an earlier batch kept,
-  the new side is (the earlier one is in a published silver version and stays; the evidence names it).
+  the new side is (the earlier one is in a published silver version and stays; the evidence names
+  it).
 - ``cap_per_prompt`` (last): several pairs for one prompt are legitimate, up to a cap counted over
   this batch and the pairs earlier batches kept for that prompt; the rest are rejected, the
   smallest record ids kept.
 
-Every stage returns (kept, rejected, counters); rejected rows carry ``stage`` and ``evidence`` (JSON).
+Every stage returns (kept, rejected, counters); rejected rows carry ``stage`` and ``evidence``
+(JSON).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ class ProcessIdentity:
     pid: int
     host: str
     boot_id: str  # empty where the system does not say
-    started: str  # the kernel's start time of the process, in clock ticks since boot; empty where unknown
+    # the kernel's start time of the process, in clock ticks since boot; empty where unknown
+    started: str
 
     @classmethod
     def current(cls) -> "ProcessIdentity":
@@ -27,7 +28,8 @@ class ProcessIdentity:
         return cls(pid=pid, host=socket.gethostname(), boot_id=boot_id(), started=start_ticks(pid))
 
     def is_gone(self) -> bool | None:
-        """True when this process has surely exited; None when it ran on another host (cannot tell)."""
+        """True when this process has surely exited; None when it ran on another host (cannot
+        tell)."""
         if self.host != socket.gethostname():
             return None
         if self.boot_id and self.boot_id != boot_id():

@@ -43,7 +43,8 @@ def promotion_gate(
             passed,
             (
                 f"first model: overall loss {candidate[OVERALL]:.4f} "
-                f"{'beats' if passed else 'does not beat'} the uniform baseline ln({vocab_size}) = {baseline:.4f}"
+                f"{'beats' if passed else 'does not beat'} the uniform baseline ln({vocab_size}) = "
+                f"{baseline:.4f}"
             ),
             {"candidate_loss": candidate[OVERALL], "uniform_baseline_loss": baseline},
         )
@@ -68,8 +69,8 @@ def promotion_gate(
     if improvement < margin:
         return GateDecision(
             False,
-            f"overall loss {candidate[OVERALL]:.4f} against the champion's {champion[OVERALL]:.4f}: "
-            f"{improvement:+.2%}, below the required {margin:.2%}",
+            f"overall loss {candidate[OVERALL]:.4f} against the champion's "
+            f"{champion[OVERALL]:.4f}: {improvement:+.2%}, below the required {margin:.2%}",
             numbers,
         )
     if worst is not None and regressions[worst] > slice_tolerance:
@@ -82,7 +83,8 @@ def promotion_gate(
     return GateDecision(
         True,
         f"overall loss improves {improvement:.2%} (required {margin:.2%}); the worst slice "
-        f"{worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance {slice_tolerance:.2%})",
+        f"{worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance "
+        f"{slice_tolerance:.2%})",
         numbers,
     )
 
@@ -95,8 +97,8 @@ def champion_moved(*, seen: str | None, current: str | None, candidate: str) -> 
     then = f"v{seen}" if seen else "no champion"
     now = f"v{current}" if current else "none"
     return (
-        f"the champion moved since evaluation/report measured this candidate (then {then}, now {now}): "
-        "its numbers do not judge the current champion; materialize evaluation/report and "
+        f"the champion moved since evaluation/report measured this candidate (then {then}, now "
+        f"{now}): its numbers do not judge the current champion; materialize evaluation/report and "
         "registry/model_version for this snapshot again"
     )
 
@@ -141,7 +143,8 @@ CHANCE_ACCURACY = 0.5  # a model that cannot tell chosen from rejected
 
 @dataclass(frozen=True)
 class PreferenceScore:
-    """One model on one slice of held-out pairs: the share it prefers as labelled, and its mean reward margin."""
+    """One model on one slice of held-out pairs: the share it prefers as labelled, and its mean
+    reward margin."""
 
     accuracy: float
     mean_margin: float
@@ -155,11 +158,12 @@ def preference_gate(
     margin: float = 0.005,
     slice_tolerance: float = 0.02,
 ) -> GateDecision:
-    """Promote a DPO candidate when its sft validation loss (``sft_losses``: candidate's, the sft champion's) is
-    at most ``slice_tolerance`` (relative) worse, and it beats the DPO champion: overall preference accuracy
-    higher by at least ``margin`` (absolute), or level within ``margin`` with a mean reward margin higher by at
-    least ``margin`` (relative); no source slice may lose more than ``slice_tolerance`` accuracy (absolute).
-    Without a champion, the candidate must beat chance (0.5) by ``margin``."""
+    """Promote a DPO candidate when its sft validation loss (``sft_losses``: candidate's, the sft
+    champion's) is at most ``slice_tolerance`` (relative) worse, and it beats the DPO champion:
+    overall preference accuracy higher by at least ``margin`` (absolute), or level within ``margin``
+    with a mean reward margin higher by at least ``margin`` (relative); no source slice may lose
+    more than ``slice_tolerance`` accuracy (absolute). Without a champion, the candidate must beat
+    chance (0.5) by ``margin``."""
     if OVERALL not in candidate:
         raise ValueError(f"the candidate has no {OVERALL!r} slice")
     numbers = {
@@ -232,8 +236,9 @@ def _beats_preference_champion(
         )
     elif accuracy_gain > -margin and margin_gain >= margin:
         better = (
-            f"preference accuracy level ({ours.accuracy:.3f} against {theirs.accuracy:.3f}) and mean reward "
-            f"margin {ours.mean_margin:.4f} against {theirs.mean_margin:.4f} ({margin_gain:+.2%})"
+            f"preference accuracy level ({ours.accuracy:.3f} against {theirs.accuracy:.3f}) and "
+            f"mean reward margin {ours.mean_margin:.4f} against {theirs.mean_margin:.4f} "
+            f"({margin_gain:+.2%})"
         )
     else:
         return GateDecision(
@@ -259,5 +264,6 @@ def _beats_preference_champion(
 
 
 def _relative_gain(ours: float, theirs: float) -> float:
-    """(ours - theirs) / |theirs|; against a champion whose mean margin is exactly 0, the difference itself."""
+    """(ours - theirs) / |theirs|; against a champion whose mean margin is exactly 0, the difference
+    itself."""
     return (ours - theirs) / abs(theirs) if theirs else ours - theirs

@@ -1,4 +1,5 @@
-"""Which code produced a result: the git commit of the checkout, marked when it has local changes."""
+"""Which code produced a result: the git commit of the checkout, marked when it has local
+changes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def git_commit(folder: Path = _PACKAGE_DIR) -> str:
-    """``<sha>``, ``<sha>+dirty`` with uncommitted changes, or ``unknown`` outside a git checkout."""
+    """``<sha>``, ``<sha>+dirty`` with uncommitted changes, or ``unknown`` outside a git
+    checkout."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=10

@@ -99,7 +99,8 @@ _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant; u64 arithmetic wraps, which is
 
 
 def quality_values(frame: pl.DataFrame, judged: str = SFT.judged) -> pl.DataFrame:
-    """``frame`` plus one Float64 ``q_<quantity>`` column per measured quantity of the ``judged`` answer."""
+    """``frame`` plus one Float64 ``q_<quantity>`` column per measured quantity of the ``judged``
+    answer."""
     response = frame.get_column(judged)
     measured = pl.concat(
         [_word_quantities(_word_table(response), response.len()), _line_quantities(response)],

@@ -21,7 +21,8 @@ def redelivered_lines(
     name: str, data: bytes, previous_size: int | None, previous_checksum: str | None
 ) -> int:
     """How many leading lines of ``data`` the earlier version delivered whole: its newline-ended
-    lines when ``data`` starts with exactly its bytes, else 0 (the file was rewritten, not appended)."""
+    lines when ``data`` starts with exactly its bytes, else 0 (the file was rewritten, not
+    appended)."""
     if previous_size is None or previous_checksum is None or previous_size > len(data):
         return 0
     prefix = data[:previous_size]
@@ -31,7 +32,8 @@ def redelivered_lines(
 
 
 def set_aside_redelivered(result: FileReadResult, lines: int, detail: str) -> FileReadResult:
-    """Lines 1..``lines`` leave records and quarantine; each becomes one ``already_ingested`` row."""
+    """Lines 1..``lines`` leave records and quarantine; each becomes one ``already_ingested``
+    row."""
     if lines == 0:
         return result
     redelivered = pl.DataFrame(

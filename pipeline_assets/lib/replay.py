@@ -1,4 +1,5 @@
-"""The GRPO replay buffer's pure logic: which completions an update takes, and how healthy the buffer is.
+"""The GRPO replay buffer's pure logic: which completions an update takes, and how healthy the
+buffer is.
 
 Rollout workers append one row per completion to ``rl/replay_buffer`` (contract ``ReplayBufferRow``)
 with status ``pending``. Before each policy update the learner takes the pending rows: completions
@@ -70,8 +71,8 @@ def take_for_update(
     to the group, so a group with any row lagging more than ``max_staleness`` versions is dropped
     entirely rather than trained on in part. A rollout that has any non-pending row in ``buffer``
     is never taken again, so calling this on the merged buffer takes nothing twice. ``max_groups``:
-    consume at most that many fresh groups, the oldest first (the rest stay pending for the next update);
-    every stale one is dropped.
+    consume at most that many fresh groups, the oldest first (the rest stay pending for the next
+    update); every stale one is dropped.
     """
     pending = _untaken(buffer)
     lag = current_version - pl.col("policy_version")
@@ -98,8 +99,8 @@ def take_for_update(
 
 
 def merged(buffer: pl.DataFrame, *taken: pl.DataFrame) -> pl.DataFrame:
-    """``buffer`` with the rows of ``taken`` replacing theirs by ``rollout_id``: in memory, the merge
-    the buffer's Delta table gets."""
+    """``buffer`` with the rows of ``taken`` replacing theirs by ``rollout_id``: in memory, the
+    merge the buffer's Delta table gets."""
     updates = pl.concat(taken) if taken else buffer.clear()
     return buffer.update(updates, on="rollout_id")
 
@@ -121,10 +122,11 @@ def _mark(rows: pl.DataFrame, status: str, version: int, at: datetime) -> pl.Dat
 
 
 def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> Judgement:
-    """Fails when a consumed row lagged its update by more than ``max_staleness`` versions, when rows
-    were dropped as stale (a rollout worker lags the learner: its work is wasted, and a learner fed by it
-    alone starves), or when a pending row has waited longer than ``max_pending_seconds`` at ``now`` (the
-    workers outpace the learner, or it stopped taking). Staleness metrics are 0 when nothing was consumed."""
+    """Fails when a consumed row lagged its update by more than ``max_staleness`` versions, when
+    rows were dropped as stale (a rollout worker lags the learner: its work is wasted, and a learner
+    fed by it alone starves), or when a pending row has waited longer than ``max_pending_seconds``
+    at ``now`` (the workers outpace the learner, or it stopped taking). Staleness metrics are 0 when
+    nothing was consumed."""
     consumed = buffer.filter(pl.col("status") == CONSUMED)
     lags = consumed.get_column("consumed_by_version") - consumed.get_column("policy_version")
     worst_lag = int(lags.max() or 0)
@@ -142,8 +144,8 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
     failures = []
     if dropped.height:
         failures.append(
-            f"{dropped.height} row(s) dropped as stale, lagging up to {int(dropped_lags.max())} versions "
-            f"(limit {policy.max_staleness})"
+            f"{dropped.height} row(s) dropped as stale, lagging up to {int(dropped_lags.max())} "
+            f"versions (limit {policy.max_staleness})"
         )
     if lagged_too_far:
         failures.append(
@@ -156,8 +158,9 @@ def freshness(buffer: pl.DataFrame, policy: StalenessPolicy, now: datetime) -> J
             f"(limit {policy.max_pending_seconds:.0f}s)"
         )
     summary = (
-        f"consumed rows lagged at most {worst_lag} versions (limit {policy.max_staleness}); the oldest "
-        f"pending row has waited {oldest_wait:.0f}s (limit {policy.max_pending_seconds:.0f}s)"
+        f"consumed rows lagged at most {worst_lag} versions (limit {policy.max_staleness}); the "
+        f"oldest pending row has waited {oldest_wait:.0f}s (limit "
+        f"{policy.max_pending_seconds:.0f}s)"
     )
     return Judgement(
         not failures,
@@ -260,7 +263,8 @@ def preference_pairs_from_groups(rows: pl.DataFrame, prompts: pl.DataFrame) -> p
 
 
 def blank_completions(rows: pl.DataFrame) -> int:
-    """Completions that are empty or whitespace only: ``preference_pairs_from_groups`` skips them."""
+    """Completions that are empty or whitespace only: ``preference_pairs_from_groups`` skips
+    them."""
     return rows.height - rows.filter(pl.col("completion").str.contains(_NOT_SPACE)).height
 
 

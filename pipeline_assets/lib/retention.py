@@ -1,5 +1,5 @@
 """What the retention job keeps: Delta versions that registered models pin, and the checkpoints of
-the snapshots registered models come from (README, "Retention")."""
+the snapshots registered models come from (docs/operations.md, "Retention")."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ class Removed:
 
 @dataclass(frozen=True)
 class SnapshotCheckpoints:
-    """One snapshot's checkpoint folder: its sub-folders (``step-N``, ``final``, ``search``) with the
-    time of their newest file (epoch seconds), the newest file of the whole folder, and the best step's
-    folder (``best.json``), if any."""
+    """One snapshot's checkpoint folder: its sub-folders (``step-N``, ``final``, ``search``) with
+    the time of their newest file (epoch seconds), the newest file of the whole folder, and the best
+    step's folder (``best.json``), if any."""
 
     partition: str
     folders: Mapping[str, float]
@@ -45,7 +45,8 @@ def cutoff(now: float, retention_days: float) -> float:
 
 
 def pinned_versions(version_tags: Iterable[Mapping[str, str]]) -> dict[str, list[int]]:
-    """Table (``layer/name``) -> the Delta versions registered model versions read, from their tags."""
+    """Table (``layer/name``) -> the Delta versions registered model versions read, from their
+    tags."""
     pinned: dict[str, set[int]] = {}
     for tags in version_tags:
         for tag, value in tags.items():
@@ -63,8 +64,8 @@ def checkpoints_to_delete(
 ) -> list[tuple[str, str | None]]:
     """``(partition, None)``: the whole folder of a snapshot no registered version comes from;
     ``(partition, folder)``: a registered snapshot's folder other than its export and best step.
-    Only what was last written before ``before``: a newer folder may belong to a training, evaluation
-    or registration still under way."""
+    Only what was last written before ``before``: a newer folder may belong to a training,
+    evaluation or registration still under way."""
     doomed: list[tuple[str, str | None]] = []
     for snapshot in snapshots:
         if snapshot.partition not in registered:
@@ -86,9 +87,9 @@ def staging_to_delete(
     deleted_partitions: set[str],
     before: float,
 ) -> list[tuple[str, str]]:
-    """Local staging folders ``(partition, folder)`` (with their newest modification) whose upload is
-    published, whose snapshot's checkpoints are gone, or which were left unfinished before ``before``;
-    an upload under way stays."""
+    """Local staging folders ``(partition, folder)`` (with their newest modification) whose upload
+    is published, whose snapshot's checkpoints are gone, or which were left unfinished before
+    ``before``; an upload under way stays."""
     return [
         item
         for item, modified in sorted(staged.items())

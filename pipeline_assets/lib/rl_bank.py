@@ -1,13 +1,14 @@
-"""The RL prompt bank: prompts with an answer a rule can check, each naming its verifier and ground truth.
+"""The RL prompt bank: prompts with an answer a rule can check, each naming its verifier and ground
+truth.
 
-Two kinds of candidates: silver records whose answer is a bare integer (``int_equal``; the batch path
-already curated them), and the seeded tasks of ``lib.rl_tasks``. Every candidate goes through the batch
-path's own decontamination and quality stages (``lib.silver.after_dedup``), shaped as an sft record whose
-response is the ground truth. The quality rules are written for prose answers, so generated tasks are
-judged with thresholds for terse answers (``TASK_QUALITY``, the per-source override the quality gate
-already has; a ``PIPELINE_QUALITY_THRESHOLDS`` entry for the source wins). A prompt the bank holds twice is
-kept once. Nothing is dropped silently: every candidate is a row, ``status`` ``in_bank`` or the stage
-that removed it, with its evidence.
+Two kinds of candidates: silver records whose answer is a bare integer (``int_equal``; the batch
+path already curated them), and the seeded tasks of ``lib.rl_tasks``. Every candidate goes through
+the batch path's own decontamination and quality stages (``lib.silver.after_dedup``), shaped as an
+sft record whose response is the ground truth. The quality rules are written for prose answers, so
+generated tasks are judged with thresholds for terse answers (``TASK_QUALITY``, the per-source
+override the quality gate already has; a ``PIPELINE_QUALITY_THRESHOLDS`` entry for the source wins).
+A prompt the bank holds twice is kept once. Nothing is dropped silently: every candidate is a row,
+``status`` ``in_bank`` or the stage that removed it, with its evidence.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ BANK_COLUMNS = (
     "status",
     "evidence",
 )
-# Answers of one to five words, digits or spaced letters: the prose rules' word counts and letter shares
-# would reject every one; length, symbol and runaway-repetition limits still hold.
+# Answers of one to five words, digits or spaced letters: the prose rules' word counts and letter
+# shares would reject every one; length, symbol and runaway-repetition limits still hold.
 TASK_QUALITY = QualityThresholds(
     min_words=1,
     min_mean_word_length=1,
@@ -55,7 +56,8 @@ _ROWS_PER_BLOCK = 50_000
 
 
 def checkable_silver(records: pl.DataFrame, held_out_fraction: float) -> pl.DataFrame:
-    """Silver records whose answer is a bare integer, as bank candidates checked by ``int_equal``."""
+    """Silver records whose answer is a bare integer, as bank candidates checked by
+    ``int_equal``."""
     integers = records.filter(pl.col("response").str.strip_chars().str.contains(_INTEGER_ANSWER))
     candidates = integers.select(
         "prompt",
@@ -80,8 +82,8 @@ def generated_tasks(n: int, seed: int, held_out_fraction: float) -> pl.DataFrame
 def curate_bank(
     candidates: pl.DataFrame, eval_index: EvalNgramIndex, config: SilverConfig
 ) -> pl.DataFrame:
-    """Every candidate with its ``status``: ``in_bank``, ``duplicate_prompt``, or the stage of the batch path
-    that removed it (``decontaminated``, ``quality:<rule>``), with the evidence."""
+    """Every candidate with its ``status``: ``in_bank``, ``duplicate_prompt``, or the stage of the
+    batch path that removed it (``decontaminated``, ``quality:<rule>``), with the evidence."""
     repeated = pl.int_range(pl.len()).over("prompt_id") > 0
     first, duplicates = candidates.filter(~repeated), candidates.filter(repeated)
     judged = run_in_process(
@@ -125,7 +127,8 @@ def _with_task_quality(config: SilverConfig) -> SilverConfig:
 
 
 def as_records(candidates: pl.DataFrame) -> pl.DataFrame:
-    """Candidates shaped as the sft records the batch path's stages read: the ground truth is the response."""
+    """Candidates shaped as the sft records the batch path's stages read: the ground truth is the
+    response."""
     return candidates.rename({"prompt_id": "record_id", "ground_truth": "response"}).with_columns(
         system=pl.lit(None, pl.String)
     )

@@ -1,22 +1,25 @@
-"""A deterministic generator of verifiable tasks small enough for a ~1M-parameter transformer trained on CPU
-in a few minutes to learn with GRPO: the RL overlay's prompt bank in a test or a demo.
+"""A deterministic generator of verifiable tasks small enough for a ~1M-parameter transformer
+trained on CPU in a few minutes to learn with GRPO: the RL overlay's prompt bank in a test or a
+demo.
 
 Three tasks, with short, regular prompts and one right answer each:
 
-- ``reverse``: "reverse: a b c d" -> "d c b a", 3 to 5 lowercase letters, spaced as ``sort``'s digits are
-  (a byte-level BPE merges letter pairs; a tiny model then cannot see the letters it must reverse);
-  checked by ``exact_match``;
-- ``sort``: "sort: 3 1 2" -> "1 2 3", 3 to 5 single digits, repeats allowed; checked by ``exact_match``;
+- ``reverse``: "reverse: a b c d" -> "d c b a", 3 to 5 lowercase letters, spaced as ``sort``'s
+  digits are (a byte-level BPE merges letter pairs; a tiny model then cannot see the letters it must
+  reverse); checked by ``exact_match``;
+- ``sort``: "sort: 3 1 2" -> "1 2 3", 3 to 5 single digits, repeats allowed; checked by
+  ``exact_match``;
 - ``add``: "add: 7 + 12" -> "19", both numbers 0..20; checked by ``int_equal``.
 
-``generate_tasks(n, seed)`` returns exactly ``n`` distinct prompts (counted after deduplication: they
-are drawn without replacement, so none repeats). The tasks share ``n`` evenly, and within a task its
-lengths share the task's part evenly, except that a space with fewer prompts than its share gives all
-it has and the rest goes to the others: ``add`` has 441 prompts, so 2,000 tasks hold 441 additions.
-Asking for more than ``TASK_SPACE_SIZE`` prompts raises ValueError.
+``generate_tasks(n, seed)`` returns exactly ``n`` distinct prompts (counted after deduplication:
+they are drawn without replacement, so none repeats). The tasks share ``n`` evenly, and within a
+task its lengths share the task's part evenly, except that a space with fewer prompts than its share
+gives all it has and the rest goes to the others: ``add`` has 441 prompts, so 2,000 tasks hold 441
+additions. Asking for more than ``TASK_SPACE_SIZE`` prompts raises ValueError.
 
-A prompt's ``split`` (train / held_out) is a threshold on xxh3 of its text (``splits.assign_split``),
-never on the seed, so a prompt is on the same side in every bank generated.
+A prompt's ``split`` (train / held_out) is a threshold on xxh3 of its text
+(``splits.assign_split``), never on the seed, so a prompt is on the same side in every bank
+generated.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def task_names() -> tuple[str, ...]:
 
 
 def generate_tasks(n: int, seed: int, held_out_fraction: float = 0.2) -> pl.DataFrame:
-    """``n`` distinct tasks in a seeded shuffled order, columns ``COLUMNS``; the same arguments give an
-    identical frame."""
+    """``n`` distinct tasks in a seeded shuffled order, columns ``COLUMNS``; the same arguments give
+    an identical frame."""
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"held-out fraction must be in [0, 1), got {held_out_fraction}")
     rng = random.Random(seed)
@@ -106,8 +109,8 @@ def generate_tasks(n: int, seed: int, held_out_fraction: float = 0.2) -> pl.Data
 
 
 def _space_counts(n: int) -> list[tuple[_Space, int]]:
-    """Each of ``_SPACES`` with how many prompts it gives: the tasks share ``n`` evenly, then a task's
-    lengths share its part."""
+    """Each of ``_SPACES`` with how many prompts it gives: the tasks share ``n`` evenly, then a
+    task's lengths share its part."""
     if not 0 <= n <= TASK_SPACE_SIZE:
         raise ValueError(
             f"asked for {n} tasks; n must be between 0 and {TASK_SPACE_SIZE}, "
@@ -125,8 +128,8 @@ def _space_counts(n: int) -> list[tuple[_Space, int]]:
 
 
 def _even_shares(total: int, capacities: list[int]) -> list[int]:
-    """``total`` split as evenly as ``capacities`` allow: a full one's excess goes to the others, and
-    a remainder to the first ones. ``total`` must not exceed the capacities' sum."""
+    """``total`` split as evenly as ``capacities`` allow: a full one's excess goes to the others,
+    and a remainder to the first ones. ``total`` must not exceed the capacities' sum."""
     shares = [0] * len(capacities)
     while left := total - sum(shares):
         room = [i for i, capacity in enumerate(capacities) if shares[i] < capacity]

@@ -1,4 +1,5 @@
-"""Successive halving: many configurations trained briefly, the best third trained longer, and so on.
+"""Successive halving: many configurations trained briefly, the best third trained longer, and so
+on.
 
 Pure bookkeeping (which configurations, how many steps at each rung, who survives); the training
 asset runs the trials. A trial continues from its own checkpoint at the next rung, and every trial
@@ -43,7 +44,8 @@ def rung_steps(min_steps: int, max_steps: int, eta: int) -> list[int]:
 
 
 def survivors(losses: dict[int, float], eta: int) -> list[int]:
-    """The best ceil(n / eta) trials by loss (ties broken by trial number); a failed trial (NaN) never survives."""
+    """The best ceil(n / eta) trials by loss (ties broken by trial number); a failed trial (NaN)
+    never survives."""
     finite = {trial: loss for trial, loss in losses.items() if math.isfinite(loss)}
     keep = max(1, math.ceil(len(losses) / eta))
     return sorted(sorted(finite, key=lambda trial: (finite[trial], trial))[:keep])

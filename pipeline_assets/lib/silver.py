@@ -124,12 +124,14 @@ def after_dedup(
 @dataclass(frozen=True)
 class CuratedFormats:
     formats: dict[RecordFormat, CuratedBatch]
-    index_lookup: dict  # the batch's one lookup, over every format's keys: keys looked up, entries found, seconds
+    # the batch's one lookup, over every format's keys: keys looked up, entries found, seconds
+    index_lookup: dict
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    """One format's rows through the block stages before dedup, hashed: what its dedup stages start from."""
+    """One format's rows through the block stages before dedup, hashed: what its dedup stages start
+    from."""
 
     fmt: RecordFormat
     hashed: pl.DataFrame
@@ -157,9 +159,9 @@ def curate_formats(
     config: SilverConfig,
     run_blocks: RunBlocks | None = None,
 ) -> CuratedFormats:
-    """Run the stages on one batch's bronze rows of each record format. ``look_up`` finds the index entries
-    of the batches it dedups against (None: there are none), once for every format's keys; ``run_blocks``
-    runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
+    """Run the stages on one batch's bronze rows of each record format. ``look_up`` finds the index
+    entries of the batches it dedups against (None: there are none), once for every format's keys;
+    ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
     prepared = {fmt: _prepare(frame, config, run_blocks, fmt) for fmt, frame in bronze.items()}
     histories, lookup_counters = _histories(prepared, look_up, config.minhash)
@@ -189,8 +191,9 @@ def _prepare(
 def _histories(
     prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
 ) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
-    """One lookup over every format's keys: each format's history (the other batches' index entries holding
-    one of its own keys: all its dedup stages read of them) with its counters, and the lookup's counters."""
+    """One lookup over every format's keys: each format's history (the other batches' index entries
+    holding one of its own keys: all its dedup stages read of them) with its counters, and the
+    lookup's counters."""
     started = time.perf_counter()
     wanted = {
         fmt: wanted_keys(p.hashed, config, fmt)

@@ -1,4 +1,5 @@
-"""Statistics the silver checks judge: pass rates per source against trailing batches, and why they moved."""
+"""Statistics the silver checks judge: pass rates per source against trailing batches, and why they
+moved."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import polars as pl
 
 
 def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
-    """Per (batch_id, source): bronze rows, kept rows, pass rate. Inputs need batch_id and source."""
+    """Per (batch_id, source): bronze rows, kept rows, pass rate. Inputs need batch_id and
+    source."""
     kept_counts = kept.group_by("batch_id", "source").agg(kept=pl.len())
     rejected_counts = rejects.group_by("batch_id", "source").agg(rejected=pl.len())
     return (
@@ -22,7 +24,8 @@ def pass_rate_drops(
     rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
 ) -> pl.DataFrame:
     """Per source of ``batch_id``: its pass rate, the median of its last ``trailing`` batches, the
-    drop in points, and the stage whose share of removals grew most (what removed the difference)."""
+    drop in points, and the stage whose share of removals grew most (what removed the
+    difference)."""
     current = rates.filter(pl.col("batch_id") == batch_id).select("source", "rows", "pass_rate")
     earlier = (
         rates.filter(pl.col("batch_id") < batch_id)
@@ -45,7 +48,8 @@ def pass_rate_drops(
 def _stage_growth(
     rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
 ) -> pl.DataFrame:
-    """Per source: the stage whose removed share (of the batch's rows) grew most against the trailing batches."""
+    """Per source: the stage whose removed share (of the batch's rows) grew most against the
+    trailing batches."""
     shares = (
         rejects.group_by("batch_id", "source", "stage")
         .agg(removed=pl.len())

@@ -1,4 +1,5 @@
-"""Which ingest batch silver takes next: the oldest pending one, once every earlier batch is settled.
+"""Which ingest batch silver takes next: the oldest pending one, once every earlier batch is
+settled.
 
 Silver dedups each batch against the others, so batches go through it one at a time, in arrival
 order, and the first copy to arrive survives. A batch is settled when its silver is newer than its

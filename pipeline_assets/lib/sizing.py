@@ -6,9 +6,10 @@ index rows it searched),
 fitted by least squares on what its past materializations recorded (their own work and wall
 seconds). Work is the text a data stage read (characters), or, for training and evaluation, the
 model FLOPs of the tokens trained (6 x parameters a token) or scored (2 x parameters a token), so
-a bigger preset is predicted at its own speed, not at the calibration's. A target corpus (records, average characters) is turned into each stage's work
-with the ratios the newest snapshot measured (how much text survives silver, tokens per character,
-the validation share), then into time with the stage's parallelism:
+a bigger preset is predicted at its own speed, not at the calibration's. A target corpus (records,
+average characters) is turned into each stage's work with the ratios the newest snapshot measured
+(how much text survives silver, tokens per character, the validation share), then into time with the
+stage's parallelism:
 
 - bronze and gold/sequences (a shard per batch): batches run side by side, one process per
   ``calibration_cores`` cores;
@@ -69,13 +70,14 @@ TEXT_COLUMNS = SFT.text
 
 
 def record_chars(columns: Iterable[str] = TEXT_COLUMNS) -> pl.Expr:
-    """Characters of each record's text (prompt, response and system): the work a data stage does."""
+    """Characters of each record's text (prompt, response and system): the work a data stage
+    does."""
     return pl.sum_horizontal(pl.col(c).str.len_chars().fill_null(0) for c in columns)
 
 
 def text_chars(frame: pl.DataFrame) -> int:
-    """Characters of every record's text in ``frame`` (the text fields of whichever format it holds),
-    as ``record_chars`` counts them."""
+    """Characters of every record's text in ``frame`` (the text fields of whichever format it
+    holds), as ``record_chars`` counts them."""
     columns = [c for c in all_text_fields() if c in frame.columns]
     if frame.is_empty() or not columns:
         return 0
@@ -84,7 +86,8 @@ def text_chars(frame: pl.DataFrame) -> int:
 
 @dataclass(frozen=True)
 class StageFit:
-    """wall = fixed_seconds * materializations + seconds_per_unit * work + seconds_per_history_row * history."""
+    """wall = fixed_seconds * materializations + seconds_per_unit * work + seconds_per_history_row *
+    history."""
 
     fixed_seconds: float
     seconds_per_unit: float
@@ -305,9 +308,9 @@ def _cpu_row(
 
 
 def _silver_row(c: Calibration, target: Target, batches: int, chars: float, history: float) -> dict:
-    """One batch after another: each batch's own part in the step's process, its block stages and its
-    index lookup on every core of the target when the batch is large enough for Ray (else in that
-    process too)."""
+    """One batch after another: each batch's own part in the step's process, its block stages and
+    its index lookup on every core of the target when the batch is large enough for Ray (else in
+    that process too)."""
     per_batch_chars = chars / batches
     driver = c.fits["silver"].seconds(1, per_batch_chars, history / batches)
     on_ray = target.records / batches >= target.ray_min_rows
@@ -338,8 +341,8 @@ def _silver_row(c: Calibration, target: Target, batches: int, chars: float, hist
 
 
 def _lookup_seconds(c: Calibration, index_rows: float, cores: int) -> tuple[float, float]:
-    """One batch's index lookup in ``index_rows`` earlier rows: (wall, core seconds), its tasks (a band
-    and slice each) spread over ``cores``."""
+    """One batch's index lookup in ``index_rows`` earlier rows: (wall, core seconds), its tasks (a
+    band and slice each) spread over ``cores``."""
     if c.silver_lookup is None or index_rows <= 0:
         return 0.0, 0.0
     core_seconds = c.silver_lookup.seconds(1, index_rows)
@@ -404,7 +407,8 @@ def _gpu_speed(c: Calibration, target: Target, flops_per_token: float) -> float:
     fit = c.fits["training"]
     if not c.train_gpus or fit.seconds_per_unit <= 0:
         raise ValueError(
-            "the calibration trained on CPU: give the tokens/s one GPU reaches (--gpu-tokens-per-second)"
+            "the calibration trained on CPU: give the tokens/s one GPU reaches "
+            "(--gpu-tokens-per-second)"
         )
     return 1.0 / (fit.seconds_per_unit * c.train_gpus * flops_per_token)
 

@@ -1,6 +1,6 @@
-"""When to cut a new data snapshot: when the tokens of the gold shards built since the last one reach
-a share of that snapshot's tokens. A day of small batches is then one snapshot and one training,
-not one per batch."""
+"""When to cut a new data snapshot: when the tokens of the gold shards built since the last one
+reach a share of that snapshot's tokens. A day of small batches is then one snapshot and one
+training, not one per batch."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Manifest row N is the N-th append to gold/snapshots, so it is Delta version N of
 the snapshot is ``gold-v<N>``.
 
 Preference snapshots are the same thing over gold/preference_sequences, their manifests in
-gold/preference_snapshots, their keys ``dpo-v<N>``: a ``SnapshotKind`` names the tables and the prefix.
+gold/preference_snapshots, their keys ``dpo-v<N>``: a ``SnapshotKind`` names the tables and the
+prefix.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pipeline_assets.lib.splits import SPLITS
 
 @dataclass(frozen=True)
 class SnapshotKind:
-    """Which gold shards a kind of snapshot lists, where its manifests are, and how its keys read."""
+    """Which gold shards a kind of snapshot lists, where its manifests are, and how its keys
+    read."""
 
     prefix: str
     sequences_table: tuple[str, str]
@@ -64,8 +66,8 @@ def snapshot_number(key: str, kind: SnapshotKind = SFT_SNAPSHOTS) -> int:
 
 
 def shard_counts(sequences: pl.LazyFrame, batches: list[str]) -> pl.DataFrame:
-    """Per (batch_id, split, tokenizer_version) of these batches' shards: rows and the lowest and highest
-    sequence_index (small columns only)."""
+    """Per (batch_id, split, tokenizer_version) of these batches' shards: rows and the lowest and
+    highest sequence_index (small columns only)."""
     return (
         sequences.filter(pl.col("batch_id").is_in(batches))
         .group_by("batch_id", "split", "tokenizer_version")
@@ -87,11 +89,13 @@ class SplitLayout:
         return int(self.counts.sum())
 
     def local(self, indexes: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """Per shard holding some of these global indexes: (its place in the manifest, the distinct local indexes)."""
+        """Per shard holding some of these global indexes: (its place in the manifest, the distinct
+        local indexes)."""
         indexes = np.asarray(indexes, dtype=np.int64)
         if indexes.size and (indexes.min() < 0 or indexes.max() >= self.n_sequences):
             raise IndexError(
-                f"{self.split} has {self.n_sequences} sequences, asked for {indexes.min()}..{indexes.max()}"
+                f"{self.split} has {self.n_sequences} sequences, asked for "
+                f"{indexes.min()}..{indexes.max()}"
             )
         shard = np.searchsorted(self.starts, indexes, side="right") - 1
         return [(int(k), np.unique(indexes[shard == k]) - self.starts[k]) for k in np.unique(shard)]
@@ -99,8 +103,8 @@ class SplitLayout:
     def take(
         self, sequences: pl.LazyFrame, indexes: np.ndarray, columns: list[str]
     ) -> pl.DataFrame:
-        """The rows at these global indexes, in this order, with ``sequence_index`` global. Each shard's
-        read is pruned to its partition and its range of local indexes (its row groups)."""
+        """The rows at these global indexes, in this order, with ``sequence_index`` global. Each
+        shard's read is pruned to its partition and its range of local indexes (its row groups)."""
         indexes = np.asarray(indexes, dtype=np.int64)
         parts = []
         for k, local in self.local(indexes):
@@ -125,8 +129,8 @@ class SplitLayout:
         )
         if found.height != indexes.size:
             raise ValueError(
-                f"{self.split}: asked for {indexes.size} sequences, the shards hold {found.height} of them "
-                "at the snapshot's version"
+                f"{self.split}: asked for {indexes.size} sequences, the shards hold {found.height} "
+                "of them at the snapshot's version"
             )
         return found
 
@@ -167,9 +171,9 @@ class Manifest:
         )
 
     def in_order(self, sequences: pl.LazyFrame) -> pl.LazyFrame:
-        """The snapshot's rows with ``sequence_index`` global, in its defined order (split, sequence_index):
-        Delta keeps rows, not their order. For reads of a whole snapshot (checks, tests); a trainer
-        takes blocks with ``SplitLayout.take``."""
+        """The snapshot's rows with ``sequence_index`` global, in its defined order (split,
+        sequence_index): Delta keeps rows, not their order. For reads of a whole snapshot (checks,
+        tests); a trainer takes blocks with ``SplitLayout.take``."""
         return (
             sequences.join(self.offsets().lazy(), on=["batch_id", "split"])
             .with_columns(pl.col("sequence_index") + pl.col("offset"))
@@ -198,7 +202,8 @@ class Manifest:
         missing = sorted(set(batches) - set(counts["batch_id"]))
         if missing:
             raise ValueError(
-                f"{kind.sequences_name} v{sequences_version} holds no shard of batch(es) {', '.join(missing)}"
+                f"{kind.sequences_name} v{sequences_version} holds no shard of batch(es) "
+                f"{', '.join(missing)}"
             )
         n = {(b, s): int(c) for b, s, c in counts.select("batch_id", "split", "n").iter_rows()}
         ordered = tuple(sorted(batches))
@@ -245,7 +250,8 @@ class Manifest:
 
 
 def read_manifest(lake_uri: str, number: int, kind: SnapshotKind = SFT_SNAPSHOTS) -> Manifest:
-    """Manifest row ``number`` (gold-v<number>, or dpo-v<number>), read at the table's version ``number``."""
+    """Manifest row ``number`` (gold-v<number>, or dpo-v<number>), read at the table's version
+    ``number``."""
     uri = uris.join(lake_uri, *kind.manifest_table)
     try:
         rows = pl.scan_delta(
@@ -264,7 +270,8 @@ def read_manifest(lake_uri: str, number: int, kind: SnapshotKind = SFT_SNAPSHOTS
 
 
 def sequences_scan(lake_uri: str, manifest: Manifest) -> pl.LazyFrame:
-    """The manifest's shard table (gold/sequences, or gold/preference_sequences) at its version, only its shards."""
+    """The manifest's shard table (gold/sequences, or gold/preference_sequences) at its version,
+    only its shards."""
     scan = pl.scan_delta(
         uris.join(lake_uri, *manifest.kind.sequences_table),
         version=manifest.sequences_version,

@@ -30,16 +30,16 @@ def assign_split(
     key: str = "exact_hash",
     search_fraction: float = 0.0,
 ) -> Frame:
-    """``frame`` plus ``split`` (train / validation / search), from xxh3 of salt + ``key``. The default key is
-    the record's content (silver's exact-dedup hash), not its id: the same text lands in the same
-    split however and whenever it was ingested (a rebuild, another store), and never moves from
-    validation to train."""
+    """``frame`` plus ``split`` (train / validation / search), from xxh3 of salt + ``key``. The
+    default key is the record's content (silver's exact-dedup hash), not its id: the same text lands
+    in the same split however and whenever it was ingested (a rebuild, another store), and never
+    moves from validation to train."""
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation fraction must be in [0, 1), got {validation_fraction}")
     if not 0.0 <= search_fraction < 1.0 - validation_fraction:
         raise ValueError(
-            f"search fraction must be in [0, 1 - validation fraction = {1 - validation_fraction:g}), "
-            f"got {search_fraction}"
+            "search fraction must be in [0, 1 - validation fraction = "
+            f"{1 - validation_fraction:g}), got {search_fraction}"
         )
     bucket = plh.concat_str(pl.lit(salt), pl.col(key)).nchash.xxh3_64() % _BUCKETS
     return frame.with_columns(

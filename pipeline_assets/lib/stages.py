@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-# Without a Ray cluster, a batch this large starts a local Ray for its block stages; a smaller one runs
-# them in the step's own process (PIPELINE_RAY_MIN_ROWS: the default, one place).
+# Without a Ray cluster, a batch this large starts a local Ray for its block stages; a smaller one
+# runs them in the step's own process (PIPELINE_RAY_MIN_ROWS: the default, one place).
 RAY_MIN_ROWS = 100_000
 
 StageFunction = Callable[[pl.DataFrame], tuple[pl.DataFrame, pl.DataFrame | None, dict]]

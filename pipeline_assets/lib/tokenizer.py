@@ -46,7 +46,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int =
     min_vocab_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_vocab_size:
         raise ValueError(
-            f"vocab_size must be at least {min_vocab_size} (special tokens + 256 bytes), got {vocab_size}"
+            f"vocab_size must be at least {min_vocab_size} (special tokens + 256 bytes), got "
+            f"{vocab_size}"
         )
     tokenizer = Tokenizer(models.BPE())
     # No normalizer and no prefix space, so that decode(encode(text)) == text.
@@ -111,11 +112,12 @@ def _special_token_problem(tokenizer: Tokenizer, token: str) -> str | None:
 def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     """frame: record_id, system (nullable), prompt, response -> ENCODED_SCHEMA, same row order.
 
-    input_ids are the ids of prefix_text(system, prompt) followed by those of response_text(response);
-    loss_mask is 0 on the prefix and 1 on the response (+ END EOS). The chat markers are inserted
-    as ids and the user's text is encoded by a copy of the tokenizer that reads special-token
-    strings as plain text: a prompt that says "<|end|>" cannot end its own turn. For ordinary
-    text the ids equal those of encoding the formatted strings (special tokens split the text).
+    input_ids are the ids of prefix_text(system, prompt) followed by those of
+    response_text(response); loss_mask is 0 on the prefix and 1 on the response (+ END EOS). The
+    chat markers are inserted as ids and the user's text is encoded by a copy of the tokenizer that
+    reads special-token strings as plain text: a prompt that says "<|end|>" cannot end its own turn.
+    For ordinary text the ids equal those of encoding the formatted strings (special tokens split
+    the text).
     """
     _check_required_text(frame)
     if frame.is_empty():
@@ -148,8 +150,8 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
 def encode_prompts(
     tokenizer: Tokenizer, prompts: Sequence[str], system: str | None = None
 ) -> list[list[int]]:
-    """Each prompt's ids up to the assistant's turn (``prefix_text``), encoded as gold encodes records:
-    what a model generates its answer after."""
+    """Each prompt's ids up to the assistant's turn (``prefix_text``), encoded as gold encodes
+    records: what a model generates its answer after."""
     frame = pl.DataFrame(
         {
             "record_id": [str(i) for i in range(len(prompts))],

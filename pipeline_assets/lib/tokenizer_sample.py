@@ -20,7 +20,8 @@ import polars_hash as plh
 from pipeline_assets.lib.sizing import TEXT_COLUMNS, record_chars
 from pipeline_assets.lib.splits import TRAIN, assign_split
 
-_SALT = "tokenizer-sample-v1"  # not the split's salt: the sample must not lean to one end of the split's hash range
+# not the split's salt: the sample must not lean to one end of the split's hash range
+_SALT = "tokenizer-sample-v1"
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ def _ranked_training_records(
 
 
 def _lowest_ranks_within(train: pl.LazyFrame, max_chars: int) -> pl.LazyFrame:
-    # record_id breaks ties in rank, so the order is total and the sample never depends on read order
+    # record_id breaks ties in rank, so the order is total and the sample never depends on read
+    # order
     return (
         train.sort("rank", "record_id")
         .filter(pl.col("chars").cum_sum() <= max_chars)

@@ -13,7 +13,8 @@ REFERENCE_MODULE = "pipeline_assets.trainer.reference"  # DPO's reference pass
 
 
 def torchrun_executable() -> list[str]:
-    """The ``torchrun`` beside this interpreter (the same virtual environment), else ``python -m torch.distributed.run``."""
+    """The ``torchrun`` beside this interpreter (the same virtual environment), else
+    ``python -m torch.distributed.run``."""
     beside = Path(sys.executable).with_name("torchrun")
     if beside.exists():
         return [str(beside)]
@@ -27,7 +28,8 @@ def torchrun_command(
     max_restarts: int = 0,
     module: str = TRAINER_MODULE,
 ) -> list[str]:
-    """One node, a free rendezvous port (``--standalone``), the trainer (or ``module``) as a module."""
+    """One node, a free rendezvous port (``--standalone``), the trainer (or ``module``) as a
+    module."""
     return [
         *torchrun_executable(),
         "--standalone",

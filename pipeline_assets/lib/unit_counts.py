@@ -1,4 +1,5 @@
-"""How many units (lines, rows, or the file itself) a landing file holds, counted without the parser.
+"""How many units (lines, rows, or the file itself) a landing file holds, counted without the
+parser.
 
 Bronze's accounting check compares this count with the rows that reached bronze and quarantine,
 so the two must not share code: lines are the newline bytes of the decompressed stream, counted

@@ -21,7 +21,8 @@ _DELTA_S3_ENV = (
 )
 
 
-# ``scheme://user:password@`` anywhere in a text; the password ends at the last ``@`` before the host.
+# ``scheme://user:password@`` anywhere in a text; the password ends at the last ``@`` before the
+# host.
 _USERINFO_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/?#@\s]*:)[^/?#\s]*@")
 # query parameters that carry a secret, e.g. ``?password=...`` or a presigned URL's signature
 _SECRET_QUERY = re.compile(
@@ -34,7 +35,8 @@ REDACTED = "***"
 
 def redact(text: str) -> str:
     """``text`` with the password of every URI in it (``postgresql://user:secret@host/db``) and any
-    secret query parameter replaced by ``***``: the one way a URI, a log line or an error is shown."""
+    secret query parameter replaced by ``***``: the one way a URI, a log line or an error is
+    shown."""
     text = _USERINFO_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}@", text)
     return _SECRET_QUERY.sub(lambda m: f"{m['head']}{REDACTED}", text)
 

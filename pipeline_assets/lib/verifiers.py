@@ -2,14 +2,15 @@
 completion's reward is that verifier's verdict, 1.0 or 0.0, with a short reason.
 
 - ``exact_match``: the completion, stripped of surrounding whitespace, equals the ground truth as
-  written (a ground truth with surrounding whitespace can never match: ``ground_truth_passes`` says so).
+  written (a ground truth with surrounding whitespace can never match: ``ground_truth_passes`` says
+  so).
 - ``int_equal``: the first integer in the completion (ASCII digits, an optional sign right before
   them) equals the ground truth read as an integer. Only the first counts, so a completion that
   echoes the question ("7 + 12 = 19") is wrong; "3.5" reads as 3. Integers are compared as digit
   strings, so a completion of thousands of digits cannot hit Python's int-parsing limit.
-- ``regex:<pattern>``: ``re.fullmatch(pattern, completion.strip())``, no flags (write ``(?i)``, ``(?s)``
-  inline). The pattern is everything after the first ':'. The ground truth is not used in scoring: it
-  is a reference answer the pattern must accept, which ``ground_truth_passes`` checks.
+- ``regex:<pattern>``: ``re.fullmatch(pattern, completion.strip())``, no flags (write ``(?i)``,
+  ``(?s)`` inline). The pattern is everything after the first ':'. The ground truth is not used in
+  scoring: it is a reference answer the pattern must accept, which ``ground_truth_passes`` checks.
 
 ``verify`` never raises over a completion or a ground truth (a reward that raised would stop
 training); it raises ValueError only for a verifier string ``check_verifier`` would refuse.
@@ -79,7 +80,8 @@ def _regex_fullmatch(_: str, completion: str, pattern: str) -> Verdict:
     )
 
 
-# The one list of verifiers. A name ending in ':' takes the rest of the verifier string as its argument.
+# The one list of verifiers. A name ending in ':' takes the rest of the verifier string as its
+# argument.
 _VERIFIERS: dict[str, Callable[[str, str, str], Verdict]] = {
     "exact_match": _exact_match,
     "int_equal": _int_equal,

@@ -46,7 +46,8 @@ class LakeResource(ConfigurableResource):
     )
     lease_seconds: float = Field(
         default=60.0,
-        description="s3:// lake: a lock whose holder died is taken over this long after its last renewal",
+        description="s3:// lake: a lock whose holder died is taken over this long after its last "
+        "renewal",
     )
 
     def table_uri(self, layer: str, name: str) -> str:
@@ -81,7 +82,8 @@ class LakeResource(ConfigurableResource):
         return None if table is None else table.version()
 
     def scan(self, layer: str, name: str, version: int | None = None) -> pl.LazyFrame | None:
-        """A lazy scan (partition pruning applies to filters), or None while the table does not exist."""
+        """A lazy scan (partition pruning applies to filters), or None while the table does not
+        exist."""
         table = self.table(layer, name, version)
         return None if table is None else pl.scan_delta(table)
 
@@ -108,8 +110,9 @@ class LakeResource(ConfigurableResource):
         """Atomically replace every row whose ``column`` equals ``value`` (Delta's replaceWhere).
 
         ``add_columns``: columns the table lacks are added (null in its older rows), for a table
-        written before its contract gained a nullable column. ``rows_per_group``: as in ``overwrite``.
-        ``partition_by``: the table's partition columns, when more than ``column``."""
+        written before its contract gained a nullable column. ``rows_per_group``: as in
+        ``overwrite``. ``partition_by``: the table's partition columns, when more than
+        ``column``."""
         _check_partition(layer, name, frame, column, value)
         return self._write(
             layer,
@@ -133,11 +136,11 @@ class LakeResource(ConfigurableResource):
         value: str,
         rows_per_group: int,
     ) -> DeltaCommit:
-        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they come.
-        delta-rs encodes a row group once it holds ``rows_per_group`` rows (by default only at the
-        end, a million rows): a few frames' worth lets the encoding of one overlap the making of the
-        next. Nothing is committed unless every frame was made; an exception raised while making one
-        is raised here."""
+        """``replace_partition`` of the rows of ``frames`` (each of ``schema``), written as they
+        come. delta-rs encodes a row group once it holds ``rows_per_group`` rows (by default only at
+        the end, a million rows): a few frames' worth lets the encoding of one overlap the making of
+        the next. Nothing is committed unless every frame was made; an exception raised while making
+        one is raised here."""
         checked = (_check_partition(layer, name, frame, column, value) for frame in frames)
         return self._write_frames(
             layer,
@@ -157,7 +160,8 @@ class LakeResource(ConfigurableResource):
         self, layer: str, name: str, frame: pl.DataFrame, rows_per_group: int | None = None
     ) -> DeltaCommit:
         """A new version holding only ``frame``; earlier versions stay readable by time travel.
-        ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a time."""
+        ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a
+        time."""
         return self._write(layer, name, frame, mode="overwrite", **_row_groups(rows_per_group))
 
     def tables(self) -> list[tuple[str, str]]:
@@ -279,7 +283,8 @@ class LakeResource(ConfigurableResource):
     def _committed(
         self, table_uri: str, rows: int, bytes_in_memory: int, started: tuple[float, float]
     ) -> DeltaCommit:
-        """The write just committed: the table's new version, and the write's wall and CPU seconds since ``started``."""
+        """The write just committed: the table's new version, and the write's wall and CPU seconds
+        since ``started``."""
         wall, cpu = started
         version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
         return DeltaCommit(
@@ -293,16 +298,17 @@ class LakeResource(ConfigurableResource):
 
 
 def _remove_uncommitted(table_uri: str) -> None:
-    """A first write that failed leaves its folder (and any data files it had flushed) without a log:
-    a table no reader can open. On S3 there are no folders; flushed objects stay invisible to Delta
-    (as a crashed writer's do) until vacuum."""
+    """A first write that failed leaves its folder (and any data files it had flushed) without a
+    log: a table no reader can open. On S3 there are no folders; flushed objects stay invisible to
+    Delta (as a crashed writer's do) until vacuum."""
     folder = Path(table_uri)
     if not uris.is_s3(table_uri) and folder.is_dir() and not (folder / "_delta_log").exists():
         shutil.rmtree(folder)
 
 
 def _row_groups(rows_per_group: int | None) -> dict:
-    # Given any WriterProperties, delta-rs writes columns uncompressed unless told: snappy is its default.
+    # Given any WriterProperties, delta-rs writes columns uncompressed unless told: snappy is
+    # its default.
     properties = WriterProperties(max_row_group_size=rows_per_group, compression="SNAPPY")
     return {"writer_properties": properties} if rows_per_group else {}
 

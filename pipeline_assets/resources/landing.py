@@ -57,7 +57,8 @@ class LandingResource(ConfigurableResource):
 
     @property
     def formats_by_source(self) -> dict[str, str]:
-        """Each named source's record format: the RL overlay's rollout pairs' source, then the setting's."""
+        """Each named source's record format: the RL overlay's rollout pairs' source, then the
+        setting's."""
         return {ROLLOUT_SOURCE: PREFERENCE.name, **self.source_formats}
 
     def format_for(self, source: str) -> RecordFormat:

@@ -42,7 +42,8 @@ class TorchrunLauncher(ConfigurableResource):
 
     def scoring_ranks(self) -> tuple[int, int]:
         """(ranks, threads a rank) for evaluation's scoring: a rank a GPU; on CPU, one rank with the
-        threads all the ranks would have, since a second process gains nothing on CPU and costs a start."""
+        threads all the ranks would have, since a second process gains nothing on CPU and costs a
+        start."""
         import torch  # only where a run scores, not at every code-location load
 
         if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):

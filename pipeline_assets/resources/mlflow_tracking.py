@@ -17,8 +17,8 @@ from pipeline_assets.lib.promotion import rollback_target
 
 
 def _resolved(value: str) -> str:
-    """A config value as the resource sees it: Dagster resolves an ``EnvVar`` when it runs the resource;
-    a resource used outside a run (the CLI) reads the variable itself."""
+    """A config value as the resource sees it: Dagster resolves an ``EnvVar`` when it runs the
+    resource; a resource used outside a run (the CLI) reads the variable itself."""
     return (value.get_value() or "").strip() if isinstance(value, EnvVar) else value
 
 
@@ -39,7 +39,8 @@ def redacted_errors():
 
 
 def _redacted_copy(exc: Exception) -> Exception:
-    """The same error (type, MLflow's error code) with its message redacted, or a RuntimeError saying it."""
+    """The same error (type, MLflow's error code) with its message redacted, or a RuntimeError
+    saying it."""
     redacted = copy.copy(exc)
     redacted.args = tuple(uris.redact(arg) if isinstance(arg, str) else arg for arg in exc.args)
     if isinstance(getattr(exc, "message", None), str):
@@ -99,7 +100,8 @@ class MlflowResource(ConfigurableResource):
         found = client.get_experiment_by_name(self.experiment)
         if found:
             return found.experiment_id
-        # An explicit location: MLflow's default is ./mlruns under whatever folder the process runs in.
+        # An explicit location: MLflow's default is ./mlruns under whatever folder the process
+        # runs in.
         return client.create_experiment(
             self.experiment, artifact_location=uris.join(self.artifact_root, self.experiment)
         )
@@ -195,7 +197,8 @@ class MlflowResource(ConfigurableResource):
         client.set_model_version_tag(model_name, version, "champion_since", entry["at"])
 
     def rollback_target(self, model_name: str) -> str | None:
-        """The champion before the current one in the recorded history, skipping those rollbacks left."""
+        """The champion before the current one in the recorded history, skipping those rollbacks
+        left."""
         current = self.version_by_alias(model_name, "champion")
         return rollback_target(
             self.champion_history(model_name), current=str(current.version) if current else None
@@ -218,7 +221,8 @@ class MlflowResource(ConfigurableResource):
                 f"no registered model {model_name!r} in the registry at {self.shown_tracking_uri()}"
             )
         raise ValueError(
-            f"{model_name} has no version {version} (registered versions: {', '.join(map(str, held))})"
+            f"{model_name} has no version {version} (registered versions: "
+            f"{', '.join(map(str, held))})"
         )
 
     def require_model(self, model_name: str) -> None:

@@ -1,4 +1,5 @@
-"""Every setting, written once: its environment variable, its default and its meaning (``SETTINGS``).
+"""Every setting, written once: its environment variable, its default and its meaning
+(``SETTINGS``).
 
 ``Settings.from_env`` reads them, each policy takes its defaults from here, and the table in
 docs/settings.md is what ``python -m pipeline_assets.resources.settings`` prints (a test keeps the
@@ -92,7 +93,8 @@ def json_object(variable: str, raw: str) -> dict:
 
 
 def field_mappings(variable: str, raw: str) -> dict[str, dict[str, str]]:
-    """``{"<source>": {"<their field>": "<our field>"}}``, e.g. ``{"logs": {"completion": "response"}}``."""
+    """``{"<source>": {"<their field>": "<our field>"}}``, e.g.
+    ``{"logs": {"completion": "response"}}``."""
     value = json_object(variable, raw)
     if not all(
         isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in m.items())
@@ -105,7 +107,8 @@ def field_mappings(variable: str, raw: str) -> dict[str, dict[str, str]]:
 
 
 def source_formats(variable: str, raw: str) -> dict[str, str]:
-    """``{"<source>": "<record format>"}``, e.g. ``{"prefs": "preference"}``; a source not named is sft."""
+    """``{"<source>": "<record format>"}``, e.g. ``{"prefs": "preference"}``; a source not named is
+    sft."""
     value = json_object(variable, raw)
     if not all(isinstance(v, str) for v in value.values()):
         raise ValueError(f'{variable} must look like {{"<source>": "<record format>"}}')
@@ -121,7 +124,8 @@ def source_formats(variable: str, raw: str) -> dict[str, str]:
 def kuberay_file(variable: str, raw: str) -> str:
     if os.environ.get("RAY_ADDRESS", "").strip():
         raise ValueError(
-            f"RAY_ADDRESS and {variable} are both set: the data layers run on one Ray cluster, name one"
+            f"RAY_ADDRESS and {variable} are both set: the data layers run on one Ray cluster, "
+            "name one"
         )
     return raw
 
@@ -213,8 +217,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "PIPELINE_SOURCE_FORMATS",
         {},
-        "per source, its record format (`lib/formats.py`): `sft` (prompt, response; the default) or "
-        "`preference` (prompt, chosen, rejected, optional `score_chosen`, `score_rejected`): "
+        "per source, its record format (`lib/formats.py`): `sft` (prompt, response; the default) "
+        "or `preference` (prompt, chosen, rejected, optional `score_chosen`, `score_rejected`): "
         '`{"prefs": "preference"}`; an unknown format exits 2',
         source_formats,
         "source_formats",
@@ -258,8 +262,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "PIPELINE_PREFERENCE_MAX_LENGTH_RATIO",
         0.0,
-        "preference pairs: reject a pair whose chosen and rejected lengths differ by more than this "
-        "factor either way (`pair:length_ratio`); 0 only counts the pairs beyond 4x",
+        "preference pairs: reject a pair whose chosen and rejected lengths differ by more than "
+        "this factor either way (`pair:length_ratio`); 0 only counts the pairs beyond 4x",
         length_ratio,
         "max_length_ratio",
     ),
@@ -283,8 +287,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "PIPELINE_TOKENIZER_SAMPLE_CHARS",
         100_000_000,
-        "the trained tokenizer's sample of silver's training split: records in ascending order of a "
-        "hash of their content, taken while their texts (system, prompt, response) total at most "
+        "the trained tokenizer's sample of silver's training split: records in ascending order of "
+        "a hash of their content, taken while their texts (system, prompt, response) total at most "
         "this many characters",
         integer(1),
         "tokenizer_sample_chars",
@@ -616,7 +620,8 @@ class Settings:
     slice_tolerance: float
     eval_max_tokens: int
     ray_min_rows: int
-    kuberay_config: str  # a file of dagster-ray KubeRayInteractiveJob settings; empty: RAY_ADDRESS or a local Ray
+    # a file of dagster-ray KubeRayInteractiveJob settings; empty: RAY_ADDRESS or a local Ray
+    kuberay_config: str
     core_hour_usd: float
     gpu_hour_usd: float
     spot_discount: float

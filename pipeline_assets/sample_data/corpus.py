@@ -597,7 +597,8 @@ def _injection_counts(files: list[LandingFile]) -> list[dict[str, int]]:
 def _slot_kinds(
     file: LandingFile, counts: dict[str, int], rng: random.Random
 ) -> list[tuple[str, str | None]]:
-    """(kind, detail) of every line ``file`` will hold, grouped by kind: the caller shuffles them."""
+    """(kind, detail) of every line ``file`` will hold, grouped by kind: the caller shuffles
+    them."""
     reasons = PARQUET_MALFORMED_REASONS if file.format == "parquet" else JSON_MALFORMED_REASONS
     kinds = _cycled("malformed", reasons, counts["malformed"], rng)
     kinds += _cycled("low_quality", LOW_QUALITY_KINDS, counts["low_quality"], rng)
@@ -973,9 +974,9 @@ class _Corpus:
 
 
 class _CopyInjection:
-    """The injected copies every corpus builder makes alike (``markov_corpus``'s too): exact and near
-    duplicates of an earlier clean record, and eval-set items in a disguise decontamination must
-    see through. A builder has ``_rng``, ``_voice``, ``_eval_queue`` (taken from its end) and
+    """The injected copies every corpus builder makes alike (``markov_corpus``'s too): exact and
+    near duplicates of an earlier clean record, and eval-set items in a disguise decontamination
+    must see through. A builder has ``_rng``, ``_voice``, ``_eval_queue`` (taken from its end) and
     ``_original(source, other_source_odds, near)``, the earlier record a copy is made of."""
 
     def _exact_duplicate(self, slot: _Slot) -> tuple[_Record, dict] | None:

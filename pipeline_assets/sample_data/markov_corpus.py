@@ -217,7 +217,8 @@ def _eval_items(
             subject = next(subjects)
             template = rng.choice(_EVAL_PROMPTS[name])
             items.append({"eval_set": name, "item_id": f"{name}-{number:0{width}d}",
-                          "prompt": template.format(name=subject), "response": next(responses)})  # fmt: skip
+                          "prompt": template.format(name=subject),
+                          "response": next(responses)})  # fmt: skip
     return eval_sets, batch
 
 

@@ -119,7 +119,8 @@ LARGEST_PROMPT_PAIRS = 11
 SCORED_SHARE = 0.85
 SYSTEM_SHARE = 0.25
 RATERS = 12
-# Unique text a pair uses; measured: 64 words (answers of clean and new injected pairs, and texts that did not fit).
+# Unique text a pair uses; measured: 64 words (answers of clean and new injected pairs, and texts
+# that did not fit).
 WORDS_PER_PAIR = 80
 
 _ACCENTED_SENTENCES = (
@@ -142,7 +143,8 @@ def rejected_answer(chosen: str) -> str:
 
 def _words_to_drop(words: list[str], budget: int) -> set[int]:
     """Positions of ``budget`` words: articles, then function words, then any word, each tier's
-    picks spread evenly over the answer. Only words of letters alone go, so punctuation stays put."""
+    picks spread evenly over the answer. Only words of letters alone go, so punctuation stays
+    put."""
     plain = [i for i, word in enumerate(words) if word.isalpha()]
     tiers = [[i for i in plain if words[i].lower() in tier] for tier in _DROPPED_FIRST]
     in_tiers = set().union(*tiers)

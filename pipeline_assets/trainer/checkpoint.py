@@ -2,9 +2,9 @@
 last K and the best, and load the newest checkpoint that verifies.
 
 Every rank writes its own shard files; once all are written, rank 0 publishes the manifest.
-Only tensors go through ``torch.distributed.checkpoint`` (which would pickle anything else); the rest
-of the state (positions, schedules, optimizer settings) is JSON, one file a rank. A checkpoint is
-loaded only once every file matches the manifest's checksums.
+Only tensors go through ``torch.distributed.checkpoint`` (which would pickle anything else); the
+rest of the state (positions, schedules, optimizer settings) is JSON, one file a rank. A checkpoint
+is loaded only once every file matches the manifest's checksums.
 An asynchronous save returns once the state is copied off the training tensors; the write and
 the publication finish in the background and are awaited before the next save or the exit.
 """
@@ -102,7 +102,8 @@ class Checkpointer:
         return time.perf_counter() - started
 
     def finish(self) -> None:
-        """Wait for the pending save, upload it (S3), publish its manifest, prune old checkpoints."""
+        """Wait for the pending save, upload it (S3), publish its manifest, prune old
+        checkpoints."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -138,9 +139,9 @@ class Checkpointer:
         dist.barrier(group=self.group)
 
     def load_newest(self, state: dict) -> int | None:
-        """Load the newest checkpoint that verifies into ``state``; a partial or corrupt one is skipped
-        with a warning before anything of it is read (DCP's ``.metadata`` is a pickle). Returns its
-        step, or None when there is none to resume from."""
+        """Load the newest checkpoint that verifies into ``state``; a partial or corrupt one is
+        skipped with a warning before anything of it is read (DCP's ``.metadata`` is a pickle).
+        Returns its step, or None when there is none to resume from."""
         steps = [self.store.complete_steps() if self.rank == 0 else None]
         dist.broadcast_object_list(steps, src=0, group=self.group)
         for step in steps[0]:
@@ -151,7 +152,8 @@ class Checkpointer:
             if problems:
                 if self.rank == 0:
                     log.warning(
-                        f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: {problems[0]}"
+                        f"skipping checkpoint {self.store.folder_uri(step_folder(step))}: "
+                        f"{problems[0]}"
                     )
                 continue
             tensors, _ = split_state(state)
@@ -165,7 +167,8 @@ class Checkpointer:
         return self.store.read_json(BEST)
 
     def _update_best(self, step: int, validation_loss: float | None) -> dict | None:
-        """The best checkpoint after this one (``best.json``, rewritten only when this one is better)."""
+        """The best checkpoint after this one (``best.json``, rewritten only when this one is
+        better)."""
         best = self.store.read_json(BEST)
         if validation_loss is not None and (
             best is None or validation_loss < best["validation_loss"]
@@ -179,7 +182,8 @@ class Checkpointer:
         return best
 
     def _prune(self, best: dict | None) -> None:
-        """Keep the newest ``keep`` complete checkpoints and the best; clear partial writes left behind."""
+        """Keep the newest ``keep`` complete checkpoints and the best; clear partial writes left
+        behind."""
         complete = self.store.complete_steps()
         keep = set(complete[: self.keep]) | ({best["step"]} if best else set())
         for step in complete[self.keep :]:

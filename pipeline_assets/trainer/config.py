@@ -20,7 +20,8 @@ OBJECTIVES = (
     "dpo",
 )  # next-token prediction on gold-v<N>, or DPO on the pairs of dpo-v<N> (trainer.objective)
 DEFAULT_BETA = 0.1  # DPO's KL strength, the paper's and TRL's default (trainer.dpo uses it too)
-# What training/dpo_checkpoint runs by default: a short, gentle run from an already trained sft model.
+# What training/dpo_checkpoint runs by default: a short, gentle run from an already trained sft
+# model.
 DPO_STEPS, DPO_LR, DPO_WARMUP_STEPS, DPO_LOG_EVERY, DPO_EVAL_EVERY = 60, 3e-5, 5, 5, 20
 NO_VERSION = -1  # an unset Delta version
 
@@ -55,14 +56,16 @@ PRESETS: dict[str, ModelConfig] = {
 @dataclass(frozen=True)
 class TrainConfig:
     lake_uri: str
-    snapshot: int  # N of the data snapshot gold-v<N> (objective dpo: dpo-v<N>): the manifest row the trainer reads
+    # N of the data snapshot gold-v<N> (objective dpo: dpo-v<N>): the manifest row the trainer reads
+    snapshot: int
     checkpoint_uri: str
     partition: str
     preset: str = "tiny"
     width: int = 0  # the model's dim instead of the preset's (a search dimension); 0: the preset's
     vocab_size: int = 8192
     steps: int = 200
-    schedule_steps: int = 0  # the learning-rate schedule's length; 0: steps (a search's short trials share the long one)
+    # the learning-rate schedule's length; 0: steps (a search's short trials share the long one)
+    schedule_steps: int = 0
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     lr: float = 3e-3
@@ -76,7 +79,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_max_sequences: int = 256
-    eval_split: str = "validation"  # the held-out split the loss is measured on; hparam search's trials use "search"
+    # the held-out split the loss is measured on; hparam search's trials use "search"
+    eval_split: str = "validation"
     checkpoint_every_steps: int = 50
     checkpoint_every_minutes: float = 10.0
     keep_checkpoints: int = 2
@@ -89,7 +93,8 @@ class TrainConfig:
     mlflow_experiment: str = "pipeline_assets"
     objective: str = "sft"  # OBJECTIVES
     beta: float = DEFAULT_BETA  # dpo: the KL strength of the sigmoid loss
-    init_from: str = ""  # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required
+    # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required
+    init_from: str = ""
     reference_logps_version: int = (
         NO_VERSION  # dpo, required: the Delta version of gold/reference_logps to read
     )
@@ -99,7 +104,8 @@ class TrainConfig:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.width and self.width % PRESETS[self.preset].n_heads:
             raise ValueError(
-                f"width {self.width} is not a multiple of the {self.preset} preset's {PRESETS[self.preset].n_heads} heads"
+                f"width {self.width} is not a multiple of the {self.preset} preset's "
+                f"{PRESETS[self.preset].n_heads} heads"
             )
         if self.eval_split not in EVAL_SPLITS:
             raise ValueError(
@@ -107,7 +113,8 @@ class TrainConfig:
             )
         if self.attention not in ATTENTION_SETTINGS:
             raise ValueError(
-                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION_SETTINGS)}"
+                f"unknown attention {self.attention!r}; choose one of "
+                f"{', '.join(ATTENTION_SETTINGS)}"
             )
         if self.keep_checkpoints < 2:
             raise ValueError(
@@ -152,13 +159,14 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum_steps * world_size
 
     def to_args(self) -> list[str]:
-        """The command line that rebuilds this config: what the asset passes and a user can rerun."""
+        """The command line that rebuilds this config: what the asset passes and a user can
+        rerun."""
         return dataclass_args(self)
 
 
 def architecture_flags(model: dict) -> dict:
-    """The preset, width and vocab_size that rebuild an exported model's architecture (its config.json's
-    ``model``): what a run starting from it (``init_from``) must be given."""
+    """The preset, width and vocab_size that rebuild an exported model's architecture (its
+    config.json's ``model``): what a run starting from it (``init_from``) must be given."""
     for name, preset in PRESETS.items():
         same_shape = dataclasses.replace(
             preset,
@@ -181,8 +189,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 @dataclass(frozen=True)
 class RlConfig:
-    """One RL run (GRPO on rl/prompt_bank's verifiable prompts): what the learner and its rollout workers share.
-    The learner and each worker are started with the same arguments (``to_args``), a worker with ``--worker``."""
+    """One RL run (GRPO on rl/prompt_bank's verifiable prompts): what the learner and its rollout
+    workers share. The learner and each worker are started with the same arguments (``to_args``), a
+    worker with ``--worker``."""
 
     lake_uri: str
     checkpoint_uri: str
@@ -194,8 +203,8 @@ class RlConfig:
     prompts_per_update: int = 32
     group_size: int = 8
     max_new_tokens: int = 14
-    # Measured on the generated sort task (README, RL overlay): a tenth of sft's learning rate, four steps
-    # on each batch; at 1e-3 and above a freshly tuned policy collapses within a few updates.
+    # Measured on the generated sort task (docs/rl.md, "What was measured"): a tenth of sft's learning rate, four
+    # steps on each batch; at 1e-3 and above a freshly tuned policy collapses within a few updates.
     lr: float = 3e-4
     steps_per_update: int = 4
     clip_eps: float = 0.2
@@ -204,8 +213,9 @@ class RlConfig:
     seed: int = 1234
     eval_every: int = 10
     held_out_prompts: int = 200  # greedy accuracy is measured on this many held-out prompts
-    # A starting policy below this held-out accuracy is first tuned on the bank's training prompts (sft),
-    # at most warm_start_max_steps steps: GRPO learns only from groups with both a right and a wrong answer.
+    # A starting policy below this held-out accuracy is first tuned on the bank's training prompts
+    # (sft), at most warm_start_max_steps steps: GRPO learns only from groups with both a right and
+    # a wrong answer.
     warm_start_accuracy: float = 0.3
     warm_start_max_steps: int = 600
     warm_start_lr: float = 3e-3
@@ -215,7 +225,9 @@ class RlConfig:
     )
     wait_seconds: float = 120.0  # how long the learner waits for rollouts before it gives up
     worker: int = -1  # >= 0: this process is rollout worker number ``worker``, not the learner
-    lag: int = 0  # workers sample with the policy ``lag`` versions behind the newest (a test of the staleness limit)
+    # workers sample with the policy ``lag`` versions behind the newest (a test of the staleness
+    # limit)
+    lag: int = 0
     mlflow_run_id: str = ""
     mlflow_experiment: str = "pipeline_assets"
     scratch_dir: str = ""
@@ -242,7 +254,8 @@ class RlConfig:
 
 
 def dataclass_args(config) -> list[str]:
-    """The command line that rebuilds a config dataclass: what an asset passes and a user can rerun."""
+    """The command line that rebuilds a config dataclass: what an asset passes and a user can
+    rerun."""
     args = []
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)

@@ -96,7 +96,8 @@ class PackedSequences:
 
 @dataclass(frozen=True)
 class PreferenceRows:
-    """Packed preference rows and the reference model's log-probability of each of their documents."""
+    """Packed preference rows and the reference model's log-probability of each of their
+    documents."""
 
     sequences: PackedSequences
     reference_logps: (
@@ -123,7 +124,8 @@ class PreferenceRows:
         )
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The sequences' tensors and ``reference_logps``: (documents,) float64, in ``document_logps`` order."""
+        """The sequences' tensors and ``reference_logps``: (documents,) float64, in
+        ``document_logps`` order."""
         return {
             **self.sequences.tensors(device),
             "reference_logps": torch.from_numpy(self.reference_logps).to(device),
@@ -131,8 +133,9 @@ class PreferenceRows:
 
 
 class SplitRows:
-    """One split of a snapshot, global ``sequence_index`` 0..n-1 over its shards, read a block at a time by
-    ``read`` (global indexes -> their rows), the most recently used CACHED_BLOCKS blocks kept."""
+    """One split of a snapshot, global ``sequence_index`` 0..n-1 over its shards, read a block at a
+    time by ``read`` (global indexes -> their rows), the most recently used CACHED_BLOCKS blocks
+    kept."""
 
     def __init__(
         self,
@@ -204,13 +207,14 @@ class SequenceReader:
             raise ValueError(f"{self.describe}: {exc}") from None
 
     def sequences(self, frame: pl.DataFrame) -> PackedSequences:
-        """The frame's rows as arrays; a ValueError for rows of another length or a token beyond the vocabulary."""
+        """The frame's rows as arrays; a ValueError for rows of another length or a token beyond the
+        vocabulary."""
         lengths = frame["input_ids"].list.len()
         if frame.height and (lengths.min() != self.seq_len or lengths.max() != self.seq_len):
             where = f"{frame['sequence_index'][0]}..{frame['sequence_index'][-1]}"
             raise ValueError(
-                f"{self.describe} {self.layout.split} sequences {where}: expected rows of {self.seq_len} "
-                f"tokens, found {lengths.min()}..{lengths.max()} "
+                f"{self.describe} {self.layout.split} sequences {where}: expected rows of "
+                f"{self.seq_len} tokens, found {lengths.min()}..{lengths.max()} "
                 "(shards packed to other sequence lengths)"
             )
         rows = PackedSequences(
@@ -242,7 +246,8 @@ class ReferenceLogps:
 
 @dataclass(frozen=True)
 class PreferenceReader:
-    """Reads preference rows with their reference log-probabilities: both with the same ``SplitLayout.take``."""
+    """Reads preference rows with their reference log-probabilities: both with the same
+    ``SplitLayout.take``."""
 
     sequences: SequenceReader
     reference: ReferenceLogps
@@ -256,9 +261,9 @@ class PreferenceReader:
         if mismatched.size:
             bad = int(mismatched[0])
             raise ValueError(
-                f"{self.reference.describe}: {self.sequences.layout.split} sequence {indexes[bad]} has "
-                f"{documents[bad]} documents but {max(scored[bad], 0)} reference log-probabilities: "
-                "redo the reference pass for this snapshot"
+                f"{self.reference.describe}: {self.sequences.layout.split} sequence {indexes[bad]} "
+                f"has {documents[bad]} documents but {max(scored[bad], 0)} reference "
+                "log-probabilities: redo the reference pass for this snapshot"
             )
         values = logps.explode()
         if values.null_count():
@@ -275,8 +280,8 @@ class PreferenceReader:
             return self.sequences.layout.take(self.reference.scan, indexes, [LOGPS_COLUMN])
         except ValueError as exc:
             raise ValueError(
-                f"{self.reference.describe} lacks reference log-probabilities of rows it should hold "
-                f"({exc}): redo the reference pass for this snapshot"
+                f"{self.reference.describe} lacks reference log-probabilities of rows it should "
+                f"hold ({exc}): redo the reference pass for this snapshot"
             ) from None
 
 
@@ -290,7 +295,8 @@ class Snapshot:
     reference: ReferenceLogps | None = None  # a preference snapshot's reference log-probabilities
 
     def held_out(self, split: str) -> SplitRows:
-        """The held-out split a loss is measured on: validation (the promotion gate's rows) or search."""
+        """The held-out split a loss is measured on: validation (the promotion gate's rows) or
+        search."""
         return {"validation": self.validation, "search": self.search}[split]
 
     def about(self) -> dict:
@@ -321,7 +327,8 @@ class Snapshot:
                 (
                     self.reference.uri,
                     self.reference.version,
-                    f"{manifest.key}: gold/reference_logps@v{self.reference.version} ({self.reference.model})",
+                    f"{manifest.key}: gold/reference_logps@v{self.reference.version} "
+                    f"({self.reference.model})",
                 )
             )
         return inputs
@@ -336,7 +343,8 @@ def read_snapshot(
 ) -> Snapshot:
     """Data snapshot gold-v<number>: its manifest's shards of gold/sequences, exactly as the pinned
     Delta version holds them, each split in global sequence_index order; only the manifest is read
-    here, the rows when a batch asks for them (a block with a token id beyond ``vocab_size`` is an error)."""
+    here, the rows when a batch asks for them (a block with a token id beyond ``vocab_size`` is an
+    error)."""
     manifest = _with_sequences(read_manifest(lake_uri, number))
     readers = _sequence_readers(lake_uri, manifest, vocab_size)
     parts = {
@@ -356,10 +364,10 @@ def read_preference_snapshot(
     block: int = STREAM_BLOCK,
     cached_blocks: int = CACHED_BLOCKS,
 ) -> Snapshot:
-    """Preference snapshot dpo-v<number>, read as ``read_snapshot`` reads gold-v<N>; every row comes with its
-    reference log-probabilities from gold/reference_logps at ``reference_version``. Fails here when that
-    version does not hold one reference model's values for every row of the snapshot, and when a block is
-    read if a row's values are missing or not one per document."""
+    """Preference snapshot dpo-v<number>, read as ``read_snapshot`` reads gold-v<N>; every row comes
+    with its reference log-probabilities from gold/reference_logps at ``reference_version``. Fails
+    here when that version does not hold one reference model's values for every row of the snapshot,
+    and when a block is read if a row's values are missing or not one per document."""
     manifest = _with_sequences(read_manifest(lake_uri, number, PREFERENCE_SNAPSHOTS))
     reference = open_reference_logps(lake_uri, reference_version, manifest)
     readers = _sequence_readers(lake_uri, manifest, vocab_size)
@@ -377,8 +385,9 @@ def read_preference_snapshot(
 
 
 def open_reference_logps(lake_uri: str, version: int, manifest: Manifest) -> ReferenceLogps:
-    """gold/reference_logps at ``version``, filtered to the snapshot; a ValueError unless it holds one
-    reference model's rows, as many per split as the manifest lists (only small columns are read)."""
+    """gold/reference_logps at ``version``, filtered to the snapshot; a ValueError unless it holds
+    one reference model's rows, as many per split as the manifest lists (only small columns are
+    read)."""
     uri = uris.join(lake_uri, *REFERENCE_TABLE)
     try:
         table = pl.scan_delta(
@@ -476,7 +485,8 @@ def rank_micro_batches(
     micro_batch_size: int,
     grad_accum_steps: int,
 ) -> list[np.ndarray]:
-    """This rank's micro-batches of the global batch starting at ``position``: disjoint across ranks."""
+    """This rank's micro-batches of the global batch starting at ``position``: disjoint across
+    ranks."""
     per_rank = micro_batch_size * grad_accum_steps
     mine = stream_indexes(n_sequences, seed, position + rank * per_rank, per_rank)
     return np.split(mine, grad_accum_steps)

@@ -26,8 +26,8 @@ def document_logps(
     in row order, row after row.
 
     A document starts wherever ``position_ids`` is 0; its first token is never a target (the shift
-    stops at every boundary, as in the SFT loss). The padding tail, the last segment of a row with no
-    loss-masked token, is not a document: a packed document always has response tokens.
+    stops at every boundary, as in the SFT loss). The padding tail, the last segment of a row with
+    no loss-masked token, is not a document: a packed document always has response tokens.
     """
     segment, last_of_row = _segments(position_ids)
     n_segments = int(last_of_row[-1]) + 1 if last_of_row.numel() else 0
@@ -64,8 +64,8 @@ def dpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sigmoid DPO over this rank's pairs, normalised for data parallelism; returns (loss, metrics).
 
-    ``global_pairs``: the pairs of the whole global batch, over every rank and micro-batch (None: this
-    call's pairs, a single process). ``world_size``: the ranks FSDP averages gradients over.
+    ``global_pairs``: the pairs of the whole global batch, over every rank and micro-batch (None:
+    this call's pairs, a single process). ``world_size``: the ranks FSDP averages gradients over.
 
     The global batch's loss is ``sum over all pairs / global_pairs``. FSDP2 averages each gradient
     over the ranks (divides their sum by world_size), so every rank returns its pairs' sum times
@@ -75,10 +75,10 @@ def dpo_loss(
     returned loss, averaged over ranks (all_reduce AVG), is the global batch's loss to log.
 
     Metrics, means over this call's pairs (0 when it has none; ``pairs`` says how many to weigh them
-    by): ``loss``, the sigmoid loss, unscaled; ``rewards/chosen`` and ``rewards/rejected``, the implicit
-    rewards beta * (policy - reference); ``rewards/margins``, chosen minus rejected;
-    ``rewards/accuracies``, the share of pairs whose chosen reward is strictly higher (a tie, as at the
-    start where policy == reference, is no win).
+    by): ``loss``, the sigmoid loss, unscaled; ``rewards/chosen`` and ``rewards/rejected``, the
+    implicit rewards beta * (policy - reference); ``rewards/margins``, chosen minus rejected;
+    ``rewards/accuracies``, the share of pairs whose chosen reward is strictly higher (a tie, as at
+    the start where policy == reference, is no win).
     """
     if global_pairs is None:
         if world_size != 1:
@@ -104,7 +104,8 @@ def dpo_loss(
 
 
 def _segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(segment of every token numbered across the batch, row-major; the last segment of each row)."""
+    """(segment of every token numbered across the batch, row-major; the last segment of each
+    row)."""
     if position_ids.numel() and (position_ids[:, 0] != 0).any():
         raise ValueError("every row must start a document: position_ids[:, 0] == 0")
     within_row = torch.cumsum(position_ids == 0, dim=-1) - 1

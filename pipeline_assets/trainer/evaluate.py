@@ -23,7 +23,8 @@ def packed_document_losses(
     model: Transformer, rows: pl.DataFrame, batch_size: int = 16
 ) -> pl.DataFrame:
     """rows: input_ids, loss_mask, position_ids, record_ids (gold sequences) -> per record: summed
-    loss over its counted targets and how many there are. A record split over several rows is summed."""
+    loss over its counted targets and how many there are. A record split over several rows is
+    summed."""
     model.eval()
     device = next(model.parameters()).device
     parts = []
@@ -53,7 +54,8 @@ def sequence_losses(
     model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16
 ) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
-    same per-record sums, each document cut to ``max_len`` tokens and packed (``lib.gold.pack_documents``)."""
+    same per-record sums, each document cut to ``max_len`` tokens and packed
+    (``lib.gold.pack_documents``)."""
     return packed_document_losses(model, pack_documents(encoded, max_len, pad_id), batch_size)
 
 

@@ -1,4 +1,5 @@
-"""The trained model as one consolidated safetensors file plus its config: what the registry stores."""
+"""The trained model as one consolidated safetensors file plus its config: what the registry
+stores."""
 
 from __future__ import annotations
 

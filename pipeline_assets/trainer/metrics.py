@@ -27,14 +27,16 @@ class Throughput:
         self._since = time.perf_counter()
 
     def restart(self) -> None:
-        """Leave out what is not training (validation, checkpoint saves) from the next measurement."""
+        """Leave out what is not training (validation, checkpoint saves) from the next
+        measurement."""
         self._steps, self._since = 0, time.perf_counter()
 
     def add_step(self) -> None:
         self._steps += 1
 
     def take(self) -> dict:
-        """tokens/s (and MFU where the peak is known) since the last call; then start counting again."""
+        """tokens/s (and MFU where the peak is known) since the last call; then start counting
+        again."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = max(time.perf_counter() - self._since, 1e-9)

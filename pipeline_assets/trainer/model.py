@@ -43,7 +43,8 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (first half, second half) of x (B, H, T, D) by the angles of cos/sin (B, T, D/2)."""
+    """Rotate channel pairs (first half, second half) of x (B, H, T, D) by the angles of cos/sin
+    (B, T, D/2)."""
     first, second = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
     rotated = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
@@ -60,7 +61,8 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) boolean: query i may attend key j when j <= i and both lie in the same document."""
+    """(B, 1, T, T) boolean: query i may attend key j when j <= i and both lie in the same
+    document."""
     document = document_ids(position_ids)
     same_document = document[:, :, None] == document[:, None, :]
     length = position_ids.shape[-1]
@@ -69,7 +71,8 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_causal_mask_mod(position_ids: torch.Tensor):
-    """The same mask as FlexAttention's ``mask_mod``: a function of (batch, head, query, key) indexes."""
+    """The same mask as FlexAttention's ``mask_mod``: a function of (batch, head, query, key)
+    indexes."""
     document = document_ids(position_ids)
 
     def causal_within_document(b, h, q_idx, kv_idx):
@@ -95,7 +98,8 @@ def document_block_mask(position_ids: torch.Tensor) -> BlockMask:
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask
 ) -> torch.Tensor:
-    """Masked attention of q, k, v (B, H, T, D): FlexAttention for a block mask, SDPA for a dense one."""
+    """Masked attention of q, k, v (B, H, T, D): FlexAttention for a block mask, SDPA for a dense
+    one."""
     if isinstance(mask, BlockMask):
         kernel = _compiled(flex_attention) if q.is_cuda else flex_attention
         return kernel(q, k, v, block_mask=mask)
@@ -104,8 +108,9 @@ def attend(
 
 @functools.cache
 def _compiled(function):
-    # Compiled on first use, and only on CUDA: uncompiled, flex_attention materializes every score as
-    # the dense path does; on CPU, compiling costs 20 s or more and FlexAttention has no backward.
+    # Compiled on first use, and only on CUDA: uncompiled, flex_attention materializes every score
+    # as the dense path does; on CPU, compiling costs 20 s or more and FlexAttention has no
+    # backward.
     return torch.compile(function)
 
 
@@ -160,7 +165,8 @@ class Transformer(nn.Module):
             raise ValueError(f"dim {config.dim} is not a multiple of n_heads {config.n_heads}")
         if attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
-                f"unknown attention kernel {attention_kernel!r}; choose {' or '.join(ATTENTION_KERNELS)}"
+                f"unknown attention kernel {attention_kernel!r}; choose "
+                f"{' or '.join(ATTENTION_KERNELS)}"
             )
         self.config = config
         self.attention_kernel = attention_kernel
@@ -206,7 +212,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 per weight plus attention's scores (PaLM, app. B)."""
+    """Training FLOPs per token (forward + backward): 6 per weight plus attention's scores (PaLM,
+    app. B)."""
     weights = (
         config.n_layers * (4 * config.dim**2 + 3 * config.dim * config.ffn_dim)
         + config.vocab_size * config.dim

@@ -4,8 +4,9 @@ same way: the stream, FSDP2, gradient accumulation, checkpoints, signals, MLflow
 
 An objective's loss is a mean over units of the global batch (SFT: loss tokens; DPO: pairs). Every
 rank counts the units of its micro-batches, one all_reduce per step gives the global count, and each
-micro-batch backpropagates its sum times ``world_size / global units``: FSDP2 averages gradients over
-the ranks, so any world size and any accumulation give one process's gradients on the global batch.
+micro-batch backpropagates its sum times ``world_size / global units``: FSDP2 averages gradients
+over the ranks, so any world size and any accumulation give one process's gradients on the global
+batch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class Objective:
     def loss(
         self, logits: torch.Tensor, batch: Batch, global_units: torch.Tensor, world_size: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(what this micro-batch backpropagates, the sums over its units of what a step reports: ``loss``
-        and the objective's own metrics; divided by the global units, they are the global batch's means)."""
+        """(what this micro-batch backpropagates, the sums over its units of what a step reports:
+        ``loss`` and the objective's own metrics; divided by the global units, they are the global
+        batch's means)."""
         raise NotImplementedError
 
     def evaluation(self, means: dict[str, float], split: str) -> dict[str, float]:
-        """What a held-out evaluation reports, from the means of ``loss``'s sums over the held-out rows;
-        ``<split>_loss`` first (the loss the best checkpoint is chosen by)."""
+        """What a held-out evaluation reports, from the means of ``loss``'s sums over the held-out
+        rows; ``<split>_loss`` first (the loss the best checkpoint is chosen by)."""
         return {f"{split}_loss": means["loss"]}
 
 
@@ -64,8 +66,8 @@ class NextTokenPrediction(Objective):
 
 
 class DirectPreference(Objective):
-    """DPO on dpo-v<N>'s packed pairs against the reference log-probabilities stored with them: the mean
-    sigmoid loss per pair, with the implicit rewards of ``trainer.dpo.dpo_loss``."""
+    """DPO on dpo-v<N>'s packed pairs against the reference log-probabilities stored with them: the
+    mean sigmoid loss per pair, with the implicit rewards of ``trainer.dpo.dpo_loss``."""
 
     name = "dpo"
     loss_unit = "per pair"

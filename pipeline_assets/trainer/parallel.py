@@ -64,22 +64,23 @@ FLEX_MIN_HEAD_DIM = (
 
 def attention_kernel(setting: str, device: torch.device, head_dim: int) -> str:
     """The model's attention kernel: ``auto`` is FlexAttention on CUDA and the dense mask elsewhere.
-    ``flex`` where it cannot train is refused before training starts: FlexAttention has no backward on
-    CPU, and no CUDA kernel for heads narrower than 16."""
+    ``flex`` where it cannot train is refused before training starts: FlexAttention has no backward
+    on CPU, and no CUDA kernel for heads narrower than 16."""
     flex_trains = device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
     if setting == "auto":
         return "flex" if flex_trains else "dense"
     if setting == "flex" and not flex_trains:
         raise ValueError(
-            f"--attention flex needs a CUDA device and heads of at least {FLEX_MIN_HEAD_DIM} channels "
-            f"(this run: {device.type}, {head_dim} channels per head); use --attention auto or dense"
+            f"--attention flex needs a CUDA device and heads of at least {FLEX_MIN_HEAD_DIM} "
+            f"channels (this run: {device.type}, {head_dim} channels per head); use --attention "
+            "auto or dense"
         )
     return setting
 
 
 def compile_blocks(model: Transformer) -> Transformer:
-    """torch.compile each block on its own (before sharding), as torchtitan does: one graph per block
-    fuses the norms, rotary and SwiGLU's elementwise work."""
+    """torch.compile each block on its own (before sharding), as torchtitan does: one graph per
+    block fuses the norms, rotary and SwiGLU's elementwise work."""
     for block in model.blocks:
         block.compile()
     return model

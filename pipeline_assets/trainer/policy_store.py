@@ -1,9 +1,10 @@
-"""Policy versions of an RL run in the checkpoint store: ``<checkpoint_uri>/<partition>/policy-v<N>``.
+"""Policy versions of an RL run in the checkpoint store:
+``<checkpoint_uri>/<partition>/policy-v<N>``.
 
-The learner publishes version N+1 after each update (the exported weights, and its optimizer state so a
-stopped run resumes); rollout workers load the newest complete version before each batch of rollouts. A
-folder counts once its manifest is written (``CheckpointStore.publish``), and every file is checked against
-it when fetched, so a worker never loads a half-written version.
+The learner publishes version N+1 after each update (the exported weights, and its optimizer state
+so a stopped run resumes); rollout workers load the newest complete version before each batch of
+rollouts. A folder counts once its manifest is written (``CheckpointStore.publish``), and every file
+is checked against it when fetched, so a worker never loads a half-written version.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class PolicyStore:
         )
 
     def load(self, version: int, reader: str) -> tuple[Transformer, dict, Path]:
-        """The model of ``version`` (its files verified), its config, and the local folder holding it."""
+        """The model of ``version`` (its files verified), its config, and the local folder holding
+        it."""
         folder, problem = self.store.fetch_verified(version_folder(version), reader=reader)
         if folder is None:
             raise RuntimeError(f"policy version {version} cannot be loaded: {problem}")
@@ -85,7 +87,8 @@ class PolicyStore:
         )  # our own file, still never pickled code
 
     def prune(self, keep_from: int) -> None:
-        """Delete versions older than ``keep_from`` (workers lagging within the staleness limit still find theirs)."""
+        """Delete versions older than ``keep_from`` (workers lagging within the staleness limit
+        still find theirs)."""
         for version in self.versions():
             if version < keep_from:
                 self.store.delete(version_folder(version))

@@ -1,18 +1,20 @@
-"""The DPO reference pass under torchrun: the reference model's log-probabilities of every packed preference row.
+"""The DPO reference pass under torchrun: the reference model's log-probabilities of every packed
+preference row.
 
     torchrun --standalone --nproc-per-node=N -m pipeline_assets.trainer.reference \
         --rows ROWS.parquet --model DIR --out DIR [--device auto] [--batch-size 16] [--log-every 50]
 
-``ROWS.parquet`` holds packed preference rows as gold packs them (``lib.preference_packing``): at least
-split, sequence_index, input_ids, loss_mask, position_ids and pair_ids (batch_id too when the rows come
-from several gold shards: it is then part of each row's key). Rank r of N scores rows r, r+N, ... with
-the exported model in ``DIR``, without gradients, on its GPU when there is one, and writes
-``<out>/reference-rank<r>.parquet``: one row per input row, its key (batch_id when given, split,
-sequence_index) and ``reference_logps``, per document of the row in row order (chosen, rejected,
-chosen, ...), the summed log-probability of its response tokens (``trainer.dpo.document_logps``, the
-log-softmax in at least fp32). A row whose documents are not two per pair of ``pair_ids`` fails the run.
-``read_reference_logps`` gathers the ranks' files. No process group: the ranks share nothing but the
-input file. Run by hand with the same arguments to debug a reference pass.
+``ROWS.parquet`` holds packed preference rows as gold packs them (``lib.preference_packing``): at
+least split, sequence_index, input_ids, loss_mask, position_ids and pair_ids (batch_id too when the
+rows come from several gold shards: it is then part of each row's key). Rank r of N scores rows r,
+r+N, ... with the exported model in ``DIR``, without gradients, on its GPU when there is one, and
+writes ``<out>/reference-rank<r>.parquet``: one row per input row, its key (batch_id when given,
+split, sequence_index) and ``reference_logps``, per document of the row in row order (chosen,
+rejected, chosen, ...), the summed log-probability of its response tokens
+(``trainer.dpo.document_logps``, the log-softmax in at least fp32). A row whose documents are not
+two per pair of ``pair_ids`` fails the run. ``read_reference_logps`` gathers the ranks' files. No
+process group: the ranks share nothing but the input file. Run by hand with the same arguments to
+debug a reference pass.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     logps.write_parquet(args.out / RANK_FILE.format(rank=rank))
     documents = int(logps[LOGPS_COLUMN].list.len().sum()) if logps.height else 0
     print(
-        f"{where}: reference log-probabilities of {logps.height} rows, {documents:,} documents on {device}",
+        f"{where}: reference log-probabilities of {logps.height} rows, {documents:,} documents on "
+        f"{device}",
         flush=True,
     )
 
@@ -136,7 +139,8 @@ def read_reference_logps(out_dir: Path, expected_rows: int) -> pl.DataFrame:
     doubled = logps.filter(pl.struct(key).is_duplicated())
     if doubled.height:
         raise ValueError(
-            f"{doubled.n_unique(key)} row(s) scored twice, e.g. {doubled.select(key).row(0, named=True)}"
+            f"{doubled.n_unique(key)} row(s) scored twice, e.g. "
+            f"{doubled.select(key).row(0, named=True)}"
         )
     if logps.height != expected_rows:
         raise ValueError(

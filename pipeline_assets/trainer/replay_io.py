@@ -1,10 +1,10 @@
-"""The replay buffer's Delta table as the RL job's processes use it: rollout workers append their completions,
-the learner takes what an update consumes and writes the rows' new status back.
+"""The replay buffer's Delta table as the RL job's processes use it: rollout workers append their
+completions, the learner takes what an update consumes and writes the rows' new status back.
 
-Every write holds the table's lock (``<lake>/rl/_replay_buffer.lock``, as the lake resource's locks), so an
-append and the learner's read-judge-merge never interleave: a row appended while the learner judges waits
-for the next update, none is consumed twice, none is lost. Each write is checked against ``ReplayBufferRow``
-before its commit.
+Every write holds the table's lock (``<lake>/rl/_replay_buffer.lock``, as the lake resource's
+locks), so an append and the learner's read-judge-merge never interleave: a row appended while the
+learner judges waits for the next update, none is consumed twice, none is lost. Each write is
+checked against ``ReplayBufferRow`` before its commit.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class ReplayTable:
             )
 
     def read(self, run: str | None = None) -> pl.DataFrame:
-        """Every row (of ``run``), or an empty frame of the contract's columns before the first append."""
+        """Every row (of ``run``), or an empty frame of the contract's columns before the first
+        append."""
         try:
             table = DeltaTable(self.uri, storage_options=self.storage_options)
         except TableNotFoundError:
@@ -60,7 +61,8 @@ class ReplayTable:
         return rows
 
     def pending_groups(self, run: str) -> int:
-        """Groups of ``run`` waiting for an update: two columns read, the files of other runs skipped."""
+        """Groups of ``run`` waiting for an update: two columns read, the files of other runs
+        skipped."""
         try:
             table = DeltaTable(self.uri, storage_options=self.storage_options)
         except TableNotFoundError:
@@ -78,8 +80,9 @@ class ReplayTable:
         now: datetime | None = None,
         max_groups: int | None = None,
     ) -> tuple[pl.DataFrame, pl.DataFrame]:
-        """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops as stale
-        (``lib.replay.take_for_update``), their new status written back before they are returned."""
+        """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops
+        as stale (``lib.replay.take_for_update``), their new status written back before they are
+        returned."""
         with self._lock():
             consumed, dropped = take_for_update(
                 self.read(run), current_version, policy, now=now, max_groups=max_groups
@@ -115,9 +118,9 @@ class ReplayTable:
 def land_rollout_pairs(
     pairs: pl.DataFrame, landing_uri: str, name: str, scratch_dir: str
 ) -> str | None:
-    """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.replay.write_rollout_pairs``), on a local
-    landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object appears at once).
-    Returns where it landed; None when there are no pairs."""
+    """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.replay.write_rollout_pairs``), on
+    a local landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object
+    appears at once). Returns where it landed; None when there are no pairs."""
     if not uris.is_s3(landing_uri):
         written = write_rollout_pairs(pairs, Path(landing_uri), name)
         return None if written is None else str(written)

@@ -82,7 +82,8 @@ class Reporter:
             self._mlflow.log_artifact(str(path))
 
     def finish(self, metadata: dict, succeeded: bool, report: bool = True) -> None:
-        """``report``: the launching asset's materialization is this metadata (False: the asset reports itself)."""
+        """``report``: the launching asset's materialization is this metadata (False: the asset
+        reports itself)."""
         if self._pipes:
             if succeeded and report:
                 self._pipes.report_asset_materialization(metadata=metadata)

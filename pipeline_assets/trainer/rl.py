@@ -1,18 +1,19 @@
-"""The RL overlay's learner: GRPO updates on the completions rollout workers leave in rl/replay_buffer.
+"""The RL overlay's learner: GRPO updates on the completions rollout workers leave in
+rl/replay_buffer.
 
     torchrun --nproc-per-node 1 -m pipeline_assets.trainer.rl --lake-uri ... --partition rl-v0 ...
     python -m pipeline_assets.trainer.rl ... --worker 0        # a rollout worker (trainer.rollout)
 
 The learner publishes the starting model as policy version 0, then per update: waits for
 ``prompts_per_update`` pending groups, takes them (``lib.replay``: rows more than ``max_staleness``
-versions behind are dropped as stale, the rest consumed), computes each completion's advantage within
-its group, steps the clipped surrogate against the behaviour log-probabilities (a row one or two
-versions old is corrected by its importance ratio), and publishes version N+1 with its optimizer state.
-Every ``eval_every`` updates it measures held-out accuracy by greedy decoding. SIGTERM stops it at the
-next update boundary with the newest version published (exit 143); the same command resumes from it.
-At the end, groups with a right and a wrong completion land as preference pairs
+versions behind are dropped as stale, the rest consumed), computes each completion's advantage
+within its group, steps the clipped surrogate against the behaviour log-probabilities (a row one or
+two versions old is corrected by its importance ratio), and publishes version N+1 with its optimizer
+state. Every ``eval_every`` updates it measures held-out accuracy by greedy decoding. SIGTERM stops
+it at the next update boundary with the newest version published (exit 143); the same command
+resumes from it. At the end, groups with a right and a wrong completion land as preference pairs
 (``<landing>/rl_rollouts/``), the run is marked done and the workers stop. One learner process: data
-parallel learners (FSDP2 as the sft trainer) are the README's next step.
+parallel learners (FSDP2 as the sft trainer) are the next step (docs/rl.md, "Past one machine").
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class Learner:
         )
 
     def _warm_start(self, model) -> dict:
-        """A starting policy that cannot do the task (held-out accuracy below ``warm_start_accuracy``) is tuned
-        on the bank's training prompts first, until it can, or ``warm_start_max_steps`` steps."""
+        """A starting policy that cannot do the task (held-out accuracy below
+        ``warm_start_accuracy``) is tuned on the bank's training prompts first, until it can, or
+        ``warm_start_max_steps`` steps."""
         accuracy = self.held_out_accuracy(model)
         if accuracy >= self.config.warm_start_accuracy:
             return {"warm_start_steps": 0, "warm_start_accuracy": accuracy}
@@ -183,7 +185,8 @@ class Learner:
 
     # --- one update -----------------------------------------------------------------------------
     def _wait_for_rollouts(self, version: int) -> tuple[pl.DataFrame, pl.DataFrame] | None:
-        """(consumed, dropped) of the first take holding ``prompts_per_update`` fresh groups; None past the wait."""
+        """(consumed, dropped) of the first take holding ``prompts_per_update`` fresh groups; None
+        past the wait."""
         deadline, dropped = time.monotonic() + self.config.wait_seconds, []
         while time.monotonic() < deadline and not self.stopping:
             if self.table.pending_groups(self.config.partition) >= self.config.prompts_per_update:

@@ -1,11 +1,12 @@
 """A rollout worker of an RL run (``python -m pipeline_assets.trainer.rl ... --worker N``).
 
-Before each batch it loads the newest published policy version (``--lag`` versions behind it, to test the
-staleness limit), samples ``group_size`` completions for each of ``prompts_per_update`` training prompts of
-rl/prompt_bank, rewards each with the prompt's verifier, and appends the batch to rl/replay_buffer as
-``pending`` rows with the version that generated them and each token's behaviour log-probability. It keeps
-at most one update's worth of groups pending, so it never runs far ahead of the learner, and stops when the
-learner marks the run done. A worker killed mid-batch loses only its unwritten batch: appends are one commit.
+Before each batch it loads the newest published policy version (``--lag`` versions behind it, to
+test the staleness limit), samples ``group_size`` completions for each of ``prompts_per_update``
+training prompts of rl/prompt_bank, rewards each with the prompt's verifier, and appends the batch
+to rl/replay_buffer as ``pending`` rows with the version that generated them and each token's
+behaviour log-probability. It keeps at most one update's worth of groups pending, so it never runs
+far ahead of the learner, and stops when the learner marks the run done. A worker killed mid-batch
+loses only its unwritten batch: appends are one commit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ _POLL_SECONDS = 0.2
 _AHEAD_UPDATES = (
     1  # pending groups a worker leaves in the buffer before it waits, in updates' worth: one
 )
-# update ahead keeps the learner busy; two doubled the lag (and cost reward, measured on the sort task)
+# update ahead keeps the learner busy; two doubled the lag (and cost reward, measured on the sort
+# task)
 
 
 def read_prompt_bank(lake_uri: str) -> pl.DataFrame:
@@ -48,8 +50,8 @@ def read_prompt_bank(lake_uri: str) -> pl.DataFrame:
 
 
 class Prompts:
-    """The bank's prompts of one split (of ``tasks``, comma-separated; empty: all), each encoded as the policy
-    reads it."""
+    """The bank's prompts of one split (of ``tasks``, comma-separated; empty: all), each encoded as
+    the policy reads it."""
 
     def __init__(self, lake_uri: str, split: str, tokenizer, tasks: str = ""):
         bank = read_prompt_bank(lake_uri)
@@ -79,7 +81,8 @@ def completion_text(tokenizer, token_ids: list[int]) -> str:
 
 
 def judge(tokenizer, prompt: dict, token_ids: list[int], stop_ids: set[int]):
-    """The verifier's verdict on a completion; one that never ends its answer (no stop token) is wrong."""
+    """The verifier's verdict on a completion; one that never ends its answer (no stop token) is
+    wrong."""
     if not token_ids or token_ids[-1] not in stop_ids:
         return Verdict(0.0, "the answer never ended within max_new_tokens")
     return verify(prompt["verifier"], prompt["ground_truth"], completion_text(tokenizer, token_ids))

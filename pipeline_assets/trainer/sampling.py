@@ -1,17 +1,18 @@
-"""Decoding from the policy: sampled groups of completions with their behaviour log-probabilities (the
-rollouts of the RL overlay's GRPO) and greedy completions (held-out accuracy).
+"""Decoding from the policy: sampled groups of completions with their behaviour log-probabilities
+(the rollouts of the RL overlay's GRPO) and greedy completions (held-out accuracy).
 
-Every prompt of a batch, ``group_size`` times each, is one row; one forward per new token serves all the
-rows still running. Rows are right-padded to the longest, and ``position_ids`` restart at 0 on the padding
-tail, so the model sees each row's tokens as one document starting at position 0, whatever the other rows
-hold: a prompt gives the same completion alone as in a batch. Without a KV cache, each step recomputes the
-whole prefix, which is cheap for the short prompts and answers of verifiable tasks.
+Every prompt of a batch, ``group_size`` times each, is one row; one forward per new token serves all
+the rows still running. Rows are right-padded to the longest, and ``position_ids`` restart at 0 on
+the padding tail, so the model sees each row's tokens as one document starting at position 0,
+whatever the other rows hold: a prompt gives the same completion alone as in a batch. Without a KV
+cache, each step recomputes the whole prefix, which is cheap for the short prompts and answers of
+verifiable tasks.
 
-Behaviour log-probabilities are those of the distribution each token was sampled from: the model's logits
-divided by ``temperature``, log-softmaxed. GRPO's importance ratio must compare like with like, so a learner
-that samples at a temperature other than 1 must divide its logits by the same temperature before
-``grpo.completion_logps``; at the default temperature 1 they are the model's own log-probabilities, and
-``completion_logps`` of the unscaled logits gives back the same numbers.
+Behaviour log-probabilities are those of the distribution each token was sampled from: the model's
+logits divided by ``temperature``, log-softmaxed. GRPO's importance ratio must compare like with
+like, so a learner that samples at a temperature other than 1 must divide its logits by the same
+temperature before ``grpo.completion_logps``; at the default temperature 1 they are the model's own
+log-probabilities, and ``completion_logps`` of the unscaled logits gives back the same numbers.
 
 Pure torch, no I/O.
 """
@@ -31,15 +32,17 @@ PAD_ID = (
     0  # what fills a row past its end (chat_format's <|pad|>); never attended to by a real token
 )
 
-# Per step: (last logits (A, V) fp32 of the A running rows, their row numbers) -> (tokens (A,), logps (A,)).
+# Per step: (last logits (A, V) fp32 of the A running rows, their row numbers) -> (tokens (A,),
+# logps (A,)).
 Chooser = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled completion of prompt ``prompt_index``: its tokens, up to and including the first stop token
-    (or ``max_new_tokens`` of them, cut short), and each token's behaviour log-probability."""
+    """One sampled completion of prompt ``prompt_index``: its tokens, up to and including the first
+    stop token (or ``max_new_tokens`` of them, cut short), and each token's behaviour
+    log-probability."""
 
     prompt_index: int
     token_ids: list[int]
@@ -48,10 +51,10 @@ class Completion:
 
 @dataclass(frozen=True)
 class CompletionRows:
-    """Prompt + completion rows for the learner's forward pass, (N, T) each, right-padded with position_ids
-    restarting at 0 on the padding: ``loss_mask`` is set on the completion tokens and ``behaviour_logps`` holds
-    each completion token's sampled log-probability there (0 elsewhere), in ``grpo.completion_logps``'s
-    alignment (entry t is about token t)."""
+    """Prompt + completion rows for the learner's forward pass, (N, T) each, right-padded with
+    position_ids restarting at 0 on the padding: ``loss_mask`` is set on the completion tokens and
+    ``behaviour_logps`` holds each completion token's sampled log-probability there (0 elsewhere),
+    in ``grpo.completion_logps``'s alignment (entry t is about token t)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -68,12 +71,13 @@ def sample_completions(
     temperature: float = 1.0,
     generator: Generators = None,
 ) -> list[Completion]:
-    """``group_size`` sampled completions of every prompt, prompt by prompt (row ``p * group_size + k`` is
-    prompt p's k-th), each token drawn from ``softmax(logits / temperature)``.
+    """``group_size`` sampled completions of every prompt, prompt by prompt (row
+    ``p * group_size + k`` is prompt p's k-th), each token drawn from
+    ``softmax(logits / temperature)``.
 
-    ``generator`` is one ``torch.Generator`` for all rows (deterministic for the same batch), or one per row,
-    ``len(prompt_ids) * group_size`` of them, so that a row's completion does not depend on the rows beside
-    it. Each row draws one uniform per step, by inverse CDF."""
+    ``generator`` is one ``torch.Generator`` for all rows (deterministic for the same batch), or one
+    per row, ``len(prompt_ids) * group_size`` of them, so that a row's completion does not depend on
+    the rows beside it. Each row draws one uniform per step, by inverse CDF."""
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     if temperature <= 0:
@@ -93,15 +97,16 @@ def sample_completions(
 def greedy_completions(
     model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]
 ) -> list[list[int]]:
-    """The most likely next token, step after step: one completion per prompt, up to and including the first
-    stop token (or ``max_new_tokens`` of them)."""
+    """The most likely next token, step after step: one completion per prompt, up to and including
+    the first stop token (or ``max_new_tokens`` of them)."""
     return _decode(model, prompt_ids, max_new_tokens, stop_ids, _greedy)[0]
 
 
 def completion_rows(
     prompt_ids: list[list[int]], completions: Sequence[Completion]
 ) -> CompletionRows:
-    """Each completion after its prompt, as the tensors a learner feeds the model and ``grpo_loss``."""
+    """Each completion after its prompt, as the tensors a learner feeds the model and
+    ``grpo_loss``."""
     sequences = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
     input_ids, position_ids, _ = right_padded(sequences)
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
@@ -117,9 +122,9 @@ def completion_rows(
 def right_padded(
     sequences: Sequence[Sequence[int]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids) (N, T) of the sequences padded with PAD_ID to the longest, and their lengths
-    (N,). Positions count 0.. along each sequence and again from 0 along its padding, which is thus a
-    document of its own (``model.document_ids``)."""
+    """(input_ids, position_ids) (N, T) of the sequences padded with PAD_ID to the longest, and
+    their lengths (N,). Positions count 0.. along each sequence and again from 0 along its padding,
+    which is thus a document of its own (``model.document_ids``)."""
     lengths = torch.tensor([len(sequence) for sequence in sequences])
     width = int(lengths.max())
     input_ids = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
@@ -138,8 +143,8 @@ def _decode(
     stop_ids: set[int],
     choose: Chooser,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """Extend every row token by token until it emits a stop token or has ``max_new_tokens`` new ones: the
-    new tokens and their log-probabilities, per row."""
+    """Extend every row token by token until it emits a stop token or has ``max_new_tokens`` new
+    ones: the new tokens and their log-probabilities, per row."""
     _check_lengths(model, rows, max_new_tokens)
     new_tokens: list[list[int]] = [[] for _ in rows]
     new_logps: list[list[float]] = [[] for _ in rows]
@@ -196,7 +201,8 @@ def _greedy(logits: torch.Tensor, _: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 def _sampler(temperature: float, generator: Generators, n_rows: int) -> Chooser:
-    """Draws by inverse CDF of ``softmax(logits / temperature)``, one uniform per running row and step."""
+    """Draws by inverse CDF of ``softmax(logits / temperature)``, one uniform per running row and
+    step."""
     if isinstance(generator, Sequence) and len(generator) != n_rows:
         raise ValueError(
             f"got {len(generator)} generators for {n_rows} rows; pass one per row, or a single one"

@@ -1,4 +1,5 @@
-"""What evaluation runs under torchrun: per-document held-out losses of exported models on the same rows.
+"""What evaluation runs under torchrun: per-document held-out losses of exported models on the same
+rows.
 
     torchrun --standalone --nproc-per-node=N -m pipeline_assets.trainer.score \
         --rows ROWS.parquet --model candidate=DIR [--model champion=DIR] --out DIR [--device auto]
@@ -66,14 +67,15 @@ def main(argv: list[str] | None = None) -> None:
             args.out / f"{name}-rank{rank}.parquet"
         )  # the name evaluation's asset reads
         print(
-            f"rank {rank}/{world_size}: {name} scored {rows.height} sequences, {int(losses['tokens'].sum()):,} tokens "
-            f"on {device}",
+            f"rank {rank}/{world_size}: {name} scored {rows.height} sequences, "
+            f"{int(losses['tokens'].sum()):,} tokens on {device}",
             flush=True,
         )
 
 
 def scoring_device(choice: str, local_rank: int) -> torch.device:
-    """The GPU of this rank when asked for (or auto and one is there), else the CPU: every scoring program's rule."""
+    """The GPU of this rank when asked for (or auto and one is there), else the CPU: every scoring
+    program's rule."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -44,8 +44,8 @@ def trial_config(
     steps: int,
     max_steps: int,
 ) -> TrainConfig:
-    """A trial: its own checkpoint folder, scored on the search split (never the promotion gate's validation rows)
-    and saved at the end of each rung, on the longest schedule."""
+    """A trial: its own checkpoint folder, scored on the search split (never the promotion gate's
+    validation rows) and saved at the end of each rung, on the longest schedule."""
     return dataclasses.replace(
         base,
         **hyperparameters,

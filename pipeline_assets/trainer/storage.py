@@ -104,9 +104,9 @@ class CheckpointStore:
         ]
 
     def fetch_verified(self, name: str, reader: str = "main") -> tuple[Path | None, str]:
-        """A local folder holding ``name`` with every file matching the manifest, or (None, why not).
-        On S3 each ``reader`` (a rank) downloads into a folder of its own: ranks on one node must
-        not clear each other's downloads."""
+        """A local folder holding ``name`` with every file matching the manifest, or (None, why
+        not). On S3 each ``reader`` (a rank) downloads into a folder of its own: ranks on one node
+        must not clear each other's downloads."""
         manifest = self.read_json(f"{name}/{MANIFEST}")
         if manifest is None:
             return None, "no manifest"
@@ -128,7 +128,8 @@ class CheckpointStore:
             if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
                 return (
                     None,
-                    f"{file} does not match its checksum in {MANIFEST}: refused, nothing of it is loaded",
+                    f"{file} does not match its checksum in {MANIFEST}: refused, nothing of it is "
+                    "loaded",
                 )
         return folder, ""
 

@@ -1,12 +1,12 @@
 """The training program: ``torchrun --nproc-per-node N -m pipeline_assets.trainer --lake-uri ... ``.
 
-``--objective sft`` (the default) trains next-token prediction on gold-v<N>; ``--objective dpo`` trains DPO
-on the preference pairs of dpo-v<N>, starting from ``--init-from`` (the SFT champion) against the reference
-log-probabilities of gold/reference_logps at ``--reference-logps-version``. One Trainer runs both: what
-differs is a ``trainer.objective.Objective``.
+``--objective sft`` (the default) trains next-token prediction on gold-v<N>; ``--objective dpo``
+trains DPO on the preference pairs of dpo-v<N>, starting from ``--init-from`` (the SFT champion)
+against the reference log-probabilities of gold/reference_logps at ``--reference-logps-version``.
+One Trainer runs both: what differs is a ``trainer.objective.Objective``.
 
-Exit codes: 0 trained to the last step; 143 stopped by SIGTERM or SIGINT after saving a checkpoint (run the
-same command again to resume); 1 failed, with the reason in the log.
+Exit codes: 0 trained to the last step; 143 stopped by SIGTERM or SIGINT after saving a checkpoint
+(run the same command again to resume); 1 failed, with the reason in the log.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         log.error(
             redact(
-                f"training failed on rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                f"training failed on rank {env.rank}: {type(exc).__name__}: "
+                f"{exc}\n{traceback.format_exc()}"
             )
         )
         if reporter:
@@ -130,8 +131,9 @@ class Trainer:
         self.attention_kernel = attention_kernel(config.attention, env.device, head_dim)
         if config.eval_split == "search" and self.eval_sequences == 0:
             raise ValueError(
-                f"{self.snapshot.manifest.key} has fewer search sequences ({len(self.snapshot.search)}) than ranks "
-                f"({env.world_size}): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot"
+                f"{self.snapshot.manifest.key} has fewer search sequences "
+                f"({len(self.snapshot.search)}) than ranks ({env.world_size}): raise "
+                "PIPELINE_SEARCH_FRACTION and cut a new snapshot"
             )
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
         model = Transformer(self.model_config, self.attention_kernel).to(env.device)
@@ -218,12 +220,12 @@ class Trainer:
     def accumulate_gradients(
         self, micro_batches: list[dict[str, torch.Tensor]]
     ) -> dict[str, float]:
-        """Gradients of the global batch's mean loss (per loss token for SFT, per pair for DPO); returns
-        that loss and the objective's other metrics, means over the global batch.
+        """Gradients of the global batch's mean loss (per loss token for SFT, per pair for DPO);
+        returns that loss and the objective's other metrics, means over the global batch.
 
         Each rank normalises by the units of the whole global batch (one all_reduce of the ranks'
-        counts), so every unit weighs the same whichever rank or micro-batch holds it; FSDP's gradient
-        average divides by world size."""
+        counts), so every unit weighs the same whichever rank or micro-batch holds it; FSDP's
+        gradient average divides by world size."""
         units = torch.stack([self.objective.units(batch) for batch in micro_batches]).sum()
         dist.all_reduce(units)
         sums: dict[str, torch.Tensor] = {}
@@ -236,15 +238,16 @@ class Trainer:
         return self._global_means(sums, units)
 
     def _global_means(self, sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:
-        """This rank's sums, summed over the ranks, divided by the global units (already all-reduced)."""
+        """This rank's sums, summed over the ranks, divided by the global units (already
+        all-reduced)."""
         totals = torch.stack(list(sums.values()))
         dist.all_reduce(totals)
         return dict(zip(sums, (totals / units.clamp(min=1)).tolist()))
 
     @torch.no_grad()
     def _validate(self) -> float | None:
-        """The objective's held-out metrics over the split ``eval_split`` (the same sequences every time);
-        returns the held-out loss."""
+        """The objective's held-out metrics over the split ``eval_split`` (the same sequences every
+        time); returns the held-out loss."""
         split, held_out = self.config.eval_split, self.snapshot.held_out(self.config.eval_split)
         usable = self.eval_sequences
         if usable == 0:
@@ -336,8 +339,8 @@ class Trainer:
             self.checkpointer.save(self.progress.step, self._state(), {}, asynchronous=False)
         self.checkpointer.finish()  # publishes this step's save if it was still in flight
         self._warning(
-            f"stopped by a signal at step {self.progress.step}; checkpoint step-{self.progress.step} "
-            "is saved: run the same command again to resume"
+            f"stopped by a signal at step {self.progress.step}; checkpoint "
+            f"step-{self.progress.step} is saved: run the same command again to resume"
         )
         return EXIT_PREEMPTED
 
@@ -420,7 +423,8 @@ class Trainer:
         return summary
 
     def _last_evaluation(self) -> dict:
-        """The objective's own metrics of the newest held-out evaluation (the loss is reported as the best)."""
+        """The objective's own metrics of the newest held-out evaluation (the loss is reported as
+        the best)."""
         loss = f"{self.config.eval_split}_loss"
         newest = next((row for row in reversed(self.progress.history) if loss in row), {})
         return {name: value for name, value in newest.items() if name not in ("step", loss)}
@@ -429,13 +433,15 @@ class Trainer:
     def _announce(self) -> None:
         config = self.config
         self._info(
-            f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size {self.env.world_size} "
-            f"({self.env.backend}, {self.env.device.type}), global batch {self.global_batch} x "
-            f"{self.snapshot.seq_len} tokens, {len(self.snapshot.train)} training sequences "
-            f"({self.snapshot.manifest.key}), steps {self.progress.step} -> {config.steps}"
+            f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size "
+            f"{self.env.world_size} ({self.env.backend}, {self.env.device.type}), global batch "
+            f"{self.global_batch} x {self.snapshot.seq_len} tokens, {len(self.snapshot.train)} "
+            f"training sequences ({self.snapshot.manifest.key}), steps {self.progress.step} -> "
+            f"{config.steps}"
         )
         self._info(
-            f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention {config.attention})"
+            f"attention: {ATTENTION_DESCRIPTIONS[self.attention_kernel]} (--attention "
+            f"{config.attention})"
         )
         if self.reporter and self.progress.step == 0:
             self.reporter.params(
@@ -464,7 +470,8 @@ class Trainer:
 
     @functools.cached_property
     def first_batch_fingerprint(self) -> str:
-        """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data order."""
+        """SHA-256 of the token ids of the first global batch: equal fingerprints, equal data
+        order."""
         first = stream_indexes(len(self.snapshot.train), self.config.seed, 0, self.global_batch)
         token_ids = self.snapshot.train.batch(first, torch.device("cpu"))["input_ids"].numpy()
         return hashlib.sha256(
@@ -483,8 +490,9 @@ class Trainer:
         objective = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
         mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
         self._info(
-            f"step {self.progress.step}/{self.config.steps}: {objective}, lr {values['learning_rate']:.2e}, "
-            f"grad norm {grad_norm:.3f}, {speed['tokens_per_second']:,.0f} tokens/s{mfu}"
+            f"step {self.progress.step}/{self.config.steps}: {objective}, lr "
+            f"{values['learning_rate']:.2e}, grad norm {grad_norm:.3f}, "
+            f"{speed['tokens_per_second']:,.0f} tokens/s{mfu}"
         )
 
     def _report_metrics(self, values: dict) -> None:
@@ -501,7 +509,8 @@ class Trainer:
 
 
 def _load_initial_weights(model: Transformer, folder: str) -> None:
-    """Start from an exported model (``init_from``) of the run's architecture; any other is refused."""
+    """Start from an exported model (``init_from``) of the run's architecture; any other is
+    refused."""
     exported = exported_config(Path(folder))["model"]
     wanted = {
         **dataclasses.asdict(model.config),
@@ -509,8 +518,8 @@ def _load_initial_weights(model: Transformer, folder: str) -> None:
     }  # rotary tables: not weights
     if exported != wanted:
         raise ValueError(
-            f"--init-from {folder} holds a model of another architecture ({_shape(exported)}) than this "
-            f"run's ({_shape(wanted)}): {_flags_for(exported)}"
+            f"--init-from {folder} holds a model of another architecture ({_shape(exported)}) than "
+            f"this run's ({_shape(wanted)}): {_flags_for(exported)}"
         )
     load_weights(model, Path(folder), device=str(next(model.parameters()).device))
 

@@ -49,9 +49,9 @@ def _records_spec(tables: FormatTables) -> AssetSpec:
         tables.bronze,
         group_name="bronze",
         kinds=_KINDS,
-        description=f"The {tables.fmt.about} of the sources whose format is {tables.fmt.name} (PIPELINE_SOURCE_FORMATS) "
-        "that passed its landing contract, with provenance. Append-only per ingest batch; re-materializing a batch "
-        "replaces its rows.",
+        description=f"The {tables.fmt.about} of the sources whose format is {tables.fmt.name} "
+        "(PIPELINE_SOURCE_FORMATS) that passed its landing contract, with provenance. Append-only "
+        "per ingest batch; re-materializing a batch replaces its rows.",
     )
 
 
@@ -60,7 +60,8 @@ def _records_spec(tables: FormatTables) -> AssetSpec:
         *(_records_spec(tables) for tables in FORMAT_TABLES),
         AssetSpec(
             BRONZE_QUARANTINE,
-            description="Every landing line that failed the contract, verbatim, with a reason code and detail.",
+            description="Every landing line that failed the contract, verbatim, with a reason code "
+            "and detail.",
             group_name="bronze",
             kinds=_KINDS,
         ),
@@ -82,7 +83,8 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     )
     if files.is_empty():
         raise ValueError(
-            f"ingest batch {batch_id} has no registered landing files (manifest v{manifest_version})"
+            f"ingest batch {batch_id} has no registered landing files (manifest "
+            f"v{manifest_version})"
         )
     files = files.join(
         earlier_versions(manifest, batch_id), on="uri", how="left"
@@ -91,7 +93,8 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
     read = _BatchRead(
         context, batch_id, entries, [landing.relative_name(entry["uri"]) for entry in entries]
     )
-    # The sft records of each file are written as they are read: Delta encodes one chunk while the next is parsed.
+    # The sft records of each file are written as they are read: Delta encodes one chunk while the
+    # next is parsed.
     commits = {
         SFT: lake.replace_partition_streaming(
             *SFT_TABLES.bronze.path,
@@ -267,9 +270,13 @@ class _BatchRead:
             rows for by_source in self.rows_by_source.values() for rows in by_source.values()
         )
         set_aside = sum(part.height for part in self.quarantine_parts)
-        progress = f"{len(self.per_file)} of {len(self.entries)} file(s) read: {accepted} record(s) accepted, {set_aside} set aside"
+        progress = (
+            f"{len(self.per_file)} of {len(self.entries)} file(s) read: {accepted} record(s) "
+            f"accepted, {set_aside} set aside"
+        )
         more = [
-            f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting lists them)"
+            f"and {self.files_not_named} more file(s) with lines set aside (per_file_accounting "
+            "lists them)"
         ]
         self.context.log.info(
             "\n  ".join([progress, *self.files_named, *(more if self.files_not_named else [])])
@@ -277,7 +284,8 @@ class _BatchRead:
         self.files_named, self.files_not_named, self.logged_at = [], 0, time.monotonic()
 
     def held_records(self, record_format: RecordFormat) -> pl.DataFrame:
-        """The records of a format other than sft, contract-checked (read after ``record_chunks``)."""
+        """The records of a format other than sft, contract-checked (read after
+        ``record_chunks``)."""
         return self._checked(self.held_parts[record_format], record_format)
 
     def _checked(
@@ -318,9 +326,9 @@ def _ingest_files(
 def _ingest_registered_file(
     landing: LandingResource, checksums: Executor, entry: dict, source_file: str
 ) -> FileIngest:
-    """Read the file version the manifest registered (from the start of a file that grew by appending
-    since). A file that is gone or otherwise changed is one quarantined unit; a read that fails for
-    any other reason fails the step, to be retried."""
+    """Read the file version the manifest registered (from the start of a file that grew by
+    appending since). A file that is gone or otherwise changed is one quarantined unit; a read that
+    fails for any other reason fails the step, to be retried."""
     name = PurePosixPath(entry["uri"]).name
     record_format = landing.format_for(entry["source"])
     try:
@@ -350,8 +358,9 @@ def _ingest_registered_file(
     if checksum.result() != entry["checksum"]:
         changed = rejected_file(
             "unreadable_file",
-            f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> {sha256_hex(data)[:12]}); "
-            "the landing sensor registers the new version as a new batch",
+            f"bytes changed since registration (sha256 {entry['checksum'][:12]} -> "
+            f"{sha256_hex(data)[:12]}); the landing sensor registers the new version as a new "
+            "batch",
             record_format,
         )
         return FileIngest(record_format, changed, len(data), 1, 0)
@@ -362,7 +371,8 @@ def _ingest_registered_file(
         result = set_aside_redelivered(
             result,
             redelivered,
-            f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch {entry['previous_batch']}",
+            f"delivered before by version {entry['previous_checksum'][:12]} of this file in batch "
+            f"{entry['previous_batch']}",
         )
     return FileIngest(
         record_format, result, len(registered), count_units(name, registered), redelivered

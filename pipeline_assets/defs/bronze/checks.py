@@ -1,4 +1,5 @@
-"""Asset checks on bronze, per ingest batch: contract and quarantine rate block; volume and freshness warn."""
+"""Asset checks on bronze, per ingest batch: contract and quarantine rate block; volume and
+freshness warn."""
 
 import warnings
 from datetime import datetime, timezone
@@ -40,7 +41,7 @@ from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 
-# Partitioned checks are a Dagster preview feature, chosen on purpose (see README, Decisions).
+# Partitioned checks are a Dagster preview feature, chosen on purpose (docs/architecture.md, "Decisions").
 warnings.filterwarnings(
     "ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec"
 )
@@ -117,8 +118,8 @@ def bronze_quarantine_rate(
     passed = over.is_empty() and unreadable.is_empty()
     if superseded:
         messages.append(
-            f"not read whole, but not judged here: {', '.join(sorted(superseded))} (a later version "
-            "was registered in a later batch)"
+            f"not read whole, but not judged here: {', '.join(sorted(superseded))} (a later "
+            "version was registered in a later batch)"
         )
     return AssetCheckResult(
         passed=passed,
@@ -137,8 +138,8 @@ def bronze_quarantine_rate(
 
 
 def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: str) -> set[str]:
-    """Files of this batch that a later batch registered again. A good copy landed after a broken one
-    is judged with that batch, so the broken version's loss no longer holds this batch back (the
+    """Files of this batch that a later batch registered again. A good copy landed after a broken
+    one is judged with that batch, so the broken version's loss no longer holds this batch back (the
     lines it did yield are still judged here)."""
     manifest = read_manifest(lake)
     here = manifest.filter(pl.col("batch_id") == batch_id)["uri"]
@@ -150,9 +151,10 @@ def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: st
 
 def _unreadable_message(row: dict) -> str:
     return (
-        f"source '{row['source']}': file {row['source_file']} was not read whole ({row['reason']}: {row['detail']}); "
-        "how many of its lines were lost is unknown, so the batch waits: land a good copy of the file "
-        "(a new version is registered as a new batch), then materialize this batch again"
+        f"source '{row['source']}': file {row['source_file']} was not read whole ({row['reason']}: "
+        f"{row['detail']}); how many of its lines were lost is unknown, so the batch waits: land a "
+        "good copy of the file (a new version is registered as a new batch), then materialize this "
+        "batch again"
     )
 
 
@@ -163,15 +165,16 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
     )
     if hint and "record_format" in hint:
         message += (
-            f"; {hint['lines_of_that_format']} of the {hint['lines']} lines missing '{hint['missing_field']}' have every "
-            f"field of the {hint['record_format']} record format: if this source sends {hint['record_format']} records, "
-            f"set {hint['fix']} (with the other sources' formats) and materialize this batch again"
+            f"; {hint['lines_of_that_format']} of the {hint['lines']} lines missing "
+            f"'{hint['missing_field']}' have every field of the {hint['record_format']} record "
+            f"format: if this source sends {hint['record_format']} records, set {hint['fix']} "
+            "(with the other sources' formats) and materialize this batch again"
         )
     elif hint:
         message += (
-            f"; field '{hint['missing_field']}' is missing and unknown field '{hint['unknown_field']}' "
-            f"is present on {hint['lines_with_unknown_field']} of those lines: if it is the same field, "
-            f"set {hint['fix']} and materialize this batch again"
+            f"; field '{hint['missing_field']}' is missing and unknown field "
+            f"'{hint['unknown_field']}' is present on {hint['lines_with_unknown_field']} of those "
+            f"lines: if it is the same field, set {hint['fix']} and materialize this batch again"
         )
     return message
 
@@ -182,7 +185,8 @@ def _over_limit_message(row: dict, limit: float, hint: dict | None) -> str:
     blocking=True,
     partitions_def=ingest_batches,
     additional_deps=[BRONZE_QUARANTINE],
-    description="Every file's lines, counted from its bytes without the parser, are rows of bronze or quarantine.",
+    description="Every file's lines, counted from its bytes without the parser, are rows of bronze "
+    "or quarantine.",
 )
 def bronze_accounting(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
     batch_id = context.partition_key
@@ -194,10 +198,12 @@ def bronze_accounting(context: AssetCheckExecutionContext, lake: LakeResource) -
         passed=off.is_empty(),
         severity=AssetCheckSeverity.ERROR,
         description="; ".join(
-            f"{r['source_file']}: {r['lines_counted']} lines in the file, {r['rows']} rows in bronze and quarantine"
+            f"{r['source_file']}: {r['lines_counted']} lines in the file, {r['rows']} rows in "
+            "bronze and quarantine"
             for r in off.iter_rows(named=True)
         )
-        or f"all {sum(counted.values())} lines of {len(counted)} file(s) are rows of bronze or quarantine",
+        or f"all {sum(counted.values())} lines of {len(counted)} file(s) are rows of bronze or "
+        "quarantine",
         metadata={
             "files": len(counted),
             "lines_counted": sum(counted.values()),
@@ -249,7 +255,8 @@ def bronze_volume(
     asset=BRONZE_RECORDS,
     name="freshness",
     partitions_def=ingest_batches,
-    description="Each source's newest record (created_at, else ingested_at) is within the freshness SLA.",
+    description="Each source's newest record (created_at, else ingested_at) is within the "
+    "freshness SLA.",
 )
 def bronze_freshness(
     context: AssetCheckExecutionContext, lake: LakeResource, ingest_policy: IngestPolicy

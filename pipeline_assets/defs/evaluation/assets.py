@@ -1,4 +1,5 @@
-"""evaluation/report: the candidate and the champion on exactly the same held-out data, per slice."""
+"""evaluation/report: the candidate and the champion on exactly the same held-out data, per
+slice."""
 
 import tempfile
 from datetime import datetime, timezone
@@ -47,9 +48,10 @@ _SAMPLED_COLUMNS = (
     kinds={"delta", "pytorch", "mlflow"},
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
-    pool="model_registry",  # with registry/model_version: one of them at a time (the instance's pool limit)
-    description="Loss and perplexity on gold's validation split (overall and per source) and on the eval-set "
-    "responses, for the candidate and the current champion on the same rows.",
+    # with registry/model_version: one of them at a time (the instance's pool limit)
+    pool="model_registry",
+    description="Loss and perplexity on gold's validation split (overall and per source) and on "
+    "the eval-set responses, for the candidate and the current champion on the same rows.",
 )
 def evaluation_report(
     context: AssetExecutionContext,
@@ -66,12 +68,14 @@ def evaluation_report(
     if trained is None:
         raise Failure(
             allow_retries=False,
-            description=f"training/checkpoint has no materialization for {partition}: train it first",
+            description=f"training/checkpoint has no materialization for {partition}: train it "
+            "first",
         )
     data = EvaluationData.load(lake, eval_sets, versions, registry_policy.eval_max_tokens)
     context.log.info(
-        f"scoring {data.validation_sequences[0]} of {data.validation_sequences[1]} validation sequences "
-        f"({data.validation_tokens[0]:,} of {data.validation_tokens[1]:,} tokens; cap {registry_policy.eval_max_tokens:,})"
+        f"scoring {data.validation_sequences[0]} of {data.validation_sequences[1]} validation "
+        f"sequences ({data.validation_tokens[0]:,} of {data.validation_tokens[1]:,} tokens; cap "
+        f"{registry_policy.eval_max_tokens:,})"
     )
     candidate_dir, problem = launcher.store(partition).fetch_verified("final")
     if candidate_dir is None:
@@ -172,8 +176,8 @@ class EvaluationData:
         eval_items: int,
         slices: pl.DataFrame,
     ):
-        """validation: the sampled sequences; all_validation: sequence_index and real_tokens of every one;
-        eval_packed: the eval-set items' responses, packed like gold."""
+        """validation: the sampled sequences; all_validation: sequence_index and real_tokens of
+        every one; eval_packed: the eval-set items' responses, packed like gold."""
         self.validation, self.slices = validation, slices
         self.rows = pl.concat([frame.select(SCORED_COLUMNS) for frame in (validation, eval_packed)])
         self.validation_sequences = (
@@ -192,7 +196,8 @@ class EvaluationData:
     def load(
         cls, lake: LakeResource, eval_sets: EvalSetsResource | None, versions: dict, max_tokens: int
     ) -> "EvaluationData":
-        """Without ``eval_sets``, the validation sample alone (its slices by source), nothing encoded."""
+        """Without ``eval_sets``, the validation sample alone (its slices by source), nothing
+        encoded."""
         manifest = read_manifest(lake.uri, versions["gold/snapshots"])
         validation, sizes = capped_validation(
             manifest, sequences_scan(lake.uri, manifest), max_tokens, list(_SAMPLED_COLUMNS)
@@ -289,8 +294,8 @@ def score_under_torchrun(
 def comparable_champion(
     champion, model_name: str, candidate_run_id: str, tokenizer_version: int | None, alone: str
 ):
-    """The champion to compare with (``champion``, the alias's version now), or None with the reason;
-    ``alone`` says what the candidate is judged against without one."""
+    """The champion to compare with (``champion``, the alias's version now), or None with the
+    reason; ``alone`` says what the candidate is judged against without one."""
     if champion is None:
         return None, f"no champion of {model_name} yet: {alone}"
     if champion.run_id == candidate_run_id:

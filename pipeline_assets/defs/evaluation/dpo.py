@@ -1,6 +1,7 @@
-"""evaluation/dpo_report: the DPO candidate and the DPO champion judged on the same held-out pairs (implicit
-reward margins against the snapshot's stored reference log-probabilities), and the candidate's sft validation
-loss against the sft champion's, so preference tuning is seen not to cost the language model."""
+"""evaluation/dpo_report: the DPO candidate and the DPO champion judged on the same held-out pairs
+(implicit reward margins against the snapshot's stored reference log-probabilities), and the
+candidate's sft validation loss against the sft champion's, so preference tuning is seen not to cost
+the language model."""
 
 import tempfile
 from datetime import datetime, timezone
@@ -78,9 +79,10 @@ _TAKEN_COLUMNS = ["batch_id", "input_ids", "loss_mask", "position_ids", "pair_id
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
     pool="model_registry",  # it reads the registry: one of its users at a time
-    description="Preference accuracy and mean implicit reward margin on a preference snapshot's held-out pairs "
-    "(overall and per source), for the DPO candidate and the DPO champion on the same pairs, and the candidate's "
-    "sft validation loss against the sft champion's on the newest data snapshot.",
+    description="Preference accuracy and mean implicit reward margin on a preference snapshot's "
+    "held-out pairs (overall and per source), for the DPO candidate and the DPO champion on the "
+    "same pairs, and the candidate's sft validation loss against the sft champion's on the newest "
+    "data snapshot.",
 )
 def evaluation_dpo_report(
     context: AssetExecutionContext,
@@ -212,8 +214,8 @@ def evaluation_dpo_report(
 
 
 class HeldOutPairs:
-    """A preference snapshot's validation rows, capped in tokens, with their stored reference log-probabilities
-    and each pair's source: what every model is judged on."""
+    """A preference snapshot's validation rows, capped in tokens, with their stored reference
+    log-probabilities and each pair's source: what every model is judged on."""
 
     def __init__(
         self, rows: pl.DataFrame, sources: pl.DataFrame, all_sizes: pl.DataFrame, versions: dict
@@ -259,11 +261,13 @@ class HeldOutPairs:
         return cls(rows, sources, sizes, versions)
 
     def margins(self, policy_logps: pl.DataFrame, beta: float) -> pl.DataFrame:
-        """One model's margin per pair, from its per-document log-probabilities of ``rows`` (keyed like them)."""
+        """One model's margin per pair, from its per-document log-probabilities of ``rows`` (keyed
+        like them)."""
         scored = self.rows.join(policy_logps, on=_KEY, how="left")
         if scored["policy_logps"].null_count():
             raise Failure(
-                description=f"{scored['policy_logps'].null_count()} held-out row(s) came back unscored"
+                description=f"{scored['policy_logps'].null_count()} held-out row(s) came back "
+                "unscored"
             )
         return pair_margins(scored, beta)
 
@@ -308,7 +312,8 @@ def _reference_version(trained: dict, partition: str) -> int:
 
 
 def _pairs_version(lake: LakeResource, instance: DagsterInstance, manifest: Manifest) -> int:
-    """The silver/preference_pairs version the snapshot's shards read; the newest when no write names it."""
+    """The silver/preference_pairs version the snapshot's shards read; the newest when no write
+    names it."""
     version = preference_pairs_version(instance, set(manifest.batches), manifest.sequences_version)
     return version if version is not None else lake.version(*SILVER_PREFERENCE_PAIRS.path)
 
@@ -320,8 +325,8 @@ def _policy_logps(
     model_dir: Path,
     folder: Path,
 ) -> pl.DataFrame:
-    """A model's per-document summed response log-probabilities of the held-out rows: the reference pass's
-    program with this model, under torchrun."""
+    """A model's per-document summed response log-probabilities of the held-out rows: the reference
+    pass's program with this model, under torchrun."""
     from pipeline_assets.trainer.reference import (
         read_reference_logps,  # polars only, but its module loads torch
     )
@@ -353,8 +358,9 @@ def _sft_comparison(
     manifest: Manifest,
     folder: Path,
 ) -> tuple[dict | None, str]:
-    """The candidate's and the sft champion's loss on the newest data snapshot's validation rows (the sft
-    evaluation's sample and scoring program), and whether the candidate stayed within the slice tolerance."""
+    """The candidate's and the sft champion's loss on the newest data snapshot's validation rows
+    (the sft evaluation's sample and scoring program), and whether the candidate stayed within the
+    slice tolerance."""
     snapshot = _newest_data_snapshot(context.instance)
     if snapshot is None:
         return None, "no data snapshot: the sft validation loss is not compared"
@@ -369,8 +375,8 @@ def _sft_comparison(
     }
     if versions["gold/sequences"] is None or len(tokenizers) != 1:
         return None, (
-            f"{snapshot}, {manifest.key} and {policy.model_name} v{champion.version} do not share one "
-            "gold/tokenizer version: the sft validation loss is not compared"
+            f"{snapshot}, {manifest.key} and {policy.model_name} v{champion.version} do not share "
+            "one gold/tokenizer version: the sft validation loss is not compared"
         )
     data = EvaluationData.load(
         lake, None, versions, policy.eval_max_tokens
@@ -403,9 +409,10 @@ def _sft_comparison(
     }
     verdict = "within" if within else "beyond"
     return comparison, (
-        f"sft validation loss on {snapshot}: candidate {loss['candidate']:.4f}, {policy.model_name} "
-        f"v{champion.version} {loss['champion']:.4f} ({comparison['relative_change']:+.2%}, {verdict} "
-        f"the tolerance {policy.slice_tolerance:.2%})"
+        f"sft validation loss on {snapshot}: candidate {loss['candidate']:.4f}, "
+        f"{policy.model_name} v{champion.version} {loss['champion']:.4f} "
+        f"({comparison['relative_change']:+.2%}, {verdict} the tolerance "
+        f"{policy.slice_tolerance:.2%})"
     )
 
 

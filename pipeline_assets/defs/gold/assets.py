@@ -1,5 +1,5 @@
-"""gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained with sft's
-loss) tokenized and packed into its own shard."""
+"""gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained
+with sft's loss) tokenized and packed into its own shard."""
 
 import hashlib
 from datetime import datetime, timezone
@@ -49,7 +49,8 @@ _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts
 
 
 def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
-    """A whole data snapshot (every shard its manifest lists) in its defined order, global sequence_index."""
+    """A whole data snapshot (every shard its manifest lists) in its defined order, global
+    sequence_index."""
     manifest = read_manifest(lake.uri, snapshot_number(key))
     return manifest.in_order(sequences_scan(lake.uri, manifest)).collect()
 
@@ -57,8 +58,8 @@ def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
 def scan_usable_silver(
     context: AssetExecutionContext, lake: LakeResource
 ) -> tuple[pl.LazyFrame, int, list[str]]:
-    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned version, not
-    read yet; and the batches left out. Silver's dedup leaves out the same batches."""
+    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned
+    version, not read yet; and the batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
         raise ValueError("silver/records does not exist yet: materialize silver first")
@@ -77,8 +78,9 @@ def scan_usable_silver(
     kinds={"delta", "tokenizers"},
     automation_condition=once_when_missing(),
     retry_policy=TRANSIENT,
-    description="tokenizer.json (byte-level BPE trained on a sample of silver's training split capped at "
-    "PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names); each Delta version is one tokenizer.",
+    description="tokenizer.json (byte-level BPE trained on a sample of silver's training split "
+    "capped at PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names); "
+    "each Delta version is one tokenizer.",
 )
 def gold_tokenizer(
     context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy
@@ -95,9 +97,9 @@ def gold_tokenizer(
         silver, silver_version, _ = scan_usable_silver(context, lake)
         sample = _tokenizer_sample(silver, silver_version, gold_policy)
         context.log.info(
-            f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} of "
-            f"{sample.train_records} training records ({sample.chars:,} of {sample.train_chars:,} characters, "
-            f"capped at {sample.max_chars:,})"
+            f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} "
+            f"of {sample.train_records} training records ({sample.chars:,} of "
+            f"{sample.train_chars:,} characters, capped at {sample.max_chars:,})"
         )
         tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
         origin = "trained on silver/records (a capped sample of the training split)"
@@ -145,19 +147,22 @@ def _tokenizer_sample(
     if sample.train_records == 0:
         raise Failure(
             allow_retries=False,
-            description=f"no silver training records to train a tokenizer on (silver/records v{silver_version})",
+            description="no silver training records to train a tokenizer on (silver/records "
+            f"v{silver_version})",
         )
     if sample.records.is_empty():
         raise Failure(
             allow_retries=False,
-            description=f"no training record fits the tokenizer sample's cap of {sample.max_chars:,} "
-            "characters (PIPELINE_TOKENIZER_SAMPLE_CHARS): the first record in sample order is longer",
+            description="no training record fits the tokenizer sample's cap of "
+            f"{sample.max_chars:,} characters (PIPELINE_TOKENIZER_SAMPLE_CHARS): the first record "
+            "in sample order is longer",
         )
     return sample
 
 
 def _sample_metadata(sample: TokenizerSample) -> dict:
-    """What the tokenizer trained on; input_chars (the sizer's measure of the stage's work) is the sample's text."""
+    """What the tokenizer trained on; input_chars (the sizer's measure of the stage's work) is the
+    sample's text."""
     return {
         "sample_records": sample.records.height,
         "sample_chars": sample.chars,
@@ -197,9 +202,10 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     check_specs=SHARD_CHECK_SPECS,
     retry_policy=TRANSIENT,
     automation_condition=after_upstream_passes(),
-    description="One ingest batch's silver records, tokenized, packed (best-fit decreasing) and shuffled, per "
-    "train/validation/search split: the batch's shard, built once, as soon as its silver passes. A data "
-    "snapshot (gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
+    description="One ingest batch's silver records, tokenized, packed (best-fit decreasing) and "
+    "shuffled, per train/validation/search split: the batch's shard, built once, as soon as its "
+    "silver passes. A data snapshot (gold/snapshots) lists shards; a new tokenizer version "
+    "rebuilds every shard.",
 )
 def gold_sequences(
     context: AssetExecutionContext,
@@ -223,8 +229,9 @@ def gold_sequences(
     )
     encoded = tokenized.kept
     context.log.info(
-        f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} tokens "
-        f"(gold/tokenizer v{tokenizer_version}) in {engine_used(tokenized.counters['tokenize'])}"
+        f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} "
+        f"tokens (gold/tokenizer v{tokenizer_version}) in "
+        f"{engine_used(tokenized.counters['tokenize'])}"
     )
     fitted = _fit_long_records(context, encoded, gold_policy)
     encoded = fitted.records
@@ -247,7 +254,8 @@ def gold_sequences(
     )
     checks = judge_shard(sequences, gold_policy)
     context.log.info(
-        f"batch {batch}: {sequences.height} sequences, packing efficiency {packing['efficiency']:.4f}"
+        f"batch {batch}: {sequences.height} sequences, packing efficiency "
+        f"{packing['efficiency']:.4f}"
     )
     stats = token_statistics(encoded)
     return MaterializeResult(
@@ -290,8 +298,8 @@ def gold_sequences(
 
 
 def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, dict[str, int]]:
-    """The batch's silver rows of every format trained with sft's loss, as sft records (the format's judged
-    answer as ``response``), and the silver versions read."""
+    """The batch's silver rows of every format trained with sft's loss, as sft records (the format's
+    judged answer as ``response``), and the silver versions read."""
     frames, versions = [], {}
     for tables in FORMAT_TABLES:
         version = (
@@ -325,7 +333,8 @@ def current_tokenizer(lake: LakeResource) -> tuple[int, str]:
 
 
 def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> pl.DataFrame:
-    """The packed rows, labelled with their shard; a batch with no silver record left is an empty shard."""
+    """The packed rows, labelled with their shard; a batch with no silver record left is an empty
+    shard."""
     if sequences.width == 0:
         return pl.DataFrame(schema=polars_schema(GoldSequence))
     return sequences.with_columns(
@@ -336,7 +345,8 @@ def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> 
 def _fit_long_records(
     context: AssetExecutionContext, encoded: pl.DataFrame, gold_policy: GoldPolicy
 ):
-    """Every record fits one sequence with its prompt (PIPELINE_LONG_RECORDS); what was cut or left out is logged."""
+    """Every record fits one sequence with its prompt (PIPELINE_LONG_RECORDS); what was cut or left
+    out is logged."""
     try:
         fitted = fit_long_records(encoded, gold_policy.seq_len, gold_policy.long_records)
     except ValueError as exc:
@@ -344,7 +354,8 @@ def _fit_long_records(
     if fitted.truncated_documents or fitted.left_out.height:
         reasons = dict(fitted.left_out["reason"].value_counts().iter_rows())
         context.log.warning(
-            f"records longer than seq_len {gold_policy.seq_len} ({gold_policy.long_records}): {fitted.truncated_documents} "
-            f"truncated, {fitted.left_out.height} left out {reasons} (record ids in long_records_left_out)"
+            f"records longer than seq_len {gold_policy.seq_len} ({gold_policy.long_records}): "
+            f"{fitted.truncated_documents} truncated, {fitted.left_out.height} left out {reasons} "
+            "(record ids in long_records_left_out)"
         )
     return fitted

@@ -1,7 +1,9 @@
-"""What the instance says about gold shards: which a snapshot can hold, and whether one is due (lib.snapshot_cadence).
+"""What the instance says about gold shards: which a snapshot can hold, and whether one is due
+(lib.snapshot_cadence).
 
-Two series of snapshots come from the same code: the sft records' (gold/sequences shards, gold/snapshots
-manifests, gold-v<N>) and the preference pairs' (gold/preference_sequences, gold/preference_snapshots, dpo-v<N>).
+Two series of snapshots come from the same code: the sft records' (gold/sequences shards,
+gold/snapshots manifests, gold-v<N>) and the preference pairs' (gold/preference_sequences,
+gold/preference_snapshots, dpo-v<N>).
 """
 
 from dataclasses import dataclass
@@ -121,7 +123,8 @@ def snapshot_decision(
     if tokenizer is None:
         return SnapshotDecision(False, "gold/tokenizer is not built yet", "")
     states = shard_states(instance, tokenizer.get("tokenizer_version"), series)
-    state = f"shards-{max((s.storage_id for s in (*states.usable.values(), *states.stale.values())), default=0)}"
+    shards = (*states.usable.values(), *states.stale.values())
+    state = f"shards-{max((s.storage_id for s in shards), default=0)}"
     if states.stale:
         return SnapshotDecision(
             False,

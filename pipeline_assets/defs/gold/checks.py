@@ -1,5 +1,5 @@
-"""Gold's checks. Each shard (one batch's gold/sequences partition) is judged by the asset that wrote
-it: contract and packing block, so a shard that fails one is left out of every snapshot. Each
+"""Gold's checks. Each shard (one batch's gold/sequences partition) is judged by the asset that
+wrote it: contract and packing block, so a shard that fails one is left out of every snapshot. Each
 snapshot (gold/snapshots) is judged when it is cut: token-length drift and token volume against the
 previous snapshot, which report."""
 
@@ -30,8 +30,9 @@ SHARD_CHECK_SPECS = [
         asset=GOLD_SEQUENCES,
         blocking=True,
         partitions_def=ingest_batches,
-        description="Packing wastes no rows that the documents' lengths would let it save: it reaches the "
-        "required share of real tokens, or needs at most one row per split more than first-fit of the same pieces.",
+        description="Packing wastes no rows that the documents' lengths would let it save: it "
+        "reaches the required share of real tokens, or needs at most one row per split more than "
+        "first-fit of the same pieces.",
     ),
 ]
 PREFERENCE_SHARD_CHECK_SPECS = [
@@ -40,13 +41,15 @@ PREFERENCE_SHARD_CHECK_SPECS = [
         asset=GOLD_PREFERENCE_SEQUENCES,
         blocking=True,
         partitions_def=ingest_batches,
-        description="The batch's shard satisfies the GoldPreferenceSequence contract: two documents a pair.",
+        description="The batch's shard satisfies the GoldPreferenceSequence contract: two "
+        "documents a pair.",
     ),
 ]
 
 
 def snapshot_check_specs(key) -> list[AssetCheckSpec]:
-    """The checks a snapshot asset (gold/snapshots, gold/preference_snapshots) judges as it cuts one."""
+    """The checks a snapshot asset (gold/snapshots, gold/preference_snapshots) judges as it cuts
+    one."""
     return [
         AssetCheckSpec(
             "token_length_drift",
@@ -66,7 +69,8 @@ SNAPSHOT_CHECK_SPECS = snapshot_check_specs(GOLD_SNAPSHOTS)
 
 @dataclass(frozen=True)
 class JudgedSnapshot:
-    """What the packing check reads of a shard (bounded by its batch): piece lengths per split and its shape."""
+    """What the packing check reads of a shard (bounded by its batch): piece lengths per split and
+    its shape."""
 
     key: str
     document_lengths: np.ndarray  # every piece's length, row after row
@@ -101,7 +105,8 @@ class JudgedSnapshot:
 
 
 def judge_shard(sequences: pl.DataFrame, policy: GoldPolicy) -> list[AssetCheckResult]:
-    """The blocking checks of one batch's shard: a shard that fails one is left out of every snapshot."""
+    """The blocking checks of one batch's shard: a shard that fails one is left out of every
+    snapshot."""
     return [
         contract_check_result(sequences, GoldSequence, check_name="contract"),
         packing_result(JudgedSnapshot.of("shard", sequences), policy.min_packing_efficiency),
@@ -167,8 +172,9 @@ def packing_result(snapshot: JudgedSnapshot, minimum: float) -> AssetCheckResult
     verdict = (
         f"at least {minimum}"
         if efficiency >= minimum
-        else f"below {minimum}, but {rows} rows where first-fit needs {first_fit} (allowed: one more per split) "
-        f"and the tokens alone fill {lower_bound}: {'what these lengths allow' if passed else 'packing is broken'}"
+        else f"below {minimum}, but {rows} rows where first-fit needs {first_fit} (allowed: one "
+        f"more per split) and the tokens alone fill {lower_bound}: "
+        f"{'what these lengths allow' if passed else 'packing is broken'}"
     )
     return AssetCheckResult(
         check_name="packing_efficiency",

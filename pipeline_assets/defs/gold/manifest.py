@@ -1,6 +1,7 @@
-"""gold/snapshots and gold/preference_snapshots: cutting a data snapshot writes one manifest row listing the
-gold shards it holds. Nothing is tokenized or packed here; a snapshot becomes a partition (``data_snapshots``:
-gold-v<N>, ``preference_snapshots``: dpo-v<N>), which the training assets take. Both assets come from one factory."""
+"""gold/snapshots and gold/preference_snapshots: cutting a data snapshot writes one manifest row
+listing the gold shards it holds. Nothing is tokenized or packed here; a snapshot becomes a
+partition (``data_snapshots``: gold-v<N>, ``preference_snapshots``: dpo-v<N>), which the training
+assets take. Both assets come from one factory."""
 
 from datetime import datetime, timezone
 
@@ -64,18 +65,20 @@ def snapshot_asset(series: SnapshotSeries, description: str):
 gold_snapshots = snapshot_asset(
     SFT_SERIES,
     (
-        "Data snapshot manifests: each materialization appends one row, gold-v<N> (N its Delta version), naming the "
-        "batch shards of gold/sequences it holds and the Delta version they are read at, and adds the data_snapshots "
-        "partition the training assets take. Cut on a cadence (the snapshot_cadence sensor), on the snapshot schedule, "
-        "or by hand; cutting re-tokenizes nothing."
+        "Data snapshot manifests: each materialization appends one row, gold-v<N> (N its Delta "
+        "version), naming the batch shards of gold/sequences it holds and the Delta version they "
+        "are read at, and adds the data_snapshots partition the training assets take. Cut on a "
+        "cadence (the snapshot_cadence sensor), on the snapshot schedule, or by hand; cutting "
+        "re-tokenizes nothing."
     ),
 )
 gold_preference_snapshots = snapshot_asset(
     PREFERENCE_SERIES,
     (
-        "Preference snapshot manifests: each materialization appends one row, dpo-v<N> (N its Delta version), naming "
-        "the batch shards of gold/preference_sequences it holds, and adds the preference_snapshots partition DPO "
-        "training takes. Cut on a cadence (the preference_snapshot_cadence sensor) or by hand."
+        "Preference snapshot manifests: each materialization appends one row, dpo-v<N> (N its "
+        "Delta version), naming the batch shards of gold/preference_sequences it holds, and adds "
+        "the preference_snapshots partition DPO training takes. Cut on a cadence (the "
+        "preference_snapshot_cadence sensor) or by hand."
     ),
 )
 
@@ -101,7 +104,8 @@ def cut_snapshot(
         raise Failure(
             allow_retries=False,
             description=f"no {kind.sequences_name} shard to cut a snapshot from: "
-            f"{len(states.left_out)} left out, {len(states.stale)} waiting for a rebuild with the current tokenizer",
+            f"{len(states.left_out)} left out, {len(states.stale)} waiting for a rebuild with the "
+            "current tokenizer",
         )
     reason = context.run.tags.get(SNAPSHOT_REASON_TAG, "requested by hand")
     manifest, commit = cut_manifest(
@@ -112,8 +116,9 @@ def cut_snapshot(
     context.instance.add_dynamic_partitions(series.partitions.name, [manifest.key])
     shards = states.usable.values()
     context.log.info(
-        f"data snapshot {manifest.key} ({reason}): {len(manifest.batches)} shard(s) of {kind.sequences_name} "
-        f"v{manifest.sequences_version}, {manifest.sequences_by_split()} sequences"
+        f"data snapshot {manifest.key} ({reason}): {len(manifest.batches)} shard(s) of "
+        f"{kind.sequences_name} v{manifest.sequences_version}, {manifest.sequences_by_split()} "
+        "sequences"
     )
     return MaterializeResult(
         metadata={
@@ -164,8 +169,8 @@ def cut_manifest(
     reason: str,
     kind: SnapshotKind = SFT_SNAPSHOTS,
 ) -> tuple[Manifest, DeltaCommit]:
-    """Append the next manifest row for these batches' shards at the shard table's current version. One
-    cut at a time: row N must be version N of the manifest table."""
+    """Append the next manifest row for these batches' shards at the shard table's current version.
+    One cut at a time: row N must be version N of the manifest table."""
     with lake.lock(*kind.manifest_table):
         sequences_version = lake.version(*kind.sequences_table)
         if sequences_version is None:
@@ -177,7 +182,8 @@ def cut_manifest(
             raise Failure(
                 allow_retries=False,
                 description=f"{kind.sequences_name} v{sequences_version} holds shards of "
-                f"{sorted(set(counts['tokenizer_version']))} tokenizer versions, expected only v{tokenizer_version}",
+                f"{sorted(set(counts['tokenizer_version']))} tokenizer versions, expected only "
+                f"v{tokenizer_version}",
             )
         last = lake.version(*kind.manifest_table)
         number = 0 if last is None else last + 1
@@ -191,8 +197,8 @@ def cut_manifest(
         commit = lake.append(*kind.manifest_table, row)
     if commit.version != number:
         raise RuntimeError(
-            f"{kind.manifest_name}: row {number} landed in version {commit.version}: another writer "
-            "bypassed the table's lock"
+            f"{kind.manifest_name}: row {number} landed in version {commit.version}: another "
+            "writer bypassed the table's lock"
         )
     return manifest, commit
 

@@ -1,4 +1,5 @@
-"""gold/preference_sequences: each ingest batch's silver pairs tokenized and packed a pair a unit, its own shard."""
+"""gold/preference_sequences: each ingest batch's silver pairs tokenized and packed a pair a unit,
+its own shard."""
 
 import polars as pl
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
@@ -41,9 +42,9 @@ _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts
     check_specs=PREFERENCE_SHARD_CHECK_SPECS,
     retry_policy=TRANSIENT,
     automation_condition=after_upstream_passes(),
-    description="One ingest batch's silver preference pairs, tokenized with gold/tokenizer and packed best-fit "
-    "decreasing a pair a unit (chosen then rejected, both whole, in one row), per train/validation split by prompt; "
-    "a pair longer than seq_len is left out and counted.",
+    description="One ingest batch's silver preference pairs, tokenized with gold/tokenizer and "
+    "packed best-fit decreasing a pair a unit (chosen then rejected, both whole, in one row), per "
+    "train/validation split by prompt; a pair longer than seq_len is left out and counted.",
 )
 def gold_preference_sequences(
     context: AssetExecutionContext,
@@ -102,7 +103,8 @@ def gold_preference_sequences(
             "tokenizer_version": tokenizer_version,
             "seq_len": gold_policy.seq_len,
             "pairs": pairs.height,
-            "sequences": shard.height,  # what a preference snapshot's cut reads of its shards, as of gold/sequences'
+            # what a preference snapshot's cut reads of its shards, as of gold/sequences'
+            "sequences": shard.height,
             "real_tokens": int(shard["real_tokens"].sum()),
             "pairs_packed": packing["pairs_packed"],
             "pairs_too_long": packing["pairs_too_long"],

@@ -1,4 +1,5 @@
-"""gold/reference_logps: DPO's reference pass, once per preference snapshot, with the sft champion."""
+"""gold/reference_logps: DPO's reference pass, once per preference snapshot, with the sft
+champion."""
 
 import tempfile
 from pathlib import Path
@@ -46,9 +47,10 @@ _ROW_COLUMNS = [
     & AutomationCondition.all_deps_blocking_checks_passed(),
     retry_policy=TRANSIENT,
     pool="model_registry",  # it reads the registry: one of its users at a time
-    description="The reference model's summed response log-probabilities of every row of a preference snapshot, per "
-    "document: DPO's reference pass, under torchrun, once per snapshot, so the DPO trainer holds one model. The "
-    "reference is the sft champion when it runs (named in each row); DPO starts from the same model.",
+    description="The reference model's summed response log-probabilities of every row of a "
+    "preference snapshot, per document: DPO's reference pass, under torchrun, once per snapshot, "
+    "so the DPO trainer holds one model. The reference is the sft champion when it runs (named in "
+    "each row); DPO starts from the same model.",
 )
 def gold_reference_logps(
     context: AssetExecutionContext,
@@ -119,8 +121,8 @@ def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest:
         raise Failure(
             allow_retries=False,
             description=f"no {model_name} champion yet: DPO's reference model, and its "
-            f"starting point, is the sft champion; materialize {manifest.key} again once registry/model_version "
-            "has promoted one",
+            f"starting point, is the sft champion; materialize {manifest.key} again once "
+            "registry/model_version has promoted one",
         )
     tokenizer = champion.tags.get("delta.gold/tokenizer")
     if tokenizer != str(manifest.tokenizer_version):
@@ -132,7 +134,8 @@ def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest:
         raise Failure(
             allow_retries=False,
             description=f"{model_name} v{champion.version} {trained_with}, "
-            f"{manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean other text; "
-            "cut a new preference snapshot once the champion and the shards share a tokenizer",
+            f"{manifest.key} is encoded with v{manifest.tokenizer_version}: its token ids mean "
+            "other text; cut a new preference snapshot once the champion and the shards share a "
+            "tokenizer",
         )
     return champion

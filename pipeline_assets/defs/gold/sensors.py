@@ -1,5 +1,5 @@
-"""When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand; preference
-snapshots on their own cadence (new pairs), by the same rule."""
+"""When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand;
+preference snapshots on their own cadence (new pairs), by the same rule."""
 
 from dagster import (
     AssetSelection,
@@ -36,8 +36,9 @@ snapshot_job = define_asset_job(
     target=snapshot_job,
     minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Cuts the first snapshot once a gold shard exists, then a new one whenever the tokens of the shards "
-    "built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+    description="Cuts the first snapshot once a gold shard exists, then a new one whenever the "
+    "tokens of the shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the "
+    "last snapshot's.",
 )
 def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
     decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction)
@@ -52,7 +53,8 @@ def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
 preference_snapshot_job = define_asset_job(
     "cut_preference_snapshot",
     selection=AssetSelection.assets(GOLD_PREFERENCE_SNAPSHOTS),
-    description="Cut a preference snapshot (dpo-v<N>) from every usable gold/preference_sequences shard.",
+    description="Cut a preference snapshot (dpo-v<N>) from every usable gold/preference_sequences "
+    "shard.",
 )
 
 
@@ -61,9 +63,10 @@ preference_snapshot_job = define_asset_job(
     target=preference_snapshot_job,
     minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Once an sft champion exists (DPO's reference and starting point), cuts the first preference "
-    "snapshot once a shard of pairs exists, then a new one whenever the tokens of the shards built since the last "
-    "cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last snapshot's.",
+    description="Once an sft champion exists (DPO's reference and starting point), cuts the first "
+    "preference snapshot once a shard of pairs exists, then a new one whenever the tokens of the "
+    "shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last "
+    "snapshot's.",
 )
 def preference_snapshot_cadence(
     context: SensorEvaluationContext,
@@ -88,12 +91,13 @@ def preference_snapshot_cadence(
 def no_reference_model(
     mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy
 ) -> str | None:
-    """Why preference snapshots wait (no sft champion to be DPO's reference and starting point), or None."""
+    """Why preference snapshots wait (no sft champion to be DPO's reference and starting point), or
+    None."""
     if mlflow_tracking.version_by_alias(registry_policy.model_name, "champion") is not None:
         return None
     return (
-        f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since its reference "
-        "pass and DPO start from it"
+        f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since "
+        "its reference pass and DPO start from it"
     )
 
 
@@ -102,8 +106,9 @@ def no_reference_model(
     cron_schedule="0 1 * * *",
     execution_timezone="UTC",
     default_status=DefaultScheduleStatus.STOPPED,
-    description="Every night at 01:00 UTC, a snapshot of whatever shards were built since the last one, however "
-    "little (turn it on for a fixed cadence; the sensor's share rule keeps running beside it).",
+    description="Every night at 01:00 UTC, a snapshot of whatever shards were built since the last "
+    "one, however little (turn it on for a fixed cadence; the sensor's share rule keeps running "
+    "beside it).",
 )
 def snapshot_schedule(context: ScheduleEvaluationContext):
     decision = snapshot_decision(context.instance, min_new_fraction=0.0)

@@ -1,4 +1,5 @@
-"""Turning new landing files into ingest batches: shared by ``landing_sensor`` and ``pipeline-assets run``."""
+"""Turning new landing files into ingest batches: shared by ``landing_sensor`` and
+``pipeline-assets run``."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def _register(
     for row in changed.iter_rows(named=True):
         log.warning(
             "landing file %s changed after it was ingested (sha256 %s -> %s): registering the new "
-            "version in batch %s; if it grew by appending, only the new lines become records (the old "
-            "ones are set aside as already_ingested), else the whole new version is ingested",
+            "version in batch %s; if it grew by appending, only the new lines become records (the "
+            "old ones are set aside as already_ingested), else the whole new version is ingested",
             row["uri"],
             row["previous_checksum"][:12],
             row["checksum"][:12],

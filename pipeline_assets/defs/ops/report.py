@@ -1,4 +1,5 @@
-"""ops/pipeline_report: per stage, how fast and how costly the latest pass was, and the bottleneck."""
+"""ops/pipeline_report: per stage, how fast and how costly the latest pass was, and the
+bottleneck."""
 
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,8 +61,9 @@ from pipeline_assets.resources.launcher import TorchrunLauncher
     automation_condition=AutomationCondition.on_cron(
         "0 * * * *"
     ),  # hourly, once its stages have updated
-    description="Per stage of the latest pass (every batch's bronze and silver, the newest snapshot's gold shards, training "
-    "and evaluation): rows/s, MB/s, tokens/s, wall and CPU seconds, cost and $ per million tokens; the bottleneck.",
+    description="Per stage of the latest pass (every batch's bronze and silver, the newest "
+    "snapshot's gold shards, training and evaluation): rows/s, MB/s, tokens/s, wall and CPU "
+    "seconds, cost and $ per million tokens; the bottleneck.",
 )
 def pipeline_report(
     context: AssetExecutionContext,
@@ -163,8 +165,8 @@ def _stage(stage: MeasuredStage, materializations: list[dict | None]) -> dict | 
 @asset_check(
     asset=OPS_PIPELINE_REPORT,
     name="stage_throughput",
-    description="Warns when a stage's throughput falls more than the threshold (default 30%) below the median "
-    "of its earlier reports, naming the stage.",
+    description="Warns when a stage's throughput falls more than the threshold (default 30%) below "
+    "the median of its earlier reports, naming the stage.",
 )
 def stage_throughput(
     context: AssetCheckExecutionContext, lake: LakeResource, cost_policy: CostPolicy

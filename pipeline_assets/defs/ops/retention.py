@@ -1,5 +1,5 @@
 """The daily retention job: vacuum the lake, delete checkpoints nothing registered needs, and delete
-local staging whose upload is published (README, "Retention")."""
+local staging whose upload is published (docs/operations.md, "Retention")."""
 
 import shutil
 import time
@@ -32,8 +32,8 @@ from pipeline_assets.trainer.storage import BEST, MANIFEST
 
 
 @op(
-    description="Vacuum every Delta table: delete files that no version inside the retention window and no "
-    "version a registered model pins still reads."
+    description="Vacuum every Delta table: delete files that no version inside the retention "
+    "window and no version a registered model pins still reads."
 )
 def vacuum_lake(
     context: OpExecutionContext,
@@ -68,8 +68,9 @@ def vacuum_lake(
 
 
 @op(
-    description="Delete the checkpoints of snapshots no registered model version comes from, keep a registered "
-    "snapshot's export and best step, and delete local staging once its upload is published."
+    description="Delete the checkpoints of snapshots no registered model version comes from, keep "
+    "a registered snapshot's export and best step, and delete local staging once its upload is "
+    "published."
 )
 def prune_checkpoints(
     context: OpExecutionContext,
@@ -129,7 +130,8 @@ def _delete_staging(
     deleted_partitions: set[str],
     before: float,
 ) -> list[str]:
-    """``<scratch>/<partition>/staging/<folder>``: where checkpoints for S3 are written before upload."""
+    """``<scratch>/<partition>/staging/<folder>``: where checkpoints for S3 are written before
+    upload."""
     staged = {
         (path.parent.parent.name, path.name): _newest_modified(path)
         for path in Path(launcher.scratch()).glob("*/staging/*")
@@ -157,7 +159,8 @@ def _newest_modified(folder: Path) -> float:
 
 
 @job(
-    description="Retention (daily): vacuum the lake and delete checkpoints and staging nothing registered needs."
+    description="Retention (daily): vacuum the lake and delete checkpoints and staging nothing "
+    "registered needs."
 )
 def retention_job():
     vacuum_lake()

@@ -25,7 +25,8 @@ retrain_job = define_asset_job(
     "retrain_latest_snapshot",
     selection=AssetSelection.assets(TRAINING_CHECKPOINT, EVALUATION_REPORT, REGISTRY_MODEL_VERSION),
     partitions_def=data_snapshots,
-    description="Train, evaluate and register one data snapshot (a new materialization: from step 0).",
+    description="Train, evaluate and register one data snapshot (a new materialization: from step "
+    "0).",
 )
 
 
@@ -33,9 +34,11 @@ retrain_job = define_asset_job(
     job=retrain_job,
     cron_schedule="0 2 * * *",
     execution_timezone="UTC",
-    default_status=DefaultScheduleStatus.STOPPED,  # a retrain costs GPU hours: turned on deliberately
-    description="Every night at 02:00 UTC, train the newest data snapshot (only snapshots whose blocking checks "
-    "passed exist) unless it is already trained; the registry's gate decides whether the result replaces the champion.",
+    # a retrain costs GPU hours: turned on deliberately
+    default_status=DefaultScheduleStatus.STOPPED,
+    description="Every night at 02:00 UTC, train the newest data snapshot (only snapshots whose "
+    "blocking checks passed exist) unless it is already trained; the registry's gate decides "
+    "whether the result replaces the champion.",
 )
 def nightly_retrain(context: ScheduleEvaluationContext):
     snapshots = context.instance.get_dynamic_partitions(data_snapshots.name)
@@ -44,8 +47,9 @@ def nightly_retrain(context: ScheduleEvaluationContext):
     newest = max(snapshots, key=snapshot_number)
     if newest in context.instance.get_materialized_partitions(TRAINING_CHECKPOINT):
         reason = (
-            f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings would "
-            "train the same model; a new snapshot (cut on its cadence) is what a retrain needs"
+            f"{newest}, the newest snapshot, is already trained: the same rows, seed and settings "
+            "would train the same model; a new snapshot (cut on its cadence) is what a retrain "
+            "needs"
         )
         context.log.info(reason)
         return SkipReason(reason)
@@ -61,8 +65,8 @@ def nightly_retrain(context: ScheduleEvaluationContext):
     name="run_failure_recorder",
     monitor_all_code_locations=False,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Appends every failed run (job, partition, failed steps, the error) to the Delta table "
-    "ops/run_failures and logs it on the sensor's tick.",
+    description="Appends every failed run (job, partition, failed steps, the error) to the Delta "
+    "table ops/run_failures and logs it on the sensor's tick.",
 )
 def run_failure_recorder(context: RunFailureSensorContext, lake: LakeResource):
     run = context.dagster_run

@@ -104,8 +104,9 @@ def calibrate(
 
 
 def _points(stage: str, history: list[dict], work: str, parameters: dict[str, int]) -> list[dict]:
-    """One point a materialization. Training's and evaluation's work in model FLOPs (the parameters of the
-    partition's trained model; a run without them is left out); silver's with the index rows it read."""
+    """One point a materialization. Training's and evaluation's work in model FLOPs (the parameters
+    of the partition's trained model; a run without them is left out); silver's with the index rows
+    it read."""
     if stage == "silver":
         return _silver_points(history, work)
     points = []
@@ -130,11 +131,11 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
 
 
 def _silver_points(history: list[dict], work: str) -> list[dict]:
-    """Silver's own part (its wall less the wait on its block stages and on its index lookup's tasks)
-    and, apart, its block stages' seconds (``_SILVER_BLOCKS``) and its lookup tasks' seconds against
-    the other batches' index rows it searched (``_SILVER_LOOKUP``). Runs recorded before the block
-    stages or the lookup tasks were timed count whole, with the index rows in silver's own fit, and
-    only while no run was timed: the kinds do not mix in one fit."""
+    """Silver's own part (its wall less the wait on its block stages and on its index lookup's
+    tasks) and, apart, its block stages' seconds (``_SILVER_BLOCKS``) and its lookup tasks' seconds
+    against the other batches' index rows it searched (``_SILVER_LOOKUP``). Runs recorded before the
+    block stages or the lookup tasks were timed count whole, with the index rows in silver's own
+    fit, and only while no run was timed: the kinds do not mix in one fit."""
     earlier = _earlier_index_rows(history)
     timed = any(m.get("block_stage_seconds") is not None for m in history)
     looked_up = any(m.get("index_lookup_task_seconds") is not None for m in history)
@@ -185,8 +186,8 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
 
 
 def _earlier_index_rows(history: list[dict]) -> dict[int, int]:
-    """Per silver materialization (its place in the newest-first ``history``): the rows the other batches
-    had in the index when it ran (each batch's latest kept rows before then)."""
+    """Per silver materialization (its place in the newest-first ``history``): the rows the other
+    batches had in the index when it ran (each batch's latest kept rows before then)."""
     kept: dict[str, int] = {}
     earlier = {}
     for number in range(len(history) - 1, -1, -1):

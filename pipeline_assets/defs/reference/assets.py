@@ -1,7 +1,8 @@
 """reference/eval_sets: benchmark items the data must not contain (maintained outside the pipeline).
 
 An observable source: its data version is the sha256 of its files, so a changed benchmark shows
-silver as stale ("upstream data changed") until `pipeline-assets backfill-decontamination` redoes it.
+silver as stale ("upstream data changed") until `pipeline-assets backfill-decontamination` redoes
+it.
 """
 
 from dagster import (
@@ -27,8 +28,9 @@ _DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data vers
 
 @observable_source_asset(
     key=REFERENCE_EVAL_SETS,
-    description="Benchmark items (JSONL: eval_set, item_id, prompt, response) under PIPELINE_EVAL_SETS_URI. "
-    "Silver decontaminates against them; evaluation scores on them. Data version: sha256 of the files.",
+    description="Benchmark items (JSONL: eval_set, item_id, prompt, response) under "
+    "PIPELINE_EVAL_SETS_URI. Silver decontaminates against them; evaluation scores on them. Data "
+    "version: sha256 of the files.",
     group_name="reference",
     tags={"dagster/kind/jsonl": ""},
 )
@@ -59,8 +61,8 @@ observe_eval_sets_job = define_asset_job(
     job=observe_eval_sets_job,
     minimum_interval_seconds=60,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Requests an observation of reference/eval_sets when its files' sha256 differs from the data "
-    "version last observed (and once, when it was never observed).",
+    description="Requests an observation of reference/eval_sets when its files' sha256 differs "
+    "from the data version last observed (and once, when it was never observed).",
 )
 def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResource):
     current = eval_sets.fingerprint(eval_sets.files())

@@ -45,18 +45,20 @@ PROMOTION_GATE = "promotion_gate"
     kinds={"mlflow"},
     automation_condition=after_upstream_passes(),
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
-    pool="model_registry",  # with evaluation/report: one of them at a time (the instance's pool limit)
+    # with evaluation/report: one of them at a time (the instance's pool limit)
+    pool="model_registry",
     check_specs=[
         AssetCheckSpec(
             PROMOTION_GATE,
             asset=REGISTRY_MODEL_VERSION,
             blocking=True,
-            description="The candidate beats the champion by the margin overall and regresses no slice beyond the "
-            "tolerance (a first model: beats the uniform baseline). Only then does `champion` move.",
+            description="The candidate beats the champion by the margin overall and regresses no "
+            "slice beyond the tolerance (a first model: beats the uniform baseline). Only then "
+            "does `champion` move.",
         )
     ],
-    description="The trained model as an MLflow registered model version (aliases, never stages), with the "
-    "snapshot's lineage in its tags.",
+    description="The trained model as an MLflow registered model version (aliases, never stages), "
+    "with the snapshot's lineage in its tags.",
 )
 def registry_model_version(
     context: AssetExecutionContext,
@@ -127,7 +129,8 @@ def registry_model_version(
 
 
 def _scored_champion(report: pl.DataFrame) -> str | None:
-    """The champion version the report scored (reports written before evaluation recorded the champion it saw)."""
+    """The champion version the report scored (reports written before evaluation recorded the
+    champion it saw)."""
     scored = report.filter(pl.col("model") == "champion")["model_version"].unique().to_list()
     return scored[0] if scored else None
 
@@ -158,7 +161,8 @@ def _decide(
 
 @dataclass(frozen=True)
 class Judged:
-    """A registered version after the promotion gate: the decision, and where `champion` points now."""
+    """A registered version after the promotion gate: the decision, and where `champion` points
+    now."""
 
     version: str
     measured: str | None  # the champion the evaluation scored
@@ -199,9 +203,10 @@ def judge_and_promote(
     measured: str | None,
     decide: Callable[[str | None], GateDecision],
 ) -> Judged:
-    """Alias ``version`` `challenger`; then, holding the registry's lock (the CLI takes it too), judge it with
-    ``decide(champion)`` and move `champion` to it when the gate passes. Numbers measured against a champion
-    other than the current one (``measured``) judge nothing: the gate refuses."""
+    """Alias ``version`` `challenger`; then, holding the registry's lock (the CLI takes it too),
+    judge it with ``decide(champion)`` and move `champion` to it when the gate passes. Numbers
+    measured against a champion other than the current one (``measured``) judge nothing: the gate
+    refuses."""
     mlflow_tracking.set_alias(name, "challenger", version)
     with lake.lock("registry", name):
         current = mlflow_tracking.version_by_alias(name, "champion")
@@ -221,6 +226,7 @@ def judge_and_promote(
                 name, version, by=f"gate, dagster run {context.run_id}", reason=decision.reason
             )
     context.log.info(
-        f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: {decision.reason}"
+        f"{name} v{version}: {'champion' if decision.passed else 'challenger only'}: "
+        f"{decision.reason}"
     )
     return judged

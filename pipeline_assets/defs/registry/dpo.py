@@ -1,5 +1,6 @@
-"""registry/dpo_model_version: register the DPO candidate as a version of `dpo-model`, alias it `challenger`,
-and move `champion` only when the preference gate passes (the same mechanics as registry/model_version)."""
+"""registry/dpo_model_version: register the DPO candidate as a version of `dpo-model`, alias it
+`challenger`, and move `champion` only when the preference gate passes (the same mechanics as
+registry/model_version)."""
 
 import polars as pl
 from dagster import (
@@ -43,14 +44,16 @@ from pipeline_assets.resources.mlflow_tracking import MlflowResource
             PROMOTION_GATE,
             asset=REGISTRY_DPO_MODEL_VERSION,
             blocking=True,
-            description="The candidate's sft validation loss stays within the slice tolerance of the sft champion's, "
-            "and it beats the DPO champion on held-out pairs (preference accuracy by the margin, or level accuracy and "
-            "a wider mean reward margin) without any source losing more accuracy than the tolerance (a first model: "
-            "beats chance). Only then does `champion` move.",
+            description="The candidate's sft validation loss stays within the slice tolerance of "
+            "the sft champion's, and it beats the DPO champion on held-out pairs (preference "
+            "accuracy by the margin, or level accuracy and a wider mean reward margin) without any "
+            "source losing more accuracy than the tolerance (a first model: beats chance). Only "
+            "then does `champion` move.",
         )
     ],
-    description="The DPO model as an MLflow registered model version of `dpo-model` (aliases, never stages), with "
-    "the preference snapshot's Delta versions and the sft model it started from in its tags.",
+    description="The DPO model as an MLflow registered model version of `dpo-model` (aliases, "
+    "never stages), with the preference snapshot's Delta versions and the sft model it started "
+    "from in its tags.",
 )
 def registry_dpo_model_version(
     context: AssetExecutionContext,
@@ -134,7 +137,8 @@ def _sft_losses(report: pl.DataFrame) -> tuple[float, float] | None:
 def _version_tags(
     context: AssetExecutionContext, trained: dict, evaluated: dict, scores: dict
 ) -> dict:
-    """What lineage and retention read: the snapshot, the Delta versions behind it, the sft model it started from."""
+    """What lineage and retention read: the snapshot, the Delta versions behind it, the sft model it
+    started from."""
     versions = {
         **(evaluated.get("upstream_delta_versions") or {}),
         **(trained.get("upstream_delta_versions") or {}),

@@ -1,6 +1,7 @@
-"""rl/policy and rl/replay_buffer: one RL run (GRPO on rl/prompt_bank) launched through Dagster Pipes, the
-learner under torchrun and PIPELINE_RL_ROLLOUT_WORKERS rollout processes beside it (restarted when one dies),
-with the replay buffer's freshness and reward-signal checks judged on the run's rows."""
+"""rl/policy and rl/replay_buffer: one RL run (GRPO on rl/prompt_bank) launched through Dagster
+Pipes, the learner under torchrun and PIPELINE_RL_ROLLOUT_WORKERS rollout processes beside it
+(restarted when one dies), with the replay buffer's freshness and reward-signal checks judged on the
+run's rows."""
 
 import json
 import shlex
@@ -54,11 +55,13 @@ FRESHNESS, REWARD_SIGNAL = "freshness", "reward_signal"
 class RlRunConfig(Config):
     """What one materialization runs; the rest is RlPolicy's (PIPELINE_RL_*)."""
 
-    tasks: str = ""  # the bank's tasks to train on, comma-separated; empty: all (the tiny demo model learns "sort")
+    # the bank's tasks to train on, comma-separated; empty: all (the tiny demo model learns "sort")
+    tasks: str = ""
     updates: int = 60
     prompts_per_update: int = 32
     lr: float = 3e-4
-    init_from: str = ""  # an exported model folder to start from instead of the sft champion (with tokenizer_path)
+    # an exported model folder to start from instead of the sft champion (with tokenizer_path)
+    init_from: str = ""
     tokenizer_path: str = ""
     lagging_worker_lag: int = (
         0  # rollout worker 0 samples this many versions behind (a drill of the staleness limit)
@@ -73,17 +76,19 @@ class RlRunConfig(Config):
             group_name="rl",
             deps=[RL_PROMPT_BANK, REGISTRY_MODEL_VERSION, GOLD_TOKENIZER],
             kinds={"pytorch", "mlflow"},
-            description="One GRPO run from the sft champion on rl/prompt_bank's training prompts: a learner under "
-            "torchrun publishes policy version v+1 after each update through the checkpoint store, rollout "
-            "workers sample groups with the newest version. Materialized by hand (or selected explicitly).",
+            description="One GRPO run from the sft champion on rl/prompt_bank's training prompts: "
+            "a learner under torchrun publishes policy version v+1 after each update through the "
+            "checkpoint store, rollout workers sample groups with the newest version. Materialized "
+            "by hand (or selected explicitly).",
         ),
         AssetSpec(
             RL_REPLAY_BUFFER,
             group_name="rl",
             kinds={"delta"},
-            description="Append-only Delta table, one row per completion: the policy version that generated it, "
-            "its tokens and behaviour log-probabilities, its reward and verifier detail, and its status "
-            "(pending, consumed, dropped_stale) with the version that consumed it.",
+            description="Append-only Delta table, one row per completion: the policy version that "
+            "generated it, its tokens and behaviour log-probabilities, its reward and verifier "
+            "detail, and its status (pending, consumed, dropped_stale) with the version that "
+            "consumed it.",
         ),
     ],
     check_specs=[
@@ -91,16 +96,16 @@ class RlRunConfig(Config):
             FRESHNESS,
             asset=RL_REPLAY_BUFFER,
             blocking=True,
-            description="No consumed rollout lagged more than PIPELINE_RL_MAX_STALENESS versions, none was "
-            "dropped as stale, none waited longer than PIPELINE_RL_MAX_PENDING_SECONDS: the policy did not "
-            "train on (or wait for) stale trajectories.",
+            description="No consumed rollout lagged more than PIPELINE_RL_MAX_STALENESS versions, "
+            "none was dropped as stale, none waited longer than PIPELINE_RL_MAX_PENDING_SECONDS: "
+            "the policy did not train on (or wait for) stale trajectories.",
         ),
         AssetCheckSpec(
             REWARD_SIGNAL,
             asset=RL_REPLAY_BUFFER,
             blocking=False,
-            description="At most 90% of the groups an update took gave all completions the same reward "
-            "(such groups have no gradient).",
+            description="At most 90% of the groups an update took gave all completions the same "
+            "reward (such groups have no gradient).",
         ),
     ],
     pool="training",
@@ -188,8 +193,8 @@ def _starting_policy(
     registry_policy: RegistryPolicy,
     folder: Path,
 ) -> tuple[str, str, str]:
-    """(exported model folder, tokenizer.json, what it is): the run config's, else the sft champion with the
-    gold/tokenizer version it was trained on."""
+    """(exported model folder, tokenizer.json, what it is): the run config's, else the sft champion
+    with the gold/tokenizer version it was trained on."""
     if config.init_from or config.tokenizer_path:
         if not (config.init_from and config.tokenizer_path):
             raise Failure(

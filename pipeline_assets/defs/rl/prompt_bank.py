@@ -1,5 +1,5 @@
-"""rl/prompt_bank: the RL overlay's prompts, each with its verifier and ground truth, curated by the batch path's
-own decontamination and quality stages (lib.rl_bank), and its blocking checks."""
+"""rl/prompt_bank: the RL overlay's prompts, each with its verifier and ground truth, curated by the
+batch path's own decontamination and quality stages (lib.rl_bank), and its blocking checks."""
 
 import polars as pl
 from dagster import (
@@ -36,11 +36,12 @@ _SHOWN = 20  # rows a failed check names
     group_name="rl",
     deps=[SILVER_RECORDS, REFERENCE_EVAL_SETS],
     kinds={"delta", "polars"},
-    description="Prompts whose answer a rule checks, each naming its verifier (exact_match, int_equal, "
-    "regex:<pattern>) and ground truth: silver records answered by a bare integer, and PIPELINE_RL_BANK_TASKS "
-    "seeded tasks (reverse, sort, add), held out by a hash of the prompt. Every candidate is a row: in the bank, "
-    "or removed by the batch path's decontamination or quality stage, with its evidence. Like the whole RL "
-    "overlay, materialized by hand (or selected explicitly), never by automation.",
+    description="Prompts whose answer a rule checks, each naming its verifier (exact_match, "
+    "int_equal, regex:<pattern>) and ground truth: silver records answered by a bare integer, and "
+    "PIPELINE_RL_BANK_TASKS seeded tasks (reverse, sort, add), held out by a hash of the prompt. "
+    "Every candidate is a row: in the bank, or removed by the batch path's decontamination or "
+    "quality stage, with its evidence. Like the whole RL overlay, materialized by hand (or "
+    "selected explicitly), never by automation.",
 )
 def rl_prompt_bank(
     context: AssetExecutionContext,
@@ -106,8 +107,8 @@ def _in_bank(lake: LakeResource) -> pl.DataFrame:
     asset=RL_PROMPT_BANK,
     name="verifiable",
     blocking=True,
-    description="Every prompt's ground truth passes its own verifier: a prompt no answer can pass would "
-    "only ever teach the policy that every answer is wrong.",
+    description="Every prompt's ground truth passes its own verifier: a prompt no answer can pass "
+    "would only ever teach the policy that every answer is wrong.",
 )
 def prompt_bank_verifiable(
     context: AssetCheckExecutionContext, lake: LakeResource
@@ -138,8 +139,8 @@ def prompt_bank_verifiable(
     asset=RL_PROMPT_BANK,
     name="no_eval_overlap",
     blocking=True,
-    description="No prompt or ground truth in the bank contains an eval-set item (the eval sets as they "
-    "are now: a benchmark added after the bank was built is caught here).",
+    description="No prompt or ground truth in the bank contains an eval-set item (the eval sets as "
+    "they are now: a benchmark added after the bank was built is caught here).",
 )
 def prompt_bank_no_eval_overlap(
     context: AssetCheckExecutionContext,

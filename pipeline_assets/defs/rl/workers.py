@@ -1,5 +1,6 @@
-"""The RL run's rollout processes beside the learner: started with the run, restarted when one dies before the
-learner marks the run done, stopped after it. Their pids are kept in ``workers.json`` beside their logs."""
+"""The RL run's rollout processes beside the learner: started with the run, restarted when one dies
+before the learner marks the run done, stopped after it. Their pids are kept in ``workers.json``
+beside their logs."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ class RolloutWorkers:
                 if code is not None and not self.policies.done():
                     self.restarts += 1
                     self.log(
-                        f"rollout worker {number} exited with code {code} before the run was done: restarted "
-                        f"(restart {self.restarts}; its log: {self.folder / f'worker-{number}.log'})"
+                        f"rollout worker {number} exited with code {code} before the run was done: "
+                        f"restarted (restart {self.restarts}; its log: "
+                        f"{self.folder / f'worker-{number}.log'})"
                     )
                     self._start(number)

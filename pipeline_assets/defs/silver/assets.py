@@ -1,6 +1,6 @@
-"""silver/<format's table> for each record format (silver/records, silver/preference_pairs), silver/rejects,
-silver/minhash_index, silver/minhash_bands: one ingest batch, every record format's rows curated by the same
-stages."""
+"""silver/<format's table> for each record format (silver/records, silver/preference_pairs),
+silver/rejects, silver/minhash_index, silver/minhash_bands: one ingest batch, every record format's
+rows curated by the same stages."""
 
 import polars as pl
 from dagster import (
@@ -48,7 +48,8 @@ _KINDS = {"delta", "polars"}
 
 def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
     """A silver table, fed by the bronze tables of the formats it holds and the eval sets."""
-    # No automation condition: the silver_in_order sensor requests one batch at a time, oldest first.
+    # No automation condition: the silver_in_order sensor requests one batch at a time,
+    # oldest first.
     deps = [*(AssetDep(tables.bronze) for tables in formats), AssetDep(REFERENCE_EVAL_SETS)]
     return AssetSpec(key, description=description, group_name="silver", kinds=_KINDS, deps=deps)
 
@@ -59,8 +60,9 @@ def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
             _spec(
                 tables.silver,
                 f"The {tables.fmt.about} silver kept: normalized, exact and near deduplicated, "
-                "decontaminated, quality-gated, and judged by the format's own rules where it has some (preference "
-                "pairs: no empty side, chosen unlike rejected, no tie, no contradiction, a cap a prompt).",
+                "decontaminated, quality-gated, and judged by the format's own rules where it has "
+                "some (preference pairs: no empty side, chosen unlike rejected, no tie, no "
+                "contradiction, a cap a prompt).",
                 [tables],
             )
             for tables in FORMAT_TABLES
@@ -76,7 +78,8 @@ def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
         _spec(
             SILVER_MINHASH_BANDS,
             "The index's keys by band (the exact hashes' first 60 bits as band -1, preference "
-            "pairs' prompt hashes as band -2), partitioned by band: what a new batch is joined with, a task a band.",
+            "pairs' prompt hashes as band -2), partitioned by band: what a new batch is joined "
+            "with, a task a band.",
         ),
     ],
     partitions_def=ingest_batches,
@@ -154,8 +157,8 @@ _CONTRACTS = {
 def _batch_partitions(
     rows: dict[FormatTables, pl.DataFrame], curated: dict[FormatTables, CuratedBatch]
 ) -> dict[AssetKey, pl.DataFrame]:
-    """The batch's partition of each silver table but the bands: each format's kept rows, and every format's
-    rejects and index entries, to their contracts; every bronze row kept or rejected."""
+    """The batch's partition of each silver table but the bands: each format's kept rows, and every
+    format's rejects and index entries, to their contracts; every bronze row kept or rejected."""
     kept = {tables: _to_contract(tables.silver_contract, [c.kept]) for tables, c in curated.items()}
     rejects = _to_contract(SilverReject, [c.rejects for c in curated.values()])
     for tables, frame in rows.items():
@@ -180,8 +183,11 @@ def _to_contract(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
 def _write(
     lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_id: str
 ) -> dict[AssetKey, DeltaCommit]:
-    """Replace the batch's partition of each silver table; the bands table's from the index entries."""
-    commits = {  # add_columns: a table written before a column existed (response_signature, prompt_hash) takes it
+    """Replace the batch's partition of each silver table; the bands table's from the index
+    entries."""
+    # add_columns: a table written before a column existed (response_signature, prompt_hash)
+    # takes it
+    commits = {
         key: lake.replace_partition(
             *key.path, frame, column="batch_id", value=batch_id, add_columns=True
         )
@@ -198,8 +204,8 @@ def _metadata(
     partitions: dict[AssetKey, pl.DataFrame],
     lookup_report: dict,
 ) -> dict[AssetKey, dict]:
-    """Each table's own metadata; the batch's sft records and lookup are reported on every table but the other
-    formats' kept rows, which report their own."""
+    """Each table's own metadata; the batch's sft records and lookup are reported on every table but
+    the other formats' kept rows, which report their own."""
     counted = {
         tables: {
             "batch_id": batch_id,
@@ -238,7 +244,8 @@ def _metadata(
 def _bronze_rows(
     lake: LakeResource, tables: FormatTables, batch_id: str
 ) -> tuple[int | None, pl.DataFrame]:
-    """The batch's rows of the format's bronze table at its current version; none while it does not exist."""
+    """The batch's rows of the format's bronze table at its current version; none while it does not
+    exist."""
     version = lake.version(*tables.bronze.path)
     rows = (
         None
@@ -251,7 +258,8 @@ def _bronze_rows(
 
 
 def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
-    """Every format's rows in one frame with every column of ``model`` (null where a format has none)."""
+    """Every format's rows in one frame with every column of ``model`` (null where a format has
+    none)."""
     return pl.concat([pl.DataFrame(schema=polars_schema(model)), *frames], how="diagonal_relaxed")
 
 
@@ -300,15 +308,16 @@ def _lookup_metadata(curated: CuratedFormats, lookup_report: dict) -> dict:
     records = curated.formats[SFT_TABLES.fmt]
     return {
         "block_stages_ran_on": engine_used(records.stages["normalize"]),
-        "block_stage_seconds": records.block_stage_seconds,  # the sizer spreads these over a cluster's cores
+        # the sizer spreads these over a cluster's cores
+        "block_stage_seconds": records.block_stage_seconds,
         "block_wall_seconds": records.block_wall_seconds,
         "index_keys_looked_up": curated.index_lookup["keys"],
         "index_entries_found": curated.index_lookup["entries_found"],
         "index_lookup_seconds": curated.index_lookup["seconds"],
         "index_lookup_ran_on": lookup_report.get("ran_on", "nothing to look up"),
         "index_lookup_tasks": lookup_report.get("tasks", "none"),
-        # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on them,
-        # a task a band and slice
+        # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on
+        # them, a task a band and slice
         "index_lookup_task_seconds": round(lookup_report.get("task_seconds", 0.0), 3),
         "index_lookup_wait_seconds": round(lookup_report.get("wait_seconds", 0.0), 3),
         "index_lookup_bands": lookup_report.get("bands", 0),
@@ -326,15 +335,15 @@ def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
     )
     raise Failure(
         allow_retries=False,
-        description=f"silver takes batches in arrival order, and {len(unsettled)} batch(es) before {batch_id} are neither "
-        f"done nor excluded: {named}. Materialize those first (the silver_in_order sensor and pipeline-assets run go "
-        "oldest first).",
+        description=f"silver takes batches in arrival order, and {len(unsettled)} batch(es) before "
+        f"{batch_id} are neither done nor excluded: {named}. Materialize those first (the "
+        "silver_in_order sensor and pipeline-assets run go oldest first).",
     )
 
 
 def _left_out_of_dedup(context: AssetExecutionContext, batch_id: str) -> list[str]:
-    """The batch itself and blocked batches: their records never reach gold, so they must not reject a
-    later copy. A batch re-run after later ones dedups against those too."""
+    """The batch itself and blocked batches: their records never reach gold, so they must not reject
+    a later copy. A batch re-run after later ones dedups against those too."""
     blocked = sorted(blocked_batches(context.instance) - {batch_id})
     if blocked:
         context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")

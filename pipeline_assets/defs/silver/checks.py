@@ -1,4 +1,5 @@
-"""Asset checks on silver, per ingest batch: contracts and the pass rate block; drift and volume report."""
+"""Asset checks on silver, per ingest batch: contracts and the pass rate block; drift and volume
+report."""
 
 import warnings
 
@@ -34,8 +35,8 @@ warnings.filterwarnings(
 
 
 def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage) of
-    rejects, up to this batch."""
+    """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage)
+    of rejects, up to this batch."""
     upto = pl.col("batch_id") <= batch_id
     kept_tables = [
         scan
@@ -57,7 +58,8 @@ def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFr
     blocking=True,
     partitions_def=ingest_batches,
     additional_deps=[SILVER_REJECTS],
-    description="No source's pass rate falls more than the allowed points below its trailing median.",
+    description="No source's pass rate falls more than the allowed points below its trailing "
+    "median.",
 )
 def silver_pass_rate(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
@@ -71,9 +73,10 @@ def silver_pass_rate(
     fallen = drops.filter(pl.col("drop") > limit)
     description = (
         "; ".join(
-            f"source '{r['source']}': pass rate fell from {r['baseline']:.0%} to {r['pass_rate']:.0%} "
-            f"({r['drop'] * 100:.0f} points, limit {limit * 100:.0f}); most of the difference was removed by "
-            f"{r['blamed_stage']} (+{r['blamed_growth'] * 100:.0f} points of the batch)"
+            f"source '{r['source']}': pass rate fell from {r['baseline']:.0%} to "
+            f"{r['pass_rate']:.0%} ({r['drop'] * 100:.0f} points, limit {limit * 100:.0f}); most "
+            f"of the difference was removed by {r['blamed_stage']} "
+            f"(+{r['blamed_growth'] * 100:.0f} points of the batch)"
             for r in fallen.iter_rows(named=True)
         )
         or f"every source within {limit * 100:.0f} points of its trailing median"
@@ -90,7 +93,8 @@ def silver_pass_rate(
     asset=SILVER_RECORDS,
     name="drift",
     partitions_def=ingest_batches,
-    description="PSI of response length, source mix and quality-rule values against trailing batches.",
+    description="PSI of response length, source mix and quality-rule values against trailing "
+    "batches.",
 )
 def silver_drift(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
@@ -111,8 +115,9 @@ def silver_drift(
     if min(reference.height, current.height) < silver_policy.drift_min_rows:
         return AssetCheckResult(
             passed=True,
-            description=f"not judged: {current.height} rows against {reference.height} from {len(trailing_ids)} earlier "
-            f"batch(es); drift needs {silver_policy.drift_min_rows} on each side",
+            description=f"not judged: {current.height} rows against {reference.height} from "
+            f"{len(trailing_ids)} earlier batch(es); drift needs {silver_policy.drift_min_rows} on "
+            "each side",
             metadata={
                 "reference_batches": len(trailing_ids),
                 "rows": current.height,

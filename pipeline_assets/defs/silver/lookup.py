@@ -1,4 +1,5 @@
-"""How a silver batch finds the index entries of the other batches: ``silver/minhash_bands``, by band.
+"""How a silver batch finds the index entries of the other batches: ``silver/minhash_bands``, by
+band.
 
 The other batches are cut into slices of about ROWS_PER_LOOKUP_TASK indexed records (from the
 Delta log's file statistics). One task a band and slice reads that band's keys in those batches'
@@ -78,7 +79,8 @@ def look_up_by_band(
     slices: list[list[str]],
 ) -> tuple[pl.DataFrame | None, dict]:
     """The index entries holding one of the ``wanted`` (band, band_key) rows (None: none), and the
-    tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options, version)."""
+    tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options,
+    version)."""
     by_key = wanted.sort("band").group_by("band", maintain_order=True)
     calls = [
         (*bands_at, band, keys["band_key"], batches)
@@ -102,8 +104,8 @@ def look_up_by_band(
 
 
 def _add_tasks(report: dict, tasks: dict) -> None:
-    """A lookup called more than once (silver calls it once a batch, for every format's keys) sums its
-    calls' tasks and seconds in the report, and lists their tasks a call apart."""
+    """A lookup called more than once (silver calls it once a batch, for every format's keys) sums
+    its calls' tasks and seconds in the report, and lists their tasks a call apart."""
     for name, value in tasks.items():
         if name not in report or name == "ran_on":
             report[name] = value
@@ -114,7 +116,8 @@ def _add_tasks(report: dict, tasks: dict) -> None:
 
 
 def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> list[list[str]]:
-    """The index's batches less ``excluded``, in order, cut where a slice reaches ``rows_per_task`` records."""
+    """The index's batches less ``excluded``, in order, cut where a slice reaches ``rows_per_task``
+    records."""
     actions = pl.DataFrame(index.get_add_actions(flatten=True))
     if actions.is_empty():
         return []
@@ -142,7 +145,8 @@ def find_in_band_table(
     keys: pl.Series,
     batches: list[str],
 ) -> pl.DataFrame:
-    """One task: ``find_in_band`` on one band of some batches' partitions of ``silver/minhash_bands``."""
+    """One task: ``find_in_band`` on one band of some batches' partitions of
+    ``silver/minhash_bands``."""
     return find_in_band(
         pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options)),
         band,
@@ -154,7 +158,8 @@ def find_in_band_table(
 def read_entries(
     uri: str, storage_options: dict | None, version: int, found: pl.DataFrame
 ) -> pl.DataFrame:
-    """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from their batches' partitions."""
+    """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from
+    their batches' partitions."""
     return (
         pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options))
         .filter(
@@ -186,7 +191,8 @@ def _add_missing_batches(
     missing = sorted({part["batch_id"] for part in index.partitions()} - have)
     if missing:
         context.log.info(
-            f"silver/minhash_bands: adding the keys of {len(missing)} batch(es) from silver/minhash_index"
+            f"silver/minhash_bands: adding the keys of {len(missing)} batch(es) from "
+            "silver/minhash_index"
         )
     for batch_id in missing:
         entries = (
@@ -198,7 +204,8 @@ def _add_missing_batches(
 
 
 def _values_in_file_stats(table: DeltaTable, column: str) -> list[str]:
-    """The values a string column takes, from its files' min/max statistics: the Delta log, not the data."""
+    """The values a string column takes, from its files' min/max statistics: the Delta log, not the
+    data."""
     actions = pl.DataFrame(table.get_add_actions(flatten=True))
     if actions.is_empty():
         return []

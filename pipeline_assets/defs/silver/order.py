@@ -21,7 +21,8 @@ _NOT_FINISHED = [
 
 
 def blocked_batches(instance: DagsterInstance) -> set[str]:
-    """Batches whose latest run of a blocking check on bronze or silver failed: they feed neither gold nor dedup."""
+    """Batches whose latest run of a blocking check on bronze or silver failed: they feed neither
+    gold nor dedup."""
     return {
         partition
         for partition, _ in partitions_failing_blocking_checks(
@@ -31,7 +32,8 @@ def blocked_batches(instance: DagsterInstance) -> set[str]:
 
 
 def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
-    """Every registered batch, oldest first, with its latest bronze and silver materializations and attempts."""
+    """Every registered batch, oldest first, with its latest bronze and silver materializations and
+    attempts."""
     unfinished = set(instance.get_run_ids(RunsFilter(statuses=_NOT_FINISHED)))
     bronze, silver = (
         _materializations(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS)
@@ -66,7 +68,8 @@ def _materializations(
 
 
 def _attempts(instance: DagsterInstance, key: AssetKey, unfinished: set[str]) -> dict[str, Event]:
-    """Per batch, the latest planned materialization of ``key`` newer than its latest materialization."""
+    """Per batch, the latest planned materialization of ``key`` newer than its latest
+    materialization."""
     storage = instance.event_log_storage
     attempts = storage.get_latest_asset_partition_materialization_attempts_without_materializations(
         key

@@ -1,4 +1,5 @@
-"""silver_in_order: silver for one ingest batch at a time, oldest first, skipping blocked batches."""
+"""silver_in_order: silver for one ingest batch at a time, oldest first, skipping blocked
+batches."""
 
 from dagster import (
     AssetSelection,
@@ -36,9 +37,9 @@ silver_job = define_asset_job(
     target=silver_job,
     minimum_interval_seconds=5,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Requests silver for the oldest batch whose bronze passed and whose silver is missing or older, "
-    "once every earlier batch is done or excluded (blocked, or its run failed), and never while a silver run "
-    "is queued or running.",
+    description="Requests silver for the oldest batch whose bronze passed and whose silver is "
+    "missing or older, once every earlier batch is done or excluded (blocked, or its run failed), "
+    "and never while a silver run is queued or running.",
 )
 def silver_in_order(context: SensorEvaluationContext):
     decision = next_batch(batch_events(context.instance))
@@ -46,7 +47,8 @@ def silver_in_order(context: SensorEvaluationContext):
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
     batch = decision.batch
-    # One request per bronze materialization: the daemon never launches it twice, and new bronze asks again.
+    # One request per bronze materialization: the daemon never launches it twice, and new bronze
+    # asks again.
     return RunRequest(
         partition_key=batch.batch_id, run_key=f"{batch.batch_id}@bronze-{batch.bronze.storage_id}"
     )

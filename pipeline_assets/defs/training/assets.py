@@ -64,7 +64,8 @@ class TrainingRunConfig(Config):
 
 
 def when_snapshot_added() -> AutomationCondition:
-    """Train each new data snapshot once its blocking checks pass; older snapshots are not retrained."""
+    """Train each new data snapshot once its blocking checks pass; older snapshots are not
+    retrained."""
     return (
         AutomationCondition.on_missing().ignore(
             AssetSelection.assets(TRAINING_HPARAM_SEARCH)
@@ -84,8 +85,8 @@ def when_snapshot_added() -> AutomationCondition:
     ),  # a preempted job resumes from its newest checkpoint
     kinds={"pytorch", "mlflow"},
     automation_condition=when_snapshot_added(),
-    description="A torchrun FSDP2 job on one data snapshot (its manifest's shards, Delta versions pinned): checkpoints, the exported "
-    "model (safetensors) and an MLflow run.",
+    description="A torchrun FSDP2 job on one data snapshot (its manifest's shards, Delta versions "
+    "pinned): checkpoints, the exported model (safetensors) and an MLflow run.",
 )
 def training_checkpoint(
     context: AssetExecutionContext,
@@ -136,8 +137,9 @@ def train_and_export(
     pipes_subprocess_client: PipesSubprocessClient,
     tags: dict[str, str],
 ) -> dict:
-    """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's unfinished
-    checkpoints), log its export to a new MLflow run, and return the materialization's metadata."""
+    """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's
+    unfinished checkpoints), log its export to a new MLflow run, and return the materialization's
+    metadata."""
     partition = train_config.partition
     store = launcher.store(partition)
     settings = _settings_fingerprint(train_config, nproc_per_node or launcher.nproc_per_node)
@@ -161,8 +163,8 @@ def train_and_export(
         # trainer saved and exited; retrying here would only be stopped again. The next
         # materialization resumes from the saved step.
         raise Failure(
-            description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved its newest checkpoint and exited; "
-            "materializing this partition again resumes from it",
+            description=f"{STOPPED_BY_A_SIGNAL}: the trainer saved its newest checkpoint and "
+            "exited; materializing this partition again resumes from it",
             allow_retries=False,
         ) from None
     except (
@@ -225,7 +227,8 @@ def _claim_checkpoints(
                 else ("trained with other settings" if steps else "no checkpoint")
             )
             context.log.info(
-                f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')} ({why})"
+                f"clearing {store.uri}: its checkpoints belong to run {owner.get('root_run_id')} "
+                f"({why})"
             )
             store.clear()
     store.write_json(OWNER, {"root_run_id": root_run, "settings": settings})
@@ -233,7 +236,8 @@ def _claim_checkpoints(
 
 
 def _settings_fingerprint(config: TrainConfig, nproc_per_node: int) -> str:
-    """What decides the trained weights, step by step (the MLflow run and the scratch folder do not)."""
+    """What decides the trained weights, step by step (the MLflow run and the scratch folder do
+    not)."""
     decisive = {**dataclasses.asdict(config), "nproc_per_node": nproc_per_node}
     for incidental in ("mlflow_run_id", "scratch_dir"):
         decisive.pop(incidental)
@@ -249,7 +253,8 @@ def train_config_for(
     versions: dict,
     searched: dict | None = None,
 ) -> TrainConfig:
-    """The policy's hyperparameters, then the search's best for this snapshot, then the run's config."""
+    """The policy's hyperparameters, then the search's best for this snapshot, then the run's
+    config."""
     tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
     if tokenizer is None:
         raise Failure(description="gold/tokenizer does not exist: materialize gold first")
@@ -273,5 +278,6 @@ def _failure_reason(error: str, config: TrainConfig) -> str:
         )
     return (
         f"the training job failed ({error}); each rank's error is in this run's logs. "
-        "Rerun the logged torchrun command by hand to debug; completed checkpoints are kept and resumed from."
+        "Rerun the logged torchrun command by hand to debug; completed checkpoints are kept and "
+        "resumed from."
     )

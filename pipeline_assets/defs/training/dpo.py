@@ -1,5 +1,5 @@
-"""training/dpo_checkpoint: one torchrun FSDP2 DPO job per preference snapshot, from the sft champion the
-reference pass used, launched through Dagster Pipes like training/checkpoint."""
+"""training/dpo_checkpoint: one torchrun FSDP2 DPO job per preference snapshot, from the sft
+champion the reference pass used, launched through Dagster Pipes like training/checkpoint."""
 
 import json
 from pathlib import Path
@@ -43,9 +43,10 @@ from pipeline_assets.trainer.config import TrainConfig, architecture_flags
     kinds={"pytorch", "mlflow"},
     automation_condition=AutomationCondition.on_missing()
     & AutomationCondition.all_deps_blocking_checks_passed(),
-    description="A torchrun FSDP2 DPO job on one preference snapshot (dpo-v<N>): it starts from the sft champion "
-    "the reference pass scored with (gold/reference_logps names it), reads the stored reference log-probabilities "
-    "beside the rows, and ends with checkpoints, the exported model and an MLflow run, like training/checkpoint.",
+    description="A torchrun FSDP2 DPO job on one preference snapshot (dpo-v<N>): it starts from "
+    "the sft champion the reference pass scored with (gold/reference_logps names it), reads the "
+    "stored reference log-probabilities beside the rows, and ends with checkpoints, the exported "
+    "model and an MLflow run, like training/checkpoint.",
 )
 def training_dpo_checkpoint(
     context: AssetExecutionContext,

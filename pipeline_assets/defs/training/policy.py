@@ -41,8 +41,8 @@ class TrainingPolicy(ConfigurableResource):
 
 
 class DpoPolicy(ConfigurableResource):
-    """Hyperparameters of training/dpo_checkpoint: DPO from the sft champion, against the reference pass.
-    The model's architecture is the champion's; a run's config overrides any of these."""
+    """Hyperparameters of training/dpo_checkpoint: DPO from the sft champion, against the reference
+    pass. The model's architecture is the champion's; a run's config overrides any of these."""
 
     steps: int = DPO_STEPS
     lr: float = Field(default=DPO_LR, description="far below sft's: DPO nudges a trained model")

@@ -1,4 +1,5 @@
-"""training/hparam_search: successive halving over short torchrun trials, each a nested MLflow run."""
+"""training/hparam_search: successive halving over short torchrun trials, each a nested MLflow
+run."""
 
 import dataclasses
 import json
@@ -33,10 +34,10 @@ from pipeline_assets.trainer.search_driver import TrialResult, successive_halvin
     partitions_def=data_snapshots,
     pool="training",
     kinds={"delta", "pytorch", "mlflow"},
-    description="Successive halving over the search space on one data snapshot: short torchrun trials, bad ones "
-    "stopped early, each a nested MLflow run, selected by loss on gold's search split (the promotion gate keeps "
-    "validation). Its best configuration feeds training/checkpoint. Run by hand: "
-    "it costs several training runs.",
+    description="Successive halving over the search space on one data snapshot: short torchrun "
+    "trials, bad ones stopped early, each a nested MLflow run, selected by loss on gold's search "
+    "split (the promotion gate keeps validation). Its best configuration feeds "
+    "training/checkpoint. Run by hand: it costs several training runs.",
 )
 def hparam_search(
     context: AssetExecutionContext,
@@ -81,8 +82,8 @@ def hparam_search(
     def report(result: TrialResult) -> None:
         verdict = "continues" if result.continued else "stops here"
         context.log.info(
-            f"rung {result.rung} ({result.steps} steps): trial {result.trial} {result.hyperparameters} "
-            f"search loss {result.search_loss:.4f}: {verdict}"
+            f"rung {result.rung} ({result.steps} steps): trial {result.trial} "
+            f"{result.hyperparameters} search loss {result.search_loss:.4f}: {verdict}"
         )
         if not result.continued:
             mlflow_tracking.client().set_tag(
@@ -135,7 +136,8 @@ def _require_search_rows(lake: LakeResource, snapshot: int, ranks: int) -> None:
         raise Failure(
             allow_retries=False,
             description=f"{manifest.key} has {rows} search sequence(s), fewer "
-            f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new snapshot",
+            f"than the {ranks} trial rank(s): raise PIPELINE_SEARCH_FRACTION and cut a new "
+            "snapshot",
         )
 
 
@@ -184,7 +186,8 @@ def _run_trial(
     about = json.loads((export / "config.json").read_text())
     loss = about.get("search_loss")
     context.log.info(
-        f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} {about.get('eval_split')} sequences"
+        f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} "
+        f"{about.get('eval_split')} sequences"
     )
     return math.nan if loss is None else float(loss)
 
