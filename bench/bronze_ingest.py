@@ -71,9 +71,11 @@ def run() -> dict:
         "rows": rows,
         "input_mb": round(mb, 1),
         "long_responses": long_responses,
-        "measured": f"bronze ingest {rows / clean['ingest_seconds']:,.0f} rows/s, {mb / clean['ingest_seconds']:,.1f} MB/s"
+        "measured": f"bronze ingest {rows / clean['ingest_seconds']:,.0f} rows/s, "
+        f"{mb / clean['ingest_seconds']:,.1f} MB/s"
         f" (1% dirty lines: {dirty['ingest_over_floor']:.2f}x the floor)",
-        "baseline": f"read_ndjson + write_deltalake {rows / floor:,.0f} rows/s, {mb / floor:,.1f} MB/s",
+        "baseline": f"read_ndjson + write_deltalake {rows / floor:,.0f} rows/s, "
+        f"{mb / floor:,.1f} MB/s",
         "floor_seconds": round(floor, 3),
         "floor_stages": {
             "read_ndjson_seconds": round(read_seconds, 3),
@@ -155,8 +157,8 @@ class _BronzeBatch:
         self.instance.add_dynamic_partitions(ingest_batches.name, [self.batch])
 
     def materialize(self) -> tuple[float, float]:
-        """The asset's wall time (read to Delta commit) and its Delta writes' (both tables). The records
-        are written as the files are read, so their write's time holds the reading too."""
+        """The asset's wall time (read to Delta commit) and its Delta writes' (both tables). The
+        records are written as the files are read, so their write's time holds the reading too."""
         result = materialize(
             [bronze], partition_key=self.batch, instance=self.instance, resources=self.resources
         )

@@ -45,11 +45,14 @@ def run() -> dict:
     return {
         "records": records.height,
         "tokens": tokens,
-        "measured": f"tokenize+pack {tokens / measured:,.0f} tokens/s; best-fit-decreasing packs {best_fit:.2%} real tokens",
-        "baseline": f"encode_batch alone {tokens / baseline:,.0f} tokens/s; greedy sequential packs {greedy:.2%}",
+        "measured": f"tokenize+pack {tokens / measured:,.0f} tokens/s; best-fit-decreasing packs "
+        f"{best_fit:.2%} real tokens",
+        "baseline": f"encode_batch alone {tokens / baseline:,.0f} tokens/s; greedy sequential "
+        f"packs {greedy:.2%}",
         "ratio": ratio,
         "packing_efficiency_bfd": round(best_fit, 5),
         "packing_efficiency_greedy": round(greedy, 5),
-        "target": f"tokenize+pack >= {SPEED_TARGET} of encode_batch; >= {EFFICIENCY_TARGET:.1%} real tokens",
+        "target": f"tokenize+pack >= {SPEED_TARGET} of encode_batch; >= {EFFICIENCY_TARGET:.1%} "
+        "real tokens",
         "target_met": ratio >= SPEED_TARGET and best_fit >= EFFICIENCY_TARGET,
     }

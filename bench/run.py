@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))
     ):  # this run's and earlier ones
         lines.append(
-            f"| {r['benchmark']} | {r['measured']} | {r['baseline']} | {r['ratio']:.3f} | {r['target']} | {r['target_met']} |"
+            f"| {r['benchmark']} | {r['measured']} | {r['baseline']} | {r['ratio']:.3f} | "
+            f"{r['target']} | {r['target_met']} |"
         )
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,8 +1,9 @@
-"""Landing to a data snapshot at scale: per stage wall time and rows/s, and the peak RSS of every process.
+"""Landing to a data snapshot at scale: per stage wall time and rows/s, and the peak RSS of
+every process.
 
-``python -m bench.scale`` (in ``make bench``; not in ``make test``): the sample corpus as Markov text
-(``pipeline-assets sample-data --text markov``) at 1 million and at 4 million records, landed in
-batches of 500,000 (one shard of the corpus a batch: 4 sources x 125,000-line files). Each batch
+``python -m bench.scale`` (in ``make bench``; not in ``make test``): the sample corpus as Markov
+text (``pipeline-assets sample-data --text markov``) at 1 million and at 4 million records, landed
+in batches of 500,000 (one shard of the corpus a batch: 4 sources x 125,000-line files). Each batch
 is landed, then ``pipeline-assets run --select`` the data layers (bronze, silver, gold, the
 snapshot) runs as its own process, in a fresh ``PIPELINE_HOME`` per size, exactly as a user would
 run it. While it runs, the bench reads the peak RSS (``VmHWM``) of that process and of every process
@@ -70,11 +71,13 @@ def run(
         "peak_rss_growth": growth,
         "silver_last_over_first_batch": slowdown,
         "training_rank_peak_rss_mb": rank_rss,
-        "measured": f"{max(sizes):,} records: peak RSS growth {worst_growth}x over {min(sizes):,} (worst process kind); "
+        "measured": f"{max(sizes):,} records: peak RSS growth {worst_growth}x over {min(sizes):,} "
+        "(worst process kind); "
         f"silver's last batch {slowdown}x its first; a training rank's peak RSS {rank_rss} MB",
         "baseline": f"{min(sizes):,} records landed the same way",
         "ratio": worst_growth if worst_growth is not None else float("nan"),
-        "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; silver's last batch <= {SILVER_SLOWDOWN_GOAL}x "
+        "target": f"each process kind's peak RSS <= {RSS_GROWTH_GOAL}x; "
+        f"silver's last batch <= {SILVER_SLOWDOWN_GOAL}x "
         f"its first; a training rank <= {TRAINING_RANK_RSS_GOAL_MB} MB",
         "target_met": bool(growth)
         and worst_growth <= RSS_GROWTH_GOAL
@@ -150,8 +153,8 @@ def _run_batch(env: dict) -> dict:
 
 
 def _train_ranks(home: Path, env: dict) -> dict:
-    """TRAIN_STEPS of the trainer on the newest snapshot, TRAIN_RANKS ranks under torchrun: each rank
-    streams its share of the snapshot; its peak RSS is the goal's."""
+    """TRAIN_STEPS of the trainer on the newest snapshot, TRAIN_RANKS ranks under torchrun: each
+    rank streams its share of the snapshot; its peak RSS is the goal's."""
     from deltalake import DeltaTable
 
     from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
@@ -184,7 +187,8 @@ def _train_ranks(home: Path, env: dict) -> dict:
 
 
 def _watched(command: list[str], env: dict) -> tuple[float, dict[str, float]]:
-    """Run ``command`` to its end; its wall seconds and the peak RSS (MB) of each kind of process under it."""
+    """Run ``command`` to its end; its wall seconds and the peak RSS (MB) of each kind of
+    process under it."""
     started = time.perf_counter()
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -242,7 +246,8 @@ def _status(pid: int) -> float | None:
 
 
 def _kind(pid: int) -> str:
-    """What a process is: the run itself, a Ray worker, or another Ray process (raylet, gcs_server...)."""
+    """What a process is: the run itself, a Ray worker, or another Ray process (raylet,
+    gcs_server...)."""
     try:
         command = (
             Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -264,7 +269,8 @@ def _kind(pid: int) -> str:
 
 
 def _stage_figures(dagster_home: Path) -> dict:
-    """Per batch partition and for the unpartitioned assets: each stage's wall seconds, rows and rows/s."""
+    """Per batch partition and for the unpartitioned assets: each stage's wall seconds, rows
+    and rows/s."""
     os.environ["DAGSTER_HOME"] = str(dagster_home)
     from dagster import AssetKey, DagsterInstance
 

@@ -67,13 +67,16 @@ def run() -> dict:
         "long_document_mean_kb": round(megabytes * 1e3 / m, 1),
         "measured": (
             f"one thread: signatures {m / long['signatures_seconds']:,.0f} long docs/s "
-            f"({megabytes / long['signatures_seconds']:.1f} MB/s), {n / short['signatures_seconds']:,.0f} short docs/s; "
+            f"({megabytes / long['signatures_seconds']:.1f} MB/s), "
+            f"{n / short['signatures_seconds']:,.0f} short docs/s; "
             f"all threads: signatures {n / all_threads:,.0f} short docs/s, "
             f"near-dedup (signatures+LSH+clusters) {n / near:,.0f} short docs/s"
         ),
         "baseline": (
-            f"one thread: datasketch update_batch loop {m / long['loop_seconds']:,.0f} long docs/s, "
-            f"{n / short['loop_seconds']:,.0f} short docs/s; MinHash.bulk {m / long['bulk_seconds']:,.0f} long docs/s, "
+            "one thread: datasketch update_batch loop "
+            f"{m / long['loop_seconds']:,.0f} long docs/s, "
+            f"{n / short['loop_seconds']:,.0f} short docs/s; MinHash.bulk "
+            f"{m / long['bulk_seconds']:,.0f} long docs/s, "
             f"{n / short['bulk_seconds']:,.0f} short docs/s"
         ),
         "ratio": ratio,
@@ -85,7 +88,8 @@ def run() -> dict:
         "quality_gate_rows_per_second": round(n / quality),
         "lookup_peak_memory_gb_at_1m_index": round(peak_gb, 3),
         "target": (
-            f"signatures >= {SIGNATURE_TARGET}x the update_batch loop on 2-20 KB documents, one thread each; "
+            f"signatures >= {SIGNATURE_TARGET}x the update_batch loop "
+            "on 2-20 KB documents, one thread each; "
             f"peak < {MEMORY_TARGET_GB} GB at 1M indexed records"
         ),
         "target_met": ratio >= SIGNATURE_TARGET and peak_gb < MEMORY_TARGET_GB,

@@ -1,12 +1,14 @@
-"""Silver's lookup of a batch in the index of the batches before it: by band, against the whole index.
+"""Silver's lookup of a batch in the index of the batches before it: by band, against the
+whole index.
 
 An index of INDEX_RECORDS records written as INDEX_BATCHES batches (random signatures, the layout
 silver writes: ``silver/minhash_index`` partitioned by batch, ``silver/minhash_bands`` by band and
 batch), and a batch of LOOKUP_BATCH records of which COPIES repeat an indexed record. Measured: the
-lookup silver does now (``look_up_by_band``: a task a band and slice of batches, then a task a
-slice reading the found entries; one after the other here, as in a step without Ray). Baseline: what silver did before, the
-exact hashes and the exploded band keys of the whole index scanned in the step's process. Both in
-this process on all of polars' threads, best of three; both must find the same records.
+lookup silver does now (``look_up_by_band``: a task a band and slice of batches, then a task a slice
+reading the found entries; one after the other here, as in a step without Ray). Baseline: what
+silver did before, the exact hashes and the exploded band keys of the whole index scanned in the
+step's process. Both in this process on all of polars' threads, best of three; both must find the
+same records.
 """
 
 from __future__ import annotations
@@ -88,11 +90,14 @@ def run(
     return {
         "index_records": index_records,
         "lookup_batch": batch_rows,
-        "measured": f"by band: {measured:.2f} s ({per_record(measured):.3f} us an indexed record), {len(found):,} entries found",
-        "baseline": f"whole index scanned: {baseline:.2f} s ({per_record(baseline):.3f} us an indexed record)",
+        "measured": f"by band: {measured:.2f} s ({per_record(measured):.3f} us an indexed record), "
+        f"{len(found):,} entries found",
+        "baseline": f"whole index scanned: {baseline:.2f} s ({per_record(baseline):.3f} us an "
+        "indexed record)",
         "ratio": baseline / measured,
         "seconds_per_indexed_record": measured / index_records,
-        "target": f"the lookup by band, its tasks run one after the other, >= {TARGET_RATIO}x the whole-index scan in one "
+        "target": f"the lookup by band, its tasks run one after the other, >= {TARGET_RATIO}x the "
+        "whole-index scan in one "
         "process, finding the same records",
         "target_met": baseline / measured >= TARGET_RATIO,
     }
@@ -101,7 +106,8 @@ def run(
 def _write_index(
     index_uri: str, bands_uri: str, records: int, batches: int, config: MinHashConfig
 ) -> pl.DataFrame:
-    """The index as silver writes it, batch by batch; returns the entries the lookup batch copies."""
+    """The index as silver writes it, batch by batch; returns the entries the lookup
+    batch copies."""
     params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
     rng = np.random.default_rng(0)
     per_batch = records // batches

@@ -1,16 +1,16 @@
 """The sizer against measured runs of the sample corpus it was not calibrated on.
 
 Calibration: one home lands the sample corpus in three arrivals of growing size (15%, 30% and 55% of
-every landing file's lines, training 10, 20 then 30 steps); the tokenizer is made again at the
-end, so that every stage has at least two sizes to fit, and each arrival's bronze and silver run
-twice more, since the sizer takes the median of the runs of one size. Target: the same corpus landed at
-once in a fresh home, training 60 steps, run five times in five fresh homes. A stage of a second
-or two varies by a third from one run to the next on a shared 2-core machine, so the sizer is
-judged against the median run (each run's error is reported too, and the spread between runs).
-The sizer is given only the target's record count, average characters and training tokens.
-Baseline: the calibration home's last pipeline report (each stage's newest run, bronze and silver
-summed over the batches) scaled in proportion to the records landed (tokens for training), with no
-fixed part. Both are judged by their worst stage.
+every landing file's lines, training 10, 20 then 30 steps); the tokenizer is made again at the end,
+so that every stage has at least two sizes to fit, and each arrival's bronze and silver run twice
+more, since the sizer takes the median of the runs of one size. Target: the same corpus landed at
+once in a fresh home, training 60 steps, run five times in five fresh homes. A stage of a second or
+two varies by a third from one run to the next on a shared 2-core machine, so the sizer is judged
+against the median run (each run's error is reported too, and the spread between runs). The sizer is
+given only the target's record count, average characters and training tokens. Baseline: the
+calibration home's last pipeline report (each stage's newest run, bronze and silver summed over the
+batches) scaled in proportion to the records landed (tokens for training), with no fixed part. Both
+are judged by their worst stage.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ ARRIVALS = (
 )  # shares of the sample corpus landed one after another by the calibration
 ARRIVAL_STEPS = (10, 20, 30)
 TARGET_STEPS, TARGET_RUNS = 60, 5
-BATCH_STAGES = "bronze/records,bronze/preference_records,bronze/quarantine,silver/records,silver/rejects,silver/minhash_index,silver/minhash_bands"
+BATCH_STAGES = (
+    "bronze/records,bronze/preference_records,bronze/quarantine,silver/records,"
+    "silver/rejects,silver/minhash_index,silver/minhash_bands"
+)
 BATCH_RERUNS = 2
 TOLERANCE = 0.30
 TIMEOUT_S = 900
@@ -98,8 +101,9 @@ def calibrate(tmp: Path, staging: Path, eval_sets: Path) -> Path:
             )
         print(f"calibration, arrival {number}: {end - start:.0%} of the corpus", flush=True)
         cli(home, "run", steps=steps)
-    # The pipeline makes the tokenizer once (on the first arrival); made again by hand on the whole corpus, it
-    # has a second size. Not between arrivals: a candidate with a new tokenizer cannot be compared to the champion.
+    # The pipeline makes the tokenizer once (on the first arrival); made again by hand on the whole
+    # corpus, it has a second size. Not between arrivals: a candidate with a new tokenizer cannot be
+    # compared to the champion.
     materialize(home, "gold/tokenizer")
     batches = (
         pl.read_delta(str(home / "lake" / "bronze" / "records"), columns=["batch_id"])["batch_id"]
@@ -134,7 +138,8 @@ def materialize(home: Path, selection: str, *args: str) -> None:
 
 
 def landing_file_part(path: Path, start: float, end: float, folder: Path, number: int) -> None:
-    """The lines (or rows) of a landing file from share ``start`` to share ``end``, in the same format."""
+    """The lines (or rows) of a landing file from share ``start`` to share ``end``, in the
+    same format."""
     stem, _, suffix = path.name.partition(".")
     out = folder / f"{stem}-part{number}.{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +179,8 @@ def measure_target(tmp: Path, staging: Path, eval_sets: Path, number: int) -> di
 
 
 def proportional(calibration_report: pl.DataFrame, target_report: pl.DataFrame) -> dict[str, float]:
-    """Each stage's reported seconds times the growth of the records landed (tokens for training)."""
+    """Each stage's reported seconds times the growth of the records landed (tokens for
+    training)."""
 
     def scale(report: pl.DataFrame) -> dict[str, float]:
         return dict(
@@ -266,14 +272,16 @@ def run(keep: Path | None = None) -> dict:
             for stage in measured
         },
         "fits": fits,
-        "measured": f"sizer's worst stage {worst:.1%} off the median run ({max(error, key=lambda s: abs(error[s]))})",
+        "measured": f"sizer's worst stage {worst:.1%} off the median run "
+        f"({max(error, key=lambda s: abs(error[s]))})",
         "baseline": f"proportional scaling's worst stage {worst_baseline:.1%} off "
         f"({max(baseline_error, key=lambda s: abs(baseline_error[s]))})",
         "ratio": worst / worst_baseline,
         "ratio_is": "the sizer's worst per-stage relative error / proportional scaling's",
         "wall_seconds": round(time.perf_counter() - started, 1),
         "load_average_1m": {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)},
-        "target": f"every stage's predicted seconds within {TOLERANCE:.0%} of the median measured run's",
+        "target": f"every stage's predicted seconds within {TOLERANCE:.0%} "
+        "of the median measured run's",
         "target_met": worst <= TOLERANCE,
     }
 

@@ -2,9 +2,9 @@
 
 On CPU (the default, what ``make bench`` runs):
 
-* tokens/s of the ``tiny`` and ``small`` presets on 2 ranks (1 thread each) beside 1 rank (2 threads),
-  at the same global batch, so both use the machine's 2 cores: what data parallelism (FSDP's
-  all-gathers and reduce-scatters over gloo) costs or gains against intra-op threading;
+* tokens/s of the ``tiny`` and ``small`` presets on 2 ranks (1 thread each) beside 1 rank (2
+  threads), at the same global batch, so both use the machine's 2 cores: what data parallelism
+  (FSDP's all-gathers and reduce-scatters over gloo) costs or gains against intra-op threading;
 * the seconds an asynchronous checkpoint save blocks training beside a synchronous one, on 2 ranks:
   the reason ``--async-checkpoint`` is the default. This is the primary ratio (async / sync, < 1).
 
@@ -183,7 +183,8 @@ def median_tokens_per_second(log: str) -> float:
 
 
 def blocking_seconds(log: str, steps: int) -> list[float]:
-    """The blocking time of each save before the last step (the final save is always synchronous)."""
+    """The blocking time of each save before the last step (the final save is always
+    synchronous)."""
     found = [float(m[3]) for m in _BLOCKED.finditer(log) if int(m[1]) < steps]
     if not found:
         raise ValueError(f"no checkpoint save before step {steps} in the log:\n{log[-4000:]}")
@@ -253,7 +254,8 @@ def run() -> dict:
         "baseline": "; ".join(f"{p} 1 rank: {s['1_rank']:,.0f} tok/s" for p, s in speed.items())
         + f"; sync save blocks {blocked['sync']:.3f}s",
         "ratio": ratio,
-        "ratio_is": "median blocking seconds of an asynchronous checkpoint save / a synchronous one (small, 2 ranks)",
+        "ratio_is": "median blocking seconds of an asynchronous checkpoint save / a synchronous "
+        "one (small, 2 ranks)",
         "tokens_per_second": {p: {k: round(v) for k, v in s.items()} for p, s in speed.items()},
         "scaling_2_over_1": {p: round(v, 3) for p, v in scaling.items()},
         "checkpoint_blocking_seconds": {k: round(v, 4) for k, v in blocked.items()},

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "micro_batch_size": MICRO_BATCH,
         "mixed_precision": "bf16",
         **result,
-        "measured": f"{result['preset']} ({result['parameters'] / 1e6:.0f}M), bf16, {result['attention_kernel']} attention, "
+        "measured": f"{result['preset']} ({result['parameters'] / 1e6:.0f}M), bf16, "
+        f"{result['attention_kernel']} attention, "
         f"{device}: {result['tokens_per_second']:,} tok/s, MFU {result['mfu']:.1%}",
         "baseline": f"MFU {MFU_TARGET:.0%} of the dense bf16 peak",
         "ratio": round(result["mfu"] / MFU_TARGET, 3),

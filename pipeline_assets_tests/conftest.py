@@ -26,8 +26,9 @@ from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 
-# The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest first by
-# their time in a full run: started last, as alphabetical order would, they leave one pytest-xdist worker alone.
+# The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest
+# first by their time in a full run: started last, as alphabetical order would, they leave one
+# pytest-xdist worker alone.
 LONGEST_FIRST = [
     "defs/test_registry.py",
     "test_cli.py",
@@ -63,11 +64,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def cli_environment(home: Path, **env: str) -> dict[str, str]:
-    """This process's environment for the project's commands, with everything under ``home`` (PIPELINE_HOME).
+    """This process's environment for the project's commands, with everything under ``home``
+    (PIPELINE_HOME).
 
     Short one-rank training, and a gate that lets any candidate through: the end-to-end tests check
     the commands, the sensors and the story between them. The two-rank FSDP path has its own tests
-    (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py, defs/test_registry.py).
+    (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py,
+    defs/test_registry.py).
     """
     environment = {
         k: v

@@ -1,6 +1,7 @@
 """A real `dagster dev` on loopback for the end-to-end tests of the UI and the GraphQL API: a fresh
 PIPELINE_HOME / DAGSTER_HOME with a small sample corpus in its landing zone and one ingest batch
-registered, and a clean shutdown (SIGTERM to the whole process group: webserver, daemon, code server)."""
+registered, and a clean shutdown (SIGTERM to the whole process group: webserver, daemon,
+code server)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _wait_until_serving(port: int, server: subprocess.Popen, log: Path) -> None:
         except OSError:
             time.sleep(1)
     raise AssertionError(
-        f"dagster dev did not serve on 127.0.0.1:{port} within {DEADLINE_SECONDS} s:\n{_log_tail(log)}"
+        f"dagster dev did not serve on 127.0.0.1:{port} "
+        f"within {DEADLINE_SECONDS} s:\n{_log_tail(log)}"
     )
 
 

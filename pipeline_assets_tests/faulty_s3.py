@@ -1,5 +1,6 @@
 """A flaky object store on loopback: a proxy in front of moto's S3 server that answers chosen GETs
-of one object with ``503 SlowDown``, as a throttled or failing S3 does. Everything else passes through."""
+of one object with ``503 SlowDown``, as a throttled or failing S3 does. Everything else
+passes through."""
 
 from __future__ import annotations
 

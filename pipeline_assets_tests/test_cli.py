@@ -194,7 +194,8 @@ def test_run_ingests_new_files_blocks_on_drift_and_recovers_with_a_mapping(tmp_p
     assert (
         stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
     )
-    # Two batches of different sizes: two points (how the fit reads them depends on this machine's timing).
+    # Two batches of different sizes: two points (how the fit reads them depends on this
+    # machine's timing).
     assert totals["fits"]["bronze"]["points"] == 2 and not totals["fits"]["bronze"][
         "note"
     ].startswith("one size")
@@ -240,7 +241,8 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
 
 
 def test_sample_data_command_is_deterministic(tmp_path):
-    """The command in a fresh process writes the same bytes as this process does (no hash seed, no clock)."""
+    """The command in a fresh process writes the same bytes as this process does (no hash seed,
+    no clock)."""
     done = _cli(
         tmp_path,
         "sample-data",

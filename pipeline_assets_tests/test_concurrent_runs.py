@@ -1,4 +1,5 @@
-"""Processes started together on a fresh PIPELINE_HOME: instance creation, and two ``pipeline-assets run``."""
+"""Processes started together on a fresh PIPELINE_HOME: instance creation, and two
+``pipeline-assets run``."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_two_runs_started_together_ingest_each_file_once(tmp_path):
 
 
 def _open_instances(root: str, rounds: int, start, results) -> None:
-    """A worker: each round, with the other worker, open the instance of a fresh DAGSTER_HOME and use it."""
+    """A worker: each round, with the other worker, open the instance of a fresh DAGSTER_HOME
+    and use it."""
     for round_number in range(rounds):
         start.wait()
         try:

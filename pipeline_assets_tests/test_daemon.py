@@ -78,8 +78,9 @@ def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
         "automation trains the new snapshot without a click"
     )
     assert (home / "checkpoints" / "gold-v0" / "final" / "model.safetensors").exists()
-    # Evaluation and registration follow by the same kind of condition as silver; `pipeline-assets run`
-    # (test_cli) covers them end to end, so this test stops here to keep the suite's time in bounds.
+    # Evaluation and registration follow by the same kind of condition as silver;
+    # `pipeline-assets run` (test_cli) covers them end to end, so this test stops here to keep the
+    # suite's time in bounds.
 
 
 def _wait_for_run_of(instance: DagsterInstance, key, partition: str):

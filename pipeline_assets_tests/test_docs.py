@@ -11,7 +11,8 @@ CITATION = re.compile(r"(docs/[a-z_]+\.md)(?:, \"([^\"]+)\")?")
 
 
 def anchor(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces to
+    '-'."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 

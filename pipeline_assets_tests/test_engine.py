@@ -59,8 +59,9 @@ ray_job:
 
 
 def test_the_kuberay_setting_gives_silver_and_gold_a_rayjob_for_every_batch(tmp_path, monkeypatch):
-    """No Kubernetes here: what is shown is the engine the setting chooses, wired into the code location,
-    and the RayJob it would create; dagster-ray creates and connects to it when a step starts."""
+    """No Kubernetes here: what is shown is the engine the setting chooses, wired into the code
+    location, and the RayJob it would create; dagster-ray creates and connects to it when a
+    step starts."""
     from dagster import DagsterInstance, build_init_resource_context
 
     from pipeline_assets.definitions import build_definitions

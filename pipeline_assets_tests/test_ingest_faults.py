@@ -1,5 +1,6 @@
 """A flaky object store under `pipeline-assets run`: transient read faults are retried, never
-quarantined, and a file that cannot be read after the retries fails its batch with nothing in bronze."""
+quarantined, and a file that cannot be read after the retries fails its batch with nothing
+in bronze."""
 
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ def test_an_overwrite_can_bound_its_parquet_row_groups(lake: LakeResource):
     groups = pq.ParquetFile(path).metadata
     assert commit.rows == 1000 and groups.num_row_groups == 8
     assert max(groups.row_group(i).num_rows for i in range(groups.num_row_groups)) == 128
-    # Compressed as a write with delta-rs' defaults is (any WriterProperties would otherwise leave it raw).
+    # Compressed as a write with delta-rs' defaults is (any WriterProperties would otherwise
+    # leave it raw).
     assert {groups.row_group(0).column(i).compression for i in range(groups.num_columns)} == {
         "SNAPPY"
     }
@@ -72,7 +73,8 @@ def test_a_streamed_partition_is_committed_whole_or_not_at_all(lake: LakeResourc
             raise ValueError("the second chunk broke its contract")
         yield frame
 
-    # Row groups smaller than a frame: the first frame's rows are encoded (and may be flushed) before the failure.
+    # Row groups smaller than a frame: the first frame's rows are encoded (and may be flushed)
+    # before the failure.
     write = partial(
         lake.replace_partition_streaming,
         "bronze",

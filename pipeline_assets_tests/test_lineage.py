@@ -1,4 +1,5 @@
-"""Lineage's parts that need no registry: model specs (test_ops_retention.py follows a whole lineage)."""
+"""Lineage's parts that need no registry: model specs (test_ops_retention.py follows a
+whole lineage)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`pipeline-assets run` killed or stopped mid-training: the next run recovers, resumes and finishes."""
+"""`pipeline-assets run` killed or stopped mid-training: the next run recovers, resumes
+and finishes."""
 
 from __future__ import annotations
 
@@ -186,9 +187,10 @@ def support_answers(count: int, seed: int = 7) -> list[dict]:
 
 
 def test_a_stopped_then_killed_run_is_recovered_and_its_training_resumed(tmp_path):
-    """One small uniform corpus, three commands: SIGTERM stops the first cleanly mid-training; the second resumes
-    its training and is killed outright (the whole process tree, as the OOM killer or a lost
-    machine would); the third finds the dead run, frees its slot, resumes and registers a champion."""
+    """One small uniform corpus, three commands: SIGTERM stops the first cleanly mid-training; the
+    second resumes its training and is killed outright (the whole process tree, as the OOM killer or
+    a lost machine would); the third finds the dead run, frees its slot, resumes and registers
+    a champion."""
     _corpus(tmp_path)
     store = CheckpointStore(str(tmp_path / "checkpoints"), "gold-v0")
 

@@ -1,6 +1,7 @@
-"""Rollouts re-enter as data: groups of an RL run with a right and a wrong completion, written to the landing
-zone as the learner writes them, are ingested by the next `pipeline-assets run` as preference pairs (the source
-`rl_rollouts` is a preference source without any setting) and curated into silver/preference_pairs."""
+"""Rollouts re-enter as data: groups of an RL run with a right and a wrong completion, written to
+the landing zone as the learner writes them, are ingested by the next `pipeline-assets run` as
+preference pairs (the source `rl_rollouts` is a preference source without any setting) and curated
+into silver/preference_pairs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ PROMPTS = {
 
 
 def _groups() -> pl.DataFrame:
-    """Thirty groups with a right and a wrong answer, and one where every answer is wrong (no pair)."""
+    """Thirty groups with a right and a wrong answer, and one where every answer is wrong
+    (no pair)."""
     rows = []
     for i, prompt_id in enumerate(PROMPTS):
         rows += [

@@ -1,5 +1,5 @@
-"""The whole graph on object storage: landing zone, lake, eval sets and checkpoints on s3:// (moto on
-loopback), from landing files to a registered champion, with the same row counts in every data
+"""The whole graph on object storage: landing zone, lake, eval sets and checkpoints on s3:// (moto
+on loopback), from landing files to a registered champion, with the same row counts in every data
 layer as a local run of the same files (the split hashes content, not ingest-time record ids)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _docs_table() -> str:
     return "\n".join(lines[start:end]) + "\n"
 
 
-def test_the_docs_settings_table_is_the_code_s():
+def test_the_docs_settings_table_is_what_the_code_prints():
     assert _docs_table() == markdown_table(), (
         "docs/settings.md's table and resources/settings.py disagree: paste the output of "
         "`python -m pipeline_assets.resources.settings` into docs/settings.md"

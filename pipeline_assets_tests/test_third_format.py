@@ -1,9 +1,9 @@
-"""The record-format seam: a third format trained with sft's loss is its description (lib.formats) and its
-contracts (contracts.py). A subprocess adds a `qa` format (prompt, answer) the way a new entry in those two
-modules would, before the code location loads, and runs `pipeline-assets run` from landing to gold/sequences:
-its rows reach bronze/qa_records and silver/qa_records through the same assets, checks and stages as every
-format (a copy rejected, a blank answer quarantined), and are packed into gold/sequences beside the sft
-records."""
+"""The record-format seam: a third format trained with sft's loss is its description (lib.formats)
+and its contracts (contracts.py). A subprocess adds a `qa` format (prompt, answer) the way a new
+entry in those two modules would, before the code location loads, and runs `pipeline-assets run`
+from landing to gold/sequences: its rows reach bronze/qa_records and silver/qa_records through the
+same assets, checks and stages as every format (a copy rejected, a blank answer quarantined), and
+are packed into gold/sequences beside the sft records."""
 
 from __future__ import annotations
 
@@ -50,22 +50,24 @@ ADD_QA_AND_RUN = textwrap.dedent("""
 
     formats.FORMATS["qa"] = formats.RecordFormat(
         name="qa", required=("prompt", "answer"), optional_text=("system",), optional_numbers=(),
-        dedup=("prompt", "answer"), answers=("answer",), judged="answer", decontaminate=("prompt", "answer"),
-        split_key="exact_hash", objective="sft", bronze_table="qa_records", silver_table="qa_records",
-        about="question-answer records",
+        dedup=("prompt", "answer"), answers=("answer",), judged="answer",
+        decontaminate=("prompt", "answer"), split_key="exact_hash", objective="sft",
+        bronze_table="qa_records", silver_table="qa_records", about="question-answer records",
     )
     contracts.FORMAT_CONTRACTS["qa"] = (BronzeQa, SilverQa)
 
     from pipeline_assets.cli.main import main
 
-    sys.exit(main(["run", "--select", "key:bronze/* or key:silver/* or key:gold/tokenizer or key:gold/sequences"]))
+    selection = "key:bronze/* or key:silver/* or key:gold/tokenizer or key:gold/sequences"
+    sys.exit(main(["run", "--select", selection]))
 """)
 
 
 def _qa(i: int) -> dict:
     return {
         "prompt": f"Which river flows through city number {i} of the northern plains?",
-        "answer": f"The river of city {i} is wide and slow; barges carry grain down it to the harbour at "
+        "answer": f"The river of city {i} is wide and slow; "
+        "barges carry grain down it to the harbour at "
         f"the coast every autumn, and the town holds a fair on its banks when the harvest ends.",
         "id": f"qa{i}",
     }

@@ -44,9 +44,11 @@ SHOTS = ROOT / "test-output" / "ui"
 UI_TIMEOUT_MS = (
     60_000  # a page, a dialog, a graph layout: seconds normally, more on a loaded 2-core machine
 )
-RUN_TIMEOUT_MS = 240_000  # the bronze run (the asset and its checks): under a minute on 2 cores, more when loaded
+# the bronze run (the asset and its checks): under a minute on 2 cores, more when loaded
+RUN_TIMEOUT_MS = 240_000
 
-# Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold and training).
+# Every asset key of the README's asset graph (gold/snapshots: the manifests it draws between gold
+# and training).
 ASSET_KEYS = [
     "bronze/records",
     "bronze/preference_records",
@@ -102,12 +104,16 @@ class Steps:
             )
 
 
-RECTS = "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })"
+RECTS = (
+    "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, "
+    "r.height]; })"
+)
 
 
 def drawn_in_group(page: Page, key: str) -> bool:
-    """Whether the lineage graph draws `key`: a node named like the key's last part inside the box of
-    the group named like its first part (assets are grouped by layer; nodes show only their name)."""
+    """Whether the lineage graph draws `key`: a node named like the key's last part inside the box
+    of the group named like its first part (assets are grouped by layer; nodes show only
+    their name)."""
     layer, name = key.split("/")
     graph = page.locator("svg")
     groups = (
@@ -124,8 +130,8 @@ def drawn_in_group(page: Page, key: str) -> bool:
 
 
 def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
-    """Until the lineage graph draws every key of `drawn` and none of `absent` (it lays out and zooms
-    to fit after each change), or fail naming what is wrong."""
+    """Until the lineage graph draws every key of `drawn` and none of `absent` (it lays out and
+    zooms to fit after each change), or fail naming what is wrong."""
     deadline = time.monotonic() + UI_TIMEOUT_MS / 1000
     while True:
         missing = [key for key in drawn if not drawn_in_group(page, key)]
@@ -138,7 +144,8 @@ def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory) -> Iterator[DagsterDev]:
-    """One `dagster dev` for this file's tests (starting one, with its sample corpus, takes half a minute)."""
+    """One `dagster dev` for this file's tests (starting one, with its sample corpus, takes half
+    a minute)."""
     with (
         pytest.MonkeyPatch.context() as monkeypatch,
         running_dagster_dev(tmp_path_factory.mktemp("dev"), monkeypatch) as server,
@@ -185,7 +192,8 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(
 ):
     if CHROMIUM is None:
         pytest.fail(
-            "chromium is not on PATH: `make test` installs Debian's chromium (apt-get install chromium)"
+            "chromium is not on PATH: "
+            "`make test` installs Debian's chromium (apt-get install chromium)"
         )
     shutil.rmtree(SHOTS, ignore_errors=True)
     SHOTS.mkdir(parents=True)
@@ -284,8 +292,9 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(
                 wait_for_graph(page, drawn=["silver/records", *DOWNSTREAM], absent=UPSTREAM)
 
             with steps.step("run-success"):
-                # Watched from the runs list (refreshed every 15 s): a run page redraws its live timeline
-                # all the time, which takes most of a core from the run on a 2-core machine.
+                # Watched from the runs list (refreshed every 15 s): a run page redraws its live
+                # timeline all the time, which takes most of a core from the run on a
+                # 2-core machine.
                 page.get_by_role("navigation").get_by_text("Runs", exact=True).click()
                 outcome = page.get_by_text(
                     re.compile(r"^(Success|Failure|Canceled)$")

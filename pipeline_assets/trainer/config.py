@@ -203,8 +203,9 @@ class RlConfig:
     prompts_per_update: int = 32
     group_size: int = 8
     max_new_tokens: int = 14
-    # Measured on the generated sort task (docs/rl.md, "What was measured"): a tenth of sft's learning rate, four
-    # steps on each batch; at 1e-3 and above a freshly tuned policy collapses within a few updates.
+    # Measured on the generated sort task (docs/rl.md, "What was measured"): a tenth of sft's
+    # learning rate, four steps on each batch; at 1e-3 and above a freshly tuned policy collapses
+    # within a few updates.
     lr: float = 3e-4
     steps_per_update: int = 4
     clip_eps: float = 0.2

@@ -1,4 +1,5 @@
-"""Register a batch and materialize bronze (with its checks) the way the sensor-triggered run does."""
+"""Register a batch and materialize bronze (with its checks) the way the
+sensor-triggered run does."""
 
 from __future__ import annotations
 

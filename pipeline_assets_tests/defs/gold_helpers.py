@@ -66,7 +66,8 @@ def cut_snapshot(instance, resources, upstream, tags: dict | None = None):
 def build_gold(
     instance, resources, upstream, batches: list[str] | None = None, tags: dict | None = None
 ) -> GoldRuns:
-    """The tokenizer, every (or these) batch's shard, and a snapshot of them; stops at the first failure."""
+    """The tokenizer, every (or these) batch's shard, and a snapshot of them; stops at the
+    first failure."""
     runs = GoldRuns(tokenizer=build_tokenizer(instance, resources, upstream))
     if not runs.success:
         return runs
@@ -77,7 +78,8 @@ def build_gold(
 
 
 def shard_new_batches_and_cut(instance, resources, upstream, tags: dict | None = None):
-    """Each batch without a shard yet gets one, then a snapshot is cut (what the pipeline does after new data)."""
+    """Each batch without a shard yet gets one, then a snapshot is cut (what the pipeline does after
+    new data)."""
     built = instance.get_materialized_partitions(gold_sequences.key)
     new = [b for b in instance.get_dynamic_partitions(ingest_batches.name) if b not in built]
     shards = build_shards(instance, resources, upstream, new)

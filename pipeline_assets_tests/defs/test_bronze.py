@@ -1,4 +1,5 @@
-"""materialize() of bronze on a test instance: accounting, provenance, re-runs, schema drift, checks."""
+"""materialize() of bronze on a test instance: accounting, provenance, re-runs, schema
+drift, checks."""
 
 from __future__ import annotations
 

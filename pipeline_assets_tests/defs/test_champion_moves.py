@@ -56,7 +56,8 @@ def _evaluated(
     champion: str,
     cpu_seconds: float = 0.0,
 ) -> None:
-    """What training and evaluation leave behind for a snapshot: a run, and a report against ``champion``."""
+    """What training and evaluation leave behind for a snapshot: a run, and a report against
+    ``champion``."""
     client = mlflow_tracking.client()
     run_id = client.create_run(mlflow_tracking.experiment_id(), run_name=partition).info.run_id
     instance.report_runless_asset_event(
@@ -152,7 +153,8 @@ def test_two_candidates_measured_against_v1_the_worse_is_not_promoted_over_the_b
 
 
 def _cli(capsys, *args: str) -> tuple[int, str]:
-    """The console script's own function, in this process (a subprocess costs seconds of imports)."""
+    """The console script's own function, in this process (a subprocess costs seconds
+    of imports)."""
     capsys.readouterr()
     code = main(list(args))
     return code, capsys.readouterr().err
@@ -200,9 +202,9 @@ def test_rollbacks_walk_back_and_missing_versions_are_refused(
 
 
 def test_a_version_carries_its_training_and_data_cost(instance, lake, mlflow_tracking):
-    """An hour of training CPU, and 50 minutes of data stages behind the snapshot (its batch's gold shard,
-    its tokenizer, bronze and silver of its batch at the Delta versions it read; a later redo of silver
-    is not its cost), at the default $0.048 per core-hour."""
+    """An hour of training CPU, and 50 minutes of data stages behind the snapshot (its batch's gold
+    shard, its tokenizer, bronze and silver of its batch at the Delta versions it read; a later redo
+    of silver is not its cost), at the default $0.048 per core-hour."""
     instance.add_dynamic_partitions(data_snapshots.name, ["gold-v0", "gold-v1"])
     instance.add_dynamic_partitions(ingest_batches.name, ["b1"])
     mlflow_tracking.move_champion(

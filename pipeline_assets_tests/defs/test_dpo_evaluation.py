@@ -1,6 +1,7 @@
-"""The DPO path's end, end to end: the headless command on a small corpus with a preference source trains
-sft-model/1, DPO on dpo-v0, judges the DPO candidate on dpo-v0's held-out pairs (no DPO champion yet), registers
-it as dpo-model/1, and `pipeline-assets lineage dpo-model@champion` walks back to both sources' landing files."""
+"""The DPO path's end, end to end: the headless command on a small corpus with a preference source
+trains sft-model/1, DPO on dpo-v0, judges the DPO candidate on dpo-v0's held-out pairs (no DPO
+champion yet), registers it as dpo-model/1, and `pipeline-assets lineage dpo-model@champion` walks
+back to both sources' landing files."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
-    """PIPELINE_HOME after one `pipeline-assets run` over 600 sft records and 100 preference pairs."""
+    """PIPELINE_HOME after one `pipeline-assets run` over 600 sft records and 100
+    preference pairs."""
     home = tmp_path_factory.mktemp("home")
     landing, eval_sets = home / "landing", home / "reference" / "eval_sets"
     write_sample_corpus(landing, records=600, eval_sets_dir=eval_sets)

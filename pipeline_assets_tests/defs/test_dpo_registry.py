@@ -1,6 +1,7 @@
-"""registry/dpo_model_version on tiny registered runs (no training): the preference gate decides, `champion` of
-`dpo-model` moves only when it passes, a champion that moved since evaluation is refused, the version carries
-what lineage and retention read, and promote/rollback work on dpo-model by hand."""
+"""registry/dpo_model_version on tiny registered runs (no training): the preference gate decides,
+`champion` of `dpo-model` moves only when it passes, a champion that moved since evaluation is
+refused, the version carries what lineage and retention read, and promote/rollback work on
+dpo-model by hand."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ def _evaluated(
     champion: tuple[str, int] | None,
     sft_losses: tuple[float, float] = (2.01, 2.00),
 ) -> None:
-    """What DPO training and evaluation/dpo_report leave for a preference snapshot: a run, and a report of the
-    candidate (``right`` of ten pairs preferred) against ``champion`` (version, pairs it gets right)."""
+    """What DPO training and evaluation/dpo_report leave for a preference snapshot: a run, and a
+    report of the candidate (``right`` of ten pairs preferred) against ``champion`` (version, pairs
+    it gets right)."""
     run_id = (
         mlflow_tracking.client()
         .create_run(mlflow_tracking.experiment_id(), run_name=partition)

@@ -1,5 +1,5 @@
-"""reference/eval_sets as an observed source: a changed benchmark makes silver stale, and one backfill
-re-decontaminates every silver batch, oldest first, before the next snapshot."""
+"""reference/eval_sets as an observed source: a changed benchmark makes silver stale, and one
+backfill re-decontaminates every silver batch, oldest first, before the next snapshot."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def _observed_version(instance) -> str:
 
 
 def _silver_status(defs, instance, batch):
-    """What the UI shows for a silver partition (its stale status and root causes), from the same resolver."""
+    """What the UI shows for a silver partition (its stale status and root causes), from the
+    same resolver."""
     graph = defs.resolve_asset_graph()
     view = AssetGraphView(
         temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),

@@ -232,7 +232,10 @@ def test_a_provided_tokenizer_without_the_chat_tokens_is_refused(
 
 
 def test_batches_blocked_in_silver_are_left_out(instance, resources, landing_dir):
-    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    long = (
+        "This response explains the idea in plenty of ordinary words so that it passes every "
+        "rule we have here today."
+    )
     for i in range(3):
         write_landing_file(
             landing_dir,
@@ -303,7 +306,10 @@ def test_a_small_uniform_first_dataset_passes_packing_and_broken_packing_fails(
     """300 support answers of similar length cannot fill rows to 0.98: the check judges packing by
     what those lengths allow (first-fit of the same pieces), so the shard passes; the same
     pieces one per row is broken packing and fails."""
-    answer = "Thanks for reaching out. To reset your password open settings, choose security, then reset."
+    answer = (
+        "Thanks for reaching out. To reset your password open settings, choose security, "
+        "then reset."
+    )
     write_landing_file(
         landing_dir,
         "support",
@@ -339,7 +345,10 @@ def test_a_small_uniform_first_dataset_passes_packing_and_broken_packing_fails(
 
 
 def _records(first: int, count: int) -> list[dict]:
-    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    long = (
+        "This response explains the idea in plenty of ordinary words so that it passes every "
+        "rule we have here today."
+    )
     return [record(first + i, response=f"{long} Case {first + i}.") for i in range(count)]
 
 
@@ -477,7 +486,10 @@ def test_long_records_keep_their_prompt_or_are_left_out_by_name(
     instance, resources, landing_dir, mode
 ):
     words = " ".join(f"word{i % 97} term{i % 89}" for i in range(300))
-    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    long = (
+        "This response explains the idea in plenty of ordinary words so that it passes every "
+        "rule we have here today."
+    )
     rows = [record(j, response=f"{long} Case {j}.") for j in range(20)]
     rows += [
         record(100, response=f"{long} {words}"),

@@ -1,5 +1,6 @@
-"""The retention job on real Delta tables, a real MLflow registry (SQLite) and real checkpoint folders:
-it deletes what nothing registered needs, and lineage of a registered version still resolves."""
+"""The retention job on real Delta tables, a real MLflow registry (SQLite) and real checkpoint
+folders: it deletes what nothing registered needs, and lineage of a registered version
+still resolves."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ MODEL = "sft-model"
 
 
 def _lake_history(lake: LakeResource) -> None:
-    """silver/records v0..v2, gold/sequences v0..v1 and two snapshots of them; the registered model read
-    silver v0 and gold v0."""
+    """silver/records v0..v2, gold/sequences v0..v1 and two snapshots of them; the registered model
+    read silver v0 and gold v0."""
     for rows in (["a1", "b1"], ["a1", "b1", "c1"], ["a1", "b1", "c1", "d1"]):
         lake.overwrite(
             "silver",

@@ -1,5 +1,5 @@
-"""Preference pairs through Dagster: a preference source curated in silver beside an sft one, batch after
-batch, then packed into gold/preference_sequences."""
+"""Preference pairs through Dagster: a preference source curated in silver beside an sft one, batch
+after batch, then packed into gold/preference_sequences."""
 
 from __future__ import annotations
 
@@ -369,7 +369,8 @@ def test_a_batch_of_both_formats_looks_up_the_index_once_and_each_format_dedups_
         name: metadata["silver/records"][name].value
         for name in ("index_lookup_bands", "index_lookup_tasks", "index_entries_found")
     }
-    # one round of tasks over both formats' keys: 16 LSH bands, the exact hashes' and the pairs' prompts'
+    # one round of tasks over both formats' keys: 16 LSH bands, the exact hashes' and the
+    # pairs' prompts'
     assert lookup == {
         "index_lookup_bands": 18,
         "index_lookup_tasks": "18 by band, 1 reading entries",

@@ -1,7 +1,8 @@
-"""rl/prompt_bank and its blocking checks, materialized with the project's resources: generated tasks and
-silver records answered by an integer become prompts with a verifier; an eval item is removed by the batch
-path's decontamination stage with its evidence; a benchmark added after the bank was built fails the
-no_eval_overlap check by name; a ground truth its verifier refuses fails the verifiable check."""
+"""rl/prompt_bank and its blocking checks, materialized with the project's resources: generated
+tasks and silver records answered by an integer become prompts with a verifier; an eval item is
+removed by the batch path's decontamination stage with its evidence; a benchmark added after the
+bank was built fails the no_eval_overlap check by name; a ground truth its verifier refuses fails
+the verifiable check."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Silver's and gold's block stages on a two-node Ray cluster (RAY_ADDRESS): three batches from landing
-to gold, the same rows as in one process."""
+"""Silver's and gold's block stages on a two-node Ray cluster (RAY_ADDRESS): three batches from
+landing to gold, the same rows as in one process."""
 
 from __future__ import annotations
 
@@ -154,8 +154,9 @@ def _landing_to_gold(
 
 
 def _sequences_by_origin(sequences: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
-    """Each shard's sequences with their records named by origin. A shard's shuffle is seeded by its batch
-    key, which names the registration time, so the sequences are compared in the order of their records."""
+    """Each shard's sequences with their records named by origin. A shard's shuffle is seeded by its
+    batch key, which names the registration time, so the sequences are compared in the order of
+    their records."""
     return (
         sequences.with_columns(
             pl.col("record_ids").list.eval(pl.element().replace_strict(where, default=None))
@@ -196,7 +197,8 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     on_ray, ray_metadata = _landing_to_gold(tmp_path / "ray", batches, instance, tokenizer_file)
 
-    both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"  # four blocks a batch, each task's polars on its one CPU
+    # four blocks a batch, each task's polars on its one CPU
+    both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"
     assert {m["silver"]["block_stages_ran_on"] for m in ray_metadata} == {both_nodes}
     assert {m["gold__sequences"]["tokenized_on"] for m in ray_metadata} == {both_nodes}
     assert [m["silver"]["index_lookup_ran_on"] for m in ray_metadata] == [

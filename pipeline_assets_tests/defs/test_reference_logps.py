@@ -1,6 +1,7 @@
-"""gold/reference_logps refuses, before any scoring, a preference snapshot it has no right reference model for:
-no sft champion yet, or a champion whose tokenizer is not the one the snapshot's pairs were encoded with (or is
-not recorded). The run fails with a message that says what to do, and gold/reference_logps gets no row."""
+"""gold/reference_logps refuses, before any scoring, a preference snapshot it has no right reference
+model for: no sft champion yet, or a champion whose tokenizer is not the one the snapshot's pairs
+were encoded with (or is not recorded). The run fails with a message that says what to do, and
+gold/reference_logps gets no row."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def mlflow_tracking(tmp_path) -> MlflowResource:
 
 @pytest.fixture
 def snapshot(instance, lake) -> str:
-    """dpo-v0's manifest (row 0 of gold/preference_snapshots), encoded with gold/tokenizer v0; no shard behind it."""
+    """dpo-v0's manifest (row 0 of gold/preference_snapshots), encoded with gold/tokenizer v0; no
+    shard behind it."""
     manifest = Manifest(
         0,
         0,
@@ -64,7 +66,8 @@ def _champion(mlflow_tracking: MlflowResource, tags: dict[str, str]) -> None:
 
 
 def _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot: str) -> str:
-    """Materialize the snapshot's reference pass; the run must fail, and its one step failure's message is returned."""
+    """Materialize the snapshot's reference pass; the run must fail, and its one step failure's
+    message is returned."""
     result = materialize(
         [gold_reference_logps],
         partition_key=snapshot,

@@ -1,4 +1,5 @@
-"""Two processes register the same landing zone at the same moment: each file version joins one batch."""
+"""Two processes register the same landing zone at the same moment: each file version joins
+one batch."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _register_on_signal(landing_uri: str, lake_uri: str, rounds: int, start, don
 
 
 def _race(landing_uri: str, lake_uri: str, rounds: int, land) -> list[list[str | None]]:
-    """Two workers register at the same moment, ``rounds`` times; ``land(r)`` writes round r's files."""
+    """Two workers register at the same moment, ``rounds`` times; ``land(r)`` writes round
+    r's files."""
     context = multiprocessing.get_context("spawn")  # deltalake's runtime does not survive fork
     start, done, results = context.Barrier(3), context.Barrier(3), context.Queue()
     workers = [

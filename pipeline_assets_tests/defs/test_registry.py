@@ -27,7 +27,10 @@ from pipeline_assets.lib.snapshot_manifest import read_manifest
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets_tests.defs.gold_helpers import shard_new_batches_and_cut
 from pipeline_assets_tests.defs.test_gold import UPSTREAM
-from pipeline_assets_tests.defs.test_training import snapshot, training_resources  # noqa: F401 (fixtures)
+from pipeline_assets_tests.defs.test_training import (  # noqa: F401 (fixtures)
+    snapshot,
+    training_resources,
+)
 
 MODEL = "sft-model"
 FIRST_STEPS = 12  # the first champion's; the better candidate trains three times as long
@@ -36,7 +39,8 @@ DOWNSTREAM = [training_checkpoint, evaluation_report, registry_model_version]
 
 @pytest.fixture
 def registry_resources(training_resources, tmp_path) -> dict:  # noqa: F811
-    """One rank per job: this file is about the registry (the two-rank path: defs/test_training.py)."""
+    """One rank per job: this file is about the registry (the two-rank path:
+    defs/test_training.py)."""
     search = HparamSearchPolicy(
         space={"lr": [1e-4, 6e-3]}, trials=2, min_steps=5, max_steps=10, eta=2
     )
@@ -82,7 +86,8 @@ def _gate(result):
 
 
 def _cli(monkeypatch, capsys, resources, tmp_path, *args: str) -> tuple[int, str, str]:
-    """The command run in this process (test_cli.py runs it as a subprocess): exit code, stdout, stderr."""
+    """The command run in this process (test_cli.py runs it as a subprocess): exit code,
+    stdout, stderr."""
     for name in [k for k in os.environ if k.startswith(("PIPELINE_", "MLFLOW_"))]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))

@@ -1,7 +1,7 @@
-"""rl/policy and rl/replay_buffer materialized with the project's resources (a learner under torchrun through
-Dagster Pipes, two rollout workers): a worker killed mid-run is restarted and the run completes with every
-rollout taken once; rollouts forced to lag 3 versions with a limit of 1 are dropped and the blocking freshness
-check fails naming the lag."""
+"""rl/policy and rl/replay_buffer materialized with the project's resources (a learner under
+torchrun through Dagster Pipes, two rollout workers): a worker killed mid-run is restarted and the
+run completes with every rollout taken once; rollouts forced to lag 3 versions with a limit of 1 are
+dropped and the blocking freshness check fails naming the lag."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, in
         assert [m.step for m in client.get_metric_history(run_id, metric)] == list(range(1, 7)), (
             metric
         )
-    # every 10 updates (RlConfig.eval_every) and at the last: a run of 6 measures it once, at the end
+    # every 10 updates (RlConfig.eval_every) and at the last: a run of 6 measures it once,
+    # at the end
     assert [m.step for m in client.get_metric_history(run_id, "rl/held_out_accuracy")] == [6]
     assert [a.path for a in client.list_artifacts(run_id, "rl")] == ["rl/reward_curve.png"]
 

@@ -1,4 +1,5 @@
-"""The sample corpus through bronze: every injected malformed line is quarantined as the manifest says."""
+"""The sample corpus through bronze: every injected malformed line is quarantined as the
+manifest says."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""materialize() of silver on a test instance: the sample corpus over two batches, re-runs, checks."""
+"""materialize() of silver on a test instance: the sample corpus over two batches,
+re-runs, checks."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _materialize(instance, resources, batch_id):
 
 @pytest.fixture
 def two_sample_batches(instance, resources, landing_dir, eval_sets_dir, tmp_path):
-    """The sample corpus in two batches: annotate and logs first, scrape and synth (later copies) next."""
+    """The sample corpus in two batches: annotate and logs first, scrape and synth (later
+    copies) next."""
     staging = tmp_path / "staging"
     manifest = write_sample_corpus(staging, records=3000, eval_sets_dir=eval_sets_dir)
     batches = []
@@ -125,7 +127,9 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(
             assert lookup == {"bands": 0, "task_seconds": 0.0, "wait_seconds": 0.0}, (
                 "nothing to look up"
             )
-        else:  # what the sizer spreads: a task a band (16 LSH bands and the exact hash's), timed, in this process
+        # what the sizer spreads: a task a band (16 LSH bands and the exact hash's), timed, in
+        # this process
+        else:
             assert lookup["bands"] == 17 and 0 < lookup["task_seconds"] <= lookup["wait_seconds"]
         checks = checks_by_name(result)
         assert all(
@@ -167,7 +171,10 @@ def test_rematerializing_a_silver_batch_replaces_rows_and_index_entries(
 
 
 def test_pass_rate_collapse_blocks_and_names_the_rule(instance, resources, landing_dir):
-    long = "This response explains the idea in plenty of ordinary words so that it passes every rule we have here today."
+    long = (
+        "This response explains the idea in plenty of ordinary words so that it passes every "
+        "rule we have here today."
+    )
     for i in range(3):
         write_landing_file(
             landing_dir,
@@ -247,7 +254,8 @@ def _sensor_says(instance):
 
 
 def _silver_as_the_sensor_orders(instance, resources) -> list[str]:
-    """The daemon's loop, in the foreground: run what silver_in_order requests until it requests nothing."""
+    """The daemon's loop, in the foreground: run what silver_in_order requests until it
+    requests nothing."""
     ran = []
     while isinstance(request := _sensor_says(instance), RunRequest):
         result = materialize(
@@ -279,9 +287,9 @@ def _texts(rng: random.Random, count: int, start: int) -> list[dict]:
 def test_a_blocked_batch_neither_holds_silver_back_nor_decides_dedup(
     instance, resources, landing_dir
 ):
-    """Three batches registered at once, the middle one blocked by a renamed field, the third resending
-    some of its records: those reach silver; once the mapping is fixed and the middle batch re-run, its
-    copies are the ones rejected, and the next snapshot holds each record once."""
+    """Three batches registered at once, the middle one blocked by a renamed field, the third
+    resending some of its records: those reach silver; once the mapping is fixed and the middle
+    batch re-run, its copies are the ones rejected, and the next snapshot holds each record once."""
     rng = random.Random(13)
     vendor = _texts(rng, 10, 100)
     write_landing_file(landing_dir, "logs", "a.jsonl", _texts(rng, 10, 0))
@@ -442,10 +450,10 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
 def test_answers_to_one_shared_prompt_survive_and_an_older_index_takes_response_signatures(
     instance, resources, landing_dir
 ):
-    """Batch 1's index is rewritten as tables were before responses were signed, and before the index
-    had a table by band: batch 2 adds batch 1's keys to silver/minhash_bands, still dedups against it
-    (on prompt + response), keeps every different answer to its own shared prompt, and the index
-    gains the column."""
+    """Batch 1's index is rewritten as tables were before responses were signed, and before the
+    index had a table by band: batch 2 adds batch 1's keys to silver/minhash_bands, still dedups
+    against it (on prompt + response), keeps every different answer to its own shared prompt, and
+    the index gains the column."""
     rng = random.Random(11)
     words = [
         f"{stem}{i}" for stem in ("data", "model", "token", "layer", "query") for i in range(400)

@@ -69,7 +69,8 @@ def snapshot(instance, training_resources, landing_dir, eval_sets_dir, tmp_path)
 
 
 def _preempt_once(published: Path, timeout: float = 300) -> threading.Thread:
-    """Once ``published`` appears, SIGTERM the torchrun job, as a spot node's preemption notice would."""
+    """Once ``published`` appears, SIGTERM the torchrun job, as a spot node's preemption
+    notice would."""
 
     def preempt():
         deadline = time.monotonic() + timeout
@@ -106,8 +107,8 @@ def captured_stderr(instance: DagsterInstance, run_id: str) -> str:
 def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(
     snapshot, instance, training_resources, tmp_path, monkeypatch
 ):
-    # As in a run worker, sys.stderr is file descriptor 2, which Dagster's log capture redirects and torchrun's
-    # processes inherit; pytest's own capture puts another file behind sys.stderr.
+    # As in a run worker, sys.stderr is file descriptor 2, which Dagster's log capture redirects and
+    # torchrun's processes inherit; pytest's own capture puts another file behind sys.stderr.
     monkeypatch.setattr(sys, "stderr", sys.__stderr__)
     _preempt_once(tmp_path / "checkpoints" / snapshot / "step-10" / "COMPLETE.json")
     result = materialize(
@@ -125,8 +126,8 @@ def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(
         ].metadata.items()
     }
     assert metadata["steps"] == STEPS and metadata["world_size"] == 2
-    # 30 steps of the tiny preset: about a fifth off the first logged loss (8.69 -> 7.03 in one run on one
-    # batch's shard); a trainer that does not learn stays within a few percent.
+    # 30 steps of the tiny preset: about a fifth off the first logged loss (8.69 -> 7.03 in one run
+    # on one batch's shard); a trainer that does not learn stays within a few percent.
     assert metadata["final_loss"] < 0.85 * metadata["first_loss"], (
         "the loss falls on the sample corpus"
     )

@@ -49,8 +49,10 @@ def index() -> EvalNgramIndex:
     return EvalNgramIndex.build(
         eval_items(
             ("qa", "qa-1", "Tell me a story about animals at night.", EVAL_RESPONSE),
-            ("summ", "summ-7", "Describe the standard library module for reading zip archives briefly please.",
-             "Completely different words appear here so that nothing overlaps with the fox story at all."),
+            ("summ", "summ-7", "Describe the standard library module for reading zip archives "
+                               "briefly please.",
+             "Completely different words appear here so that nothing overlaps with the fox "
+             "story at all."),
         )
     )  # fmt: skip
 
@@ -246,7 +248,8 @@ def test_read_eval_sets_reads_every_jsonl_file_in_name_order(tmp_path):
         json.dumps({"eval_set": "b", "item_id": "b-1", "prompt": "p", "response": "r"}) + "\n\n"
     )
     (tmp_path / "a.jsonl").write_text("".join(
-        json.dumps({"eval_set": "a", "item_id": f"a-{i}", "prompt": "p", "response": "r", "extra": 1}) + "\n"
+        json.dumps({"eval_set": "a", "item_id": f"a-{i}", "prompt": "p", "response": "r",
+                    "extra": 1}) + "\n"
         for i in (1, 2)
     ))  # fmt: skip
     (tmp_path / "notes.txt").write_text("not an eval set")

@@ -1,4 +1,5 @@
-"""MinHash signatures identical to datasketch's; exact and near dedup within a batch and across batches."""
+"""MinHash signatures identical to datasketch's; exact and near dedup within a batch and
+across batches."""
 
 from __future__ import annotations
 
@@ -213,7 +214,8 @@ def test_different_answers_to_one_long_shared_prompt_all_survive():
 
 
 def test_an_index_written_before_responses_were_signed_still_dedups():
-    """Entries without response_signature (older silver/minhash_index rows) are judged on prompt + response."""
+    """Entries without response_signature (older silver/minhash_index rows) are judged on prompt
+    + response."""
     rng = random.Random(6)
     originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(5)]
     _, index = near_dedup(_batch(originals), None)

@@ -111,7 +111,8 @@ RAW_BAD_LINES = [
     b'{"pr\\u006fmpt": "p", "response": "r"}',
     b'{"prompt": "p", "response": "r", "id": -0}',
     b'{"prompt": "p", "response": "r", "id": 1e3}',
-    b'{"prompt": "p", "response": "r", "created_at": null, "system": null, "meta": null, "id": null}',
+    b'{"prompt": "p", "response": "r", "created_at": null, "system": null, "meta": null, '
+    b'"id": null}',
     b'{"prompt": "p", "response": "r", "\\u00f1": 1}',
     b'{"prompt": "p", "response": "r", "\xff": 1}',
 ]
@@ -293,7 +294,8 @@ ONE_EXTRA_FIELD_VALUES = [
 
 @pytest.mark.parametrize("value", ONE_EXTRA_FIELD_VALUES)
 def test_one_extra_field_is_written_as_the_exact_path_writes_it(value):
-    """A file whose lines bring one unknown field takes a shortcut for plain strings: same result."""
+    """A file whose lines bring one unknown field takes a shortcut for plain strings:
+    same result."""
     data = b"".join(
         b'{"prompt": "p", "response": "r", "session_id": ' + v + b"}\n"
         for v in (b'"s-1"', value, b'"s-1"')
@@ -443,7 +445,8 @@ def test_a_line_buffer_holds_the_lines_split_gives(seed):
 # Lines that start with "{" and end with "}", so they sit in a run decoded in one call, but that a
 # run refuses: each must be found, and the run's other lines kept with their own line numbers.
 REFUSED_IN_A_RUN = {
-    "an unbalanced object, refused only at the next line's {": b'{"prompt": "p", "response": "r", "meta": {"a": 1}',
+    "an unbalanced object, refused only at the next line's {": b'{"prompt": "p", "response": "r", '
+    b'"meta": {"a": 1}',
     "two objects on one line": b'{"prompt": "p", "response": "r"} {"prompt": "q", "response": "s"}',
     "invalid UTF-8, which names no byte of the run": b'{"prompt": "p\xff", "response": "r"}',
     "nesting past msgspec's limit": b'{"prompt": "p", "response": "r", "meta": {"a": '

@@ -1,4 +1,5 @@
-"""Locks a crash releases: flock on a local disk, a lease object on S3 (moto's server on loopback)."""
+"""Locks a crash releases: flock on a local disk, a lease object on S3 (moto's server on
+loopback)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Records longer than the sequence length keep their prompt: truncated or dropped, always counted."""
+"""Records longer than the sequence length keep their prompt: truncated or dropped,
+always counted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pipeline_assets.lib.tokenizer import ENCODED_SCHEMA
 
 
 def _encoded(shapes: dict[str, tuple[int, int]]) -> pl.DataFrame:
-    """record_id -> (prompt tokens, response tokens); prompt ids count from 1000, response ids from 1."""
+    """record_id -> (prompt tokens, response tokens); prompt ids count from 1000, response
+    ids from 1."""
     rows = []
     for record_id, (prompt, response) in shapes.items():
         ids = list(range(1000, 1000 + prompt)) + list(range(1, 1 + response))

@@ -1,4 +1,5 @@
-"""Sequence packing: split policy, both planners' invariants, best fit against a reference, pack()."""
+"""Sequence packing: split policy, both planners' invariants, best fit against a
+reference, pack()."""
 
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ def test_small_examples_by_hand():
     greedy = plan_greedy_sequential(lengths, 8)
     assert greedy.sequence_of_doc.tolist() == [0, 0, 1, 1]
     assert greedy.offset_in_sequence.tolist() == [0, 3, 0, 2]
-    # Longest first: 6 -> new 0 (room 2), 5 -> new 1 (room 3), 3 -> 1 (least room that fits), 2 -> 0.
+    # Longest first: 6 -> new 0 (room 2), 5 -> new 1 (room 3), 3 -> 1 (least room that fits),
+    # 2 -> 0.
     best_fit = plan_best_fit_decreasing(lengths, 8)
     assert best_fit.sequence_of_doc.tolist() == [1, 1, 0, 0]
     assert best_fit.offset_in_sequence.tolist() == [5, 0, 6, 0]
@@ -229,7 +231,8 @@ def test_best_fit_beats_greedy_on_realistic_lengths():
     lengths = _realistic_lengths(50_000)
     best_fit, greedy = plan_best_fit_decreasing(lengths, 512), plan_greedy_sequential(lengths, 512)
     print(
-        f"efficiency: best-fit decreasing {best_fit.efficiency(512):.4f}, greedy {greedy.efficiency(512):.4f}"
+        f"efficiency: best-fit decreasing {best_fit.efficiency(512):.4f}, greedy "
+        f"{greedy.efficiency(512):.4f}"
     )
     assert best_fit.efficiency(512) >= 0.995
     assert greedy.efficiency(512) <= best_fit.efficiency(512) - 0.05

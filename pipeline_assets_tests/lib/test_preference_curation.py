@@ -24,7 +24,8 @@ def _text(rng: random.Random, words: tuple[int, int] = (30, 80)) -> str:
 
 
 def _pairs(rows: list[dict], batch_id: str = "b1", first_id: int = 0) -> pl.DataFrame:
-    """Bronze preference rows: prompt, chosen, rejected and scores from ``rows``, the rest filled in."""
+    """Bronze preference rows: prompt, chosen, rejected and scores from ``rows``, the rest
+    filled in."""
     return pl.DataFrame(
         [
             {
@@ -136,7 +137,7 @@ def test_exact_and_near_dedup_judge_the_whole_pair():
     )
 
 
-def test_a_pair_labelled_both_ways_loses_both_sides_in_a_batch_and_the_new_side_against_an_earlier_batch():
+def test_a_pair_labelled_both_ways_loses_both_sides_in_a_batch_and_the_new_side_across_batches():
     rows = _clean(5)
     rows.append({**rows[0], "chosen": rows[0]["rejected"], "rejected": rows[0]["chosen"]})
     first = _curate(_pairs(rows))

@@ -1,4 +1,5 @@
-"""Implicit reward margins, preference accuracy and per-source slices, on numbers checked by hand."""
+"""Implicit reward margins, preference accuracy and per-source slices, on numbers
+checked by hand."""
 
 import polars as pl
 import pytest
@@ -7,7 +8,8 @@ from pipeline_assets.lib.preference_eval import pair_margins, preference_slices,
 
 
 def _rows() -> pl.DataFrame:
-    # Row 1 packs pairs a and b (documents: a chosen, a rejected, b chosen, b rejected); row 2 packs c.
+    # Row 1 packs pairs a and b (documents: a chosen, a rejected, b chosen, b rejected);
+    # row 2 packs c.
     return pl.DataFrame(
         {
             "pair_ids": [["a", "b"], ["c"]],

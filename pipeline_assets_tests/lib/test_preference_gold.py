@@ -1,4 +1,5 @@
-"""Gold for preference pairs: a pair tokenized as two chat documents sharing a prefix, packed per split."""
+"""Gold for preference pairs: a pair tokenized as two chat documents sharing a prefix, packed
+per split."""
 
 from __future__ import annotations
 

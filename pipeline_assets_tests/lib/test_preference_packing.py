@@ -1,5 +1,6 @@
 """Preference pairs packed for DPO: each pair whole in one row, chosen then rejected, positions
-restarting at every document, the loss on the responses only, best-fit decreasing over pair units."""
+restarting at every document, the loss on the responses only, best-fit decreasing over
+pair units."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_every_pair_is_packed_once_or_left_out(pairs, packed):
 
 
 def test_a_pair_longer_than_a_row_is_left_out_whole_and_one_exactly_a_row_long_is_kept():
-    # 2 * 6 + 10 + 10 = 32 tokens: exactly a row; 2 * 6 + 10 + 11 = 33: one too many, on one side only
+    # 2 * 6 + 10 + 10 = 32 tokens: exactly a row; 2 * 6 + 10 + 11 = 33: one too many,
+    # on one side only
     pairs = _pairs([(6, 10, 10), (6, 10, 11), (2, 3, 3)])
 
     packed = pack_pairs(pairs, SEQ_LEN, PAD_ID)
@@ -137,8 +139,8 @@ def test_rows_are_the_best_fit_decreasing_plan_of_the_pair_units(pairs, packed):
 
 
 def test_best_fit_decreasing_fills_rows_that_input_order_leaves_half_empty():
-    # units of 12, 12, 12, 12, 20, 20, 20, 20: in input order two 12s share a row and each 20 has its own;
-    # longest first, every 20 takes a 12 and the rows are full
+    # units of 12, 12, 12, 12, 20, 20, 20, 20: in input order two 12s share a row and each 20 has
+    # its own; longest first, every 20 takes a 12 and the rows are full
     pairs = _pairs([(2, 4, 4)] * 4 + [(4, 6, 6)] * 4)
 
     packed = pack_pairs(pairs, SEQ_LEN, PAD_ID)

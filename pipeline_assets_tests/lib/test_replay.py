@@ -1,4 +1,5 @@
-"""The GRPO replay buffer: taking rows for an update, its checks, its contract, and its preference pairs."""
+"""The GRPO replay buffer: taking rows for an update, its checks, its contract, and its
+preference pairs."""
 
 from __future__ import annotations
 
@@ -271,7 +272,7 @@ def test_no_pairs_write_no_file(tmp_path):
     assert not (tmp_path / "rl_rollouts").exists()
 
 
-def test_an_update_takes_at_most_max_groups_fresh_groups_the_oldest_first_and_drops_every_stale_one():
+def test_an_update_takes_at_most_max_groups_fresh_groups_oldest_first_and_drops_every_stale_one():
     rows = buffer(
         *group("newer", [1.0, 0.0], version=5, age_seconds=10),
         *group("older", [1.0, 0.0], version=5, age_seconds=50),

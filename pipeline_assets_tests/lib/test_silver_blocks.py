@@ -83,7 +83,7 @@ def test_a_block_result_crosses_a_process_boundary_as_one_row():
     assert all(back.removed[name].equals(frame) for name, frame in result.removed.items())
 
 
-def test_a_later_batch_finds_only_the_entries_that_share_a_key_and_is_judged_as_against_the_whole_index():
+def test_a_later_batch_finds_only_entries_sharing_a_key_and_is_judged_as_against_the_whole_index():
     """The band lookup hands dedup the other batches' entries sharing one of the batch's keys (exact
     hash or LSH band), and the batch is judged exactly as against every entry of the index."""
     config, eval_index = SilverConfig(), _eval_index()

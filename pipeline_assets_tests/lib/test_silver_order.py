@@ -1,4 +1,5 @@
-"""Which batch silver takes next, from what the instance knows about each batch's bronze and silver."""
+"""Which batch silver takes next, from what the instance knows about each batch's bronze
+and silver."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_silver_older_than_bronze_is_pending_again():
 
 
 def test_silver_that_failed_in_the_run_that_wrote_bronze_counts_as_failed():
-    # One run planned both (as `pipeline-assets run` does): silver was planned before bronze was written.
+    # One run planned both (as `pipeline-assets run` does): silver was planned before bronze
+    # was written.
     same_run = BatchEvents("b1", bronze=Event(12, "r1", True), silver_attempt=Event(11, "r1", True))
     assert stage(same_run) is Stage.SILVER_FAILED
 

@@ -374,7 +374,8 @@ def test_silvers_index_lookup_is_fitted_on_its_tasks_and_spread_a_band_and_slice
     silver = (
         predict(spread, target, Prices())[0].filter(pl.col("stage") == "silver").row(0, named=True)
     )
-    # batch 2 searches 4M rows (one slice: 17 tasks), batch 3 8M rows (two slices: 34 tasks on 20 cores)
+    # batch 2 searches 4M rows (one slice: 17 tasks), batch 3 8M rows (two slices: 34 tasks
+    # on 20 cores)
     assert silver["wall_seconds"] == pytest.approx(3 * 2.0 + 4.0 / 17 + 8.0 / 20)
     assert silver["cpu_core_seconds"] == pytest.approx(3 * 2.0 * 2 + 4.0 + 8.0)
     in_process = predict(spread, Target(**{**vars(target), "ray_min_rows": 5_000_000}), Prices())[0]
@@ -383,7 +384,7 @@ def test_silvers_index_lookup_is_fitted_on_its_tasks_and_spread_a_band_and_slice
     )
 
 
-def test_silvers_own_part_leaves_out_the_wait_on_its_lookup_tasks_which_are_fitted_on_the_rows_searched():
+def test_silvers_own_part_leaves_out_the_wait_on_its_lookup_tasks_fitted_on_the_rows_searched():
     newest_first = [
         {
             "partition": "b2",

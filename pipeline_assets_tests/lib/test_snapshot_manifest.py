@@ -1,4 +1,5 @@
-"""A snapshot's manifest: shards laid end to end per split, rows taken by global index, gaps refused."""
+"""A snapshot's manifest: shards laid end to end per split, rows taken by global index,
+gaps refused."""
 
 from __future__ import annotations
 

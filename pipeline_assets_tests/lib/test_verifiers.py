@@ -1,5 +1,5 @@
-"""The rule verifiers: right and wrong answers for each, the errors a bad verifier string raises, and the
-ground-truth self-check the prompt bank blocks on."""
+"""The rule verifiers: right and wrong answers for each, the errors a bad verifier string raises,
+and the ground-truth self-check the prompt bank blocks on."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ PAIR_LISTS = ("prefix_ids", "chosen_ids", "rejected_ids")
 def random_pairs(
     shapes: list[tuple[int, int, int]], seed: int = 0, vocab_size: int = 1000
 ) -> pl.DataFrame:
-    """Pairs p00, p01, ... of the given (prefix, chosen, rejected) lengths, token ids 1..vocab_size-1."""
+    """Pairs p00, p01, ... of the given (prefix, chosen, rejected) lengths, token ids
+    1..vocab_size-1."""
     rng = np.random.default_rng(seed)
     rows = []
     for number, shape in enumerate(shapes):

@@ -1,5 +1,5 @@
-"""The sample corpus's preference source: deterministic bytes, the landing contract, and every injected
-defect recounted from the files themselves rather than taken from the manifest's word."""
+"""The sample corpus's preference source: deterministic bytes, the landing contract, and every
+injected defect recounted from the files themselves rather than taken from the manifest's word."""
 
 from __future__ import annotations
 
@@ -166,7 +166,8 @@ def test_zero_preference_pairs_leave_the_corpus_as_it_was(tmp_path, capsys):
 
 
 def test_command_writes_the_pairs_and_prints_the_setting(tmp_path, corpus, section):
-    """In a fresh process with another hash seed: the bytes this process writes, and the setting bronze needs."""
+    """In a fresh process with another hash seed: the bytes this process writes, and the setting
+    bronze needs."""
     landing = tmp_path / "landing"
     done = subprocess.run(
         [

@@ -1,4 +1,5 @@
-"""Tiny packed preference pairs and models for the DPO tests (also imported by dpo_gradient_probe.py)."""
+"""Tiny packed preference pairs and models for the DPO tests (also imported by
+dpo_gradient_probe.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ TWO_ROW_SHAPES = [(10, 18, 22), (4, 5, 7), (3, 6, 6), (5, 4, 6)]
 
 
 def random_pairs(shapes: list[tuple[int, int, int]], seed: int = 0) -> pl.DataFrame:
-    """Pairs of the given (prefix, chosen, rejected) lengths, token ids within the tiny model's vocabulary."""
+    """Pairs of the given (prefix, chosen, rejected) lengths, token ids within the tiny model's
+    vocabulary."""
     return any_vocabulary_pairs(shapes, seed, vocab_size=CONFIG.vocab_size)
 
 

@@ -1,5 +1,5 @@
-"""Run under torchrun with 2 ranks: DPO gradients of the two-row batch, rank 0 holding the row of three
-pairs and rank 1 the row of one, FSDP2-sharded as the trainer shards; gathered to rank 0.
+"""Run under torchrun with 2 ranks: DPO gradients of the two-row batch, rank 0 holding the row of
+three pairs and rank 1 the row of one, FSDP2-sharded as the trainer shards; gathered to rank 0.
 
     torchrun --nproc-per-node 2 dpo_gradient_probe.py OUT.pt
 """

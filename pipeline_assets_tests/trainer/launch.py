@@ -76,7 +76,8 @@ class Job:
             time.sleep(0.05)
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
-        """What losing the node does: every process of the job ends at once (workers run in their own sessions)."""
+        """What losing the node does: every process of the job ends at once (workers run in their
+        own sessions)."""
         for pid in [self.process.pid, *descendants(self.process.pid)]:
             try:
                 os.kill(pid, sig)
@@ -84,7 +85,8 @@ class Job:
                 pass
 
     def terminate(self) -> None:
-        """What a scheduler's preemption notice does: SIGTERM to torchrun, which forwards it to the workers."""
+        """What a scheduler's preemption notice does: SIGTERM to torchrun, which forwards it to
+        the workers."""
         os.kill(self.process.pid, signal.SIGTERM)
 
     def output(self) -> str:
@@ -132,7 +134,8 @@ def with_checkpoints_at(config: TrainConfig, checkpoint_uri: str, **overrides) -
 
 
 def environ_without_mlflow() -> dict:
-    """This process's environment less MLFLOW_TRACKING_URI, so that a job started from a test logs nowhere."""
+    """This process's environment less MLFLOW_TRACKING_URI, so that a job started from a test
+    logs nowhere."""
     return {name: value for name, value in os.environ.items() if name != "MLFLOW_TRACKING_URI"}
 
 
@@ -146,7 +149,8 @@ def assert_same_weights(actual: dict, expected: dict) -> None:
 
 
 def probe_gradients(config: TrainConfig, out: Path) -> dict:
-    """The loss and the gradients two torchrun ranks compute for the first global batch (gradient_probe.py)."""
+    """The loss and the gradients two torchrun ranks compute for the first global batch
+    (gradient_probe.py)."""
     probe = Path(__file__).with_name("gradient_probe.py")
     command = [
         *torchrun_executable(),
@@ -163,7 +167,8 @@ def probe_gradients(config: TrainConfig, out: Path) -> dict:
 
 
 def assert_close_gradients(gradients: dict, model: torch.nn.Module, atol: float) -> None:
-    """``gradients`` holds the gradient of every parameter of ``model``, each equal up to rounding."""
+    """``gradients`` holds the gradient of every parameter of ``model``, each equal up
+    to rounding."""
     reference = dict(model.named_parameters())
     assert gradients.keys() == reference.keys()
     for name, gradient in gradients.items():
@@ -173,7 +178,8 @@ def assert_close_gradients(gradients: dict, model: torch.nn.Module, atol: float)
 
 
 def kill_once_saved(config: TrainConfig, step: int, log_path: Path) -> None:
-    """Starts the job and SIGKILLs every process of it once ``step`` is checkpointed, before the job ends."""
+    """Starts the job and SIGKILLs every process of it once ``step`` is checkpointed, before
+    the job ends."""
     job = Job(config, log_path)
     job.wait_for(partition_dir(config) / f"step-{step}" / "COMPLETE.json")
     job.kill_all()
@@ -186,7 +192,8 @@ def kill_once_saved(config: TrainConfig, step: int, log_path: Path) -> None:
 def assert_sigkill_then_restart_matches(
     config: TrainConfig, workspace: Path, step: int, uninterrupted: dict
 ) -> None:
-    """A job killed after checkpointing ``step`` resumes at or after it and ends with ``uninterrupted``'s weights."""
+    """A job killed after checkpointing ``step`` resumes at or after it and ends with
+    ``uninterrupted``'s weights."""
     killed = with_checkpoints_at(config, str(workspace / "killed"))
     kill_once_saved(killed, step, workspace / "killed-1.log")
     output = run_job(killed, workspace / "killed-2.log")
@@ -196,7 +203,8 @@ def assert_sigkill_then_restart_matches(
 
 
 def stop_by_sigterm(config: TrainConfig, step: int, log_path: Path) -> int:
-    """Starts the job, SIGTERMs it once ``step`` is checkpointed and returns the step it stopped (and saved) at."""
+    """Starts the job, SIGTERMs it once ``step`` is checkpointed and returns the step it stopped
+    (and saved) at."""
     job = Job(config, log_path)
     job.wait_for(partition_dir(config) / f"step-{step}" / "COMPLETE.json")
     job.terminate()
@@ -212,7 +220,8 @@ def stop_by_sigterm(config: TrainConfig, step: int, log_path: Path) -> int:
 def assert_rerun_resumes_and_matches(
     config: TrainConfig, stop_step: int, log_path: Path, uninterrupted: dict
 ) -> None:
-    """The rerun of a job stopped at ``stop_step`` resumes there and ends with ``uninterrupted``'s weights."""
+    """The rerun of a job stopped at ``stop_step`` resumes there and ends with
+    ``uninterrupted``'s weights."""
     rerun = run_job(config, log_path)
     assert f"step {stop_step}, " in re.search(r"resumed from .*", rerun).group(0)
     assert_same_weights(final_weights(config), uninterrupted)

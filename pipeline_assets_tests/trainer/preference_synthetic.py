@@ -1,7 +1,7 @@
-"""A small, learnable preference snapshot dpo-v<N> for trainer tests, written with deltalake as gold and
-the reference pass would write it: shards of gold/preference_sequences packed by ``pack_pairs``, the
-manifest row as version N of gold/preference_snapshots, gold/reference_logps scored by the init model
-(an exported tiny model, the stand-in for the SFT champion).
+"""A small, learnable preference snapshot dpo-v<N> for trainer tests, written with deltalake as gold
+and the reference pass would write it: shards of gold/preference_sequences packed by ``pack_pairs``,
+the manifest row as version N of gold/preference_snapshots, gold/reference_logps scored by the init
+model (an exported tiny model, the stand-in for the SFT champion).
 
 In every pair the chosen response counts upwards from the prompt's last token and the rejected one
 counts downwards: a tiny model learns to prefer the first in a few dozen steps.
@@ -45,8 +45,8 @@ class PreferenceLake:
 
 
 def counting_pairs(n_pairs: int, seed: int = 0) -> pl.DataFrame:
-    """pair_id, split (every fifth pair held out), prefix_ids, chosen_ids (counting up from the prompt's last
-    token), rejected_ids (counting down)."""
+    """pair_id, split (every fifth pair held out), prefix_ids, chosen_ids (counting up from the
+    prompt's last token), rejected_ids (counting down)."""
     rng = np.random.default_rng(seed)
     rows = []
     for number in range(n_pairs):
@@ -114,7 +114,8 @@ def write_shard(lake_uri: str, batch: str, pairs: pl.DataFrame) -> None:
 
 
 def cut_preference_snapshot(lake_uri: str, batches: list[str]) -> Manifest:
-    """The next manifest row of gold/preference_snapshots (row N is version N), at the shards' current version."""
+    """The next manifest row of gold/preference_snapshots (row N is version N), at the shards'
+    current version."""
     shards_uri = _table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table)
     version = DeltaTable(shards_uri).version()
     counts = shard_counts(pl.scan_delta(shards_uri, version=version), batches)
@@ -129,7 +130,8 @@ def cut_preference_snapshot(lake_uri: str, batches: list[str]) -> Manifest:
 
 
 def score_rows(lake_uri: str, manifest: Manifest, model_folder: Path) -> pl.DataFrame:
-    """The snapshot's rows scored by the model: batch_id, split, sequence_index (local), reference_logps."""
+    """The snapshot's rows scored by the model: batch_id, split, sequence_index (local),
+    reference_logps."""
     rows = pl.read_delta(
         _table(lake_uri, PREFERENCE_SNAPSHOTS.sequences_table), version=manifest.sequences_version
     )
@@ -152,8 +154,8 @@ def write_reference_logps(
     reference_model: str = REFERENCE_MODEL,
     mode: str = "append",
 ) -> int:
-    """Append the snapshot's rows to gold/reference_logps (or replace what it holds: ``mode`` overwrite);
-    returns the version that holds them."""
+    """Append the snapshot's rows to gold/reference_logps (or replace what it holds: ``mode``
+    overwrite); returns the version that holds them."""
     uri = _table(lake_uri, REFERENCE_TABLE)
     frame = scored.select(
         snapshot=pl.lit(manifest.key),

@@ -1,5 +1,6 @@
-"""A small RL run's inputs, made in seconds: a prompt bank of generated tasks in a lake, a byte-level BPE
-tokenizer trained on its text, and an untrained tiny policy exported where ``--init-from`` reads it."""
+"""A small RL run's inputs, made in seconds: a prompt bank of generated tasks in a lake, a
+byte-level BPE tokenizer trained on its text, and an untrained tiny policy exported where
+``--init-from`` reads it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from pipeline_assets_tests.trainer.launch import environ_without_mlflow
 def rl_inputs(
     root: Path, bank_tasks: int = 400, dim: int = 32, n_layers: int = 2, **overrides
 ) -> RlConfig:
-    """The inputs, and a config of a short run (no warm start: the functional tests need no skill)."""
+    """The inputs, and a config of a short run (no warm start: the functional tests need
+    no skill)."""
     lake = root / "lake"
     no_eval_items = EvalNgramIndex.build(
         pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig()

@@ -40,8 +40,8 @@ def synthetic_records(n_records: int, seed: int = 0, max_len: int = 40) -> pl.Da
 def write_synthetic_gold(
     lake_uri: str, n_records: int = 400, seq_len: int = 64, seed: int = 0, shards: int = 1
 ) -> int:
-    """Write ``shards`` gold shards (the records dealt round-robin to batches b0, b1, ...) and cut a data
-    snapshot of them; returns its number N (gold-v<N>)."""
+    """Write ``shards`` gold shards (the records dealt round-robin to batches b0, b1, ...) and cut a
+    data snapshot of them; returns its number N (gold-v<N>)."""
     lake = LakeResource(uri=lake_uri)
     records = synthetic_records(n_records, seed).with_row_index("row")
     batches = [f"b{k}" for k in range(shards)]

@@ -1,5 +1,5 @@
-"""Checkpoint publication, pruning and loading in one process (a one-rank gloo group): the last K and
-the best, the JSON part of the state, and files that no longer match the manifest."""
+"""Checkpoint publication, pruning and loading in one process (a one-rank gloo group): the last K
+and the best, the JSON part of the state, and files that no longer match the manifest."""
 
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def test_a_file_that_no_longer_matches_the_manifest_is_refused_before_anything_i
     with caplog.at_level(logging.WARNING, logger="pipeline_assets.trainer"):
         assert checkpointer.load_newest(state) is None, "no checkpoint left to resume from"
     assert (
-        f"skipping checkpoint {store.folder_uri('step-3')}: {altered} does not match its checksum in COMPLETE.json: "
+        f"skipping checkpoint {store.folder_uri('step-3')}: {altered} does not match its checksum "
+        "in COMPLETE.json: "
         "refused, nothing of it is loaded" in caplog.text
     )
     assert not marker.exists() and state["progress"]["step"] == 0

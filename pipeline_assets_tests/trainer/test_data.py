@@ -1,4 +1,5 @@
-"""The trainer's data in-process: the resumable stream, per-rank batches, validation shards, pinned snapshots."""
+"""The trainer's data in-process: the resumable stream, per-rank batches, validation shards, pinned
+snapshots."""
 
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def _snapshot_rows(lake_uri: str, number: int) -> pl.DataFrame:
 
 
 def _delta_rows(lake_uri: str, number: int, split: str) -> pl.DataFrame:
-    """A split in its defined global order: the shards in batch order, each in its own sequence_index order."""
+    """A split in its defined global order: the shards in batch order, each in its own
+    sequence_index order."""
     return (
         _snapshot_rows(lake_uri, number)
         .filter(pl.col("split") == split)

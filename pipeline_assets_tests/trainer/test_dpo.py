@@ -1,5 +1,6 @@
-"""DPO on packed pairs: per-document log-probabilities as if each document ran alone, the sigmoid loss
-and its metrics worked by hand, and two FSDP2 ranks with uneven pairs giving one process's gradients."""
+"""DPO on packed pairs: per-document log-probabilities as if each document ran alone, the sigmoid
+loss and its metrics worked by hand, and two FSDP2 ranks with uneven pairs giving one process's
+gradients."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ PACKED_SHAPES = [(8, 24, 24), (5, 9, 7), (3, 4, 12), (6, 2, 5), (1, 1, 1), (9, 1
 
 
 def _one_document_per_row(documents: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-    """Unpacked rows: each (prefix, response) alone at the start of its own row, padding after it."""
+    """Unpacked rows: each (prefix, response) alone at the start of its own row,
+    padding after it."""
     width = max(len(prefix) + len(response) for prefix, response in documents)
     rows = {"input_ids": [], "loss_mask": [], "position_ids": []}
     for prefix, response in documents:
@@ -77,7 +79,8 @@ def test_packed_document_logps_equal_each_document_run_alone(kernel, dtype):
 
 
 def _tiny_rows() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Two rows: documents of 3 and 2 tokens then a tail of 1; documents of 2 and 4 tokens, no tail."""
+    """Two rows: documents of 3 and 2 tokens then a tail of 1; documents of 2 and 4
+    tokens, no tail."""
     torch.manual_seed(5)
     batch = {
         "input_ids": torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 1, 2]]),
@@ -140,7 +143,8 @@ def test_loss_worked_by_hand():
         policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta=0.5
     )
 
-    # pair 0: rewards 0.5 * 0.5 = 0.25 and 0.5 * -1 = -0.5, margin 0.75, loss log(1 + e^-0.75) = 0.386871
+    # pair 0: rewards 0.5 * 0.5 = 0.25 and 0.5 * -1 = -0.5, margin 0.75,
+    # loss log(1 + e^-0.75) = 0.386871
     # pair 1: rewards 0.5 * 0 = 0 and 0.5 * 1 = 0.5, margin -0.5, loss log(1 + e^0.5) = 0.974077
     assert loss.item() == pytest.approx((0.38687100611489994 + 0.9740769841801067) / 2, rel=1e-6)
     assert metrics["rewards/chosen"].item() == pytest.approx(0.125)
@@ -198,8 +202,8 @@ def test_no_local_pairs_give_a_zero_loss_and_zero_metrics():
 def _single_process_gradients(
     rows: pl.DataFrame, per_rank_mean: bool = False
 ) -> tuple[float, dict]:
-    """The reference: one process, the whole global batch. per_rank_mean: the wrong normalisation, each
-    row's mean loss averaged, to show the test tells them apart."""
+    """The reference: one process, the whole global batch. per_rank_mean: the wrong normalisation,
+    each row's mean loss averaged, to show the test tells them apart."""
     policy, reference = policy_and_reference()
     if per_rank_mean:
         losses = [

@@ -1,7 +1,7 @@
-"""DPO in the trainer: a preference snapshot's rows read with their reference log-probabilities, the policy
-starting at the reference (rewards 0, loss log 2), held-out preference accuracy that rises, the metrics a
-run reports, and the SFT guarantees under torchrun: two ranks give one process's gradients, a SIGKILL or
-a SIGTERM then a rerun ends with the uninterrupted parameters."""
+"""DPO in the trainer: a preference snapshot's rows read with their reference log-probabilities, the
+policy starting at the reference (rewards 0, loss log 2), held-out preference accuracy that rises,
+the metrics a run reports, and the SFT guarantees under torchrun: two ranks give one process's
+gradients, a SIGKILL or a SIGTERM then a rerun ends with the uninterrupted parameters."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class RecordingReporter:
 
 @contextlib.contextmanager
 def one_rank(tmp_path: Path):
-    """A one-rank gloo group in this process, one thread as a torchrun rank has; the signal handlers the
-    Trainer installs are put back afterwards."""
+    """A one-rank gloo group in this process, one thread as a torchrun rank has; the signal handlers
+    the Trainer installs are put back afterwards."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -145,13 +145,14 @@ def _first_micro_batches(trainer: Trainer) -> list[dict]:
     ]
 
 
-# --- the data ---------------------------------------------------------------------------------------
+# --- the data -------------------------------------------------------------------------------------
 
 
 def _stored_logps(
     lake: PreferenceLake, split: str, version: int | None = None
 ) -> list[list[float]]:
-    """The split's reference log-probabilities as gold/reference_logps holds them, in global sequence order."""
+    """The split's reference log-probabilities as gold/reference_logps holds them, in global
+    sequence order."""
     stored = pl.read_delta(
         uris.join(lake.lake_uri, *REFERENCE_TABLE), version=version or lake.reference_version
     )
@@ -249,7 +250,7 @@ def test_missing_doubled_or_miscounted_reference_logps_fail_clearly(tmp_path):
         miscounted.train.batch(np.array([0, 2]), torch.device("cpu"))
 
 
-# --- the configuration ------------------------------------------------------------------------------
+# --- the configuration ----------------------------------------------------------------------------
 
 
 def test_the_dpo_flags_round_trip_and_what_dpo_needs_is_required(config):
@@ -282,7 +283,7 @@ def test_an_init_model_of_another_architecture_is_refused(lake, tmp_path):
         Trainer(dpo_config(lake, str(tmp_path / "checkpoints"), width=128), env, None)
 
 
-# --- the objective in one process ---------------------------------------------------------------------
+# --- the objective in one process -----------------------------------------------------------------
 
 
 def test_at_step_0_the_policy_is_the_reference_so_rewards_are_0_and_the_loss_is_log_2(
@@ -364,7 +365,7 @@ def _held_out_means(trainer: Trainer) -> dict[str, float]:
     return {name: (value / units).item() for name, value in sums.items()}
 
 
-# --- under torchrun ---------------------------------------------------------------------------------
+# --- under torchrun -------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

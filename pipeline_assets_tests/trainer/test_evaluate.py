@@ -40,7 +40,8 @@ def documents() -> dict[str, tuple[list[int], list[bool]]]:
 
 
 def packed_rows(docs) -> pl.DataFrame:
-    """Two packed rows: a+b, then c+d, padded to SEQ_LEN (padding is a piece with no counted target)."""
+    """Two packed rows: a+b, then c+d, padded to SEQ_LEN (padding is a piece with no
+    counted target)."""
     rows = []
     for names in (("a", "b"), ("c", "d")):
         ids = [t for n in names for t in docs[n][0]]
@@ -138,7 +139,8 @@ def test_short_items_are_packed_and_a_long_one_is_cut(model):
         scored = sequence_losses(model, encoded, max_len=SEQ_LEN, pad_id=PAD)
     finally:
         hook.remove()
-    # a..d hold 36 tokens: two rows of 24 between them, not a row each; the long item, cut to 24, fills a third
+    # a..d hold 36 tokens: two rows of 24 between them, not a row each; the long item, cut to 24,
+    # fills a third
     assert sum(positions) == 3 * SEQ_LEN
     cut = scored.filter(pl.col("record_id") == "long").row(0, named=True)
     loss_sum, tokens = alone(model, long_ids[:SEQ_LEN], [True] * SEQ_LEN)

@@ -1,5 +1,6 @@
-"""GRPO: group advantages worked by hand, the staleness boundary, the clipped surrogate's gradients by
-autograd, and completion log-probabilities of a packed row against a log-softmax gathered by hand."""
+"""GRPO: group advantages worked by hand, the staleness boundary, the clipped surrogate's gradients
+by autograd, and completion log-probabilities of a packed row against a log-softmax
+gathered by hand."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def test_stale_mask_keeps_a_lag_of_max_staleness_and_drops_one_more():
 
 
 def _tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(behaviour log-probabilities, advantages per token, mask), (2, 6) each, some tokens masked out."""
+    """(behaviour log-probabilities, advantages per token, mask), (2, 6) each, some tokens
+    masked out."""
     generator = torch.Generator().manual_seed(seed)
     behaviour = -torch.rand(2, 6, generator=generator, dtype=torch.float64) * 3
     advantages = torch.randn(2, 6, generator=generator, dtype=torch.float64)
@@ -148,7 +150,8 @@ def test_a_ratio_past_the_clip_range_has_no_gradient_only_in_the_direction_the_a
         loss_sum,
         torch.tensor(-min(ratio * advantage, bound * advantage) - 1.0, dtype=torch.float64),
     )
-    # d(-ratio * A)/d new = -ratio * A where the unclipped term is the minimum, 0 where the clipped one is.
+    # d(-ratio * A)/d new = -ratio * A where the unclipped term is the minimum, 0 where the
+    # clipped one is.
     expected = 0.0 if clipped else -ratio * advantage
     torch.testing.assert_close(new.grad, torch.tensor([[expected, -1.0]], dtype=torch.float64))
     assert stats["clipped"] == int(clipped)
@@ -185,8 +188,9 @@ def test_masked_tokens_contribute_nothing_whatever_they_hold():
 def test_completion_logps_of_a_packed_row_are_the_log_softmax_at_its_counted_targets():
     torch.manual_seed(4)
     model = Transformer(CONFIG).eval()
-    # Document 1: prompt 11 12, completion 13 14. Document 2: prompt 21 22 23, completion 24 25; its first
-    # token is loss-masked yet starts a document, so it is no target. Then a padding tail of 2.
+    # Document 1: prompt 11 12, completion 13 14. Document 2: prompt 21 22 23, completion 24 25; its
+    # first token is loss-masked yet starts a document, so it is no target. Then a padding
+    # tail of 2.
     batch = {
         "input_ids": torch.tensor([[11, 12, 13, 14, 21, 22, 23, 24, 25, 0, 0]]),
         "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.bool),
@@ -210,7 +214,8 @@ def test_completion_logps_of_a_packed_row_are_the_log_softmax_at_its_counted_tar
         == counted
     )
     torch.testing.assert_close(logps.double(), expected, rtol=1e-5, atol=1e-5)
-    # One definition of which targets count: per document, they sum to DPO's response log-probability.
+    # One definition of which targets count: per document, they sum to DPO's response
+    # log-probability.
     per_document = torch.stack([logps[0, :4].sum(), logps[0, 4:9].sum()])
     torch.testing.assert_close(per_document, document_logps(logits, **batch))
 

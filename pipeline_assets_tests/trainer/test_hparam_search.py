@@ -28,7 +28,8 @@ def _launcher(workspace: Path, trained: list, search_rows: int):
             config.checkpoint_uri, config.partition, config.scratch_dir
         ).fetch_verified("final")
         about = json.loads((export / "config.json").read_text())
-        # A trial is judged on the search rows, never on the validation rows the promotion gate uses.
+        # A trial is judged on the search rows, never on the validation rows the promotion
+        # gate uses.
         assert about["eval_split"] == "search" and about["eval_sequences"] == search_rows > 0
         assert "validation_loss" not in about
         return about["search_loss"]
@@ -58,8 +59,9 @@ def test_successive_halving_stops_bad_trials_early_and_finds_the_full_grids_best
         steps == MIN_STEPS for trial, steps in trained if trial in stopped_first
     )
 
-    # The full grid: the stopped configurations trained to the end too (the survivor's full run is the search's own,
-    # since continuing from a checkpoint equals training straight through: test_torchrun shows it bit for bit).
+    # The full grid: the stopped configurations trained to the end too (the survivor's full run is
+    # the search's own, since continuing from a checkpoint equals training straight through:
+    # test_torchrun shows it bit for bit).
     full_grid = {outcome.best_trial: outcome.best_search_loss}
     for trial in stopped_first:
         config = dataclasses.replace(

@@ -1,5 +1,5 @@
-"""The transformer in-process: document masking (dense and FlexAttention), rotary positions, the loss,
-parameter and FLOP counts."""
+"""The transformer in-process: document masking (dense and FlexAttention), rotary positions, the
+loss, parameter and FLOP counts."""
 
 from __future__ import annotations
 
@@ -162,9 +162,9 @@ def _loss_and_gradients(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_gives_the_dense_masks_loss_and_gradients(monkeypatch):
-    # torch refuses FlexAttention's backward on CPU (its fused kernels are CUDA's). Lifting that guard
-    # runs flex_attention's own reference forward and backward, which the CUDA kernel implements, on
-    # this model's block mask.
+    # torch refuses FlexAttention's backward on CPU (its fused kernels are CUDA's). Lifting that
+    # guard runs flex_attention's own reference forward and backward, which the CUDA kernel
+    # implements, on this model's block mask.
     monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
     calls = []
 

@@ -1,5 +1,6 @@
-"""The DPO reference pass: packed rows score each document as if it were alone, two torchrun ranks give
-one process's values with every row once, and a row whose documents do not match its pairs fails the run."""
+"""The DPO reference pass: packed rows score each document as if it were alone, two torchrun ranks
+give one process's values with every row once, and a row whose documents do not match its pairs
+fails the run."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def tokenized_pairs() -> pl.DataFrame:
 
 
 def packed_rows(pairs: pl.DataFrame) -> pl.DataFrame:
-    """Each shard's pairs packed, with the key gold gives its rows (batch_id, split, sequence_index)."""
+    """Each shard's pairs packed, with the key gold gives its rows (batch_id, split,
+    sequence_index)."""
     frames = []
     for batch_id, split in SHARDS:
         shard = pairs.filter((pl.col("batch_id") == batch_id) & (pl.col("split") == split))
@@ -62,7 +64,8 @@ def packed_rows(pairs: pl.DataFrame) -> pl.DataFrame:
 
 
 def alone(model: torch.nn.Module, prefix: list[int], response: list[int]) -> float:
-    """The expected value: the document alone in its row, its response tokens' log-probabilities summed by hand."""
+    """The expected value: the document alone in its row, its response tokens' log-probabilities
+    summed by hand."""
     ids = prefix + response
     with torch.no_grad():
         logp = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0].double().log_softmax(-1)
@@ -123,7 +126,8 @@ def test_two_torchrun_ranks_give_the_values_of_one_every_row_once(
 ):
     rows = packed_rows(pairs).reverse()  # not in key order: the reader sorts
     rows.write_parquet(tmp_path / "rows.parquet")
-    # a row a batch and one thread, as each torchrun rank has: the same arithmetic whatever the split
+    # a row a batch and one thread, as each torchrun rank has: the same arithmetic
+    # whatever the split
     arguments = [
         "--rows",
         str(tmp_path / "rows.parquet"),
@@ -201,8 +205,10 @@ def test_a_row_whose_documents_do_not_match_its_pairs_fails_the_run(pairs, expor
     assert finished.returncode != 0
     pairs_listed = len(key["pair_ids"])
     assert (
-        f"rank 0/1: row {{'batch_id': '{key['batch_id']}', 'split': '{key['split']}', 'sequence_index': "
-        f"{key['sequence_index']}}} holds {2 * (pairs_listed - 1)} documents but pair_ids lists {pairs_listed} "
+        f"rank 0/1: row {{'batch_id': '{key['batch_id']}', "
+        f"'split': '{key['split']}', 'sequence_index': "
+        f"{key['sequence_index']}}} holds {2 * (pairs_listed - 1)} documents "
+        f"but pair_ids lists {pairs_listed} "
         "pairs"
     ) in finished.stderr
     assert not (tmp_path / "out" / "reference-rank0.parquet").exists()

@@ -1,5 +1,6 @@
-"""The replay buffer's Delta table under the RL job's processes: two writers append groups while the learner
-takes updates, and every completion ends up in the table once, consumed at most once, none lost."""
+"""The replay buffer's Delta table under the RL job's processes: two writers append groups while the
+learner takes updates, and every completion ends up in the table once, consumed at most once,
+none lost."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The RL job's processes on CPU: a learner and rollout workers around rl/replay_buffer and the policy versions
-in the checkpoint store. Versions increase, every rollout is taken once, a lagging worker's rollouts are dropped
-as stale and fail the freshness judgement naming the lag, and a SIGTERMed learner resumes from its newest
-version."""
+"""The RL job's processes on CPU: a learner and rollout workers around rl/replay_buffer and the
+policy versions in the checkpoint store. Versions increase, every rollout is taken once, a lagging
+worker's rollouts are dropped as stale and fail the freshness judgement naming the lag, and a
+SIGTERMed learner resumes from its newest version."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The RL job learns: on the generated sort task, a tiny policy warm-started on the bank's training prompts
-(it starts unable to do the task) and then trained by GRPO through the learner and a rollout worker gains at
-least 0.2 of mean reward between its first and last ten updates within 60, and answers at least half of the
-held-out prompts right by greedy decoding. Seeded; settings as measured in docs/rl.md, "What was measured"."""
+"""The RL job learns: on the generated sort task, a tiny policy warm-started on the bank's training
+prompts (it starts unable to do the task) and then trained by GRPO through the learner and a rollout
+worker gains at least 0.2 of mean reward between its first and last ten updates within 60, and
+answers at least half of the held-out prompts right by greedy decoding. Seeded; settings as measured
+in docs/rl.md, "What was measured"."""
 
 from __future__ import annotations
 

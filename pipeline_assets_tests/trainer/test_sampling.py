@@ -1,6 +1,6 @@
-"""Sampling and greedy decoding: determinism under a seeded generator, behaviour log-probabilities equal to a
-separate forward pass over prompt + completion, stop tokens, greedy as argmax step by step, and a prompt's
-completion independent of the other prompts in its batch."""
+"""Sampling and greedy decoding: determinism under a seeded generator, behaviour log-probabilities
+equal to a separate forward pass over prompt + completion, stop tokens, greedy as argmax step by
+step, and a prompt's completion independent of the other prompts in its batch."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ from pipeline_assets.lib.redelivery import ALREADY_INGESTED
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 
-# Partitioned checks are a Dagster preview feature, chosen on purpose (docs/architecture.md, "Decisions").
+# Partitioned checks are a Dagster preview feature, chosen on purpose
+# (docs/architecture.md, "Decisions").
 warnings.filterwarnings(
     "ignore", category=PreviewWarning, message=".*partitions_def on an AssetCheckSpec"
 )
