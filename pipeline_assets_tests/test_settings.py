@@ -97,3 +97,30 @@ def test_a_set_variable_reaches_its_policy(monkeypatch):
     resources = build_resources(Settings.from_env())
     assert resources["rl_policy"].max_staleness == 5
     assert resources["registry_policy"].slice_tolerance == 0.1
+
+
+def _another(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    return value + 1 if isinstance(value, (int, float)) else value + "-other"
+
+
+def test_every_policy_field_a_setting_sets_takes_the_settings_value(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    settings = Settings.from_env()
+    changed = {
+        name: _another(getattr(settings, name))
+        for name in BY_FIELD
+        if _another(getattr(settings, name)) is not None
+    }
+    changed.update(long_records="drop", kuberay_config="", spot_discount=0.5)
+    changed["rl_held_out_fraction"] = 0.5
+    resources = build_resources(dataclasses.replace(settings, **changed))
+    checked = 0
+    for resource in resources.values():
+        for name, info in getattr(type(resource), "model_fields", {}).items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "setting" in extra:
+                assert getattr(resource, name) == changed[extra["setting"]], (resource, name)
+                checked += 1
+    assert checked >= 30

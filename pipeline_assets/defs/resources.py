@@ -21,7 +21,7 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
-from pipeline_assets.resources.settings import Settings
+from pipeline_assets.resources.settings import Settings, policy_from
 
 
 def _through_env(name: str, value: str) -> str:
@@ -47,30 +47,11 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             source_formats=settings.source_formats,
             s3=S3Resource(max_attempts=settings.s3_max_attempts - 1),
         ),  # it counts retries
-        "ingest_policy": IngestPolicy(
-            max_quarantine_rate=settings.max_quarantine_rate,
-            volume_tolerance=settings.volume_tolerance,
-            freshness_sla_hours=settings.freshness_sla_hours,
-        ),
+        "ingest_policy": policy_from(IngestPolicy, settings),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
-        "silver_policy": SilverPolicy(
-            quality_thresholds=settings.quality_thresholds,
-            max_pairs_per_prompt=settings.max_pairs_per_prompt,
-            max_length_ratio=settings.max_length_ratio,
-        ),
+        "silver_policy": policy_from(SilverPolicy, settings),
         "ray_engine": _block_engine(settings),
-        "gold_policy": GoldPolicy(
-            tokenizer_path=settings.tokenizer_path,
-            seq_len=settings.seq_len,
-            long_records=settings.long_records,
-            vocab_size=settings.vocab_size,
-            tokenizer_sample_chars=settings.tokenizer_sample_chars,
-            validation_fraction=settings.validation_fraction,
-            preference_validation_fraction=settings.preference_validation_fraction,
-            search_fraction=settings.search_fraction,
-            shuffle_seed=settings.shuffle_seed,
-            snapshot_min_new_fraction=settings.snapshot_min_new_fraction,
-        ),
+        "gold_policy": policy_from(GoldPolicy, settings),
         "launcher": TorchrunLauncher(
             checkpoint_uri=settings.checkpoint_uri,
             nproc_per_node=settings.train_nproc,
@@ -78,17 +59,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             device=settings.train_device,
             scratch_dir=str(Path(settings.home) / "scratch"),
         ),
-        "training_policy": TrainingPolicy(
-            preset=settings.train_preset,
-            steps=settings.train_steps,
-            checkpoint_every_steps=settings.train_checkpoint_every,
-        ),
-        "dpo_policy": DpoPolicy(
-            steps=settings.dpo_steps,
-            lr=settings.dpo_lr,
-            beta=settings.dpo_beta,
-            checkpoint_every_steps=settings.train_checkpoint_every,
-        ),
+        "training_policy": policy_from(TrainingPolicy, settings),
+        "dpo_policy": policy_from(DpoPolicy, settings),
         "mlflow_tracking": MlflowResource(
             tracking_uri=_through_env("MLFLOW_TRACKING_URI", settings.mlflow_tracking_uri),
             artifact_root=settings.mlflow_artifact_root,
@@ -97,26 +69,8 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         ),
         "pipes_subprocess_client": PipesSubprocessClient(),
         "hparam_search_policy": HparamSearchPolicy(),
-        "cost_policy": CostPolicy(
-            core_hour_usd=settings.core_hour_usd,
-            gpu_hour_usd=settings.gpu_hour_usd,
-            spot_discount=settings.spot_discount,
-        ),
-        "registry_policy": RegistryPolicy(
-            model_name=settings.model_name,
-            dpo_model_name=settings.dpo_model_name,
-            promotion_margin=settings.promotion_margin,
-            slice_tolerance=settings.slice_tolerance,
-            eval_max_tokens=settings.eval_max_tokens,
-        ),
-        "retention_policy": RetentionPolicy(days=settings.retention_days),
-        "rl_policy": RlPolicy(
-            bank_tasks=settings.rl_bank_tasks,
-            bank_seed=settings.rl_bank_seed,
-            held_out_fraction=settings.rl_held_out_fraction,
-            group_size=settings.rl_group_size,
-            rollout_workers=settings.rl_rollout_workers,
-            max_staleness=settings.rl_max_staleness,
-            max_pending_seconds=settings.rl_max_pending_seconds,
-        ),
+        "cost_policy": policy_from(CostPolicy, settings),
+        "registry_policy": policy_from(RegistryPolicy, settings),
+        "retention_policy": policy_from(RetentionPolicy, settings),
+        "rl_policy": policy_from(RlPolicy, settings),
     }

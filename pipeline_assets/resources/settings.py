@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.formats import FORMATS
@@ -29,6 +29,7 @@ from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.trainer.config import DEFAULT_BETA, DPO_LR, DPO_STEPS, TrainConfig
 
+P = TypeVar("P", bound=BaseModel)
 HOME = "$PIPELINE_HOME"  # a default under the home: resolved against PIPELINE_HOME when read
 Reader = Callable[
     [str, str], Any
@@ -567,8 +568,25 @@ def meaning(name: str) -> str:
 
 def setting_field(name: str, **constraints) -> Any:
     """A policy's field that the setting behind ``Settings.<name>`` sets: the setting's default and
-    meaning."""
-    return Field(default=default(name), description=meaning(name), **constraints)
+    meaning; ``policy_from`` fills it from the settings."""
+    return Field(
+        default=default(name),
+        description=meaning(name),
+        json_schema_extra={"setting": name},
+        **constraints,
+    )
+
+
+def policy_from(policy: type[P], settings: Settings) -> P:
+    """``policy`` with every field that a setting sets (``setting_field``) as the settings give
+    it."""
+    return policy(
+        **{
+            name: getattr(settings, info.json_schema_extra["setting"])
+            for name, info in policy.model_fields.items()
+            if isinstance(info.json_schema_extra, dict) and "setting" in info.json_schema_extra
+        }
+    )
 
 
 @dataclass(frozen=True)

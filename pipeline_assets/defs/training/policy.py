@@ -5,25 +5,19 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline_assets.resources.settings import trainer_default
-from pipeline_assets.trainer.config import DEFAULT_BETA as _DPO_BETA
+from pipeline_assets.resources.settings import setting_field, trainer_default
 from pipeline_assets.trainer.config import (
     DPO_EVAL_EVERY,
     DPO_LOG_EVERY,
-    DPO_LR,
-    DPO_STEPS,
     DPO_WARMUP_STEPS,
-    PRESETS,
 )
 
 
 class TrainingPolicy(ConfigurableResource):
     """Default hyperparameters of training/checkpoint; a run's config overrides any of them."""
 
-    preset: str = Field(
-        default=trainer_default("preset"), description=f"model size: {', '.join(PRESETS)}"
-    )
-    steps: int = trainer_default("steps")
+    preset: str = setting_field("train_preset")
+    steps: int = setting_field("train_steps")
     micro_batch_size: int = trainer_default("micro_batch_size")
     grad_accum_steps: int = trainer_default("grad_accum_steps")
     lr: float = trainer_default("lr")
@@ -32,7 +26,7 @@ class TrainingPolicy(ConfigurableResource):
     seed: int = trainer_default("seed")
     log_every: int = trainer_default("log_every")
     eval_every: int = trainer_default("eval_every")
-    checkpoint_every_steps: int = trainer_default("checkpoint_every_steps")
+    checkpoint_every_steps: int = setting_field("train_checkpoint_every")
     checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
     keep_checkpoints: int = trainer_default("keep_checkpoints")
 
@@ -44,9 +38,9 @@ class DpoPolicy(ConfigurableResource):
     """Hyperparameters of training/dpo_checkpoint: DPO from the sft champion, against the reference
     pass. The model's architecture is the champion's; a run's config overrides any of these."""
 
-    steps: int = DPO_STEPS
-    lr: float = Field(default=DPO_LR, description="far below sft's: DPO nudges a trained model")
-    beta: float = Field(default=_DPO_BETA, description="DPO's KL strength")
+    steps: int = setting_field("dpo_steps")
+    lr: float = setting_field("dpo_lr")
+    beta: float = setting_field("dpo_beta")
     micro_batch_size: int = trainer_default("micro_batch_size")
     grad_accum_steps: int = trainer_default("grad_accum_steps")
     warmup_steps: int = DPO_WARMUP_STEPS
@@ -56,7 +50,7 @@ class DpoPolicy(ConfigurableResource):
     seed: int = trainer_default("seed")
     log_every: int = DPO_LOG_EVERY
     eval_every: int = DPO_EVAL_EVERY
-    checkpoint_every_steps: int = trainer_default("checkpoint_every_steps")
+    checkpoint_every_steps: int = setting_field("train_checkpoint_every")
     checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
     keep_checkpoints: int = trainer_default("keep_checkpoints")
 
