@@ -1,10 +1,10 @@
 """Every setting, written once: its environment variable, its default and its meaning
 (``SETTINGS``).
 
-``Settings.from_env`` reads them, each policy takes its defaults from here, and the table in
-docs/settings.md is what ``python -m pipeline_assets.resources.settings`` prints (a test keeps the
-two equal). A default that code below ``defs/`` also needs (``lib/``, ``trainer/``) is that layer's
-constant, named here.
+``Settings.from_env`` reads them; each policy field a setting sets takes its default, description
+and value from it (``setting_field``, ``policy_from``); and the table in docs/settings.md is what
+``python -m pipeline_assets.resources.settings`` prints (a test keeps the two equal). A default
+that code below ``defs/`` also needs (``lib/``, ``trainer/``) is that layer's constant, named here.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from pipeline_assets.trainer.config import DEFAULT_BETA, DPO_LR, DPO_STEPS, Trai
 
 P = TypeVar("P", bound=BaseModel)
 HOME = "$PIPELINE_HOME"  # a default under the home: resolved against PIPELINE_HOME when read
-Reader = Callable[
-    [str, str], Any
-]  # (variable, raw value) -> value; a ValueError names the variable
+# (variable, raw value) -> value; a ValueError names the variable
+Reader = Callable[[str, str], Any]
 
 
 def text(variable: str, raw: str) -> str:
