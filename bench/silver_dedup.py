@@ -30,7 +30,8 @@ import polars as pl
 from bench.sample import sample_records
 from bench.timing import best_seconds
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination, read_eval_sets
-from pipeline_assets.lib.dedup import DEDUP_TEXT, exact_hashes, near_dedup
+from pipeline_assets.lib.dedup import exact_hashes, joined_text, near_dedup
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.minhash import signatures
 from pipeline_assets.lib.quality import quality_gate
 
@@ -47,7 +48,7 @@ def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         records = sample_records(Path(tmp))
         eval_items = read_eval_sets(Path(tmp) / "eval")
-        texts = records.select(DEDUP_TEXT).to_series().to_list()
+        texts = joined_text(records, SFT.dedup)
         documents = long_documents(records["response"].to_list())
         long = _one_thread_signatures(documents, Path(tmp) / "long.parquet", len(documents))
         short = _one_thread_signatures(texts, Path(tmp) / "short.parquet", SHORT_LOOP_SAMPLE)

@@ -303,15 +303,16 @@ def with_signatures(
 ) -> pl.DataFrame:
     """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone)
     as little-endian bytes: computed block by block, before near dedup looks across the batch."""
-    sigs = signatures(_joined(frame, fmt.dedup), config)
-    response_sigs = signatures(_joined(frame, fmt.answers), config)
+    sigs = signatures(joined_text(frame, fmt.dedup), config)
+    response_sigs = signatures(joined_text(frame, fmt.answers), config)
     return frame.with_columns(
         pl.Series(name, [row.astype("<u4").tobytes() for row in matrix], dtype=pl.Binary)
         for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)
     )
 
 
-def _joined(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
+def joined_text(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
+    """Each row's ``columns`` joined by newlines: the text its MinHash signature is taken over."""
     return (
         frame.select(pl.concat_str([pl.col(name) for name in columns], separator="\n"))
         .to_series()

@@ -1,0 +1,16 @@
+"""Every benchmark module imports: `make bench` is not in `make test`, so a renamed name it uses
+would otherwise go unseen until someone runs it."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
+)
+def test_the_benchmark_module_imports(module):
+    importlib.import_module(f"bench.{module}")
