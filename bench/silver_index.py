@@ -37,6 +37,7 @@ def build(table: str, records: int) -> None:
                 ],  # as many bytes as a real one
                 "band_keys": band_keys(sigs, params).tolist(),
                 "lsh_params": params.label(config),
+                "prompt_hash": None,  # preference pairs' prompts only
             },
             schema=HISTORY_SCHEMA,
         )
