@@ -125,6 +125,7 @@ def _write_index(
                 "response_signature": [row.astype("<u4").tobytes() for row in sigs[:, ::-1]],
                 "band_keys": band_keys(sigs, params).tolist(),
                 "lsh_params": params.label(config),
+                "prompt_hash": None,  # preference pairs' prompts only
             },
             schema=HISTORY_SCHEMA,
         )
