@@ -25,6 +25,10 @@ DONE = "rl_done.json"  # written by the learner when the run is over: the worker
 _VERSION_DIR = re.compile(r"^policy-v(\d+)$")
 
 
+class VersionPruned(RuntimeError):
+    """The version asked for is no longer published: the learner pruned it."""
+
+
 def version_folder(version: int) -> str:
     return f"policy-v{version}"
 
@@ -73,11 +77,17 @@ class PolicyStore:
 
     def load(self, version: int, reader: str) -> tuple[Transformer, dict, Path]:
         """The model of ``version`` (its files verified), its config, and the local folder holding
-        it."""
-        folder, problem = self.store.fetch_verified(version_folder(version), reader=reader)
-        if folder is None:
-            raise RuntimeError(f"policy version {version} cannot be loaded: {problem}")
-        model, config = load_exported(folder)
+        it. Raises ``VersionPruned`` when the learner deleted the version before or while it was
+        read."""
+        try:
+            folder, problem = self.store.fetch_verified(version_folder(version), reader=reader)
+            if folder is None:
+                raise RuntimeError(f"policy version {version} cannot be loaded: {problem}")
+            model, config = load_exported(folder)
+        except (RuntimeError, OSError) as error:
+            if version not in self.versions():
+                raise VersionPruned(f"policy version {version} was pruned") from error
+            raise
         return model, config, folder
 
     def optimizer_state(self, folder: Path) -> dict | None:

@@ -28,7 +28,7 @@ from pipeline_assets.lib.rl_tasks import TRAIN
 from pipeline_assets.lib.tokenizer import encode_prompts, tokenizer_from_json
 from pipeline_assets.lib.verifiers import Verdict, verify
 from pipeline_assets.trainer.config import RlConfig
-from pipeline_assets.trainer.policy_store import PolicyStore
+from pipeline_assets.trainer.policy_store import PolicyStore, VersionPruned
 from pipeline_assets.trainer.replay_io import ReplayTable
 from pipeline_assets.trainer.sampling import sample_completions
 
@@ -105,15 +105,26 @@ class RolloutWorker:
     def run(self) -> int:
         batches = 0
         while not self.policies.done():
-            version = self._policy_version()
-            if version is None or self._far_ahead():
+            if self.roll_once(batches):
+                batches += 1
+            else:
                 time.sleep(_POLL_SECONDS)
-                continue
-            self._load(version)
-            self.table.append(self._batch(version, batches))
-            batches += 1
         log.info(f"{self.name}: the run is done after {batches} batch(es)")
         return 0
+
+    def roll_once(self, number: int) -> bool:
+        """Append batch ``number`` with the newest policy (less the lag); False when there is none
+        to use yet, the learner has enough pending, or the learner pruned the version meanwhile."""
+        version = self._policy_version()
+        if version is None or self._far_ahead():
+            return False
+        try:
+            self._load(version)
+        except VersionPruned:
+            log.info(f"policy v{version} was pruned before {self.name} loaded it: reading again")
+            return False
+        self.table.append(self._batch(version, number))
+        return True
 
     def _policy_version(self) -> int | None:
         newest = self.policies.newest()

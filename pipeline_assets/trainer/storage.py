@@ -149,7 +149,10 @@ class CheckpointStore:
             (Path(self.uri) / relative).unlink(missing_ok=True)
 
     def delete(self, name: str) -> None:
-        """Delete folder ``name`` (the whole partition when empty)."""
+        """Delete folder ``name`` (the whole partition when empty), its manifest first: a folder
+        being deleted stops counting as complete before any of its files goes."""
+        if name:
+            self._delete_file(f"{name}/{MANIFEST}")
         if not self.is_s3:
             shutil.rmtree(Path(self.uri) / name, ignore_errors=True)
             return
