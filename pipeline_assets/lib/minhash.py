@@ -3,12 +3,12 @@
 datasketch (2.x, scheme ``affine32``) hashes each shingle with the first 4 bytes of SHA-1
 (little-endian), mixes it with the MurmurHash3 32-bit finalizer and applies ``a * h + b`` modulo
 2^32 per permutation, keeping the minimum. Here the same arithmetic runs over a whole chunk of
-documents in numpy, with the permutation parameters taken from datasketch itself, so stored
-signatures load into ``datasketch.MinHash(hashvalues=..., scheme="affine32")`` and its LSH.
+documents, with the permutation parameters taken from datasketch itself, so stored signatures load
+into ``datasketch.MinHash(hashvalues=..., scheme="affine32")`` and its LSH.
 
-A chunk's words are found in numpy and joined into one buffer; each shingle is an Arrow view into
-it, hashed by polars_hash's SHA-1, which takes over half the time on long documents (about 300 ns
-a shingle, whatever its length: one SHA-1 block and a hex digest).
+A chunk's words are found in numpy and joined into one buffer; each shingle is a span of it. The
+spans' SHA-1 and the permutations' minimum are numba loops (``lib.minhash_kernels``): on long
+documents they were over 80% of the time as polars and numpy calls.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import numpy as np
 import polars as pl
-import polars_hash as plh
 import pyarrow as pa
+
+from pipeline_assets.lib.minhash_kernels import big_endian_words, min_permuted, sha1_hash32
 
 _CHUNK_CHARS = (
     1 << 20
@@ -95,23 +96,23 @@ def signatures(
     so POLARS_MAX_THREADS=1 means one thread throughout).
 
     With more than one, the pool permutes a chunk's hashes while this thread hashes the next chunk
-    (numpy and polars release the GIL).
+    (the kernels release the GIL).
     """
     threads = threads or pl.thread_pool_size()
+    a, b = permutations(config.num_perm, config.seed)
     out = np.empty((len(texts), config.num_perm), dtype=np.uint32)
     with ThreadPoolExecutor(max_workers=threads) if threads > 1 else nullcontext() as pool:
         pending = []
         for first, last in _chunks(texts):
             hashes, bounds = shingle_hashes(texts[first:last], config)
-            permute = partial(
-                _min_permuted, _fmix32(hashes), bounds, out=out[first:last], config=config
-            )
+            mixed = _fmix32(hashes)
             blocks = _blocks(bounds, threads)
-            for block in zip(blocks[:-1], blocks[1:], strict=True):
+            for start, stop in zip(blocks[:-1], blocks[1:], strict=True):
+                block = (mixed, bounds, start, stop, a, b, out[first:last])
                 if pool:
-                    pending.append(pool.submit(permute, *block))
+                    pending.append(pool.submit(min_permuted, *block))
                 else:
-                    permute(*block)
+                    min_permuted(*block)
         for done in pending:
             done.result()
     return out
@@ -134,37 +135,14 @@ def _blocks(bounds: np.ndarray, threads: int) -> np.ndarray:
     return np.unique(np.concatenate([[0], cuts, [len(bounds) - 1]]))
 
 
-def _min_permuted(
-    mixed: np.ndarray,
-    bounds: np.ndarray,
-    first: int,
-    last: int,
-    out: np.ndarray,
-    config: MinHashConfig,
-) -> None:
-    """Minimum over each text's shingles of a * h + b (mod 2^32), for texts first to last.
-
-    One permutation at a time over the block's hashes: a vector that stays in cache, where a
-    (shingles x permutations) matrix would stream through memory several times.
-    """
-    a, b = permutations(config.num_perm, config.seed)
-    block = mixed[bounds[first] : bounds[last]]
-    starts = bounds[first:last] - bounds[first]
-    permuted = np.empty_like(block)
-    for j in range(config.num_perm):
-        np.multiply(block, a[j], out=permuted)  # wraps modulo 2^32, as datasketch's does
-        permuted += b[j]
-        out[first:last, j] = np.minimum.reduceat(permuted, starts)
-
-
 def shingle_hashes(
     texts: Sequence[str], config: MinHashConfig = MinHashConfig()
 ) -> tuple[np.ndarray, np.ndarray]:
     """The sha1_hash32 of every shingle of every text, and the bounds of each text's hashes
     (text i's are ``hashes[bounds[i]:bounds[i + 1]]``).
 
-    The texts' bytes are split into words in numpy and rejoined with single spaces, and every
-    shingle is an Arrow binary view into that buffer: nothing is copied per shingle before SHA-1.
+    The texts' bytes are split into words in numpy and rejoined with single spaces; every shingle
+    is a span of that buffer, hashed where it lies.
     """
     buffer, text_starts = _text_bytes(texts, config.lowercase)
     is_space, word_starts, word_ends = _words(buffer)
@@ -173,16 +151,7 @@ def shingle_hashes(
     shingle_starts, shingle_ends, bounds = _shingle_spans(
         word_starts, word_ends, word_counts, config.shingle_words
     )
-    views = (
-        pl.from_arrow(_binary_views(joined, shingle_starts, shingle_ends))
-        .alias("shingle")
-        .to_frame()
-    )
-    first4 = views.select(
-        plh.col("shingle").nchash.sha1().str.slice(0, 8).str.to_integer(base=16, dtype=pl.UInt32)
-    )
-    # sha1_hash32 reads the first 4 digest bytes little-endian; the hex digits read them big-endian
-    return first4.to_series().to_numpy().byteswap(), bounds
+    return sha1_hash32(big_endian_words(joined), shingle_starts, shingle_ends), bounds
 
 
 def _text_bytes(texts: Sequence[str], lowercase: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +206,7 @@ def _joined(
     counts: np.ndarray,
 ):
     """The words of each text joined by one space, text after text (16 zero bytes after them, so
-    views may read whole 4-byte words at any start); and each word's start and end there."""
+    a shingle's last 4-byte word can be read whole); and each word's start and end there."""
     last_words = (np.cumsum(counts) - 1)[counts > 0]
     keep = ~is_space
     keep[ends] = True  # the first byte after each word: its separator, but after a text's last word
@@ -274,35 +243,6 @@ def _shingle_spans(starts: np.ndarray, ends: np.ndarray, counts: np.ndarray, n: 
     )  # an empty text reads index -1: 0 to 0
     first[empty], last[empty] = -1, -1
     return padded_starts[first], padded_ends[last], bounds
-
-
-_LOW_BYTES = np.array(
-    [0, 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF], dtype=np.uint32
-)  # mask of the first k bytes
-
-
-def _binary_views(buffer: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
-    """An Arrow BinaryView array of buffer[start:end] for each span, sharing buffer.
-
-    A view is 16 bytes: the length, then up to 12 bytes inline, or else the first 4 bytes, the
-    buffer's index and the offset (Arrow's columnar format, "Variable-size Binary View Layout").
-    """
-    lengths = (ends - starts).astype(np.uint32)
-    word_at = np.ndarray(
-        (len(buffer) - 3,), dtype="<u4", buffer=buffer, strides=(1,)
-    )  # 4 bytes from any offset
-    views = np.empty((len(starts), 4), dtype=np.uint32)
-    views[:, 0] = lengths
-    views[:, 1] = word_at[starts]
-    views[:, 2] = 0
-    views[:, 3] = starts
-    inline = np.flatnonzero(lengths <= 12)
-    if len(inline):
-        at, size = starts[inline], lengths[inline].astype(np.int64)
-        for k in range(3):  # bytes 4k to 4k + 3, zero past the end
-            views[inline, 1 + k] = word_at[at + 4 * k] & _LOW_BYTES[np.clip(size - 4 * k, 0, 4)]
-    buffers = [None, pa.py_buffer(views), pa.py_buffer(buffer)]  # no validity: no nulls
-    return pa.Array.from_buffers(pa.binary_view(), len(starts), buffers)
 
 
 def jaccard(left: np.ndarray, right: np.ndarray) -> np.ndarray:

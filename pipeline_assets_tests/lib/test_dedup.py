@@ -3,6 +3,7 @@ across batches."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -13,6 +14,7 @@ from datasketch.lsh import _optimal_param
 
 from pipeline_assets.lib.dedup import _cluster_survivors, exact_dedup, lsh_params, near_dedup
 from pipeline_assets.lib.minhash import MinHashConfig, shingle_hashes, shingles, signatures
+from pipeline_assets.lib.minhash_kernels import big_endian_words, sha1_hash32
 
 WORDS = [f"word{i}" for i in range(2000)] + ["Straße", "café", "naïve", "ÉCOLE", "東京", "x"]
 SEPARATORS = [" "] * 20 + ["  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u2003", "\u3000"]
@@ -240,3 +242,20 @@ def test_clusters_are_connected_components_led_by_their_smallest_order_key():
     survivors = _cluster_survivors(6, [(0, 1), (2, 1), (3, 4)], order_keys)
     assert survivors == [1, 1, 1, 4, 4, 5]
     assert _cluster_survivors(3, [], order_keys[:3]) == [0, 1, 2]
+
+
+def test_the_sha1_kernel_equals_hashlib_at_every_length_across_block_boundaries():
+    rng = np.random.default_rng(5)
+    buffer = rng.integers(0, 256, size=20_000, dtype=np.uint8)
+    lengths = np.concatenate([np.arange(0, 200), rng.integers(0, 400, size=300)])
+    starts = rng.integers(0, len(buffer) - 400, size=len(lengths))
+    ends = starts + lengths
+    padded = np.concatenate([buffer, np.zeros(3, dtype=np.uint8)])
+
+    ours = sha1_hash32(big_endian_words(padded), starts, ends)
+
+    expected = [
+        int.from_bytes(hashlib.sha1(buffer[s:e].tobytes()).digest()[:4], "little")
+        for s, e in zip(starts, ends, strict=True)
+    ]
+    assert ours.tolist() == expected
