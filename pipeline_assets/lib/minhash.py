@@ -23,8 +23,6 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pipeline_assets.lib.minhash_kernels import big_endian_words, min_permuted, sha1_hash32
-
 _CHUNK_CHARS = (
     1 << 20
 )  # texts of about 1M characters shingled and hashed at once: their arrays stay in cache
@@ -98,6 +96,7 @@ def signatures(
     With more than one, the pool permutes a chunk's hashes while this thread hashes the next chunk
     (the kernels release the GIL).
     """
+    min_permuted = _kernels().min_permuted
     threads = threads or pl.thread_pool_size()
     a, b = permutations(config.num_perm, config.seed)
     out = np.empty((len(texts), config.num_perm), dtype=np.uint32)
@@ -151,7 +150,18 @@ def shingle_hashes(
     shingle_starts, shingle_ends, bounds = _shingle_spans(
         word_starts, word_ends, word_counts, config.shingle_words
     )
-    return sha1_hash32(big_endian_words(joined), shingle_starts, shingle_ends), bounds
+    kernels = _kernels()
+    return kernels.sha1_hash32(
+        kernels.big_endian_words(joined), shingle_starts, shingle_ends
+    ), bounds
+
+
+def _kernels():
+    """lib.minhash_kernels, imported on first use: numba takes 0.15 s to import, which every
+    process that loads the code location would pay otherwise."""
+    from pipeline_assets.lib import minhash_kernels
+
+    return minhash_kernels
 
 
 def _text_bytes(texts: Sequence[str], lowercase: bool) -> tuple[np.ndarray, np.ndarray]:
