@@ -36,6 +36,7 @@ from functools import lru_cache
 import numpy as np
 import polars as pl
 import polars_hash as plh
+import pyarrow as pa
 
 from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.minhash import MinHashConfig, jaccard, signatures
@@ -193,13 +194,12 @@ def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0
 def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
     """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from
     ``salt``."""
+    by_band = sigs[:, : params.bands * params.rows].reshape(len(sigs), params.bands, params.rows)
     keys = np.full((len(sigs), params.bands), salt, dtype=np.uint64)
     multiplier = np.uint64(0x9E3779B97F4A7C15)
-    with np.errstate(over="ignore"):
-        for band in range(params.bands):
-            columns = sigs[:, band * params.rows : (band + 1) * params.rows].astype(np.uint64)
-            for column in columns.T:
-                keys[:, band] = keys[:, band] * multiplier + column
+    for row in range(params.rows):  # every band's row at once: whole signature rows stay in cache
+        keys *= multiplier
+        keys += by_band[:, :, row]
     return keys.view(np.int64)  # Delta has no unsigned integers
 
 
@@ -233,31 +233,28 @@ def near_dedup(
         ),
     )
     all_keys = np.vstack([keys, band_keys(matched_sigs, params, format_salt(fmt))])
-    pairs = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
-    node_ids = batch["record_id"].to_list() + matched["record_id"].to_list()
-    node_batches = batch["batch_id"].to_list() + matched["batch_id"].to_list()
-    yields = [1] * batch.height + [
-        0
-    ] * matched.height  # this batch's copies yield to records others kept
-    survivors = _cluster_survivors(
-        len(node_ids), pairs, list(zip(yields, node_batches, node_ids, strict=True))
-    )
+    left, right = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
+    node_ids = pl.concat([batch["record_id"], matched["record_id"]])
+    node_batches = pl.concat([batch["batch_id"], matched["batch_id"]])
+    yields = np.repeat(
+        np.array([1, 0], dtype=np.int8), [batch.height, matched.height]
+    )  # this batch's copies yield to records others kept
+    survivors = _cluster_survivors(left, right, _node_order(yields, node_batches, node_ids))
 
-    survivor_of = np.asarray(survivors[: batch.height], dtype=np.int64)
-    cluster_ids = [node_ids[s] for s in survivor_of]
-    similarity = jaccard(sigs, all_sigs[survivor_of])
+    survivor_of = survivors[: batch.height]
+    cluster_ids = node_ids.gather(survivor_of)
     judged = batch.with_columns(
-        cluster_id=pl.Series(cluster_ids, dtype=pl.String),
-        jaccard=pl.Series(similarity, dtype=pl.Float64),
+        cluster_id=cluster_ids,
+        jaccard=pl.Series(jaccard(sigs, all_sigs[survivor_of]), dtype=pl.Float64),
         response_jaccard=pl.Series(
             all_responses.jaccard(np.arange(batch.height), survivor_of),
             dtype=pl.Float64,
             nan_to_null=True,
         ),
-        duplicate_of=pl.Series(
-            [None if s == i else node_ids[s] for i, s in enumerate(survivor_of)], dtype=pl.String
-        ),
-        duplicate_of_batch=pl.Series([node_batches[s] for s in survivor_of], dtype=pl.String),
+        duplicate_of=pl.when(pl.Series(survivor_of != np.arange(batch.height)))
+        .then(cluster_ids)
+        .otherwise(None),
+        duplicate_of_batch=node_batches.gather(survivor_of),
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
         stage=pl.lit("near_dup"),
@@ -275,7 +272,7 @@ def near_dedup(
         "rows_in": batch.height,
         "kept": kept.height,
         "rejected": rejected.height,
-        "candidate_pairs_verified": len(pairs),
+        "candidate_pairs_verified": len(left),
         "against_other_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
         "clusters_with_duplicates": judged.filter(
             pl.col("cluster_id").is_in(rejected["cluster_id"].implode())
@@ -306,9 +303,18 @@ def with_signatures(
     sigs = signatures(joined_text(frame, fmt.dedup), config)
     response_sigs = signatures(joined_text(frame, fmt.answers), config)
     return frame.with_columns(
-        pl.Series(name, [row.astype("<u4").tobytes() for row in matrix], dtype=pl.Binary)
+        signature_series(name, matrix)
         for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)
     )
+
+
+def signature_series(name: str, sigs: np.ndarray) -> pl.Series:
+    """Signatures as stored: each row's values as little-endian uint32 bytes (one Arrow buffer
+    shared, not a bytes object a row)."""
+    rows = np.ascontiguousarray(sigs, dtype="<u4")
+    width = pa.binary(rows.itemsize * rows.shape[1])
+    stored = pa.FixedSizeBinaryArray.from_buffers(width, len(rows), [None, pa.py_buffer(rows)])
+    return pl.Series(name, pl.from_arrow(stored), dtype=pl.Binary)
 
 
 def joined_text(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
@@ -495,8 +501,17 @@ def _exact_key(column: str) -> pl.Expr:
 def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
     """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix; a null (a
     signature never stored) becomes a row of zeros."""
-    padded = b"".join(value or bytes(4 * config.num_perm) for value in stored.to_list())
-    return np.frombuffer(padded, dtype="<u4").reshape(-1, config.num_perm)
+    matrix = np.zeros((len(stored), config.num_perm), dtype="<u4")
+    known = stored.drop_nulls()
+    if (known.bin.size() != matrix.itemsize * config.num_perm).any():
+        raise ValueError(f"a stored signature is not {config.num_perm} uint32 values")
+    values = known.to_arrow().cast(pa.large_binary())  # one buffer, the values end to end
+    _, offsets, data = values.buffers()
+    start = int(np.frombuffer(offsets, dtype=np.int64)[values.offset]) if len(values) else 0
+    matrix[stored.is_not_null().to_numpy()] = np.frombuffer(
+        data, dtype="<u4", count=len(values) * config.num_perm, offset=start
+    ).reshape(-1, config.num_perm)
+    return matrix
 
 
 @dataclass(frozen=True)
@@ -513,7 +528,7 @@ class _ResponseSignatures:
 
 def _verified_pairs(
     sigs: np.ndarray, responses: _ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
-) -> list[tuple[int, int]]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the
     threshold on prompt + response and on the response alone (where both responses were signed).
 
@@ -532,51 +547,55 @@ def _verified_pairs(
         .select("node", "node_other")
         .unique()
     )
-    if candidates.is_empty():
-        return []
     left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
     response_similarity = responses.jaccard(left, right)
     keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (
         np.isnan(response_similarity) | (response_similarity >= threshold)
     )
-    return list(zip(left[keep].tolist(), right[keep].tolist(), strict=True))
+    return left[keep], right[keep]
 
 
-def _cluster_survivors(
-    n_nodes: int, pairs: list[tuple[int, int]], order_keys: list[tuple]
-) -> list[int]:
-    """Connected components of the verified pairs; every node maps to its component's node with the
-    smallest order key."""
+def _node_order(yields: np.ndarray, batches: pl.Series, ids: pl.Series) -> np.ndarray:
+    """Nodes from the first to survive its cluster to the last: by (yields, batch, record id)."""
+    nodes = pl.DataFrame({"yields": yields, "batch": batches, "id": ids}).with_row_index("node")
+    return nodes.sort("yields", "batch", "id", maintain_order=True)["node"].to_numpy()
+
+
+def _cluster_survivors(left: np.ndarray, right: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Connected components of the verified pairs (``left[k]``, ``right[k]``); every node maps to
+    its component's node that comes first in ``order`` (every node, first to last)."""
     from scipy.sparse import coo_array  # scipy comes with datasketch, which near dedup has loaded
     from scipy.sparse.csgraph import connected_components
 
-    left, right = (
-        (np.asarray(side, dtype=np.int64) for side in zip(*pairs))
-        if pairs
-        else (np.empty(0, np.int64),) * 2
+    n_nodes = len(order)
+    graph = coo_array(
+        (np.ones(len(left), dtype=np.int8), (left.astype(np.int64), right.astype(np.int64))),
+        shape=(n_nodes, n_nodes),
     )
-    graph = coo_array((np.ones(len(left), dtype=np.int8), (left, right)), shape=(n_nodes, n_nodes))
     _, component = connected_components(graph, directed=False)
     rank = np.empty(n_nodes, dtype=np.int64)
-    rank[sorted(range(n_nodes), key=order_keys.__getitem__)] = np.arange(n_nodes)
+    rank[order] = np.arange(n_nodes)
     best_rank = np.full(component.max(initial=-1) + 1, n_nodes, dtype=np.int64)
     np.minimum.at(best_rank, component, rank)
-    node_of_rank = np.argsort(rank)
-    return node_of_rank[best_rank[component]].tolist()
+    return order[best_rank[component]]
 
 
 def _index_rows(
     batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str
 ) -> pl.DataFrame:
-    prompt_hash = batch["prompt_hash"] if "prompt_hash" in batch.columns else [None] * batch.height
+    prompt_hash = (
+        batch["prompt_hash"]
+        if "prompt_hash" in batch.columns
+        else pl.Series([None] * batch.height, dtype=pl.String)
+    )
     return pl.DataFrame(
         {
             "record_id": batch["record_id"],
             "batch_id": batch["batch_id"],
             "exact_hash": batch["exact_hash"],
-            "signature": [row.astype("<u4").tobytes() for row in sigs],
-            "response_signature": [row.astype("<u4").tobytes() for row in response_sigs],
-            "band_keys": keys.tolist(),
+            "signature": signature_series("signature", sigs),
+            "response_signature": signature_series("response_signature", response_sigs),
+            "band_keys": pl.Series(keys).cast(pl.List(pl.Int64)),
             "lsh_params": label,
             "prompt_hash": prompt_hash,
         },

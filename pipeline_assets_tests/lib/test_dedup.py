@@ -12,7 +12,13 @@ import pytest
 from datasketch import MinHash
 from datasketch.lsh import _optimal_param
 
-from pipeline_assets.lib.dedup import _cluster_survivors, exact_dedup, lsh_params, near_dedup
+from pipeline_assets.lib.dedup import (
+    _cluster_survivors,
+    _node_order,
+    exact_dedup,
+    lsh_params,
+    near_dedup,
+)
 from pipeline_assets.lib.minhash import MinHashConfig, shingle_hashes, shingles, signatures
 from pipeline_assets.lib.minhash_kernels import big_endian_words, sha1_hash32
 
@@ -231,17 +237,16 @@ def test_an_index_written_before_responses_were_signed_still_dedups():
 
 def test_clusters_are_connected_components_led_by_their_smallest_order_key():
     # 0-1-2 is a chain (0 and 2 never matched directly), 3-4 a pair, 5 alone
-    order_keys = [
-        (1, "b2", "r0"),
-        (0, "b1", "r9"),
-        (1, "b2", "r2"),
-        (1, "b3", "r3"),
-        (1, "b2", "r4"),
-        (1, "b1", "r5"),
-    ]
-    survivors = _cluster_survivors(6, [(0, 1), (2, 1), (3, 4)], order_keys)
-    assert survivors == [1, 1, 1, 4, 4, 5]
-    assert _cluster_survivors(3, [], order_keys[:3]) == [0, 1, 2]
+    yields = np.array([1, 0, 1, 1, 1, 1], dtype=np.int8)
+    batches = pl.Series(["b2", "b1", "b2", "b3", "b2", "b1"])
+    ids = pl.Series(["r0", "r9", "r2", "r3", "r4", "r5"])
+    order = _node_order(yields, batches, ids)
+    assert order.tolist() == [1, 5, 0, 2, 4, 3], "by yields, then batch, then record id"
+
+    survivors = _cluster_survivors(np.array([0, 2, 3]), np.array([1, 1, 4]), order)
+    assert survivors.tolist() == [1, 1, 1, 4, 4, 5]
+    nothing = np.empty(0, dtype=np.int64)
+    assert _cluster_survivors(nothing, nothing, order[order < 3]).tolist() == [0, 1, 2]
 
 
 def test_the_sha1_kernel_equals_hashlib_at_every_length_across_block_boundaries():
