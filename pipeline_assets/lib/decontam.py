@@ -23,12 +23,14 @@ Grams. Each eval text (an item's prompt, and its response, separately) is indexe
 * fewer than ``short_min_words`` words: the whole text, matched only when it is a record field's
   whole text. A two-word answer such as "Paris" would otherwise flag every record that says it.
 
-Lookup. Every gram is filed under the hash of its first ``min(ngram, short_min_words)`` words
-(the anchor). A record field's anchors are hashed in C (``map(hash, zip(...))``) and checked
-against the index with one ``isdisjoint``; only on a hit is the field scanned in Python, and a
-candidate counts only when its words equal the record's words, so a hash collision cannot flag a
-record. Python's ``hash`` changes between processes, which is fine: the index is rebuilt every run
-and nothing hashed is stored, so results do not depend on it.
+Lookup. Every word of the eval texts gets a number (a record's other words are -1), and every
+gram is filed under the hash of its first ``min(ngram, short_min_words)`` words' numbers (the
+anchor). A record field's anchors are hashed in C (``map(hash, zip(...))``) and checked against
+the index with one ``isdisjoint``; only on a hit is the field scanned in Python, and a candidate
+counts only when its words equal the record's words, so a hash collision cannot flag a record.
+The hash of a tuple of ints is the same in every process, where a tuple of strings' is not
+(PYTHONHASHSEED): an index built in the step's process finds the same grams in a Ray worker it
+was sent to.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import sys
 import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -85,9 +88,10 @@ def text_words(text: str | None, lowercase: bool = True) -> list[str]:
     return _WORD.findall(text.casefold() if lowercase else text)
 
 
-def _window_hashes(words: list[str], size: int) -> Iterator[int]:
-    """hash(tuple) of every ``size``-word window, in order, without a Python loop per window."""
-    return map(hash, zip(*[words[k:] for k in range(size)], strict=False))
+def _window_hashes(numbers: list[int], size: int) -> Iterator[int]:
+    """hash(tuple) of every ``size``-word window of word numbers, in order, without a Python loop
+    per window."""
+    return map(hash, zip(*[numbers[k:] for k in range(size)], strict=False))
 
 
 # --- Eval sets ------------------------------------------------------------------------------------
@@ -188,6 +192,7 @@ class EvalNgramIndex:
         self.config = config
         self.eval_sets: tuple[str, ...] = ()
         self._texts: list[EvalText] = []
+        self._word_numbers: dict[str, int] = {}  # every word of the eval texts
         self._anchored = _GramTable()  # grams of at least anchor_words words
         self._whole_fields = _GramTable()  # texts shorter than anchor_words: whole-field matches
         self._gram_count = 0
@@ -216,12 +221,12 @@ class EvalNgramIndex:
     def _add_text(self, text: EvalText) -> None:
         number = len(self._texts)
         self._texts.append(text)
-        words, anchor = list(text.words), self.config.anchor_words
-        if len(words) < anchor:
-            self._add_gram(self._whole_fields, hash(text.words), number << 32)
+        numbers, anchor = self._numbered(text.words), self.config.anchor_words
+        if len(numbers) < anchor:
+            self._add_gram(self._whole_fields, hash(tuple(numbers)), number << 32)
             return
-        windows = max(1, len(words) - self.config.ngram + 1)  # a short text is one window
-        for start, key in enumerate(_window_hashes(words, anchor)):
+        windows = max(1, len(numbers) - self.config.ngram + 1)  # a short text is one window
+        for start, key in enumerate(_window_hashes(numbers, anchor)):
             if start == windows:
                 break
             self._add_gram(self._anchored, key, (number << 32) | start)
@@ -232,6 +237,15 @@ class EvalNgramIndex:
             return
         table.add(key, ref)
         self._gram_count += 1
+
+    def _numbered(self, words: Sequence[str]) -> list[int]:
+        """The eval text's words as numbers, numbering the words not seen before."""
+        numbers = self._word_numbers
+        return [numbers.setdefault(word, len(numbers)) for word in words]
+
+    def _numbers_of(self, words: list[str]) -> list[int]:
+        """A record's words as numbers: -1 for a word no eval text has."""
+        return list(map(self._word_numbers.get, words, repeat(-1)))
 
     def _gram_words(self, ref: int) -> tuple[str, ...]:
         words = self._texts[ref >> 32].words
@@ -257,22 +271,22 @@ class EvalNgramIndex:
 
     def _first_in_words(self, words: list[str]) -> tuple[int, int] | None:
         """(position, gram) of the first gram in ``words``, earliest position first."""
-        anchor = self.config.anchor_words
+        anchor, numbers = self.config.anchor_words, self._numbers_of(words)
         if len(words) < anchor:
-            return self._whole_field_match(words)
+            return self._whole_field_match(words, numbers)
         table = self._anchored
-        if table.refs.keys().isdisjoint(_window_hashes(words, anchor)):
+        if table.refs.keys().isdisjoint(_window_hashes(numbers, anchor)):
             return None  # the common case: no anchor in common with any eval text
-        for position, key in enumerate(_window_hashes(words, anchor)):
+        for position, key in enumerate(_window_hashes(numbers, anchor)):
             for ref in table.get(key):
                 gram = self._gram_words(ref)
                 if tuple(words[position : position + len(gram)]) == gram:
                     return position, ref
         return None
 
-    def _whole_field_match(self, words: list[str]) -> tuple[int, int] | None:
+    def _whole_field_match(self, words: list[str], numbers: list[int]) -> tuple[int, int] | None:
         as_tuple = tuple(words)
-        for ref in self._whole_fields.get(hash(as_tuple)):
+        for ref in self._whole_fields.get(hash(tuple(numbers))):
             if self._gram_words(ref) == as_tuple:
                 return 0, ref
         return None

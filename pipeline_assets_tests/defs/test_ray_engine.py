@@ -1,8 +1,9 @@
 """Silver's and gold's block stages on a two-node Ray cluster (RAY_ADDRESS): three batches from
-landing to gold, the same rows as in one process."""
+landing to gold, the same rows as in one process, an eval item's copy decontaminated on both."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from pipeline_assets_tests.defs.bronze_helpers import register
 BATCHES = 3
 SEQ_LEN = 128
 WORDS = [f"w{i}" for i in range(400)]
+LEAKED = (1, 20)  # (batch, row): a record whose response is also an eval item's prompt
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,14 @@ def _landing_to_gold(
         "ray_engine": RayEngine(home=str(root / "home"), rows_per_block=40),
     }
     (root / "eval").mkdir(parents=True, exist_ok=True)
+    batch, row = LEAKED
+    leaked = {
+        "eval_set": "leaky_bench",
+        "item_id": "q1",
+        "prompt": rows_by_batch[batch][row]["response"],
+        "response": "an answer",
+    }
+    (root / "eval" / "leaky_bench.jsonl").write_text(json.dumps(leaked) + "\n")
     assets = [eval_sets, bronze, silver, gold_tokenizer, gold_sequences]
     assert materialize(
         assets, selection=[gold_tokenizer], instance=instance, resources=resources
@@ -209,7 +219,11 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[
         0
     ] == 0 < min(found[1:])
-    assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup"}
+    assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup", "decontaminated"}
+    leaked = on_ray["rejects"].filter(pl.col("stage") == "decontaminated")
+    assert leaked["eval_item_id"].to_list() == ["q1"], (
+        "the eval item's copy, found by the index the step's process built and sent to Ray"
+    )
     assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, (
         "every silver record in a shard"
     )

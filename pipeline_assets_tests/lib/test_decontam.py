@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -317,3 +321,35 @@ def test_sample_corpus_eval_copies_are_caught_and_clean_records_are_not(sample, 
     assert not set(found) & set(manifest["clean_ids"])
     assert counters["rows_in"] == frame.height == counters["kept"] + counters["rejected"]
     assert sum(counters["rejected_by_eval_set"].values()) == counters["rejected"]
+
+
+_MATCH_IN_ANOTHER_PROCESS = """
+import pickle, sys
+from pipeline_assets.lib.decontam import find_contamination
+index, records = pickle.loads(sys.stdin.buffer.read())
+_, rejected, _ = find_contamination(records, index)
+print(",".join(rejected["record_id"].to_list()))
+"""
+
+
+def test_an_index_sent_to_another_process_finds_what_it_finds_here():
+    """Ray's workers get the index pickled, in processes whose str hashes differ from the step's."""
+    index = EvalNgramIndex.build(
+        eval_items(("bench", "i1", "Summarize this.", EVAL_RESPONSE), ("bench", "i2", "Q", "Paris"))
+    )
+    batch = records(
+        ("Tell me a story.", f"{FILLER} {EVAL_RESPONSE}"),
+        ("Capital of France?", "Paris"),
+        ("Tell me a story.", "Nothing from any benchmark here at all, just words."),
+    )
+    here = find_contamination(batch, index)[1]["record_id"].to_list()
+    seed = str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 1)
+    there = subprocess.run(
+        [sys.executable, "-c", _MATCH_IN_ANOTHER_PROCESS],
+        input=pickle.dumps((index, batch)),
+        capture_output=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": seed},
+    )
+    assert here == ["r0", "r1"]
+    assert there.stdout.decode().strip().split(",") == here
