@@ -78,3 +78,13 @@ def start(config: RlConfig, log: Path, worker: int | None = None, lag: int = 0) 
         env=env,
         start_new_session=True,
     )
+
+
+def dropped_shares(rows: pl.DataFrame) -> dict[str, float]:
+    """Each worker's share of its rollouts dropped as stale.
+
+    A lagging worker must lose the most, not necessarily alone: at the start every worker samples
+    v0, and on a loaded machine the learner can publish v1 and v2 from the lagging worker's v0
+    rollouts before an on-time worker's first batch lands, which then lags by two."""
+    shares = rows.group_by("worker").agg(pl.col("status").eq("dropped_stale").mean())
+    return dict(shares.iter_rows())

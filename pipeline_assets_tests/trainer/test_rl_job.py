@@ -15,7 +15,7 @@ import polars as pl
 from pipeline_assets.lib.replay import StalenessPolicy, freshness
 from pipeline_assets.trainer.config import EXIT_PREEMPTED
 from pipeline_assets.trainer.policy_store import PolicyStore
-from pipeline_assets_tests.trainer.rl_setup import rl_inputs, start
+from pipeline_assets_tests.trainer.rl_setup import dropped_shares, rl_inputs, start
 
 TIMEOUT = 240
 
@@ -76,10 +76,11 @@ def test_a_lagging_worker_s_rollouts_are_dropped_and_freshness_fails_naming_the_
     assert codes == [0, 0, 0], (tmp_path / "learner.log").read_text()[-3000:]
     rows = _buffer(config)
     dropped = rows.filter(pl.col("status") == "dropped_stale")
-    assert dropped.height and set(dropped["worker"]) == {"worker-1"}, (
-        "only the lagging worker's rollouts"
+    shares = dropped_shares(rows)
+    assert shares["worker-1"] > shares["worker-0"], f"the lagging worker loses the most: {shares}"
+    assert ((dropped["consumed_by_version"] - dropped["policy_version"]) > 1).all(), (
+        "every dropped rollout lagged beyond the limit"
     )
-    assert ((dropped["consumed_by_version"] - dropped["policy_version"]) > 1).all()
     assert sum(m["dropped_stale"] for m in _metrics(config)) == dropped.height
     judgement = freshness(rows, StalenessPolicy(1, 3600.0), datetime.now(timezone.utc))
     assert not judgement.passed and "dropped as stale, lagging up to" in judgement.description
