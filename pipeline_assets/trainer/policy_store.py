@@ -84,7 +84,7 @@ class PolicyStore:
             if folder is None:
                 raise RuntimeError(f"policy version {version} cannot be loaded: {problem}")
             model, config = load_exported(folder)
-        except (RuntimeError, OSError) as error:
+        except Exception as error:  # whatever a half-deleted folder raises, the prune is why
             if version not in self.versions():
                 raise VersionPruned(f"policy version {version} was pruned") from error
             raise
