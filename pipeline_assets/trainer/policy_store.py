@@ -96,11 +96,12 @@ class PolicyStore:
             torch.load(path, weights_only=True) if path.exists() else None
         )  # our own file, still never pickled code
 
-    def prune(self, keep_from: int) -> None:
-        """Delete versions older than ``keep_from`` (workers lagging within the staleness limit
-        still find theirs)."""
+    def prune(self, newest: int, max_staleness: int) -> None:
+        """Delete the versions a worker within the staleness limit no longer uses: older than
+        ``newest - max_staleness``, less two for a worker that read the newest version just before
+        the last publishes."""
         for version in self.versions():
-            if version < keep_from:
+            if version < newest - max_staleness - 2:
                 self.store.delete(version_folder(version))
 
     def mark_done(self, summary: dict) -> None:

@@ -87,7 +87,7 @@ class Learner:
             self.policies.publish(
                 version, model, model.config, optimizer, {"partition": self.config.partition}
             )
-            self.policies.prune(keep_from=version - self.config.max_staleness - 2)
+            self.policies.prune(version, self.config.max_staleness)
             if version % self.config.eval_every == 0 or version == self.config.updates:
                 metrics["held_out_accuracy"] = self.held_out_accuracy(model)
             self._report(version, metrics)

@@ -38,7 +38,7 @@ def test_a_version_pruned_between_newest_and_load_sends_the_worker_back_to_the_n
     def learner_moves_on_after_newest_is_read():
         seen = newest()
         _publish(worker.policies, model, seen + 1)
-        worker.policies.prune(keep_from=seen + 1 - worker.config.max_staleness - 2)
+        worker.policies.prune(seen + 1, worker.config.max_staleness)  # as the learner does
         worker.policies.newest = newest  # once
         return seen
 
