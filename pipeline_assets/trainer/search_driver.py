@@ -46,9 +46,10 @@ def trial_config(
 ) -> TrainConfig:
     """A trial: its own checkpoint folder, scored on the search split (never the promotion gate's
     validation rows) and saved at the end of each rung, on the longest schedule."""
+    warmup_steps = min(hyperparameters.get("warmup_steps", base.warmup_steps), max_steps)
     return dataclasses.replace(
         base,
-        **hyperparameters,
+        **{**hyperparameters, "warmup_steps": warmup_steps},
         eval_split="search",
         checkpoint_uri=search_root,
         partition=f"trial-{trial}",
@@ -57,7 +58,6 @@ def trial_config(
         eval_every=steps,
         checkpoint_every_steps=steps,
         log_every=max(1, steps // 5),
-        warmup_steps=min(hyperparameters.get("warmup_steps", base.warmup_steps), max_steps),
     )
 
 

@@ -75,3 +75,18 @@ def test_successive_halving_stops_bad_trials_early_and_finds_the_full_grids_best
         )
         full_grid[trial] = _launcher(tmp_path, [], search_rows)(config, trial)
     assert outcome.best_trial == min(full_grid, key=full_grid.get) == 1
+
+
+def test_every_configuration_of_the_default_grid_makes_a_trial(tmp_path):
+    """The default space includes ``warmup_steps``: a trial takes it, capped at the schedule."""
+    from pipeline_assets.defs.training.policy import HparamSearchPolicy
+    from pipeline_assets.lib.search import grid
+    from pipeline_assets.trainer.search_driver import trial_config
+
+    base = tiny_config(str(tmp_path / "lake"), 0, str(tmp_path / "checkpoints"))
+    space = HparamSearchPolicy().space
+    assert "warmup_steps" in space
+    for number, configuration in enumerate(grid(space)):
+        config = trial_config(base, str(tmp_path / "search"), number, configuration, 5, 12)
+        assert config.warmup_steps == min(configuration["warmup_steps"], 12)
+        assert config.lr == configuration["lr"] and config.partition == f"trial-{number}"
