@@ -50,6 +50,8 @@ import polars as pl
 from pipeline_assets.lib.formats import SFT
 
 EVAL_COLUMNS = ("eval_set", "item_id", "prompt", "response")
+# What silver's decontamination and evaluation say when the eval sets hold no item.
+NO_EVAL_SETS = "no eval set items (add <set>.jsonl files under PIPELINE_EVAL_SETS_URI)"
 EVAL_TEXT_FIELDS = ("prompt", "response")
 REJECT_STAGE = "decontaminated"
 REJECT_COLUMNS = ("stage", "eval_set", "eval_item_id", "matched_ngram", "evidence")

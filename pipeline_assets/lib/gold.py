@@ -186,7 +186,11 @@ def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:
     """Per sequence, the record of each piece, in the order the pieces sit in the sequence."""
     order = np.lexsort((plan.offset_in_sequence, plan.sequence_of_doc))
     pieces = pl.DataFrame(
-        {"sequence": plan.sequence_of_doc[order], "record_id": record_ids[plan.piece_doc[order]]}
+        {
+            "sequence": plan.sequence_of_doc[order],
+            # typed: no piece (an empty input) would otherwise make an object column
+            "record_id": pl.Series(record_ids[plan.piece_doc[order]], dtype=pl.String),
+        }
     )
     grouped = pieces.group_by("sequence", maintain_order=True).agg("record_id")
     every = pl.DataFrame({"sequence": np.arange(plan.n_sequences)})

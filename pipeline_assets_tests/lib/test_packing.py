@@ -247,6 +247,22 @@ def test_empty_input_gives_no_sequences():
     assert packed["doc_lengths_offsets"].tolist() == [0]
 
 
+def test_no_documents_pack_to_an_empty_typed_frame():
+    """Evaluation packs the eval-set items, which a user may not have: none is zero rows, not an
+    error (the record ids once came out as an object column polars cannot group)."""
+    from pipeline_assets.lib.gold import pack_documents
+
+    none = pl.DataFrame(
+        schema={
+            "record_id": pl.String,
+            "input_ids": pl.List(pl.Int32),
+            "loss_mask": pl.List(pl.Boolean),
+        }
+    )
+    packed = pack_documents(none, 64, PAD)
+    assert packed.height == 0 and packed.schema["record_ids"] == pl.List(pl.String)
+
+
 # --- pack() -------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.lib.charts import slice_bars_png
 from pipeline_assets.lib.chat_format import PAD
+from pipeline_assets.lib.decontam import NO_EVAL_SETS
 from pipeline_assets.lib.eval_sample import capped_validation
 from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
 from pipeline_assets.lib.promotion import OVERALL
@@ -158,6 +159,7 @@ def evaluation_report(
             "eval_max_tokens": registry_policy.eval_max_tokens,
             "eval_items": data.eval_items,
             "eval_set_tokens": data.eval_set_tokens,
+            "scored_on": data.scored_on,
             "models_scored": len(frames),
             "tokens_scored": data.tokens_per_model * len(frames),
         }
@@ -190,6 +192,11 @@ class EvaluationData:
         )
         self.validation_records = int(slices.filter(pl.col("slice") == OVERALL).height)
         self.eval_items, self.eval_set_tokens = eval_items, eval_tokens
+        self.scored_on = (
+            "the validation split and the eval sets"
+            if eval_items
+            else f"the validation split alone: {NO_EVAL_SETS}"
+        )
         self.tokens_per_model = int(validation["real_tokens"].sum()) + self.eval_set_tokens
 
     @classmethod
@@ -217,7 +224,8 @@ class EvaluationData:
             pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
             sources.select("record_id", slice=pl.lit("source:") + pl.col("source")),
         ]
-        if eval_sets is None:
+        items = None if eval_sets is None else eval_sets.items(eval_sets.files())
+        if items is None or items.is_empty():
             return cls(
                 validation,
                 sizes,
@@ -226,7 +234,6 @@ class EvaluationData:
                 0,
                 pl.concat(slices),
             )
-        items = eval_sets.items(eval_sets.files())
         items = items.with_columns(
             record_id=pl.concat_str(pl.lit("eval:"), "eval_set", pl.lit(":"), "item_id"),
             system=pl.lit(None, pl.String),

@@ -36,7 +36,7 @@ from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.engine import BlockEngine, engine_used
-from pipeline_assets.lib.decontam import EvalNgramIndex
+from pipeline_assets.lib.decontam import NO_EVAL_SETS, EvalNgramIndex
 from pipeline_assets.lib.silver import CuratedBatch, CuratedFormats, curate_formats
 from pipeline_assets.lib.silver_order import unsettled_before
 from pipeline_assets.lib.sizing import text_chars
@@ -116,6 +116,9 @@ def silver(
         )
         + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
+    decontamination = _decontamination_note(eval_index)
+    if not len(eval_index):
+        context.log.info(f"decontamination: {decontamination}")
 
     # a format the batch has none of: an empty partition to write
     curated = curate_formats(
@@ -134,6 +137,7 @@ def silver(
         **lookup_report.get("versions", {}),
     }
     metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
+    metadata[SILVER_RECORDS]["decontamination"] = decontamination
     input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
     for key, model in _CONTRACTS.items():
         written = delta_write_metadata(
@@ -144,6 +148,12 @@ def silver(
             stopwatch=stopwatch,
         )
         yield MaterializeResult(asset_key=key, metadata={**written, **metadata[key]})
+
+
+def _decontamination_note(eval_index: EvalNgramIndex) -> str:
+    if len(eval_index):
+        return f"against {len(eval_index):,} n-grams of the eval sets"
+    return f"none: {NO_EVAL_SETS}; nothing was rejected as contaminated"
 
 
 _CONTRACTS = {
