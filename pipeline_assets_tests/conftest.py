@@ -6,6 +6,8 @@ import gzip
 import io
 import os
 import socket
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -87,6 +89,17 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         **env,
     )
     return environment
+
+
+def run_cli(home: Path, *args: str, timeout: float = 300, **env: str):
+    """``pipeline-assets ARGS`` in a fresh process, as a user runs it, everything under ``home``."""
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.cli.main", *args],
+        env=cli_environment(home, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def record(i: int, **fields) -> dict:

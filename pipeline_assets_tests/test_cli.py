@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -15,18 +13,8 @@ from dagster import DagsterInstance
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets.sample_data.preferences import add_preference_source
-from pipeline_assets_tests.conftest import cli_environment, record, write_landing_file
-
-
-def _cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.cli.main", *args],
-        env=cli_environment(home, **env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
+from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.conftest import run_cli as _cli
 
 PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
 

@@ -26,6 +26,7 @@ from dagster import (
 from pipeline_assets.cli.recovery import announce_pool_waits, process_tags, recover_dead_runs
 from pipeline_assets.defs.automation import ONCE_WHEN_MISSING
 from pipeline_assets.defs.check_helpers import partitions_failing
+from pipeline_assets.defs.gold.assets import tokenizer_waits
 from pipeline_assets.defs.gold.cadence import (
     PREFERENCE_SERIES,
     SFT_SERIES,
@@ -35,6 +36,8 @@ from pipeline_assets.defs.gold.cadence import (
 )
 from pipeline_assets.defs.gold.sensors import no_reference_model
 from pipeline_assets.defs.keys import (
+    GOLD_TOKENIZER,
+    OPS_PIPELINE_REPORT,
     REFERENCE_EVAL_SETS,
     RL_POLICY,
     RL_PROMPT_BANK,
@@ -42,9 +45,11 @@ from pipeline_assets.defs.keys import (
     TRAINING_HPARAM_SEARCH,
 )
 from pipeline_assets.defs.landing.batches import discover_batches
+from pipeline_assets.defs.ops.report import report_waits
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
+from pipeline_assets.defs.rl.policy import policy_waits
 from pipeline_assets.lib.locks import FileLock
 
 log = logging.getLogger("pipeline_assets")
@@ -64,6 +69,7 @@ class RunOutcome:
     failed_blocking_checks: list[str] = field(default_factory=list)  # human-readable
     warnings: list[str] = field(default_factory=list)  # failed checks that do not block
     checks_passed: int = 0
+    waiting: list[str] = field(default_factory=list)  # what could not run yet, and why
 
     @property
     def ok(self) -> bool:
@@ -195,14 +201,17 @@ def _is_made_unpartitioned(graph, key: AssetKey) -> bool:
     return node.is_materializable and node.partitions_def is None
 
 
-def _reads_missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey) -> bool:
-    """A batch-partitioned asset that reads an unpartitioned one the pipeline makes and has not made
-    yet."""
+def _missing_unpartitioned(graph, instance: DagsterInstance, key: AssetKey) -> list[AssetKey]:
+    """What a batch-partitioned asset reads of the unpartitioned assets the pipeline makes and has
+    not made yet."""
     node = graph.get(key)
-    return node.partitions_def == ingest_batches and any(
-        _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0
+    if node.partitions_def != ingest_batches:
+        return []
+    return [
+        p
         for p in node.parent_keys
-    )
+        if _is_made_unpartitioned(graph, p) and _latest_storage_id(instance, p) < 0
+    ]
 
 
 def stale_unpartitioned(
@@ -294,14 +303,19 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
         observe_eval_sets(defs, instance, outcome)
     # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is
     # made; otherwise a batch's shard is built in the same run as its bronze and silver.
-    shards = [key for key in keys if _reads_missing_unpartitioned(graph, instance, key)]
+    shards = [key for key in keys if _missing_unpartitioned(graph, instance, key)]
     for batch, batch_keys in stale_partitions(
         defs, instance, [key for key in keys if key not in shards]
     ).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     selected = set(keys)
     ordered = [key for key in graph.toposorted_asset_keys if key in selected]
-    late = [key for key in ordered if _after_snapshots(graph, key)]  # e.g. ops/pipeline_report
+    # e.g. ops/pipeline_report; rl/replay_buffer with rl/policy, which reads the sft champion
+    late = [
+        key
+        for key in ordered
+        if any(_after_snapshots(graph, k) for k in graph.get(key).execution_set_asset_keys)
+    ]
     cuts = {
         series.snapshots for series in SERIES
     }  # cut on their cadence below, never just for being older
@@ -311,8 +325,10 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
         [key for key in ordered if key not in late and key not in cuts],
         bool(selection),
     )
+    early = ready(defs, instance, early, outcome)
     if early:
         _execute(job, instance, early, outcome, partition=None)
+    shards = ready(defs, instance, shards, outcome)
     for batch, batch_keys in stale_partitions(defs, instance, shards).items():
         _execute(job, instance, batch_keys, outcome, partition=batch)
     for (
@@ -324,10 +340,47 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
             defs, instance, ordered, bool(selection), series
         ).items():
             _execute(job, instance, snapshot_keys, outcome, partition=snapshot)
-    reports = stale_unpartitioned(defs, instance, late)
+    reports = ready(
+        defs, instance, stale_unpartitioned(defs, instance, late, bool(selection)), outcome
+    )
     if reports:
         _execute(job, instance, reports, outcome, partition=None)
     return outcome
+
+
+def _waits(
+    defs: Definitions, instance: DagsterInstance
+) -> dict[AssetKey, Callable[[], str | None]]:
+    """Per asset that can find nothing to work on yet, why it waits (None: it can run). Each is the
+    asset's own refusal, asked before its run so that a headless run skips it with the reason."""
+    resources = defs.resources
+    return {
+        GOLD_TOKENIZER: lambda: tokenizer_waits(resources["lake"], resources["gold_policy"]),
+        OPS_PIPELINE_REPORT: lambda: report_waits(instance),
+        RL_POLICY: lambda: policy_waits(resources["mlflow_tracking"], resources["registry_policy"]),
+    }
+
+
+def ready(
+    defs: Definitions, instance: DagsterInstance, keys: list[AssetKey], outcome: RunOutcome
+) -> list[AssetKey]:
+    """``keys`` less those that wait (with what runs with them, and a batch-partitioned asset whose
+    unpartitioned upstream is still missing); each wait is logged and kept in ``outcome``."""
+    graph = defs.resolve_asset_graph()
+    rules, waiting = _waits(defs, instance), {}
+    for key in keys:
+        reason = rules[key]() if key in rules else None
+        missing = _missing_unpartitioned(graph, instance, key)
+        if reason is None and missing:
+            reason = f"{', '.join(k.to_user_string() for k in missing)} is not made yet"
+        if reason is not None:
+            for member in graph.get(key).execution_set_asset_keys:
+                waiting.setdefault(member, reason)
+    for key, reason in waiting.items():
+        said = f"{key.to_user_string()} waits: {reason}"
+        log.info(said)
+        outcome.waiting.append(said)
+    return [key for key in keys if key not in waiting]
 
 
 def cut_snapshot_if_due(
@@ -408,8 +461,13 @@ def _execute(
         if partition
         else "all batches"
     )
-    log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     graph = job.asset_layer.asset_graph
+    # a multi-asset that cannot be subset runs whole (rl/policy with rl/replay_buffer)
+    keys = sorted(
+        {k for key in keys for k in graph.get(key).execution_set_asset_keys},
+        key=AssetKey.to_user_string,
+    )
+    log.info("materializing %s for %s", ", ".join(k.to_user_string() for k in keys), where)
     announce_pool_waits(
         instance, [pool for key in keys for pool in graph.get(key).pools or ()], log.info
     )
@@ -428,13 +486,14 @@ def _execute(
             f"{instance.get_run_by_id(result.run_id).status.value.lower()}"
         )
     if not result.success:
-        reasons = [
-            _failure_reason(event.event_specific_data.error)
+        failures = [
+            f"{_assets_of_step(job, event)} failed for {where}: "
+            f"{_failure_reason(event.event_specific_data.error)}"
             for event in result.get_step_failure_events()
         ]
-        outcome.failed_runs.append(
-            f"run {result.run_id} for {where} failed: "
-            f"{'; '.join(reasons) or 'see the run in the UI'}"
+        outcome.failed_runs.extend(
+            [f"{failure} (run {result.run_id})" for failure in failures]
+            or [f"run {result.run_id} for {where} failed: see the run in the UI"]
         )
     for check in result.get_asset_check_evaluations():
         said = (
@@ -467,6 +526,15 @@ def _interrupted(result) -> bool:
     return False
 
 
+def _assets_of_step(job, event) -> str:
+    """The assets a failed step materializes, as a user names them (``gold/sequences``)."""
+    try:
+        keys = job.asset_layer.get_assets_def_for_node(event.node_handle).keys
+    except Exception:  # a step that is no asset's (none today): its own name
+        return event.step_key
+    return ", ".join(sorted(key.to_user_string() for key in keys))
+
+
 def _failure_reason(error) -> str:
     """The step's own words (``reading landing file ... failed``), behind Dagster's "Exceeded
     max_retries" wrapper and without the exception's class path."""
@@ -476,4 +544,11 @@ def _failure_reason(error) -> str:
         error = error.cause
     line = error.message.strip().splitlines()[0]
     kind, _, words = line.partition(": ")
-    return (words if words and "." in kind else line) + retried
+    if words and "." in kind:  # a class path: its name stays, so a bug reads as one
+        short = kind.rsplit(".", 1)[-1]
+        line = (
+            words
+            if short in ("Failure", "DagsterExecutionStepExecutionError")
+            else (f"{short}: {words}")
+        )
+    return line + retried

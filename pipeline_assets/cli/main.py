@@ -252,6 +252,8 @@ def _report(outcome, settings: Settings) -> int:
     )
     for warning in outcome.warnings:
         print(f"WARNING: {warning}")
+    for waiting in outcome.waiting:
+        print(f"WAITING: {waiting}")
     for problem in outcome.failed_runs + outcome.failed_blocking_checks:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 0 if outcome.ok else 1

@@ -20,13 +20,14 @@ from pipeline_assets.contracts import validate
 from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.resources.lake import LakeResource
 
 
 def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.DataFrame:
     frame = lake.read(layer, name, where=pl.col("batch_id") == batch_id)
     if frame is None:
-        raise ValueError(f"{layer}/{name} does not exist yet: materialize it first")
+        raise refusal(f"{layer}/{name} does not exist yet: materialize it first")
     return frame
 
 

@@ -4,7 +4,7 @@ A failure that would repeat (bad input, a missing upstream) is raised as
 ``Failure(allow_retries=False)`` in those stages, so it is reported at once instead of retried.
 """
 
-from dagster import Backoff, RetryPolicy
+from dagster import Backoff, Failure, RetryPolicy
 
 from pipeline_assets.resources.settings import Settings
 
@@ -17,3 +17,9 @@ TRANSIENT = RetryPolicy(
 
 # How a step says it stopped because its process was asked to (not retried); headless stops on it.
 STOPPED_BY_A_SIGNAL = "stopped by a signal"
+
+
+def refusal(description: str) -> Failure:
+    """A failure that would repeat the same way (a missing upstream, bad input): reported at once,
+    never retried; retries are for transient faults."""
+    return Failure(description=description, allow_retries=False)

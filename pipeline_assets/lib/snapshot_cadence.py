@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline_assets.lib.splits import TRAIN, VALIDATION
+
 
 @dataclass(frozen=True)
 class CadenceInputs:
@@ -29,3 +31,16 @@ def snapshot_due(inputs: CadenceInputs, min_new_fraction: float) -> tuple[bool, 
         f"{share:.1%} of its tokens (cut at {min_new_fraction:.0%})"
     )
     return share >= min_new_fraction, words
+
+
+def lacks_a_split(sequences_by_split: dict[str, int]) -> str | None:
+    """Why the usable shards, all together, cannot make a snapshot yet (training needs a train
+    sequence, the promotion gate a validation one), or None."""
+    missing = [split for split in (TRAIN, VALIDATION) if sequences_by_split.get(split, 0) <= 0]
+    if not missing:
+        return None
+    held = ", ".join(f"{n} {split}" for split, n in sorted(sequences_by_split.items())) or "none"
+    return (
+        f"the usable gold shards hold no {' and no '.join(missing)} sequence ({held}): a snapshot "
+        "waits for more records to train and evaluate on"
+    )

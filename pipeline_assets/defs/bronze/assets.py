@@ -26,7 +26,7 @@ from pipeline_assets.defs.keys import BRONZE_QUARANTINE
 from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.defs.retries import TRANSIENT
+from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.lib.batches import earlier_versions
 from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.landing_files import (
@@ -82,7 +82,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
         else manifest.filter(pl.col("batch_id") == batch_id).sort("uri")
     )
     if files.is_empty():
-        raise ValueError(
+        raise refusal(
             f"ingest batch {batch_id} has no registered landing files (manifest "
             f"v{manifest_version})"
         )

@@ -28,6 +28,7 @@ from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.landing.batches import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.lib.landing_health import (
     WHOLE_FILE_REASONS,
@@ -64,7 +65,7 @@ def _accepted(lake: LakeResource, batch_id: str, columns: tuple[str, ...]) -> pl
         lake.read("bronze", name, where=pl.col("batch_id") == batch_id) for name in _RECORD_TABLES
     )
     if records is None:
-        raise ValueError("bronze/records does not exist yet: materialize it first")
+        raise refusal("bronze/records does not exist yet: materialize it first")
     return pl.concat([frame.select(columns) for frame in (records, *others) if frame is not None])
 
 
@@ -219,7 +220,7 @@ def _lines_counted(instance: DagsterInstance, batch_id: str) -> dict[str, int]:
         AssetRecordsFilter(asset_key=BRONZE_RECORDS, asset_partitions=[batch_id]), limit=1
     ).records
     if not records:
-        raise ValueError(f"bronze/records has no materialization for batch {batch_id}")
+        raise refusal(f"bronze/records has no materialization for batch {batch_id}")
     return records[0].asset_materialization.metadata["lines_counted_by_file"].value
 
 

@@ -16,7 +16,7 @@ from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.defs.retries import TRANSIENT
+from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
@@ -62,13 +62,29 @@ def scan_usable_silver(
     version, not read yet; and the batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
-        raise ValueError("silver/records does not exist yet: materialize silver first")
+        raise refusal("silver/records does not exist yet: materialize silver first")
     blocked = sorted(blocked_batches(context.instance))
     return (
         lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)),
         version,
         blocked,
     )
+
+
+NO_TOKENIZER_SAMPLE = (
+    "no silver training records to train a tokenizer on: gold waits for prompt/response records "
+    "(or a tokenizer.json named by PIPELINE_TOKENIZER)"
+)
+
+
+def tokenizer_waits(lake: LakeResource, gold_policy: GoldPolicy) -> str | None:
+    """Why gold/tokenizer cannot be made yet (silver holds no record to train it on), or None."""
+    if gold_policy.tokenizer_path:
+        return None
+    rows = lake.scan("silver", "records")
+    if rows is None or rows.select(pl.len()).collect().item() == 0:
+        return NO_TOKENIZER_SAMPLE
+    return None
 
 
 @asset(
@@ -147,8 +163,7 @@ def _tokenizer_sample(
     if sample.train_records == 0:
         raise Failure(
             allow_retries=False,
-            description="no silver training records to train a tokenizer on (silver/records "
-            f"v{silver_version})",
+            description=f"{NO_TOKENIZER_SAMPLE} (silver/records v{silver_version})",
         )
     if sample.records.is_empty():
         raise Failure(
@@ -306,7 +321,7 @@ def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, d
             lake.version(*tables.silver.path) if tables.fmt.objective == SFT.objective else None
         )
         if version is None and tables.fmt is SFT:
-            raise ValueError("silver/records does not exist yet: materialize silver first")
+            raise refusal("silver/records does not exist yet: materialize silver first")
         if version is None:
             continue
         versions[tables.silver.to_user_string()] = version
@@ -328,7 +343,7 @@ def current_tokenizer(lake: LakeResource) -> tuple[int, str]:
     """The newest gold/tokenizer version and its tokenizer.json text."""
     version = lake.version("gold", "tokenizer")
     if version is None:
-        raise ValueError("gold/tokenizer does not exist yet: materialize it first")
+        raise refusal("gold/tokenizer does not exist yet: materialize it first")
     return version, lake.read("gold", "tokenizer", version=version)["tokenizer_json"][0]
 
 

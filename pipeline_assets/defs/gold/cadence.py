@@ -26,7 +26,7 @@ from pipeline_assets.defs.snapshots import (
     latest_records_by_partition,
     plain_metadata,
 )
-from pipeline_assets.lib.snapshot_cadence import CadenceInputs, snapshot_due
+from pipeline_assets.lib.snapshot_cadence import CadenceInputs, lacks_a_split, snapshot_due
 from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind
 
 SNAPSHOT_REASON_TAG = (
@@ -142,5 +142,17 @@ def snapshot_decision(
     last = None if not last_cut else last_cut[0].asset_materialization
     last_key = None if last is None else last.metadata["data_snapshot"].value
     last_tokens = 0 if last is None else int(last.metadata["real_tokens"].value)
+    lacking = lacks_a_split(_sequences_by_split(states.usable.values()))
+    if changed and lacking:
+        return SnapshotDecision(False, lacking, state)
     due, reason = snapshot_due(CadenceInputs(changed, last_key, last_tokens), min_new_fraction)
     return SnapshotDecision(due, reason, state)
+
+
+def _sequences_by_split(shards) -> dict[str, int]:
+    """Sequences per split over the shards' materializations."""
+    total: dict[str, int] = {}
+    for shard in shards:
+        for split, n in (shard.metadata.get("sequences_by_split") or {}).items():
+            total[split] = total.get(split, 0) + int(n)
+    return total

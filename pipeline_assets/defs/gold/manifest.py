@@ -29,7 +29,7 @@ from pipeline_assets.defs.gold.checks import SnapshotLengths, judge_snapshot, sn
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_TOKENIZER
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
-from pipeline_assets.defs.retries import TRANSIENT
+from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.lib.snapshot_manifest import (
     SFT_SNAPSHOTS,
     Manifest,
@@ -174,7 +174,7 @@ def cut_manifest(
     with lake.lock(*kind.manifest_table):
         sequences_version = lake.version(*kind.sequences_table)
         if sequences_version is None:
-            raise ValueError(
+            raise refusal(
                 f"{kind.sequences_name} does not exist yet: materialize a batch's shard first"
             )
         counts = shard_counts(lake.scan(*kind.sequences_table, sequences_version), batches)

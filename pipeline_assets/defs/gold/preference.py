@@ -17,7 +17,7 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.defs.retries import TRANSIENT
+from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.engine import BlockEngine, engine_used
 from pipeline_assets.lib.chat_format import PAD
 from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, shard_seed
@@ -56,7 +56,7 @@ def gold_preference_sequences(
     batch = context.partition_key
     silver_version = lake.version(*SILVER_PREFERENCE_PAIRS.path)
     if silver_version is None:
-        raise ValueError("silver/preference_pairs does not exist yet: materialize silver first")
+        raise refusal("silver/preference_pairs does not exist yet: materialize silver first")
     pairs = lake.read(
         *SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch
     )

@@ -46,6 +46,13 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 
 
+def report_waits(instance: DagsterInstance) -> str | None:
+    """Why the report cannot be made yet (it reports on a data snapshot), or None."""
+    if instance.get_latest_materialization_event(GOLD_SNAPSHOTS) is None:
+        return "no data snapshot was cut yet (gold/snapshots)"
+    return None
+
+
 @asset(
     key=OPS_PIPELINE_REPORT,
     group_name="ops",
@@ -71,12 +78,10 @@ def pipeline_report(
     cost_policy: CostPolicy,
     launcher: TorchrunLauncher,
 ) -> MaterializeResult:
+    waits = report_waits(context.instance)
+    if waits:
+        raise Failure(allow_retries=False, description=f"nothing to report: {waits}")
     gold = latest_materialization_metadata(context.instance, GOLD_SNAPSHOTS, lambda m: True)
-    if gold is None:
-        raise Failure(
-            allow_retries=False,
-            description="nothing to report: no data snapshot was cut yet (gold/snapshots)",
-        )
     snapshot = gold["data_snapshot"]
     measured = pl.DataFrame(measure_stages(context.instance, snapshot), schema=MEASURED)
     report = stage_report(

@@ -186,6 +186,16 @@ def rl_policy(
     )
 
 
+def policy_waits(mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy) -> str | None:
+    """Why an RL run with the default run config cannot start yet (no sft champion), or None."""
+    if mlflow_tracking.version_by_alias(registry_policy.model_name, "champion") is not None:
+        return None
+    return (
+        f"no {registry_policy.model_name} champion to start the RL run from: run the batch path "
+        "first, or give init_from and tokenizer_path"
+    )
+
+
 def _starting_policy(
     config: RlRunConfig,
     lake: LakeResource,
@@ -201,13 +211,10 @@ def _starting_policy(
                 allow_retries=False, description="init_from and tokenizer_path go together"
             )
         return config.init_from, config.tokenizer_path, config.init_from
+    waits = policy_waits(mlflow_tracking, registry_policy)
+    if waits:
+        raise Failure(allow_retries=False, description=waits)
     champion = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
-    if champion is None:
-        raise Failure(
-            allow_retries=False,
-            description=f"no {registry_policy.model_name} champion to start the RL "
-            "run from: run the batch path first, or give init_from and tokenizer_path",
-        )
     model_dir = mlflow_tracking.download_model(
         registry_policy.model_name, str(champion.version), folder / "init"
     )

@@ -14,6 +14,7 @@ from dagster import (
 from pipeline_assets.contracts import PromptBankRow, conform, polars_schema, validate
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, RL_PROMPT_BANK, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.overlay_policy import RlPolicy
 from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
@@ -99,7 +100,7 @@ def rl_prompt_bank(
 def _in_bank(lake: LakeResource) -> pl.DataFrame:
     bank = lake.read(*RL_PROMPT_BANK.path)
     if bank is None:
-        raise ValueError("rl/prompt_bank does not exist yet: materialize it first")
+        raise refusal("rl/prompt_bank does not exist yet: materialize it first")
     return bank.filter(pl.col("status") == IN_BANK)
 
 

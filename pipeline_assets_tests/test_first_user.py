@@ -1,0 +1,131 @@
+"""The paths a first user takes with their own data, through `pipeline-assets run` with the default
+settings (the suite's short training aside): no eval sets, and degenerate first landings. Each ends
+in a clean run or a named refusal, never an internal error."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import polars as pl
+from dagster import DagsterInstance
+
+from pipeline_assets.defs.keys import EVALUATION_REPORT, GOLD_SEQUENCES, SILVER_RECORDS
+from pipeline_assets_tests.conftest import run_cli, write_landing_file
+from pipeline_assets_tests.user_data import land_support_export, support_answers
+
+PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
+NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
+
+
+def _latest(home: Path, key, name: str):
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    record = instance.fetch_materializations(key, limit=1).records[0]
+    return record.asset_materialization.metadata[name].value
+
+
+def _summary(home: Path) -> dict:
+    done = run_cli(home, "summary")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _clean(done) -> None:
+    """Exit 0, nothing failed, and none of Dagster's preview/beta chatter or a traceback."""
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "FAILED" not in done.stderr, done.stderr[-4000:]
+    for noise in NOISE:
+        assert noise not in done.stdout + done.stderr, noise
+
+
+def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
+    land_support_export(tmp_path, 300)
+    assert not (tmp_path / "reference").exists()
+    done = run_cli(tmp_path, "run")
+    _clean(done)
+    assert _summary(tmp_path)["model"]["champion_version"] == "1"
+    scored_on = _latest(tmp_path, EVALUATION_REPORT, "scored_on")
+    assert scored_on.startswith("the validation split alone: no eval set items")
+    assert _latest(tmp_path, SILVER_RECORDS, "decontamination").startswith("none: no eval set")
+
+
+def test_an_empty_eval_set_file_is_no_eval_set(tmp_path):
+    land_support_export(tmp_path, 300)
+    folder = tmp_path / "reference" / "eval_sets"
+    folder.mkdir(parents=True)
+    (folder / "benchmark.jsonl").write_bytes(b"")
+    _clean(run_cli(tmp_path, "run"))
+    assert _summary(tmp_path)["model"]["champion_version"] == "1"
+    assert _latest(tmp_path, EVALUATION_REPORT, "scored_on").startswith(
+        "the validation split alone"
+    )
+
+
+def _waits_for_more_records(done) -> None:
+    """The batch is curated; no snapshot is cut and what reports on one waits, with reasons."""
+    _clean(done)
+    assert "no new data snapshot: the usable gold shards hold no validation sequence" in (
+        done.stderr
+    ), done.stderr[-4000:]
+    assert "WAITING: ops/pipeline_report waits: no data snapshot was cut yet" in done.stdout
+
+
+def test_a_handful_of_records_is_curated_and_the_snapshot_waits_for_more(tmp_path):
+    land_support_export(tmp_path, 5)
+    _waits_for_more_records(run_cli(tmp_path, "run"))
+    assert _summary(tmp_path)["tables"]["silver/records"]["rows"] == 5
+
+
+def test_a_batch_of_one_record_repeated_keeps_one_and_says_why_of_the_rest(tmp_path):
+    write_landing_file(tmp_path / "landing", "support", "a.jsonl", support_answers(1) * 40)
+    _waits_for_more_records(run_cli(tmp_path, "run"))
+    summary = _summary(tmp_path)
+    assert summary["tables"]["silver/records"]["rows"] == 1
+    assert summary["rejected_by_stage"] == {"exact_dup": 39}
+
+
+def _long_text(words: int, seed: int = 3) -> str:
+    """Prose-shaped text of made-up words: no rule of the quality gate rejects it."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ren", "tas", "vo", "qui", "del", "np", "ur", "shi", "bo"]
+    made_up = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(words)
+    ]
+    return " ".join(" ".join(made_up[i : i + 12]).capitalize() + "." for i in range(0, words, 12))
+
+
+def test_a_record_far_longer_than_a_training_row_is_cut_and_counted(tmp_path):
+    land_support_export(tmp_path, 300)
+    long = {"id": "long", "prompt": "Tell me everything about it.", "response": _long_text(3000)}
+    write_landing_file(tmp_path / "landing", "support", "long.jsonl", [long])
+    _clean(run_cli(tmp_path, "run"))
+    silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
+    assert silver.filter(pl.col("response") == long["response"]).height == 1
+    assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 1
+    assert _summary(tmp_path)["model"]["champion_version"] == "1"
+
+
+def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_path):
+    rng = random.Random(5)
+    pairs = [
+        {
+            "prompt": row["prompt"],
+            "chosen": row["response"],
+            "rejected": rng.choice(["idk", "Restart it.", "No idea, sorry."]),
+        }
+        for row in support_answers(60)
+    ]
+    write_landing_file(tmp_path / "landing", "prefs", "pairs.jsonl", pairs)
+    done = run_cli(tmp_path, "run", **PREFS)
+    _clean(done)
+    waiting = [line for line in done.stdout.splitlines() if line.startswith("WAITING: ")]
+    assert any(
+        line.startswith("WAITING: gold/tokenizer waits: no silver training records")
+        for line in waiting
+    ), done.stdout
+    assert any(line.startswith("WAITING: gold/sequences waits: gold/tokenizer") for line in waiting)
+    assert "no new preference snapshot" in done.stderr
+    summary = _summary(tmp_path)
+    assert summary["tables"]["silver/preference_pairs"]["rows"] > 0
+    assert summary["tables"]["gold/tokenizer"] is None
