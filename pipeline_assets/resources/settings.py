@@ -532,6 +532,13 @@ SETTINGS: tuple[Setting, ...] = (
         "rl_group_size",
     ),
     Setting(
+        "PIPELINE_RL_UPDATES",
+        60,
+        "GRPO updates of an RL run (a run's config may give its own `updates`)",
+        integer(1),
+        "rl_updates",
+    ),
+    Setting(
         "PIPELINE_RL_ROLLOUT_WORKERS",
         1,
         "rollout processes beside the RL learner",
@@ -650,6 +657,7 @@ class Settings:
     rl_bank_seed: int
     rl_held_out_fraction: float
     rl_group_size: int
+    rl_updates: int
     rl_rollout_workers: int
     rl_max_staleness: int
     rl_max_pending_seconds: float

@@ -57,7 +57,7 @@ class RlRunConfig(Config):
 
     # the bank's tasks to train on, comma-separated; empty: all (the tiny demo model learns "sort")
     tasks: str = ""
-    updates: int = 60
+    updates: int = 0  # 0: PIPELINE_RL_UPDATES
     prompts_per_update: int = 32
     lr: float = 3e-4
     # an exported model folder to start from instead of the sft champion (with tokenizer_path)
@@ -138,7 +138,7 @@ def rl_policy(
         tokenizer_path=tokenizer_path,
         init_from=init_from,
         tasks=config.tasks,
-        updates=config.updates,
+        updates=config.updates or rl_policy.updates,
         prompts_per_update=config.prompts_per_update,
         group_size=rl_policy.group_size,
         lr=config.lr,
