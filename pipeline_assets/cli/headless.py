@@ -536,19 +536,19 @@ def _assets_of_step(job, event) -> str:
 
 
 def _failure_reason(error) -> str:
-    """The step's own words (``reading landing file ... failed``), behind Dagster's "Exceeded
-    max_retries" wrapper and without the exception's class path."""
+    """The step's own words (``reading landing file ... failed``), behind Dagster's wrappers
+    ("Exceeded max_retries", "Error occurred while executing op"); a refusal (``Failure``) is its
+    description, any other exception its class and message, so a bug reads as one."""
     retried = ""
-    while error.cause is not None and error.message.startswith("Exceeded max_retries"):
-        retried = f" ({error.message.strip().lower()})"
+    while error.cause is not None and (
+        error.message.startswith("Exceeded max_retries")
+        or error.cls_name == "DagsterExecutionStepExecutionError"
+    ):
+        if error.message.startswith("Exceeded max_retries"):
+            retried = f" ({error.message.strip().lower()})"
         error = error.cause
-    line = error.message.strip().splitlines()[0]
+    name, line = error.cls_name or "", error.message.strip().splitlines()[0]
     kind, _, words = line.partition(": ")
-    if words and "." in kind:  # a class path: its name stays, so a bug reads as one
-        short = kind.rsplit(".", 1)[-1]
-        line = (
-            words
-            if short in ("Failure", "DagsterExecutionStepExecutionError")
-            else (f"{short}: {words}")
-        )
-    return line + retried
+    if not (words and name and kind.endswith(name)):
+        return line + retried
+    return (words if name == "Failure" else f"{name}: {words}") + retried
