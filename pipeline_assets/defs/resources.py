@@ -68,7 +68,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
             ui_url=settings.mlflow_ui_url,
         ),
         "pipes_subprocess_client": PipesSubprocessClient(),
-        "hparam_search_policy": HparamSearchPolicy(),
+        "hparam_search_policy": policy_from(HparamSearchPolicy, settings),
         "cost_policy": policy_from(CostPolicy, settings),
         "registry_policy": policy_from(RegistryPolicy, settings),
         "retention_policy": policy_from(RetentionPolicy, settings),

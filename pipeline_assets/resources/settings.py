@@ -370,6 +370,27 @@ SETTINGS: tuple[Setting, ...] = (
         "train_checkpoint_every",
     ),
     Setting(
+        "PIPELINE_SEARCH_TRIALS",
+        6,
+        "configurations training/hparam_search samples from its grid",
+        integer(1),
+        "search_trials",
+    ),
+    Setting(
+        "PIPELINE_SEARCH_MIN_STEPS",
+        10,
+        "steps of every search trial at the first rung",
+        integer(1),
+        "search_min_steps",
+    ),
+    Setting(
+        "PIPELINE_SEARCH_MAX_STEPS",
+        90,
+        "steps of the search's last rung (and every trial's schedule)",
+        integer(1),
+        "search_max_steps",
+    ),
+    Setting(
         "PIPELINE_DPO_STEPS",
         DPO_STEPS,
         "optimizer steps per DPO run (`training/dpo_checkpoint`)",
@@ -632,6 +653,9 @@ class Settings:
     train_preset: str
     train_steps: int
     train_checkpoint_every: int
+    search_trials: int
+    search_min_steps: int
+    search_max_steps: int
     dpo_steps: int
     dpo_lr: float
     dpo_beta: float

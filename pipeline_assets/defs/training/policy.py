@@ -70,11 +70,9 @@ class HparamSearchPolicy(ConfigurableResource):
         },
         description="hyperparameter -> values; any TrainConfig field (width: the model's dim)",
     )
-    trials: int = Field(default=6, description="configurations sampled from the grid")
-    min_steps: int = Field(default=10, description="steps at the first rung")
-    max_steps: int = Field(
-        default=90, description="steps at the last rung (and the schedule's length)"
-    )
+    trials: int = setting_field("search_trials", ge=1)
+    min_steps: int = setting_field("search_min_steps", ge=1)
+    max_steps: int = setting_field("search_max_steps", ge=1)
     eta: int = Field(
         default=3, description="keep the best 1/eta at each rung; budgets grow eta times"
     )
