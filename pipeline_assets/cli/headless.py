@@ -369,13 +369,16 @@ def ready(
     graph = defs.resolve_asset_graph()
     rules, waiting = _waits(defs, instance), {}
     for key in keys:
-        reason = rules[key]() if key in rules else None
+        if key in waiting:
+            continue
+        members = graph.get(key).execution_set_asset_keys
         missing = _missing_unpartitioned(graph, instance, key)
-        if reason is None and missing:
-            reason = f"{', '.join(k.to_user_string() for k in missing)} is not made yet"
+        reasons = [rules[member]() for member in members if member in rules]
+        if missing:
+            reasons.append(f"{', '.join(k.to_user_string() for k in missing)} is not made yet")
+        reason = next((r for r in reasons if r is not None), None)
         if reason is not None:
-            for member in graph.get(key).execution_set_asset_keys:
-                waiting.setdefault(member, reason)
+            waiting.update(dict.fromkeys(members, reason))
     for key, reason in waiting.items():
         said = f"{key.to_user_string()} waits: {reason}"
         log.info(said)
@@ -530,7 +533,7 @@ def _assets_of_step(job, event) -> str:
     """The assets a failed step materializes, as a user names them (``gold/sequences``)."""
     try:
         keys = job.asset_layer.get_assets_def_for_node(event.node_handle).keys
-    except Exception:  # a step that is no asset's (none today): its own name
+    except Exception:  # a step that materializes no asset (an asset check's op): its own name
         return event.step_key
     return ", ".join(sorted(key.to_user_string() for key in keys))
 

@@ -12,7 +12,6 @@ from dagster import (
     AssetExecutionContext,
     AutomationCondition,
     DagsterInstance,
-    Failure,
     MaterializeResult,
     MetadataValue,
     asset,
@@ -32,6 +31,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.ops.stages import PIPELINE_STAGES, MeasuredStage
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.snapshots import (
     behind_snapshot,
     latest_materialization_metadata,
@@ -80,7 +80,7 @@ def pipeline_report(
 ) -> MaterializeResult:
     waits = report_waits(context.instance)
     if waits:
-        raise Failure(allow_retries=False, description=f"nothing to report: {waits}")
+        raise refusal(f"nothing to report: {waits}")
     gold = latest_materialization_metadata(context.instance, GOLD_SNAPSHOTS, lambda m: True)
     snapshot = gold["data_snapshot"]
     measured = pl.DataFrame(measure_stages(context.instance, snapshot), schema=MEASURED)

@@ -35,6 +35,7 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.overlay_policy import RlPolicy
 from pipeline_assets.defs.rl.workers import RolloutWorkers
 from pipeline_assets.lib.charts import reward_curve_png
@@ -213,7 +214,7 @@ def _starting_policy(
         return config.init_from, config.tokenizer_path, config.init_from
     waits = policy_waits(mlflow_tracking, registry_policy)
     if waits:
-        raise Failure(allow_retries=False, description=waits)
+        raise refusal(waits)
     champion = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
     model_dir = mlflow_tracking.download_model(
         registry_policy.model_name, str(champion.version), folder / "init"
