@@ -32,7 +32,9 @@ from pipeline_assets.resources.landing import LandingResource
 # first by their time in a full run: started last, as alphabetical order would, they leave one
 # pytest-xdist worker alone.
 LONGEST_FIRST = [
+    "test_documented_commands.py",
     "defs/test_registry.py",
+    "test_first_user.py",
     "test_cli.py",
     "trainer/test_rl_learning.py",
     "defs/test_dpo_evaluation.py",
@@ -85,6 +87,11 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         PIPELINE_DPO_STEPS="6",
         PIPELINE_TRAIN_NPROC="1",
         PIPELINE_PROMOTION_MARGIN="-1",
+        # the search and the RL overlay as small: their defaults are kept, their sizes cut
+        PIPELINE_SEARCH_TRIALS="2",
+        PIPELINE_SEARCH_MIN_STEPS="2",
+        PIPELINE_SEARCH_MAX_STEPS="6",
+        PIPELINE_RL_UPDATES="2",
         PIPELINE_SLICE_TOLERANCE="1",
         **env,
     )

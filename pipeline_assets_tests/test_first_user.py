@@ -129,3 +129,19 @@ def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_pa
     summary = _summary(tmp_path)
     assert summary["tables"]["silver/preference_pairs"]["rows"] > 0
     assert summary["tables"]["gold/tokenizer"] is None
+
+
+def test_the_overlays_command_on_a_fresh_instance_builds_the_bank_and_waits_for_a_champion(
+    tmp_path,
+):
+    """docs/rl.md's command, before any model exists (it failed with DagsterInvalidSubsetError:
+    rl/replay_buffer was selected without rl/policy, the multi-asset that makes both)."""
+    land_support_export(tmp_path, 20)
+    done = run_cli(tmp_path, "run", "--select", "key:rl/*")
+    _clean(done)
+    for key in ("rl/policy", "rl/replay_buffer"):
+        assert f"WAITING: {key} waits: no sft-model champion to start the RL run from" in (
+            done.stdout
+        ), done.stdout
+    bank = pl.read_delta(str(tmp_path / "lake" / "rl" / "prompt_bank"))
+    assert bank.filter(pl.col("status") == "in_bank").height > 0

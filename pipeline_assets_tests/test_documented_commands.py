@@ -1,0 +1,381 @@
+"""Every command README.md and docs/*.md show is run as a user types it.
+
+``DOCUMENTED`` lists each command as a document shows it, beside the command line this suite runs
+for it: the same words, with a placeholder filled in or a size the suite can afford. A document
+that shows a command the list lacks fails ``test_every_documented_command_is_listed``; the flow
+below runs every listed line, in order, on one persistent instance, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import polars as pl
+import pytest
+from dagster import DagsterInstance
+
+from pipeline_assets.definitions import defs
+from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
+from pipeline_assets.sample_data.corpus import MANIFEST_NAME
+from pipeline_assets_tests.conftest import cli_environment, write_landing_file
+from pipeline_assets_tests.dagster_dev import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# A command: `make` or `pipeline-assets` with at least a target or a subcommand after it.
+COMMAND = re.compile(r"^(make|pipeline-assets) [a-z]")
+
+# The lines the story below runs for the documents' commands, where they differ from the document:
+# the demo at the story's size, placeholders filled in, sizes the suite can afford.
+DEMO = "make demo SAMPLE_RECORDS=1500 SAMPLE_PAIRS=200"
+RUN = "pipeline-assets run"
+RL = 'pipeline-assets run --select "key:rl/*"'
+EVERYTHING = "pipeline-assets run --select '*'"
+BRONZE_ONLY = 'pipeline-assets run --select "key:bronze/*"'
+LINEAGE = "pipeline-assets lineage sft-model@champion"
+PROMOTE = 'pipeline-assets promote sft-model/1 --reason "a drill"'
+ROLLBACK = 'pipeline-assets rollback sft-model --reason "the drill is over"'
+SIZER = "pipeline-assets sizer --records 1000"
+SIZER_JSON = "pipeline-assets sizer --records 50000 --json"
+SIZER_BILLION = (
+    "pipeline-assets sizer --records 1000000000 --cpu-workers 256 --gpus 64 --preset base"
+)
+SIZER_ALL = "pipeline-assets sizer --records 10000 --avg-chars 600 --cpu-workers 4 --gpus 1 --json"
+SAMPLE = "pipeline-assets sample-data --records 600 --out {scratch}/sample --preference-pairs 100"
+MARKOV = "pipeline-assets sample-data --text markov --records 4000 --out {scratch}/markov"
+# As a document shows it -> the line the story runs for it.
+DOCUMENTED = {
+    "make demo": DEMO,
+    "make lint": "make lint",
+    "pipeline-assets run": RUN,
+    "pipeline-assets run [--select SELECTION]": BRONZE_ONLY,
+    'pipeline-assets run --select "key:rl/*"': RL,
+    "pipeline-assets snapshot": "pipeline-assets snapshot",
+    "pipeline-assets summary": "pipeline-assets summary",
+    "pipeline-assets lineage": LINEAGE,
+    "pipeline-assets lineage sft-model@champion": LINEAGE,
+    "pipeline-assets lineage dpo-model@champion": "pipeline-assets lineage dpo-model@champion",
+    "pipeline-assets lineage MODEL@ALIAS\\|MODEL/VERSION": "pipeline-assets lineage sft-model/1",
+    "pipeline-assets promote MODEL/VERSION [--reason]": PROMOTE,
+    "pipeline-assets rollback MODEL [--reason]": ROLLBACK,
+    "pipeline-assets promote dpo-model/N": "pipeline-assets promote dpo-model/1",
+    "pipeline-assets backfill-decontamination": "pipeline-assets backfill-decontamination",
+    "pipeline-assets sizer": SIZER,
+    "pipeline-assets sizer --records N": SIZER,
+    "pipeline-assets sizer --records 50000 --json": SIZER_JSON,
+    "pipeline-assets sizer --records 1000000000 --cpu-workers 256 --gpus 64 --preset base": (
+        SIZER_BILLION
+    ),
+    "pipeline-assets sizer --records N [--avg-chars C] [--cpu-workers K] [--gpus G] [--json]": (
+        SIZER_ALL
+    ),
+    "pipeline-assets sample-data --records N --out DIR [--text markov] [--file-records M] "
+    "[--preference-pairs P]": SAMPLE,
+    "pipeline-assets sample-data --preference-pairs 2000": SAMPLE,
+    "pipeline-assets sample-data --text markov --records 4000000": MARKOV,
+}
+# Shown, and run elsewhere than in this flow.
+RUN_ELSEWHERE = {
+    "make test": "CI runs it (.ci/run); it is the suite itself",
+    "make bench": "bench/ (test_bench_imports.py imports every module); 35 minutes on 2 cores",
+    "make dev": "test_make_dev below: it serves until stopped",
+}
+
+
+def documented_commands() -> dict[str, str]:
+    """Every command the documents show (code spans and code blocks), with the first document."""
+    found: dict[str, str] = {}
+    for document in DOCUMENTS:
+        text = document.read_text()
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+        lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        spans = [span.strip() for span in re.findall(r"`([^`\n]+)`", prose)]
+        for command in lines + spans:
+            if COMMAND.match(command):
+                found.setdefault(command, document.name)
+    return found
+
+
+def test_every_documented_command_is_listed():
+    shown = documented_commands()
+    listed = set(DOCUMENTED) | set(RUN_ELSEWHERE)
+    assert {c: d for c, d in shown.items() if c not in listed} == {}
+    assert sorted(listed - set(shown)) == [], "listed, but no document shows it any more"
+
+
+def _argv(line: str, scratch: Path) -> list[str]:
+    words = shlex.split(line.format(scratch=scratch))
+    if words[0] == "pipeline-assets":
+        return [sys.executable, "-m", "pipeline_assets.cli.main", *words[1:]]
+    return words
+
+
+class Commands:
+    """Runs command lines as a user types them, on one PIPELINE_HOME, and keeps which it ran."""
+
+    def __init__(self, home: Path):
+        self.home, self.ran = home, set()
+
+    def __call__(self, line: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            _argv(line, self.home / "scratch"),
+            cwd=ROOT,
+            env=cli_environment(self.home, **env),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == expect, (line, done.stdout[-2000:], done.stderr[-4000:])
+        for noise in ("Traceback", "PreviewWarning", "BetaWarning"):
+            assert noise not in done.stdout + done.stderr, (line, noise, done.stderr[-4000:])
+        self.ran.add(line)
+        return done
+
+
+PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
+MEASURED_STAGES = ["bronze", "silver", "gold/tokenizer", "gold/sequences", "training", "evaluation"]
+
+
+def test_the_documented_commands_tell_one_story(tmp_path):
+    """A user's story on one persistent instance, every line as a document shows it: the demo, a
+    run with nothing new, schema drift blocked and fixed with a mapping, a snapshot by hand and its
+    training, the registry's and the reports' commands, the RL overlay, every asset (the search
+    too), and the sample's other forms."""
+    run = Commands(tmp_path)
+    first = run(DEMO)  # sample-data, run, summary and lineage, through the Makefile
+    assert "new ingest batches: 2" in first.stdout  # the key starts with the year
+    manifest = json.loads((tmp_path / "landing" / MANIFEST_NAME).read_text())
+
+    nothing = run(RUN, **PREFS)
+    assert "new ingest batches: none" in nothing.stdout and "runs: 0" in nothing.stdout
+
+    renamed = [
+        {
+            "prompt": f"Question {i} about topic {i * 7}?",
+            "completion": f"The answer to {i} is {i * 7}, for these reasons.",
+        }
+        for i in range(10)
+    ]
+    write_landing_file(tmp_path / "landing", "annotate", "b.jsonl", renamed)
+    drift = run(RUN, expect=1, **PREFS)
+    assert "bronze/records:quarantine_rate failed" in drift.stderr
+    assert '{"annotate": {"completion": "response"}}' in drift.stderr
+
+    mapping = {"PIPELINE_FIELD_MAPPINGS": '{"annotate": {"completion": "response"}}', **PREFS}
+    fixed = run(RUN, **mapping)
+    assert "runs: 2" in fixed.stdout, (
+        "the blocked batch is retried (the good one is not), its gold shard in the same run"
+    )
+    assert "no new data snapshot: gold shards built since gold-v0: 1 batch(es)" in fixed.stderr, (
+        "10 records: under 10%"
+    )
+    cut = run("pipeline-assets snapshot", **mapping)
+    assert "runs: 1" in cut.stdout
+    run(RUN, **mapping)  # trains gold-v1
+
+    _the_story_so_far(tmp_path, run, manifest)
+    _the_registry_and_the_reports(run)
+    _the_overlay_and_every_asset(tmp_path, run, mapping)
+    run(SAMPLE)
+    run(MARKOV)
+    run("make lint")
+    assert set(DOCUMENTED.values()) <= run.ran
+
+
+def _the_story_so_far(home: Path, run: Commands, manifest: dict) -> None:
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    assert len(instance.get_materialized_partitions(BRONZE_RECORDS)) == 2
+    bronze_rows = manifest["expected"]["bronze_rows"] + 10
+    records = pl.read_delta(str(home / "lake" / "bronze" / "records"))
+    assert records.height == bronze_rows
+
+    summary = json.loads(run("pipeline-assets summary").stdout)
+    assert summary["tables"]["bronze/records"]["rows"] == bronze_rows
+    pairs = manifest["preference"]["expected"]
+    assert summary["tables"]["bronze/preference_records"]["rows"] == pairs["bronze_rows"]
+    assert summary["rejected_by_stage"]["pair_cap"] == pairs["pairs_over_prompt_cap"]
+    assert summary["tables"]["gold/preference_sequences"]["rows"] > 0
+    assert summary["tables"]["gold/preference_snapshots"]["rows"] == 1, (
+        "the pairs' first snapshot, dpo-v0"
+    )
+    reference = pl.read_delta(str(home / "lake" / "gold" / "reference_logps"))
+    assert reference.height == summary["tables"]["gold/preference_sequences"]["rows"], (
+        "dpo-v0 holds every shard of pairs"
+    )
+    assert set(reference["reference_model"]) == {"sft-model/1"}, (
+        "the first sft champion, trained in the same run"
+    )
+    assert (reference["reference_logps"].list.len() % 2 == 0).all() and reference[
+        "reference_logps"
+    ].list.max().max() < 0
+    assert instance.get_materialized_partitions(TRAINING_DPO_CHECKPOINT) == {"dpo-v0"}, (
+        "DPO from sft-model/1"
+    )
+    dpo = instance.get_latest_materialization_event(
+        TRAINING_DPO_CHECKPOINT
+    ).asset_materialization.metadata
+    assert dpo["reference_model"].value == "sft-model/1" and dpo["objective"].value == "dpo"
+    assert dpo["final_loss"].value < 0.6931, (
+        "below log 2, where DPO starts (its policy is its reference)"
+    )
+    assert dpo["eval/preference_accuracy"].value >= 0.75, (
+        "held-out pairs, from 0 (every margin 0) at step 0"
+    )
+    assert (
+        summary["dpo"]["partition"] == "dpo-v0"
+        and summary["dpo"]["reference_model"] == "sft-model/1"
+    )
+    assert summary["dpo"]["champion"]["version"] == "1", (
+        "registry/dpo_model_version: the first dpo-model beat chance"
+    )
+    assert (
+        sum(summary["quarantined_by_reason"].values())
+        == manifest["expected"]["quarantined"] + pairs["quarantined"]
+    )
+    silver = (
+        summary["tables"]["silver/records"]["rows"]
+        + summary["tables"]["silver/preference_pairs"]["rows"]
+    )
+    rejected = sum(summary["rejected_by_stage"].values())
+    assert silver + rejected == bronze_rows + pairs["bronze_rows"], (
+        "run also materializes silver for each batch"
+    )
+    assert summary["data_snapshot"]["partition"] == "gold-v1", (
+        "a gold snapshot over all batches, rebuilt after the fix"
+    )
+    assert instance.get_materialized_partitions(TRAINING_CHECKPOINT) == {"gold-v0", "gold-v1"}, (
+        "each snapshot is trained"
+    )
+    assert (
+        summary["model"]["champion_version"] == "2" and summary["model"]["partition"] == "gold-v1"
+    )
+    pipeline = summary["pipeline"]
+    assert set(pipeline["stages"]) == set(MEASURED_STAGES)
+    slowest = max(pipeline["stages"], key=lambda stage: pipeline["stages"][stage]["wall_seconds"])
+    assert pipeline["bottleneck"] == slowest and pipeline["usd_per_million_tokens"] > 0
+    lineage = json.loads(run(LINEAGE).stdout)
+    assert len(lineage["silver"]["batches"]) == 2 and lineage["gold"]["tokenizer_version"] == 0, (
+        "the tokenizer is made once"
+    )
+    assert lineage["model"]["version"] == "2", "the snapshot cut by hand was trained"
+    _sizer_calibrated_on_the_story(run)
+
+
+def _sizer_calibrated_on_the_story(run: Commands) -> None:
+    prediction = json.loads(
+        run("pipeline-assets sizer --records 1000000000 --cpu-workers 256 --gpus 64 --json").stdout
+    )
+    stages = {row["stage"]: row for row in prediction["stages"]}
+    assert list(stages) == MEASURED_STAGES
+    totals = prediction["totals"]
+    assert totals["batches"] == 1000 and totals["bottleneck"] == max(
+        stages, key=lambda s: stages[s]["wall_seconds"]
+    )
+    assert totals["wall_seconds"] == pytest.approx(
+        sum(row["wall_seconds"] for row in stages.values())
+    )
+    cores = len(os.sched_getaffinity(0))  # what the calibration's processes ran on
+    assert (
+        stages["bronze"]["runs_on"] == f"{256 // cores} x {cores} cores"
+        and stages["silver"]["runs_on"] == f"{cores} + 256 on Ray"
+    )
+    assert (
+        stages["training"]["runs_on"] == "64 GPUs" and "not measured" in totals["gpu_speed_assumed"]
+    )
+    # Two batches of different sizes: two points (how the fit reads them depends on this
+    # machine's timing).
+    assert totals["fits"]["bronze"]["points"] == 2 and not totals["fits"]["bronze"][
+        "note"
+    ].startswith("one size")
+    assert totals["fits"]["training"]["note"].startswith("one size"), (
+        "both snapshots trained the same 6 steps"
+    )
+    assert totals["fits"]["silver/index lookup"]["points"] >= 1, (
+        "the second batch's lookup, fitted on its tasks' seconds"
+    )
+    assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
+    table = run("pipeline-assets sizer --records 50000 --first-model")
+    assert "bottleneck:" in table.stdout and "evaluation" in table.stdout
+    for line in (SIZER, SIZER_JSON, SIZER_BILLION, SIZER_ALL):
+        assert "silver" in run(line).stdout
+
+
+def _the_registry_and_the_reports(run: Commands) -> None:
+    dpo = json.loads(run("pipeline-assets lineage dpo-model@champion").stdout)
+    assert dpo["model"]["name"] == "dpo-model"
+    assert json.loads(run("pipeline-assets lineage sft-model/1").stdout)["model"]["version"] == "1"
+    assert json.loads(run(PROMOTE).stdout)["champion"] == "1"
+    assert json.loads(run(ROLLBACK).stdout)["champion"] == "2", "the champion before the drill"
+    assert json.loads(run("pipeline-assets promote dpo-model/1").stdout)["champion"] == "1"
+    backfill = run("pipeline-assets backfill-decontamination")
+    assert "runs:" in backfill.stdout
+
+
+def _the_overlay_and_every_asset(home: Path, run: Commands, mapping: dict) -> None:
+    """Every asset left (the search, the RL overlay); then the overlay's command as docs/rl.md
+    gives it, with nothing of it stale (its rollouts landed, not yet ingested): a run of nothing.
+    Its run from a fresh instance is test_first_user.py's."""
+    everything = run(EVERYTHING, **mapping)
+    assert "materializing rl/policy, rl/replay_buffer" in everything.stderr
+    assert "training/hparam_search" in everything.stderr
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    never = [
+        key.to_user_string()
+        for key in defs.resolve_asset_graph().materializable_asset_keys
+        if instance.get_latest_materialization_event(key) is None
+    ]
+    assert never == []
+    assert "runs: 0" in run(RL, **mapping).stdout
+    run(BRONZE_ONLY, **mapping)  # the rollouts' batch, through bronze
+
+
+def _answer(url: str, body: bytes | None = None, deadline: float = 240) -> bytes:
+    """The first answer of ``url`` (a POST of ``body`` when given) within ``deadline`` seconds."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    stop = time.monotonic() + deadline
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.read()
+        except OSError:
+            if time.monotonic() > stop:
+                raise
+            time.sleep(1)
+
+
+def test_make_dev(tmp_path):
+    """`make dev` serves the Dagster UI, whose GraphQL API shows the graph, and the MLflow UI, both
+    on loopback; Ctrl-C stops both."""
+    dagster_port, mlflow_port = free_port(), free_port()
+    process = subprocess.Popen(
+        ["make", "dev", f"DAGSTER_PORT={dagster_port}", f"MLFLOW_PORT={mlflow_port}"],
+        cwd=ROOT,
+        env=cli_environment(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert _answer(f"http://127.0.0.1:{mlflow_port}/health") == b"OK"
+        query = json.dumps({"query": "{ assetNodes { assetKey { path } } }"}).encode()
+        nodes = json.loads(_answer(f"http://127.0.0.1:{dagster_port}/graphql", query))
+        keys = {"/".join(n["assetKey"]["path"]) for n in nodes["data"]["assetNodes"]}
+        assert {"bronze/records", "registry/model_version", "rl/policy"} <= keys
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # `dagster dev` stops on SIGINT, not SIGTERM
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
