@@ -179,3 +179,22 @@ def test_runs_execute_in_one_process_unless_the_setting_says_otherwise(tmp_path)
         unknown.returncode != 0
         and "PIPELINE_EXECUTOR='threads': one of in_process, multiprocess" in unknown.stderr
     )
+
+
+def test_loading_the_location_hides_dagsters_preview_and_beta_notes_only():
+    """They headed every command's output and read like errors; a real warning still shows."""
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "default",
+            "-c",
+            "import warnings, pipeline_assets.definitions; warnings.warn('a real warning')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert "UserWarning: a real warning" in loaded.stderr
+    assert "PreviewWarning" not in loaded.stderr and "BetaWarning" not in loaded.stderr
