@@ -92,6 +92,7 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         PIPELINE_SEARCH_MIN_STEPS="2",
         PIPELINE_SEARCH_MAX_STEPS="6",
         PIPELINE_RL_UPDATES="2",
+        PIPELINE_RL_WARM_START_MAX_STEPS="5",
         PIPELINE_SLICE_TOLERANCE="1",
         **env,
     )

@@ -99,11 +99,12 @@ def test_a_record_far_longer_than_a_training_row_is_cut_and_counted(tmp_path):
     land_support_export(tmp_path, 300)
     long = {"id": "long", "prompt": "Tell me everything about it.", "response": _long_text(3000)}
     write_landing_file(tmp_path / "landing", "support", "long.jsonl", [long])
-    _clean(run_cli(tmp_path, "run"))
+    # up to gold: a cut row trains like any other (the trainer reads rows, not records)
+    _clean(run_cli(tmp_path, "run", "--select", "key:bronze/* or key:silver/* or key:gold/*"))
     silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
     assert silver.filter(pl.col("response") == long["response"]).height == 1
     assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 1
-    assert _summary(tmp_path)["model"]["champion_version"] == "1"
+    assert _summary(tmp_path)["data_snapshot"]["partition"] == "gold-v0"
 
 
 def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_path):

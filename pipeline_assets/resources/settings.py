@@ -560,6 +560,14 @@ SETTINGS: tuple[Setting, ...] = (
         "rl_updates",
     ),
     Setting(
+        "PIPELINE_RL_WARM_START_MAX_STEPS",
+        600,
+        "most sft steps that tune a starting policy too weak for GRPO on the bank's training "
+        "prompts first (0: none)",
+        integer(0),
+        "rl_warm_start_max_steps",
+    ),
+    Setting(
         "PIPELINE_RL_ROLLOUT_WORKERS",
         1,
         "rollout processes beside the RL learner",
@@ -682,6 +690,7 @@ class Settings:
     rl_held_out_fraction: float
     rl_group_size: int
     rl_updates: int
+    rl_warm_start_max_steps: int
     rl_rollout_workers: int
     rl_max_staleness: int
     rl_max_pending_seconds: float

@@ -16,6 +16,7 @@ class RlPolicy(ConfigurableResource):
     held_out_fraction: float = setting_field("rl_held_out_fraction", ge=0, lt=1)
     group_size: int = setting_field("rl_group_size", ge=2)
     updates: int = setting_field("rl_updates", ge=1)
+    warm_start_max_steps: int = setting_field("rl_warm_start_max_steps", ge=0)
     rollout_workers: int = setting_field("rl_rollout_workers", ge=1)
     max_staleness: int = setting_field("rl_max_staleness", ge=0)
     max_pending_seconds: float = setting_field("rl_max_pending_seconds", gt=0)

@@ -142,6 +142,7 @@ def rl_policy(
         updates=config.updates or rl_policy.updates,
         prompts_per_update=config.prompts_per_update,
         group_size=rl_policy.group_size,
+        warm_start_max_steps=rl_policy.warm_start_max_steps,
         lr=config.lr,
         max_staleness=rl_policy.max_staleness,
         max_pending_seconds=rl_policy.max_pending_seconds,
