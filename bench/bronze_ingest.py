@@ -36,7 +36,7 @@ from bench.timing import best_seconds
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.landing.batches import register_new_batch
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.lib.landing_files import read_landing_file, read_landing_file_exact
+from pipeline_assets.lib.landing.files import read_landing_file, read_landing_file_exact
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.sample_data.corpus import write_sample_corpus

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from bench.sample import sample_records
 from bench.timing import best_seconds
-from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.gold import build_sequences
-from pipeline_assets.lib.packing import plan_best_fit_decreasing, plan_greedy_sequential
-from pipeline_assets.lib.splits import assign_split
-from pipeline_assets.lib.tokenizer import encode_records, train_bpe
+from pipeline_assets.lib.gold.chat_format import PAD, prefix_text, response_text
+from pipeline_assets.lib.gold.packing import plan_best_fit_decreasing, plan_greedy_sequential
+from pipeline_assets.lib.gold.sequences import build_sequences
+from pipeline_assets.lib.gold.splits import assign_split
+from pipeline_assets.lib.gold.tokenizer import encode_records, train_bpe
 
 SEQ_LEN = 512
 SPEED_TARGET = 0.7

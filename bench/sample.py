@@ -6,8 +6,8 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.normalize import normalize_records
+from pipeline_assets.lib.landing.files import read_landing_file
+from pipeline_assets.lib.silver.normalize import normalize_records
 from pipeline_assets.sample_data.corpus import SAMPLE_RECORDS, write_sample_corpus
 
 

@@ -157,7 +157,7 @@ def _train_ranks(home: Path, env: dict) -> dict:
     rank streams its share of the snapshot; its peak RSS is the goal's."""
     from deltalake import DeltaTable
 
-    from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+    from pipeline_assets.lib.training.torchrun import torchrun_command, torchrun_env
     from pipeline_assets.trainer.config import TrainConfig
 
     lake = home / "lake"

@@ -29,11 +29,11 @@ import polars as pl
 
 from bench.sample import sample_records
 from bench.timing import best_seconds
-from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination, read_eval_sets
-from pipeline_assets.lib.dedup import exact_hashes, joined_text, near_dedup
 from pipeline_assets.lib.formats import SFT
-from pipeline_assets.lib.minhash import signatures
-from pipeline_assets.lib.quality import quality_gate
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex, find_contamination, read_eval_sets
+from pipeline_assets.lib.silver.dedup import exact_hashes, joined_text, near_dedup
+from pipeline_assets.lib.silver.minhash import signatures
+from pipeline_assets.lib.silver.quality import quality_gate
 
 LONG_DOC_BYTES = (2_000, 20_000)
 LONG_DOC_SEED = 15

@@ -12,8 +12,8 @@ import numpy as np
 import polars as pl
 from deltalake import write_deltalake
 
-from pipeline_assets.lib.dedup import HISTORY_SCHEMA, band_keys, lsh_params, near_dedup
-from pipeline_assets.lib.minhash import MinHashConfig
+from pipeline_assets.lib.silver.dedup import HISTORY_SCHEMA, band_keys, lsh_params, near_dedup
+from pipeline_assets.lib.silver.minhash import MinHashConfig
 
 CHUNK = 100_000
 

@@ -22,8 +22,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from bench.timing import best_seconds
 from pipeline_assets.defs.silver.lookup import BANDS_PARTITIONED_BY, batch_slices, look_up_by_band
-from pipeline_assets.engine import RayEngine
-from pipeline_assets.lib.dedup import (
+from pipeline_assets.lib.silver.dedup import (
     HISTORY_SCHEMA,
     ROWS_PER_LOOKUP_TASK,
     SIGNATURE_COLUMNS,
@@ -35,7 +34,8 @@ from pipeline_assets.lib.dedup import (
     lsh_params,
     wanted_keys,
 )
-from pipeline_assets.lib.minhash import MinHashConfig
+from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.resources.engine import RayEngine
 
 INDEX_RECORDS = 2_000_000
 INDEX_BATCHES = 20

@@ -19,7 +19,7 @@ import time
 import polars as pl
 from datasketch import MinHash
 
-from pipeline_assets.lib.minhash import shingles, signatures
+from pipeline_assets.lib.silver.minhash import shingles, signatures
 
 REPEATS = 3
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import polars as pl
 import zstandard
 
-from pipeline_assets.lib.sizing import text_chars
+from pipeline_assets.lib.formats import text_chars
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 ARRIVALS = (

@@ -117,7 +117,7 @@ class Curated(pa.DataFrameModel):
 
     Text columns are normalized. ``cluster_id`` is the survivor of its near-duplicate cluster (the
     record itself when it has no duplicates); the ``q_*`` columns are the quality-rule values its
-    judged answer was judged on (lib.quality.QUANTITIES).
+    judged answer was judged on (lib.silver.quality.QUANTITIES).
     """
 
     exact_hash: str = pa.Field(**HASH_128)
@@ -146,7 +146,8 @@ class PairMeasures(pa.DataFrameModel):
 
 
 class SilverPreferencePair(PairMeasures, Curated, BronzePreferenceRecord):
-    """A preference pair that survived silver's stages and the pair rules (lib.preference_rules)."""
+    """A preference pair that survived silver's stages and the pair rules
+    (lib.silver.preference_rules)."""
 
 
 SILVER_STAGE = (
@@ -328,7 +329,7 @@ class GoldReferenceLogps(pa.DataFrameModel):
 
 
 class GoldSnapshotManifest(pa.DataFrameModel):
-    """One data snapshot: which gold shards, at which versions (lib.snapshot_manifest)."""
+    """One data snapshot: which gold shards, at which versions (lib.gold.manifest)."""
 
     snapshot: str = pa.Field(
         str_matches=r"^(gold|dpo)-v\d+$",
@@ -501,8 +502,8 @@ class LandingManifestEntry(pa.DataFrameModel):
 
 
 class PromptBankRow(pa.DataFrameModel):
-    """One candidate of the RL prompt bank (lib.rl_bank): in the bank, or the stage that removed it,
-    and why."""
+    """One candidate of the RL prompt bank (lib.rl.prompt_bank): in the bank, or the stage that
+    removed it, and why."""
 
     prompt_id: str = pa.Field(**HASH_128, description="of the prompt's text")
     source: str = pa.Field(
@@ -512,7 +513,7 @@ class PromptBankRow(pa.DataFrameModel):
     prompt: str = pa.Field(str_length={"min_value": 1})
     ground_truth: str
     verifier: str = pa.Field(
-        description="exact_match, int_equal or regex:<pattern> (lib.verifiers)"
+        description="exact_match, int_equal or regex:<pattern> (lib.rl.verifiers)"
     )
     split: str = pa.Field(isin=["train", "held_out"], description="by a hash of the prompt")
     status: str = pa.Field(
@@ -528,9 +529,9 @@ class PromptBankRow(pa.DataFrameModel):
 
 
 class ReplayBufferRow(pa.DataFrameModel):
-    """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.replay): what generated
-    it, its tokens with the behaviour policy's log-probabilities, its reward, and whether an update
-    consumed it."""
+    """One completion in the GRPO replay buffer (``rl/replay_buffer``, lib.rl.replay): what
+    generated it, its tokens with the behaviour policy's log-probabilities, its reward, and whether
+    an update consumed it."""
 
     rollout_id: str = pa.Field(unique=True, str_length={"min_value": 1})
     run: str = pa.Field(

@@ -30,8 +30,8 @@ from pipeline_assets.defs.reference.assets import (
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
 from pipeline_assets.defs.resources import build_resources
-from pipeline_assets.defs.rl.policy import rl_policy
 from pipeline_assets.defs.rl.prompt_bank import prompt_bank_checks, rl_prompt_bank
+from pipeline_assets.defs.rl.run import rl_policy
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import silver_in_order, silver_job

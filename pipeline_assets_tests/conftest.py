@@ -23,7 +23,7 @@ from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.silver.policy import SilverPolicy
-from pipeline_assets.engine import RayEngine
+from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
@@ -73,7 +73,7 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
 
     Short one-rank training, and a gate that lets any candidate through: the end-to-end tests check
     the commands, the sensors and the story between them. The two-rank FSDP path has its own tests
-    (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/test_promotion.py,
+    (trainer/test_torchrun.py, defs/test_training.py), the gate too (lib/training/test_promotion.py,
     defs/test_registry.py).
     """
     environment = {

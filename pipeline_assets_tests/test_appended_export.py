@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import polars as pl
 
-from pipeline_assets.lib.landing_files import read_landing_file
+from pipeline_assets.lib.landing.files import read_landing_file
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 DATA_LAYERS = 'key:"bronze/*" or key:"silver/*" or key:"gold/*"'

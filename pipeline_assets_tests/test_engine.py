@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_assets.engine import local_ray_options
+from pipeline_assets.resources.engine import local_ray_options
 
 RAY_SESSION_CHARS = 70  # what Ray's session folder and socket names add to its temporary folder
 SOCKET_PATH_LIMIT = 107
@@ -66,7 +66,7 @@ def test_the_kuberay_setting_gives_silver_and_gold_a_rayjob_for_every_batch(tmp_
 
     from pipeline_assets.definitions import build_definitions
     from pipeline_assets.defs.keys import GOLD_SEQUENCES, SILVER_RECORDS
-    from pipeline_assets.engine import BLOCK_TASK_ENV, KubeRayEngine
+    from pipeline_assets.resources.engine import BLOCK_TASK_ENV, KubeRayEngine
     from pipeline_assets.resources.settings import Settings
 
     settings_file = tmp_path / "kuberay.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dagster import DagsterInstance, DagsterRunStatus
 
-from pipeline_assets.lib.processes import ProcessIdentity, start_ticks
+from pipeline_assets.lib.ops.processes import ProcessIdentity, start_ticks
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets.trainer.storage import CheckpointStore
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file

@@ -10,9 +10,9 @@ import sys
 
 import polars as pl
 
-from pipeline_assets.lib.replay import preference_pairs_from_groups, write_rollout_pairs
+from pipeline_assets.lib.rl.replay import preference_pairs_from_groups, write_rollout_pairs
 from pipeline_assets_tests.conftest import cli_environment
-from pipeline_assets_tests.lib.test_replay import buffer, rollout
+from pipeline_assets_tests.lib.rl.test_replay import buffer, rollout
 
 PROMPTS = {
     f"p{i}": f"Reverse the letters of the word number {i} in the list given below, please."

@@ -20,7 +20,7 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
 )
 from pipeline_assets.defs.silver.order import batch_events
-from pipeline_assets.lib.silver_order import BatchEvents, Stage, stage, unsettled_before
+from pipeline_assets.lib.silver.order import BatchEvents, Stage, stage, unsettled_before
 
 log = logging.getLogger("pipeline_assets")
 

@@ -49,7 +49,7 @@ from pipeline_assets.defs.ops.report import report_waits
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
 from pipeline_assets.defs.reference.assets import observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
-from pipeline_assets.defs.rl.policy import policy_waits
+from pipeline_assets.defs.rl.run import policy_waits
 from pipeline_assets.lib.locks import FileLock
 
 log = logging.getLogger("pipeline_assets")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     SFT_SNAPSHOTS,
     SnapshotKind,

@@ -392,7 +392,7 @@ def _snapshot_summary(lake, number: int) -> dict:
     only."""
     import polars as pl
 
-    from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
+    from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan
 
     manifest = read_manifest(lake.uri, number)
     real_tokens = (
@@ -413,8 +413,8 @@ def _sizer(args, settings: Settings) -> int:
 
     from pipeline_assets.cli.headless import persistent_instance
     from pipeline_assets.defs.ops.sizing import calibrate
-    from pipeline_assets.lib.charts import time_breakdown_png
-    from pipeline_assets.lib.sizing import Target, predict
+    from pipeline_assets.lib.ops.charts import time_breakdown_png
+    from pipeline_assets.lib.ops.sizing import Target, predict
 
     if args.records <= 0 or args.cpu_workers <= 0 or args.gpus < 0 or args.batch_records <= 0:
         raise ValueError(
@@ -494,7 +494,7 @@ def _preset_parameters(preset: str, settings: Settings) -> int:
 def _assumed_gpu_speed(args, settings: Settings) -> tuple[float, str]:
     import dataclasses
 
-    from pipeline_assets.lib.sizing import gpu_tokens_per_second
+    from pipeline_assets.lib.ops.sizing import gpu_tokens_per_second
     from pipeline_assets.trainer.config import PRESETS
     from pipeline_assets.trainer.model import flops_per_token
 
@@ -610,7 +610,7 @@ def _latest_pipeline_report(lake) -> dict | None:
     cost."""
     import polars as pl
 
-    from pipeline_assets.lib.cost import bottleneck
+    from pipeline_assets.lib.ops.cost import bottleneck
 
     history = lake.read("ops", "pipeline_report")
     if history is None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
-from pipeline_assets.lib.processes import ProcessIdentity
+from pipeline_assets.lib.ops.processes import ProcessIdentity
 
 _TAG_PREFIX = "pipeline_assets/process_"
 _UNFINISHED = [

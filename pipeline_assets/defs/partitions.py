@@ -2,9 +2,9 @@
 
 from dagster import DynamicPartitionsDefinition
 
-from pipeline_assets.lib.snapshot_manifest import snapshot_key, snapshot_number
+from pipeline_assets.lib.gold.manifest import snapshot_key, snapshot_number
 
-# One partition per ingest batch; keys sort in arrival order (see lib.batches.batch_key).
+# One partition per ingest batch; keys sort in arrival order (see lib.landing.batches.batch_key).
 ingest_batches = DynamicPartitionsDefinition(name="ingest_batches")
 
 # One partition per data snapshot, "gold-v<N>" (row N of gold/snapshots): training on it reads

@@ -12,10 +12,10 @@ from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.ops.policy import CostPolicy, RetentionPolicy
 from pipeline_assets.defs.registry.policy import RegistryPolicy
-from pipeline_assets.defs.rl.overlay_policy import RlPolicy
+from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.defs.training.policy import DpoPolicy, HparamSearchPolicy, TrainingPolicy
-from pipeline_assets.engine import BlockEngine, KubeRayEngine, RayEngine
+from pipeline_assets.resources.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource

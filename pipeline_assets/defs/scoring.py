@@ -6,7 +6,7 @@ import subprocess
 
 from dagster import AssetExecutionContext, Failure
 
-from pipeline_assets.lib.torchrun import torchrun_env
+from pipeline_assets.lib.training.torchrun import torchrun_env
 from pipeline_assets.resources.launcher import TorchrunLauncher
 
 

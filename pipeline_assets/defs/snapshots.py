@@ -14,7 +14,7 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
 )
 from pipeline_assets.defs.partitions import snapshot_number
-from pipeline_assets.lib.cost import Compute
+from pipeline_assets.lib.ops.cost import Compute
 
 _SEARCH_LIMIT = 1000
 

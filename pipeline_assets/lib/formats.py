@@ -11,7 +11,10 @@ for every format listed in ``FORMATS``. Adding a format is one description here,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import polars as pl
 
 SHARED_OPTIONAL = ("id", "created_at", "meta")  # every format's optional fields besides its text
 
@@ -101,3 +104,18 @@ def format_named(name: str) -> RecordFormat:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown record format {name!r}; one of {', '.join(FORMATS)}") from None
+
+
+def record_chars(columns: Iterable[str] = SFT.text) -> pl.Expr:
+    """Characters of each record's text (prompt, response and system): the work a data stage
+    does."""
+    return pl.sum_horizontal(pl.col(c).str.len_chars().fill_null(0) for c in columns)
+
+
+def text_chars(frame: pl.DataFrame) -> int:
+    """Characters of every record's text in ``frame`` (the text fields of whichever format it
+    holds), as ``record_chars`` counts them."""
+    columns = [c for c in all_text_fields() if c in frame.columns]
+    if frame.is_empty() or not columns:
+        return 0
+    return int(frame.select(record_chars(columns)).to_series().sum())

@@ -23,6 +23,7 @@ import polars as pl
 # Without a Ray cluster, a batch this large starts a local Ray for its block stages; a smaller one
 # runs them in the step's own process (PIPELINE_RAY_MIN_ROWS: the default, one place).
 RAY_MIN_ROWS = 100_000
+ROWS_PER_BLOCK = 20_000  # a block stage's unit of work: a few tens of MB of text
 
 StageFunction = Callable[[pl.DataFrame], tuple[pl.DataFrame, pl.DataFrame | None, dict]]
 

@@ -12,7 +12,7 @@ from dagster_aws.s3 import S3Resource
 from pydantic import Field
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.decontam import read_eval_sets
+from pipeline_assets.lib.silver.decontam import read_eval_sets
 
 
 class EvalSetsResource(ConfigurableResource):

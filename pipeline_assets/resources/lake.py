@@ -19,7 +19,7 @@ from pydantic import Field
 
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, S3Lease
-from pipeline_assets.lib.retention import Removed
+from pipeline_assets.lib.ops.retention import Removed
 
 
 @dataclass(frozen=True)

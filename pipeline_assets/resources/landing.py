@@ -13,7 +13,7 @@ from pydantic import Field
 
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat, format_named
-from pipeline_assets.lib.replay import ROLLOUT_SOURCE
+from pipeline_assets.lib.rl.replay import ROLLOUT_SOURCE
 
 
 class LandingFileGone(FileNotFoundError):

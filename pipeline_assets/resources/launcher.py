@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline_assets.lib.torchrun import TRAINER_MODULE, torchrun_command, torchrun_env
+from pipeline_assets.lib.training.torchrun import TRAINER_MODULE, torchrun_command, torchrun_env
 from pipeline_assets.trainer.storage import CheckpointStore, local_scratch
 
 

@@ -13,7 +13,7 @@ from dagster import ConfigurableResource, EnvVar
 from pydantic import Field
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.promotion import rollback_target
+from pipeline_assets.lib.training.promotion import rollback_target
 
 
 def _resolved(value: str) -> str:

@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
-from pipeline_assets.lib.cost import Prices
 from pipeline_assets.lib.formats import FORMATS
-from pipeline_assets.lib.gold import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
-from pipeline_assets.lib.preference_gold import (
+from pipeline_assets.lib.gold.preference import (
     VALIDATION_FRACTION as PREFERENCE_VALIDATION_FRACTION,
 )
-from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT
+from pipeline_assets.lib.gold.sequences import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
+from pipeline_assets.lib.ops.cost import Prices
+from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.trainer.config import DEFAULT_BETA, DPO_LR, DPO_STEPS, TrainConfig
 

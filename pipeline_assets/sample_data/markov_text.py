@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib.decontam import DecontamConfig, text_words
-from pipeline_assets.lib.quality import QualityThresholds
+from pipeline_assets.lib.silver.decontam import DecontamConfig, text_words
+from pipeline_assets.lib.silver.quality import QualityThresholds
 
 BOS, END = 0, 1  # token ids: before a sentence's first word, after its last
 TOKEN_BITS = 20
@@ -438,9 +438,10 @@ def passes_word_rules(
 def passes_repetition_rules(
     table: TokenTable, answers: Answers, rules: QualityThresholds = QualityThresholds()
 ) -> np.ndarray:
-    """The quality gate's top 2-gram and duplicate 5-gram rules, per answer (``lib/quality.py``
-    says what they measure; here words are token ids, compared within their answer). Only an
-    answer that repeats a 2-gram can fail either, so 5-grams are looked at in those alone."""
+    """The quality gate's top 2-gram and duplicate 5-gram rules, per answer
+    (``lib/silver/quality.py`` says what they measure; here words are token ids, compared within
+    their answer). Only an answer that repeats a 2-gram can fail either, so 5-grams are looked at in
+    those alone."""
     count = len(answers.texts)
     chars = table.chars[answers.tokens]
     starts, owners = _ngram_starts(answers, 2)

@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline_assets.lib.preference_rules import MAX_PAIRS_PER_PROMPT as PROMPT_PAIR_CAP
+from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT as PROMPT_PAIR_CAP
 from pipeline_assets.sample_data.corpus import (
     _SENTENCE_BREAK,
     LOW_QUALITY_KINDS,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 # The trainer's exit code after a SIGTERM/SIGINT stop that saved a checkpoint (128 + SIGTERM, as a
 # shell reports a process SIGTERM ended): the same command resumes.
 EXIT_PREEMPTED = 143
-EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.splits)
+EVAL_SPLITS = ("validation", "search")  # gold's held-out splits (pipeline_assets.lib.gold.splits)
 ATTENTION_SETTINGS = (
     "auto",
     "flex",

@@ -27,15 +27,15 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     Manifest,
     SplitLayout,
     read_manifest,
     sequences_scan,
 )
-from pipeline_assets.lib.splits import SPLITS
+from pipeline_assets.lib.gold.sequences import SEQUENCES_PER_BLOCK
+from pipeline_assets.lib.gold.splits import SPLITS
 
 COLUMNS = ("input_ids", "loss_mask", "position_ids")
 STREAM_BLOCK = (

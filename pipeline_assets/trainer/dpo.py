@@ -1,7 +1,7 @@
 """Direct Preference Optimization (Rafailov et al., 2023) on packed preference pairs.
 
-The rows come from ``lib.preference_packing``: documents alternate chosen, rejected, chosen, ...
-and each restarts its ``position_ids`` at 0. The policy and the frozen reference model score the
+The rows come from ``lib.gold.preference_packing``: documents alternate chosen, rejected, chosen,
+... and each restarts its ``position_ids`` at 0. The policy and the frozen reference model score the
 same rows; ``document_logps`` turns either's logits into one summed response log-probability per
 document, ``chosen_and_rejected`` pairs documents 2k and 2k + 1, and ``dpo_loss`` is the sigmoid
 loss ``-logsigmoid(beta * ((pc - rc) - (pr - rr)))`` with its reward metrics.

@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline_assets.lib.gold import pack_documents
+from pipeline_assets.lib.gold.sequences import pack_documents
 from pipeline_assets.trainer.model import Transformer, counted_targets, token_losses
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
@@ -55,7 +55,7 @@ def sequence_losses(
 ) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
     same per-record sums, each document cut to ``max_len`` tokens and packed
-    (``lib.gold.pack_documents``)."""
+    (``lib.gold.sequences.pack_documents``)."""
     return packed_document_losses(model, pack_documents(encoded, max_len, pad_id), batch_size)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline_assets.lib.packing import pack, packed_values, plan_best_fit_decreasing
+from pipeline_assets.lib.gold.packing import pack, packed_values, plan_best_fit_decreasing
 from pipeline_assets.trainer.model import counted_targets, token_losses
 
 
@@ -135,10 +135,10 @@ def _groups(
 
 @dataclass(frozen=True)
 class PackedCompletions:
-    """Prompt + completion documents packed into rows by the batch path's packer (``lib.packing``,
-    best-fit decreasing, positions restarting at every document): ``loss_mask`` on the completion
-    tokens, and there each token's behaviour log-probability and its completion's advantage, in
-    ``completion_logps``'s alignment (entry t is about token t)."""
+    """Prompt + completion documents packed into rows by the batch path's packer
+    (``lib.gold.packing``, best-fit decreasing, positions restarting at every document):
+    ``loss_mask`` on the completion tokens, and there each token's behaviour log-probability and its
+    completion's advantage, in ``completion_logps``'s alignment (entry t is about token t)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor

@@ -4,10 +4,10 @@ preference row.
     torchrun --standalone --nproc-per-node=N -m pipeline_assets.trainer.reference \
         --rows ROWS.parquet --model DIR --out DIR [--device auto] [--batch-size 16] [--log-every 50]
 
-``ROWS.parquet`` holds packed preference rows as gold packs them (``lib.preference_packing``): at
-least split, sequence_index, input_ids, loss_mask, position_ids and pair_ids (batch_id too when the
-rows come from several gold shards: it is then part of each row's key). Rank r of N scores rows r,
-r+N, ... with the exported model in ``DIR``, without gradients, on its GPU when there is one, and
+``ROWS.parquet`` holds packed preference rows as gold packs them (``lib.gold.preference_packing``):
+at least split, sequence_index, input_ids, loss_mask, position_ids and pair_ids (batch_id too when
+the rows come from several gold shards: it is then part of each row's key). Rank r of N scores rows
+r, r+N, ... with the exported model in ``DIR``, without gradients, on its GPU when there is one, and
 writes ``<out>/reference-rank<r>.parquet``: one row per input row, its key (batch_id when given,
 split, sequence_index) and ``reference_logps``, per document of the row in row order (chosen,
 rejected, chosen, ...), the summed log-probability of its response tokens

@@ -20,7 +20,7 @@ from deltalake.exceptions import TableNotFoundError
 from pipeline_assets.contracts import ReplayBufferRow, conform, polars_schema, validate
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, Lock, S3Lease
-from pipeline_assets.lib.replay import (
+from pipeline_assets.lib.rl.replay import (
     PENDING,
     ROLLOUT_SOURCE,
     StalenessPolicy,
@@ -81,7 +81,7 @@ class ReplayTable:
         max_groups: int | None = None,
     ) -> tuple[pl.DataFrame, pl.DataFrame]:
         """The pending rows of ``run`` an update at ``current_version`` consumes and those it drops
-        as stale (``lib.replay.take_for_update``), their new status written back before they are
+        as stale (``lib.rl.replay.take_for_update``), their new status written back before they are
         returned."""
         with self._lock():
             consumed, dropped = take_for_update(
@@ -118,8 +118,8 @@ class ReplayTable:
 def land_rollout_pairs(
     pairs: pl.DataFrame, landing_uri: str, name: str, scratch_dir: str
 ) -> str | None:
-    """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.replay.write_rollout_pairs``), on
-    a local landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object
+    """``pairs`` as ``<landing>/rl_rollouts/<name>.jsonl`` (``lib.rl.replay.write_rollout_pairs``),
+    on a local landing zone or on S3 (written in ``scratch_dir``, then uploaded whole: an S3 object
     appears at once). Returns where it landed; None when there are no pairs."""
     if not uris.is_s3(landing_uri):
         written = write_rollout_pairs(pairs, Path(landing_uri), name)

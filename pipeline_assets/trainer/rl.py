@@ -5,15 +5,16 @@ rl/replay_buffer.
     python -m pipeline_assets.trainer.rl ... --worker 0        # a rollout worker (trainer.rollout)
 
 The learner publishes the starting model as policy version 0, then per update: waits for
-``prompts_per_update`` pending groups, takes them (``lib.replay``: rows more than ``max_staleness``
-versions behind are dropped as stale, the rest consumed), computes each completion's advantage
-within its group, steps the clipped surrogate against the behaviour log-probabilities (a row one or
-two versions old is corrected by its importance ratio), and publishes version N+1 with its optimizer
-state. Every ``eval_every`` updates it measures held-out accuracy by greedy decoding. SIGTERM stops
-it at the next update boundary with the newest version published (exit 143); the same command
-resumes from it. At the end, groups with a right and a wrong completion land as preference pairs
-(``<landing>/rl_rollouts/``), the run is marked done and the workers stop. One learner process: data
-parallel learners (FSDP2 as the sft trainer) are the next step (docs/rl.md, "Past one machine").
+``prompts_per_update`` pending groups, takes them (``lib.rl.replay``: rows more than
+``max_staleness`` versions behind are dropped as stale, the rest consumed), computes each
+completion's advantage within its group, steps the clipped surrogate against the behaviour
+log-probabilities (a row one or two versions old is corrected by its importance ratio), and
+publishes version N+1 with its optimizer state. Every ``eval_every`` updates it measures held-out
+accuracy by greedy decoding. SIGTERM stops it at the next update boundary with the newest version
+published (exit 143); the same command resumes from it. At the end, groups with a right and a wrong
+completion land as preference pairs (``<landing>/rl_rollouts/``), the run is marked done and the
+workers stop. One learner process: data parallel learners (FSDP2 as the sft trainer) are the next
+step (docs/rl.md, "Past one machine").
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline_assets.lib.gold import pack_records
-from pipeline_assets.lib.replay import StalenessPolicy, preference_pairs_from_groups
-from pipeline_assets.lib.rl_tasks import HELD_OUT, TRAIN
-from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.lib.gold.sequences import pack_records
+from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.lib.rl.replay import StalenessPolicy, preference_pairs_from_groups
+from pipeline_assets.lib.rl.tasks import HELD_OUT, TRAIN
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.grpo import (

@@ -22,11 +22,11 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.chat_format import END, EOS
-from pipeline_assets.lib.replay import PENDING
-from pipeline_assets.lib.rl_tasks import TRAIN
-from pipeline_assets.lib.tokenizer import encode_prompts, tokenizer_from_json
-from pipeline_assets.lib.verifiers import Verdict, verify
+from pipeline_assets.lib.gold.chat_format import END, EOS
+from pipeline_assets.lib.gold.tokenizer import encode_prompts, tokenizer_from_json
+from pipeline_assets.lib.rl.replay import PENDING
+from pipeline_assets.lib.rl.tasks import TRAIN
+from pipeline_assets.lib.rl.verifiers import Verdict, verify
 from pipeline_assets.trainer.config import RlConfig
 from pipeline_assets.trainer.policy_store import PolicyStore, VersionPruned
 from pipeline_assets.trainer.replay_io import ReplayTable

@@ -20,7 +20,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline_assets.lib.gold import SCORED_COLUMNS
+from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS
 from pipeline_assets.trainer.evaluate import packed_document_losses
 from pipeline_assets.trainer.export import load_exported
 

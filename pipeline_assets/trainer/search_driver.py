@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline_assets.lib.search import rung_steps, survivors
+from pipeline_assets.lib.training.search import rung_steps, survivors
 from pipeline_assets.lib.uris import join
 from pipeline_assets.trainer.config import TrainConfig
 

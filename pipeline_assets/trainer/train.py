@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from pipeline_assets.lib.charts import loss_curve_png
+from pipeline_assets.lib.ops.charts import loss_curve_png
 from pipeline_assets.lib.uris import redact
 from pipeline_assets.trainer.checkpoint import Checkpointer
 from pipeline_assets.trainer.config import (

@@ -370,7 +370,7 @@ def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_d
 def test_accounting_check_fails_when_the_parser_loses_a_line(
     instance, resources, landing_dir, monkeypatch
 ):
-    from pipeline_assets.lib import landing_files
+    from pipeline_assets.lib.landing import files as landing_files
 
     write_landing_file(landing_dir, "annotate", "a.jsonl.gz", [record(i) for i in range(30)])
     write_landing_file(landing_dir, "synth", "s.parquet", [record(100 + i) for i in range(10)])

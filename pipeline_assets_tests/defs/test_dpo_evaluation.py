@@ -156,7 +156,7 @@ def test_run_registers_dpo_model_and_its_lineage_reaches_both_sources(home):
 def test_the_report_holds_both_models_side_by_side_when_a_dpo_champion_exists():
     from pipeline_assets.contracts import DpoEvaluationSlice, conform, validate
     from pipeline_assets.defs.evaluation.dpo import _comparison, _report_frame
-    from pipeline_assets.lib.preference_eval import preference_slices
+    from pipeline_assets.lib.training.preference_eval import preference_slices
 
     sources = pl.DataFrame({"pair_id": ["a", "b", "c"], "source": ["x", "x", "y"]})
     margins = {"candidate": [1.0, -1.0, 2.0], "champion": [-1.0, -1.0, 2.0]}

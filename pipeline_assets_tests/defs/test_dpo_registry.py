@@ -19,7 +19,7 @@ from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
 from pipeline_assets.defs.registry.policy import RegistryPolicy
-from pipeline_assets.lib.preference_eval import preference_slices
+from pipeline_assets.lib.training.preference_eval import preference_slices
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 MODEL = "dpo-model"

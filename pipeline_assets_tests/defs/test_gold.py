@@ -31,8 +31,8 @@ from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
-from pipeline_assets.lib import gold as gold_lib
-from pipeline_assets.lib.splits import assign_split
+from pipeline_assets.lib.gold import sequences as gold_lib
+from pipeline_assets.lib.gold.splits import assign_split
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register

@@ -15,8 +15,8 @@ from dagster import DefaultScheduleStatus
 from pipeline_assets.cli.lineage import model_lineage
 from pipeline_assets.defs.ops.policy import RetentionPolicy
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
-from pipeline_assets.lib.snapshot_manifest import Manifest
-from pipeline_assets.lib.splits import SPLITS
+from pipeline_assets.lib.gold.manifest import Manifest
+from pipeline_assets.lib.gold.splits import SPLITS
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource

@@ -21,19 +21,19 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
-from pipeline_assets.lib.dedup import PROMPT_BAND
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     read_manifest,
     sequences_scan,
 )
+from pipeline_assets.lib.silver.dedup import PROMPT_BAND
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets.sample_data.preferences import add_preference_source
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, register
-from pipeline_assets_tests.lib.test_dedup import WORDS
+from pipeline_assets_tests.lib.silver.test_dedup import WORDS
 
 CAPPED_PROMPT = "Which of these two answers explains Python generators better?"
 

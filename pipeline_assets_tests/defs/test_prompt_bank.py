@@ -14,9 +14,9 @@ from dagster import AssetSelection, materialize
 
 from pipeline_assets.contracts import PromptBankRow, conform
 from pipeline_assets.defs.keys import RL_PROMPT_BANK
-from pipeline_assets.defs.rl.overlay_policy import RlPolicy
+from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.rl.prompt_bank import prompt_bank_checks, rl_prompt_bank
-from pipeline_assets.lib.rl_tasks import generate_tasks
+from pipeline_assets.lib.rl.tasks import generate_tasks
 
 TASKS = 300
 POLICY = RlPolicy(bank_tasks=TASKS, bank_seed=7)

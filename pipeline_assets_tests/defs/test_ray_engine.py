@@ -19,8 +19,8 @@ from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.policy import SilverPolicy
-from pipeline_assets.engine import RayEngine
-from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource

@@ -23,7 +23,7 @@ from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.policy import HparamSearchPolicy
 from pipeline_assets.defs.training.search import hparam_search
-from pipeline_assets.lib.snapshot_manifest import read_manifest
+from pipeline_assets.lib.gold.manifest import read_manifest
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets_tests.defs.gold_helpers import shard_new_batches_and_cut
 from pipeline_assets_tests.defs.test_gold import UPSTREAM

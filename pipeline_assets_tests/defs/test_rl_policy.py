@@ -15,8 +15,8 @@ import polars as pl
 from dagster import PipesSubprocessClient, materialize
 
 from pipeline_assets.defs.registry.policy import RegistryPolicy
-from pipeline_assets.defs.rl.overlay_policy import RlPolicy
-from pipeline_assets.defs.rl.policy import rl_policy
+from pipeline_assets.defs.rl.policy import RlPolicy
+from pipeline_assets.defs.rl.run import rl_policy
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.launcher import TorchrunLauncher

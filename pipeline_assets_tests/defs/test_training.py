@@ -20,7 +20,7 @@ from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.policy import TrainingPolicy
-from pipeline_assets.lib.snapshot_manifest import read_manifest
+from pipeline_assets.lib.gold.manifest import read_manifest
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.sample_data.corpus import write_sample_corpus

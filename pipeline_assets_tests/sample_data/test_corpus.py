@@ -24,9 +24,9 @@ import pytest
 import zstandard
 from datasketch import MinHash, MinHashLSH
 
-from pipeline_assets.lib.decontam import EvalNgramIndex, read_eval_sets
-from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.silver import SilverConfig, curate
+from pipeline_assets.lib.landing.files import read_landing_file
+from pipeline_assets.lib.silver.curation import SilverConfig, curate
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex, read_eval_sets
 from pipeline_assets.sample_data.corpus import (
     RESPONSE_MAX_WORDS,
     RESPONSE_MIN_WORDS,

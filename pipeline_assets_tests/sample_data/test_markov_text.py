@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
-from pipeline_assets.lib.quality import quality_gate
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex, find_contamination
+from pipeline_assets.lib.silver.quality import quality_gate
 from pipeline_assets.sample_data import markov_text as mt
 
 LONG = (

@@ -18,11 +18,16 @@ import pytest
 import zstandard
 
 from pipeline_assets.cli.main import main
-from pipeline_assets.lib.decontam import DecontamConfig, EvalNgramIndex, read_eval_sets, text_words
 from pipeline_assets.lib.formats import PREFERENCE
-from pipeline_assets.lib.landing_contract import Rejected, validate_landing_object
-from pipeline_assets.lib.landing_files import read_landing_file
-from pipeline_assets.lib.normalize import normalize_text
+from pipeline_assets.lib.landing.contract import Rejected, validate_landing_object
+from pipeline_assets.lib.landing.files import read_landing_file
+from pipeline_assets.lib.silver.decontam import (
+    DecontamConfig,
+    EvalNgramIndex,
+    read_eval_sets,
+    text_words,
+)
+from pipeline_assets.lib.silver.normalize import normalize_text
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME, shingle_jaccard, write_sample_corpus
 from pipeline_assets.sample_data.preferences import (
     ANSWER_MAX_WORDS,

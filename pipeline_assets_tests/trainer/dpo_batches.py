@@ -6,11 +6,11 @@ from __future__ import annotations
 import polars as pl
 import torch
 
-from pipeline_assets.lib.preference_packing import pack_pairs
+from pipeline_assets.lib.gold.preference_packing import pack_pairs
 from pipeline_assets.trainer.config import ModelConfig
 from pipeline_assets.trainer.dpo import chosen_and_rejected, document_logps, dpo_loss
 from pipeline_assets.trainer.model import Transformer
-from pipeline_assets_tests.lib.tokenized_pairs import random_pairs as any_vocabulary_pairs
+from pipeline_assets_tests.lib.gold.tokenized_pairs import random_pairs as any_vocabulary_pairs
 
 SEQ_LEN, PAD_ID = 64, 0
 CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=SEQ_LEN)

@@ -13,7 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env, torchrun_executable
+from pipeline_assets.lib.training.torchrun import (
+    torchrun_command,
+    torchrun_env,
+    torchrun_executable,
+)
 from pipeline_assets.trainer.config import TrainConfig
 from pipeline_assets.trainer.train import EXIT_PREEMPTED
 from pipeline_assets_tests.trainer.synthetic import VOCAB

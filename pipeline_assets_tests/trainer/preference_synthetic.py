@@ -20,8 +20,8 @@ import torch
 from deltalake import DeltaTable
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.preference_packing import pack_pairs
-from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, Manifest, shard_counts
+from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, Manifest, shard_counts
+from pipeline_assets.lib.gold.preference_packing import pack_pairs
 from pipeline_assets.trainer.config import PRESETS
 from pipeline_assets.trainer.data import LOGPS_COLUMN, REFERENCE_TABLE
 from pipeline_assets.trainer.export import load_exported, save_exported

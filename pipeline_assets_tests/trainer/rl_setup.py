@@ -12,11 +12,11 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline_assets.lib.decontam import EVAL_COLUMNS, DecontamConfig, EvalNgramIndex
-from pipeline_assets.lib.rl_bank import curate_bank, generated_tasks
-from pipeline_assets.lib.silver import SilverConfig
-from pipeline_assets.lib.tokenizer import tokenizer_to_json, train_bpe
-from pipeline_assets.lib.torchrun import torchrun_env
+from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.lib.rl.prompt_bank import curate_bank, generated_tasks
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.decontam import EVAL_COLUMNS, DecontamConfig, EvalNgramIndex
+from pipeline_assets.lib.training.torchrun import torchrun_env
 from pipeline_assets.trainer.config import ModelConfig, RlConfig
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.model import Transformer

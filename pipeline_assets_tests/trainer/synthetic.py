@@ -8,7 +8,7 @@ import polars as pl
 
 from pipeline_assets.contracts import GoldSequence, conform, validate
 from pipeline_assets.defs.gold.manifest import cut_manifest
-from pipeline_assets.lib.gold import build_sequences
+from pipeline_assets.lib.gold.sequences import build_sequences
 from pipeline_assets.resources.lake import LakeResource
 
 VOCAB = 64

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.snapshot_manifest import read_manifest
+from pipeline_assets.lib.gold.manifest import read_manifest
 from pipeline_assets.trainer.data import (
     PackedSequences,
     Snapshot,

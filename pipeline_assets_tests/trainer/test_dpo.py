@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline_assets.lib.preference_packing import pack_pairs
-from pipeline_assets.lib.torchrun import torchrun_env, torchrun_executable
+from pipeline_assets.lib.gold.preference_packing import pack_pairs
+from pipeline_assets.lib.training.torchrun import torchrun_env, torchrun_executable
 from pipeline_assets.trainer.dpo import DEFAULT_BETA, chosen_and_rejected, document_logps, dpo_loss
 from pipeline_assets.trainer.model import ATTENTION_KERNELS
 from pipeline_assets_tests.trainer.dpo_batches import (

@@ -10,8 +10,8 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline_assets.lib.gold import SCORED_COLUMNS
-from pipeline_assets.lib.torchrun import SCORER_MODULE, torchrun_command, torchrun_env
+from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS
+from pipeline_assets.lib.training.torchrun import SCORER_MODULE, torchrun_command, torchrun_env
 from pipeline_assets.trainer.config import ModelConfig
 from pipeline_assets.trainer.evaluate import packed_document_losses, sequence_losses, slice_losses
 from pipeline_assets.trainer.export import save_exported

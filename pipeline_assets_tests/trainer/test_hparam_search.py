@@ -80,7 +80,7 @@ def test_successive_halving_stops_bad_trials_early_and_finds_the_full_grids_best
 def test_every_configuration_of_the_default_grid_makes_a_trial(tmp_path):
     """The default space includes ``warmup_steps``: a trial takes it, capped at the schedule."""
     from pipeline_assets.defs.training.policy import HparamSearchPolicy
-    from pipeline_assets.lib.search import grid
+    from pipeline_assets.lib.training.search import grid
     from pipeline_assets.trainer.search_driver import trial_config
 
     base = tiny_config(str(tmp_path / "lake"), 0, str(tmp_path / "checkpoints"))

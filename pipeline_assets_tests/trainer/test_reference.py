@@ -13,8 +13,8 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline_assets.lib.preference_packing import pack_pairs
-from pipeline_assets.lib.torchrun import torchrun_command, torchrun_env
+from pipeline_assets.lib.gold.preference_packing import pack_pairs
+from pipeline_assets.lib.training.torchrun import torchrun_command, torchrun_env
 from pipeline_assets.trainer import reference
 from pipeline_assets.trainer.export import load_exported, save_exported
 from pipeline_assets.trainer.reference import read_reference_logps, reference_logps

@@ -10,9 +10,9 @@ import time
 
 import polars as pl
 
-from pipeline_assets.lib.replay import StalenessPolicy
+from pipeline_assets.lib.rl.replay import StalenessPolicy
 from pipeline_assets.trainer.replay_io import ReplayTable
-from pipeline_assets_tests.lib.test_replay import buffer, group
+from pipeline_assets_tests.lib.rl.test_replay import buffer, group
 
 POLICY = StalenessPolicy(max_staleness=100, max_pending_seconds=3600.0)
 GROUPS_PER_WRITER = 6
@@ -79,7 +79,7 @@ def test_stale_rows_are_written_back_as_dropped(tmp_path):
 def test_rollout_pairs_land_whole_on_an_s3_landing_zone(tmp_path, s3_endpoint):
     import boto3
 
-    from pipeline_assets.lib.replay import preference_pairs_from_groups
+    from pipeline_assets.lib.rl.replay import preference_pairs_from_groups
     from pipeline_assets.trainer.replay_io import land_rollout_pairs
     from pipeline_assets_tests.conftest import BUCKET
 

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 import polars as pl
 
-from pipeline_assets.lib.replay import StalenessPolicy, freshness
+from pipeline_assets.lib.rl.replay import StalenessPolicy, freshness
 from pipeline_assets.trainer.config import EXIT_PREEMPTED
 from pipeline_assets.trainer.policy_store import PolicyStore
 from pipeline_assets_tests.trainer.rl_setup import dropped_shares, rl_inputs, start

@@ -27,17 +27,16 @@ from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.lib.batches import earlier_versions
-from pipeline_assets.lib.formats import SFT, RecordFormat
-from pipeline_assets.lib.landing_files import (
+from pipeline_assets.lib.formats import SFT, RecordFormat, text_chars
+from pipeline_assets.lib.landing.batches import earlier_versions
+from pipeline_assets.lib.landing.files import (
     FileReadResult,
     read_landing_file,
     rejected_file,
     with_provenance,
 )
-from pipeline_assets.lib.redelivery import redelivered_lines, set_aside_redelivered
-from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.lib.unit_counts import count_units
+from pipeline_assets.lib.landing.redelivery import redelivered_lines, set_aside_redelivered
+from pipeline_assets.lib.landing.unit_counts import count_units
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingFileGone, LandingResource, sha256_hex
 
@@ -303,7 +302,7 @@ class FileIngest:
     record_format: RecordFormat  # its source's
     result: FileReadResult
     size: int  # bytes read
-    lines_counted: int  # units in the file by lib.unit_counts, independent of the parser
+    lines_counted: int  # units in the file by lib.landing.unit_counts, independent of the parser
     already_ingested: int  # leading lines an earlier version of the file delivered
 
 

@@ -30,7 +30,7 @@ from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.lib.drift import against_trailing_median
-from pipeline_assets.lib.landing_health import (
+from pipeline_assets.lib.landing.health import (
     WHOLE_FILE_REASONS,
     quarantine_rates,
     rows_per_mb,
@@ -38,7 +38,7 @@ from pipeline_assets.lib.landing_health import (
     unaccounted_files,
     unreadable_files,
 )
-from pipeline_assets.lib.redelivery import ALREADY_INGESTED
+from pipeline_assets.lib.landing.redelivery import ALREADY_INGESTED
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 

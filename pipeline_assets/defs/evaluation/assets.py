@@ -17,15 +17,15 @@ from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
-from pipeline_assets.lib.charts import slice_bars_png
-from pipeline_assets.lib.chat_format import PAD
-from pipeline_assets.lib.decontam import NO_EVAL_SETS
-from pipeline_assets.lib.eval_sample import capped_validation
-from pipeline_assets.lib.gold import SCORED_COLUMNS, pack_documents
-from pipeline_assets.lib.promotion import OVERALL
-from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan
-from pipeline_assets.lib.tokenizer import encode_records, tokenizer_from_json
-from pipeline_assets.lib.torchrun import SCORER_MODULE
+from pipeline_assets.lib.gold.chat_format import PAD
+from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan
+from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS, pack_documents
+from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.lib.ops.charts import slice_bars_png
+from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS
+from pipeline_assets.lib.training.eval_sample import capped_validation
+from pipeline_assets.lib.training.promotion import OVERALL
+from pipeline_assets.lib.training.torchrun import SCORER_MODULE
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher

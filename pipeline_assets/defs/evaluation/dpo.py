@@ -40,23 +40,23 @@ from pipeline_assets.defs.snapshots import (
     preference_pairs_version,
     snapshot_versions,
 )
-from pipeline_assets.lib.charts import slice_bars_png
-from pipeline_assets.lib.eval_sample import capped_validation
-from pipeline_assets.lib.gold import SCORED_COLUMNS
-from pipeline_assets.lib.preference_eval import (
-    OVERALL,
-    pair_margins,
-    preference_slices,
-    within_tolerance,
-)
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     Manifest,
     read_manifest,
     sequences_scan,
     snapshot_number,
 )
-from pipeline_assets.lib.torchrun import REFERENCE_MODULE
+from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS
+from pipeline_assets.lib.ops.charts import slice_bars_png
+from pipeline_assets.lib.training.eval_sample import capped_validation
+from pipeline_assets.lib.training.preference_eval import (
+    OVERALL,
+    pair_margins,
+    preference_slices,
+    within_tolerance,
+)
+from pipeline_assets.lib.training.torchrun import REFERENCE_MODULE
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource

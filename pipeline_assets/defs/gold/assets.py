@@ -18,10 +18,10 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.defs.silver.order import blocked_batches
-from pipeline_assets.engine import BlockEngine, engine_used
-from pipeline_assets.lib.chat_format import PAD, prefix_text, response_text
-from pipeline_assets.lib.formats import SFT
-from pipeline_assets.lib.gold import (
+from pipeline_assets.lib.formats import SFT, text_chars
+from pipeline_assets.lib.gold.chat_format import PAD, prefix_text, response_text
+from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan, snapshot_number
+from pipeline_assets.lib.gold.sequences import (
     SEQUENCES_PER_BLOCK,
     build_sequences,
     fit_long_records,
@@ -29,16 +29,15 @@ from pipeline_assets.lib.gold import (
     token_statistics,
     tokenize_stage,
 )
-from pipeline_assets.lib.sizing import text_chars
-from pipeline_assets.lib.snapshot_manifest import read_manifest, sequences_scan, snapshot_number
-from pipeline_assets.lib.splits import SEARCH, VALIDATION, assign_split, split_shares
-from pipeline_assets.lib.tokenizer import (
+from pipeline_assets.lib.gold.splits import SEARCH, VALIDATION, assign_split, split_shares
+from pipeline_assets.lib.gold.tokenizer import (
     check_tokenizer,
     tokenizer_from_json,
     tokenizer_to_json,
     train_bpe,
 )
-from pipeline_assets.lib.tokenizer_sample import TokenizerSample, sample_for_tokenizer
+from pipeline_assets.lib.gold.tokenizer_sample import TokenizerSample, sample_for_tokenizer
+from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import LakeResource
 
 _KINDS = {"delta", "polars"}

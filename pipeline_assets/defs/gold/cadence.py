@@ -1,5 +1,5 @@
 """What the instance says about gold shards: which a snapshot can hold, and whether one is due
-(lib.snapshot_cadence).
+(lib.gold.cadence).
 
 Two series of snapshots come from the same code: the sft records' (gold/sequences shards,
 gold/snapshots manifests, gold-v<N>) and the preference pairs' (gold/preference_sequences,
@@ -26,8 +26,8 @@ from pipeline_assets.defs.snapshots import (
     latest_records_by_partition,
     plain_metadata,
 )
-from pipeline_assets.lib.snapshot_cadence import CadenceInputs, lacks_a_split, snapshot_due
-from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind
+from pipeline_assets.lib.gold.cadence import CadenceInputs, lacks_a_split, snapshot_due
+from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, SFT_SNAPSHOTS, SnapshotKind
 
 SNAPSHOT_REASON_TAG = (
     "pipeline/snapshot_reason"  # why a run cuts a snapshot; gold/snapshots records it

@@ -15,7 +15,7 @@ from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SEQUENCES, GOLD_SEQUENCES, GOLD_SNAPSHOTS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.lib.drift import psi_numeric_counts
-from pipeline_assets.lib.packing import packing_floor
+from pipeline_assets.lib.gold.packing import packing_floor
 
 SHARD_CHECK_SPECS = [
     AssetCheckSpec(

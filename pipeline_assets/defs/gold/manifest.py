@@ -30,7 +30,7 @@ from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_TOKENIZER
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     SFT_SNAPSHOTS,
     Manifest,
     SnapshotKind,

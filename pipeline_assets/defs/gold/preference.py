@@ -18,16 +18,16 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.engine import BlockEngine, engine_used
-from pipeline_assets.lib.chat_format import PAD
-from pipeline_assets.lib.gold import SEQUENCES_PER_BLOCK, shard_seed
-from pipeline_assets.lib.preference_gold import (
+from pipeline_assets.lib.gold.chat_format import PAD
+from pipeline_assets.lib.gold.preference import (
     PAIR_INPUT,
     build_pair_sequences,
     tokenize_pairs_stage,
 )
-from pipeline_assets.lib.splits import VALIDATION, assign_split
-from pipeline_assets.lib.tokenizer import tokenizer_from_json
+from pipeline_assets.lib.gold.sequences import SEQUENCES_PER_BLOCK, shard_seed
+from pipeline_assets.lib.gold.splits import VALIDATION, assign_split
+from pipeline_assets.lib.gold.tokenizer import tokenizer_from_json
+from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import LakeResource
 
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole

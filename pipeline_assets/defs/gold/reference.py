@@ -14,14 +14,14 @@ from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
-from pipeline_assets.lib.snapshot_manifest import (
+from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     Manifest,
     read_manifest,
     sequences_scan,
     snapshot_number,
 )
-from pipeline_assets.lib.torchrun import REFERENCE_MODULE
+from pipeline_assets.lib.training.torchrun import REFERENCE_MODULE
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 import polars as pl
 
 from pipeline_assets.contracts import LandingManifestEntry, conform, validate
-from pipeline_assets.lib.batches import (
+from pipeline_assets.lib.landing.batches import (
     LISTING_SCHEMA,
     batch_key,
     classify_candidates,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline_assets.lib.cost import Prices
+from pipeline_assets.lib.ops.cost import Prices
 from pipeline_assets.resources.settings import setting_field
 
 

@@ -39,9 +39,9 @@ from pipeline_assets.defs.snapshots import (
     materialization_history,
     partition_metadata,
 )
-from pipeline_assets.lib.charts import time_breakdown_png
-from pipeline_assets.lib.cost import MEASURED, bottleneck, headline_throughput, stage_report
 from pipeline_assets.lib.drift import against_trailing_median
+from pipeline_assets.lib.ops.charts import time_breakdown_png
+from pipeline_assets.lib.ops.cost import MEASURED, bottleneck, headline_throughput, stage_report
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 

@@ -16,7 +16,7 @@ from dagster import (
 )
 
 from pipeline_assets.defs.ops.policy import RetentionPolicy
-from pipeline_assets.lib.retention import (
+from pipeline_assets.lib.ops.retention import (
     Removed,
     SnapshotCheckpoints,
     checkpoints_to_delete,

@@ -16,7 +16,7 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.ops.stages import PIPELINE_STAGES
 from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
-from pipeline_assets.lib.sizing import (
+from pipeline_assets.lib.ops.sizing import (
     EVAL_FLOPS_PER_PARAMETER,
     POINTS,
     TRAIN_FLOPS_PER_PARAMETER,

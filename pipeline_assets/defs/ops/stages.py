@@ -1,5 +1,5 @@
 """The pipeline's stages as the report, the sizer and the cost model count them, defined once: each
-stage's name (``lib.sizing.STAGES`` gives its unit of work and parallelism), the asset whose
+stage's name (``lib.ops.sizing.STAGES`` gives its unit of work and parallelism), the asset whose
 materializations measured it, and the metadata fields holding its work and its tokens."""
 
 from dataclasses import dataclass
@@ -14,14 +14,14 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
     TRAINING_CHECKPOINT,
 )
-from pipeline_assets.lib.sizing import STAGES
+from pipeline_assets.lib.ops.sizing import STAGES
 
 
 @dataclass(frozen=True)
 class MeasuredStage:
     name: str
     asset: AssetKey
-    work: str  # the sizer's unit of work (lib.sizing.STAGES)
+    work: str  # the sizer's unit of work (lib.ops.sizing.STAGES)
     tokens: str | None = None  # the report's tokens, where the stage counts any
 
 

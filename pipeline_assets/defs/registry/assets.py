@@ -29,8 +29,13 @@ from pipeline_assets.defs.snapshots import (
     snapshot_versions,
 )
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
-from pipeline_assets.lib.cost import Compute, model_version_cost
-from pipeline_assets.lib.promotion import OVERALL, GateDecision, champion_moved, promotion_gate
+from pipeline_assets.lib.ops.cost import Compute, model_version_cost
+from pipeline_assets.lib.training.promotion import (
+    OVERALL,
+    GateDecision,
+    champion_moved,
+    promotion_gate,
+)
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 

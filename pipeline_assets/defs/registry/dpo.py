@@ -25,7 +25,12 @@ from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
-from pipeline_assets.lib.promotion import OVERALL, GateDecision, PreferenceScore, preference_gate
+from pipeline_assets.lib.training.promotion import (
+    OVERALL,
+    GateDecision,
+    PreferenceScore,
+    preference_gate,
+)
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 

@@ -1,5 +1,6 @@
 """rl/prompt_bank: the RL overlay's prompts, each with its verifier and ground truth, curated by the
-batch path's own decontamination and quality stages (lib.rl_bank), and its blocking checks."""
+batch path's own decontamination and quality stages (lib.rl.prompt_bank), and its blocking
+checks."""
 
 import polars as pl
 from dagster import (
@@ -15,17 +16,17 @@ from pipeline_assets.contracts import PromptBankRow, conform, polars_schema, val
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, RL_PROMPT_BANK, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.retries import refusal
-from pipeline_assets.defs.rl.overlay_policy import RlPolicy
+from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.silver.policy import SilverPolicy
-from pipeline_assets.lib.decontam import EvalNgramIndex, find_contamination
-from pipeline_assets.lib.rl_bank import (
+from pipeline_assets.lib.rl.prompt_bank import (
     IN_BANK,
     as_records,
     checkable_silver,
     curate_bank,
     generated_tasks,
 )
-from pipeline_assets.lib.verifiers import ground_truth_passes
+from pipeline_assets.lib.rl.verifiers import ground_truth_passes
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex, find_contamination
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 

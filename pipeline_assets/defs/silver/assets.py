@@ -35,11 +35,11 @@ from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events, blocked_batches
 from pipeline_assets.defs.silver.policy import SilverPolicy
-from pipeline_assets.engine import BlockEngine, engine_used
-from pipeline_assets.lib.decontam import NO_EVAL_SETS, EvalNgramIndex
-from pipeline_assets.lib.silver import CuratedBatch, CuratedFormats, curate_formats
-from pipeline_assets.lib.silver_order import unsettled_before
-from pipeline_assets.lib.sizing import text_chars
+from pipeline_assets.lib.formats import text_chars
+from pipeline_assets.lib.silver.curation import CuratedBatch, CuratedFormats, curate_formats
+from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
+from pipeline_assets.lib.silver.order import unsettled_before
+from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 

@@ -16,15 +16,15 @@ import polars as pl
 from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
-from pipeline_assets.engine import BlockEngine
-from pipeline_assets.lib.dedup import (
+from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
     IndexLookup,
     band_entries,
     find_in_band,
     refuse_other_settings,
 )
-from pipeline_assets.lib.minhash import MinHashConfig
+from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.resources.engine import BlockEngine
 from pipeline_assets.resources.lake import LakeResource
 
 INDEX = ("silver", "minhash_index")

@@ -1,4 +1,4 @@
-"""What the instance knows about each ingest batch's bronze and silver, for lib.silver_order."""
+"""What the instance knows about each ingest batch's bronze and silver, for lib.silver.order."""
 
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 
@@ -8,7 +8,7 @@ from pipeline_assets.defs.keys import BRONZE_RECORDS, SILVER_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.snapshots import latest_records_by_partition
-from pipeline_assets.lib.silver_order import BatchEvents, Event
+from pipeline_assets.lib.silver.order import BatchEvents, Event
 
 _NOT_FINISHED = [
     DagsterRunStatus.QUEUED,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from pipeline_assets.lib.decontam import DecontamConfig
-from pipeline_assets.lib.minhash import MinHashConfig
-from pipeline_assets.lib.normalize import NormalizeConfig
-from pipeline_assets.lib.quality import QualityThresholds
-from pipeline_assets.lib.silver import SilverConfig
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.decontam import DecontamConfig
+from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.normalize import NormalizeConfig
+from pipeline_assets.lib.silver.quality import QualityThresholds
 from pipeline_assets.resources.settings import setting_field
 
 

@@ -15,7 +15,7 @@ from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_REJECTS
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.silver.order import batch_events
-from pipeline_assets.lib.silver_order import next_batch
+from pipeline_assets.lib.silver.order import next_batch
 
 SILVER_SELECTION = AssetSelection.assets(
     *(tables.silver for tables in FORMAT_TABLES),

@@ -33,7 +33,7 @@ from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.policy import TrainingPolicy
-from pipeline_assets.lib.provenance import git_commit
+from pipeline_assets.lib.training.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher

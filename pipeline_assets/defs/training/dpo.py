@@ -24,7 +24,7 @@ from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_and_export
 from pipeline_assets.defs.training.policy import DpoPolicy
-from pipeline_assets.lib.snapshot_manifest import PREFERENCE_SNAPSHOTS, snapshot_number
+from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, snapshot_number
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource

@@ -17,8 +17,8 @@ from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.snapshots import snapshot_versions
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_config_for
 from pipeline_assets.defs.training.policy import HparamSearchPolicy, TrainingPolicy
-from pipeline_assets.lib.search import sample_configurations
-from pipeline_assets.lib.snapshot_manifest import read_manifest
+from pipeline_assets.lib.gold.manifest import read_manifest
+from pipeline_assets.lib.training.search import sample_configurations
 from pipeline_assets.lib.uris import join
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher

@@ -1,0 +1,97 @@
+"""Gold for preference pairs: a batch's silver pairs tokenized, then packed per split and shuffled.
+
+A pair renders as two chat-format documents sharing one prefix (``chat_format.prefix_text``):
+prefix + ``response_text(chosen)`` and prefix + ``response_text(rejected)``; the loss mask covers
+the responses. ``lib.gold.preference_packing`` keeps both documents of a pair in one row; a pair
+longer than the sequence length is left out whole and counted. Splits are packed apart, as gold's
+sft shards are, and each is shuffled with the shard's seed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import polars as pl
+
+from pipeline_assets.lib.gold.packing import shuffle_sequences
+from pipeline_assets.lib.gold.preference_packing import LEFT_OUT_SCHEMA, ROWS_SCHEMA, pack_pairs
+from pipeline_assets.lib.gold.sequences import cached_tokenizer
+from pipeline_assets.lib.gold.splits import SPLITS
+from pipeline_assets.lib.gold.tokenizer import encode_records
+from pipeline_assets.lib.stages import BlockStage
+
+# PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
+VALIDATION_FRACTION = 0.10
+PAIR_INPUT = ("record_id", "system", "prompt", "chosen", "rejected", "source", "split")
+
+
+def tokenize_pairs_stage(tokenizer_json: str) -> BlockStage:
+    """Gold's block stage for pairs: PAIR_INPUT rows -> pair_id, prefix_ids, chosen_ids,
+    rejected_ids, n_tokens (the pair's unit: two prefixes and both responses), source and split, in
+    the block's order."""
+    return BlockStage("tokenize", partial(_tokenize_pairs_block, tokenizer_json=tokenizer_json))
+
+
+def _tokenize_pairs_block(
+    block: pl.DataFrame, tokenizer_json: str
+) -> tuple[pl.DataFrame, None, dict]:
+    tokenizer = cached_tokenizer(tokenizer_json)
+    sides = {
+        side: encode_records(
+            tokenizer, block.select("record_id", "system", "prompt", response=side)
+        )
+        for side in ("chosen", "rejected")
+    }
+    chosen, rejected = (
+        encoded.select(prefix=pl.col("n_tokens") - pl.col("n_response_tokens"), ids="input_ids")
+        for encoded in sides.values()
+    )
+    tokenized = pl.DataFrame(
+        {
+            "pair_id": block["record_id"],
+            "prefix_ids": chosen.select(pl.col("ids").list.head(pl.col("prefix")))["ids"],
+            "chosen_ids": chosen.select(pl.col("ids").list.slice(pl.col("prefix")))["ids"],
+            "rejected_ids": rejected.select(pl.col("ids").list.slice(pl.col("prefix")))["ids"],
+        }
+    ).with_columns(block.select("source", "split"))
+    tokenized = tokenized.with_columns(
+        n_tokens=(
+            2 * pl.col("prefix_ids").list.len()
+            + pl.col("chosen_ids").list.len()
+            + pl.col("rejected_ids").list.len()
+        ).cast(pl.Int32)
+    )
+    return tokenized, None, {"rows_in": block.height, "tokens": int(tokenized["n_tokens"].sum())}
+
+
+def build_pair_sequences(
+    tokenized: pl.DataFrame, seq_len: int, seed: int, pad_id: int
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """(rows with split, sequence_index and real_tokens; the pairs left out, with their split;
+    counters)."""
+    frames, left_out, by_split, packed_pairs = [], [], {}, 0
+    for number, split in enumerate(SPLITS):
+        packed = pack_pairs(tokenized.filter(pl.col("split") == split), seq_len, pad_id)
+        order = shuffle_sequences(packed.rows.height, seed + number)
+        frames.append(
+            packed.rows[order].with_columns(
+                split=pl.lit(split),
+                sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
+                real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32),
+            )
+        )
+        left_out.append(packed.left_out.with_columns(split=pl.lit(split)))
+        by_split[split], packed_pairs = packed.rows.height, packed_pairs + packed.pairs_packed
+    rows = pl.concat(frames) if frames else pl.DataFrame(schema=ROWS_SCHEMA)
+    real = int(rows["real_tokens"].sum()) if rows.height else 0
+    return (
+        rows,
+        pl.concat(left_out) if left_out else pl.DataFrame(schema=LEFT_OUT_SCHEMA),
+        {
+            "pairs_in": tokenized.height,
+            "pairs_packed": packed_pairs,
+            "pairs_too_long": tokenized.height - packed_pairs,
+            "sequences_by_split": by_split,
+            "efficiency": real / (rows.height * seq_len) if rows.height else 0.0,
+        },
+    )

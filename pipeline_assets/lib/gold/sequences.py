@@ -1,0 +1,226 @@
+"""Gold's assembly: encoded records per split -> packed, shuffled sequences, and their
+statistics."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import numpy as np
+import polars as pl
+
+from pipeline_assets.lib.gold.packing import (
+    PackingPlan,
+    pack,
+    packed_frame,
+    plan_best_fit_decreasing,
+    shuffle_sequences,
+)
+from pipeline_assets.lib.gold.splits import SPLITS
+from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
+from pipeline_assets.lib.stages import BlockStage
+
+# Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
+# block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
+SEQUENCES_PER_BLOCK = 4096
+SCORED_COLUMNS = (
+    "input_ids",
+    "loss_mask",
+    "position_ids",
+    "record_ids",
+)  # what a packed row is scored on
+LONG_RECORD_MODES = ("truncate", "drop")
+DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
+LEFT_OUT_SCHEMA = pl.Schema(
+    {
+        "record_id": pl.String,
+        "split": pl.String,
+        "n_tokens": pl.Int32,
+        "prompt_tokens": pl.Int32,
+        "reason": pl.String,
+    }
+)
+
+
+@dataclass(frozen=True)
+class FittedRecords:
+    records: (
+        pl.DataFrame
+    )  # every record fits in seq_len with its whole prompt and >= 1 response token
+    left_out: pl.DataFrame  # LEFT_OUT_SCHEMA; reason: prompt_too_long | too_long
+    truncated_documents: int
+
+
+def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRecords:
+    """Make every encoded record fit one sequence without losing its prompt, so packing never
+    splits a record and trains a response piece with no prompt before it.
+
+    A record whose prompt (everything the loss mask leaves out) fills ``seq_len`` on its own is left
+    out as ``prompt_too_long``; a longer record is cut to ``seq_len`` tokens, the response losing
+    its end (``truncate``), or left out as ``too_long`` (``drop``).
+    """
+    if mode not in LONG_RECORD_MODES:
+        raise ValueError(
+            f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not "
+            f"{mode!r}"
+        )
+    prompt_tokens = pl.col("n_tokens") - pl.col("n_response_tokens")
+    reason = (
+        pl.when(prompt_tokens >= seq_len)
+        .then(pl.lit("prompt_too_long"))
+        .when((pl.col("n_tokens") > seq_len) & (mode == "drop"))
+        .then(pl.lit("too_long"))
+    )
+    judged = encoded.with_columns(reason=reason, prompt_tokens=prompt_tokens.cast(pl.Int32))
+    kept = judged.filter(pl.col("reason").is_null())
+    truncated = int((kept["n_tokens"] > seq_len).sum())
+    fitted = kept.drop("reason", "prompt_tokens").with_columns(
+        pl.col("input_ids").list.head(seq_len),
+        pl.col("loss_mask").list.head(seq_len),
+        n_tokens=pl.min_horizontal("n_tokens", pl.lit(seq_len, pl.Int32)),
+        n_response_tokens=pl.min_horizontal(
+            "n_response_tokens", pl.lit(seq_len, pl.Int32) - prompt_tokens.cast(pl.Int32)
+        ),
+    )
+    left_out = (
+        judged.filter(pl.col("reason").is_not_null())
+        .select(LEFT_OUT_SCHEMA.names())
+        .cast(dict(LEFT_OUT_SCHEMA))
+    )
+    return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
+
+
+def tokenize_stage(tokenizer_json: str) -> BlockStage:
+    """Gold's block stage: records (record_id, system, prompt, response, source, split) -> their
+    encodings (``lib.gold.tokenizer.ENCODED_SCHEMA`` plus source and split), in the block's order.
+    It removes nothing; an engine runs it block by block, here or on Ray."""
+    return BlockStage("tokenize", partial(_tokenize_block, tokenizer_json=tokenizer_json))
+
+
+def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
+    encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(
+        block.select("source", "split")
+    )
+    return encoded, None, {"rows_in": block.height, "tokens": int(encoded["n_tokens"].sum())}
+
+
+@lru_cache(maxsize=2)
+def cached_tokenizer(tokenizer_json: str):
+    """Built once per process (a Ray worker keeps it for every block it runs), not once per
+    block."""
+    return tokenizer_from_json(tokenizer_json)
+
+
+def shard_seed(seed: int, batch_id: str) -> int:
+    """The shuffle seed of one batch's shard: a rebuild of the batch shuffles it the same way, and
+    no two batches share an order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{batch_id}".encode()).digest()[:4], "big")
+
+
+def build_sequences(
+    encoded: pl.DataFrame, seq_len: int, seed: int, pad_id: int
+) -> tuple[pl.DataFrame, dict]:
+    """``encoded`` has record_id, split, input_ids, loss_mask, n_tokens (sorted by record_id, so the
+    plan does not depend on the order silver stored its rows). Each split is packed best-fit
+    decreasing, then shuffled with ``seed``."""
+    frames, by_split, split_documents = [], {}, 0
+    for number, split in enumerate(SPLITS):
+        part = encoded.filter(pl.col("split") == split)
+        if part.is_empty():
+            by_split[split] = 0
+            continue
+        packed, plan = pack_records(part, seq_len, pad_id)
+        order = shuffle_sequences(plan.n_sequences, seed + number)
+        frames.append(
+            packed[order].with_columns(
+                split=pl.lit(split),
+                sequence_index=pl.int_range(pl.len(), dtype=pl.Int64),
+                real_tokens=pl.col("document_lengths").list.sum().cast(pl.Int32),
+            )
+        )
+        by_split[split] = plan.n_sequences
+        split_documents += plan.split_documents
+    sequences = pl.concat(frames) if frames else pl.DataFrame()
+    real = int(sequences["real_tokens"].sum()) if frames else 0
+    efficiency = real / (sequences.height * seq_len) if frames else 0.0
+    return sequences, {
+        "efficiency": efficiency,
+        "sequences_by_split": by_split,
+        "split_documents": split_documents,
+    }
+
+
+def pack_records(
+    records: pl.DataFrame, seq_len: int, pad_id: int
+) -> tuple[pl.DataFrame, PackingPlan]:
+    """Records (record_id, input_ids, loss_mask, n_tokens) packed best-fit decreasing into rows of
+    ``seq_len``: input_ids, loss_mask, position_ids (restarting at every piece), document_lengths
+    and record_ids (the record of each piece, in order). The one packing rule of gold and
+    evaluation."""
+    plan = plan_best_fit_decreasing(records["n_tokens"].to_numpy(), seq_len)
+    packed = packed_frame(pack(plan, records["input_ids"], records["loss_mask"], seq_len, pad_id))
+    return packed.rename({"doc_lengths": "document_lengths"}).with_columns(
+        pl.col("loss_mask").cast(pl.List(pl.Boolean)),
+        record_ids=_record_ids_per_sequence(plan, records["record_id"].to_numpy()),
+    ), plan
+
+
+def pack_documents(encoded: pl.DataFrame, max_len: int, pad_id: int) -> pl.DataFrame:
+    """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> packed
+    rows as ``pack_records`` makes them, each document cut to ``max_len`` tokens first (it still
+    attends only to itself): short items padded one to a row would cost ``max_len`` positions
+    each."""
+    cut = (
+        encoded.with_columns(
+            pl.col("input_ids").list.head(max_len), pl.col("loss_mask").list.head(max_len)
+        )
+        .with_columns(n_tokens=pl.col("input_ids").list.len())
+        .filter(pl.col("n_tokens") > 0)
+    )
+    packed, _ = pack_records(cut, max_len, pad_id)
+    return packed
+
+
+def _record_ids_per_sequence(plan, record_ids: np.ndarray) -> pl.Series:
+    """Per sequence, the record of each piece, in the order the pieces sit in the sequence."""
+    order = np.lexsort((plan.offset_in_sequence, plan.sequence_of_doc))
+    pieces = pl.DataFrame(
+        {
+            "sequence": plan.sequence_of_doc[order],
+            # typed: no piece (an empty input) would otherwise make an object column
+            "record_id": pl.Series(record_ids[plan.piece_doc[order]], dtype=pl.String),
+        }
+    )
+    grouped = pieces.group_by("sequence", maintain_order=True).agg("record_id")
+    every = pl.DataFrame({"sequence": np.arange(plan.n_sequences)})
+    return (
+        every.join(grouped, on="sequence", how="left")
+        .sort("sequence")["record_id"]
+        .alias("record_ids")
+    )
+
+
+def token_statistics(encoded: pl.DataFrame) -> dict:
+    """Tokens in total and per source, and the tokens-per-record distribution."""
+    by_source = (
+        encoded.group_by("source")
+        .agg(
+            records=pl.len(),
+            tokens=pl.col("n_tokens").sum(),
+            response_tokens=pl.col("n_response_tokens").sum(),
+        )
+        .with_columns(tokens_per_record=(pl.col("tokens") / pl.col("records")).round(1))
+        .sort("source")
+    )
+    lengths = encoded["n_tokens"]
+    quantiles = (
+        {f"p{q}": float(lengths.quantile(q / 100)) for q in (5, 25, 50, 75, 95, 99)}
+        if lengths.len()
+        else {}
+    )
+    return {
+        "tokens": int(lengths.sum()),
+        "by_source": by_source,
+        "per_record_quantiles": {**quantiles, "max": int(lengths.max() or 0)},
+    }

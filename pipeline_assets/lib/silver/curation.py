@@ -1,0 +1,274 @@
+"""Silver's stages for one ingest batch, in order, each with its own counters (datatrove-style).
+
+normalize -> exact dedup -> near dedup -> decontaminate -> quality gate. Every record removed by
+a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
+``bronze rows == silver rows + rejected rows``.
+
+Every record format goes through the same stages on its own fields (``lib.formats``); preference
+pairs add their own rules (``lib.silver.preference_rules``): pair_sides after normalize,
+contradiction after exact dedup, pair_cap last.
+
+The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
+MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
+them block by block (in this process, or on Ray); the dedup stages look across the batch and the
+entries of other batches that share one of its keys (``IndexLookup``: a task a band and slice of
+batches, on Ray with the block stages), on hashes and signatures, in the calling process. A batch
+looks up once, every format's keys together; each format dedups against the entries holding its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import polars as pl
+
+from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
+from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex, find_contamination
+from pipeline_assets.lib.silver.dedup import (
+    SIGNATURE_COLUMNS,
+    IndexLookup,
+    entries_holding,
+    exact_dedup,
+    exact_hashes,
+    near_dedup,
+    wanted_keys,
+    with_signatures,
+)
+from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.normalize import NormalizeConfig, normalize_records
+from pipeline_assets.lib.silver.preference_rules import (
+    MAX_PAIRS_PER_PROMPT,
+    PAIR_HASH_COLUMNS,
+    cap_per_prompt,
+    contradictions,
+    pair_hashes,
+    pair_sides,
+)
+from pipeline_assets.lib.silver.quality import QualityThresholds, quality_gate
+from pipeline_assets.lib.stages import ROWS_PER_BLOCK, BlockStage, StagesResult, run_in_process
+
+RunBlocks = Callable[[Sequence[BlockStage], pl.DataFrame], StagesResult]
+
+
+@dataclass(frozen=True)
+class SilverConfig:
+    normalize: NormalizeConfig = NormalizeConfig()
+    minhash: MinHashConfig = MinHashConfig()
+    decontam: DecontamConfig = DecontamConfig()
+    quality_default: QualityThresholds = QualityThresholds()
+    quality_by_source: dict[str, QualityThresholds] = field(default_factory=dict)
+    max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT
+    max_length_ratio: float | None = (
+        None  # preference pairs: None counts the ratio, a number also rejects beyond it
+    )
+
+
+@dataclass(frozen=True)
+class CuratedBatch:
+    kept: pl.DataFrame  # bronze columns (text normalized) + exact_hash, cluster_id, q_*
+    rejects: pl.DataFrame  # bronze columns + stage, evidence and the stage's own evidence columns
+    index: pl.DataFrame  # MinHash index entries of the kept rows
+    stages: dict[str, dict]  # per stage: counters and seconds
+    block_wall_seconds: float = 0.0  # waiting for the block stages, wherever they ran
+    block_stage_seconds: float = (
+        0.0  # the block stages' own seconds summed over every block: their work
+    )
+    index_lookup: dict = field(
+        default_factory=dict
+    )  # its keys looked up, the other batches' entries found
+
+
+def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[BlockStage]:
+    pair_rules = [
+        BlockStage("pair_sides", partial(pair_sides, max_length_ratio=config.max_length_ratio))
+    ]
+    return [
+        BlockStage(
+            "normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)
+        ),
+        *(pair_rules if fmt is PREFERENCE else []),
+        BlockStage(
+            "minhash",
+            lambda block: (
+                with_signatures(block, config.minhash, fmt),
+                None,
+                {"rows_in": block.height},
+            ),
+        ),
+    ]
+
+
+def after_dedup(
+    config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFormat = SFT
+) -> list[BlockStage]:
+    return [
+        BlockStage(
+            "decontaminate", partial(find_contamination, index=eval_index, fields=fmt.decontaminate)
+        ),
+        BlockStage(
+            "quality",
+            partial(
+                quality_gate,
+                thresholds=config.quality_by_source,
+                default=config.quality_default,
+                judged=fmt.judged,
+            ),
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class CuratedFormats:
+    formats: dict[RecordFormat, CuratedBatch]
+    # the batch's one lookup, over every format's keys: keys looked up, entries found, seconds
+    index_lookup: dict
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One format's rows through the block stages before dedup, hashed: what its dedup stages start
+    from."""
+
+    fmt: RecordFormat
+    hashed: pl.DataFrame
+    stages: dict[str, dict]
+    removed: list[pl.DataFrame]
+    block_wall_seconds: float
+
+
+def curate(
+    bronze: pl.DataFrame,
+    look_up: IndexLookup | None,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks | None = None,
+    fmt: RecordFormat = SFT,
+) -> CuratedBatch:
+    """``curate_formats`` on a batch of one record format."""
+    return curate_formats({fmt: bronze}, look_up, eval_index, config, run_blocks).formats[fmt]
+
+
+def curate_formats(
+    bronze: dict[RecordFormat, pl.DataFrame],
+    look_up: IndexLookup | None,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks | None = None,
+) -> CuratedFormats:
+    """Run the stages on one batch's bronze rows of each record format. ``look_up`` finds the index
+    entries of the batches it dedups against (None: there are none), once for every format's keys;
+    ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
+    run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
+    prepared = {fmt: _prepare(frame, config, run_blocks, fmt) for fmt, frame in bronze.items()}
+    histories, lookup_counters = _histories(prepared, look_up, config.minhash)
+    return CuratedFormats(
+        formats={
+            fmt: _finish(p, *histories[fmt], eval_index, config, run_blocks)
+            for fmt, p in prepared.items()
+        },
+        index_lookup=lookup_counters,
+    )
+
+
+def _prepare(
+    bronze: pl.DataFrame, config: SilverConfig, run_blocks: RunBlocks, fmt: RecordFormat
+) -> _Prepared:
+    started = time.perf_counter()
+    prepared = run_blocks(before_dedup(config, fmt), bronze)
+    block_wall = time.perf_counter() - started
+    hashed = prepared.kept.with_columns(
+        exact_hashes(prepared.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else [])
+    )
+    return _Prepared(
+        fmt, hashed, dict(prepared.counters), list(prepared.removed.values()), block_wall
+    )
+
+
+def _histories(
+    prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
+) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
+    """One lookup over every format's keys: each format's history (the other batches' index entries
+    holding one of its own keys: all its dedup stages read of them) with its counters, and the
+    lookup's counters."""
+    started = time.perf_counter()
+    wanted = {
+        fmt: wanted_keys(p.hashed, config, fmt)
+        for fmt, p in prepared.items()
+        if look_up is not None and not p.hashed.is_empty()
+    }
+    every_key = pl.concat(wanted.values()).unique() if wanted else None
+    found = look_up(every_key) if every_key is not None else None
+    histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in prepared}
+    for fmt, keys in wanted.items():
+        own = entries_holding(found, keys)  # what a lookup of the format's keys alone finds
+        histories[fmt] = own.lazy(), {"keys": keys.height, "entries_found": own.height}
+    keys, entries = (0, 0) if found is None else (every_key.height, found.height)
+    return histories, {
+        "keys": keys,
+        "entries_found": entries,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _finish(
+    prepared: _Prepared,
+    history: pl.LazyFrame | None,
+    lookup_counters: dict,
+    eval_index: EvalNgramIndex,
+    config: SilverConfig,
+    run_blocks: RunBlocks,
+) -> CuratedBatch:
+    """The stages from exact dedup on, against ``history``."""
+    fmt, stages, removed = prepared.fmt, dict(prepared.stages), list(prepared.removed)
+    pairs = fmt is PREFERENCE
+    started = time.perf_counter()
+    exact = exact_dedup(prepared.hashed, history)
+    stages["exact_dedup"] = _finished(exact.counters, started)
+    removed.append(exact.rejected.drop(SIGNATURE_COLUMNS))
+    unique = exact.kept
+    if pairs:
+        started = time.perf_counter()
+        unique, contradicted, counters = contradictions(unique, history)
+        stages["contradiction"] = _finished(counters, started)
+        removed.append(contradicted.drop(SIGNATURE_COLUMNS))
+        unique = unique.drop("flipped_hash")
+
+    started = time.perf_counter()
+    near, index = near_dedup(unique, history, config.minhash, fmt)
+    stages["near_dedup"] = _finished(near.counters, started)
+    removed.append(near.rejected)
+
+    started = time.perf_counter()
+    judged = run_blocks(after_dedup(config, eval_index, fmt), near.kept)
+    block_wall = prepared.block_wall_seconds + time.perf_counter() - started
+    stages.update(judged.counters)
+    removed.extend(judged.removed.values())
+    kept = judged.kept
+    if pairs:
+        started = time.perf_counter()
+        kept, capped, counters = cap_per_prompt(kept, history, config.max_pairs_per_prompt)
+        stages["pair_cap"] = _finished(counters, started)
+        removed.append(capped)
+
+    block_stages = (*prepared.stages.values(), *judged.counters.values())
+    return CuratedBatch(
+        kept=kept,
+        rejects=pl.concat(removed, how="diagonal_relaxed").drop(PAIR_HASH_COLUMNS[1], strict=False),
+        index=index.filter(pl.col("record_id").is_in(kept["record_id"].implode())),
+        stages=stages,
+        block_wall_seconds=round(block_wall, 3),
+        block_stage_seconds=round(sum(c["seconds"] for c in block_stages), 3),
+        index_lookup=lookup_counters,
+    )
+
+
+def _no_rejects(normalized: tuple[pl.DataFrame, dict]) -> tuple[pl.DataFrame, None, dict]:
+    frame, counters = normalized
+    return frame, None, counters
+
+
+def _finished(counters: dict, started: float) -> dict:
+    return {**counters, "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,603 @@
+"""Exact and near-duplicate removal for one batch, within itself and against the other batches.
+
+The survivor of a duplicate cluster is deterministic: a record another batch already kept (the
+earliest such batch, then the smallest ``record_id``), else this batch's smallest ``record_id``.
+Batches go through silver in arrival order, so that is the first copy to arrive; a batch re-run
+after later ones (it was blocked) yields to the copies they kept. The other batches only
+contribute hashes (exact hashes, MinHash signatures and LSH band keys from
+``silver/minhash_index``), looked up with polars joins, so memory grows with the batch and with
+the matches, not with the history.
+
+The other batches are found through ``silver/minhash_bands``: every kept record's LSH band keys and
+the first 60 bits of its exact hash, one row a band, partitioned by band. A batch looks up its own
+keys one band at a time (``find_in_band``: a task a band and slice of batches, on Ray where the
+batch runs its block stages), and only the entries that share a key come back with their
+signatures (``IndexLookup``).
+
+A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
+the LSH over prompt + response, and are verified on both texts' signatures, so different answers
+to one long shared prompt (retrieval contexts, several completions of one prompt) all survive.
+
+Every record format dedups on its own text (``RecordFormat.dedup`` and ``answers``: a preference
+pair on prompt, chosen and rejected, its answers being chosen and rejected together) and only
+against records of its format: its band keys are salted by the format's name (sft's salt is 0, so
+indexes written before formats existed stay valid), and exact hashes of different formats hash
+different fields. Preference entries also carry the hash of their normalized prompt, indexed as
+band PROMPT_BAND, so a batch finds how many pairs earlier batches kept for each of its prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import polars as pl
+import polars_hash as plh
+import pyarrow as pa
+
+from pipeline_assets.lib.formats import SFT, RecordFormat
+from pipeline_assets.lib.silver.minhash import MinHashConfig, jaccard, signatures
+
+SIGNATURE_COLUMNS = (
+    "_signature",
+    "_response_signature",
+)  # with_signatures' columns, dropped by near dedup
+HISTORY_SCHEMA = pl.Schema(
+    {
+        "record_id": pl.String,
+        "batch_id": pl.String,
+        "exact_hash": pl.String,
+        "signature": pl.Binary,
+        "response_signature": pl.Binary,  # null in entries written before responses were signed
+        "band_keys": pl.List(pl.Int64),
+        "lsh_params": pl.String,
+        # preference pairs: their normalized prompt's hash; null for other formats
+        "prompt_hash": pl.String,
+    }
+)
+
+
+ROWS_PER_LOOKUP_TASK = (
+    4_000_000  # indexed records a lookup task reads one band of: about 100 MB of keys and ids
+)
+EXACT_BAND = (
+    -1
+)  # the band of the exact hash's first 60 bits: exact dedup's candidates come from the same lookup
+PROMPT_BAND = (
+    -2
+)  # the band of a preference pair's prompt hash: the pairs earlier batches kept for a prompt
+BAND_SCHEMA = pl.Schema(
+    {"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String}
+)
+# (band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA)
+# holding one.
+IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
+
+
+@dataclass(frozen=True)
+class LshParams:
+    bands: int
+    rows: int
+
+    def label(self, config: MinHashConfig) -> str:
+        """Names everything that must match for two signatures' band keys to be comparable."""
+        return (
+            f"perm{config.num_perm}-seed{config.seed}-shingle{config.shingle_words}"
+            f"-b{self.bands}-r{self.rows}"
+        )
+
+
+@dataclass(frozen=True)
+class StageResult:
+    kept: pl.DataFrame
+    rejected: pl.DataFrame  # the rejected input rows + stage, duplicate_of, jaccard, evidence
+    counters: dict
+
+
+# --- exact --------------------------------------------------------------------------------------
+
+
+def exact_hashes(frame: pl.DataFrame, fmt: RecordFormat = SFT) -> pl.Series:
+    """128 bits of BLAKE3 over the format's normalized dedup text (sft: prompt and response): stable
+    across versions and runs."""
+    return frame.select(hash_of(*fmt.dedup))[:, 0].alias("exact_hash")
+
+
+def hash_of(*columns: str) -> pl.Expr:
+    """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization
+    removes)."""
+    return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)
+
+
+def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
+    """Drop records whose exact_hash another batch kept, or that repeat one in this batch."""
+    hashed = batch if "exact_hash" in batch.columns else batch.with_columns(exact_hashes(batch))
+    kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
+    survivor = (
+        hashed.sort("record_id")
+        .group_by("exact_hash", maintain_order=True)
+        .agg(first_in_batch=pl.col("record_id").first())
+    )
+    judged = (
+        hashed.join(kept_elsewhere, on="exact_hash", how="left")
+        .join(survivor, on="exact_hash", how="left")
+        .with_columns(
+            duplicate_of=pl.coalesce(
+                "kept_record_id",
+                pl.when(pl.col("record_id") != pl.col("first_in_batch")).then("first_in_batch"),
+            )
+        )
+    )
+    rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
+        stage=pl.lit("exact_dup"),
+        jaccard=pl.lit(1.0),
+        evidence=pl.struct(
+            duplicate_of="duplicate_of",
+            duplicate_of_batch=pl.coalesce("kept_batch_id", "batch_id"),
+            exact_hash="exact_hash",
+        ).struct.json_encode(),
+    )
+    kept = judged.filter(pl.col("duplicate_of").is_null())
+    columns = hashed.columns
+    return StageResult(
+        kept=kept.select(columns),
+        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
+        counters={
+            "rows_in": batch.height,
+            "kept": kept.height,
+            "rejected": rejected.height,
+            "against_other_batches": int(rejected["kept_record_id"].is_not_null().sum()),
+        },
+    )
+
+
+def _earliest_by_hash(history: pl.LazyFrame | None, hashes: pl.Series) -> pl.DataFrame:
+    schema = {"exact_hash": pl.String, "kept_record_id": pl.String, "kept_batch_id": pl.String}
+    if history is None:
+        return pl.DataFrame(schema=schema)
+    return (
+        history.filter(pl.col("exact_hash").is_in(hashes.unique().implode()))
+        .sort("batch_id", "record_id")
+        .group_by("exact_hash", maintain_order=True)
+        .agg(kept_record_id=pl.col("record_id").first(), kept_batch_id=pl.col("batch_id").first())
+        .collect()
+    )
+
+
+# --- near ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0.5) -> LshParams:
+    """Bands x rows minimizing the weighted false positive and false negative probability mass.
+
+    A pair of similarity s becomes a candidate with probability 1 - (1 - s^r)^b.
+    """
+    best, best_error = LshParams(1, num_perm), float("inf")
+    below, above = np.linspace(0.0, threshold, 512), np.linspace(threshold, 1.0, 512)
+    for bands in range(1, num_perm + 1):
+        for rows in range(1, num_perm // bands + 1):
+            false_positive = np.trapezoid(1 - (1 - below**rows) ** bands, below)
+            false_negative = np.trapezoid((1 - above**rows) ** bands, above)
+            error = (
+                false_positive_weight * false_positive
+                + (1 - false_positive_weight) * false_negative
+            )
+            if error < best_error:
+                best, best_error = LshParams(bands, rows), error
+    return best
+
+
+def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
+    """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from
+    ``salt``."""
+    by_band = sigs[:, : params.bands * params.rows].reshape(len(sigs), params.bands, params.rows)
+    keys = np.full((len(sigs), params.bands), salt, dtype=np.uint64)
+    multiplier = np.uint64(0x9E3779B97F4A7C15)
+    for row in range(params.rows):  # every band's row at once: whole signature rows stay in cache
+        keys *= multiplier
+        keys += by_band[:, :, row]
+    return keys.view(np.int64)  # Delta has no unsigned integers
+
+
+def near_dedup(
+    batch: pl.DataFrame,
+    history: pl.LazyFrame | None,
+    config: MinHashConfig = MinHashConfig(),
+    fmt: RecordFormat = SFT,
+) -> tuple[StageResult, pl.DataFrame]:
+    """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
+
+    ``batch`` needs record_id, batch_id and the format's dedup text; ``history`` is the index of the
+    other batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
+    """
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    if SIGNATURE_COLUMNS[0] not in batch.columns:
+        batch = with_signatures(batch, config, fmt)
+    sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
+    batch = batch.drop(SIGNATURE_COLUMNS)
+    keys = band_keys(sigs, params, format_salt(fmt))
+    matched = _history_matches(history, keys, params, config)
+    matched_sigs = _signature_matrix(matched["signature"], config)
+    all_sigs = np.vstack([sigs, matched_sigs])
+    all_responses = _ResponseSignatures(
+        np.vstack([response_sigs, _signature_matrix(matched["response_signature"], config)]),
+        np.concatenate(
+            [
+                np.ones(batch.height, dtype=bool),
+                matched["response_signature"].is_not_null().to_numpy(),
+            ]
+        ),
+    )
+    all_keys = np.vstack([keys, band_keys(matched_sigs, params, format_salt(fmt))])
+    left, right = _verified_pairs(all_sigs, all_responses, all_keys, batch.height, config.threshold)
+    node_ids = pl.concat([batch["record_id"], matched["record_id"]])
+    node_batches = pl.concat([batch["batch_id"], matched["batch_id"]])
+    yields = np.repeat(
+        np.array([1, 0], dtype=np.int8), [batch.height, matched.height]
+    )  # this batch's copies yield to records others kept
+    survivors = _cluster_survivors(left, right, _node_order(yields, node_batches, node_ids))
+
+    survivor_of = survivors[: batch.height]
+    cluster_ids = node_ids.gather(survivor_of)
+    judged = batch.with_columns(
+        cluster_id=cluster_ids,
+        jaccard=pl.Series(jaccard(sigs, all_sigs[survivor_of]), dtype=pl.Float64),
+        response_jaccard=pl.Series(
+            all_responses.jaccard(np.arange(batch.height), survivor_of),
+            dtype=pl.Float64,
+            nan_to_null=True,
+        ),
+        duplicate_of=pl.when(pl.Series(survivor_of != np.arange(batch.height)))
+        .then(cluster_ids)
+        .otherwise(None),
+        duplicate_of_batch=node_batches.gather(survivor_of),
+    )
+    rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
+        stage=pl.lit("near_dup"),
+        evidence=pl.struct(
+            duplicate_of="duplicate_of",
+            duplicate_of_batch="duplicate_of_batch",
+            jaccard=pl.col("jaccard").round(4),
+            response_jaccard=pl.col("response_jaccard").round(4),
+            cluster_id="cluster_id",
+        ).struct.json_encode(),
+    )
+    kept = judged.filter(pl.col("duplicate_of").is_null())
+    index = _index_rows(batch, sigs, response_sigs, keys, params.label(config))
+    counters = {
+        "rows_in": batch.height,
+        "kept": kept.height,
+        "rejected": rejected.height,
+        "candidate_pairs_verified": len(left),
+        "against_other_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
+        "clusters_with_duplicates": judged.filter(
+            pl.col("cluster_id").is_in(rejected["cluster_id"].implode())
+        )["cluster_id"].n_unique(),
+        "lsh": params.label(config),
+    }
+    columns = [*batch.columns, "cluster_id"]
+    result = StageResult(
+        kept=kept.select(columns),
+        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
+        counters=counters,
+    )
+    return result, index
+
+
+def format_salt(fmt: RecordFormat) -> int:
+    """Where a format's band keys start: 0 for sft, else 64 bits of its name's hash."""
+    if fmt is SFT:
+        return 0
+    return int.from_bytes(hashlib.blake2b(fmt.name.encode(), digest_size=8).digest(), "little")
+
+
+def with_signatures(
+    frame: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+) -> pl.DataFrame:
+    """``frame`` plus its rows' MinHash signatures (the format's dedup text, and its answers alone)
+    as little-endian bytes: computed block by block, before near dedup looks across the batch."""
+    sigs = signatures(joined_text(frame, fmt.dedup), config)
+    response_sigs = signatures(joined_text(frame, fmt.answers), config)
+    return frame.with_columns(
+        signature_series(name, matrix)
+        for name, matrix in zip(SIGNATURE_COLUMNS, (sigs, response_sigs), strict=True)
+    )
+
+
+def signature_series(name: str, sigs: np.ndarray) -> pl.Series:
+    """Signatures as stored: each row's values as little-endian uint32 bytes (one Arrow buffer
+    shared, not a bytes object a row)."""
+    rows = np.ascontiguousarray(sigs, dtype="<u4")
+    width = pa.binary(rows.itemsize * rows.shape[1])
+    stored = pa.FixedSizeBinaryArray.from_buffers(width, len(rows), [None, pa.py_buffer(rows)])
+    return pl.Series(name, pl.from_arrow(stored), dtype=pl.Binary)
+
+
+def joined_text(frame: pl.DataFrame, columns: tuple[str, ...]) -> list[str]:
+    """Each row's ``columns`` joined by newlines: the text its MinHash signature is taken over."""
+    return (
+        frame.select(pl.concat_str([pl.col(name) for name in columns], separator="\n"))
+        .to_series()
+        .to_list()
+    )
+
+
+def _history_matches(
+    history: pl.LazyFrame | None, keys: np.ndarray, params: LshParams, config: MinHashConfig
+) -> pl.DataFrame:
+    """Other batches' records sharing at least one band key with this batch, with their
+    signatures."""
+    columns = ["record_id", "batch_id", "signature", "response_signature"]
+    empty = pl.DataFrame(schema={name: HISTORY_SCHEMA[name] for name in columns})
+    if history is None:
+        return empty
+    wanted = pl.DataFrame(
+        {
+            "band": np.tile(np.arange(params.bands, dtype=np.int32), len(keys)),
+            "band_key": keys.ravel(),
+        }
+    ).unique()
+    refuse_other_settings(
+        history.select(pl.col("lsh_params").unique()).collect()["lsh_params"].to_list(), config
+    )
+    matched_ids = (
+        history.select("record_id", "band_keys")
+        .with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
+        .explode("band_keys", "band")
+        .rename({"band_keys": "band_key"})
+        .join(wanted.lazy(), on=["band", "band_key"], how="semi")
+        .select("record_id")
+        .unique()
+        .collect(engine="streaming")
+    )
+    if matched_ids.is_empty():
+        return empty
+    if "response_signature" not in history.collect_schema():
+        history = history.with_columns(response_signature=pl.lit(None, dtype=pl.Binary))
+    return (
+        history.filter(pl.col("record_id").is_in(matched_ids["record_id"].implode()))
+        .select(columns)
+        .sort("batch_id", "record_id")
+        .collect()
+    )
+
+
+def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
+    """Band keys are comparable only between signatures made with the same MinHash and LSH
+    settings."""
+    label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(
+        config
+    )
+    if set(built_with) - {label}:
+        raise ValueError(
+            f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, "
+            f"not {label}: MinHash settings changed; rebuild silver from the first batch"
+        )
+
+
+# --- the index, partitioned by band -----------------------------------------------------------
+
+
+def band_entries(index: pl.DataFrame) -> pl.DataFrame:
+    """Index entries as ``silver/minhash_bands`` rows: one a record for its exact hash, one a band,
+    and one for a preference pair's prompt hash."""
+    exact = index.select(
+        "record_id",
+        "batch_id",
+        band=pl.lit(EXACT_BAND, pl.Int16),
+        band_key=_exact_key("exact_hash"),
+    )
+    lsh = index.select(
+        "record_id",
+        "batch_id",
+        band_key="band_keys",
+        band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int16),
+    ).explode("band_key", "band")
+    prompts = (
+        [
+            index.filter(pl.col("prompt_hash").is_not_null()).select(
+                "record_id",
+                "batch_id",
+                band=pl.lit(PROMPT_BAND, pl.Int16),
+                band_key=_exact_key("prompt_hash"),
+            )
+        ]
+        if "prompt_hash" in index.columns
+        else []
+    )
+    return (
+        pl.concat([exact, lsh, *prompts], how="diagonal_relaxed")
+        .select(BAND_SCHEMA.names())
+        .cast(dict(BAND_SCHEMA))
+    )
+
+
+def wanted_keys(
+    batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+) -> pl.DataFrame:
+    """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a
+    preference batch also looks up its pairs' prompts and their pairs labelled the other way
+    (``flipped_hash``)."""
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    keys = band_keys(
+        _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
+    )
+    lsh = pl.DataFrame(
+        {
+            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)),
+            "band_key": keys.ravel(),
+        }
+    )
+    hashes = [
+        (EXACT_BAND, "exact_hash"),
+        (EXACT_BAND, "flipped_hash"),
+        (PROMPT_BAND, "prompt_hash"),
+    ]
+    exact = [
+        batch.select(band=pl.lit(band, pl.Int16), band_key=_exact_key(column))
+        for band, column in hashes
+        if column in batch.columns
+    ]
+    return pl.concat([*exact, lsh]).unique()
+
+
+def entries_holding(entries: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:
+    """The index ``entries`` holding one of the ``wanted`` (band, band_key) rows: of one lookup over
+    several formats' keys, the entries a lookup of one format's keys would find."""
+    holding = (
+        band_entries(entries)
+        .join(wanted, on=["band", "band_key"], how="semi")
+        .select("record_id", "batch_id")
+    )
+    return entries.join(
+        holding.unique(), on=["record_id", "batch_id"], how="semi", maintain_order="left"
+    )
+
+
+def find_in_band(
+    bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None
+) -> pl.DataFrame:
+    """(record_id, batch_id) of the entries of ``band`` (of ``batches``; None: all) that hold one of
+    ``keys``: one task's work, on partitions of ``silver/minhash_bands``."""
+    where = (pl.col("band") == band) & pl.col("band_key").is_in(keys.implode())
+    return (
+        bands.filter(where if batches is None else where & pl.col("batch_id").is_in(batches))
+        .select("record_id", "batch_id")
+        .collect()
+    )
+
+
+def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
+    """An ``IndexLookup`` over index entries held here (a whole index in memory: for tests and small
+    runs)."""
+    if index is None:
+        return None
+    entries = index.collect()
+    bands = band_entries(entries).lazy()
+
+    def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
+        found = pl.concat(
+            [
+                find_in_band(bands, band, keys["band_key"])
+                for (band,), keys in wanted.group_by("band")
+            ],
+            how="vertical",
+        )
+        return entries.filter(pl.col("record_id").is_in(found["record_id"].implode()))
+
+    return look_up
+
+
+def _exact_key(column: str) -> pl.Expr:
+    return (
+        pl.col(column).str.slice(0, 15).str.to_integer(base=16).cast(pl.Int64)
+    )  # 60 bits: no sign to mind
+
+
+def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
+    """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix; a null (a
+    signature never stored) becomes a row of zeros."""
+    matrix = np.zeros((len(stored), config.num_perm), dtype="<u4")
+    known = stored.drop_nulls()
+    if (known.bin.size() != matrix.itemsize * config.num_perm).any():
+        raise ValueError(f"a stored signature is not {config.num_perm} uint32 values")
+    values = known.to_arrow().cast(pa.large_binary())  # one buffer, the values end to end
+    _, offsets, data = values.buffers()
+    start = int(np.frombuffer(offsets, dtype=np.int64)[values.offset]) if len(values) else 0
+    matrix[stored.is_not_null().to_numpy()] = np.frombuffer(
+        data, dtype="<u4", count=len(values) * config.num_perm, offset=start
+    ).reshape(-1, config.num_perm)
+    return matrix
+
+
+@dataclass(frozen=True)
+class _ResponseSignatures:
+    sigs: np.ndarray
+    known: np.ndarray  # False for index entries written before responses were signed
+
+    def jaccard(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """Estimated response Jaccard of paired nodes; NaN where either signature is unknown."""
+        return np.where(
+            self.known[left] & self.known[right], jaccard(self.sigs[left], self.sigs[right]), np.nan
+        )
+
+
+def _verified_pairs(
+    sigs: np.ndarray, responses: _ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the
+    threshold on prompt + response and on the response alone (where both responses were signed).
+
+    Nodes 0..n_new-1 are this batch's rows, the rest the matched records of other batches.
+    """
+    table = pl.DataFrame(
+        {
+            "node": np.repeat(np.arange(len(sigs)), keys.shape[1]),
+            "band": np.tile(np.arange(keys.shape[1]), len(sigs)),
+            "band_key": keys.ravel(),
+        }
+    )
+    candidates = (
+        table.join(table, on=["band", "band_key"], suffix="_other")
+        .filter((pl.col("node") < pl.col("node_other")) & (pl.col("node") < n_new))
+        .select("node", "node_other")
+        .unique()
+    )
+    left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
+    response_similarity = responses.jaccard(left, right)
+    keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (
+        np.isnan(response_similarity) | (response_similarity >= threshold)
+    )
+    return left[keep], right[keep]
+
+
+def _node_order(yields: np.ndarray, batches: pl.Series, ids: pl.Series) -> np.ndarray:
+    """Nodes from the first to survive its cluster to the last: by (yields, batch, record id)."""
+    nodes = pl.DataFrame({"yields": yields, "batch": batches, "id": ids}).with_row_index("node")
+    return nodes.sort("yields", "batch", "id", maintain_order=True)["node"].to_numpy()
+
+
+def _cluster_survivors(left: np.ndarray, right: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Connected components of the verified pairs (``left[k]``, ``right[k]``); every node maps to
+    its component's node that comes first in ``order`` (every node, first to last)."""
+    from scipy.sparse import coo_array  # scipy comes with datasketch, which near dedup has loaded
+    from scipy.sparse.csgraph import connected_components
+
+    n_nodes = len(order)
+    graph = coo_array(
+        (np.ones(len(left), dtype=np.int8), (left.astype(np.int64), right.astype(np.int64))),
+        shape=(n_nodes, n_nodes),
+    )
+    _, component = connected_components(graph, directed=False)
+    rank = np.empty(n_nodes, dtype=np.int64)
+    rank[order] = np.arange(n_nodes)
+    best_rank = np.full(component.max(initial=-1) + 1, n_nodes, dtype=np.int64)
+    np.minimum.at(best_rank, component, rank)
+    return order[best_rank[component]]
+
+
+def _index_rows(
+    batch: pl.DataFrame, sigs: np.ndarray, response_sigs: np.ndarray, keys: np.ndarray, label: str
+) -> pl.DataFrame:
+    prompt_hash = (
+        batch["prompt_hash"]
+        if "prompt_hash" in batch.columns
+        else pl.Series([None] * batch.height, dtype=pl.String)
+    )
+    return pl.DataFrame(
+        {
+            "record_id": batch["record_id"],
+            "batch_id": batch["batch_id"],
+            "exact_hash": batch["exact_hash"],
+            "signature": signature_series("signature", sigs),
+            "response_signature": signature_series("response_signature", response_sigs),
+            "band_keys": pl.Series(keys).cast(pl.List(pl.Int64)),
+            "lsh_params": label,
+            "prompt_hash": prompt_hash,
+        },
+        schema=HISTORY_SCHEMA,
+    )

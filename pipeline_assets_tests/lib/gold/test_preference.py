@@ -1,0 +1,92 @@
+"""Gold for preference pairs: a pair tokenized as two chat documents sharing a prefix, packed
+per split."""
+
+from __future__ import annotations
+
+import random
+
+import polars as pl
+
+from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
+from pipeline_assets.lib.gold.preference import build_pair_sequences, tokenize_pairs_stage
+from pipeline_assets.lib.gold.tokenizer import tokenizer_from_json, tokenizer_to_json, train_bpe
+from pipeline_assets.lib.stages import run_stages
+from pipeline_assets_tests.lib.silver.test_dedup import WORDS
+
+
+def _pairs(n: int, seed: int = 1) -> pl.DataFrame:
+    rng = random.Random(seed)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    return pl.DataFrame(
+        [
+            {
+                "record_id": f"r{i:03d}",
+                "system": "Be brief." if i % 3 == 0 else None,
+                "prompt": text(rng.randint(5, 15)),
+                "chosen": text(rng.randint(10, 40)),
+                "rejected": text(rng.randint(10, 40)),
+                "source": "prefs",
+                "split": "validation" if i % 5 == 0 else "train",
+            }
+            for i in range(n)
+        ],
+        schema_overrides={"system": pl.String},
+    )
+
+
+def _tokenizer_json(pairs: pl.DataFrame) -> str:
+    texts = [
+        prefix_text(s, p) + response_text(c)
+        for s, p, c in pairs.select("system", "prompt", "chosen").iter_rows()
+    ]
+    return tokenizer_to_json(train_bpe(texts, vocab_size=400))
+
+
+def test_a_pair_is_its_prompt_once_and_each_answer_as_the_chat_format_renders_it():
+    pairs = _pairs(12)
+    tokenizer_json = _tokenizer_json(pairs)
+    tokenizer = tokenizer_from_json(tokenizer_json)
+    tokenized = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs).kept
+    assert tokenized["pair_id"].to_list() == pairs["record_id"].to_list()
+    for pair, row in zip(pairs.iter_rows(named=True), tokenized.iter_rows(named=True), strict=True):
+        prefix = prefix_text(pair["system"], pair["prompt"])
+        for side in ("chosen", "rejected"):
+            whole = tokenizer.encode(prefix + response_text(pair[side])).ids
+            assert row["prefix_ids"] + row[f"{side}_ids"] == whole
+        assert row["n_tokens"] == 2 * len(row["prefix_ids"]) + len(row["chosen_ids"]) + len(
+            row["rejected_ids"]
+        )
+
+
+def test_pairs_are_packed_per_split_and_a_pair_too_long_is_left_out_whole():
+    pairs = _pairs(30)
+    tokenizer_json = _tokenizer_json(pairs)
+    tokenized = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs).kept
+    seq_len = (
+        int(tokenized["n_tokens"].sort()[-2]) + 1
+    )  # the longest pair does not fit, every other one does
+    rows, left_out, counters = build_pair_sequences(tokenized, seq_len, seed=7, pad_id=0)
+    longest = tokenized.sort("n_tokens")["pair_id"][-1]
+    assert left_out["pair_id"].to_list() == [longest] and left_out["reason"].to_list() == [
+        "too_long"
+    ]
+    assert counters["pairs_too_long"] == 1 and counters["pairs_packed"] == 29
+    by_split = dict(tokenized.select("pair_id", "split").iter_rows())
+    for row in rows.iter_rows(named=True):
+        assert {by_split[p] for p in row["pair_ids"]} == {row["split"]}
+        assert (
+            len(row["input_ids"]) == seq_len and sum(row["document_lengths"]) == row["real_tokens"]
+        )
+    assert (
+        rows.group_by("split")
+        .agg(pl.col("sequence_index").sort())["sequence_index"]
+        .map_elements(lambda s: s.to_list() == list(range(len(s))), return_dtype=pl.Boolean)
+        .all()
+    )
+    again, _, _ = build_pair_sequences(
+        tokenized.sample(fraction=1.0, shuffle=True, seed=3), seq_len, seed=7, pad_id=0
+    )
+    assert again.equals(rows), "the rows do not depend on the order the pairs arrive in"
