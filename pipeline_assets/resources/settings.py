@@ -27,7 +27,7 @@ from pipeline_assets.lib.gold.sequences import DEFAULT_LONG_RECORDS, LONG_RECORD
 from pipeline_assets.lib.ops.cost import Prices
 from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
-from pipeline_assets.trainer.config import DEFAULT_BETA, DPO_LR, DPO_STEPS, TrainConfig
+from pipeline_assets.trainer.config import DEFAULT_BETA, TrainConfig
 
 P = TypeVar("P", bound=BaseModel)
 HOME = "$PIPELINE_HOME"  # a default under the home: resolved against PIPELINE_HOME when read
@@ -392,14 +392,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "PIPELINE_DPO_STEPS",
-        DPO_STEPS,
+        60,  # a short, gentle run from an already trained sft model
         "optimizer steps per DPO run (`training/dpo_checkpoint`)",
         integer(1),
         "dpo_steps",
     ),
     Setting(
         "PIPELINE_DPO_LR",
-        DPO_LR,
+        3e-5,
         "DPO's peak learning rate (far below sft's: DPO nudges a trained model; see training.md, "
         "DPO)",
         number(),

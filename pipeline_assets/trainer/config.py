@@ -20,9 +20,6 @@ OBJECTIVES = (
     "dpo",
 )  # next-token prediction on gold-v<N>, or DPO on the pairs of dpo-v<N> (trainer.objective)
 DEFAULT_BETA = 0.1  # DPO's KL strength, the paper's and TRL's default (trainer.dpo uses it too)
-# What training/dpo_checkpoint runs by default: a short, gentle run from an already trained sft
-# model.
-DPO_STEPS, DPO_LR, DPO_WARMUP_STEPS, DPO_LOG_EVERY, DPO_EVAL_EVERY = 60, 3e-5, 5, 5, 20
 NO_VERSION = -1  # an unset Delta version
 
 

@@ -78,14 +78,6 @@ def attention_kernel(setting: str, device: torch.device, head_dim: int) -> str:
     return setting
 
 
-def compile_blocks(model: Transformer) -> Transformer:
-    """torch.compile each block on its own (before sharding), as torchtitan does: one graph per
-    block fuses the norms, rotary and SwiGLU's elementwise work."""
-    for block in model.blocks:
-        block.compile()
-    return model
-
-
 def shard_model(model: Transformer, policy: MixedPrecisionPolicy) -> Transformer:
     """FSDP2: each block is a unit (its parameters gathered just for its forward and backward);
     the root holds the embedding, which the output layer shares, and the final norm."""

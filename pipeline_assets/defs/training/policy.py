@@ -6,11 +6,6 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from pipeline_assets.resources.settings import setting_field, trainer_default
-from pipeline_assets.trainer.config import (
-    DPO_EVAL_EVERY,
-    DPO_LOG_EVERY,
-    DPO_WARMUP_STEPS,
-)
 
 
 class TrainingPolicy(ConfigurableResource):
@@ -43,13 +38,13 @@ class DpoPolicy(ConfigurableResource):
     beta: float = setting_field("dpo_beta")
     micro_batch_size: int = trainer_default("micro_batch_size")
     grad_accum_steps: int = trainer_default("grad_accum_steps")
-    warmup_steps: int = DPO_WARMUP_STEPS
+    warmup_steps: int = 5
     weight_decay: float = (
         0.0  # pulling weights towards zero pulls the policy away from its reference
     )
     seed: int = trainer_default("seed")
-    log_every: int = DPO_LOG_EVERY
-    eval_every: int = DPO_EVAL_EVERY
+    log_every: int = 5
+    eval_every: int = 20
     checkpoint_every_steps: int = setting_field("train_checkpoint_every")
     checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
     keep_checkpoints: int = trainer_default("keep_checkpoints")
