@@ -21,8 +21,8 @@ from moto.server import ThreadedMotoServer
 
 from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
-from pipeline_assets.defs.ops.policy import CostPolicy
-from pipeline_assets.defs.silver.policy import SilverPolicy
+from pipeline_assets.defs.policies import CostPolicy, SilverPolicy
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
@@ -175,6 +175,7 @@ def resources(lake, landing, eval_sets_dir, tmp_path) -> dict:
         "ingest_policy": IngestPolicy(),
         "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
         "silver_policy": SilverPolicy(),
+        "batch_gates": batch_gates(),
         "ray_engine": RayEngine(home=str(tmp_path / "home")),
         "gold_policy": GoldPolicy(),
         "cost_policy": CostPolicy(),

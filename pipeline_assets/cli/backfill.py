@@ -38,7 +38,7 @@ def backfill_decontamination(defs: Definitions, instance: DagsterInstance) -> Ru
         if not outcome.failed_runs:
             raise ValueError("these definitions have no observable reference/eval_sets")
         return outcome
-    events = batch_events(instance)
+    events = batch_events(instance, defs.resources["batch_gates"])
     batches = _decontaminated_against_other_sets(instance, events, current)
     log.info(
         "eval sets at data version %s: %d silver batch(es) to decontaminate again",

@@ -397,7 +397,10 @@ def cut_snapshot_if_due(
     """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says
     why."""
     decision = snapshot_decision(
-        instance, defs.resources["gold_policy"].snapshot_min_new_fraction, series
+        instance,
+        defs.resources["batch_gates"],
+        defs.resources["gold_policy"].snapshot_min_new_fraction,
+        series,
     )
     waiting = series is PREFERENCE_SERIES and no_reference_model(
         defs.resources["mlflow_tracking"], defs.resources["registry_policy"]

@@ -6,6 +6,7 @@ import pandera.errors
 import polars as pl
 from dagster import (
     AssetCheckExecutionContext,
+    AssetCheckKey,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSeverity,
@@ -112,8 +113,14 @@ def partitions_failing(
     instance: DagsterInstance, specs: Iterable[AssetCheckSpec]
 ) -> set[tuple[str, AssetKey]]:
     """``partitions_failing_blocking_checks`` of these check specs (the blocking ones)."""
-    blocking = [spec.key for spec in specs if spec.blocking]
-    infos = instance.event_log_storage.get_asset_check_partition_info(blocking) if blocking else []
+    return partitions_failing_checks(instance, [spec.key for spec in specs if spec.blocking])
+
+
+def partitions_failing_checks(
+    instance: DagsterInstance, keys: list[AssetCheckKey]
+) -> set[tuple[str, AssetKey]]:
+    """(partition, asset) pairs whose latest run of one of these checks failed."""
+    infos = instance.event_log_storage.get_asset_check_partition_info(keys) if keys else []
     return {
         (info.partition_key, info.check_key.asset_key)
         for info in infos

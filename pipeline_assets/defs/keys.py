@@ -1,5 +1,6 @@
-"""Asset keys, exactly as the README's asset graph names them. A record format's bronze and silver
-tables are named by its description (lib.formats)."""
+"""Asset keys, exactly as the README's asset graph names them, and the other names one layer writes
+and another reads. A record format's bronze and silver tables are named by its description
+(lib.formats)."""
 
 from dagster import AssetKey
 
@@ -49,3 +50,8 @@ OPS_PIPELINE_REPORT = AssetKey(["ops", "pipeline_report"])
 RL_PROMPT_BANK = AssetKey(["rl", "prompt_bank"])  # prompts whose answer a rule checks
 RL_POLICY = AssetKey(["rl", "policy"])
 RL_REPLAY_BUFFER = AssetKey(["rl", "replay_buffer"])
+
+# Where a training run keeps its exported model among its MLflow artifacts, for the registry.
+MODEL_ARTIFACT_PATH = "model"
+# The DPO report's slice holding the sft validation loss: the registry's gate reads it apart.
+SFT_SLICE = "sft_validation_loss"

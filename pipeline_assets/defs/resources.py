@@ -8,12 +8,14 @@ from pathlib import Path
 from dagster import ConfigurableResource, EnvVar, PipesSubprocessClient
 from dagster_aws.s3 import S3Resource
 
+from pipeline_assets.defs.batch_gates import BatchGates
+from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
-from pipeline_assets.defs.ops.policy import CostPolicy, RetentionPolicy
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.ops.policy import RetentionPolicy
+from pipeline_assets.defs.policies import CostPolicy, RegistryPolicy, SilverPolicy
 from pipeline_assets.defs.rl.policy import RlPolicy
-from pipeline_assets.defs.silver.policy import SilverPolicy
+from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.training.policy import DpoPolicy, HparamSearchPolicy, TrainingPolicy
 from pipeline_assets.resources.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
@@ -37,6 +39,11 @@ def _block_engine(settings: Settings) -> BlockEngine:
     return RayEngine(home=settings.home, min_rows=settings.ray_min_rows)
 
 
+def batch_gates() -> BatchGates:
+    """Bronze's and silver's blocking checks: the gates a batch must pass to feed dedup and gold."""
+    return BatchGates.of([*bronze_checks, *silver_checks])
+
+
 def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableResource]:
     settings = settings or Settings.from_env()
     return {
@@ -50,6 +57,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "ingest_policy": policy_from(IngestPolicy, settings),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": policy_from(SilverPolicy, settings),
+        "batch_gates": batch_gates(),
         "ray_engine": _block_engine(settings),
         "gold_policy": policy_from(GoldPolicy, settings),
         "launcher": TorchrunLauncher(

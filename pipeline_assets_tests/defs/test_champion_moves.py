@@ -23,10 +23,9 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
     TRAINING_CHECKPOINT,
 )
-from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
+from pipeline_assets.defs.policies import CostPolicy, RegistryPolicy
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
-from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 MODEL = "sft-model"

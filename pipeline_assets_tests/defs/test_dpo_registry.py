@@ -16,9 +16,9 @@ from pipeline_assets.contracts import DpoEvaluationSlice, conform
 from pipeline_assets.defs.evaluation.dpo import _report_frame
 from pipeline_assets.defs.keys import EVALUATION_DPO_REPORT, TRAINING_DPO_CHECKPOINT
 from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
-from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.lib.training.preference_eval import preference_slices
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 

@@ -29,6 +29,7 @@ from pipeline_assets.defs.keys import TRAINING_CHECKPOINT
 from pipeline_assets.defs.ops.schedules import nightly_retrain
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.gold import sequences as gold_lib
@@ -354,7 +355,10 @@ def _records(first: int, count: int) -> list[dict]:
 
 def _tick(instance, policy):
     return snapshot_cadence(
-        build_sensor_context(instance=instance, resources={"gold_policy": policy})
+        build_sensor_context(
+            instance=instance,
+            resources={"gold_policy": policy, "batch_gates": batch_gates()},
+        )
     )
 
 
@@ -368,7 +372,9 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     write_landing_file(landing_dir, "logs", "a.jsonl", _records(0, 100))
     first = _ingest(instance, resources)
     assert build_tokenizer(instance, resources, UPSTREAM).success
-    assert not snapshot_decision(instance, policy.snapshot_min_new_fraction).due, "no shard yet"
+    assert not snapshot_decision(instance, batch_gates(), policy.snapshot_min_new_fraction).due, (
+        "no shard yet"
+    )
 
     real_planner = gold_lib.plan_best_fit_decreasing
     monkeypatch.setattr(
@@ -389,13 +395,15 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
 
     monkeypatch.setattr(gold_lib, "plan_best_fit_decreasing", real_planner)
     assert _shards(instance, resources)[first].success
-    decision = snapshot_decision(instance, policy.snapshot_min_new_fraction)
+    decision = snapshot_decision(instance, batch_gates(), policy.snapshot_min_new_fraction)
     assert decision.due and decision.reason.startswith("first snapshot")
     assert _cut(instance, resources, tags={SNAPSHOT_REASON_TAG: "by hand"}).success
     assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v0"]
     nightly = nightly_retrain(
         build_schedule_context(
-            instance=instance, scheduled_execution_time=datetime(2026, 11, 25, 2)
+            instance=instance,
+            resources={"batch_gates": batch_gates()},
+            scheduled_execution_time=datetime(2026, 11, 25, 2),
         )
     )
     assert nightly.partition_key == "gold-v0"
@@ -404,7 +412,9 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     )
     skipped = nightly_retrain(
         build_schedule_context(
-            instance=instance, scheduled_execution_time=datetime(2026, 11, 26, 2)
+            instance=instance,
+            resources={"batch_gates": batch_gates()},
+            scheduled_execution_time=datetime(2026, 11, 26, 2),
         )
     )
     assert isinstance(skipped, SkipReason) and "already trained" in skipped.skip_message
@@ -419,7 +429,9 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     )
     nightly_cut = snapshot_schedule(
         build_schedule_context(
-            instance=instance, scheduled_execution_time=datetime(2026, 11, 26, 1)
+            instance=instance,
+            resources={"batch_gates": batch_gates()},
+            scheduled_execution_time=datetime(2026, 11, 26, 1),
         )
     )
     assert nightly_cut.tags[SNAPSHOT_REASON_TAG].startswith("schedule: "), (
@@ -457,7 +469,7 @@ def test_a_new_tokenizer_holds_snapshots_until_every_shard_is_rebuilt(
     assert build_tokenizer(instance, resources, UPSTREAM).success, (
         "a new tokenizer version (by hand)"
     )
-    waiting = snapshot_decision(instance, 0.0)
+    waiting = snapshot_decision(instance, batch_gates(), 0.0)
     assert (
         not waiting.due
         and "2 shard(s) still encoded by an older gold/tokenizer than v1" in waiting.reason
@@ -476,9 +488,11 @@ def test_a_new_tokenizer_holds_snapshots_until_every_shard_is_rebuilt(
     ) <= set(
         resources["lake"].read("silver", "records", where=pl.col("batch_id") == second)["record_id"]
     )
-    assert not snapshot_decision(instance, policy.snapshot_min_new_fraction).due
+    assert not snapshot_decision(instance, batch_gates(), policy.snapshot_min_new_fraction).due
     assert all(r.success for r in _shards(instance, resources).values())
-    assert snapshot_decision(instance, 0.0).due, "every shard is on the new tokenizer"
+    assert snapshot_decision(instance, batch_gates(), 0.0).due, (
+        "every shard is on the new tokenizer"
+    )
 
 
 @pytest.mark.parametrize("mode", ["truncate", "drop"])

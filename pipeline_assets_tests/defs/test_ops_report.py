@@ -6,8 +6,8 @@ import polars as pl
 from dagster import AssetCheckSeverity, build_asset_check_context
 
 from pipeline_assets.contracts import PipelineStage, conform, validate
-from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.ops.report import stage_throughput
+from pipeline_assets.defs.policies import CostPolicy
 
 
 def _report(report_id: str, throughputs: dict[str, float]) -> pl.DataFrame:

@@ -17,8 +17,9 @@ from pipeline_assets.defs.gold.manifest import gold_preference_snapshots
 from pipeline_assets.defs.gold.preference import gold_preference_sequences
 from pipeline_assets.defs.gold.sensors import preference_snapshot_cadence
 from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.lib.gold.manifest import (
@@ -251,7 +252,7 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert checks["contract"].passed
 
-    assert snapshot_decision(instance, 0.1, PREFERENCE_SERIES).due, (
+    assert snapshot_decision(instance, batch_gates(), 0.1, PREFERENCE_SERIES).due, (
         "a first shard of pairs: a first preference snapshot"
     )
     registry = {
@@ -263,7 +264,9 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
         "gold_policy": resources["gold_policy"],
     }
     waiting = preference_snapshot_cadence(
-        build_sensor_context(instance=instance, resources=registry)
+        build_sensor_context(
+            instance=instance, resources={**registry, "batch_gates": batch_gates()}
+        )
     )
     assert (
         isinstance(waiting, SkipReason) and "no sft-model champion yet" in waiting.skip_message
@@ -281,7 +284,9 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
     }
     in_order = manifest.in_order(sequences_scan(lake.uri, manifest)).collect()
     assert in_order["pair_ids"].explode().sort().to_list() == packed["pair_ids"].sort().to_list()
-    assert not snapshot_decision(instance, 0.1, PREFERENCE_SERIES).due, "nothing new since dpo-v0"
+    assert not snapshot_decision(instance, batch_gates(), 0.1, PREFERENCE_SERIES).due, (
+        "nothing new since dpo-v0"
+    )
 
 
 # Where silver sets aside each defect the sample preference source injects.

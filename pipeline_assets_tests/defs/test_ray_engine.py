@@ -16,9 +16,10 @@ from dagster import materialize
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.gold.assets import gold_sequences, gold_tokenizer
 from pipeline_assets.defs.gold.policy import GoldPolicy
+from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
-from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
@@ -109,6 +110,7 @@ def _landing_to_gold(
         "landing": LandingResource(uri=str(landing_dir)),
         "eval_sets": EvalSetsResource(uri=str(root / "eval")),
         "silver_policy": SilverPolicy(),
+        "batch_gates": batch_gates(),
         "gold_policy": GoldPolicy(tokenizer_path=tokenizer_file, seq_len=SEQ_LEN),
         "ray_engine": RayEngine(home=str(root / "home"), rows_per_block=40),
     }

@@ -13,7 +13,7 @@ from dagster import materialize
 
 from pipeline_assets.defs.gold.reference import gold_reference_logps
 from pipeline_assets.defs.partitions import preference_snapshots
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, Manifest
 from pipeline_assets.lib.gold.splits import SPLITS
 from pipeline_assets.resources.launcher import TorchrunLauncher

@@ -15,8 +15,8 @@ import pytest
 from dagster import materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
-from pipeline_assets.defs.landing.batches import read_manifest, register_new_batch
-from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.landing.batches import register_new_batch
+from pipeline_assets.defs.partitions import ingest_batches, read_batch_manifest
 from pipeline_assets.lib.locks import LockTimeout
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
@@ -114,7 +114,7 @@ def test_two_processes_registering_a_local_landing_zone_at_once(tmp_path, landin
             )
 
     outcomes = _race(landing.uri, lake.uri, rounds, land)
-    _assert_one_batch_per_round(outcomes, read_manifest(lake), rounds * FILES_PER_ROUND)
+    _assert_one_batch_per_round(outcomes, read_batch_manifest(lake), rounds * FILES_PER_ROUND)
     _assert_bronze_has_each_line_once(instance, lake, landing, [o[1] for o in outcomes])
 
 
@@ -133,15 +133,15 @@ def test_two_processes_registering_an_s3_landing_zone_at_once(s3_endpoint, insta
             )
 
     outcomes = _race(landing.uri, lake.uri, rounds, land)
-    _assert_one_batch_per_round(outcomes, read_manifest(lake), rounds * FILES_PER_ROUND)
+    _assert_one_batch_per_round(outcomes, read_batch_manifest(lake), rounds * FILES_PER_ROUND)
     _assert_bronze_has_each_line_once(instance, lake, landing, [o[1] for o in outcomes])
 
 
 _HOLD_THE_MANIFEST = """
 import sys, time
-from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
+from pipeline_assets.defs.partitions import BATCH_MANIFEST_TABLE
 from pipeline_assets.resources.lake import LakeResource
-with LakeResource(uri=sys.argv[1]).lock(*MANIFEST_TABLE):
+with LakeResource(uri=sys.argv[1]).lock(*BATCH_MANIFEST_TABLE):
     print("held", flush=True)
     time.sleep(600)
 """
@@ -165,4 +165,4 @@ def test_a_registration_killed_while_holding_the_lock_blocks_nothing(tmp_path, l
         holder.wait()
     lake = LakeResource(uri=lake_uri, lock_timeout_seconds=30)
     assert register_new_batch(landing, lake, logging.getLogger("race")).batch_id is not None
-    assert read_manifest(lake).height == 1
+    assert read_batch_manifest(lake).height == 1

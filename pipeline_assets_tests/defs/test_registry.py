@@ -17,9 +17,9 @@ from mlflow import MlflowClient
 from pipeline_assets.cli import main as cli
 from pipeline_assets.defs.evaluation.assets import evaluation_report
 from pipeline_assets.defs.partitions import data_snapshots
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, registry_model_version
-from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.training.assets import training_checkpoint
 from pipeline_assets.defs.training.policy import HparamSearchPolicy
 from pipeline_assets.defs.training.search import hparam_search

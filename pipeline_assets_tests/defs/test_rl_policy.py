@@ -14,7 +14,7 @@ import time
 import polars as pl
 from dagster import PipesSubprocessClient, materialize
 
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.rl.run import rl_policy
 from pipeline_assets.resources.lake import LakeResource

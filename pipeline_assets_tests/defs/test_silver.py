@@ -22,6 +22,7 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.gold.assets import read_snapshot
 from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import SILVER_SELECTION, silver_in_order, silver_job
@@ -250,7 +251,9 @@ def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):
 
 def _sensor_says(instance):
     """What silver_in_order decides on its next tick: a RunRequest or a SkipReason."""
-    return silver_in_order(build_sensor_context(instance=instance))
+    return silver_in_order(
+        build_sensor_context(instance=instance, resources={"batch_gates": batch_gates()})
+    )
 
 
 def _silver_as_the_sensor_orders(instance, resources) -> list[str]:

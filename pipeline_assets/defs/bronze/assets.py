@@ -23,9 +23,8 @@ from dagster import (
 from pipeline_assets.contracts import QuarantineRecord, conform, polars_schema, validate
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE
-from pipeline_assets.defs.landing.batches import MANIFEST_TABLE
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
-from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.partitions import BATCH_MANIFEST_TABLE, ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.lib.formats import SFT, RecordFormat, text_chars
 from pipeline_assets.lib.landing.batches import earlier_versions
@@ -71,9 +70,9 @@ def _records_spec(tables: FormatTables) -> AssetSpec:
 def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingResource):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
-    manifest_version = lake.version(*MANIFEST_TABLE)
+    manifest_version = lake.version(*BATCH_MANIFEST_TABLE)
     manifest = lake.read(
-        *MANIFEST_TABLE, version=manifest_version, where=pl.col("batch_id") <= batch_id
+        *BATCH_MANIFEST_TABLE, version=manifest_version, where=pl.col("batch_id") <= batch_id
     )
     files = (
         pl.DataFrame()

@@ -25,9 +25,8 @@ from pipeline_assets.defs.check_helpers import (
 )
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
-from pipeline_assets.defs.landing.batches import read_manifest
 from pipeline_assets.defs.metadata import table_metadata
-from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.partitions import ingest_batches, read_batch_manifest
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.lib.landing.health import (
@@ -143,7 +142,7 @@ def _superseded_files(lake: LakeResource, landing: LandingResource, batch_id: st
     """Files of this batch that a later batch registered again. A good copy landed after a broken
     one is judged with that batch, so the broken version's loss no longer holds this batch back (the
     lines it did yield are still judged here)."""
-    manifest = read_manifest(lake)
+    manifest = read_batch_manifest(lake)
     here = manifest.filter(pl.col("batch_id") == batch_id)["uri"]
     later = manifest.filter((pl.col("batch_id") > batch_id) & pl.col("uri").is_in(here.implode()))[
         "uri"
@@ -244,7 +243,7 @@ def bronze_volume(
             for scan in (_accepted_scan(lake, ("batch_id", "source")), redelivered)
         ]
     ).collect()
-    sizes = read_manifest(lake).filter(pl.col("batch_id") <= batch_id)
+    sizes = read_batch_manifest(lake).filter(pl.col("batch_id") <= batch_id)
     judged = against_trailing_median(
         rows_per_mb(rows, sizes), batch_id, "rows_per_mb", ingest_policy.trailing_batches
     )

@@ -13,7 +13,7 @@ from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TRAINING_CHECKPOINT
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions

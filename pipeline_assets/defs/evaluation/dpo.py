@@ -27,12 +27,13 @@ from pipeline_assets.defs.evaluation.assets import (
 from pipeline_assets.defs.keys import (
     EVALUATION_DPO_REPORT,
     GOLD_REFERENCE_LOGPS,
+    SFT_SLICE,
     SILVER_PREFERENCE_PAIRS,
     TRAINING_DPO_CHECKPOINT,
 )
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots, preference_snapshots
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import (
@@ -61,7 +62,6 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
-SFT_SLICE = "sft_validation_loss"
 _KEY = [
     "batch_id",
     "split",

@@ -10,6 +10,7 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.gold.policy import GoldPolicy
@@ -17,7 +18,6 @@ from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_REC
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.lib.formats import SFT, text_chars
 from pipeline_assets.lib.gold.chat_format import PAD, prefix_text, response_text
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan, snapshot_number
@@ -55,14 +55,14 @@ def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
 
 
 def scan_usable_silver(
-    context: AssetExecutionContext, lake: LakeResource
+    context: AssetExecutionContext, lake: LakeResource, batch_gates: BatchGates
 ) -> tuple[pl.LazyFrame, int, list[str]]:
     """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned
     version, not read yet; and the batches left out. Silver's dedup leaves out the same batches."""
     version = lake.version("silver", "records")
     if version is None:
         raise refusal("silver/records does not exist yet: materialize silver first")
-    blocked = sorted(blocked_batches(context.instance))
+    blocked = sorted(batch_gates.blocked(context.instance))
     return (
         lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)),
         version,
@@ -98,7 +98,10 @@ def tokenizer_waits(lake: LakeResource, gold_policy: GoldPolicy) -> str | None:
     "each Delta version is one tokenizer.",
 )
 def gold_tokenizer(
-    context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    gold_policy: GoldPolicy,
+    batch_gates: BatchGates,
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
     if gold_policy.tokenizer_path:
@@ -109,7 +112,7 @@ def gold_tokenizer(
             {"input_chars": 0},
         )
     else:
-        silver, silver_version, _ = scan_usable_silver(context, lake)
+        silver, silver_version, _ = scan_usable_silver(context, lake, batch_gates)
         sample = _tokenizer_sample(silver, silver_version, gold_policy)
         context.log.info(
             f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} "

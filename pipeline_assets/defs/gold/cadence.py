@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dagster import AssetCheckSpec, AssetKey, DagsterInstance, DynamicPartitionsDefinition
 
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.check_helpers import partitions_failing
 from pipeline_assets.defs.gold.checks import PREFERENCE_SHARD_CHECK_SPECS, SHARD_CHECK_SPECS
 from pipeline_assets.defs.keys import (
@@ -20,7 +21,6 @@ from pipeline_assets.defs.keys import (
     GOLD_TOKENIZER,
 )
 from pipeline_assets.defs.partitions import data_snapshots, preference_snapshots
-from pipeline_assets.defs.silver.order import blocked_batches
 from pipeline_assets.defs.snapshots import (
     latest_materialization_metadata,
     latest_records_by_partition,
@@ -80,12 +80,15 @@ class ShardStates:
 
 
 def shard_states(
-    instance: DagsterInstance, tokenizer_version: int | None, series: SnapshotSeries = SFT_SERIES
+    instance: DagsterInstance,
+    gates: BatchGates,
+    tokenizer_version: int | None,
+    series: SnapshotSeries = SFT_SERIES,
 ) -> ShardStates:
     """A shard is usable when its blocking checks and its batch's (bronze, silver) passed, it holds
     rows, and it was encoded by ``tokenizer_version``."""
     failing = {batch for batch, _ in partitions_failing(instance, series.shard_checks)}
-    blocked = blocked_batches(instance)
+    blocked = gates.blocked(instance)
     usable, left_out, stale = {}, {}, {}
     for batch, record in sorted(latest_records_by_partition(instance, series.shards).items()):
         metadata = plain_metadata(record.asset_materialization)
@@ -117,12 +120,15 @@ class SnapshotDecision:
 
 
 def snapshot_decision(
-    instance: DagsterInstance, min_new_fraction: float, series: SnapshotSeries = SFT_SERIES
+    instance: DagsterInstance,
+    gates: BatchGates,
+    min_new_fraction: float,
+    series: SnapshotSeries = SFT_SERIES,
 ) -> SnapshotDecision:
     tokenizer = latest_materialization_metadata(instance, GOLD_TOKENIZER, lambda m: True)
     if tokenizer is None:
         return SnapshotDecision(False, "gold/tokenizer is not built yet", "")
-    states = shard_states(instance, tokenizer.get("tokenizer_version"), series)
+    states = shard_states(instance, gates, tokenizer.get("tokenizer_version"), series)
     shards = (*states.usable.values(), *states.stale.values())
     state = f"shards-{max((s.storage_id for s in shards), default=0)}"
     if states.stale:

@@ -17,6 +17,7 @@ from dagster import (
 )
 
 from pipeline_assets.contracts import GoldSnapshotManifest, conform, polars_schema, validate
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.gold.cadence import (
     PREFERENCE_SERIES,
     SFT_SERIES,
@@ -55,9 +56,12 @@ def snapshot_asset(series: SnapshotSeries, description: str):
         description=description,
     )
     def cut(
-        context: AssetExecutionContext, lake: LakeResource, gold_policy: GoldPolicy
+        context: AssetExecutionContext,
+        lake: LakeResource,
+        gold_policy: GoldPolicy,
+        batch_gates: BatchGates,
     ) -> MaterializeResult:
-        return cut_snapshot(context, lake, gold_policy, series)
+        return cut_snapshot(context, lake, gold_policy, batch_gates, series)
 
     return cut
 
@@ -87,12 +91,13 @@ def cut_snapshot(
     context: AssetExecutionContext,
     lake: LakeResource,
     gold_policy: GoldPolicy,
+    batch_gates: BatchGates,
     series: SnapshotSeries,
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
     kind = series.kind
     tokenizer_version = lake.version("gold", "tokenizer")
-    states = shard_states(context.instance, tokenizer_version, series)
+    states = shard_states(context.instance, batch_gates, tokenizer_version, series)
     for batch, reason in states.left_out.items():
         context.log.warning(f"left out batch {batch}: {reason}")
     if states.stale:

@@ -11,7 +11,7 @@ from pipeline_assets.contracts import GoldReferenceLogps, conform, polars_schema
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_REFERENCE_LOGPS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.partitions import preference_snapshots
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.lib.gold.manifest import (

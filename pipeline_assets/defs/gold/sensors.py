@@ -14,6 +14,7 @@ from dagster import (
     sensor,
 )
 
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.gold.cadence import (
     PREFERENCE_SERIES,
     SNAPSHOT_REASON_TAG,
@@ -21,7 +22,7 @@ from pipeline_assets.defs.gold.cadence import (
 )
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 snapshot_job = define_asset_job(
@@ -40,8 +41,12 @@ snapshot_job = define_asset_job(
     "tokens of the shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the "
     "last snapshot's.",
 )
-def snapshot_cadence(context: SensorEvaluationContext, gold_policy: GoldPolicy):
-    decision = snapshot_decision(context.instance, gold_policy.snapshot_min_new_fraction)
+def snapshot_cadence(
+    context: SensorEvaluationContext, gold_policy: GoldPolicy, batch_gates: BatchGates
+):
+    decision = snapshot_decision(
+        context.instance, batch_gates, gold_policy.snapshot_min_new_fraction
+    )
     if not decision.due:
         return SkipReason(decision.reason)
     context.log.info(decision.reason)
@@ -73,12 +78,16 @@ def preference_snapshot_cadence(
     gold_policy: GoldPolicy,
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
+    batch_gates: BatchGates,
 ):
     waiting = no_reference_model(mlflow_tracking, registry_policy)
     if waiting:
         return SkipReason(waiting)
     decision = snapshot_decision(
-        context.instance, gold_policy.snapshot_min_new_fraction, PREFERENCE_SERIES
+        context.instance,
+        batch_gates,
+        gold_policy.snapshot_min_new_fraction,
+        PREFERENCE_SERIES,
     )
     if not decision.due:
         return SkipReason(decision.reason)
@@ -110,8 +119,8 @@ def no_reference_model(
     "one, however little (turn it on for a fixed cadence; the sensor's share rule keeps running "
     "beside it).",
 )
-def snapshot_schedule(context: ScheduleEvaluationContext):
-    decision = snapshot_decision(context.instance, min_new_fraction=0.0)
+def snapshot_schedule(context: ScheduleEvaluationContext, batch_gates: BatchGates):
+    decision = snapshot_decision(context.instance, batch_gates, min_new_fraction=0.0)
     if not decision.due:
         return SkipReason(decision.reason)
     night = context.scheduled_execution_time.strftime("%Y-%m-%d")

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import polars as pl
 
 from pipeline_assets.contracts import LandingManifestEntry, conform, validate
+from pipeline_assets.defs.partitions import BATCH_MANIFEST_TABLE, read_batch_manifest
 from pipeline_assets.lib.landing.batches import (
     LISTING_SCHEMA,
     batch_key,
@@ -21,18 +22,12 @@ from pipeline_assets.lib.locks import Lock
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource, sha256_hex
 
-MANIFEST_TABLE = ("landing", "manifest")
-
 
 @dataclass(frozen=True)
 class BatchRegistration:
     batch_id: str | None  # None when nothing new landed
     new_files: list[str] = field(default_factory=list)
     changed_files: list[str] = field(default_factory=list)  # <source>/<file> whose bytes changed
-
-
-def read_manifest(lake: LakeResource) -> pl.DataFrame | None:
-    return lake.read(*MANIFEST_TABLE)
 
 
 def register_new_batch(
@@ -43,7 +38,7 @@ def register_new_batch(
     One registration at a time (the manifest's lock): a registration that waited reads the manifest
     the one before it wrote, so a file version joins exactly one batch whatever runs at once.
     """
-    with lake.lock(*MANIFEST_TABLE) as lock:
+    with lake.lock(*BATCH_MANIFEST_TABLE) as lock:
         return _register(landing, lake, log, lock, now)
 
 
@@ -59,7 +54,7 @@ def _register(
         schema=LISTING_SCHEMA,
         orient="row",
     )
-    manifest = read_manifest(lake)
+    manifest = read_batch_manifest(lake)
     candidates = unseen_files(listing, manifest)
     if candidates.is_empty():
         return BatchRegistration(batch_id=None)
@@ -88,9 +83,8 @@ def _register(
         )
     entries = to_register.with_columns(batch_id=pl.lit(batch_id), registered_at=pl.lit(now))
     lock.confirm()
-    lake.append(
-        *MANIFEST_TABLE, validate(conform(entries, LandingManifestEntry), LandingManifestEntry)
-    )
+    entries = validate(conform(entries, LandingManifestEntry), LandingManifestEntry)
+    lake.append(*BATCH_MANIFEST_TABLE, entries)
     log.info("registered %d landing file(s) as ingest batch %s", to_register.height, batch_id)
     return BatchRegistration(
         batch_id=batch_id,
@@ -105,4 +99,4 @@ def discover_batches(
     """What landing_sensor and ``pipeline-assets run`` both do: register new files, then return
     every registered batch that has no partition yet (this one, or one an interrupted tick left)."""
     registration = register_new_batch(landing, lake, log)
-    return registration, pending_batches(read_manifest(lake), known_partitions)
+    return registration, pending_batches(read_batch_manifest(lake), known_partitions)

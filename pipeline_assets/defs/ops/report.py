@@ -29,8 +29,8 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
 )
 from pipeline_assets.defs.metadata import table_metadata
-from pipeline_assets.defs.ops.policy import CostPolicy
 from pipeline_assets.defs.ops.stages import PIPELINE_STAGES, MeasuredStage
+from pipeline_assets.defs.policies import CostPolicy
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.snapshots import (
     behind_snapshot,

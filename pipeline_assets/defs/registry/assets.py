@@ -18,17 +18,20 @@ from dagster import (
 )
 
 from pipeline_assets.defs.automation import after_upstream_passes
-from pipeline_assets.defs.keys import EVALUATION_REPORT, REGISTRY_MODEL_VERSION, TRAINING_CHECKPOINT
-from pipeline_assets.defs.ops.policy import CostPolicy
+from pipeline_assets.defs.keys import (
+    EVALUATION_REPORT,
+    MODEL_ARTIFACT_PATH,
+    REGISTRY_MODEL_VERSION,
+    TRAINING_CHECKPOINT,
+)
 from pipeline_assets.defs.partitions import data_snapshots
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import CostPolicy, RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import (
     data_compute_behind,
     partition_metadata,
     snapshot_versions,
 )
-from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.ops.cost import Compute, model_version_cost
 from pipeline_assets.lib.training.promotion import (
     OVERALL,

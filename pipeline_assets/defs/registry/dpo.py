@@ -13,18 +13,18 @@ from dagster import (
 )
 
 from pipeline_assets.defs.automation import after_upstream_passes
-from pipeline_assets.defs.evaluation.dpo import SFT_SLICE
 from pipeline_assets.defs.keys import (
     EVALUATION_DPO_REPORT,
+    MODEL_ARTIFACT_PATH,
     REGISTRY_DPO_MODEL_VERSION,
+    SFT_SLICE,
     TRAINING_DPO_CHECKPOINT,
 )
 from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.registry.assets import PROMOTION_GATE, judge_and_promote
-from pipeline_assets.defs.registry.policy import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.snapshots import partition_metadata
-from pipeline_assets.defs.training.assets import MODEL_ARTIFACT_PATH
 from pipeline_assets.lib.training.promotion import (
     OVERALL,
     GateDecision,

@@ -15,9 +15,9 @@ from dagster import (
 from pipeline_assets.contracts import PromptBankRow, conform, polars_schema, validate
 from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS, RL_PROMPT_BANK, SILVER_RECORDS
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
+from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.policy import RlPolicy
-from pipeline_assets.defs.silver.policy import SilverPolicy
 from pipeline_assets.lib.rl.prompt_bank import (
     IN_BANK,
     as_records,

@@ -34,7 +34,7 @@ from pipeline_assets.defs.keys import (
     RL_REPLAY_BUFFER,
 )
 from pipeline_assets.defs.metadata import table_metadata
-from pipeline_assets.defs.registry.policy import RegistryPolicy
+from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.rl.workers import RolloutWorkers

@@ -8,7 +8,6 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetSpec,
-    DagsterInstance,
     Failure,
     MaterializeResult,
     multi_asset,
@@ -22,6 +21,7 @@ from pipeline_assets.contracts import (
     polars_schema,
     validate,
 )
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
@@ -32,13 +32,13 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
-from pipeline_assets.defs.silver.order import batch_events, blocked_batches
-from pipeline_assets.defs.silver.policy import SilverPolicy
+from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.formats import text_chars
 from pipeline_assets.lib.silver.curation import CuratedBatch, CuratedFormats, curate_formats
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
-from pipeline_assets.lib.silver.order import unsettled_before
+from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
@@ -91,10 +91,12 @@ def silver(
     eval_sets: EvalSetsResource,
     silver_policy: SilverPolicy,
     ray_engine: BlockEngine,
+    batch_gates: BatchGates,
 ):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
-    _require_earlier_batches(context.instance, batch_id)
+    events = batch_events(context.instance, batch_gates)
+    _require_earlier_batches(events, batch_id)
     config = silver_policy.silver_config()
     bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
     rows = {tables: frame for tables, (_, frame) in bronze.items()}
@@ -105,7 +107,7 @@ def silver(
         lake,
         ray_engine,
         batch_rows=sum(f.height for f in rows.values()),
-        excluded=_left_out_of_dedup(context, batch_id),
+        excluded=_left_out_of_dedup(context, events, batch_id),
         config=config.minhash,
     )
     context.log.info(
@@ -334,10 +336,10 @@ def _lookup_metadata(curated: CuratedFormats, lookup_report: dict) -> dict:
     }
 
 
-def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
+def _require_earlier_batches(events: list[BatchEvents], batch_id: str) -> None:
     """Batches go through silver in arrival order (silver_in_order requests them so); a run by hand
     out of order fails at once, naming the earlier batches that are neither done nor excluded."""
-    unsettled = unsettled_before(batch_events(instance), batch_id)
+    unsettled = unsettled_before(events, batch_id)
     if not unsettled:
         return
     named = ", ".join(f"{batch} ({stage.value})" for batch, stage in unsettled[:3]) + (
@@ -351,10 +353,16 @@ def _require_earlier_batches(instance: DagsterInstance, batch_id: str) -> None:
     )
 
 
-def _left_out_of_dedup(context: AssetExecutionContext, batch_id: str) -> list[str]:
+def _left_out_of_dedup(
+    context: AssetExecutionContext, events: list[BatchEvents], batch_id: str
+) -> list[str]:
     """The batch itself and blocked batches: their records never reach gold, so they must not reject
     a later copy. A batch re-run after later ones dedups against those too."""
-    blocked = sorted(blocked_batches(context.instance) - {batch_id})
+    blocked = sorted(
+        e.batch_id
+        for e in events
+        if (e.bronze_blocked or e.silver_blocked) and e.batch_id != batch_id
+    )
     if blocked:
         context.log.info(f"dedup leaves out {len(blocked)} blocked batch(es): {', '.join(blocked)}")
     return [batch_id, *blocked]

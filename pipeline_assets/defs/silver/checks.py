@@ -23,7 +23,7 @@ from pipeline_assets.defs.keys import (
 )
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.defs.silver.policy import SilverPolicy
+from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
 from pipeline_assets.lib.silver.health import pass_rate_drops, pass_rates
 from pipeline_assets.lib.silver.quality import QUANTITIES

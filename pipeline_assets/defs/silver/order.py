@@ -2,11 +2,9 @@
 
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 
-from pipeline_assets.defs.bronze.checks import bronze_checks
-from pipeline_assets.defs.check_helpers import partitions_failing_blocking_checks
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.keys import BRONZE_RECORDS, SILVER_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
-from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.snapshots import latest_records_by_partition
 from pipeline_assets.lib.silver.order import BatchEvents, Event
 
@@ -20,20 +18,9 @@ _NOT_FINISHED = [
 ]
 
 
-def blocked_batches(instance: DagsterInstance) -> set[str]:
-    """Batches whose latest run of a blocking check on bronze or silver failed: they feed neither
-    gold nor dedup."""
-    return {
-        partition
-        for partition, _ in partitions_failing_blocking_checks(
-            instance, [*bronze_checks, *silver_checks]
-        )
-    }
-
-
-def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
+def batch_events(instance: DagsterInstance, gates: BatchGates) -> list[BatchEvents]:
     """Every registered batch, oldest first, with its latest bronze and silver materializations and
-    attempts."""
+    attempts, and whether a blocking check of either blocks it."""
     unfinished = set(instance.get_run_ids(RunsFilter(statuses=_NOT_FINISHED)))
     bronze, silver = (
         _materializations(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS)
@@ -41,17 +28,16 @@ def batch_events(instance: DagsterInstance) -> list[BatchEvents]:
     bronze_attempts, silver_attempts = (
         _attempts(instance, key, unfinished) for key in (BRONZE_RECORDS, SILVER_RECORDS)
     )
-    bronze_blocked = {p for p, _ in partitions_failing_blocking_checks(instance, bronze_checks)}
-    silver_blocked = {p for p, _ in partitions_failing_blocking_checks(instance, silver_checks)}
+    blocked = gates.blocked_by_layer(instance)
     return [
         BatchEvents(
             batch,
             bronze=bronze.get(batch),
             bronze_attempt=bronze_attempts.get(batch),
-            bronze_blocked=batch in bronze_blocked,
+            bronze_blocked=batch in blocked.get("bronze", ()),
             silver=silver.get(batch),
             silver_attempt=silver_attempts.get(batch),
-            silver_blocked=batch in silver_blocked,
+            silver_blocked=batch in blocked.get("silver", ()),
         )
         for batch in sorted(instance.get_dynamic_partitions(ingest_batches.name))
     ]

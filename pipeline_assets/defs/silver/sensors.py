@@ -11,6 +11,7 @@ from dagster import (
     sensor,
 )
 
+from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.keys import SILVER_MINHASH_BANDS, SILVER_MINHASH_INDEX, SILVER_REJECTS
 from pipeline_assets.defs.partitions import ingest_batches
@@ -41,8 +42,8 @@ silver_job = define_asset_job(
     "missing or older, once every earlier batch is done or excluded (blocked, or its run failed), "
     "and never while a silver run is queued or running.",
 )
-def silver_in_order(context: SensorEvaluationContext):
-    decision = next_batch(batch_events(context.instance))
+def silver_in_order(context: SensorEvaluationContext, batch_gates: BatchGates):
+    decision = next_batch(batch_events(context.instance, batch_gates))
     if decision.batch is None:
         return SkipReason(decision.reason)
     context.log.info(decision.reason)

@@ -26,6 +26,7 @@ from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.keys import (
     GOLD_SNAPSHOTS,
     GOLD_TOKENIZER,
+    MODEL_ARTIFACT_PATH,
     TRAINING_CHECKPOINT,
     TRAINING_HPARAM_SEARCH,
 )
@@ -40,8 +41,6 @@ from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, TrainConfig
 from pipeline_assets.trainer.storage import OWNER, CheckpointStore
-
-MODEL_ARTIFACT_PATH = "model"  # the exported model inside the training run's MLflow artifacts
 
 
 class TrainingRunConfig(Config):

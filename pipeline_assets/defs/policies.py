@@ -1,16 +1,31 @@
-"""How silver curates, and what its checks allow."""
+"""The policies more than one layer reads, so that no layer folder imports a sibling's: the
+registry's model names and promotion rules (evaluation, gold's reference model, RL, the registry),
+silver's curation thresholds (silver and the RL prompt bank, which curates with them), and the
+prices (the pipeline report and the registry). A policy only its own layer reads stays in that
+layer's ``policy.py``."""
 
 from __future__ import annotations
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from pipeline_assets.lib.ops.cost import Prices
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import DecontamConfig
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.normalize import NormalizeConfig
 from pipeline_assets.lib.silver.quality import QualityThresholds
 from pipeline_assets.resources.settings import setting_field
+
+
+class RegistryPolicy(ConfigurableResource):
+    """What the registry calls the model and what a candidate must show to become champion."""
+
+    model_name: str = setting_field("model_name")
+    dpo_model_name: str = setting_field("dpo_model_name")
+    promotion_margin: float = setting_field("promotion_margin")
+    slice_tolerance: float = setting_field("slice_tolerance")
+    eval_max_tokens: int = setting_field("eval_max_tokens")
 
 
 class SilverPolicy(ConfigurableResource):
@@ -65,4 +80,23 @@ class SilverPolicy(ConfigurableResource):
             },
             max_pairs_per_prompt=self.max_pairs_per_prompt,
             max_length_ratio=self.max_length_ratio or None,
+        )
+
+
+class CostPolicy(ConfigurableResource):
+    """Prices for the pipeline report and the sizer, and when a stage counts as slower."""
+
+    core_hour_usd: float = setting_field("core_hour_usd")
+    gpu_hour_usd: float = setting_field("gpu_hour_usd")
+    spot_discount: float = setting_field("spot_discount")
+    max_throughput_drop: float = Field(
+        default=0.30, description="warning: a stage this much below its trailing median"
+    )
+    trailing_reports: int = 10
+
+    def prices(self) -> Prices:
+        return Prices(
+            core_hour=self.core_hour_usd,
+            gpu_hour=self.gpu_hour_usd,
+            spot_discount=self.spot_discount,
         )
