@@ -58,6 +58,7 @@ TEST_TMP = $$(if [ -w /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 {print 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 test: install chromium lint
 	tmp=$(TEST_TMP); echo "test files under $$tmp"; \
