@@ -58,9 +58,9 @@ def lookup(table: str, batch_size: int) -> None:
             "exact_hash": "h",
         }
     )
-    result, _ = near_dedup(batch, pl.scan_delta(table))
+    _, rejected, _ = near_dedup(batch, pl.scan_delta(table))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_gb": peak_kb / 1024 / 1024, "rejected": result.rejected.height}))
+    print(json.dumps({"peak_rss_gb": peak_kb / 1024 / 1024, "rejected": rejected.height}))
 
 
 if __name__ == "__main__":

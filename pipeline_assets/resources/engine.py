@@ -35,7 +35,7 @@ from pydantic import Field, PrivateAttr
 from pipeline_assets.lib.stages import (
     RAY_MIN_ROWS,
     ROWS_PER_BLOCK,
-    BlockStage,
+    Stage,
     StagesResult,
     from_row,
     merge,
@@ -61,7 +61,7 @@ class BlockEngine(RayResource):
     def uses_ray(self, rows: int) -> bool:
         return True
 
-    def run(self, stages: Sequence[BlockStage], frame: pl.DataFrame) -> StagesResult:
+    def run(self, stages: Sequence[Stage], frame: pl.DataFrame) -> StagesResult:
         if frame.is_empty() or not self.uses_ray(frame.height):
             return run_in_process(stages, frame, self.rows_per_block)
         self._ensure_connected()
@@ -256,9 +256,7 @@ def _on_node(function: Callable, args: tuple) -> tuple:
     return result, seconds, ray.get_runtime_context().get_node_id()
 
 
-def run_on_ray(
-    stages: Sequence[BlockStage], frame: pl.DataFrame, rows_per_block: int
-) -> StagesResult:
+def run_on_ray(stages: Sequence[Stage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
     """One Ray Data task per block, results back in block order; the nodes that ran them and the
     polars threads each task had are in each stage's counters (``ray_nodes``,
     ``ray_polars_threads``)."""

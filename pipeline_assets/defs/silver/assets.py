@@ -373,8 +373,8 @@ def _stage_table(stages: dict[str, dict]) -> pl.DataFrame:
         [
             {
                 "stage": name,
-                "rows_in": c.get("rows_in", c.get("rows")),
-                "removed": c.get("rejected", 0),
+                "rows_in": c["rows_in"],
+                "removed": c["rejected"],
                 "seconds": c["seconds"],
             }
             for name, c in stages.items()

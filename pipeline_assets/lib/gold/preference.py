@@ -18,18 +18,18 @@ from pipeline_assets.lib.gold.preference_packing import LEFT_OUT_SCHEMA, ROWS_SC
 from pipeline_assets.lib.gold.sequences import cached_tokenizer
 from pipeline_assets.lib.gold.splits import SPLITS
 from pipeline_assets.lib.gold.tokenizer import encode_records
-from pipeline_assets.lib.stages import BlockStage
+from pipeline_assets.lib.stages import Stage
 
 # PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
 VALIDATION_FRACTION = 0.10
 PAIR_INPUT = ("record_id", "system", "prompt", "chosen", "rejected", "source", "split")
 
 
-def tokenize_pairs_stage(tokenizer_json: str) -> BlockStage:
+def tokenize_pairs_stage(tokenizer_json: str) -> Stage:
     """Gold's block stage for pairs: PAIR_INPUT rows -> pair_id, prefix_ids, chosen_ids,
     rejected_ids, n_tokens (the pair's unit: two prefixes and both responses), source and split, in
     the block's order."""
-    return BlockStage("tokenize", partial(_tokenize_pairs_block, tokenizer_json=tokenizer_json))
+    return Stage("tokenize", partial(_tokenize_pairs_block, tokenizer_json=tokenizer_json))
 
 
 def _tokenize_pairs_block(
@@ -61,7 +61,7 @@ def _tokenize_pairs_block(
             + pl.col("rejected_ids").list.len()
         ).cast(pl.Int32)
     )
-    return tokenized, None, {"rows_in": block.height, "tokens": int(tokenized["n_tokens"].sum())}
+    return tokenized, None, {"tokens": int(tokenized["n_tokens"].sum())}
 
 
 def build_pair_sequences(

@@ -19,7 +19,7 @@ from pipeline_assets.lib.gold.packing import (
 )
 from pipeline_assets.lib.gold.splits import SPLITS
 from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
-from pipeline_assets.lib.stages import BlockStage
+from pipeline_assets.lib.stages import Stage
 
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
 # block's read touches its own row groups only (about 19 MB at 512 tokens), not the whole file.
@@ -91,18 +91,18 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
-def tokenize_stage(tokenizer_json: str) -> BlockStage:
+def tokenize_stage(tokenizer_json: str) -> Stage:
     """Gold's block stage: records (record_id, system, prompt, response, source, split) -> their
     encodings (``lib.gold.tokenizer.ENCODED_SCHEMA`` plus source and split), in the block's order.
     It removes nothing; an engine runs it block by block, here or on Ray."""
-    return BlockStage("tokenize", partial(_tokenize_block, tokenizer_json=tokenizer_json))
+    return Stage("tokenize", partial(_tokenize_block, tokenizer_json=tokenizer_json))
 
 
 def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
     encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(
         block.select("source", "split")
     )
-    return encoded, None, {"rows_in": block.height, "tokens": int(encoded["n_tokens"].sum())}
+    return encoded, None, {"tokens": int(encoded["n_tokens"].sum())}
 
 
 @lru_cache(maxsize=2)

@@ -8,12 +8,14 @@ Every record format goes through the same stages on its own fields (``lib.format
 pairs add their own rules (``lib.silver.preference_rules``): pair_sides after normalize,
 contradiction after exact dedup, pair_cap last.
 
-The stages that judge one record at a time are block stages (``lib.stages``): normalize and the
-MinHash signatures before dedup, decontamination and the quality gate after it. An engine runs
-them block by block (in this process, or on Ray); the dedup stages look across the batch and the
-entries of other batches that share one of its keys (``IndexLookup``: a task a band and slice of
-batches, on Ray with the block stages), on hashes and signatures, in the calling process. A batch
-looks up once, every format's keys together; each format dedups against the entries holding its own.
+Every stage has one shape (``lib.stages.Stage``: a name, a function, a reject reason) and the
+stage runner counts its rows and seconds. The stages that judge one record at a time are block
+stages: normalize and the MinHash signatures before dedup, decontamination and the quality gate
+after it. An engine runs them block by block (in this process, or on Ray); the dedup stages (and
+the pair cap) look across the batch and the entries of other batches that share one of its keys
+(``IndexLookup``: a task a band and slice of batches, on Ray with the block stages), on hashes and
+signatures, in the calling process, the batch as one block. A batch looks up once, every format's
+keys together; each format dedups against the entries holding its own.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pipeline_assets.lib.silver.dedup import (
     entries_holding,
     exact_dedup,
     exact_hashes,
+    index_entries,
     near_dedup,
     wanted_keys,
     with_signatures,
@@ -42,15 +45,23 @@ from pipeline_assets.lib.silver.normalize import NormalizeConfig, normalize_reco
 from pipeline_assets.lib.silver.preference_rules import (
     MAX_PAIRS_PER_PROMPT,
     PAIR_HASH_COLUMNS,
+    PAIR_SIDES_REASON,
     cap_per_prompt,
     contradictions,
     pair_hashes,
     pair_sides,
 )
+from pipeline_assets.lib.silver.quality import REJECT_REASON as QUALITY_REASON
 from pipeline_assets.lib.silver.quality import QualityThresholds, quality_gate
-from pipeline_assets.lib.stages import ROWS_PER_BLOCK, BlockStage, StagesResult, run_in_process
+from pipeline_assets.lib.stages import (
+    ROWS_PER_BLOCK,
+    Stage,
+    StagesResult,
+    run_in_process,
+    run_whole,
+)
 
-RunBlocks = Callable[[Sequence[BlockStage], pl.DataFrame], StagesResult]
+RunBlocks = Callable[[Sequence[Stage], pl.DataFrame], StagesResult]
 
 
 @dataclass(frozen=True)
@@ -81,34 +92,48 @@ class CuratedBatch:
     )  # its keys looked up, the other batches' entries found
 
 
-def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[BlockStage]:
+def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[Stage]:
     pair_rules = [
-        BlockStage("pair_sides", partial(pair_sides, max_length_ratio=config.max_length_ratio))
+        Stage(
+            "pair_sides",
+            partial(pair_sides, max_length_ratio=config.max_length_ratio),
+            PAIR_SIDES_REASON,
+        )
     ]
     return [
-        BlockStage(
-            "normalize", lambda block: (*_no_rejects(normalize_records(block, config.normalize)),)
-        ),
+        Stage("normalize", partial(normalize_records, config=config.normalize)),
         *(pair_rules if fmt is PREFERENCE else []),
-        BlockStage(
-            "minhash",
-            lambda block: (
-                with_signatures(block, config.minhash, fmt),
-                None,
-                {"rows_in": block.height},
-            ),
+        Stage("minhash", lambda block: (with_signatures(block, config.minhash, fmt), None, {})),
+    ]
+
+
+def dedup_stages(
+    config: SilverConfig, history: pl.LazyFrame | None, fmt: RecordFormat = SFT
+) -> list[Stage]:
+    """The stages between the block stages: they look across the batch and ``history`` (the other
+    batches' index entries holding one of its keys)."""
+    pair_rules = [Stage("contradiction", partial(contradictions, history=history), "contradiction")]
+    return [
+        Stage("exact_dedup", partial(exact_dedup, history=history), "exact_dup"),
+        *(pair_rules if fmt is PREFERENCE else []),
+        Stage(
+            "near_dedup",
+            partial(near_dedup, history=history, config=config.minhash, fmt=fmt),
+            "near_dup",
         ),
     ]
 
 
 def after_dedup(
     config: SilverConfig, eval_index: EvalNgramIndex, fmt: RecordFormat = SFT
-) -> list[BlockStage]:
+) -> list[Stage]:
     return [
-        BlockStage(
-            "decontaminate", partial(find_contamination, index=eval_index, fields=fmt.decontaminate)
+        Stage(
+            "decontaminate",
+            partial(find_contamination, index=eval_index, fields=fmt.decontaminate),
+            "decontaminated",
         ),
-        BlockStage(
+        Stage(
             "quality",
             partial(
                 quality_gate,
@@ -116,8 +141,19 @@ def after_dedup(
                 default=config.quality_default,
                 judged=fmt.judged,
             ),
+            QUALITY_REASON,
         ),
     ]
+
+
+def last_stages(
+    config: SilverConfig, history: pl.LazyFrame | None, fmt: RecordFormat = SFT
+) -> list[Stage]:
+    """The stages after the block stages, across the batch and ``history``: the pair cap."""
+    if fmt is not PREFERENCE:
+        return []
+    cap = partial(cap_per_prompt, history=history, cap=config.max_pairs_per_prompt)
+    return [Stage("pair_cap", cap, "pair_cap")]
 
 
 @dataclass(frozen=True)
@@ -222,53 +258,35 @@ def _finish(
     run_blocks: RunBlocks,
 ) -> CuratedBatch:
     """The stages from exact dedup on, against ``history``."""
-    fmt, stages, removed = prepared.fmt, dict(prepared.stages), list(prepared.removed)
-    pairs = fmt is PREFERENCE
+    fmt = prepared.fmt
+    deduped = run_whole(dedup_stages(config, history, fmt), prepared.hashed)
     started = time.perf_counter()
-    exact = exact_dedup(prepared.hashed, history)
-    stages["exact_dedup"] = _finished(exact.counters, started)
-    removed.append(exact.rejected.drop(SIGNATURE_COLUMNS))
-    unique = exact.kept
-    if pairs:
-        started = time.perf_counter()
-        unique, contradicted, counters = contradictions(unique, history)
-        stages["contradiction"] = _finished(counters, started)
-        removed.append(contradicted.drop(SIGNATURE_COLUMNS))
-        unique = unique.drop("flipped_hash")
-
-    started = time.perf_counter()
-    near, index = near_dedup(unique, history, config.minhash, fmt)
-    stages["near_dedup"] = _finished(near.counters, started)
-    removed.append(near.rejected)
-
-    started = time.perf_counter()
-    judged = run_blocks(after_dedup(config, eval_index, fmt), near.kept)
+    judged = run_blocks(
+        after_dedup(config, eval_index, fmt), deduped.kept.drop("flipped_hash", strict=False)
+    )
     block_wall = prepared.block_wall_seconds + time.perf_counter() - started
-    stages.update(judged.counters)
-    removed.extend(judged.removed.values())
-    kept = judged.kept
-    if pairs:
-        started = time.perf_counter()
-        kept, capped, counters = cap_per_prompt(kept, history, config.max_pairs_per_prompt)
-        stages["pair_cap"] = _finished(counters, started)
-        removed.append(capped)
-
+    last = run_whole(last_stages(config, history, fmt), judged.kept)
+    removed = [
+        *prepared.removed,
+        *(frame for result in (deduped, judged, last) for frame in result.removed.values()),
+    ]
     block_stages = (*prepared.stages.values(), *judged.counters.values())
     return CuratedBatch(
-        kept=kept,
-        rejects=pl.concat(removed, how="diagonal_relaxed").drop(PAIR_HASH_COLUMNS[1], strict=False),
-        index=index.filter(pl.col("record_id").is_in(kept["record_id"].implode())),
-        stages=stages,
+        kept=last.kept,
+        rejects=pl.concat(removed, how="diagonal_relaxed").drop(
+            *SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False
+        ),
+        index=_kept_entries(prepared.hashed, last.kept, config.minhash, fmt),
+        stages={**prepared.stages, **deduped.counters, **judged.counters, **last.counters},
         block_wall_seconds=round(block_wall, 3),
         block_stage_seconds=round(sum(c["seconds"] for c in block_stages), 3),
         index_lookup=lookup_counters,
     )
 
 
-def _no_rejects(normalized: tuple[pl.DataFrame, dict]) -> tuple[pl.DataFrame, None, dict]:
-    frame, counters = normalized
-    return frame, None, counters
-
-
-def _finished(counters: dict, started: float) -> dict:
-    return {**counters, "seconds": round(time.perf_counter() - started, 3)}
+def _kept_entries(
+    hashed: pl.DataFrame, kept: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat
+) -> pl.DataFrame:
+    """The MinHash index entries of the kept rows, in their order."""
+    signed = kept.select("record_id").join(hashed, on="record_id", maintain_order="left")
+    return index_entries(signed, config, fmt)

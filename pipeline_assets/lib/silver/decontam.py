@@ -53,8 +53,7 @@ EVAL_COLUMNS = ("eval_set", "item_id", "prompt", "response")
 # What silver's decontamination and evaluation say when the eval sets hold no item.
 NO_EVAL_SETS = "no eval set items (add <set>.jsonl files under PIPELINE_EVAL_SETS_URI)"
 EVAL_TEXT_FIELDS = ("prompt", "response")
-REJECT_STAGE = "decontaminated"
-REJECT_COLUMNS = ("stage", "eval_set", "eval_item_id", "matched_ngram", "evidence")
+EVIDENCE_COLUMNS = ("eval_set", "eval_item_id", "matched_ngram", "evidence")
 
 # A word: from its first to its last word character (letter, digit, underscore), with no
 # whitespace in between; what is around that is the punctuation stripped off.
@@ -300,14 +299,14 @@ class EvalNgramIndex:
 def find_contamination(
     records: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str] | None = None
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Returns (kept, rejected, counters).
+    """Returns (kept, rejected, details): a stage function (``lib.stages``).
 
-    rejected: the contaminated input rows plus stage="decontaminated", eval_set, eval_item_id,
-    matched_ngram (the gram's words joined by spaces) and evidence (JSON: eval_set, item_id,
-    ngram, field). A record is contaminated if any gram of any checked field is in the index; the
-    first one is reported (first field in config order, then first word position). Both frames
-    keep the input order and every input column; rows_in == kept + rejected. ``fields``: the record
-    format's text to check, in order (default: the index's ``config.fields``).
+    rejected: the contaminated input rows plus eval_set, eval_item_id, matched_ngram (the gram's
+    words joined by spaces) and evidence (JSON: eval_set, item_id, ngram, field). A record is
+    contaminated if any gram of any checked field is in the index; the first one is reported (first
+    field in config order, then first word position). Both frames keep the input order and every
+    input column. ``fields``: the record format's text to check, in order (default: the index's
+    ``config.fields``). details: rejected_by_eval_set.
     """
     fields = tuple(fields or index.config.fields)
     missing = [c for c in ("record_id", *fields) if c not in records.columns]
@@ -317,7 +316,7 @@ def find_contamination(
     is_contaminated = pl.Series("is_contaminated", [m is not None for m in matches], pl.Boolean)
     kept = records.filter(~is_contaminated)
     rejected = _rejected_rows(records.filter(is_contaminated), [m for m in matches if m])
-    return kept, rejected, _counters(records.height, kept.height, rejected, index)
+    return kept, rejected, {"rejected_by_eval_set": _by_eval_set(rejected, index)}
 
 
 def _record_matches(
@@ -332,7 +331,6 @@ def _record_matches(
 
 def _rejected_rows(rows: pl.DataFrame, matches: list[Contamination]) -> pl.DataFrame:
     return rows.with_columns(
-        pl.lit(REJECT_STAGE, pl.String).alias("stage"),
         pl.Series("eval_set", [m.eval_set for m in matches], pl.String),
         pl.Series("eval_item_id", [m.item_id for m in matches], pl.String),
         pl.Series("matched_ngram", [m.ngram for m in matches], pl.String),
@@ -340,13 +338,8 @@ def _rejected_rows(rows: pl.DataFrame, matches: list[Contamination]) -> pl.DataF
     )
 
 
-def _counters(rows_in: int, kept: int, rejected: pl.DataFrame, index: EvalNgramIndex) -> dict:
+def _by_eval_set(rejected: pl.DataFrame, index: EvalNgramIndex) -> dict[str, int]:
     by_eval_set = dict.fromkeys(index.eval_sets, 0)
     for eval_set, count in rejected["eval_set"].value_counts(sort=True).iter_rows():
         by_eval_set[eval_set] = count
-    return {
-        "rows_in": rows_in,
-        "kept": kept,
-        "rejected": rejected.height,
-        "rejected_by_eval_set": dict(sorted(by_eval_set.items())),
-    }
+    return dict(sorted(by_eval_set.items()))

@@ -90,13 +90,6 @@ class LshParams:
         )
 
 
-@dataclass(frozen=True)
-class StageResult:
-    kept: pl.DataFrame
-    rejected: pl.DataFrame  # the rejected input rows + stage, duplicate_of, jaccard, evidence
-    counters: dict
-
-
 # --- exact --------------------------------------------------------------------------------------
 
 
@@ -112,8 +105,11 @@ def hash_of(*columns: str) -> pl.Expr:
     return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)
 
 
-def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResult:
-    """Drop records whose exact_hash another batch kept, or that repeat one in this batch."""
+def exact_dedup(
+    batch: pl.DataFrame, history: pl.LazyFrame | None
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """Drop records whose exact_hash another batch kept, or that repeat one in this batch. A stage
+    function (``lib.stages``): rejected rows add duplicate_of, jaccard and evidence."""
     hashed = batch if "exact_hash" in batch.columns else batch.with_columns(exact_hashes(batch))
     kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
     survivor = (
@@ -132,7 +128,6 @@ def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResul
         )
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
-        stage=pl.lit("exact_dup"),
         jaccard=pl.lit(1.0),
         evidence=pl.struct(
             duplicate_of="duplicate_of",
@@ -142,15 +137,10 @@ def exact_dedup(batch: pl.DataFrame, history: pl.LazyFrame | None) -> StageResul
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
     columns = hashed.columns
-    return StageResult(
-        kept=kept.select(columns),
-        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
-        counters={
-            "rows_in": batch.height,
-            "kept": kept.height,
-            "rejected": rejected.height,
-            "against_other_batches": int(rejected["kept_record_id"].is_not_null().sum()),
-        },
+    return (
+        kept.select(columns),
+        rejected.select(*columns, "duplicate_of", "jaccard", "evidence"),
+        {"against_other_batches": int(rejected["kept_record_id"].is_not_null().sum())},
     )
 
 
@@ -208,8 +198,9 @@ def near_dedup(
     history: pl.LazyFrame | None,
     config: MinHashConfig = MinHashConfig(),
     fmt: RecordFormat = SFT,
-) -> tuple[StageResult, pl.DataFrame]:
-    """MinHash + LSH near-duplicate removal; also returns every batch row's index entry.
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """MinHash + LSH near-duplicate removal. A stage function (``lib.stages``): rejected rows add
+    duplicate_of, jaccard and evidence.
 
     ``batch`` needs record_id, batch_id and the format's dedup text; ``history`` is the index of the
     other batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
@@ -257,7 +248,6 @@ def near_dedup(
         duplicate_of_batch=node_batches.gather(survivor_of),
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
-        stage=pl.lit("near_dup"),
         evidence=pl.struct(
             duplicate_of="duplicate_of",
             duplicate_of_batch="duplicate_of_batch",
@@ -267,11 +257,7 @@ def near_dedup(
         ).struct.json_encode(),
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
-    index = _index_rows(batch, sigs, response_sigs, keys, params.label(config))
-    counters = {
-        "rows_in": batch.height,
-        "kept": kept.height,
-        "rejected": rejected.height,
+    details = {
         "candidate_pairs_verified": len(left),
         "against_other_batches": int(rejected["duplicate_of_batch"].ne(rejected["batch_id"]).sum()),
         "clusters_with_duplicates": judged.filter(
@@ -280,12 +266,24 @@ def near_dedup(
         "lsh": params.label(config),
     }
     columns = [*batch.columns, "cluster_id"]
-    result = StageResult(
-        kept=kept.select(columns),
-        rejected=rejected.select(*columns, "stage", "duplicate_of", "jaccard", "evidence"),
-        counters=counters,
+    return (
+        kept.select(columns),
+        rejected.select(*columns, "duplicate_of", "jaccard", "evidence"),
+        details,
     )
-    return result, index
+
+
+def index_entries(
+    batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+) -> pl.DataFrame:
+    """The index entries (HISTORY_SCHEMA) of ``batch``'s rows: record_id, batch_id, exact_hash, its
+    signatures (computed when it has none) and, for preference pairs, prompt_hash."""
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    if SIGNATURE_COLUMNS[0] not in batch.columns:
+        batch = with_signatures(batch, config, fmt)
+    sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
+    keys = band_keys(sigs, params, format_salt(fmt))
+    return _index_rows(batch, sigs, response_sigs, keys, params.label(config))
 
 
 def format_salt(fmt: RecordFormat) -> int:

@@ -41,12 +41,13 @@ def normalize_text(expr: pl.Expr, config: NormalizeConfig = NormalizeConfig()) -
 
 def normalize_records(
     frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()
-) -> tuple[pl.DataFrame, dict]:
-    """Normalize the text columns; the counters say how many values each column had changed."""
+) -> tuple[pl.DataFrame, None, dict]:
+    """Normalize the text columns, removing nothing (a stage function: ``lib.stages``); its details
+    say how many values each column had changed."""
     present = [c for c in all_text_fields() if c in frame.columns]  # a frame holds one format's
     normalized = frame.with_columns(normalize_text(pl.col(c), config) for c in present)
     changed = {
         f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0)
         for column in present
     }
-    return normalized, {"rows": frame.height, **changed}
+    return normalized, None, changed

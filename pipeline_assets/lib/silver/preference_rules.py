@@ -12,8 +12,8 @@
   this batch and the pairs earlier batches kept for that prompt; the rest are rejected, the
   smallest record ids kept.
 
-Every stage returns (kept, rejected, counters); rejected rows carry ``stage`` and ``evidence``
-(JSON).
+Every rule is a stage function (``lib.stages``): it returns (kept, rejected, details); rejected
+rows carry ``evidence`` (JSON), and ``pair_sides`` writes their ``stage`` ("pair:<why>") itself.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ LENGTH_RATIO_STATISTIC = (
     4.0  # |log(len chosen / len rejected)| > log of this: counted, a drift statistic
 )
 PAIR_HASH_COLUMNS = ("prompt_hash", "flipped_hash")
+PAIR_SIDES_REASON = "pair"  # a pair_sides reject's stage: "pair:<why>"
 SIDES = ("prompt", "chosen", "rejected")
 
 
@@ -54,13 +55,13 @@ def pair_sides(
     empty = pl.any_horizontal(pl.col(side).fill_null("").str.len_chars() == 0 for side in SIDES)
     reason = (
         pl.when(empty)
-        .then(pl.lit("pair:empty_side"))
+        .then(pl.lit(f"{PAIR_SIDES_REASON}:empty_side"))
         .when(pl.col("chosen") == pl.col("rejected"))
-        .then(pl.lit("pair:same_answer"))
+        .then(pl.lit(f"{PAIR_SIDES_REASON}:same_answer"))
         .when(pl.col("score_chosen") == pl.col("score_rejected"))
-        .then(pl.lit("pair:tie"))
+        .then(pl.lit(f"{PAIR_SIDES_REASON}:tie"))
         .when(pl.col("length_log_ratio") > limit)
-        .then(pl.lit("pair:length_ratio"))
+        .then(pl.lit(f"{PAIR_SIDES_REASON}:length_ratio"))
     )
     evidence = pl.struct(
         reason=pl.col("stage"),
@@ -75,17 +76,13 @@ def pair_sides(
     ).with_columns(stage=reason)
     rejected = judged.filter(pl.col("stage").is_not_null()).with_columns(evidence=evidence)
     kept = judged.filter(pl.col("stage").is_null()).drop("stage")
+    beyond = int((kept["length_log_ratio"] > math.log(LENGTH_RATIO_STATISTIC)).sum())
     return (
         kept,
         rejected,
         {
-            "rows_in": block.height,
-            "kept": kept.height,
-            "rejected": rejected.height,
             "rejected_by_reason": dict(rejected.group_by("stage").len().iter_rows()),
-            "length_ratio_beyond_4x": int(
-                (kept["length_log_ratio"] > math.log(LENGTH_RATIO_STATISTIC)).sum()
-            ),
+            "length_ratio_beyond_4x": beyond,
         },
     )
 
@@ -106,22 +103,17 @@ def contradictions(
     judged = batch.join(others, on="flipped_hash", how="left", maintain_order="left")
     found = pl.col("other_id").is_not_null()
     rejected = judged.filter(found).with_columns(
-        stage=pl.lit("contradiction"),
         duplicate_of="other_id",
         evidence=pl.struct(
             labelled_the_other_way_by="other_id", in_batch="other_batch"
         ).struct.json_encode(),
     )
     kept = judged.filter(~found).select(batch.columns)
+    against_other_batches = int((rejected["other_batch"] != rejected["batch_id"]).sum())
     return (
         kept,
         rejected.drop("other_id", "other_batch"),
-        {
-            "rows_in": batch.height,
-            "kept": kept.height,
-            "rejected": rejected.height,
-            "against_other_batches": int((rejected["other_batch"] != rejected["batch_id"]).sum()),
-        },
+        {"against_other_batches": against_other_batches},
     )
 
 
@@ -141,7 +133,6 @@ def cap_per_prompt(
     )
     over = pl.col("earlier_pairs") + pl.col("rank") >= cap
     rejected = judged.filter(over).with_columns(
-        stage=pl.lit("pair_cap"),
         evidence=pl.struct(
             "prompt_hash", "earlier_pairs", pairs_before_in_batch="rank", cap=pl.lit(cap)
         ).struct.json_encode(),
@@ -150,12 +141,7 @@ def cap_per_prompt(
     return (
         kept,
         rejected.drop("earlier_pairs", "rank"),
-        {
-            "rows_in": batch.height,
-            "kept": kept.height,
-            "rejected": rejected.height,
-            "prompts_capped": rejected["prompt_hash"].n_unique(),
-        },
+        {"prompts_capped": rejected["prompt_hash"].n_unique()},
     )
 
 

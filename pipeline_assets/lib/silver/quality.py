@@ -83,7 +83,8 @@ _RULE_SPECS = (
 RULES: tuple[str, ...] = tuple(rule.name for rule in _RULE_SPECS)
 QUANTITIES: tuple[str, ...] = tuple(dict.fromkeys(rule.quantity for rule in _RULE_SPECS))
 REJECT_COLUMNS = ("stage", "rule_value", "rule_threshold", "evidence")
-STAGE_PREFIX = "quality:"
+REJECT_REASON = "quality"  # a rejected row's stage: "quality:<its first failing rule>"
+STAGE_PREFIX = f"{REJECT_REASON}:"
 
 assert set(RULES) == {f.name for f in fields(QualityThresholds)}, "one threshold per rule"
 
@@ -271,18 +272,18 @@ def quality_gate(
     default: QualityThresholds = QualityThresholds(),
     judged: str = SFT.judged,
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """Split ``frame`` into (kept, rejected, counters) by the rules in ``RULES`` order, judging the
-    ``judged`` answer (the record format's).
+    """Split ``frame`` into (kept, rejected, details) by the rules in ``RULES`` order, judging the
+    ``judged`` answer (the record format's): a stage function (``lib.stages``).
 
     ``thresholds`` overrides the default per ``source``. Both outputs keep the input order and
     carry the q_* columns; ``rejected`` adds stage ("quality:<first failing rule>"), rule_value,
-    rule_threshold and evidence (JSON). counters: rows_in, kept, rejected, rejected_by_rule.
+    rule_threshold and evidence (JSON). details: rejected_by_rule.
     """
     measured = quality_values(frame, judged).with_columns(_first_failure(thresholds or {}, default))
     failed = pl.col("stage").is_not_null()
     kept = measured.filter(~failed).drop(REJECT_COLUMNS)
     rejected = measured.filter(failed)
-    return kept, rejected, _counters(frame.height, kept.height, rejected)
+    return kept, rejected, {"rejected_by_rule": _by_rule(rejected)}
 
 
 def _threshold(rule: _Rule, overrides: _Overrides, default: QualityThresholds) -> pl.Expr:
@@ -322,11 +323,6 @@ def _first_failure(overrides: _Overrides, default: QualityThresholds) -> list[pl
     ]
 
 
-def _counters(rows_in: int, kept: int, rejected: pl.DataFrame) -> dict:
+def _by_rule(rejected: pl.DataFrame) -> dict[str, int]:
     by_stage = dict(rejected.get_column("stage").value_counts().iter_rows())
-    return {
-        "rows_in": rows_in,
-        "kept": kept,
-        "rejected": rejected.height,
-        "rejected_by_rule": {rule: int(by_stage.get(STAGE_PREFIX + rule, 0)) for rule in RULES},
-    }
+    return {rule: int(by_stage.get(STAGE_PREFIX + rule, 0)) for rule in RULES}

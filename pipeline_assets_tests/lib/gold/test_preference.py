@@ -49,8 +49,15 @@ def test_a_pair_is_its_prompt_once_and_each_answer_as_the_chat_format_renders_it
     pairs = _pairs(12)
     tokenizer_json = _tokenizer_json(pairs)
     tokenizer = tokenizer_from_json(tokenizer_json)
-    tokenized = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs).kept
+    result = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs)
+    tokenized, counters = result.kept, result.counters["tokenize"]
     assert tokenized["pair_id"].to_list() == pairs["record_id"].to_list()
+    assert counters.pop("seconds") >= 0 and counters == {
+        "rows_in": 12,
+        "kept": 12,
+        "rejected": 0,
+        "tokens": int(tokenized["n_tokens"].sum()),
+    }
     for pair, row in zip(pairs.iter_rows(named=True), tokenized.iter_rows(named=True), strict=True):
         prefix = prefix_text(pair["system"], pair["prompt"])
         for side in ("chosen", "rejected"):

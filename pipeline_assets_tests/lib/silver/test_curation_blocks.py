@@ -8,7 +8,7 @@ from functools import partial
 
 import polars as pl
 
-from pipeline_assets.lib.silver.curation import SilverConfig, curate
+from pipeline_assets.lib.silver.curation import CuratedBatch, SilverConfig, curate
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import BAND_SCHEMA, EXACT_BAND, band_entries, lookup_in
 from pipeline_assets.lib.stages import from_row, run_in_process, run_stages, to_row
@@ -70,6 +70,29 @@ def test_blocks_of_any_size_give_the_batch_judged_whole():
         assert {k: v for k, v in blocked.stages[stage].items() if k != "seconds"} == {
             k: v for k, v in whole.stages[stage].items() if k != "seconds"
         }, stage
+
+
+def assert_every_stage_accounts_for_its_rows(curated: CuratedBatch, bronze: pl.DataFrame) -> None:
+    """Each stage's rows in are its kept plus rejected rows and the stage before's kept rows, each
+    stage is timed, and the stages' rejected rows are the batch's rejects."""
+    rows = bronze.height
+    for name, counters in curated.stages.items():
+        assert counters["rows_in"] == rows == counters["kept"] + counters["rejected"], name
+        assert counters["seconds"] >= 0, name
+        rows = counters["kept"]
+    assert rows == curated.kept.height
+    assert sum(c["rejected"] for c in curated.stages.values()) == curated.rejects.height
+
+
+def test_every_stage_of_a_batch_counts_its_rows_and_seconds():
+    bronze = _bronze()
+    curated = curate(
+        bronze, None, _eval_index(), SilverConfig(), partial(run_in_process, rows_per_block=7)
+    )
+    removing = ("exact_dedup", "near_dedup", "decontaminate", "quality")
+    assert list(curated.stages) == ["normalize", "minhash", *removing]
+    assert_every_stage_accounts_for_its_rows(curated, bronze)
+    assert all(curated.stages[name]["rejected"] > 0 for name in removing)
 
 
 def test_a_block_result_crosses_a_process_boundary_as_one_row():

@@ -100,7 +100,6 @@ def test_a_13_word_span_is_caught_with_its_item_and_ngram(index):
     assert row is not None
     assert (row["eval_set"], row["eval_item_id"]) == ("qa", "qa-1")
     assert row["matched_ngram"] == span
-    assert row["stage"] == "decontaminated"
     assert json.loads(row["evidence"]) == {
         "eval_set": "qa", "item_id": "qa-1", "ngram": span, "field": "response",
     }  # fmt: skip
@@ -192,10 +191,10 @@ def test_a_hash_collision_never_flags_a_record(monkeypatch):
     assert row is not None and row["matched_ngram"] == " ".join(EVAL_WORDS[:13])
 
 
-# --- frames and counters --------------------------------------------------------------------------
+# --- frames and details ---------------------------------------------------------------------------
 
 
-def test_order_columns_and_counters(index):
+def test_order_columns_and_details(index):
     hit = " ".join(EVAL_WORDS[:13])
     frame = records(
         ("clean prompt one", "clean response one"),
@@ -206,37 +205,30 @@ def test_order_columns_and_counters(index):
         source=["a", "b", "c", "d", "e"],
         extra_number=[1, 2, 3, 4, 5],
     )
-    kept, rejected, counters = find_contamination(frame, index)
+    kept, rejected, details = find_contamination(frame, index)
     assert kept.columns == frame.columns
     assert kept["record_id"].to_list() == ["r0", "r2", "r4"]
     assert kept.equals(frame.filter(pl.col("record_id").is_in(["r0", "r2", "r4"])))
-    assert rejected.columns == [*frame.columns, *decontam.REJECT_COLUMNS]
+    assert rejected.columns == [*frame.columns, *decontam.EVIDENCE_COLUMNS]
     assert rejected["record_id"].to_list() == ["r1", "r3"]
     assert rejected.select(frame.columns).equals(
         frame.filter(pl.col("record_id").is_in(["r1", "r3"]))
     )
     assert rejected["eval_set"].to_list() == ["qa", "summ"]
-    assert counters == {
-        "rows_in": 5, "kept": 3, "rejected": 2, "rejected_by_eval_set": {"qa": 1, "summ": 1},
-    }  # fmt: skip
+    assert details == {"rejected_by_eval_set": {"qa": 1, "summ": 1}}
 
 
 def test_empty_records_and_empty_eval_sets(index, tmp_path):
     empty = records().cast({"prompt": pl.String, "response": pl.String})
-    kept, rejected, counters = find_contamination(empty, index)
+    kept, rejected, details = find_contamination(empty, index)
     assert kept.height == rejected.height == 0
-    assert rejected.columns == [*empty.columns, *decontam.REJECT_COLUMNS]
-    assert counters == {
-        "rows_in": 0,
-        "kept": 0,
-        "rejected": 0,
-        "rejected_by_eval_set": {"qa": 0, "summ": 0},
-    }
+    assert rejected.columns == [*empty.columns, *decontam.EVIDENCE_COLUMNS]
+    assert details == {"rejected_by_eval_set": {"qa": 0, "summ": 0}}
 
     no_evals = EvalNgramIndex.build(read_eval_sets(tmp_path))
     assert len(no_evals) == 0
-    kept, rejected, counters = find_contamination(records(("p", EVAL_RESPONSE)), no_evals)
-    assert (kept.height, rejected.height, counters["rejected_by_eval_set"]) == (1, 0, {})
+    kept, rejected, details = find_contamination(records(("p", EVAL_RESPONSE)), no_evals)
+    assert (kept.height, rejected.height, details["rejected_by_eval_set"]) == (1, 0, {})
 
 
 def test_missing_record_column_is_an_error(index):
@@ -301,14 +293,14 @@ def sample(tmp_path_factory) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
         read_landing_file(Path(f["path"]).name, (out / f["path"]).read_bytes()).records
         for f in manifest["files"]
     ]
-    frame, _ = normalize_records(pl.concat(frames))
+    frame, _, _ = normalize_records(pl.concat(frames))
     return frame.rename({"id": "record_id"}), read_eval_sets(out / "_eval_sets"), manifest
 
 
 @pytest.mark.parametrize("fields", [("prompt", "response"), ("response",)])
 def test_sample_corpus_eval_copies_are_caught_and_clean_records_are_not(sample, fields):
     frame, evals, manifest = sample
-    _, rejected, counters = find_contamination(
+    kept, rejected, details = find_contamination(
         frame, EvalNgramIndex.build(evals, DecontamConfig(fields=fields))
     )
     found = {
@@ -319,8 +311,8 @@ def test_sample_corpus_eval_copies_are_caught_and_clean_records_are_not(sample, 
     caught = [record_id for record_id, item in copies.items() if found.get(record_id) == item]
     assert len(caught) / len(copies) >= 0.95
     assert not set(found) & set(manifest["clean_ids"])
-    assert counters["rows_in"] == frame.height == counters["kept"] + counters["rejected"]
-    assert sum(counters["rejected_by_eval_set"].values()) == counters["rejected"]
+    assert frame.height == kept.height + rejected.height
+    assert sum(details["rejected_by_eval_set"].values()) == rejected.height
 
 
 _MATCH_IN_ANOTHER_PROCESS = """

@@ -16,6 +16,7 @@ from pipeline_assets.lib.silver.dedup import (
     _cluster_survivors,
     _node_order,
     exact_dedup,
+    index_entries,
     lsh_params,
     near_dedup,
 )
@@ -125,21 +126,18 @@ def test_exact_dedup_keeps_smallest_record_id_and_earlier_batches_win():
         .drop("exact_hash")
         .sample(fraction=1.0, shuffle=True, seed=3)
     )
-    first = exact_dedup(batch, None)
-    assert sorted(first.kept["record_id"]) == ["r00000", "r00001"]
-    assert first.rejected.sort("record_id")["duplicate_of"].to_list() == ["r00000", "r00000"]
-    assert set(first.rejected["stage"]) == {"exact_dup"}
+    kept, rejected, _ = exact_dedup(batch, None)
+    assert sorted(kept["record_id"]) == ["r00000", "r00001"]
+    assert rejected.sort("record_id")["duplicate_of"].to_list() == ["r00000", "r00000"]
 
-    history = first.kept.select("record_id", "batch_id", "exact_hash").lazy()
-    later = exact_dedup(
+    history = kept.select("record_id", "batch_id", "exact_hash").lazy()
+    kept, rejected, details = exact_dedup(
         _batch(["gamma", "delta"], batch_id="b2", prefix="s").drop("exact_hash"), history
     )
-    assert later.kept["record_id"].to_list() == ["s00001"]
-    rejected = later.rejected.row(0, named=True)
-    assert (
-        rejected["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in rejected["evidence"]
-    )
-    assert later.counters == {"rows_in": 2, "kept": 1, "rejected": 1, "against_other_batches": 1}
+    assert kept["record_id"].to_list() == ["s00001"]
+    row = rejected.row(0, named=True)
+    assert row["duplicate_of"] == "r00001" and '"duplicate_of_batch":"b1"' in row["evidence"]
+    assert details == {"against_other_batches": 1}
 
 
 def test_near_dedup_within_a_batch_is_deterministic():
@@ -147,33 +145,33 @@ def test_near_dedup_within_a_batch_is_deterministic():
     originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(50)]
     copies = [_edited(text, rng) for text in originals[:10]]
     batch = _batch(originals + copies)
-    result, index = near_dedup(batch, None)
-    assert sorted(result.rejected["record_id"]) == [f"r{i:05d}" for i in range(50, 60)]
-    assert result.rejected.sort("record_id")["duplicate_of"].to_list() == [
-        f"r{i:05d}" for i in range(10)
-    ]
-    assert (result.rejected["jaccard"] >= 0.8).all() and set(result.rejected["stage"]) == {
-        "near_dup"
-    }
-    assert result.kept.filter(pl.col("record_id") == "r00003")["cluster_id"].item() == "r00003"
+    kept, rejected, _ = near_dedup(batch, None)
+    assert sorted(rejected["record_id"]) == [f"r{i:05d}" for i in range(50, 60)]
+    assert rejected.sort("record_id")["duplicate_of"].to_list() == [f"r{i:05d}" for i in range(10)]
+    assert (rejected["jaccard"] >= 0.8).all()
+    assert kept.filter(pl.col("record_id") == "r00003")["cluster_id"].item() == "r00003"
+    index = index_entries(batch)
     assert index.height == 60 and index["lsh_params"].unique().to_list() == [
         "perm128-seed1-shingle5-b16-r8"
     ]
 
-    shuffled, _ = near_dedup(batch.sample(fraction=1.0, shuffle=True, seed=9), None)
-    assert sorted(shuffled.rejected["record_id"]) == sorted(result.rejected["record_id"])
+    _, shuffled, _ = near_dedup(batch.sample(fraction=1.0, shuffle=True, seed=9), None)
+    assert sorted(shuffled["record_id"]) == sorted(rejected["record_id"])
 
 
 def test_near_dedup_against_earlier_batches_uses_only_their_hashes():
     rng = random.Random(2)
     originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(30)]
-    first, index = near_dedup(_batch(originals), None)
-    assert first.rejected.is_empty()
+    _, first_rejected, _ = near_dedup(_batch(originals), None)
+    assert first_rejected.is_empty()
+    index = index_entries(_batch(originals))
     later_texts = [_edited(originals[4], rng), " ".join(rng.choice(WORDS) for _ in range(120))]
-    later, _ = near_dedup(_batch(later_texts, batch_id="b2", prefix="s"), index.lazy())
-    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00004")]
-    assert later.counters["against_other_batches"] == 1
-    assert later.kept["record_id"].to_list() == ["s00001"]
+    kept, rejected, details = near_dedup(
+        _batch(later_texts, batch_id="b2", prefix="s"), index.lazy()
+    )
+    assert rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00004")]
+    assert details["against_other_batches"] == 1
+    assert kept["record_id"].to_list() == ["s00001"]
 
 
 def test_a_record_kept_in_another_batch_wins_even_when_that_batch_is_later():
@@ -181,22 +179,22 @@ def test_a_record_kept_in_another_batch_wins_even_when_that_batch_is_later():
     rng = random.Random(4)
     texts = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
     later_kept = _batch(texts[:2], batch_id="b3", prefix="t").drop("exact_hash")
-    exact_kept = exact_dedup(later_kept, None).kept
-    _, history = near_dedup(exact_kept, None)
+    exact_kept, _, _ = exact_dedup(later_kept, None)
+    history = index_entries(exact_kept).lazy()
     rerun = _batch([texts[0], _edited(texts[1], rng), texts[2]], batch_id="b2", prefix="s").drop(
         "exact_hash"
     )
-    exact = exact_dedup(rerun, history.lazy())
-    assert exact.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "t00000")]
-    assert exact.counters["against_other_batches"] == 1
-    near, _ = near_dedup(exact.kept, history.lazy())
-    assert near.rejected.select("record_id", "duplicate_of").rows() == [("s00001", "t00001")]
-    assert near.counters["against_other_batches"] == 1
-    assert near.kept["record_id"].to_list() == ["s00002"]
+    exact_kept, exact_rejected, exact_details = exact_dedup(rerun, history)
+    assert exact_rejected.select("record_id", "duplicate_of").rows() == [("s00000", "t00000")]
+    assert exact_details["against_other_batches"] == 1
+    near_kept, near_rejected, near_details = near_dedup(exact_kept, history)
+    assert near_rejected.select("record_id", "duplicate_of").rows() == [("s00001", "t00001")]
+    assert near_details["against_other_batches"] == 1
+    assert near_kept["record_id"].to_list() == ["s00002"]
 
 
 def test_index_built_with_other_settings_is_refused():
-    _, index = near_dedup(_batch(_texts(5)), None)
+    index = index_entries(_batch(_texts(5)))
     config = MinHashConfig(threshold=0.5)
     with pytest.raises(ValueError, match="MinHash settings changed"):
         near_dedup(_batch(_texts(5), batch_id="b2"), index.lazy(), config)
@@ -207,18 +205,18 @@ def test_different_answers_to_one_long_shared_prompt_all_survive():
     prompt = " ".join(rng.choice(WORDS) for _ in range(2000))
     answers = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(50)]
     batch = _batch(answers).with_columns(prompt=pl.lit(prompt))
-    result, index = near_dedup(batch, None)
-    assert result.rejected.is_empty() and result.kept.height == 50
-    assert result.counters["candidate_pairs_verified"] == 0
+    kept, rejected, details = near_dedup(batch, None)
+    assert rejected.is_empty() and kept.height == 50
+    assert details["candidate_pairs_verified"] == 0
 
-    later, _ = near_dedup(
+    _, later_rejected, _ = near_dedup(
         _batch([answers[3], answers[0][::-1]], batch_id="b2", prefix="s").with_columns(
             prompt=pl.lit(prompt)
         ),
-        index.lazy(),
+        index_entries(batch).lazy(),
     )
-    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00003")]
-    assert '"response_jaccard":1.0' in later.rejected["evidence"].item()
+    assert later_rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00003")]
+    assert '"response_jaccard":1.0' in later_rejected["evidence"].item()
 
 
 def test_an_index_written_before_responses_were_signed_still_dedups():
@@ -226,13 +224,12 @@ def test_an_index_written_before_responses_were_signed_still_dedups():
     + response."""
     rng = random.Random(6)
     originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(5)]
-    _, index = near_dedup(_batch(originals), None)
-    legacy = index.drop("response_signature")
-    later, _ = near_dedup(
+    legacy = index_entries(_batch(originals)).drop("response_signature")
+    _, rejected, _ = near_dedup(
         _batch([_edited(originals[1], rng)], batch_id="b2", prefix="s"), legacy.lazy()
     )
-    assert later.rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00001")]
-    assert '"response_jaccard":null' in later.rejected["evidence"].item()
+    assert rejected.select("record_id", "duplicate_of").rows() == [("s00000", "r00001")]
+    assert '"response_jaccard":null' in rejected["evidence"].item()
 
 
 def test_clusters_are_connected_components_led_by_their_smallest_order_key():

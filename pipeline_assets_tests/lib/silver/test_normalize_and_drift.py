@@ -17,18 +17,18 @@ def _frame(prompt: str) -> pl.DataFrame:
 
 def test_normalize_nfc_controls_and_whitespace():
     frame = _frame("Cafe\u0301\x00 \t tab\r\nline  \n\n\n\nlast ")
-    normalized, counters = normalize_records(frame)
-    assert normalized["prompt"][0] == "Caf\u00e9 tab\nline\n\nlast"
-    assert counters == {"rows": 1, "prompt_changed": 1, "response_changed": 0, "system_changed": 0}
+    normalized, removed, changed = normalize_records(frame)
+    assert normalized["prompt"][0] == "Caf\u00e9 tab\nline\n\nlast" and removed is None
+    assert changed == {"prompt_changed": 1, "response_changed": 0, "system_changed": 0}
 
 
 def test_normalize_steps_can_be_switched_off():
     frame = _frame("e\u0301\x07  x")
-    untouched, _ = normalize_records(
+    untouched, _, _ = normalize_records(
         frame, NormalizeConfig(unicode_form=None, strip_control=False, collapse_whitespace=False)
     )
     assert untouched["prompt"][0] == "e\u0301\x07  x"
-    nfkc, _ = normalize_records(_frame("\ufb01"), NormalizeConfig(unicode_form="NFKC"))
+    nfkc, _, _ = normalize_records(_frame("\ufb01"), NormalizeConfig(unicode_form="NFKC"))
     assert nfkc["prompt"][0] == "fi"
 
 

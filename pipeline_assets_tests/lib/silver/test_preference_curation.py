@@ -15,6 +15,9 @@ from pipeline_assets.lib.silver.curation import SilverConfig, curate, curate_for
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import PROMPT_BAND, lookup_in
 from pipeline_assets.lib.stages import run_in_process
+from pipeline_assets_tests.lib.silver.test_curation_blocks import (
+    assert_every_stage_accounts_for_its_rows,
+)
 from pipeline_assets_tests.lib.silver.test_dedup import WORDS, _edited
 
 EVAL_ANSWER = " ".join(f"benchmark{i}" for i in range(20))
@@ -312,3 +315,42 @@ def test_blocks_of_any_size_give_the_pairs_judged_whole(rows_per_block):
         "q_words",
     }
     assert "flipped_hash" not in whole.kept.columns and "flipped_hash" not in whole.rejects.columns
+
+
+def test_every_stage_of_a_batch_of_pairs_counts_its_rows_and_seconds():
+    rng = random.Random(9)
+    rows = _clean(12)
+    rows[4] = {**rows[4], "score_rejected": 2.0}  # a tie
+    rows[5] = {**rows[5], "chosen": "ok"}  # too short for the quality gate
+    rows[6] = {**rows[6], "rejected": f"As the benchmark says: {EVAL_ANSWER}."}
+    rows.append({**rows[2], "chosen": rows[2]["rejected"], "rejected": rows[2]["chosen"]})
+    rows.append(dict(rows[0]))  # an exact duplicate
+    long = {
+        "prompt": "Explain " + _text(rng, (60, 60)),
+        "chosen": _text(rng, (80, 80)),
+        "rejected": _text(rng, (80, 80)),
+    }
+    near = {**long, "chosen": _edited(long["chosen"], rng), "prompt": _edited(long["prompt"], rng)}
+    prompt = "Which of these answers explains generators better?"
+    capped = [{"prompt": prompt, "chosen": _text(rng), "rejected": _text(rng)} for _ in range(10)]
+    bronze = _pairs([*rows, long, near, *capped])
+    curated = curate(
+        bronze,
+        None,
+        _eval_index(),
+        SilverConfig(),
+        partial(run_in_process, rows_per_block=5),
+        fmt=PREFERENCE,
+    )
+    removing = (
+        "pair_sides",
+        "exact_dedup",
+        "contradiction",
+        "near_dedup",
+        "decontaminate",
+        "quality",
+        "pair_cap",
+    )
+    assert list(curated.stages) == ["normalize", *removing[:1], "minhash", *removing[1:]]
+    assert_every_stage_accounts_for_its_rows(curated, bronze)
+    assert all(curated.stages[name]["rejected"] > 0 for name in removing)
