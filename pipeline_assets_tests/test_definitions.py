@@ -198,3 +198,18 @@ def test_loading_the_location_hides_dagsters_preview_and_beta_notes_only():
     assert loaded.returncode == 0, loaded.stderr
     assert "UserWarning: a real warning" in loaded.stderr
     assert "PreviewWarning" not in loaded.stderr and "BetaWarning" not in loaded.stderr
+
+
+def test_the_batch_gates_are_every_blocking_check_of_bronze_and_silver():
+    """A batch is blocked by any blocking check on a bronze or silver table; the gates that
+    defs/resources.py lists from the two layers' check lists miss none the code location has."""
+    from pipeline_assets.definitions import defs
+    from pipeline_assets.defs.resources import batch_gates
+
+    graph = defs.resolve_asset_graph()
+    blocking = {
+        f"{key.asset_key.to_user_string()}:{key.name}"
+        for key in graph.asset_check_keys
+        if graph.get_check_spec(key).blocking and key.asset_key.path[0] in ("bronze", "silver")
+    }
+    assert blocking and set(batch_gates().checks) == blocking

@@ -33,13 +33,13 @@ class BatchGates(ConfigurableResource):
     def blocked_by_layer(self, instance: DagsterInstance) -> dict[str, set[str]]:
         """Per layer (bronze, silver), the batches its failed gates block: one query."""
         blocked: dict[str, set[str]] = {}
-        for batch, asset_key in partitions_failing_checks(instance, self._keys()):
+        for batch, asset_key in partitions_failing_checks(instance, self.check_keys()):
             blocked.setdefault(asset_key.path[0], set()).add(batch)
         return blocked
 
     def blocked(self, instance: DagsterInstance) -> set[str]:
         return set().union(*self.blocked_by_layer(instance).values())
 
-    def _keys(self) -> list[AssetCheckKey]:
+    def check_keys(self) -> list[AssetCheckKey]:
         keys = (gate.rsplit(":", 1) for gate in self.checks)
         return [AssetCheckKey(AssetKey.from_user_string(asset), name) for asset, name in keys]

@@ -522,3 +522,27 @@ def test_the_lookup_cuts_the_other_batches_into_slices_by_their_indexed_records(
     assert batch_slices(index, [], 10) == [["b1"], ["b2", "b3"], ["b4"]]
     assert batch_slices(index, ["b2"], 10) == [["b1", "b3"], ["b4"]]
     assert batch_slices(index, [], 100) == [["b1", "b2", "b3", "b4"]]
+
+
+def test_a_silver_run_asks_the_event_log_once_which_batches_are_blocked(
+    instance, resources, landing_dir, monkeypatch
+):
+    """Whether earlier batches are settled, and which ones dedup leaves out, come from one query of
+    the batch gates (it was asked three times a run)."""
+    write_landing_file(landing_dir, "logs", "a.jsonl", [record(i) for i in range(20)])
+    batch = register(instance, resources)
+    assert _materialize(instance, resources, batch).success
+    storage = instance.event_log_storage
+    real_query = storage.get_asset_check_partition_info
+    asked = []
+
+    def counted_query(keys, *args, **kwargs):
+        asked.append(keys)
+        return real_query(keys, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "get_asset_check_partition_info", counted_query)
+    rerun = materialize(
+        GRAPH, selection=[silver], partition_key=batch, instance=instance, resources=resources
+    )
+    assert rerun.success
+    assert len(asked) == 1 and set(asked[0]) == set(resources["batch_gates"].check_keys())
