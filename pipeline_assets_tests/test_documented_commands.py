@@ -28,6 +28,7 @@ from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAIN
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
 from pipeline_assets_tests.dagster_dev import free_port
+from pipeline_assets_tests.hf_models import assert_servable
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -42,6 +43,7 @@ RL = 'pipeline-assets run --select "key:rl/*"'
 EVERYTHING = "pipeline-assets run --select '*'"
 BRONZE_ONLY = 'pipeline-assets run --select "key:bronze/*"'
 LINEAGE = "pipeline-assets lineage sft-model@champion"
+EXPORT = "pipeline-assets export sft-model@champion --out {scratch}/served"
 PROMOTE = 'pipeline-assets promote sft-model/1 --reason "a drill"'
 ROLLBACK = 'pipeline-assets rollback sft-model --reason "the drill is over"'
 SIZER = "pipeline-assets sizer --records 50000"
@@ -65,6 +67,7 @@ DOCUMENTED = {
     "pipeline-assets lineage sft-model@champion": LINEAGE,
     "pipeline-assets lineage dpo-model@champion": "pipeline-assets lineage dpo-model@champion",
     "pipeline-assets lineage MODEL@ALIAS\\|MODEL/VERSION": "pipeline-assets lineage sft-model/1",
+    "pipeline-assets export MODEL@ALIAS\\|MODEL/VERSION --out DIR": EXPORT,
     "pipeline-assets promote MODEL/VERSION [--reason]": PROMOTE,
     "pipeline-assets rollback MODEL [--reason]": ROLLBACK,
     "pipeline-assets promote dpo-model/N": "pipeline-assets promote dpo-model/1",
@@ -268,6 +271,8 @@ def _the_story_so_far(home: Path, run: Commands, manifest: dict) -> None:
         "the tokenizer is made once"
     )
     assert lineage["model"]["version"] == "2", "the snapshot cut by hand was trained"
+    assert json.loads(run(EXPORT).stdout)["version"] == "2"
+    assert_servable(run.home / "scratch" / "served")
     _sizer_calibrated_on_the_story(run)
 
 

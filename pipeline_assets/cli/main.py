@@ -14,6 +14,9 @@ from pipeline_assets.lib.uris import redact
 from pipeline_assets.resources.settings import Settings
 from pipeline_assets.sample_data.corpus import MARKOV_FILE_RECORDS, SAMPLE_RECORDS
 
+# What a Hugging Face model folder needs to load in transformers and vLLM.
+SERVABLE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeline-assets", description=__doc__)
@@ -77,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     lineage.add_argument(
         "model", help="MODEL@ALIAS (sft-model@champion) or MODEL/VERSION (sft-model/3)"
+    )
+
+    export = commands.add_parser(
+        "export",
+        help="a registered model version as a Hugging Face model folder (transformers, vLLM)",
+    )
+    export.add_argument(
+        "model", help="MODEL@ALIAS (sft-model@champion) or MODEL/VERSION (sft-model/3)"
+    )
+    export.add_argument(
+        "--out", required=True, type=Path, help="the folder to write (new or empty)"
     )
 
     promote = commands.add_parser(
@@ -167,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "sample-data": _sample_data,
             "summary": _summary,
             "lineage": _lineage,
+            "export": _export,
             "promote": _promote,
             "rollback": _rollback,
             "sizer": _sizer,
@@ -556,6 +571,40 @@ def _lineage(args, settings: Settings) -> int:
     print(
         json.dumps(
             model_lineage(args.model, resources["mlflow_tracking"], resources["lake"]), indent=2
+        )
+    )
+    return 0
+
+
+def _export(args, settings: Settings) -> int:
+    import shutil
+    import tempfile
+
+    from pipeline_assets.cli.lineage import resolve_version
+    from pipeline_assets.defs.resources import build_resources
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ValueError(f"--out {args.out} is not empty: export writes a new folder")
+    mlflow_tracking = build_resources(settings)["mlflow_tracking"]
+    version = resolve_version(mlflow_tracking, args.model)
+    with tempfile.TemporaryDirectory() as staging:
+        folder = mlflow_tracking.download_model(version.name, str(version.version), Path(staging))
+        missing = [name for name in SERVABLE_FILES if not (folder / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"{version.name}/{version.version} holds no {', '.join(missing)}: it was "
+                "registered before versions held a Hugging Face folder; train it again"
+            )
+        shutil.copytree(folder, args.out, dirs_exist_ok=True)
+    files = sorted(p.name for p in args.out.iterdir())
+    print(
+        json.dumps(
+            {
+                "model": version.name,
+                "version": str(version.version),
+                "out": str(args.out),
+                "files": files,
+            }
         )
     )
     return 0

@@ -163,7 +163,7 @@ class TrainConfig:
 
 def architecture_flags(model: dict) -> dict:
     """The preset, width and vocab_size that rebuild an exported model's architecture (its
-    config.json's ``model``): what a run starting from it (``init_from``) must be given."""
+    pipeline.json's ``model``): what a run starting from it (``init_from``) must be given."""
     for name, preset in PRESETS.items():
         same_shape = dataclasses.replace(
             preset,

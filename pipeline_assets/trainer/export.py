@@ -1,5 +1,12 @@
-"""The trained model as one consolidated safetensors file plus its config: what the registry
-stores."""
+"""The trained model as a Hugging Face folder: what the registry stores and users serve.
+
+The built-in architecture is Llama's (RMSNorm before each sublayer, rotary positions on the two
+halves of each head, SwiGLU, tied embeddings, no biases), so it exports as ``LlamaForCausalLM``:
+``config.json`` and ``model.safetensors`` under transformers' names, which ``AutoModelForCausalLM``
+and vLLM load as they are. ``pipeline.json`` beside them holds what the pipeline knows about the
+run (the preset's config, the snapshot, its losses). The tokenizer's files are written by whoever
+holds the tokenizer (``lib.gold.tokenizer.save_hf_tokenizer``).
+"""
 
 from __future__ import annotations
 
@@ -15,22 +22,90 @@ from pipeline_assets.trainer.model import Transformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+ABOUT = "pipeline.json"
 TIED = "output.weight"  # the output layer shares the embedding's weights; stored once
+_LAYER_NAMES = {  # ours (in blocks.<i>.) -> transformers' (in model.layers.<i>.)
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.out.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn.gate.weight": "mlp.gate_proj.weight",
+    "ffn.up.weight": "mlp.up_proj.weight",
+    "ffn.down.weight": "mlp.down_proj.weight",
+}
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def save_exported(
     full_state: dict[str, torch.Tensor], model_config: ModelConfig, folder: Path, about: dict
 ) -> list[str]:
-    """Write weights (safetensors: no pickle, safe to load) and config; returns the file names."""
-    tensors = {name: tensor.contiguous() for name, tensor in full_state.items() if name != TIED}
+    """Write the weights (safetensors: no pickle, safe to load), transformers' config and the
+    pipeline's; returns the file names."""
+    tensors = {name: t.contiguous() for name, t in to_transformers(full_state).items()}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-    config = {"model": dataclasses.asdict(model_config), "tied_embeddings": True, **about}
-    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-    return [WEIGHTS, CONFIG]
+    llama_config(model_config).save_pretrained(folder)
+    pipeline = {"model": dataclasses.asdict(model_config), "tied_embeddings": True, **about}
+    (folder / ABOUT).write_text(json.dumps(pipeline, indent=2, sort_keys=True))
+    return [WEIGHTS, CONFIG, ABOUT]
+
+
+def llama_config(model_config: ModelConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.dim,
+        intermediate_size=model_config.ffn_dim,
+        num_hidden_layers=model_config.n_layers,
+        num_attention_heads=model_config.n_heads,
+        num_key_value_heads=model_config.n_heads,
+        max_position_embeddings=model_config.max_seq_len,
+        rms_norm_eps=model_config.norm_eps,
+        rope_theta=model_config.rope_theta,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def to_transformers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict under LlamaForCausalLM's names: the fused qkv split into q, k and v (its
+    rows are q's, then k's, then v's), the tied output left out."""
+    out = {"model.embed_tokens.weight": state["embedding.weight"]}
+    out["model.norm.weight"] = state["norm.weight"]
+    for name, tensor in state.items():
+        if not name.startswith("blocks."):
+            continue
+        _, index, rest = name.split(".", 2)
+        prefix = f"model.layers.{index}."
+        if rest == "attention.qkv.weight":
+            for projection, part in zip(_QKV, tensor.chunk(3, dim=0), strict=True):
+                out[f"{prefix}self_attn.{projection}.weight"] = part
+        else:
+            out[prefix + _LAYER_NAMES[rest]] = tensor
+    return out
+
+
+def from_transformers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``to_transformers``."""
+    ours = {theirs: mine for mine, theirs in _LAYER_NAMES.items()}
+    state = {"embedding.weight": tensors["model.embed_tokens.weight"]}
+    state["norm.weight"] = tensors["model.norm.weight"]
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if not name.startswith("model.layers."):
+            continue
+        _, _, index, rest = name.split(".", 3)
+        projection = rest.split(".")[1] if rest.startswith("self_attn.") else None
+        if projection in _QKV:
+            qkv.setdefault(index, {})[projection] = tensor
+        else:
+            state[f"blocks.{index}.{ours[rest]}"] = tensor
+    for index, parts in qkv.items():
+        state[f"blocks.{index}.attention.qkv.weight"] = torch.cat([parts[p] for p in _QKV])
+    return state
 
 
 def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer, dict]:
-    """The model and its config from an exported folder."""
+    """The model and the pipeline's config from an exported folder."""
     config = exported_config(folder)
     model = Transformer(ModelConfig(**config["model"]))
     load_weights(model, folder, device)
@@ -38,14 +113,13 @@ def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer, dict]
 
 
 def exported_config(folder: Path) -> dict:
-    return json.loads((Path(folder) / CONFIG).read_text())
+    return json.loads((Path(folder) / ABOUT).read_text())
 
 
 def load_weights(model: Transformer, folder: Path, device: str = "cpu") -> None:
     """Copy an exported folder's weights into ``model`` (of the same architecture)."""
-    missing, unexpected = model.load_state_dict(
-        load_file(str(Path(folder) / WEIGHTS), device=device), strict=False
-    )
+    tensors = load_file(str(Path(folder) / WEIGHTS), device=device)
+    missing, unexpected = model.load_state_dict(from_transformers(tensors), strict=False)
     if unexpected or set(missing) - {TIED}:
         raise ValueError(
             f"{folder} does not match its config: missing {missing}, unexpected {unexpected}"

@@ -31,6 +31,7 @@ from pipeline_assets_tests.defs.test_training import (  # noqa: F401 (fixtures)
     snapshot,
     training_resources,
 )
+from pipeline_assets_tests.hf_models import assert_servable
 
 MODEL = "sft-model"
 FIRST_STEPS = 12  # the first champion's; the better candidate trains three times as long
@@ -250,6 +251,35 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     )
     assert sorted(f["uri"] for f in lineage["landing_files"]) == landed
     assert all(len(f["checksum"]) == 64 for f in lineage["landing_files"])
+
+    served = tmp_path / "served"
+    code, out, err = _cli(
+        monkeypatch,
+        capsys,
+        registry_resources,
+        tmp_path,
+        "export",
+        f"{MODEL}@champion",
+        "--out",
+        str(served),
+    )
+    assert code == 0, err
+    assert json.loads(out)["version"] == "2"
+    assert json.loads((served / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"
+    ]
+    assert_servable(served)
+    code, _, err = _cli(
+        monkeypatch,
+        capsys,
+        registry_resources,
+        tmp_path,
+        "export",
+        f"{MODEL}/1",
+        "--out",
+        str(served),
+    )
+    assert code == 2 and "is not empty" in err
     cost = lineage[
         "cost"
     ]  # the training run and the data stages behind its snapshot, at the report's prices

@@ -346,7 +346,9 @@ def test_held_out_preference_accuracy_rises_from_ties_and_every_log_step_reports
         "gold/preference_sequences",
         "gold/reference_logps",
     ]
-    about = json.loads((tmp_path / "checkpoints" / "dpo-v0" / "final" / "config.json").read_text())
+    about = json.loads(
+        (tmp_path / "checkpoints" / "dpo-v0" / "final" / "pipeline.json").read_text()
+    )
     assert (
         about["objective"] == "dpo"
         and about["eval/preference_accuracy"] == metadata["eval/preference_accuracy"]
@@ -382,7 +384,7 @@ def uninterrupted(config, workspace) -> dict:
         and first.group(1) == "0.6931"
         and all(float(value) == 0 for value in first.groups()[1:])
     ), output
-    about = json.loads((partition_dir(config) / "final" / "config.json").read_text())
+    about = json.loads((partition_dir(config) / "final" / "pipeline.json").read_text())
     assert about["eval/preference_accuracy"] >= 0.75, "two ranks learn the counting preference too"
     return final_weights(config)
 

@@ -27,7 +27,7 @@ def _launcher(workspace: Path, trained: list, search_rows: int):
         export, _ = CheckpointStore(
             config.checkpoint_uri, config.partition, config.scratch_dir
         ).fetch_verified("final")
-        about = json.loads((export / "config.json").read_text())
+        about = json.loads((export / "pipeline.json").read_text())
         # A trial is judged on the search rows, never on the validation rows the promotion
         # gate uses.
         assert about["eval_split"] == "search" and about["eval_sequences"] == search_rows > 0

@@ -5,7 +5,9 @@ import hashlib
 import json
 import resource
 import shlex
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 from dagster import (
@@ -34,6 +36,7 @@ from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.policy import TrainingPolicy
+from pipeline_assets.lib.gold.tokenizer import save_hf_tokenizer
 from pipeline_assets.lib.training.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
 from pipeline_assets.resources.lake import LakeResource
@@ -108,6 +111,7 @@ def training_checkpoint(
     train_config = train_config_for(
         partition, config, lake, launcher, training_policy, versions, searched
     )
+    tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
     trained = train_and_export(
         context,
         train_config,
@@ -116,6 +120,7 @@ def training_checkpoint(
         mlflow_tracking,
         pipes_subprocess_client,
         {f"delta.{name}": str(v) for name, v in versions.items()},
+        tokenizer["tokenizer_json"][0],
     )
     return MaterializeResult(
         metadata={
@@ -135,10 +140,11 @@ def train_and_export(
     mlflow_tracking: MlflowResource,
     pipes_subprocess_client: PipesSubprocessClient,
     tags: dict[str, str],
+    tokenizer_json: str,
 ) -> dict:
     """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's
-    unfinished checkpoints), log its export to a new MLflow run, and return the materialization's
-    metadata."""
+    unfinished checkpoints), log its export with ``tokenizer_json``'s files (a Hugging Face model
+    folder) to a new MLflow run, and return the materialization's metadata."""
     partition = train_config.partition
     store = launcher.store(partition)
     settings = _settings_fingerprint(train_config, nproc_per_node or launcher.nproc_per_node)
@@ -175,7 +181,7 @@ def train_and_export(
     export, problem = store.fetch_verified("final")
     if export is None:
         raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
-    mlflow_tracking.client().log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
+    _log_model_folder(mlflow_tracking, run_id, export, tokenizer_json)
     store.write_json(OWNER, {**store.read_json(OWNER), "finished": True})
     return {
         **reported,
@@ -193,6 +199,18 @@ def train_and_export(
         ),  # every rank, torchrun included
         "gpu_seconds": round(wall * reported["gpus"].value, 2) if "gpus" in reported else 0.0,
     }
+
+
+def _log_model_folder(
+    mlflow_tracking: MlflowResource, run_id: str, export: Path, tokenizer_json: str
+) -> None:
+    """The trainer's export and the tokenizer's files, together one Hugging Face model folder in the
+    run's artifacts (the tokenizer written apart: the verified export is left as it was)."""
+    client = mlflow_tracking.client()
+    client.log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
+    with tempfile.TemporaryDirectory() as tokenizer_folder:
+        save_hf_tokenizer(tokenizer_json, Path(tokenizer_folder))
+        client.log_artifacts(run_id, tokenizer_folder, MODEL_ARTIFACT_PATH)
 
 
 def _children_cpu_seconds() -> float:

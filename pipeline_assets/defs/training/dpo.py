@@ -1,7 +1,6 @@
 """training/dpo_checkpoint: one torchrun FSDP2 DPO job per preference snapshot, from the sft
 champion the reference pass used, launched through Dagster Pipes like training/checkpoint."""
 
-import json
 from pathlib import Path
 
 from dagster import (
@@ -29,6 +28,7 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import TrainConfig, architecture_flags
+from pipeline_assets.trainer.export import exported_config
 
 
 @asset(
@@ -70,7 +70,7 @@ def training_dpo_checkpoint(
         Path(launcher.scratch()) / "dpo" / partition / "init"
     )  # the trainer reads it; kept for a resume
     init_from = mlflow_tracking.download_model(model_name, version, folder)
-    architecture = architecture_flags(json.loads((init_from / "config.json").read_text())["model"])
+    architecture = architecture_flags(exported_config(init_from)["model"])
     train_config = TrainConfig(
         lake_uri=lake.uri,
         snapshot=snapshot_number(partition, PREFERENCE_SNAPSHOTS),
@@ -99,6 +99,7 @@ def training_dpo_checkpoint(
             "reference_model": reference["reference_model"],
             **{f"delta.{k}": str(v) for k, v in versions.items()},
         },
+        (init_from / "tokenizer.json").read_text(),  # the sft champion's own tokenizer
     )
     return MaterializeResult(
         metadata={

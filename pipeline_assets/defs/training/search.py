@@ -24,6 +24,7 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import TrainConfig
+from pipeline_assets.trainer.export import exported_config
 from pipeline_assets.trainer.search_driver import TrialResult, successive_halving
 
 
@@ -183,7 +184,7 @@ def _run_trial(
     if export is None:
         context.log.warning(f"trial {config.partition}: no usable export ({problem})")
         return math.nan
-    about = json.loads((export / "config.json").read_text())
+    about = exported_config(export)
     loss = about.get("search_loss")
     context.log.info(
         f"trial {config.partition}: search loss {loss} over {about.get('eval_sequences')} "

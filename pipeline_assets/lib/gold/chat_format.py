@@ -5,8 +5,9 @@ A record becomes one sequence::
     <|bos|>[<|system|>SYSTEM<|end|>]<|user|>PROMPT<|end|><|assistant|>RESPONSE<|end|><|eos|>
 
 Everything up to and including ``<|assistant|>`` is the prefix (context, no loss); the response
-with its closing ``<|end|><|eos|>`` is what the model is trained to produce. Pure Python: no
-Dagster, no torch.
+with its closing ``<|end|><|eos|>`` is what the model is trained to produce. ``CHAT_TEMPLATE`` is
+the same layout as a Hugging Face chat template, for the exported model's users (turns after the
+first repeat ``<|user|>...<|end|><|assistant|>...<|end|>``). Pure Python: no Dagster, no torch.
 """
 
 from __future__ import annotations
@@ -29,3 +30,14 @@ def response_text(response: str) -> str:
     """The response and what closes it: response END EOS. These are the tokens the loss is computed
     on."""
     return f"{response}{END}{EOS}"
+
+
+# The layout above in Jinja, as tokenizer_config.json carries it (apply_chat_template, vLLM).
+CHAT_TEMPLATE = (
+    "{{ '<|bos|>' }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant') }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+    "{% elif messages and messages[-1]['role'] == 'assistant' %}{{ '<|eos|>' }}{% endif %}"
+)

@@ -1,8 +1,9 @@
 """Byte-level BPE for the chat format: train, (de)serialize, validate, and tokenize records.
 
 ``encode_records`` turns silver records into one sequence each, ``prefix + response`` in the
-format of ``chat_format``, with a loss mask that is 1 exactly on the response ids. Pure Python:
-no Dagster, no torch.
+format of ``chat_format``, with a loss mask that is 1 exactly on the response ids.
+``save_hf_tokenizer`` writes the tokenizer as an exported model's users load it. No Dagster, no
+torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -20,8 +22,10 @@ from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, tr
 from pipeline_assets.lib.gold.chat_format import (
     ASSISTANT,
     BOS,
+    CHAT_TEMPLATE,
     END,
     EOS,
+    PAD,
     SPECIAL_TOKENS,
     SYSTEM,
     USER,
@@ -85,6 +89,28 @@ def tokenizer_to_json(tokenizer: Tokenizer) -> str:
 
 def tokenizer_from_json(text: str) -> Tokenizer:
     return Tokenizer.from_str(text)
+
+
+def save_hf_tokenizer(tokenizer_json: str, folder: Path) -> list[str]:
+    """The tokenizer as transformers loads it (``AutoTokenizer``), with the chat format as its chat
+    template, and a ``generation_config.json`` that stops at the end of the assistant's turn;
+    returns the files written."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_from_json(tokenizer_json),
+        bos_token=BOS,
+        eos_token=END,  # the end of a turn, where a chat model stops
+        pad_token=PAD,
+        additional_special_tokens=[EOS, SYSTEM, USER, ASSISTANT],
+        chat_template=CHAT_TEMPLATE,
+    )
+    written = tokenizer.save_pretrained(folder)
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in (END, EOS)]
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=ids, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(folder)
+    return sorted({Path(name).name for name in written} | {"generation_config.json"})
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> None:
