@@ -265,9 +265,7 @@ def test_gate_rollback_lineage_and_retraining_on_identical_data(
     )
     assert code == 0, err
     assert json.loads(out)["version"] == "2"
-    assert json.loads((served / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLM"
-    ]
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert_servable(served)
     code, _, err = _cli(
         monkeypatch,
