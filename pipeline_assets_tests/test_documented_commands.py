@@ -68,6 +68,7 @@ DOCUMENTED = {
     "pipeline-assets lineage dpo-model@champion": "pipeline-assets lineage dpo-model@champion",
     "pipeline-assets lineage MODEL@ALIAS\\|MODEL/VERSION": "pipeline-assets lineage sft-model/1",
     "pipeline-assets export MODEL@ALIAS\\|MODEL/VERSION --out DIR": EXPORT,
+    "pipeline-assets export sft-model@champion --out DIR": EXPORT,
     "pipeline-assets promote MODEL/VERSION [--reason]": PROMOTE,
     "pipeline-assets rollback MODEL [--reason]": ROLLBACK,
     "pipeline-assets promote dpo-model/N": "pipeline-assets promote dpo-model/1",

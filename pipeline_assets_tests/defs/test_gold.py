@@ -354,12 +354,10 @@ def _records(first: int, count: int) -> list[dict]:
 
 
 def _tick(instance, policy):
-    return snapshot_cadence(
-        build_sensor_context(
-            instance=instance,
-            resources={"gold_policy": policy, "batch_gates": batch_gates()},
-        )
-    )
+    resources = {"gold_policy": policy, "batch_gates": batch_gates()}
+    # as a context manager: its resources are closed when the tick ends, not when collected
+    with build_sensor_context(instance=instance, resources=resources) as context:
+        return snapshot_cadence(context)
 
 
 def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
@@ -401,9 +399,7 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     assert instance.get_dynamic_partitions(data_snapshots.name) == ["gold-v0"]
     nightly = nightly_retrain(
         build_schedule_context(
-            instance=instance,
-            resources={"batch_gates": batch_gates()},
-            scheduled_execution_time=datetime(2026, 11, 25, 2),
+            instance=instance, scheduled_execution_time=datetime(2026, 11, 25, 2)
         )
     )
     assert nightly.partition_key == "gold-v0"
@@ -412,9 +408,7 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     )
     skipped = nightly_retrain(
         build_schedule_context(
-            instance=instance,
-            resources={"batch_gates": batch_gates()},
-            scheduled_execution_time=datetime(2026, 11, 26, 2),
+            instance=instance, scheduled_execution_time=datetime(2026, 11, 26, 2)
         )
     )
     assert isinstance(skipped, SkipReason) and "already trained" in skipped.skip_message
@@ -427,13 +421,12 @@ def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
         and "cut at 10%" in tick.skip_message
         and "gold-v0" in tick.skip_message
     )
-    nightly_cut = snapshot_schedule(
-        build_schedule_context(
-            instance=instance,
-            resources={"batch_gates": batch_gates()},
-            scheduled_execution_time=datetime(2026, 11, 26, 1),
-        )
-    )
+    with build_schedule_context(
+        instance=instance,
+        resources={"batch_gates": batch_gates()},
+        scheduled_execution_time=datetime(2026, 11, 26, 1),
+    ) as context:
+        nightly_cut = snapshot_schedule(context)
     assert nightly_cut.tags[SNAPSHOT_REASON_TAG].startswith("schedule: "), (
         "the schedule cuts whatever changed"
     )

@@ -251,9 +251,9 @@ def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):
 
 def _sensor_says(instance):
     """What silver_in_order decides on its next tick: a RunRequest or a SkipReason."""
-    return silver_in_order(
-        build_sensor_context(instance=instance, resources={"batch_gates": batch_gates()})
-    )
+    resources = {"batch_gates": batch_gates()}
+    with build_sensor_context(instance=instance, resources=resources) as context:
+        return silver_in_order(context)
 
 
 def _silver_as_the_sensor_orders(instance, resources) -> list[str]:

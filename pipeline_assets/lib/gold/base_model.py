@@ -1,4 +1,4 @@
-"""The user's pretrained Hugging Face causal LM (PIPELINE_BASE_MODEL): what it is, and whether the
+"""The user's pretrained Hugging Face causal LM (the base model): what it is, and whether the
 pipeline can post-train it, decided before any training starts.
 
 A base model is a folder as ``save_pretrained`` writes it: ``config.json``, safetensors weights
@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-SETTING = "PIPELINE_BASE_MODEL"
+SHOWN_AS = "base model"  # the caller names the setting the folder came from
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What a chat template's markers look like: <|im_start|>, <|eot_id|>, <start_of_turn>, </s>.
@@ -36,7 +36,7 @@ _HASH_CHUNK = 1 << 22
 
 
 class BaseModelError(ValueError):
-    """The folder PIPELINE_BASE_MODEL names cannot be post-trained; the message says why."""
+    """The base model's folder cannot be post-trained; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,13 @@ def inspect_base_model(folder: str | Path) -> BaseModel:
     """The base model in ``folder``, or BaseModelError naming what makes it unusable."""
     path = Path(folder)
     if not path.is_dir():
-        raise BaseModelError(f"{SETTING}={folder}: no such folder")
+        raise BaseModelError(f"{SHOWN_AS} {folder}: no such folder")
     config = _config(path)
     weights = _weight_files(path)
     tokenizer = _tokenizer(path)
     if len(tokenizer) > config.vocab_size:
         raise BaseModelError(
-            f"{SETTING}={folder}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"{SHOWN_AS} {folder}: the tokenizer has {len(tokenizer)} tokens but the model's "
             f"vocabulary (config.json vocab_size) only {config.vocab_size}: tokens past it would "
             "index no embedding"
         )
@@ -99,18 +99,18 @@ def _config(path: Path):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not (path / "config.json").is_file():
-        raise BaseModelError(f"{SETTING}={path}: no config.json")
+        raise BaseModelError(f"{SHOWN_AS} {path}: no config.json")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:
         raise BaseModelError(
-            f"{SETTING}={path}: transformers cannot read config.json: {error}"
+            f"{SHOWN_AS} {path}: transformers cannot read config.json: {error}"
         ) from error
     architecture = (getattr(config, "architectures", None) or [None])[0]
     known = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if architecture is None or known != architecture:
         raise BaseModelError(
-            f"{SETTING}={path}: architecture {architecture!r} (model_type {config.model_type!r}) "
+            f"{SHOWN_AS} {path}: architecture {architecture!r} (model_type {config.model_type!r}) "
             "is not a causal LM transformers can build here"
             + (f"; transformers builds {known} for this model_type" if known else "")
         )
@@ -124,14 +124,14 @@ def _weight_files(path: Path) -> list[str]:
         missing = [name for name in names if not (path / name).is_file()]
         if missing:
             raise BaseModelError(
-                f"{SETTING}={path}: {WEIGHTS_INDEX} names shards that are not there: "
+                f"{SHOWN_AS} {path}: {WEIGHTS_INDEX} names shards that are not there: "
                 + ", ".join(missing[:3])
             )
         return names
     if (path / "model.safetensors").is_file():
         return ["model.safetensors"]
     raise BaseModelError(
-        f"{SETTING}={path}: no safetensors weights (model.safetensors, or shards with "
+        f"{SHOWN_AS} {path}: no safetensors weights (model.safetensors, or shards with "
         f"{WEIGHTS_INDEX}); save the model with save_pretrained(safe_serialization=True)"
     )
 
@@ -141,12 +141,12 @@ def _tokenizer(path: Path):
 
     missing = [name for name in TOKENIZER_FILES if not (path / name).is_file()]
     if missing:
-        raise BaseModelError(f"{SETTING}={path}: no {' or '.join(missing)} (the tokenizer)")
+        raise BaseModelError(f"{SHOWN_AS} {path}: no {' or '.join(missing)} (the tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:
         raise BaseModelError(
-            f"{SETTING}={path}: transformers cannot load the tokenizer: {error}"
+            f"{SHOWN_AS} {path}: transformers cannot load the tokenizer: {error}"
         ) from error
 
 
@@ -156,7 +156,7 @@ def _chat_template(path: Path, tokenizer) -> str:
         template = template.get("default")
     if not template:
         raise BaseModelError(
-            f"{SETTING}={path}: the tokenizer has no chat template (tokenizer_config.json "
+            f"{SHOWN_AS} {path}: the tokenizer has no chat template (tokenizer_config.json "
             "chat_template or chat_template.jinja): records could not be rendered as the model "
             "expects its conversations"
         )
@@ -165,7 +165,7 @@ def _chat_template(path: Path, tokenizer) -> str:
     lacking = sorted({m for m in _MARKER.findall(rendered) if m not in vocabulary})
     if lacking:
         raise BaseModelError(
-            f"{SETTING}={path}: the chat template writes {', '.join(lacking[:5])}, which the "
+            f"{SHOWN_AS} {path}: the chat template writes {', '.join(lacking[:5])}, which the "
             "tokenizer does not hold as tokens"
         )
     return template
@@ -180,7 +180,7 @@ def _rendered(path: Path, tokenizer) -> str:
             return tokenizer.apply_chat_template(conversation, tokenize=False)
         except Exception as error:  # a template raises whatever its author wrote
             errors.append(str(error))
-    raise BaseModelError(f"{SETTING}={path}: the chat template fails to render: {errors[-1]}")
+    raise BaseModelError(f"{SHOWN_AS} {path}: the chat template fails to render: {errors[-1]}")
 
 
 def _tensor_elements(file: Path) -> int:

@@ -107,7 +107,7 @@ def test_a_folder_the_trainer_could_not_use_is_refused_naming_why(
     breakage(folder)
     with pytest.raises(BaseModelError) as refused:
         inspect_base_model(folder)
-    assert refused.value.args[0].startswith(f"PIPELINE_BASE_MODEL={folder}: ")
+    assert refused.value.args[0].startswith(f"base model {folder}: ")
     assert named in refused.value.args[0]
 
 
