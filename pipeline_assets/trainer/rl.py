@@ -44,7 +44,7 @@ from pipeline_assets.trainer.grpo import (
     zero_spread_groups,
 )
 from pipeline_assets.trainer.model import loss_sum_and_count
-from pipeline_assets.trainer.policy_store import PolicyStore
+from pipeline_assets.trainer.policy_store import METRICS_FILE, PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.rollout import Prompts, judge, read_prompt_bank, stop_token_ids
@@ -55,7 +55,6 @@ _POLL_SECONDS = 0.25
 _WARM_START_EVAL_EVERY = (
     5  # sft steps between held-out checks: the warm start stops just past the threshold
 )
-METRICS_FILE = "rl_metrics.jsonl"
 
 
 class Learner:

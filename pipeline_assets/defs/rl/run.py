@@ -46,8 +46,7 @@ from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.config import RlConfig
-from pipeline_assets.trainer.policy_store import PolicyStore
-from pipeline_assets.trainer.rl import METRICS_FILE
+from pipeline_assets.trainer.policy_store import METRICS_FILE, PolicyStore
 
 RL_MODULE = "pipeline_assets.trainer.rl"
 FRESHNESS, REWARD_SIGNAL = "freshness", "reward_signal"
