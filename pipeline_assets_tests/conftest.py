@@ -34,6 +34,7 @@ from pipeline_assets.resources.landing import LandingResource
 LONGEST_FIRST = [
     "test_documented_commands.py",
     "defs/test_registry.py",
+    "test_make_dev.py",
     "test_first_user.py",
     "test_cli.py",
     "trainer/test_rl_learning.py",

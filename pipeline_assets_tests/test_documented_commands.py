@@ -12,11 +12,8 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import polars as pl
@@ -27,7 +24,6 @@ from pipeline_assets.definitions import defs
 from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
-from pipeline_assets_tests.dagster_dev import free_port
 from pipeline_assets_tests.hf_models import assert_servable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +87,7 @@ DOCUMENTED = {
 RUN_ELSEWHERE = {
     "make test": "CI runs it (.ci/run); it is the suite itself",
     "make bench": "bench/ (test_bench_imports.py imports every module); 35 minutes on 2 cores",
-    "make dev": "test_make_dev below: it serves until stopped",
+    "make dev": "test_make_dev.py: it serves until stopped",
 }
 
 
@@ -341,45 +337,3 @@ def _the_overlay_and_every_asset(home: Path, run: Commands, mapping: dict) -> No
     assert never == []
     assert "runs: 0" in run(RL, **mapping).stdout
     run(BRONZE_ONLY, **mapping)  # the rollouts' batch, through bronze
-
-
-def _answer(url: str, body: bytes | None = None, deadline: float = 240) -> bytes:
-    """The first answer of ``url`` (a POST of ``body`` when given) within ``deadline`` seconds."""
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    stop = time.monotonic() + deadline
-    while True:
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return response.read()
-        except OSError:
-            if time.monotonic() > stop:
-                raise
-            time.sleep(1)
-
-
-def test_make_dev(tmp_path):
-    """`make dev` serves the Dagster UI, whose GraphQL API shows the graph, and the MLflow UI, both
-    on loopback; Ctrl-C stops both."""
-    dagster_port, mlflow_port = free_port(), free_port()
-    process = subprocess.Popen(
-        ["make", "dev", f"DAGSTER_PORT={dagster_port}", f"MLFLOW_PORT={mlflow_port}"],
-        cwd=ROOT,
-        env=cli_environment(tmp_path),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        assert _answer(f"http://127.0.0.1:{mlflow_port}/health") == b"OK"
-        query = json.dumps({"query": "{ assetNodes { assetKey { path } } }"}).encode()
-        nodes = json.loads(_answer(f"http://127.0.0.1:{dagster_port}/graphql", query))
-        keys = {"/".join(n["assetKey"]["path"]) for n in nodes["data"]["assetNodes"]}
-        assert {"bronze/records", "registry/model_version", "rl/policy"} <= keys
-    finally:
-        os.killpg(process.pid, signal.SIGINT)  # `dagster dev` stops on SIGINT, not SIGTERM
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
