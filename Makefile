@@ -66,7 +66,7 @@ test: install chromium lint
 		--basetemp=$$tmp/pytest pipeline_assets_tests && rm -rf $$tmp
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/mlflow ui --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \
+	$(BIN)/mlflow ui --workers 1 --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \
 	mlflow_pid=$$!; trap "kill $$mlflow_pid" EXIT; \
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(DAGSTER_PORT)
 
