@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 # The trainer's exit code after a SIGTERM/SIGINT stop that saved a checkpoint (128 + SIGTERM, as a
 # shell reports a process SIGTERM ended): the same command resumes.
@@ -281,3 +283,12 @@ def parse_dataclass(cls, argv: list[str] | None, prog: str):
                 flag, type=kind, required=required, default=None if required else item.default
             )
     return cls(**vars(parser.parse_args(argv)))
+
+
+EXPORT_ABOUT = "pipeline.json"  # beside an exported model: what the pipeline knows about its run
+
+
+def exported_config(folder: str | Path) -> dict:
+    """An exported model's ``pipeline.json``: the preset's config under ``model``, and the run's
+    facts (readable without torch: the code location loads this module)."""
+    return json.loads((Path(folder) / EXPORT_ABOUT).read_text())

@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline_assets.trainer.config import ModelConfig
+from pipeline_assets.trainer.config import EXPORT_ABOUT, ModelConfig, exported_config
 from pipeline_assets.trainer.model import Transformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-ABOUT = "pipeline.json"
 TIED = "output.weight"  # the output layer shares the embedding's weights; stored once
 _LAYER_NAMES = {  # ours (in blocks.<i>.) -> transformers' (in model.layers.<i>.)
     "attention_norm.weight": "input_layernorm.weight",
@@ -44,8 +43,8 @@ def save_exported(
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
     llama_config(model_config).save_pretrained(folder)
     pipeline = {"model": dataclasses.asdict(model_config), "tied_embeddings": True, **about}
-    (folder / ABOUT).write_text(json.dumps(pipeline, indent=2, sort_keys=True))
-    return [WEIGHTS, CONFIG, ABOUT]
+    (folder / EXPORT_ABOUT).write_text(json.dumps(pipeline, indent=2, sort_keys=True))
+    return [WEIGHTS, CONFIG, EXPORT_ABOUT]
 
 
 def llama_config(model_config: ModelConfig):
@@ -110,10 +109,6 @@ def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer, dict]
     model = Transformer(ModelConfig(**config["model"]))
     load_weights(model, folder, device)
     return model.to(device), config
-
-
-def exported_config(folder: Path) -> dict:
-    return json.loads((Path(folder) / ABOUT).read_text())
 
 
 def load_weights(model: Transformer, folder: Path, device: str = "cpu") -> None:

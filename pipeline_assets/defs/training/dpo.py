@@ -27,8 +27,7 @@ from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, snapshot_num
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
-from pipeline_assets.trainer.config import TrainConfig, architecture_flags
-from pipeline_assets.trainer.export import exported_config
+from pipeline_assets.trainer.config import TrainConfig, architecture_flags, exported_config
 
 
 @asset(

@@ -23,8 +23,7 @@ from pipeline_assets.lib.uris import join
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
-from pipeline_assets.trainer.config import TrainConfig
-from pipeline_assets.trainer.export import exported_config
+from pipeline_assets.trainer.config import TrainConfig, exported_config
 from pipeline_assets.trainer.search_driver import TrialResult, successive_halving
 
 
