@@ -21,7 +21,13 @@ import pytest
 from dagster import DagsterInstance
 
 from pipeline_assets.definitions import defs
-from pipeline_assets.defs.keys import BRONZE_RECORDS, TRAINING_CHECKPOINT, TRAINING_DPO_CHECKPOINT
+from pipeline_assets.defs.keys import (
+    BRONZE_RECORDS,
+    EVALUATION_DPO_REPORT,
+    REGISTRY_DPO_MODEL_VERSION,
+    TRAINING_CHECKPOINT,
+    TRAINING_DPO_CHECKPOINT,
+)
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
 from pipeline_assets_tests.hf_models import assert_servable
@@ -184,7 +190,8 @@ def test_the_documented_commands_tell_one_story(tmp_path):
     run(RUN, **mapping)  # trains gold-v1
 
     _the_story_so_far(tmp_path, run, manifest)
-    _the_registry_and_the_reports(run)
+    _the_dpo_report_and_its_registration(tmp_path)
+    _the_registry_and_the_reports(tmp_path, run)
     _the_overlay_and_every_asset(tmp_path, run, mapping)
     run(SAMPLE)
     run(MARKOV)
@@ -310,9 +317,113 @@ def _sizer_calibrated_on_the_story(run: Commands) -> None:
     assert "silver" in run(SIZER_BILLION).stdout
 
 
-def _the_registry_and_the_reports(run: Commands) -> None:
+def _the_dpo_report_and_its_registration(home: Path) -> None:
+    """The demo's DPO path, to its end: the DPO candidate judged on dpo-v0's held-out pairs with no
+    DPO champion yet, its sft validation loss against sft-model/1, and dpo-model/1 registered."""
+    instance = DagsterInstance.from_config(str(home / "dagster"))
+    assert instance.get_materialized_partitions(EVALUATION_DPO_REPORT) == {"dpo-v0"}, (
+        "pipeline-assets run judges it"
+    )
+    metadata = {
+        k: v.value
+        for k, v in instance.get_latest_materialization_event(
+            EVALUATION_DPO_REPORT
+        ).asset_materialization.metadata.items()
+    }
+    report = pl.read_delta(str(home / "lake" / "evaluation" / "dpo_report")).filter(
+        pl.col("partition") == "dpo-v0"
+    )
+    candidate = {
+        row["slice"]: row
+        for row in report.filter(pl.col("model") == "candidate").iter_rows(named=True)
+    }
+    assert {"overall", "source:prefs", "sft_validation_loss"} <= set(candidate)
+    assert all(
+        name.startswith("source:") for name in set(candidate) - {"overall", "sft_validation_loss"}
+    )
+    overall = candidate["overall"]
+    assert (
+        0 <= overall["preference_accuracy"] <= 1
+        and overall["pairs"] == metadata["validation_pairs"] > 0
+    )
+    assert metadata["candidate_preference_accuracy"] == pytest.approx(
+        overall["preference_accuracy"]
+    )
+    assert metadata["champion_preference_accuracy"] is None and metadata["champion_version"] is None
+    assert "no champion of dpo-model yet" in metadata["champion"]
+
+    margins = pl.read_parquet(metadata["pair_margins"]).filter(pl.col("model") == "candidate")
+    assert margins.height == overall["pairs"] and margins["pair_id"].n_unique() == margins.height
+    assert overall["preference_accuracy"] == pytest.approx(float((margins["margin"] > 0).mean()))
+    assert overall["mean_margin"] == pytest.approx(float(margins["margin"].mean()))
+    by_source = margins.group_by("source").agg(
+        pairs=pl.len(), accuracy=(pl.col("margin") > 0).mean()
+    )
+    for source, pairs, accuracy in by_source.iter_rows():
+        assert candidate[f"source:{source}"]["pairs"] == pairs
+        assert candidate[f"source:{source}"]["preference_accuracy"] == pytest.approx(accuracy)
+
+    sft = report.filter(pl.col("slice") == "sft_validation_loss").sort("model")
+    assert sft["model"].to_list() == ["candidate", "champion"]
+    assert sft["model_version"].to_list() == [None, "sft-model/1"], (
+        "the sft champion trained in the same run"
+    )
+    assert (sft["loss"] > 0).all() and report.filter(pl.col("model") == "champion").height == 1, (
+        "no DPO champion rows"
+    )
+    assert metadata["sft_candidate_loss"] == pytest.approx(sft["loss"][0])
+    assert metadata["sft_champion_loss"] == pytest.approx(sft["loss"][1])
+    relative = (sft["loss"][0] - sft["loss"][1]) / sft["loss"][1]
+    assert metadata["sft_within_tolerance"] == (relative <= 1.0), (
+        "cli_environment sets the slice tolerance to 1"
+    )
+    assert metadata["sft_validation"]["champion_version"] == "sft-model/1"
+    assert Path(metadata["picture"]).read_bytes().startswith(b"\x89PNG")
+    assert metadata["delta_version"] >= 0 and metadata["dagster/row_count"] == report.height
+
+    assert instance.get_materialized_partitions(REGISTRY_DPO_MODEL_VERSION) == {"dpo-v0"}
+    registered = instance.get_latest_materialization_event(
+        REGISTRY_DPO_MODEL_VERSION
+    ).asset_materialization.metadata
+    assert registered["model_version"].value == "1" and registered["promoted"].value is True
+    assert (
+        "first DPO model" in registered["gate"].value
+        and registered["reference_model"].value == "sft-model/1"
+    )
+
+
+def _the_dpo_lineage_reaches_both_sources(home: Path, lineage: dict) -> None:
+    """`lineage dpo-model@champion` walks back to the pairs' landing files, and through the sft
+    model DPO started from to the sft sources'."""
+    assert lineage["model"] == {**lineage["model"], "name": "dpo-model", "version": "1"}
+    assert (
+        "champion" in lineage["model"]["aliases"] and lineage["checkpoint"]["partition"] == "dpo-v0"
+    )
+    assert (
+        lineage["silver"]["table"] == "silver/preference_pairs"
+        and lineage["silver"]["version"] is not None
+    )
+    assert lineage["gold"]["reference_logps_version"] is not None
+    assert {f["source"] for f in lineage["landing_files"]} == {"prefs"}, (
+        "only the preference source fed DPO"
+    )
+    landed = sorted(
+        path.relative_to(home / "landing").as_posix()
+        for path in (home / "landing" / "prefs").rglob("*.*")
+    )
+    assert sorted(f["uri"].split("landing/", 1)[1] for f in lineage["landing_files"]) == landed
+    started_from = lineage["started_from"]
+    assert (started_from["model"]["name"], started_from["model"]["version"]) == ("sft-model", "1")
+    assert started_from["silver"]["table"] == "silver/records"
+    assert (
+        "prefs" not in {f["source"] for f in started_from["landing_files"]}
+        and started_from["landing_files"]
+    )
+
+
+def _the_registry_and_the_reports(home: Path, run: Commands) -> None:
     dpo = json.loads(run("pipeline-assets lineage dpo-model@champion").stdout)
-    assert dpo["model"]["name"] == "dpo-model"
+    _the_dpo_lineage_reaches_both_sources(home, dpo)
     assert json.loads(run("pipeline-assets lineage sft-model/1").stdout)["model"]["version"] == "1"
     assert json.loads(run(PROMOTE).stdout)["champion"] == "1"
     assert json.loads(run(ROLLBACK).stdout)["champion"] == "2", "the champion before the drill"
