@@ -88,11 +88,16 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         PIPELINE_DPO_STEPS="6",
         PIPELINE_TRAIN_NPROC="1",
         PIPELINE_PROMOTION_MARGIN="-1",
-        # the search and the RL overlay as small: their defaults are kept, their sizes cut
+        # the search and the RL overlay as small: their defaults are kept, their sizes cut. One
+        # rung of two trials (successive halving's later rungs: trainer/test_hparam_search.py,
+        # defs/test_registry.py); one GRPO update of groups of 4 (learning:
+        # trainer/test_rl_learning.py). Each trial is a torchrun launch, each update 256
+        # completions sampled at the default group size of 8.
         PIPELINE_SEARCH_TRIALS="2",
         PIPELINE_SEARCH_MIN_STEPS="2",
-        PIPELINE_SEARCH_MAX_STEPS="6",
-        PIPELINE_RL_UPDATES="2",
+        PIPELINE_SEARCH_MAX_STEPS="2",
+        PIPELINE_RL_UPDATES="1",
+        PIPELINE_RL_GROUP_SIZE="4",
         PIPELINE_RL_WARM_START_MAX_STEPS="5",
         PIPELINE_SLICE_TOLERANCE="1",
         **env,
