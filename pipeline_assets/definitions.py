@@ -23,8 +23,11 @@ from pipeline_assets.defs.ops.report import pipeline_report, stage_throughput
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
 from pipeline_assets.defs.ops.schedules import nightly_retrain, retrain_job, run_failure_recorder
 from pipeline_assets.defs.reference.assets import (
+    base_model,
+    base_model_watcher,
     eval_sets,
     eval_sets_watcher,
+    observe_base_model_job,
     observe_eval_sets_job,
 )
 from pipeline_assets.defs.registry.assets import registry_model_version
@@ -51,6 +54,7 @@ def build_definitions(settings: Settings) -> Definitions:
     return Definitions(
         assets=[
             eval_sets,
+            base_model,
             bronze,
             silver,
             gold_tokenizer,
@@ -84,6 +88,7 @@ def build_definitions(settings: Settings) -> Definitions:
             automation_sensor,
             run_failure_recorder,
             eval_sets_watcher,
+            base_model_watcher,
         ],
         schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
         jobs=[
@@ -94,6 +99,7 @@ def build_definitions(settings: Settings) -> Definitions:
             retrain_job,
             retention_job,
             observe_eval_sets_job,
+            observe_base_model_job,
         ],
         resources=build_resources(settings),
         executor=EXECUTORS[settings.executor],

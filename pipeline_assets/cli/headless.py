@@ -38,6 +38,7 @@ from pipeline_assets.defs.gold.sensors import no_reference_model
 from pipeline_assets.defs.keys import (
     GOLD_TOKENIZER,
     OPS_PIPELINE_REPORT,
+    REFERENCE_BASE_MODEL,
     REFERENCE_EVAL_SETS,
     RL_POLICY,
     RL_PROMPT_BANK,
@@ -47,7 +48,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.landing.batches import discover_batches
 from pipeline_assets.defs.ops.report import report_waits
 from pipeline_assets.defs.partitions import data_snapshots, ingest_batches
-from pipeline_assets.defs.reference.assets import observed_version
+from pipeline_assets.defs.reference.assets import observation_is_current, observed_version
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.rl.run import policy_waits
 from pipeline_assets.lib.locks import FileLock
@@ -299,8 +300,9 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
-    if _reads_eval_sets(defs, keys):
-        observe_eval_sets(defs, instance, outcome)
+    for source in (REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL):
+        if _reads_source(defs, keys, source):
+            observe_source(defs, instance, outcome, source)
     # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is
     # made; otherwise a batch's shard is built in the same run as its bronze and silver.
     shards = [key for key in keys if _missing_unpartitioned(graph, instance, key)]
@@ -428,29 +430,28 @@ def observe_eval_sets(
     """Observe reference/eval_sets when its files differ from the version last observed, so silver
     records the version it decontaminates against; returns that data version (None: not observable
     or not observed)."""
+    return observe_source(defs, instance, outcome, REFERENCE_EVAL_SETS)
+
+
+def observe_source(
+    defs: Definitions, instance: DagsterInstance, outcome: RunOutcome, key: AssetKey
+) -> str | None:
+    """Observe a reference source when its files changed since its last observation (or it was
+    never observed); returns its data version (None: not observable, or the observation
+    failed)."""
     graph = defs.resolve_asset_graph()
-    if not graph.has(REFERENCE_EVAL_SETS) or not graph.get(REFERENCE_EVAL_SETS).is_observable:
+    if not graph.has(key) or not graph.get(key).is_observable:
         return None
-    resource = defs.resources["eval_sets"]
-    current = resource.fingerprint(resource.files())
-    if current == observed_version(instance):
-        return current
+    if observation_is_current(defs.resources, instance, key):
+        return observed_version(instance, key)
     failures = len(outcome.failed_runs)
-    _execute(
-        defs.resolve_implicit_global_asset_job_def(),
-        instance,
-        [REFERENCE_EVAL_SETS],
-        outcome,
-        partition=None,
-    )
-    return None if len(outcome.failed_runs) > failures else observed_version(instance)
+    _execute(defs.resolve_implicit_global_asset_job_def(), instance, [key], outcome, partition=None)
+    return None if len(outcome.failed_runs) > failures else observed_version(instance, key)
 
 
-def _reads_eval_sets(defs: Definitions, keys: list[AssetKey]) -> bool:
+def _reads_source(defs: Definitions, keys: list[AssetKey], source: AssetKey) -> bool:
     graph = defs.resolve_asset_graph()
-    return graph.has(REFERENCE_EVAL_SETS) and bool(
-        {REFERENCE_EVAL_SETS, *graph.get(REFERENCE_EVAL_SETS).child_keys} & set(keys)
-    )
+    return graph.has(source) and bool({source, *graph.get(source).child_keys} & set(keys))
 
 
 def _execute(

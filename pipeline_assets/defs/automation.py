@@ -7,17 +7,19 @@ from dagster import (
     DefaultSensorStatus,
 )
 
-from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
+from pipeline_assets.defs.keys import REFERENCE_BASE_MODEL, REFERENCE_EVAL_SETS
 
 
 def after_upstream_passes() -> AutomationCondition:
     """Materialize when an upstream partition updates, unless a blocking check on it failed.
 
-    The reference eval sets are maintained outside the pipeline and never materialized, so they
-    must not hold the flow back as a "missing" dependency.
+    The reference sources (eval sets, base model) are maintained outside the pipeline and never
+    materialized, so they must not hold the flow back as a "missing" dependency.
     """
     return (
-        AutomationCondition.eager().ignore(AssetSelection.assets(REFERENCE_EVAL_SETS))
+        AutomationCondition.eager().ignore(
+            AssetSelection.assets(REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL)
+        )
         & AutomationCondition.all_deps_blocking_checks_passed()
     )
 

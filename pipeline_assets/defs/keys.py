@@ -12,6 +12,7 @@ BRONZE_PREFERENCE_RECORDS = AssetKey(
     ["bronze", PREFERENCE.bronze_table]
 )  # the preference sources' records
 REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
+REFERENCE_BASE_MODEL = AssetKey(["reference", "base_model"])
 SILVER_RECORDS = AssetKey(["silver", SFT.silver_table])
 SILVER_REJECTS = AssetKey(["silver", "rejects"])
 SILVER_PREFERENCE_PAIRS = AssetKey(

@@ -17,6 +17,7 @@ from pipeline_assets.defs.policies import CostPolicy, RegistryPolicy, SilverPoli
 from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.training.policy import DpoPolicy, HparamSearchPolicy, TrainingPolicy
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.engine import BlockEngine, KubeRayEngine, RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
@@ -60,6 +61,9 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "batch_gates": batch_gates(),
         "ray_engine": _block_engine(settings),
         "gold_policy": policy_from(GoldPolicy, settings),
+        "base_model": BaseModelResource(
+            uri=settings.base_model, cache_dir=str(Path(settings.home) / "cache" / "base_model")
+        ),
         "launcher": TorchrunLauncher(
             checkpoint_uri=settings.checkpoint_uri,
             nproc_per_node=settings.train_nproc,

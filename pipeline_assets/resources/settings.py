@@ -276,6 +276,13 @@ SETTINGS: tuple[Setting, ...] = (
         "preference_validation_fraction",
     ),
     Setting(
+        "PIPELINE_BASE_MODEL",
+        "",
+        "a Hugging Face model folder (local or `s3://`) to post-train, with its tokenizer and chat "
+        "template; unset: the built-in preset trained from scratch",
+        field="base_model",
+    ),
+    Setting(
         "PIPELINE_TOKENIZER",
         "",
         "a `tokenizer.json` to use instead of training byte-level BPE on silver",
@@ -646,6 +653,7 @@ class Settings:
         float  # preference pairs: 0 counts the ratio only, a number also rejects beyond it
     )
     preference_validation_fraction: float
+    base_model: str
     tokenizer_path: str
     vocab_size: int
     tokenizer_sample_chars: int

@@ -1,11 +1,15 @@
-"""reference/eval_sets: benchmark items the data must not contain (maintained outside the pipeline).
+"""The sources maintained outside the pipeline, observed rather than materialized.
 
-An observable source: its data version is the sha256 of its files, so a changed benchmark shows
-silver as stale ("upstream data changed") until `pipeline-assets backfill-decontamination` redoes
-it.
+reference/eval_sets: benchmark items the data must not contain. Its data version is the sha256 of
+its files, so a changed benchmark shows silver as stale ("upstream data changed") until
+`pipeline-assets backfill-decontamination` redoes it.
+
+reference/base_model: the user's pretrained model (PIPELINE_BASE_MODEL). Its data version is the
+sha256 of the folder's files, so a changed model shows the tokenizer, gold and training stale.
 """
 
 from dagster import (
+    AssetKey,
     AssetSelection,
     DagsterInstance,
     DataVersion,
@@ -20,7 +24,10 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.keys import REFERENCE_EVAL_SETS
+from pipeline_assets.defs.keys import REFERENCE_BASE_MODEL, REFERENCE_EVAL_SETS
+from pipeline_assets.defs.retries import refusal
+from pipeline_assets.lib.gold.base_model import BaseModelError
+from pipeline_assets.resources.base_model import SETTING, BaseModelResource
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 
 _DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version is stored under
@@ -66,7 +73,7 @@ observe_eval_sets_job = define_asset_job(
 )
 def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResource):
     current = eval_sets.fingerprint(eval_sets.files())
-    latest = _latest_observation(context.instance)
+    latest = _latest_observation(context.instance, REFERENCE_EVAL_SETS)
     if latest is not None and current == _data_version(latest):
         return SkipReason(f"eval sets unchanged (data version {current[:12]})")
     # One request per change: the same files after the same observation give the same run key.
@@ -74,14 +81,99 @@ def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResou
     return RunRequest(run_key=f"{current}@after-{after}")
 
 
-def observed_version(instance: DagsterInstance) -> str | None:
-    """The data version reference/eval_sets was last observed at (None: never observed)."""
-    latest = _latest_observation(instance)
+NO_BASE_MODEL = "unset"  # reference/base_model's data version when PIPELINE_BASE_MODEL is unset
+_LISTING = "listing_sha256"  # names, sizes and times of the model's files, as last observed
+
+
+@observable_source_asset(
+    key=REFERENCE_BASE_MODEL,
+    description="The pretrained Hugging Face model PIPELINE_BASE_MODEL names (local folder or "
+    "s3://), checked before anything trains on it. Data version: sha256 of its files ('unset': the "
+    "built-in preset, trained from scratch).",
+    group_name="reference",
+    tags={"dagster/kind/huggingface": ""},
+)
+def base_model(base_model: BaseModelResource) -> ObserveResult:
+    if not base_model.configured:
+        return ObserveResult(
+            data_version=DataVersion(NO_BASE_MODEL),
+            metadata={"uri": f"{SETTING} is unset: the built-in preset trains from scratch"},
+        )
+    listing = base_model.listing_fingerprint()
+    try:
+        model = base_model.inspect()
+    except BaseModelError as error:
+        raise refusal(f"{SETTING}={base_model.uri}: {error}") from error
+    return ObserveResult(
+        data_version=DataVersion(model.version),
+        metadata={
+            "uri": base_model.uri,
+            "sha256": model.version,
+            "architecture": model.architecture,
+            "parameters": model.parameters,
+            "vocab_size": model.vocab_size,
+            "tokenizer_size": model.tokenizer_size,
+            "tied_embeddings": model.tied_embeddings,
+            _LISTING: listing,
+        },
+    )
+
+
+observe_base_model_job = define_asset_job(
+    "observe_base_model",
+    selection=AssetSelection.assets(REFERENCE_BASE_MODEL),
+    description="Observe reference/base_model: checks the model and records the sha256 of its "
+    "files as its data version.",
+)
+
+
+@sensor(
+    name="base_model_watcher",
+    job=observe_base_model_job,
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Requests an observation of reference/base_model when the names, sizes or times "
+    "of its files differ from those last observed (and once, when it was never observed).",
+)
+def base_model_watcher(context: SensorEvaluationContext, base_model: BaseModelResource):
+    if not base_model.configured:
+        return SkipReason(f"{SETTING} is unset: no base model to watch")
+    current = base_model.listing_fingerprint()
+    latest = _latest_observation(context.instance, REFERENCE_BASE_MODEL)
+    if latest is not None and current == base_model_listing(latest):
+        return SkipReason(f"base model unchanged (listing {current[:12]})")
+    after = latest.storage_id if latest else 0
+    return RunRequest(run_key=f"{current}@after-{after}")
+
+
+def base_model_listing(record: EventLogRecord) -> str | None:
+    value = record.asset_observation.metadata.get(_LISTING)
+    return None if value is None else value.value
+
+
+def observed_version(instance: DagsterInstance, key: AssetKey = REFERENCE_EVAL_SETS) -> str | None:
+    """The data version a reference source was last observed at (None: never observed)."""
+    latest = _latest_observation(instance, key)
     return None if latest is None else _data_version(latest)
 
 
-def _latest_observation(instance: DagsterInstance) -> EventLogRecord | None:
-    records = instance.fetch_observations(REFERENCE_EVAL_SETS, limit=1).records
+def observation_is_current(defs_resources: dict, instance: DagsterInstance, key: AssetKey) -> bool:
+    """Whether the source's last observation still describes it (its files did not change)."""
+    if key == REFERENCE_EVAL_SETS:
+        resource = defs_resources["eval_sets"]
+        return resource.fingerprint(resource.files()) == observed_version(instance, key)
+    resource, latest = defs_resources["base_model"], _latest_observation(instance, key)
+    if latest is None:
+        return False
+    if not resource.configured:
+        return _data_version(latest) == NO_BASE_MODEL
+    return base_model_listing(latest) == resource.listing_fingerprint()
+
+
+def _latest_observation(
+    instance: DagsterInstance, key: AssetKey = REFERENCE_EVAL_SETS
+) -> EventLogRecord | None:
+    records = instance.fetch_observations(key, limit=1).records
     return records[0] if records else None
 
 

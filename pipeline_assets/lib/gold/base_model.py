@@ -83,15 +83,20 @@ def inspect_base_model(folder: str | Path) -> BaseModel:
 
 
 def folder_sha256(path: Path) -> str:
-    """sha256 over every file's relative name and contents, in name order."""
+    """sha256 over every file's relative name and contents, in name order (hidden files, such as a
+    cached copy's own bookkeeping, left out)."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path)):
         digest.update(file.relative_to(path).as_posix().encode() + b"\0")
         with file.open("rb") as handle:
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _hidden(file: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in file.relative_to(root).parts)
 
 
 def _config(path: Path):
