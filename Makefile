@@ -41,6 +41,9 @@ demo: install $(DAGSTER_HOME)/dagster.yaml
 	time $(BIN)/pipeline-assets run
 	$(BIN)/pipeline-assets summary
 	$(BIN)/pipeline-assets lineage $${PIPELINE_MODEL_NAME:-sft-model}@champion
+	rm -rf $(PIPELINE_HOME)/export/champion
+	$(BIN)/pipeline-assets export $${PIPELINE_MODEL_NAME:-sft-model}@champion \
+		--out $(PIPELINE_HOME)/export/champion --generate "How do I reset my password?"
 
 # The browser test of the Dagster UI drives Debian's chromium (Playwright's own download needs the
 # internet): installed here when missing, with sudo unless we are root.

@@ -158,8 +158,11 @@ def test_the_documented_commands_tell_one_story(tmp_path):
     training, the registry's and the reports' commands, the RL overlay, every asset (the search
     too), and the sample's other forms."""
     run = Commands(tmp_path)
-    first = run(DEMO)  # sample-data, run, summary and lineage, through the Makefile
+    first = run(DEMO)  # sample-data, run, summary, lineage and export, through the Makefile
     assert "new ingest batches: 2" in first.stdout  # the key starts with the year
+    served = json.loads(first.stdout.strip().splitlines()[-1])  # the demo ends with its answer
+    assert served["model"] == "sft-model" and isinstance(served["generation"], str)
+    assert_servable(tmp_path / "export" / "champion")
     manifest = json.loads((tmp_path / "landing" / MANIFEST_NAME).read_text())
 
     nothing = run(RUN, **PREFS)

@@ -15,7 +15,8 @@ from pipeline_assets.resources.settings import Settings
 from pipeline_assets.sample_data.corpus import MARKOV_FILE_RECORDS, SAMPLE_RECORDS
 
 # What a Hugging Face model folder needs to load in transformers and vLLM.
-SERVABLE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+SERVABLE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.add_argument(
         "--out", required=True, type=Path, help="the folder to write (new or empty)"
+    )
+    export.add_argument(
+        "--generate",
+        metavar="PROMPT",
+        help="then load the folder with transformers and print its answer to PROMPT (a check that "
+        "it serves)",
     )
 
     promote = commands.add_parser(
@@ -590,23 +597,26 @@ def _export(args, settings: Settings) -> int:
     with tempfile.TemporaryDirectory() as staging:
         folder = mlflow_tracking.download_model(version.name, str(version.version), Path(staging))
         missing = [name for name in SERVABLE_FILES if not (folder / name).is_file()]
+        if not any((folder / name).is_file() for name in WEIGHT_FILES):
+            missing.append(" or ".join(WEIGHT_FILES))
         if missing:
             raise ValueError(
                 f"{version.name}/{version.version} holds no {', '.join(missing)}: it was "
                 "registered before versions held a Hugging Face folder; train it again"
             )
         shutil.copytree(folder, args.out, dirs_exist_ok=True)
-    files = sorted(p.name for p in args.out.iterdir())
-    print(
-        json.dumps(
-            {
-                "model": version.name,
-                "version": str(version.version),
-                "out": str(args.out),
-                "files": files,
-            }
-        )
-    )
+    exported = {
+        "model": version.name,
+        "version": str(version.version),
+        "out": str(args.out),
+        "files": sorted(p.name for p in args.out.iterdir()),
+    }
+    if args.generate:
+        from pipeline_assets.trainer.export import generate_answer
+
+        exported["prompt"] = args.generate
+        exported["generation"] = generate_answer(args.out, args.generate)
+    print(json.dumps(exported))
     return 0
 
 

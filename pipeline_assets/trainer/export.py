@@ -119,3 +119,23 @@ def load_weights(model: Transformer, folder: Path, device: str = "cpu") -> None:
         raise ValueError(
             f"{folder} does not match its config: missing {missing}, unexpected {unexpected}"
         )
+
+
+def generate_answer(folder: Path, prompt: str, max_new_tokens: int = 32) -> str:
+    """The exported model's greedy answer to ``prompt``, loaded and rendered as a user of
+    transformers would: ``AutoModelForCausalLM``, ``AutoTokenizer`` and the folder's chat
+    template; generation stops at its ``generation_config.json``'s end of turn."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    answer = generated[0, inputs["input_ids"].shape[1] :]
+    return tokenizer.decode(answer, skip_special_tokens=True)

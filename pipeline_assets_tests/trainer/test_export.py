@@ -7,13 +7,14 @@ import torch
 
 from pipeline_assets.lib.gold.chat_format import END, EOS, prefix_text, response_text
 from pipeline_assets.lib.gold.tokenizer import (
+    encode_prompts,
     encode_records,
     save_hf_tokenizer,
     tokenizer_to_json,
     train_bpe,
 )
 from pipeline_assets.trainer.config import ModelConfig
-from pipeline_assets.trainer.export import load_exported, save_exported
+from pipeline_assets.trainer.export import generate_answer, load_exported, save_exported
 from pipeline_assets.trainer.model import Transformer
 
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=320, max_seq_len=64)
@@ -98,3 +99,18 @@ def test_generate_stops_at_the_end_of_the_turn(exported):
     )
     out = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_the_answer_export_prints_is_the_trainers_models_greedy_answer(exported):
+    model, folder, tokenizer = exported
+    prompt = "thanks that worked"
+    ids, stops, answer = encode_prompts(tokenizer, [prompt])[0], {END, EOS}, []
+    with torch.no_grad():
+        for _ in range(6):
+            row = torch.tensor([ids + answer])
+            token = int(model(row, torch.arange(row.shape[1])[None])[0, -1].argmax())
+            if tokenizer.id_to_token(token) in stops:
+                break
+            answer.append(token)
+    expected = tokenizer.decode(answer, skip_special_tokens=True)
+    assert generate_answer(folder, prompt, max_new_tokens=6) == expected
