@@ -28,9 +28,10 @@ from pipeline_assets.defs.keys import (
     TRAINING_CHECKPOINT,
     TRAINING_DPO_CHECKPOINT,
 )
+from pipeline_assets.lib.gold.base_model import inspect_base_model
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
-from pipeline_assets_tests.hf_models import assert_servable
+from pipeline_assets_tests.hf_models import assert_servable, llama_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -318,6 +319,13 @@ def _sizer_calibrated_on_the_story(run: Commands) -> None:
     assert "bottleneck:" in table.stdout and "evaluation" in table.stdout
     assert json.loads(run(SIZER_JSON).stdout)["totals"]["bottleneck"]
     assert "silver" in run(SIZER_BILLION).stdout
+    llama = llama_folder(run.home / "scratch" / "llama")
+    with_base = json.loads(run(SIZER_ALL, PIPELINE_BASE_MODEL=str(llama)).stdout)["totals"]
+    assert with_base["parameters"] == inspect_base_model(llama).parameters != totals["parameters"]
+    assert (
+        with_base["model"].startswith(f"base model {llama}")
+        and "LlamaForCausalLM" in (with_base["gpu_speed_assumed"])
+    )
 
 
 def _the_dpo_report_and_its_registration(home: Path) -> None:

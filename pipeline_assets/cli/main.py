@@ -165,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         default=989.0,
         help="bf16 dense peak (default 989: H100 SXM)",
     )
-    sizer.add_argument("--preset", help="model preset trained (default: PIPELINE_TRAIN_PRESET)")
+    sizer.add_argument(
+        "--preset",
+        help="model preset trained (default: the base model PIPELINE_BASE_MODEL names, else "
+        "PIPELINE_TRAIN_PRESET)",
+    )
     sizer.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sizer.add_argument(
         "--picture",
@@ -448,9 +452,10 @@ def _sizer(args, settings: Settings) -> int:
         settings.tokenizer_sample_chars,
         settings.eval_max_tokens,
     )
+    model, parameters, flops = _trained_model(args, settings)
     per_gpu, assumed = args.gpu_tokens_per_second, None
     if args.gpus and per_gpu is None and not calibration.train_gpus:
-        per_gpu, assumed = _assumed_gpu_speed(args, settings)
+        per_gpu, assumed = _assumed_gpu_speed(args, flops, model)
     target = Target(
         records=args.records,
         cpu_cores=args.cpu_workers,
@@ -461,7 +466,7 @@ def _sizer(args, settings: Settings) -> int:
         train_tokens=args.train_tokens,
         models_scored=1 if args.first_model else 2,
         gpu_tokens_per_second=per_gpu,
-        parameters=_preset_parameters(args.preset or settings.train_preset, settings),
+        parameters=parameters,
         ray_min_rows=0
         if os.environ.get("RAY_ADDRESS") or settings.kuberay_config
         else settings.ray_min_rows,
@@ -482,6 +487,8 @@ def _sizer(args, settings: Settings) -> int:
     }
     fits = {**calibration.fits, **{stage: fit for stage, fit in apart.items() if fit is not None}}
     totals.update(
+        model=model,
+        parameters=parameters,
         picture=str(picture),
         gpu_speed_assumed=assumed,
         fits={stage: vars(fit) for stage, fit in fits.items()},
@@ -493,42 +500,45 @@ def _sizer(args, settings: Settings) -> int:
     return 0
 
 
-def _preset_parameters(preset: str, settings: Settings) -> int:
-    """The parameter count of the preset's model (built on the meta device: no memory, no time)."""
+def _trained_model(args, settings: Settings) -> tuple[str, int, float]:
+    """What the sizer trains: its name, parameters and training FLOPs per token. The base model
+    (``PIPELINE_BASE_MODEL``, counted from its safetensors headers) unless ``--preset`` names a
+    preset; else the training preset (built on the meta device: no memory, no time)."""
     import dataclasses
+    import json as json_module
 
     import torch
 
+    from pipeline_assets.lib.ops.sizing import transformer_flops_per_token
     from pipeline_assets.trainer.config import PRESETS
-    from pipeline_assets.trainer.model import Transformer, count_parameters
+    from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
-    with torch.device("meta"):
-        model = Transformer(
-            dataclasses.replace(
-                PRESETS[preset], vocab_size=settings.vocab_size, max_seq_len=settings.seq_len
-            )
+    if settings.base_model and not args.preset:
+        from pipeline_assets.defs.resources import build_resources
+
+        model = build_resources(settings)["base_model"].inspect()
+        shape = json_module.loads((Path(model.path) / "config.json").read_text())
+        flops = transformer_flops_per_token(
+            model.parameters, shape["num_hidden_layers"], shape["hidden_size"], settings.seq_len
         )
-    return count_parameters(model)
-
-
-def _assumed_gpu_speed(args, settings: Settings) -> tuple[float, str]:
-    import dataclasses
-
-    from pipeline_assets.lib.ops.sizing import gpu_tokens_per_second
-    from pipeline_assets.trainer.config import PRESETS
-    from pipeline_assets.trainer.model import flops_per_token
-
+        return f"base model {settings.base_model} ({model.architecture})", model.parameters, flops
     preset = args.preset or settings.train_preset
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
-    model = dataclasses.replace(PRESETS[preset], vocab_size=settings.vocab_size)
-    speed = gpu_tokens_per_second(
-        flops_per_token(model, settings.seq_len), args.gpu_peak_tflops * 1e12, args.mfu
+    config = dataclasses.replace(
+        PRESETS[preset], vocab_size=settings.vocab_size, max_seq_len=settings.seq_len
     )
+    with torch.device("meta"):
+        parameters = count_parameters(Transformer(config))
+    return f"preset {preset}", parameters, flops_per_token(config, settings.seq_len)
+
+
+def _assumed_gpu_speed(args, flops: float, model: str) -> tuple[float, str]:
+    from pipeline_assets.lib.ops.sizing import gpu_tokens_per_second
+
+    speed = gpu_tokens_per_second(flops, args.gpu_peak_tflops * 1e12, args.mfu)
     return speed, (
-        f"not measured (the calibration trained on CPU): {preset} at {args.mfu:.0%} MFU of "
+        f"not measured (the calibration trained on CPU): {model} at {args.mfu:.0%} MFU of "
         f"{args.gpu_peak_tflops:g} TFLOPS = {speed:,.0f} tokens/s per GPU"
     )
 

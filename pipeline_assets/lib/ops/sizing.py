@@ -415,6 +415,13 @@ def _row(
     }
 
 
+def transformer_flops_per_token(parameters: int, layers: int, width: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder from its parameter count: 6 per weight plus
+    attention's scores (PaLM, app. B). The input embedding counts as weights: a slight overcount
+    for untied models, whose lookup costs no multiply."""
+    return 6 * parameters + 12 * layers * width * seq_len
+
+
 def gpu_tokens_per_second(flops_per_token: float, peak_flops: float, mfu: float) -> float:
     """Tokens/s one GPU trains at a model FLOPs utilisation: an assumption, not a measurement."""
     return mfu * peak_flops / flops_per_token
