@@ -231,9 +231,29 @@ class GoldTokenizer(pa.DataFrameModel):
     """One row: the tokenizer of this Delta version of gold/tokenizer."""
 
     tokenizer_json: str
-    sha256: str = pa.Field(str_length={"min_value": 64, "max_value": 64})
-    vocab_size: pl.Int64 = pa.Field(gt=0)
-    origin: str = pa.Field(description="trained on silver, or the provided file's path")
+    chat_template: str = pa.Field(
+        nullable=True, description="the base model's Jinja chat template; null: the built-in format"
+    )
+    special_tokens: str = pa.Field(
+        nullable=True,
+        description="JSON object of the special tokens the chat template reads (bos_token, "
+        "eos_token...); null with the built-in format",
+    )
+    base_model_version: str = pa.Field(
+        nullable=True,
+        str_length={"min_value": 64, "max_value": 64},
+        description="sha256 of the base model's files; null without a base model",
+    )
+    sha256: str = pa.Field(
+        str_length={"min_value": 64, "max_value": 64},
+        description="of tokenizer.json; with a chat template, of the tokenizer and the template",
+    )
+    vocab_size: pl.Int64 = pa.Field(
+        gt=0, description="the tokenizer's; with a base model, its embedding rows (config.json)"
+    )
+    origin: str = pa.Field(
+        description="trained on silver, the provided file's path, or base model <uri>"
+    )
     silver_version: pl.Int64 = pa.Field(
         nullable=True, ge=0, description="the silver/records version it was trained on"
     )

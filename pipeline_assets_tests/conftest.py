@@ -23,6 +23,7 @@ from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.policies import CostPolicy, SilverPolicy
 from pipeline_assets.defs.resources import batch_gates
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
@@ -184,6 +185,7 @@ def resources(lake, landing, eval_sets_dir, tmp_path) -> dict:
         "batch_gates": batch_gates(),
         "ray_engine": RayEngine(home=str(tmp_path / "home")),
         "gold_policy": GoldPolicy(),
+        "base_model": BaseModelResource(uri=""),  # none: the built-in chat format
         "cost_policy": CostPolicy(),
     }
 

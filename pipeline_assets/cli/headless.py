@@ -357,7 +357,9 @@ def _waits(
     asset's own refusal, asked before its run so that a headless run skips it with the reason."""
     resources = defs.resources
     return {
-        GOLD_TOKENIZER: lambda: tokenizer_waits(resources["lake"], resources["gold_policy"]),
+        GOLD_TOKENIZER: lambda: tokenizer_waits(
+            resources["lake"], resources["gold_policy"], resources.get("base_model")
+        ),
         OPS_PIPELINE_REPORT: lambda: report_waits(instance),
         RL_POLICY: lambda: policy_waits(resources["mlflow_tracking"], resources["registry_policy"]),
     }

@@ -157,12 +157,25 @@ class LakeResource(ConfigurableResource):
         return self._write(layer, name, frame, mode="append")
 
     def overwrite(
-        self, layer: str, name: str, frame: pl.DataFrame, rows_per_group: int | None = None
+        self,
+        layer: str,
+        name: str,
+        frame: pl.DataFrame,
+        rows_per_group: int | None = None,
+        add_columns: bool = False,
     ) -> DeltaCommit:
         """A new version holding only ``frame``; earlier versions stay readable by time travel.
         ``rows_per_group``: the Parquet row-group size, for tables read a range of rows at a
-        time."""
-        return self._write(layer, name, frame, mode="overwrite", **_row_groups(rows_per_group))
+        time. ``add_columns``: columns the table lacks are added, for a table written before its
+        contract gained a nullable column."""
+        return self._write(
+            layer,
+            name,
+            frame,
+            mode="overwrite",
+            **({"schema_mode": "merge"} if add_columns else {}),
+            **_row_groups(rows_per_group),
+        )
 
     def tables(self) -> list[tuple[str, str]]:
         """Every Delta table of the lake, as (layer, name)."""

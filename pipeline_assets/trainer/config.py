@@ -197,6 +197,9 @@ class RlConfig:
     partition: str  # the run's folder of policy versions in the checkpoint store
     tokenizer_path: str  # tokenizer.json of the policy (the sft champion's gold/tokenizer version)
     init_from: str  # the exported model the policy starts from
+    # the chat template and its special tokens as one JSON file (lib.gold.encoder.EncoderSpec), for
+    # a policy post-trained from a base model; empty: the built-in chat format
+    chat_template_path: str = ""
     tasks: str = ""  # the bank's tasks to train on, comma-separated (e.g. "sort"); empty: all
     updates: int = 60
     prompts_per_update: int = 32

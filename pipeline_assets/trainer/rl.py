@@ -31,7 +31,6 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib.gold.sequences import pack_records
-from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.lib.rl.replay import StalenessPolicy, preference_pairs_from_groups
 from pipeline_assets.lib.rl.tasks import HELD_OUT, TRAIN
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
@@ -47,7 +46,7 @@ from pipeline_assets.trainer.model import loss_sum_and_count
 from pipeline_assets.trainer.policy_store import METRICS_FILE, PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
-from pipeline_assets.trainer.rollout import Prompts, judge, read_prompt_bank, stop_token_ids
+from pipeline_assets.trainer.rollout import Prompts, judge, policy_encoder, read_prompt_bank
 from pipeline_assets.trainer.sampling import PAD_ID, greedy_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
@@ -63,9 +62,9 @@ class Learner:
         self.policies = PolicyStore(config.checkpoint_uri, config.partition, config.scratch_dir)
         self.table = ReplayTable(config.lake_uri)
         self.staleness = StalenessPolicy(config.max_staleness, config.max_pending_seconds)
-        self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
-        self.held_out = Prompts(config.lake_uri, HELD_OUT, self.tokenizer, config.tasks)
-        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.encoder = policy_encoder(config)
+        self.held_out = Prompts(config.lake_uri, HELD_OUT, self.encoder, config.tasks)
+        self.stop_ids = self.encoder.stop_ids
         self.stopping = False
         self.reporter = Reporter(config.mlflow_run_id, config.mlflow_experiment)
         self.metrics_path = self.policies.store.local_folder(METRICS_FILE)
@@ -134,9 +133,8 @@ class Learner:
         accuracy = self.held_out_accuracy(model)
         if accuracy >= self.config.warm_start_accuracy:
             return {"warm_start_steps": 0, "warm_start_accuracy": accuracy}
-        train = Prompts(self.config.lake_uri, TRAIN, self.tokenizer, self.config.tasks)
-        examples = encode_records(
-            self.tokenizer,
+        train = Prompts(self.config.lake_uri, TRAIN, self.encoder, self.config.tasks)
+        examples = self.encoder.encode_records(
             train.rows.select(
                 record_id="prompt_id",
                 system=pl.lit(None, pl.String),
@@ -262,7 +260,7 @@ class Learner:
         )
         prompts = self.held_out.rows.head(count).iter_rows(named=True)
         right = [
-            judge(self.tokenizer, prompt, answer, self.stop_ids).reward
+            judge(self.encoder, prompt, answer, self.stop_ids).reward
             for prompt, answer in zip(prompts, answers, strict=True)
         ]
         return sum(right) / count

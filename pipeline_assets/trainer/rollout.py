@@ -16,14 +16,12 @@ import random
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 
 import polars as pl
 import torch
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.gold.chat_format import END, EOS
-from pipeline_assets.lib.gold.tokenizer import encode_prompts, tokenizer_from_json
+from pipeline_assets.lib.gold.encoder import ChatEncoder, EncoderSpec, chat_encoder
 from pipeline_assets.lib.rl.replay import PENDING
 from pipeline_assets.lib.rl.tasks import TRAIN
 from pipeline_assets.lib.rl.verifiers import Verdict, verify
@@ -53,7 +51,7 @@ class Prompts:
     """The bank's prompts of one split (of ``tasks``, comma-separated; empty: all), each encoded as
     the policy reads it."""
 
-    def __init__(self, lake_uri: str, split: str, tokenizer, tasks: str = ""):
+    def __init__(self, lake_uri: str, split: str, encoder: ChatEncoder, tasks: str = ""):
         bank = read_prompt_bank(lake_uri)
         self.rows = bank.filter((pl.col("status") == "in_bank") & (pl.col("split") == split)).sort(
             "prompt_id"
@@ -65,27 +63,29 @@ class Prompts:
                 f"rl/prompt_bank holds no {split} prompt{' of ' + tasks if tasks else ''}: "
                 "materialize it first"
             )
-        self.token_ids = encode_prompts(tokenizer, self.rows["prompt"].to_list())
+        self.token_ids = encoder.encode_prompts(self.rows["prompt"].to_list())
 
     def __len__(self) -> int:
         return self.rows.height
 
 
-def stop_token_ids(tokenizer) -> set[int]:
-    return {tokenizer.token_to_id(END), tokenizer.token_to_id(EOS)}
+def policy_encoder(config: RlConfig) -> ChatEncoder:
+    """The policy's encoder: its tokenizer.json and, for a base model's policy, its chat template
+    (as gold encoded the data it was trained on)."""
+    return chat_encoder(EncoderSpec.from_files(config.tokenizer_path, config.chat_template_path))
 
 
-def completion_text(tokenizer, token_ids: list[int]) -> str:
+def completion_text(encoder: ChatEncoder, token_ids: list[int]) -> str:
     """A completion's tokens decoded, special tokens left out."""
-    return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+    return encoder.decode(token_ids).strip()
 
 
-def judge(tokenizer, prompt: dict, token_ids: list[int], stop_ids: set[int]):
+def judge(encoder: ChatEncoder, prompt: dict, token_ids: list[int], stop_ids: frozenset[int]):
     """The verifier's verdict on a completion; one that never ends its answer (no stop token) is
     wrong."""
     if not token_ids or token_ids[-1] not in stop_ids:
         return Verdict(0.0, "the answer never ended within max_new_tokens")
-    return verify(prompt["verifier"], prompt["ground_truth"], completion_text(tokenizer, token_ids))
+    return verify(prompt["verifier"], prompt["ground_truth"], completion_text(encoder, token_ids))
 
 
 class RolloutWorker:
@@ -93,9 +93,9 @@ class RolloutWorker:
         self.config, self.name = config, f"worker-{config.worker}"
         self.policies = PolicyStore(config.checkpoint_uri, config.partition, config.scratch_dir)
         self.table = ReplayTable(config.lake_uri)
-        self.tokenizer = tokenizer_from_json(Path(config.tokenizer_path).read_text())
-        self.prompts = Prompts(config.lake_uri, TRAIN, self.tokenizer, config.tasks)
-        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.encoder = policy_encoder(config)
+        self.prompts = Prompts(config.lake_uri, TRAIN, self.encoder, config.tasks)
+        self.stop_ids = self.encoder.stop_ids
         self.choice = random.Random(
             f"{config.seed}:{config.worker}:{uuid.uuid4()}"
         )  # a restarted worker draws anew
@@ -158,8 +158,8 @@ class RolloutWorker:
         rows = []
         for row, completion in enumerate(completions):
             prompt = self.prompts.rows.row(chosen[completion.prompt_index], named=True)
-            text = completion_text(self.tokenizer, completion.token_ids)
-            verdict = judge(self.tokenizer, prompt, completion.token_ids, self.stop_ids)
+            text = completion_text(self.encoder, completion.token_ids)
+            verdict = judge(self.encoder, prompt, completion.token_ids, self.stop_ids)
             rows.append(
                 {
                     "rollout_id": f"{batch_id}-{row}",

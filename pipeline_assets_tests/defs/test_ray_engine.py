@@ -21,6 +21,7 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
@@ -112,6 +113,7 @@ def _landing_to_gold(
         "silver_policy": SilverPolicy(),
         "batch_gates": batch_gates(),
         "gold_policy": GoldPolicy(tokenizer_path=tokenizer_file, seq_len=SEQ_LEN),
+        "base_model": BaseModelResource(uri=""),
         "ray_engine": RayEngine(home=str(root / "home"), rows_per_block=40),
     }
     (root / "eval").mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,9 @@ from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
-from pipeline_assets.lib.gold.chat_format import PAD
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS, pack_documents
-from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.lib.ops.charts import slice_bars_png
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS
 from pipeline_assets.lib.training.eval_sample import capped_validation
@@ -239,11 +238,11 @@ class EvaluationData:
             system=pl.lit(None, pl.String),
         )
         slices.append(items.select("record_id", slice=pl.lit("eval:") + pl.col("eval_set")))
-        tokenizer_rows = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
-        tokenizer = tokenizer_from_json(tokenizer_rows["tokenizer_json"][0])
+        tokenizer_row = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+        encoder = chat_encoder(EncoderSpec.from_row(tokenizer_row.row(0, named=True)))
         seq_len = int(validation["input_ids"].list.len().max())
-        encoded = encode_records(tokenizer, items)
-        eval_packed = pack_documents(encoded, seq_len, tokenizer.token_to_id(PAD))
+        encoded = encoder.encode_records(items)
+        eval_packed = pack_documents(encoded, seq_len, encoder.pad_id)
         return cls(
             validation,
             sizes,

@@ -1,7 +1,8 @@
 """gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained
 with sft's loss) tokenized and packed into its own shard."""
 
-import hashlib
+import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,12 +15,20 @@ from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.gold.policy import GoldPolicy
-from pipeline_assets.defs.keys import GOLD_SEQUENCES, GOLD_TOKENIZER, SILVER_RECORDS
+from pipeline_assets.defs.keys import (
+    GOLD_SEQUENCES,
+    GOLD_TOKENIZER,
+    REFERENCE_BASE_MODEL,
+    SILVER_RECORDS,
+)
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.lib.formats import SFT, text_chars
-from pipeline_assets.lib.gold.chat_format import PAD, prefix_text, response_text
+from pipeline_assets.lib.gold.base_model import inspect_base_model
+from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
+from pipeline_assets.lib.gold.chat_template import base_model_special_tokens
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.gold.sequences import (
     SEQUENCES_PER_BLOCK,
@@ -37,6 +46,8 @@ from pipeline_assets.lib.gold.tokenizer import (
     train_bpe,
 )
 from pipeline_assets.lib.gold.tokenizer_sample import TokenizerSample, sample_for_tokenizer
+from pipeline_assets.resources.base_model import SETTING as BASE_MODEL_SETTING
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import LakeResource
 
@@ -76,9 +87,11 @@ NO_TOKENIZER_SAMPLE = (
 )
 
 
-def tokenizer_waits(lake: LakeResource, gold_policy: GoldPolicy) -> str | None:
+def tokenizer_waits(
+    lake: LakeResource, gold_policy: GoldPolicy, base_model: BaseModelResource | None = None
+) -> str | None:
     """Why gold/tokenizer cannot be made yet (silver holds no record to train it on), or None."""
-    if gold_policy.tokenizer_path:
+    if gold_policy.tokenizer_path or (base_model is not None and base_model.configured):
         return None
     rows = lake.scan("silver", "records")
     if rows is None or rows.select(pl.len()).collect().item() == 0:
@@ -86,70 +99,141 @@ def tokenizer_waits(lake: LakeResource, gold_policy: GoldPolicy) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _TokenizerSource:
+    """What one gold/tokenizer version is made of, and what its metadata says about where from."""
+
+    spec: EncoderSpec
+    vocab_size: int
+    origin: str
+    metadata: dict
+    silver_version: int | None = None
+    base_model_version: str | None = None
+
+
 @asset(
     key=GOLD_TOKENIZER,
     group_name="gold",
-    deps=[SILVER_RECORDS],
+    deps=[SILVER_RECORDS, REFERENCE_BASE_MODEL],
     kinds={"delta", "tokenizers"},
     automation_condition=once_when_missing(),
     retry_policy=TRANSIENT,
-    description="tokenizer.json (byte-level BPE trained on a sample of silver's training split "
-    "capped at PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names); "
-    "each Delta version is one tokenizer.",
+    description="The base model's tokenizer.json and chat template when PIPELINE_BASE_MODEL is "
+    "set; else tokenizer.json (byte-level BPE trained on a sample of silver's training split "
+    "capped at PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names) "
+    "for the built-in chat format. Each Delta version is one tokenizer.",
 )
 def gold_tokenizer(
     context: AssetExecutionContext,
     lake: LakeResource,
     gold_policy: GoldPolicy,
     batch_gates: BatchGates,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
-    if gold_policy.tokenizer_path:
-        tokenizer = _provided_tokenizer(gold_policy.tokenizer_path)
-        origin, silver_version, sample_metadata = (
-            gold_policy.tokenizer_path,
-            None,
-            {"input_chars": 0},
-        )
+    if base_model.configured:
+        source = _base_model_source(base_model)
+    elif gold_policy.tokenizer_path:
+        source = _provided_source(gold_policy.tokenizer_path)
     else:
-        silver, silver_version, _ = scan_usable_silver(context, lake, batch_gates)
-        sample = _tokenizer_sample(silver, silver_version, gold_policy)
-        context.log.info(
-            f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} "
-            f"of {sample.train_records} training records ({sample.chars:,} of "
-            f"{sample.train_chars:,} characters, capped at {sample.max_chars:,})"
-        )
-        tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
-        origin = "trained on silver/records (a capped sample of the training split)"
-        sample_metadata = _sample_metadata(sample)
-    text = tokenizer_to_json(tokenizer)
+        source = _trained_source(context, lake, gold_policy, batch_gates)
+    spec = source.spec
     row = pl.DataFrame(
         {
-            "tokenizer_json": [text],
-            "sha256": [hashlib.sha256(text.encode()).hexdigest()],
-            "vocab_size": [tokenizer.get_vocab_size()],
-            "origin": [origin],
-            "silver_version": [silver_version],
+            "tokenizer_json": [spec.tokenizer_json],
+            "chat_template": [spec.chat_template],
+            "special_tokens": [spec.special_tokens_json],
+            "base_model_version": [source.base_model_version],
+            "sha256": [spec.sha256],
+            "vocab_size": [source.vocab_size],
+            "origin": [source.origin],
+            "silver_version": [source.silver_version],
             "created_at": [datetime.now(timezone.utc)],
-        }
+        },
+        schema_overrides={
+            name: pl.String for name in ("chat_template", "special_tokens", "base_model_version")
+        },
     )
     row = validate(conform(row, GoldTokenizer), GoldTokenizer)
-    commit = lake.overwrite("gold", "tokenizer", row)
+    commit = lake.overwrite("gold", "tokenizer", row, add_columns=True)
     return MaterializeResult(
         metadata={
             **delta_write_metadata(
                 commit,
                 polars_schema(GoldTokenizer),
-                upstream_versions={"silver/records": silver_version},
-                input_bytes=len(text),
+                upstream_versions={"silver/records": source.silver_version},
+                input_bytes=len(spec.tokenizer_json),
                 stopwatch=stopwatch,
             ),
             "tokenizer_version": commit.version,
-            "vocab_size": tokenizer.get_vocab_size(),
-            "sha256": row["sha256"][0],
-            "origin": origin,
-            **sample_metadata,
+            "vocab_size": source.vocab_size,
+            "sha256": spec.sha256,
+            "origin": source.origin,
+            "chat_layout": "the base model's chat template"
+            if spec.chat_template is not None
+            else "the built-in chat format",
+            **source.metadata,
         }
+    )
+
+
+def _base_model_source(base_model: BaseModelResource) -> _TokenizerSource:
+    """The base model's own tokenizer, chat template and the special tokens the template reads;
+    nothing is trained. A model or template gold cannot use is refused (not retried)."""
+    try:
+        folder = base_model.local_folder()
+        model = inspect_base_model(folder)
+        spec = EncoderSpec(
+            (folder / "tokenizer.json").read_text(),
+            model.chat_template,
+            json.dumps(base_model_special_tokens(folder), sort_keys=True),
+        )
+        chat_encoder(spec)  # renders a probe: a template that cannot be cut into turns stops here
+    except ValueError as error:  # BaseModelError is one
+        raise refusal(f"{BASE_MODEL_SETTING}={base_model.uri}: {error}") from error
+    return _TokenizerSource(
+        spec=spec,
+        vocab_size=model.vocab_size,
+        origin=f"base model {base_model.uri}",
+        base_model_version=model.version,
+        metadata={
+            "base_model_uri": MetadataValue.path(base_model.uri),
+            "base_model_version": model.version,
+            "input_chars": 0,
+        },
+    )
+
+
+def _provided_source(path: str) -> _TokenizerSource:
+    tokenizer = _provided_tokenizer(path)
+    return _TokenizerSource(
+        spec=EncoderSpec(tokenizer_to_json(tokenizer)),
+        vocab_size=tokenizer.get_vocab_size(),
+        origin=path,
+        metadata={"input_chars": 0},
+    )
+
+
+def _trained_source(
+    context: AssetExecutionContext,
+    lake: LakeResource,
+    gold_policy: GoldPolicy,
+    batch_gates: BatchGates,
+) -> _TokenizerSource:
+    silver, silver_version, _ = scan_usable_silver(context, lake, batch_gates)
+    sample = _tokenizer_sample(silver, silver_version, gold_policy)
+    context.log.info(
+        f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} "
+        f"of {sample.train_records} training records ({sample.chars:,} of "
+        f"{sample.train_chars:,} characters, capped at {sample.max_chars:,})"
+    )
+    tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
+    return _TokenizerSource(
+        spec=EncoderSpec(tokenizer_to_json(tokenizer)),
+        vocab_size=tokenizer.get_vocab_size(),
+        origin="trained on silver/records (a capped sample of the training split)",
+        silver_version=silver_version,
+        metadata=_sample_metadata(sample),
     )
 
 
@@ -233,15 +317,15 @@ def gold_sequences(
     stopwatch = Stopwatch()
     batch = context.partition_key
     silver, silver_versions = _sft_objective_rows(lake, batch)
-    tokenizer_version, tokenizer_json = current_tokenizer(lake)
-    tokenizer = tokenizer_from_json(tokenizer_json)
+    tokenizer_version, spec = current_tokenizer(lake)
+    encoder = chat_encoder(spec)
     records = assign_split(
         silver.sort("record_id"),
         gold_policy.validation_fraction,
         search_fraction=gold_policy.search_fraction,
     )
     tokenized = ray_engine.run(
-        [tokenize_stage(tokenizer_json)],
+        [tokenize_stage(spec)],
         records.select("record_id", "system", "prompt", "response", "source", "split"),
     )
     encoded = tokenized.kept
@@ -255,7 +339,7 @@ def gold_sequences(
     sequences, packing = build_sequences(
         encoded,
         seq_len=gold_policy.seq_len,
-        pad_id=tokenizer.token_to_id(PAD),
+        pad_id=encoder.pad_id,
         seed=shard_seed(gold_policy.shuffle_seed, batch),
     )
     sequences = validate(
@@ -341,12 +425,17 @@ def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, d
     return pl.concat(frames), versions
 
 
-def current_tokenizer(lake: LakeResource) -> tuple[int, str]:
-    """The newest gold/tokenizer version and its tokenizer.json text."""
+def current_tokenizer(lake: LakeResource) -> tuple[int, EncoderSpec]:
+    """The newest gold/tokenizer version and what builds its encoder."""
     version = lake.version("gold", "tokenizer")
     if version is None:
         raise refusal("gold/tokenizer does not exist yet: materialize it first")
-    return version, lake.read("gold", "tokenizer", version=version)["tokenizer_json"][0]
+    return version, tokenizer_spec(lake, version)
+
+
+def tokenizer_spec(lake: LakeResource, version: int) -> EncoderSpec:
+    """What builds the encoder of one gold/tokenizer version."""
+    return EncoderSpec.from_row(lake.read("gold", "tokenizer", version=version).row(0, named=True))
 
 
 def _shard_rows(sequences: pl.DataFrame, batch: str, tokenizer_version: int) -> pl.DataFrame:

@@ -18,7 +18,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.lib.gold.chat_format import PAD
+from pipeline_assets.lib.gold.encoder import chat_encoder
 from pipeline_assets.lib.gold.preference import (
     PAIR_INPUT,
     build_pair_sequences,
@@ -26,7 +26,6 @@ from pipeline_assets.lib.gold.preference import (
 )
 from pipeline_assets.lib.gold.sequences import SEQUENCES_PER_BLOCK, shard_seed
 from pipeline_assets.lib.gold.splits import VALIDATION, assign_split
-from pipeline_assets.lib.gold.tokenizer import tokenizer_from_json
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import LakeResource
 
@@ -60,13 +59,13 @@ def gold_preference_sequences(
     pairs = lake.read(
         *SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch
     )
-    tokenizer_version, tokenizer_json = current_tokenizer(lake)
-    pad_id = tokenizer_from_json(tokenizer_json).token_to_id(PAD)
+    tokenizer_version, spec = current_tokenizer(lake)
+    pad_id = chat_encoder(spec).pad_id
     # All pairs of one prompt on one side: a held-out prompt's pairs were never trained on.
     split = assign_split(
         pairs.sort("record_id"), gold_policy.preference_validation_fraction, key="prompt_hash"
     )
-    tokenized = ray_engine.run([tokenize_pairs_stage(tokenizer_json)], split.select(PAIR_INPUT))
+    tokenized = ray_engine.run([tokenize_pairs_stage(spec)], split.select(PAIR_INPUT))
     rows, left_out, packing = build_pair_sequences(
         tokenized.kept, gold_policy.seq_len, shard_seed(gold_policy.shuffle_seed, batch), pad_id
     )

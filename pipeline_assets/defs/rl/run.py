@@ -38,6 +38,7 @@ from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.rl.workers import RolloutWorkers
+from pipeline_assets.lib.gold.encoder import EncoderSpec
 from pipeline_assets.lib.ops.charts import reward_curve_png
 from pipeline_assets.lib.rl.replay import StalenessPolicy, freshness, reward_signal
 from pipeline_assets.lib.uris import redact
@@ -123,7 +124,7 @@ def rl_policy(
 ):
     run = f"rl-{context.run_id[:8]}"  # a retry of this Dagster run resumes it
     folder = Path(launcher.scratch()) / "rl" / run
-    init_from, tokenizer_path, started_from = _starting_policy(
+    init_from, tokenizer_path, chat_template_path, started_from = _starting_policy(
         config, lake, mlflow_tracking, registry_policy, folder
     )
     mlflow_run = mlflow_tracking.open_run(
@@ -136,6 +137,7 @@ def rl_policy(
         checkpoint_uri=launcher.checkpoint_uri,
         partition=run,
         tokenizer_path=tokenizer_path,
+        chat_template_path=chat_template_path,
         init_from=init_from,
         tasks=config.tasks,
         updates=config.updates or rl_policy.updates,
@@ -203,15 +205,15 @@ def _starting_policy(
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
     folder: Path,
-) -> tuple[str, str, str]:
-    """(exported model folder, tokenizer.json, what it is): the run config's, else the sft champion
-    with the gold/tokenizer version it was trained on."""
+) -> tuple[str, str, str, str]:
+    """(exported model folder, tokenizer.json, chat template file or "", what it is): the run
+    config's, else the sft champion with the gold/tokenizer version it was trained on."""
     if config.init_from or config.tokenizer_path:
         if not (config.init_from and config.tokenizer_path):
             raise Failure(
                 allow_retries=False, description="init_from and tokenizer_path go together"
             )
-        return config.init_from, config.tokenizer_path, config.init_from
+        return config.init_from, config.tokenizer_path, "", config.init_from
     waits = policy_waits(mlflow_tracking, registry_policy)
     if waits:
         raise refusal(waits)
@@ -219,10 +221,20 @@ def _starting_policy(
     model_dir = mlflow_tracking.download_model(
         registry_policy.model_name, str(champion.version), folder / "init"
     )
-    tokenizer = lake.read(*GOLD_TOKENIZER.path, version=int(champion.tags["delta.gold/tokenizer"]))
+    row = lake.read(*GOLD_TOKENIZER.path, version=int(champion.tags["delta.gold/tokenizer"]))
+    spec = EncoderSpec.from_row(row.row(0, named=True))
     tokenizer_path = folder / "tokenizer.json"
-    tokenizer_path.write_text(tokenizer["tokenizer_json"][0])
-    return str(model_dir), str(tokenizer_path), f"{registry_policy.model_name}/{champion.version}"
+    tokenizer_path.write_text(spec.tokenizer_json)
+    template_path = ""
+    if (template := spec.template_file_text()) is not None:
+        template_path = folder / "chat_template.json"
+        template_path.write_text(template)
+    return (
+        str(model_dir),
+        str(tokenizer_path),
+        str(template_path),
+        f"{registry_policy.model_name}/{champion.version}",
+    )
 
 
 def _worker_command(config: RlConfig, number: int, lagging_worker_lag: int) -> list[str]:

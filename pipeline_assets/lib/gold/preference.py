@@ -1,9 +1,10 @@
 """Gold for preference pairs: a batch's silver pairs tokenized, then packed per split and shuffled.
 
-A pair renders as two chat-format documents sharing one prefix (``chat_format.prefix_text``):
-prefix + ``response_text(chosen)`` and prefix + ``response_text(rejected)``; the loss mask covers
-the responses. ``lib.gold.preference_packing`` keeps both documents of a pair in one row; a pair
-longer than the sequence length is left out whole and counted. Splits are packed apart, as gold's
+A pair renders as two documents sharing one prefix (the prompt up to the assistant's turn, in the
+chat format or the base model's template, ``lib.gold.encoder``): prefix + chosen and prefix +
+rejected, each response with the end of its turn; the loss mask covers the responses.
+``lib.gold.preference_packing`` keeps both documents of a pair in one row; a pair longer than the
+sequence length is left out whole and counted. Splits are packed apart, as gold's
 sft shards are, and each is shuffled with the shard's seed.
 """
 
@@ -13,11 +14,10 @@ from functools import partial
 
 import polars as pl
 
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.packing import shuffle_sequences
 from pipeline_assets.lib.gold.preference_packing import LEFT_OUT_SCHEMA, ROWS_SCHEMA, pack_pairs
-from pipeline_assets.lib.gold.sequences import cached_tokenizer
 from pipeline_assets.lib.gold.splits import SPLITS
-from pipeline_assets.lib.gold.tokenizer import encode_records
 from pipeline_assets.lib.stages import Stage
 
 # PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
@@ -25,33 +25,37 @@ VALIDATION_FRACTION = 0.10
 PAIR_INPUT = ("record_id", "system", "prompt", "chosen", "rejected", "source", "split")
 
 
-def tokenize_pairs_stage(tokenizer_json: str) -> Stage:
+def tokenize_pairs_stage(spec: EncoderSpec) -> Stage:
     """Gold's block stage for pairs: PAIR_INPUT rows -> pair_id, prefix_ids, chosen_ids,
     rejected_ids, n_tokens (the pair's unit: two prefixes and both responses), source and split, in
     the block's order."""
-    return Stage("tokenize", partial(_tokenize_pairs_block, tokenizer_json=tokenizer_json))
+    return Stage("tokenize", partial(_tokenize_pairs_block, spec=spec))
 
 
 def _tokenize_pairs_block(
-    block: pl.DataFrame, tokenizer_json: str
+    block: pl.DataFrame, spec: EncoderSpec
 ) -> tuple[pl.DataFrame, None, dict]:
-    tokenizer = cached_tokenizer(tokenizer_json)
+    encoder = chat_encoder(spec)
     sides = {
-        side: encode_records(
-            tokenizer, block.select("record_id", "system", "prompt", response=side)
-        )
+        side: encoder.encode_records(block.select("record_id", "system", "prompt", response=side))
         for side in ("chosen", "rejected")
     }
+    # The prefix ends where the loss starts; the response is what the loss covers (a template's
+    # text after the end-of-turn token, ChatML's newline, is left out of the pair).
     chosen, rejected = (
-        encoded.select(prefix=pl.col("n_tokens") - pl.col("n_response_tokens"), ids="input_ids")
+        encoded.select(
+            prefix=pl.col("loss_mask").list.arg_max(),
+            response="n_response_tokens",
+            ids="input_ids",
+        )
         for encoded in sides.values()
     )
     tokenized = pl.DataFrame(
         {
             "pair_id": block["record_id"],
             "prefix_ids": chosen.select(pl.col("ids").list.head(pl.col("prefix")))["ids"],
-            "chosen_ids": chosen.select(pl.col("ids").list.slice(pl.col("prefix")))["ids"],
-            "rejected_ids": rejected.select(pl.col("ids").list.slice(pl.col("prefix")))["ids"],
+            "chosen_ids": _responses(chosen),
+            "rejected_ids": _responses(rejected),
         }
     ).with_columns(block.select("source", "split"))
     tokenized = tokenized.with_columns(
@@ -62,6 +66,10 @@ def _tokenize_pairs_block(
         ).cast(pl.Int32)
     )
     return tokenized, None, {"tokens": int(tokenized["n_tokens"].sum())}
+
+
+def _responses(encoded: pl.DataFrame) -> pl.Series:
+    return encoded.select(pl.col("ids").list.slice(pl.col("prefix"), pl.col("response")))["ids"]
 
 
 def build_pair_sequences(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 
 import numpy as np
 import polars as pl
 
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.packing import (
     PackingPlan,
     pack,
@@ -18,7 +19,6 @@ from pipeline_assets.lib.gold.packing import (
     shuffle_sequences,
 )
 from pipeline_assets.lib.gold.splits import SPLITS
-from pipeline_assets.lib.gold.tokenizer import encode_records, tokenizer_from_json
 from pipeline_assets.lib.stages import Stage
 
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
@@ -91,25 +91,16 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
-def tokenize_stage(tokenizer_json: str) -> Stage:
+def tokenize_stage(spec: EncoderSpec) -> Stage:
     """Gold's block stage: records (record_id, system, prompt, response, source, split) -> their
     encodings (``lib.gold.tokenizer.ENCODED_SCHEMA`` plus source and split), in the block's order.
     It removes nothing; an engine runs it block by block, here or on Ray."""
-    return Stage("tokenize", partial(_tokenize_block, tokenizer_json=tokenizer_json))
+    return Stage("tokenize", partial(_tokenize_block, spec=spec))
 
 
-def _tokenize_block(block: pl.DataFrame, tokenizer_json: str) -> tuple[pl.DataFrame, None, dict]:
-    encoded = encode_records(cached_tokenizer(tokenizer_json), block).with_columns(
-        block.select("source", "split")
-    )
+def _tokenize_block(block: pl.DataFrame, spec: EncoderSpec) -> tuple[pl.DataFrame, None, dict]:
+    encoded = chat_encoder(spec).encode_records(block).with_columns(block.select("source", "split"))
     return encoded, None, {"tokens": int(encoded["n_tokens"].sum())}
-
-
-@lru_cache(maxsize=2)
-def cached_tokenizer(tokenizer_json: str):
-    """Built once per process (a Ray worker keeps it for every block it runs), not once per
-    block."""
-    return tokenizer_from_json(tokenizer_json)
 
 
 def shard_seed(seed: int, batch_id: str) -> int:

@@ -8,6 +8,7 @@ import random
 import polars as pl
 
 from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
+from pipeline_assets.lib.gold.encoder import EncoderSpec
 from pipeline_assets.lib.gold.preference import build_pair_sequences, tokenize_pairs_stage
 from pipeline_assets.lib.gold.tokenizer import tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.lib.stages import run_stages
@@ -49,7 +50,7 @@ def test_a_pair_is_its_prompt_once_and_each_answer_as_the_chat_format_renders_it
     pairs = _pairs(12)
     tokenizer_json = _tokenizer_json(pairs)
     tokenizer = tokenizer_from_json(tokenizer_json)
-    result = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs)
+    result = run_stages([tokenize_pairs_stage(EncoderSpec(tokenizer_json))], pairs)
     tokenized, counters = result.kept, result.counters["tokenize"]
     assert tokenized["pair_id"].to_list() == pairs["record_id"].to_list()
     assert counters.pop("seconds") >= 0 and counters == {
@@ -71,7 +72,7 @@ def test_a_pair_is_its_prompt_once_and_each_answer_as_the_chat_format_renders_it
 def test_pairs_are_packed_per_split_and_a_pair_too_long_is_left_out_whole():
     pairs = _pairs(30)
     tokenizer_json = _tokenizer_json(pairs)
-    tokenized = run_stages([tokenize_pairs_stage(tokenizer_json)], pairs).kept
+    tokenized = run_stages([tokenize_pairs_stage(EncoderSpec(tokenizer_json))], pairs).kept
     seq_len = (
         int(tokenized["n_tokens"].sort()[-2]) + 1
     )  # the longest pair does not fit, every other one does
