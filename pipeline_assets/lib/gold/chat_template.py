@@ -41,9 +41,9 @@ from tokenizers import Tokenizer
 
 from pipeline_assets.lib.gold.tokenizer import (
     ENCODED_SCHEMA,
-    _check_required_text,
-    _list_series,
-    _plain_text_encoder,
+    check_required_text,
+    list_series,
+    plain_text_encoder,
 )
 
 ASSISTANT = "assistant"
@@ -80,7 +80,10 @@ class ChatTemplateEncoder:
 
     def __init__(self, tokenizer_json: str, template: str, special_tokens: Mapping[str, str]):
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self._plain = _plain_text_encoder(self.tokenizer)
+        # A tokenizer.json may carry a truncation or padding of its own; gold packs sequences.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self._plain = plain_text_encoder(self.tokenizer)
         self._template = compile_chat_template(template)
         self._variables = dict(special_tokens)
         specials = sorted(
@@ -103,7 +106,7 @@ class ChatTemplateEncoder:
     def encode_records(self, frame: pl.DataFrame) -> pl.DataFrame:
         """frame: record_id, system (nullable), prompt, response -> ``ENCODED_SCHEMA``, same row
         order, each record rendered as [system], user, assistant."""
-        _check_required_text(frame)
+        check_required_text(frame)
         rows = frame.select("system", "prompt", "response").iter_rows()
         return self.encode_conversations(
             frame["record_id"], [record_messages(*row) for row in rows]
@@ -112,10 +115,7 @@ class ChatTemplateEncoder:
     def encode_prompts(self, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
         """Each prompt's ids up to the assistant's turn (the generation prompt included): what a
         model generates its answer after, as ``encode_records`` encodes the same prompt."""
-        segments = [
-            [(self._render(self._marked_messages(record_messages(system, p, None)), True), False)]
-            for p in prompts
-        ]
+        segments = [self.prompt_segments(record_messages(system, p, None)) for p in prompts]
         ids, _, n_tokens, _ = self._encode(segments)
         ends = np.cumsum(n_tokens)
         return [ids[end - n : end].tolist() for end, n in zip(ends, n_tokens, strict=True)]
@@ -139,8 +139,8 @@ class ChatTemplateEncoder:
         return pl.DataFrame(
             {
                 "record_id": pl.Series(record_ids, dtype=pl.String),
-                "input_ids": _list_series(offsets, flat_ids),
-                "loss_mask": _list_series(offsets, flat_mask),
+                "input_ids": list_series(offsets, flat_ids),
+                "loss_mask": list_series(offsets, flat_mask),
                 "n_tokens": n_tokens.astype(np.int32),
                 "n_response_tokens": n_response.astype(np.int32),
             },
@@ -176,6 +176,15 @@ class ChatTemplateEncoder:
         if marked is not messages:
             self._check_marks_change_nothing(messages, whole)
         return [(text, in_loss) for text, in_loss in pieces if text]
+
+    def prompt_segments(self, messages: Sequence[Mapping]) -> list[tuple[str, bool]]:
+        """The rendering of ``messages`` with the generation prompt, as one piece out of the loss
+        (the prefix of the next assistant turn's segments)."""
+        marked = self._marked_messages(messages)
+        text = self._render(marked, True)
+        if marked is not messages:
+            self._check_marks_change_nothing(messages, text, add_generation_prompt=True)
+        return [(text, False)]
 
     def _render(self, messages: Sequence[Mapping], add_generation_prompt: bool) -> str:
         try:
@@ -215,9 +224,11 @@ class ChatTemplateEncoder:
             )
         return ends[-1]
 
-    def _check_marks_change_nothing(self, messages: Sequence[Mapping], whole: str) -> None:
-        unmarked = self._marked.sub(r"\1", whole)
-        if self._render(messages, False) != unmarked:
+    def _check_marks_change_nothing(
+        self, messages: Sequence[Mapping], rendered: str, add_generation_prompt: bool = False
+    ) -> None:
+        unmarked = self._marked.sub(r"\1", rendered)
+        if self._render(messages, add_generation_prompt) != unmarked:
             raise ValueError(
                 "the chat template renders a message holding a special-token string differently "
                 "once that string is marked as text: its content cannot be kept plain text"

@@ -153,7 +153,7 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     For ordinary text the ids equal those of encoding the formatted strings (special tokens split
     the text).
     """
-    _check_required_text(frame)
+    check_required_text(frame)
     if frame.is_empty():
         return pl.DataFrame(schema=ENCODED_SCHEMA)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
@@ -161,7 +161,7 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     parts = (systems, frame["prompt"].to_list(), frame["response"].to_list())
     chunks = [
         _read_chunk(encodings, ids)
-        for encodings in _encode_chunks(_plain_text_encoder(tokenizer), *parts)
+        for encodings in _encode_chunks(plain_text_encoder(tokenizer), *parts)
     ]
     flat_ids, n_prefix, n_response = (
         np.concatenate(values) for values in zip(*chunks, strict=True)
@@ -172,8 +172,8 @@ def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(
         {
             "record_id": frame["record_id"],
-            "input_ids": _list_series(offsets, flat_ids),
-            "loss_mask": _list_series(offsets, _flat_loss_mask(n_prefix, n_response)),
+            "input_ids": list_series(offsets, flat_ids),
+            "loss_mask": list_series(offsets, _flat_loss_mask(n_prefix, n_response)),
             "n_tokens": n_tokens,
             "n_response_tokens": n_response,
         },
@@ -203,14 +203,14 @@ def encode_prompts(
     ]
 
 
-def _plain_text_encoder(tokenizer: Tokenizer) -> Tokenizer:
+def plain_text_encoder(tokenizer: Tokenizer) -> Tokenizer:
     """A copy of the tokenizer that encodes special-token strings in its input as ordinary text."""
     plain = Tokenizer.from_str(tokenizer.to_str())
     plain.encode_special_tokens = True
     return plain
 
 
-def _check_required_text(frame: pl.DataFrame) -> None:
+def check_required_text(frame: pl.DataFrame) -> None:
     nulls = frame.select(pl.col("prompt", "response").null_count()).row(0, named=True)
     if any(nulls.values()):
         raise ValueError(f"prompt and response must not be null, got null counts {nulls}")
@@ -287,6 +287,6 @@ def _flat_loss_mask(n_prefix: np.ndarray, n_response: np.ndarray) -> np.ndarray:
     return np.repeat(zeros_then_ones, np.column_stack([n_prefix, n_response]).ravel())
 
 
-def _list_series(offsets: np.ndarray, flat_values: np.ndarray) -> pl.Series:
+def list_series(offsets: np.ndarray, flat_values: np.ndarray) -> pl.Series:
     """A list column from row offsets into flat values, without a Python list per row."""
     return pl.Series(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat_values)))
