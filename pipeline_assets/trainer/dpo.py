@@ -23,7 +23,16 @@ def document_logps(
     position_ids: torch.Tensor,
 ) -> torch.Tensor:
     """(n_documents,): per document, the summed log-probability of its loss-masked tokens, documents
-    in row order, row after row.
+    in row order, row after row (``summed_document_logps`` of the logits' next-token
+    log-probabilities)."""
+    return summed_document_logps(_target_logps(logits, input_ids), loss_mask, position_ids)
+
+
+def summed_document_logps(
+    target_logps: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """(n_documents,) from ``target_logps`` (B, T-1), log p(token t+1 | tokens <= t): e.g. the
+    negated per-token losses a model computes in chunks (``model(..., next_token_losses=True)``).
 
     A document starts wherever ``position_ids`` is 0; its first token is never a target (the shift
     stops at every boundary, as in the SFT loss). The padding tail, the last segment of a row with
@@ -32,14 +41,14 @@ def document_logps(
     segment, last_of_row = _segments(position_ids)
     n_segments = int(last_of_row[-1]) + 1 if last_of_row.numel() else 0
     counted = counted_targets(loss_mask.bool(), position_ids)
-    token_logps = torch.where(counted, _target_logps(logits, input_ids), 0.0)
+    token_logps = torch.where(counted, target_logps, 0.0)
     sums = token_logps.new_zeros(n_segments).index_add(
         0, segment[:, 1:].flatten(), token_logps.flatten()
     )
-    loss_tokens = torch.zeros(n_segments, dtype=torch.long, device=logits.device).index_add(
+    loss_tokens = torch.zeros(n_segments, dtype=torch.long, device=target_logps.device).index_add(
         0, segment.flatten(), loss_mask.flatten().long()
     )
-    is_padding = torch.zeros(n_segments, dtype=torch.bool, device=logits.device)
+    is_padding = torch.zeros(n_segments, dtype=torch.bool, device=target_logps.device)
     is_padding[last_of_row] = loss_tokens[last_of_row] == 0
     return sums[~is_padding]
 

@@ -13,7 +13,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib.gold.sequences import pack_documents
-from pipeline_assets.trainer.model import Transformer, counted_targets, token_losses
+from pipeline_assets.trainer.model import Transformer, counted_targets
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
 
@@ -51,7 +51,11 @@ def packed_document_losses(
 
 
 def sequence_losses(
-    model: Transformer, encoded: pl.DataFrame, max_len: int, pad_id: int, batch_size: int = 16
+    model: Transformer,
+    encoded: pl.DataFrame,
+    max_len: int,
+    pad_id: int,
+    batch_size: int = 16,
 ) -> pl.DataFrame:
     """encoded: record_id, input_ids, loss_mask (one document a row, e.g. eval-set items) -> the
     same per-record sums, each document cut to ``max_len`` tokens and packed
@@ -80,10 +84,8 @@ def _matrix(column: pl.Series) -> torch.Tensor:
 
 def _token_losses(model, input_ids, loss_mask, position_ids) -> tuple[np.ndarray, np.ndarray]:
     """Per target token (B, T-1): its loss, and whether it counts (the trainer's rule)."""
-    logits = model(input_ids, position_ids)
-    return token_losses(logits, input_ids).cpu().numpy(), counted_targets(
-        loss_mask, position_ids
-    ).cpu().numpy()
+    losses = model(input_ids, position_ids, next_token_losses=True)
+    return losses.cpu().numpy(), counted_targets(loss_mask, position_ids).cpu().numpy()
 
 
 def _per_piece(

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from pipeline_assets.trainer.config import ModelConfig
+from pipeline_assets.trainer.losses import next_token_losses as chunked_next_token_losses
 
 
 class RMSNorm(nn.Module):
@@ -196,15 +197,22 @@ class Transformer(nn.Module):
                 )
                 nn.init.normal_(parameter, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids and their in-document positions, both (B, T)."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, next_token_losses: bool = False
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids and their in-document positions, both (B, T); with
+        ``next_token_losses``, each token's next-token cross-entropy (B, T-1) instead, computed a
+        chunk at a time (``trainer.losses``) without the whole logits ever in memory."""
         cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
         flex = self.attention_kernel == "flex"
         mask = document_block_mask(position_ids) if flex else document_causal_mask(position_ids)
         x = self.embedding(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        return self.output(self.norm(x))
+        x = self.norm(x)
+        if next_token_losses:
+            return chunked_next_token_losses(x, self.output.weight, input_ids)
+        return self.output(x)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -243,5 +251,12 @@ def loss_sum_and_count(
     position_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the counted targets, and how many there are."""
+    return counted_loss_sum(token_losses(logits, input_ids), loss_mask, position_ids)
+
+
+def counted_loss_sum(
+    losses: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of per-target losses (B, T-1) over the counted targets, and how many there are."""
     counted = counted_targets(loss_mask, position_ids)
-    return (token_losses(logits, input_ids) * counted).sum(), counted.sum()
+    return (losses * counted).sum(), counted.sum()

@@ -15,8 +15,8 @@ import torch
 
 from pipeline_assets.trainer.config import TrainConfig
 from pipeline_assets.trainer.data import Snapshot, read_preference_snapshot, read_snapshot
-from pipeline_assets.trainer.dpo import chosen_and_rejected, document_logps, dpo_loss
-from pipeline_assets.trainer.model import counted_targets, loss_sum_and_count
+from pipeline_assets.trainer.dpo import chosen_and_rejected, dpo_loss, summed_document_logps
+from pipeline_assets.trainer.model import counted_loss_sum, counted_targets
 
 Batch = dict[str, torch.Tensor]
 
@@ -33,11 +33,12 @@ class Objective:
         raise NotImplementedError
 
     def loss(
-        self, logits: torch.Tensor, batch: Batch, global_units: torch.Tensor, world_size: int
+        self, token_losses: torch.Tensor, batch: Batch, global_units: torch.Tensor, world_size: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(what this micro-batch backpropagates, the sums over its units of what a step reports:
-        ``loss`` and the objective's own metrics; divided by the global units, they are the global
-        batch's means)."""
+        """From the model's next-token losses of the batch (B, T-1, ``model(input_ids,
+        position_ids, next_token_losses=True)``): (what this micro-batch backpropagates, the sums
+        over its units of what a step reports: ``loss`` and the objective's own metrics; divided by
+        the global units, they are the global batch's means)."""
         raise NotImplementedError
 
     def evaluation(self, means: dict[str, float], split: str) -> dict[str, float]:
@@ -58,10 +59,8 @@ class NextTokenPrediction(Objective):
     def units(self, batch: Batch) -> torch.Tensor:
         return counted_targets(batch["loss_mask"], batch["position_ids"]).sum()
 
-    def loss(self, logits, batch, global_units, world_size):
-        loss_sum, _ = loss_sum_and_count(
-            logits, batch["input_ids"], batch["loss_mask"], batch["position_ids"]
-        )
+    def loss(self, token_losses, batch, global_units, world_size):
+        loss_sum, _ = counted_loss_sum(token_losses, batch["loss_mask"], batch["position_ids"])
         return loss_sum * (world_size / global_units.clamp(min=1)), {"loss": loss_sum.detach()}
 
 
@@ -87,8 +86,9 @@ class DirectPreference(Objective):
         reference = batch["reference_logps"]  # two documents a pair, checked when read
         return torch.tensor(reference.numel() // 2, device=reference.device)
 
-    def loss(self, logits, batch, global_units, world_size):
-        policy, reference = document_logps(logits, **_sequences(batch)), batch["reference_logps"]
+    def loss(self, token_losses, batch, global_units, world_size):
+        policy = summed_document_logps(-token_losses, batch["loss_mask"], batch["position_ids"])
+        reference = batch["reference_logps"]
         if policy.numel() != reference.numel():
             raise ValueError(
                 f"the policy finds {policy.numel()} documents in a batch whose reference "
@@ -114,7 +114,3 @@ class DirectPreference(Objective):
 
 def build_objective(config: TrainConfig) -> Objective:
     return DirectPreference(config.beta) if config.objective == "dpo" else NextTokenPrediction()
-
-
-def _sequences(batch: Batch) -> Batch:
-    return {name: batch[name] for name in ("input_ids", "loss_mask", "position_ids")}

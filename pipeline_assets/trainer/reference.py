@@ -28,7 +28,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.trainer.data import COLUMNS, LOGPS_COLUMN, PackedSequences
-from pipeline_assets.trainer.dpo import document_logps
+from pipeline_assets.trainer.dpo import summed_document_logps
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.model import Transformer
 from pipeline_assets.trainer.score import scoring_device
@@ -108,7 +108,11 @@ def key_columns(columns) -> list[str]:
 
 @torch.no_grad()
 def reference_logps(
-    model: Transformer, rows: pl.DataFrame, batch_size: int = 16, progress=None, log_every: int = 50
+    model: Transformer,
+    rows: pl.DataFrame,
+    batch_size: int = 16,
+    progress=None,
+    log_every: int = 50,
 ) -> pl.DataFrame:
     """rows: the key columns, input_ids, loss_mask, position_ids, pair_ids -> the key columns and
     ``reference_logps`` (one value per document, in row order), row for row. ``progress(rows_done)``
@@ -158,10 +162,12 @@ def _batch_logps(
         **{name: chunk[name].list.to_array(width).to_numpy() for name in COLUMNS}
     )
     batch = sequences.batch(np.arange(chunk.height), device)
-    logits = model(batch["input_ids"], batch["position_ids"])
+    target_logps = -model(batch["input_ids"], batch["position_ids"], next_token_losses=True)
     # row by row, so each row's documents are counted by the same rule that scores them
     return [
-        document_logps(logits[i : i + 1], *(batch[name][i : i + 1] for name in COLUMNS))
+        summed_document_logps(
+            target_logps[i : i + 1], batch["loss_mask"][i : i + 1], batch["position_ids"][i : i + 1]
+        )
         .double()
         .tolist()
         for i in range(chunk.height)

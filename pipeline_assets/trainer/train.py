@@ -231,8 +231,8 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for number, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(number == len(micro_batches) - 1)
-            logits = self.model(batch["input_ids"], batch["position_ids"])
-            loss, batch_sums = self.objective.loss(logits, batch, units, self.env.world_size)
+            losses = self.model(batch["input_ids"], batch["position_ids"], next_token_losses=True)
+            loss, batch_sums = self.objective.loss(losses, batch, units, self.env.world_size)
             loss.backward()
             _add(sums, batch_sums)
         return self._global_means(sums, units)
@@ -261,8 +261,8 @@ class Trainer:
                 mine[start : start + self.config.micro_batch_size], self.env.device
             )
             batch_units = self.objective.units(batch)
-            logits = self.model(batch["input_ids"], batch["position_ids"])
-            _, batch_sums = self.objective.loss(logits, batch, batch_units, 1)
+            losses = self.model(batch["input_ids"], batch["position_ids"], next_token_losses=True)
+            _, batch_sums = self.objective.loss(losses, batch, batch_units, 1)
             units += batch_units
             _add(sums, batch_sums)
         self.model.train()

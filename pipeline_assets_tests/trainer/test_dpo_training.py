@@ -361,9 +361,8 @@ def _held_out_means(trainer: Trainer) -> dict[str, float]:
     held_out = trainer.snapshot.validation
     batch = held_out.batch(np.arange(len(held_out)), trainer.env.device)
     units = trainer.objective.units(batch)
-    _, sums = trainer.objective.loss(
-        trainer.model(batch["input_ids"], batch["position_ids"]), batch, units, 1
-    )
+    losses = trainer.model(batch["input_ids"], batch["position_ids"], next_token_losses=True)
+    _, sums = trainer.objective.loss(losses, batch, units, 1)
     return {name: (value / units).item() for name, value in sums.items()}
 
 
