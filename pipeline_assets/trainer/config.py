@@ -60,6 +60,9 @@ class TrainConfig:
     checkpoint_uri: str
     partition: str
     preset: str = "tiny"
+    # a Hugging Face model folder to post-train instead of a preset (its config sets the
+    # architecture and the vocabulary; preset, width and vocab_size are then not used)
+    base_model: str = ""
     width: int = 0  # the model's dim instead of the preset's (a search dimension); 0: the preset's
     vocab_size: int = 8192
     steps: int = 200
@@ -85,14 +88,18 @@ class TrainConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = True
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    attention: str = "auto"  # auto: flex on GPU, dense on CPU (ATTENTION_SETTINGS)
+    # auto: flex on GPU, dense on CPU (ATTENTION_SETTINGS); with base_model: flash-attn 2 on a GPU
+    # when installed, else flex_attention, else sdpa (trainer.hf_model.attention_implementation)
+    attention: str = "auto"
     device: str = "auto"
     scratch_dir: str = ""
     mlflow_run_id: str = ""
     mlflow_experiment: str = "pipeline_assets"
     objective: str = "sft"  # OBJECTIVES
     beta: float = DEFAULT_BETA  # dpo: the KL strength of the sigmoid loss
-    # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required
+    # an exported model folder (trainer.export) to start from; dpo: the SFT champion, required.
+    # A Hugging Face folder (this trainer's export of a base model, or any) is trained as the base
+    # model; a built-in export needs this run's preset, width and vocab_size (``starting_flags``).
     init_from: str = ""
     reference_logps_version: int = (
         NO_VERSION  # dpo, required: the Delta version of gold/reference_logps to read
@@ -180,6 +187,16 @@ def architecture_flags(model: dict) -> dict:
                 "vocab_size": model["vocab_size"],
             }
     raise ValueError(f"no preset builds the model {model}")
+
+
+def starting_flags(folder: str | Path) -> dict:
+    """What a run starting from the exported model in ``folder`` (``init_from``) must be given
+    beside it: a built-in export's preset, width and vocab_size; nothing for a Hugging Face
+    backend's export, whose config.json is the architecture."""
+    about = exported_config(folder)
+    if about.get("backend") == "huggingface":
+        return {}
+    return architecture_flags(about["model"])
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

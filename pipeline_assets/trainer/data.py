@@ -442,6 +442,18 @@ def _sequence_readers(
     }
 
 
+def largest_token_id(lake_uri: str, manifest: Manifest) -> int:
+    """The largest token id in the snapshot's shards (every split), read from its input_ids column
+    alone: what the model's embedding must have rows for, known before training starts."""
+    largest = (
+        sequences_scan(lake_uri, manifest)
+        .select(pl.col("input_ids").list.max().max())
+        .collect()
+        .item()
+    )
+    return -1 if largest is None else int(largest)
+
+
 def stream_indexes(
     n_sequences: int, seed: int, start: int, count: int, block: int = STREAM_BLOCK
 ) -> np.ndarray:

@@ -13,6 +13,7 @@ import polars as pl
 import torch
 
 from pipeline_assets.lib.gold.sequences import pack_documents
+from pipeline_assets.trainer.hf_model import HuggingFaceLM
 from pipeline_assets.trainer.model import Transformer, counted_targets
 
 DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "tokens": pl.Int64}
@@ -20,7 +21,7 @@ DOCUMENT_LOSSES_SCHEMA = {"record_id": pl.String, "loss_sum": pl.Float64, "token
 
 @torch.no_grad()
 def packed_document_losses(
-    model: Transformer, rows: pl.DataFrame, batch_size: int = 16
+    model: Transformer | HuggingFaceLM, rows: pl.DataFrame, batch_size: int = 16
 ) -> pl.DataFrame:
     """rows: input_ids, loss_mask, position_ids, record_ids (gold sequences) -> per record: summed
     loss over its counted targets and how many there are. A record split over several rows is
@@ -51,7 +52,7 @@ def packed_document_losses(
 
 
 def sequence_losses(
-    model: Transformer,
+    model: Transformer | HuggingFaceLM,
     encoded: pl.DataFrame,
     max_len: int,
     pad_id: int,

@@ -6,6 +6,13 @@ halves of each head, SwiGLU, tied embeddings, no biases), so it exports as ``Lla
 and vLLM load as they are. ``pipeline.json`` beside them holds what the pipeline knows about the
 run (the preset's config, the snapshot, its losses). The tokenizer's files are written by whoever
 holds the tokenizer (``lib.gold.tokenizer.save_hf_tokenizer``).
+
+A model trained from a Hugging Face base model (``--base-model``) exports as its own family
+(``save_hf_exported``): the base model's config.json, the weights in the base model's dtype under
+their transformers names (sharded with an index past ``MAX_SHARD_SIZE``), and pipeline.json with
+``"backend": "huggingface"``. Rank 0 writes it from the full state dict gathered to its CPU one
+parameter at a time: any checkpoint store works (S3, a node's own scratch disk), where DCP's
+``HuggingFaceStorageWriter`` would consolidate every rank's files from a disk they all share.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline_assets.trainer.config import EXPORT_ABOUT, ModelConfig, exported_config
+from pipeline_assets.trainer.hf_model import HuggingFaceLM, build_local, is_hf_folder
 from pipeline_assets.trainer.model import Transformer
 
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_SHARD_SIZE = "5GB"  # transformers' own default for save_pretrained
 CONFIG = "config.json"
 TIED = "output.weight"  # the output layer shares the embedding's weights; stored once
 _LAYER_NAMES = {  # ours (in blocks.<i>.) -> transformers' (in model.layers.<i>.)
@@ -45,6 +55,39 @@ def save_exported(
     pipeline = {"model": dataclasses.asdict(model_config), "tied_embeddings": True, **about}
     (folder / EXPORT_ABOUT).write_text(json.dumps(pipeline, indent=2, sort_keys=True))
     return [WEIGHTS, CONFIG, EXPORT_ABOUT]
+
+
+def save_hf_exported(
+    full_state: dict[str, torch.Tensor],
+    config,
+    folder: Path,
+    about: dict,
+    skip: set[str] = frozenset(),
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> list[str]:
+    """A Hugging Face backend's model as its family's folder: ``full_state`` under transformers'
+    names (``skip``: the tied output layer, stored once as the embedding), cast to the config's
+    dtype, sharded past ``max_shard_size``; ``config`` (the base model's, ``architectures``
+    included) and pipeline.json. Returns the file names."""
+    from huggingface_hub import save_torch_state_dict
+
+    dtype = _config_dtype(config)
+    tensors = {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in full_state.items()
+        if name not in skip
+    }
+    save_torch_state_dict(tensors, folder, max_shard_size=max_shard_size)
+    config.save_pretrained(folder)
+    (folder / EXPORT_ABOUT).write_text(json.dumps(about, indent=2, sort_keys=True))
+    weights = sorted(p.name for p in folder.glob("*.safetensors"))
+    index = [WEIGHTS_INDEX] if (folder / WEIGHTS_INDEX).is_file() else []
+    return [*weights, *index, CONFIG, EXPORT_ABOUT]
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def llama_config(model_config: ModelConfig):
@@ -103,8 +146,13 @@ def from_transformers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return state
 
 
-def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer, dict]:
-    """The model and the pipeline's config from an exported folder."""
+def load_exported(folder: Path, device: str = "cpu") -> tuple[Transformer | HuggingFaceLM, dict]:
+    """The model and the pipeline's config from an exported folder: the built-in model, or a Hugging
+    Face model (this trainer's export of a base model, or any HF folder, whose config is then
+    empty) behind the same interface."""
+    if is_hf_folder(folder):
+        about = Path(folder) / EXPORT_ABOUT
+        return build_local(folder, device), exported_config(folder) if about.is_file() else {}
     config = exported_config(folder)
     model = Transformer(ModelConfig(**config["model"]))
     load_weights(model, folder, device)

@@ -30,6 +30,7 @@ import torch
 from pipeline_assets.trainer.data import COLUMNS, LOGPS_COLUMN, PackedSequences
 from pipeline_assets.trainer.dpo import summed_document_logps
 from pipeline_assets.trainer.export import load_exported
+from pipeline_assets.trainer.hf_model import HuggingFaceLM
 from pipeline_assets.trainer.model import Transformer
 from pipeline_assets.trainer.score import scoring_device
 
@@ -108,7 +109,7 @@ def key_columns(columns) -> list[str]:
 
 @torch.no_grad()
 def reference_logps(
-    model: Transformer,
+    model: Transformer | HuggingFaceLM,
     rows: pl.DataFrame,
     batch_size: int = 16,
     progress=None,
@@ -154,7 +155,7 @@ def read_reference_logps(out_dir: Path, expected_rows: int) -> pl.DataFrame:
 
 
 def _batch_logps(
-    model: Transformer, chunk: pl.DataFrame, device: torch.device
+    model: Transformer | HuggingFaceLM, chunk: pl.DataFrame, device: torch.device
 ) -> list[list[float]]:
     """Per row of the chunk, its documents' summed response log-probabilities."""
     width = int(chunk["input_ids"].list.len().max())

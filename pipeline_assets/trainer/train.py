@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from pipeline_assets.lib.ops.charts import loss_curve_png
@@ -45,8 +46,31 @@ from pipeline_assets.trainer.config import (
     architecture_flags,
     parse_args,
 )
-from pipeline_assets.trainer.data import rank_micro_batches, stream_indexes, validation_shard
-from pipeline_assets.trainer.export import exported_config, load_weights, save_exported
+from pipeline_assets.trainer.data import (
+    largest_token_id,
+    rank_micro_batches,
+    stream_indexes,
+    validation_shard,
+)
+from pipeline_assets.trainer.export import (
+    exported_config,
+    load_weights,
+    save_exported,
+    save_hf_exported,
+)
+from pipeline_assets.trainer.hf_model import (
+    BACKEND,
+    FLASH,
+    FLEX,
+    SDPA,
+    attention_implementation,
+    base_model_facts,
+    build_sharded,
+    hf_starting_folder,
+    parameter_counts,
+    read_config,
+)
+from pipeline_assets.trainer.hf_model import flops_per_token as hf_flops_per_token
 from pipeline_assets.trainer.metrics import Throughput, peak_flops
 from pipeline_assets.trainer.model import Transformer, count_parameters, flops_per_token
 from pipeline_assets.trainer.objective import build_objective
@@ -64,6 +88,13 @@ log = logging.getLogger("pipeline_assets.trainer")
 ATTENTION_DESCRIPTIONS = {
     "flex": "flex, FlexAttention with a document block mask (torch.compile'd on first use)",
     "dense": "dense, scaled_dot_product_attention with a (batch, 1, T, T) document mask",
+    # the Hugging Face backend: transformers' kernels, each told the documents by position_ids
+    SDPA: "sdpa, transformers' scaled_dot_product_attention with a document mask built from "
+    "position_ids",
+    FLEX: "flex_attention, transformers' FlexAttention with a document block mask built from "
+    "position_ids",
+    FLASH: "flash_attention_2, flash-attn's variable-length kernel over the documents that "
+    "position_ids mark",
 }
 LOSS_CURVE = "loss_curve.png"
 
@@ -120,15 +151,12 @@ class Trainer:
     def __init__(self, config: TrainConfig, env: Distributed, reporter: Reporter | None):
         self.config, self.env, self.reporter = config, env, reporter
         self.objective = build_objective(config)
-        self.snapshot = self.objective.read_snapshot(config)
-        self.model_config = dataclasses.replace(
-            PRESETS[config.preset],
-            vocab_size=config.vocab_size,
-            max_seq_len=self.snapshot.seq_len,
-            dim=config.width or PRESETS[config.preset].dim,
+        self.hf_folder = hf_starting_folder(config.base_model, config.init_from)
+        self.hf_config = read_config(self.hf_folder) if self.hf_folder else None
+        vocab_size = self.hf_config.vocab_size if self.hf_config else config.vocab_size
+        self.snapshot = self.objective.read_snapshot(
+            dataclasses.replace(config, vocab_size=vocab_size)
         )
-        head_dim = self.model_config.dim // self.model_config.n_heads
-        self.attention_kernel = attention_kernel(config.attention, env.device, head_dim)
         if config.eval_split == "search" and self.eval_sequences == 0:
             raise ValueError(
                 f"{self.snapshot.manifest.key} has fewer search sequences "
@@ -136,11 +164,11 @@ class Trainer:
                 "PIPELINE_SEARCH_FRACTION and cut a new snapshot"
             )
         torch.manual_seed(config.seed)  # the same initial weights on every rank and world size
-        model = Transformer(self.model_config, self.attention_kernel).to(env.device)
-        if config.init_from:
-            _load_initial_weights(model, config.init_from)
-        self.n_parameters = count_parameters(model)
-        self.model = shard_model(model, mixed_precision_policy(config.mixed_precision, env.device))
+        policy = mixed_precision_policy(config.mixed_precision, env.device)
+        if self.hf_config:
+            self._build_hf_model(policy)
+        else:
+            self._build_builtin_model(policy)
         self.optimizer = _adamw(self.model, config, fused=env.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(config))
         self.store = CheckpointStore(config.checkpoint_uri, config.partition, config.scratch_dir)
@@ -151,13 +179,62 @@ class Trainer:
         self.global_batch = config.global_batch(env.world_size)
         self.stop = StopSignal()
 
+    def _build_builtin_model(self, policy: MixedPrecisionPolicy) -> None:
+        config = self.config
+        self.model_config = dataclasses.replace(
+            PRESETS[config.preset],
+            vocab_size=config.vocab_size,
+            max_seq_len=self.snapshot.seq_len,
+            dim=config.width or PRESETS[config.preset].dim,
+        )
+        head_dim = self.model_config.dim // self.model_config.n_heads
+        self.attention_kernel = attention_kernel(config.attention, self.env.device, head_dim)
+        model = Transformer(self.model_config, self.attention_kernel).to(self.env.device)
+        if config.init_from:
+            _load_initial_weights(model, config.init_from)
+        self.n_parameters = count_parameters(model)
+        self.model = shard_model(model, policy)
+        self.flops_per_token = flops_per_token(self.model_config, self.snapshot.seq_len)
+        self.model_name = config.preset
+        self.model_facts = dataclasses.asdict(self.model_config)
+
+    def _build_hf_model(self, policy: MixedPrecisionPolicy) -> None:
+        """The base model (or a Hugging Face ``init_from``), its weights read into FSDP2 shards."""
+        self._check_vocabulary()
+        config, device = self.hf_config, self.env.device
+        self.attention_kernel = attention_implementation(self.config.attention, device, config)
+        self.model = build_sharded(self.hf_folder, config, self.attention_kernel, device, policy)
+        self.n_parameters, _ = parameter_counts(self.model)
+        self.flops_per_token = hf_flops_per_token(self.model, self.snapshot.seq_len)
+        self.model_name = f"{config.architectures[0]} ({self.hf_folder})"
+        self.model_facts = {
+            "backend": BACKEND,
+            "folder": self.hf_folder,
+            "architecture": config.architectures[0],
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers,
+        }
+
+    def _check_vocabulary(self) -> None:
+        """Refuse, before training, a snapshot with token ids the model has no embedding row for
+        (a snapshot encoded with another tokenizer than the base model's)."""
+        rows = self.hf_config.vocab_size
+        largest = largest_token_id(self.config.lake_uri, self.snapshot.manifest)
+        if largest >= rows:
+            raise ValueError(
+                f"{self.snapshot.manifest.key} holds token id {largest}, but the model of "
+                f"{self.hf_folder} has {rows} embedding rows (config.json vocab_size): the "
+                "snapshot was not encoded with this model's tokenizer"
+            )
+
     # --- the run --------------------------------------------------------------------------------
     def run(self) -> tuple[int, dict]:
         self._resume()
         self._announce()
         throughput = Throughput(
             tokens_per_step=self.global_batch * self.snapshot.seq_len,
-            flops_per_token=flops_per_token(self.model_config, self.snapshot.seq_len),
+            flops_per_token=self.flops_per_token,
             peak_flops=peak_flops(self.env.device) * self.env.world_size,
         )
         last_save = time.monotonic()
@@ -371,13 +448,29 @@ class Trainer:
                 **self._last_evaluation(),
                 f"{self.config.eval_split}_loss": _finite(self.progress.best_validation_loss),
             }
-            files = save_exported(full_state, self.model_config, folder, about)
+            files = self._export(full_state, folder, about)
             metadata = self._summary(export_uri, folder)
             files += [LOSS_CURVE] if (folder / LOSS_CURVE).exists() else []
             self.store.upload("final", files)
             self.store.publish("final", {"files": describe_files(folder, files), **about})
         dist.barrier(group=self.env.checkpoint_group)
         return metadata
+
+    def _export(self, full_state: dict, folder: Path, about: dict) -> list[str]:
+        if not self.hf_config:
+            return save_exported(full_state, self.model_config, folder, about)
+        return save_hf_exported(
+            {name.removeprefix("lm."): tensor for name, tensor in full_state.items()},
+            self.hf_config,
+            folder,
+            {
+                **about,
+                "backend": BACKEND,
+                "attention_implementation": self.attention_kernel,
+                **base_model_facts(self.hf_folder, self.hf_config),
+            },
+            skip=self.model.tied_keys(),
+        )
 
     def _summary(self, export_uri: str, export_folder: Path) -> dict:
         history = self.progress.history
@@ -415,7 +508,7 @@ class Trainer:
             picture = loss_curve_png(
                 history,
                 export_folder / LOSS_CURVE,
-                f"{self.config.partition} · {self.config.preset} · {self.env.world_size} rank(s)",
+                f"{self.config.partition} · {self.model_name} · {self.env.world_size} rank(s)",
                 self.objective.loss_unit,
             )
             if picture:
@@ -433,7 +526,7 @@ class Trainer:
     def _announce(self) -> None:
         config = self.config
         self._info(
-            f"{config.preset}: {self.n_parameters / 1e6:.2f}M parameters, world size "
+            f"{self.model_name}: {self.n_parameters / 1e6:.2f}M parameters, world size "
             f"{self.env.world_size} ({self.env.backend}, {self.env.device.type}), global batch "
             f"{self.global_batch} x {self.snapshot.seq_len} tokens, {len(self.snapshot.train)} "
             f"training sequences ({self.snapshot.manifest.key}), steps {self.progress.step} -> "
@@ -451,7 +544,7 @@ class Trainer:
                     "parameters": self.n_parameters,
                     "global_batch": self.global_batch,
                     "seq_len": self.snapshot.seq_len,
-                    "model": dataclasses.asdict(self.model_config),
+                    "model": self.model_facts,
                 }
             )
             self.reporter.tags(

@@ -15,8 +15,10 @@ import torch
 
 from pipeline_assets.trainer.config import PRESETS
 from pipeline_assets.trainer.data import read_snapshot, stream_indexes
-from pipeline_assets.trainer.model import Transformer, loss_sum_and_count
+from pipeline_assets.trainer.hf_model import build_local
+from pipeline_assets.trainer.model import Transformer, counted_loss_sum, loss_sum_and_count
 from pipeline_assets_tests.conftest import BUCKET
+from pipeline_assets_tests.hf_models import llama_folder, qwen2_folder
 from pipeline_assets_tests.trainer.launch import (
     assert_close_gradients,
     assert_rerun_resumes_and_matches,
@@ -151,6 +153,68 @@ def test_checkpoints_on_s3_by_the_clock_publish_last_and_resume(config, workspac
 
     output = run_job(dataclasses.replace(on_s3, steps=16), workspace / "s3-2.log")
     assert f"resumed from s3://{BUCKET}/{prefix}/step-12: step 12," in output
+
+
+# --- a Hugging Face base model (--base-model) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_models(workspace) -> dict[str, Path]:
+    torch.manual_seed(0)
+    return {
+        "qwen2": qwen2_folder(workspace / "qwen2"),  # grouped-query attention, untied embeddings
+        "llama": llama_folder(workspace / "llama"),  # tied embeddings
+    }
+
+
+@pytest.fixture(scope="module")
+def base_model_config(config, workspace, base_models):
+    return with_checkpoints_at(
+        config,
+        str(workspace / "hf" / "uninterrupted"),
+        base_model=str(base_models["qwen2"]),
+        steps=16,
+        eval_every=8,
+        checkpoint_every_steps=4,
+    )
+
+
+# One family each, a torchrun job costing some 25 s here: Llama's tied embeddings (one parameter
+# under two names, sharded once) for the gradients, Qwen2's grouped-query attention and untied
+# output layer for the resume.
+@pytest.mark.parametrize("family", ["llama"])
+def test_fsdp2_gradients_of_a_base_model_equal_a_single_process(
+    config, workspace, base_models, family
+):
+    sharded = probe_gradients(
+        dataclasses.replace(config, base_model=str(base_models[family])),
+        workspace / f"{family}-gradients.pt",
+    )
+
+    snapshot = read_snapshot(config.lake_uri, config.snapshot)
+    batch = snapshot.train.batch(
+        stream_indexes(len(snapshot.train), config.seed, 0, config.global_batch(world_size=2)),
+        torch.device("cpu"),
+    )
+    model = build_local(base_models[family]).train()
+    losses = model(batch["input_ids"], batch["position_ids"], next_token_losses=True)
+    loss_sum, count = counted_loss_sum(losses, batch["loss_mask"], batch["position_ids"])
+    (loss_sum / count).backward()
+
+    assert sharded["loss"] == pytest.approx((loss_sum / count).item(), rel=1e-5)
+    assert_close_gradients(sharded["gradients"], model, atol=1e-6)
+
+
+def test_a_base_model_run_killed_mid_run_restarts_to_the_uninterrupted_weights(
+    base_model_config, workspace
+):
+    output = run_job(base_model_config, workspace / "hf-uninterrupted.log")
+    assert "attention: sdpa, transformers'" in output
+    assert re.search(r"Qwen2ForCausalLM \(.*qwen2\): 0\.\d+M parameters", output)
+    (workspace / "hf").mkdir(exist_ok=True)
+    assert_sigkill_then_restart_matches(
+        base_model_config, workspace / "hf", 4, final_weights(base_model_config)
+    )
 
 
 def _loss_inputs(batch: dict) -> dict:

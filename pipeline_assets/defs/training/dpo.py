@@ -27,7 +27,7 @@ from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, snapshot_num
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
-from pipeline_assets.trainer.config import TrainConfig, architecture_flags, exported_config
+from pipeline_assets.trainer.config import TrainConfig, starting_flags
 
 
 @asset(
@@ -69,7 +69,7 @@ def training_dpo_checkpoint(
         Path(launcher.scratch()) / "dpo" / partition / "init"
     )  # the trainer reads it; kept for a resume
     init_from = mlflow_tracking.download_model(model_name, version, folder)
-    architecture = architecture_flags(exported_config(init_from)["model"])
+    architecture = starting_flags(init_from)
     train_config = TrainConfig(
         lake_uri=lake.uri,
         snapshot=snapshot_number(partition, PREFERENCE_SNAPSHOTS),
