@@ -102,6 +102,9 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
                 if k in _MLFLOW_METRICS or k.startswith(_MLFLOW_METRIC_PREFIXES)
             },
         },
+        "base_model": {"uri": tags["base_model.uri"], "sha256": tags["base_model.sha256"]}
+        if "base_model.uri" in tags
+        else None,  # None: a preset trained from scratch
         "checkpoint": {
             "partition": tags["partition"],
             "export_uri": run.data.tags.get("export_uri"),

@@ -283,6 +283,14 @@ SETTINGS: tuple[Setting, ...] = (
         field="base_model",
     ),
     Setting(
+        "PIPELINE_BASE_MODEL_LR",
+        2e-5,
+        "the learning rate of training from the base model (TRL's SFT default; the presets from "
+        "scratch keep the trainer's own)",
+        number(above=0),
+        "base_model_lr",
+    ),
+    Setting(
         "PIPELINE_TOKENIZER",
         "",
         "a `tokenizer.json` to use instead of training byte-level BPE on silver",
@@ -654,6 +662,7 @@ class Settings:
     )
     preference_validation_fraction: float
     base_model: str
+    base_model_lr: float
     tokenizer_path: str
     vocab_size: int
     tokenizer_sample_chars: int

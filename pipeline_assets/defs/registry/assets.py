@@ -18,6 +18,7 @@ from dagster import (
 )
 
 from pipeline_assets.defs.automation import after_upstream_passes
+from pipeline_assets.defs.base_models import RUN_TAGS as BASE_MODEL_TAGS
 from pipeline_assets.defs.keys import (
     EVALUATION_REPORT,
     MODEL_ARTIFACT_PATH,
@@ -105,6 +106,7 @@ def registry_model_version(
             "git_commit": trained.get("git_commit"),
             "dagster_run_id": context.run_id,
             **{f"delta.{table}": v for table, v in versions.items()},
+            **{tag: trained[tag] for tag in BASE_MODEL_TAGS if tag in trained},
             **{
                 f"loss.{slice_name}": round(loss, 5)
                 for slice_name, loss in losses["candidate"].items()

@@ -24,11 +24,13 @@ from dagster import (
     asset,
 )
 
+from pipeline_assets.defs.base_models import run_tags, snapshot_base_model
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.keys import (
     GOLD_SNAPSHOTS,
     GOLD_TOKENIZER,
     MODEL_ARTIFACT_PATH,
+    REFERENCE_BASE_MODEL,
     TRAINING_CHECKPOINT,
     TRAINING_HPARAM_SEARCH,
 )
@@ -36,9 +38,12 @@ from pipeline_assets.defs.partitions import data_snapshots, snapshot_number
 from pipeline_assets.defs.retries import STOPPED_BY_A_SIGNAL
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
 from pipeline_assets.defs.training.policy import TrainingPolicy
+from pipeline_assets.lib.gold.base_model import BaseModel, copy_tokenizer_files
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.tokenizer import save_hf_tokenizer
 from pipeline_assets.lib.training.provenance import git_commit
 from pipeline_assets.lib.uris import join, redact
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
@@ -79,7 +84,7 @@ def when_snapshot_added() -> AutomationCondition:
 @asset(
     key=TRAINING_CHECKPOINT,
     group_name="training",
-    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH],
+    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH, REFERENCE_BASE_MODEL],
     partitions_def=data_snapshots,
     pool="training",  # one job at a time by default: the instance's pool limit
     retry_policy=RetryPolicy(
@@ -88,7 +93,8 @@ def when_snapshot_added() -> AutomationCondition:
     kinds={"pytorch", "mlflow"},
     automation_condition=when_snapshot_added(),
     description="A torchrun FSDP2 job on one data snapshot (its manifest's shards, Delta versions "
-    "pinned): checkpoints, the exported model (safetensors) and an MLflow run.",
+    "pinned), from the base model its tokenizer came from (PIPELINE_BASE_MODEL) or a preset from "
+    "scratch: checkpoints, the exported Hugging Face model folder and an MLflow run.",
 )
 def training_checkpoint(
     context: AssetExecutionContext,
@@ -98,6 +104,7 @@ def training_checkpoint(
     training_policy: TrainingPolicy,
     mlflow_tracking: MlflowResource,
     pipes_subprocess_client: PipesSubprocessClient,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     partition = context.partition_key
     versions = snapshot_versions(context.instance, partition)
@@ -108,10 +115,11 @@ def training_checkpoint(
         context.log.info(
             f"using training/hparam_search's best configuration for {partition}: {searched}"
         )
-    train_config = train_config_for(
-        partition, config, lake, launcher, training_policy, versions, searched
+    train_config, model = train_config_for(
+        partition, config, lake, launcher, training_policy, versions, base_model, searched
     )
     tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+    base_tags = run_tags(base_model.uri, model)
     trained = train_and_export(
         context,
         train_config,
@@ -119,13 +127,18 @@ def training_checkpoint(
         launcher,
         mlflow_tracking,
         pipes_subprocess_client,
-        {f"delta.{name}": str(v) for name, v in versions.items()},
-        tokenizer["tokenizer_json"][0],
+        {f"delta.{name}": str(v) for name, v in versions.items()} | base_tags,
+        EncoderSpec.from_row(tokenizer.row(0, named=True)),
+        train_config.base_model,
     )
     return MaterializeResult(
         metadata={
             **trained,
+            **base_tags,
             "upstream_delta_versions": MetadataValue.json(versions),
+            "model": f"base model {base_model.uri} ({model.architecture})"
+            if model
+            else f"preset {train_config.preset}",
             "preset": train_config.preset,
             "hyperparameters_from_search": MetadataValue.json(searched or {}),
         }
@@ -140,11 +153,13 @@ def train_and_export(
     mlflow_tracking: MlflowResource,
     pipes_subprocess_client: PipesSubprocessClient,
     tags: dict[str, str],
-    tokenizer_json: str,
+    tokenizer: EncoderSpec,
+    tokenizer_folder: str = "",
 ) -> dict:
     """Run the trainer on ``train_config`` under torchrun through Pipes (resuming the partition's
-    unfinished checkpoints), log its export with ``tokenizer_json``'s files (a Hugging Face model
-    folder) to a new MLflow run, and return the materialization's metadata."""
+    unfinished checkpoints), log its export with ``tokenizer``'s files (a Hugging Face model
+    folder; a chat template's from ``tokenizer_folder``) to a new MLflow run, and return the
+    materialization's metadata."""
     partition = train_config.partition
     store = launcher.store(partition)
     settings = _settings_fingerprint(train_config, nproc_per_node or launcher.nproc_per_node)
@@ -181,7 +196,7 @@ def train_and_export(
     export, problem = store.fetch_verified("final")
     if export is None:
         raise Failure(description=f"the trainer exited 0 but its export is not usable: {problem}")
-    _log_model_folder(mlflow_tracking, run_id, export, tokenizer_json)
+    _log_model_folder(mlflow_tracking, run_id, export, tokenizer, tokenizer_folder)
     store.write_json(OWNER, {**store.read_json(OWNER), "finished": True})
     return {
         **reported,
@@ -202,15 +217,25 @@ def train_and_export(
 
 
 def _log_model_folder(
-    mlflow_tracking: MlflowResource, run_id: str, export: Path, tokenizer_json: str
+    mlflow_tracking: MlflowResource,
+    run_id: str,
+    export: Path,
+    tokenizer: EncoderSpec,
+    tokenizer_folder: str,
 ) -> None:
     """The trainer's export and the tokenizer's files, together one Hugging Face model folder in the
-    run's artifacts (the tokenizer written apart: the verified export is left as it was)."""
+    run's artifacts (the tokenizer written apart: the verified export is left as it was). With a
+    chat template, the tokenizer files and template of the model it started from
+    (``tokenizer_folder``); else the built-in tokenizer's."""
     client = mlflow_tracking.client()
     client.log_artifacts(run_id, str(export), MODEL_ARTIFACT_PATH)
-    with tempfile.TemporaryDirectory() as tokenizer_folder:
-        save_hf_tokenizer(tokenizer_json, Path(tokenizer_folder))
-        client.log_artifacts(run_id, tokenizer_folder, MODEL_ARTIFACT_PATH)
+    with tempfile.TemporaryDirectory() as written:
+        if tokenizer.chat_template is None:
+            save_hf_tokenizer(tokenizer.tokenizer_json, Path(written))
+        else:
+            stops = chat_encoder(tokenizer).stop_ids
+            copy_tokenizer_files(Path(tokenizer_folder), Path(written), stops)
+        client.log_artifacts(run_id, written, MODEL_ARTIFACT_PATH)
 
 
 def _children_cpu_seconds() -> float:
@@ -268,23 +293,32 @@ def train_config_for(
     launcher: TorchrunLauncher,
     policy: TrainingPolicy,
     versions: dict,
+    base_model: BaseModelResource,
     searched: dict | None = None,
-) -> TrainConfig:
+) -> tuple[TrainConfig, BaseModel | None]:
     """The policy's hyperparameters, then the search's best for this snapshot, then the run's
-    config."""
-    tokenizer = lake.read("gold", "tokenizer", version=versions["gold/tokenizer"])
+    config; and the base model the snapshot's tokenizer came from (None: a preset from scratch)."""
+    tokenizer_version = versions["gold/tokenizer"]
+    tokenizer = lake.read("gold", "tokenizer", version=tokenizer_version)
     if tokenizer is None:
         raise Failure(description="gold/tokenizer does not exist: materialize gold first")
+    model = snapshot_base_model(tokenizer.row(0, named=True), tokenizer_version, base_model)
+    hyperparameters = {
+        **policy.hyperparameters(from_base_model=model is not None),
+        **(searched or {}),
+        **config.hyperparameter_overrides(),
+    }
     return TrainConfig(
         lake_uri=lake.uri,
         snapshot=snapshot_number(partition),
         checkpoint_uri=launcher.checkpoint_uri,
         partition=partition,
         vocab_size=int(tokenizer["vocab_size"][0]),
+        base_model=model.path if model else "",
         device=launcher.device,
         scratch_dir=launcher.scratch(),
-        **{**policy.hyperparameters(), **(searched or {}), **config.hyperparameter_overrides()},
-    )
+        **hyperparameters,
+    ), model
 
 
 def _failure_reason(error: str, config: TrainConfig) -> str:

@@ -23,7 +23,8 @@ from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_and_export
 from pipeline_assets.defs.training.policy import DpoPolicy
-from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, snapshot_number
+from pipeline_assets.lib.gold.encoder import EncoderSpec
+from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, read_manifest, snapshot_number
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
@@ -98,7 +99,8 @@ def training_dpo_checkpoint(
             "reference_model": reference["reference_model"],
             **{f"delta.{k}": str(v) for k, v in versions.items()},
         },
-        (init_from / "tokenizer.json").read_text(),  # the sft champion's own tokenizer
+        _snapshot_tokenizer(lake, train_config.snapshot),
+        str(init_from),  # a chat template's files: the starting model's own
     )
     return MaterializeResult(
         metadata={
@@ -108,3 +110,9 @@ def training_dpo_checkpoint(
             "beta": train_config.beta,
         }
     )
+
+
+def _snapshot_tokenizer(lake: LakeResource, number: int) -> EncoderSpec:
+    """The gold/tokenizer version the preference snapshot's pairs were encoded with."""
+    version = read_manifest(lake.uri, number, PREFERENCE_SNAPSHOTS).tokenizer_version
+    return EncoderSpec.from_row(lake.read("gold", "tokenizer", version=version).row(0, named=True))

@@ -24,9 +24,13 @@ class TrainingPolicy(ConfigurableResource):
     checkpoint_every_steps: int = setting_field("train_checkpoint_every")
     checkpoint_every_minutes: float = trainer_default("checkpoint_every_minutes")
     keep_checkpoints: int = trainer_default("keep_checkpoints")
+    base_model_lr: float = setting_field("base_model_lr", gt=0)
 
-    def hyperparameters(self) -> dict:
-        return self.model_dump()
+    def hyperparameters(self, from_base_model: bool = False) -> dict:
+        """The trainer's hyperparameters: fine-tuning a base model takes ``base_model_lr``, a
+        preset trained from scratch ``lr``."""
+        values = self.model_dump(exclude={"base_model_lr"})
+        return {**values, "lr": self.base_model_lr} if from_base_model else values
 
 
 class DpoPolicy(ConfigurableResource):
@@ -64,6 +68,15 @@ class HparamSearchPolicy(ConfigurableResource):
             "width": [64, 128],
         },
         description="hyperparameter -> values; any TrainConfig field (width: the model's dim)",
+    )
+    base_model_space: dict[str, list] = Field(
+        default_factory=lambda: {
+            "lr": [1e-5, 2e-5, 5e-5],
+            "warmup_steps": [5, 20],
+            "weight_decay": [0.0, 0.1],
+        },
+        description="the space when a base model is fine-tuned: its architecture is its own (no "
+        "width), its learning rates a fine-tune's",
     )
     trials: int = setting_field("search_trials", ge=1)
     min_steps: int = setting_field("search_min_steps", ge=1)

@@ -11,7 +11,12 @@ import polars as pl
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from pipeline_assets.contracts import HparamTrial, conform, polars_schema, validate
-from pipeline_assets.defs.keys import GOLD_SNAPSHOTS, GOLD_TOKENIZER, TRAINING_HPARAM_SEARCH
+from pipeline_assets.defs.keys import (
+    GOLD_SNAPSHOTS,
+    GOLD_TOKENIZER,
+    REFERENCE_BASE_MODEL,
+    TRAINING_HPARAM_SEARCH,
+)
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.snapshots import snapshot_versions
@@ -20,6 +25,7 @@ from pipeline_assets.defs.training.policy import HparamSearchPolicy, TrainingPol
 from pipeline_assets.lib.gold.manifest import read_manifest
 from pipeline_assets.lib.training.search import sample_configurations
 from pipeline_assets.lib.uris import join
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
@@ -30,7 +36,7 @@ from pipeline_assets.trainer.search_driver import TrialResult, successive_halvin
 @asset(
     key=TRAINING_HPARAM_SEARCH,
     group_name="training",
-    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER],
+    deps=[GOLD_SNAPSHOTS, GOLD_TOKENIZER, REFERENCE_BASE_MODEL],
     partitions_def=data_snapshots,
     pool="training",
     kinds={"delta", "pytorch", "mlflow"},
@@ -46,19 +52,21 @@ def hparam_search(
     training_policy: TrainingPolicy,
     hparam_search_policy: HparamSearchPolicy,
     mlflow_tracking: MlflowResource,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
     partition, policy = context.partition_key, hparam_search_policy
     versions = snapshot_versions(context.instance, partition)
-    base = train_config_for(
-        partition, TrainingRunConfig(), lake, launcher, training_policy, versions
+    base, model = train_config_for(
+        partition, TrainingRunConfig(), lake, launcher, training_policy, versions, base_model
     )
     _require_search_rows(lake, base.snapshot, policy.nproc_per_node)
     launcher.store("search", root=join(launcher.checkpoint_uri, partition)).clear()
-    configurations = sample_configurations(policy.space, policy.trials, policy.seed)
+    space = policy.base_model_space if model else policy.space
+    configurations = sample_configurations(space, policy.trials, policy.seed)
     parent = mlflow_tracking.open_run(
         name=f"hparam_search {partition}",
-        tags={"search_space": json.dumps(policy.space)},
+        tags={"search_space": json.dumps(space)},
         reuse_key={
             "dagster_run_id": context.run_id,
             "partition": partition,

@@ -202,3 +202,33 @@ def _tensor_elements(file: Path) -> int:
             count *= dim
         total += count
     return total
+
+
+# What a model folder's users load its tokenizer and chat template from (those present are copied).
+SERVED_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+GENERATION_CONFIG = "generation_config.json"
+
+
+def copy_tokenizer_files(base: Path, out: Path, stop_ids: frozenset[int]) -> list[str]:
+    """The base model's tokenizer and chat template into a trained model's folder, and its
+    ``generation_config.json`` with ``eos_token_id`` holding every id a chat answer stops at (the
+    template's end of turn: a base model's own config often names only its end of text). Returns
+    the files written."""
+    written = []
+    for name in SERVED_TOKENIZER_FILES:
+        if (base / name).is_file():
+            (out / name).write_bytes((base / name).read_bytes())
+            written.append(name)
+    generation = base / GENERATION_CONFIG
+    config = json.loads(generation.read_text()) if generation.is_file() else {}
+    eos = config.get("eos_token_id")
+    known = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    config["eos_token_id"] = sorted(known | set(stop_ids))
+    (out / GENERATION_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [*written, GENERATION_CONFIG]

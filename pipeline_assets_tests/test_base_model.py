@@ -1,0 +1,83 @@
+"""A user's own pretrained model through `pipeline-assets run`: gold in its tokens, FSDP2 training
+from its weights, an export of its family that transformers serves, and a fine-tune that scores
+better on held-out records than the model it started from."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import torch
+
+from pipeline_assets.lib.gold.base_model import folder_sha256
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets_tests.conftest import run_cli
+from pipeline_assets_tests.hf_models import qwen2_folder
+from pipeline_assets_tests.user_data import land_support_export
+
+NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
+
+
+def _clean(done) -> None:
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "FAILED" not in done.stderr, done.stderr[-4000:]
+    for noise in NOISE:
+        assert noise not in done.stdout + done.stderr, noise
+
+
+def _held_out_loss(folder, rows: pl.DataFrame) -> float:
+    """Mean next-token loss on the loss-masked tokens of gold's validation rows, as transformers
+    computes it (packed: position ids restart per document, no mask, no cache)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows.iter_rows(named=True):
+            ids = torch.tensor([row["input_ids"]])
+            positions = torch.tensor([row["position_ids"]])
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            counted = torch.tensor(row["loss_mask"][1:]) & (positions[0, 1:] != 0)
+            losses = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+            total += float(losses[counted].sum())
+            count += int(counted.sum())
+    return total / count
+
+
+def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(tmp_path):
+    base = qwen2_folder(tmp_path / "models" / "support-qwen2")
+    land_support_export(tmp_path, 300)
+    # A random model this small learns at a from-scratch rate; real models keep the default 2e-5.
+    env = {"PIPELINE_BASE_MODEL": str(base), "PIPELINE_BASE_MODEL_LR": "3e-3"}
+    _clean(run_cli(tmp_path, "run", **env))
+
+    lake = LakeResource(uri=str(tmp_path / "lake"))
+    tokenizer = lake.read("gold", "tokenizer").row(0, named=True)
+    assert tokenizer["origin"] == f"base model {base}"
+    assert tokenizer["base_model_version"] == folder_sha256(base)
+    assert tokenizer["vocab_size"] == json.loads((base / "config.json").read_text())["vocab_size"]
+
+    lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **env)
+    assert lineage.returncode == 0, lineage.stderr
+    assert json.loads(lineage.stdout)["base_model"] == {
+        "uri": str(base),
+        "sha256": folder_sha256(base),
+    }
+
+    served = tmp_path / "served"
+    exported = run_cli(
+        tmp_path, "export", "sft-model@champion", "--out", str(served), "--generate", "Hi", **env
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert isinstance(json.loads(exported.stdout)["generation"], str)
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert (served / "chat_template.jinja").read_text() == (
+        base / "chat_template.jinja"
+    ).read_text()
+    stops = json.loads((served / "generation_config.json").read_text())["eos_token_id"]
+    end_of_turn = json.loads((base / "tokenizer.json").read_text())["added_tokens"]
+    assert {t["id"] for t in end_of_turn if t["content"] == "<|im_end|>"} <= set(stops)
+
+    validation = lake.read("gold", "sequences").filter(pl.col("split") == "validation")
+    assert validation.height > 0
+    assert _held_out_loss(served, validation) < _held_out_loss(base, validation)
