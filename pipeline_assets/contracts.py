@@ -385,7 +385,7 @@ class EvaluationSlice(pa.DataFrameModel):
     """One model's held-out loss on one slice of one data snapshot."""
 
     partition: str = pa.Field(str_startswith="gold-v")
-    model: str = pa.Field(isin=["candidate", "champion"])
+    model: str = pa.Field(isin=["candidate", "champion", "base_model"])
     model_version: str = pa.Field(
         nullable=True, description="registry version; null for an unregistered candidate"
     )

@@ -8,7 +8,9 @@ import json
 
 import polars as pl
 import torch
+from dagster import DagsterInstance
 
+from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import run_cli
@@ -81,3 +83,13 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     validation = lake.read("gold", "sequences").filter(pl.col("split") == "validation")
     assert validation.height > 0
     assert _held_out_loss(served, validation) < _held_out_loss(base, validation)
+
+    # The first candidate was judged against the base model, scored on the same rows.
+    report = lake.read("evaluation", "report")
+    assert set(report["model"]) == {"candidate", "base_model"}
+    overall = dict(report.filter(pl.col("slice") == "overall").select("model", "loss").iter_rows())
+    assert overall["candidate"] < overall["base_model"]
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    [registered] = instance.fetch_materializations(REGISTRY_MODEL_VERSION, limit=1).records
+    gate = registered.asset_materialization.metadata["gate"].value
+    assert "on the base model's" in gate, gate

@@ -1,5 +1,5 @@
 """evaluation/report: the candidate and the champion on exactly the same held-out data, per
-slice."""
+slice; a first fine-tune of a base model, the candidate and the base model it started from."""
 
 import tempfile
 from datetime import datetime, timezone
@@ -10,7 +10,13 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from pipeline_assets.contracts import EvaluationSlice, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
-from pipeline_assets.defs.keys import EVALUATION_REPORT, REFERENCE_EVAL_SETS, TRAINING_CHECKPOINT
+from pipeline_assets.defs.base_models import snapshot_base_model
+from pipeline_assets.defs.keys import (
+    EVALUATION_REPORT,
+    REFERENCE_BASE_MODEL,
+    REFERENCE_EVAL_SETS,
+    TRAINING_CHECKPOINT,
+)
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.policies import RegistryPolicy
@@ -25,6 +31,7 @@ from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS
 from pipeline_assets.lib.training.eval_sample import capped_validation
 from pipeline_assets.lib.training.promotion import OVERALL
 from pipeline_assets.lib.training.torchrun import SCORER_MODULE
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
@@ -43,7 +50,7 @@ _SAMPLED_COLUMNS = (
 @asset(
     key=EVALUATION_REPORT,
     group_name="evaluation",
-    deps=[TRAINING_CHECKPOINT, REFERENCE_EVAL_SETS],
+    deps=[TRAINING_CHECKPOINT, REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL],
     partitions_def=data_snapshots,
     kinds={"delta", "pytorch", "mlflow"},
     automation_condition=after_upstream_passes(),
@@ -51,7 +58,8 @@ _SAMPLED_COLUMNS = (
     # with registry/model_version: one of them at a time (the instance's pool limit)
     pool="model_registry",
     description="Loss and perplexity on gold's validation split (overall and per source) and on "
-    "the eval-set responses, for the candidate and the current champion on the same rows.",
+    "the eval-set responses, for the candidate and the current champion on the same rows (with "
+    "no champion yet, the base model the candidate was fine-tuned from).",
 )
 def evaluation_report(
     context: AssetExecutionContext,
@@ -60,6 +68,7 @@ def evaluation_report(
     launcher: TorchrunLauncher,
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
     partition = context.partition_key
@@ -85,14 +94,20 @@ def evaluation_report(
         )
 
     seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
+    started_from = None if seen else _started_from(lake, versions, base_model)
     champion, champion_note = comparable_champion(
         seen,
         registry_policy.model_name,
         trained["mlflow_run_id"],
         versions["gold/tokenizer"],
-        "the candidate is judged against the uniform baseline",
+        f"the candidate is judged against the base model it was fine-tuned from "
+        f"({base_model.uri}), scored on the same rows"
+        if started_from
+        else "the candidate is judged against the uniform baseline",
     )
     models = {"candidate": (candidate_dir, None)}
+    if started_from is not None:
+        models["base_model"] = (Path(started_from.path), f"base {started_from.version[:12]}")
     scratch = Path(launcher.scratch()) / "evaluation"
     scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as folder:
@@ -124,10 +139,12 @@ def evaluation_report(
     picture = slice_bars_png(
         comparison["slice"].to_list(),
         comparison["candidate"].to_list(),
-        comparison["champion"].to_list() if champion is not None else None,
+        comparison["reference"].to_list() if champion or started_from else None,
         Path(launcher.scratch()) / "reports" / partition / "evaluation.png",
         f"{partition}: candidate vs champion (v{champion.version})"
         if champion
+        else f"{partition}: candidate vs the base model"
+        if started_from
         else f"{partition}: candidate",
     )
     _log_to_mlflow(mlflow_tracking, trained["mlflow_run_id"], report, picture)
@@ -144,6 +161,7 @@ def evaluation_report(
             "candidate_loss": overall["candidate"],
             "candidate_perplexity": overall["candidate_perplexity"],
             "champion_loss": overall["champion"],
+            "base_model_loss": overall["base_model"],
             "champion_version": str(champion.version) if champion else None,
             # registry/model_version refuses to promote on these numbers once the alias has moved
             "champion_at_evaluation": str(seen.version) if seen else None,
@@ -316,21 +334,39 @@ def comparable_champion(
 
 
 def _comparison(report: pl.DataFrame) -> pl.DataFrame:
-    """One row per slice: candidate and champion loss side by side."""
+    """One row per slice: the candidate's loss beside the champion's or the base model's (the
+    reference it is judged against), and its change on it."""
     wide = report.pivot(on="model", index="slice", values="loss")
-    if "champion" not in wide.columns:
-        wide = wide.with_columns(champion=pl.lit(None, pl.Float64))
+    for role in ("champion", "base_model"):
+        if role not in wide.columns:
+            wide = wide.with_columns(pl.lit(None, pl.Float64).alias(role))
     perplexity = report.filter(pl.col("model") == "candidate").select(
         "slice", candidate_perplexity="perplexity"
     )
     return (
         wide.join(perplexity, on="slice")
+        .with_columns(reference=pl.coalesce("champion", "base_model"))
         .with_columns(
-            relative_change=(pl.col("candidate") - pl.col("champion")) / pl.col("champion")
+            relative_change=(pl.col("candidate") - pl.col("reference")) / pl.col("reference")
         )
-        .select("slice", "candidate", "champion", "relative_change", "candidate_perplexity")
+        .select(
+            "slice",
+            "candidate",
+            "champion",
+            "base_model",
+            "reference",
+            "relative_change",
+            "candidate_perplexity",
+        )
         .sort(pl.col("slice") != OVERALL, "slice")
     )
+
+
+def _started_from(lake: LakeResource, versions: dict, base_model: BaseModelResource):
+    """The base model the snapshot's tokenizer came from (None: a preset from scratch)."""
+    tokenizer_version = versions["gold/tokenizer"]
+    row = lake.read("gold", "tokenizer", version=tokenizer_version).row(0, named=True)
+    return snapshot_base_model(row, tokenizer_version, base_model)
 
 
 def _log_to_mlflow(

@@ -62,7 +62,8 @@ PROMOTION_GATE = "promotion_gate"
             asset=REGISTRY_MODEL_VERSION,
             blocking=True,
             description="The candidate beats the champion by the margin overall and regresses no "
-            "slice beyond the tolerance (a first model: beats the uniform baseline). Only then "
+            "slice beyond the tolerance (a first fine-tune: beats its base model by the same "
+            "rule; a first model from scratch: beats the uniform baseline). Only then "
             "does `champion` move.",
         )
     ],
@@ -87,7 +88,7 @@ def registry_model_version(
         )
     losses = {
         role: dict(report.filter(pl.col("model") == role).select("slice", "loss").iter_rows())
-        for role in ("candidate", "champion")
+        for role in ("candidate", "champion", "base_model")
     }
     name = registry_policy.model_name
     training = Compute(
@@ -154,6 +155,15 @@ def _decide(
             False,
             f"champion v{champion} could not be scored on the same rows (see "
             "evaluation/report): compare by hand and use `pipeline-assets promote`",
+        )
+    if champion is None and losses["base_model"]:  # a first fine-tune: against its base model
+        return promotion_gate(
+            losses["candidate"],
+            losses["base_model"],
+            vocab_size=None,
+            margin=policy.promotion_margin,
+            slice_tolerance=policy.slice_tolerance,
+            against="the base model",
         )
     vocab_size = None
     if champion is None:  # a first model is judged against the uniform baseline over the vocabulary

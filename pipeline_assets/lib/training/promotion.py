@@ -26,10 +26,12 @@ def promotion_gate(
     vocab_size: int | None,
     margin: float = 0.005,
     slice_tolerance: float = 0.02,
+    against: str = "the champion",
 ) -> GateDecision:
     """Promote when the candidate's overall loss is lower by at least ``margin`` (relative) and no
-    slice is worse by more than ``slice_tolerance`` (relative). Without a champion, the candidate
-    must beat the uniform-token baseline, ln(vocab_size)."""
+    slice is worse by more than ``slice_tolerance`` (relative) than ``champion``'s (``against``
+    names it: a first fine-tune is judged against the base model it started from). Without one,
+    the candidate must beat the uniform-token baseline, ln(vocab_size)."""
     if OVERALL not in candidate:
         raise ValueError(f"the candidate has no {OVERALL!r} slice")
     if champion is None:
@@ -59,6 +61,7 @@ def promotion_gate(
     numbers = {
         "candidate_loss": candidate[OVERALL],
         "champion_loss": champion[OVERALL],
+        "judged_against": against,
         "relative_improvement": improvement,
         "required_improvement": margin,
         "worst_slice": worst,
@@ -69,21 +72,21 @@ def promotion_gate(
     if improvement < margin:
         return GateDecision(
             False,
-            f"overall loss {candidate[OVERALL]:.4f} against the champion's "
+            f"overall loss {candidate[OVERALL]:.4f} against {against}'s "
             f"{champion[OVERALL]:.4f}: {improvement:+.2%}, below the required {margin:.2%}",
             numbers,
         )
     if worst is not None and regressions[worst] > slice_tolerance:
         return GateDecision(
             False,
-            f"slice {worst} is {regressions[worst]:.2%} worse than the champion's "
+            f"slice {worst} is {regressions[worst]:.2%} worse than {against}'s "
             f"(tolerance {slice_tolerance:.2%}), though overall improves {improvement:.2%}",
             numbers,
         )
     return GateDecision(
         True,
-        f"overall loss improves {improvement:.2%} (required {margin:.2%}); the worst slice "
-        f"{worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance "
+        f"overall loss improves {improvement:.2%} on {against}'s (required {margin:.2%}); the "
+        f"worst slice {worst or '-'} moves {numbers['worst_slice_regression']:+.2%} (tolerance "
         f"{slice_tolerance:.2%})",
         numbers,
     )

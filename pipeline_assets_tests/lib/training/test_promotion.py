@@ -51,6 +51,19 @@ def test_a_slice_regression_within_the_tolerance_is_allowed():
     assert promotion_gate(candidate, CHAMPION, vocab_size=8192, slice_tolerance=0.02).passed
 
 
+def test_a_fine_tune_that_does_not_beat_its_base_model_is_refused_by_name():
+    base = {"overall": 1.50, "source:logs": 1.40}  # a pretrained model: far below ln(vocab)
+    kept = promotion_gate(
+        {"overall": 1.51, "source:logs": 1.41}, base, vocab_size=None, against="the base model"
+    )
+    assert not kept.passed and "against the base model's 1.5000" in kept.reason
+    assert kept.numbers["judged_against"] == "the base model"
+    better = promotion_gate(
+        {"overall": 1.40, "source:logs": 1.39}, base, vocab_size=None, against="the base model"
+    )
+    assert better.passed and "on the base model's" in better.reason
+
+
 def test_a_first_model_must_beat_the_uniform_baseline():
     assert promotion_gate({"overall": math.log(8192) - 0.01}, None, vocab_size=8192).passed
     refused = promotion_gate({"overall": math.log(8192) + 0.01}, None, vocab_size=8192)
