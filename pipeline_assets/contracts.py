@@ -327,7 +327,8 @@ class GoldReferenceLogps(pa.DataFrameModel):
 
     snapshot: str = pa.Field(str_startswith="dpo-v")
     reference_model: str = pa.Field(
-        description="<registered model>/<version>: the sft champion when the pass ran"
+        description="<registered model>/<version>: the sft champion when the pass ran; "
+        "base_model/<sha256 prefix>: the base model, with no champion yet"
     )
     batch_id: str = pa.Field(str_length={"min_value": 1})
     split: str = pa.Field(isin=["train", "validation", "search"])

@@ -5,6 +5,7 @@ better on held-out records than the model it started from."""
 from __future__ import annotations
 
 import json
+import random
 
 import polars as pl
 import torch
@@ -13,9 +14,9 @@ from dagster import DagsterInstance
 from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
-from pipeline_assets_tests.conftest import run_cli
-from pipeline_assets_tests.hf_models import qwen2_folder
-from pipeline_assets_tests.user_data import land_support_export
+from pipeline_assets_tests.conftest import run_cli, write_landing_file
+from pipeline_assets_tests.hf_models import llama_folder, qwen2_folder
+from pipeline_assets_tests.user_data import land_support_export, support_answers
 
 NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
 
@@ -93,3 +94,36 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     [registered] = instance.fetch_materializations(REGISTRY_MODEL_VERSION, limit=1).records
     gate = registered.asset_materialization.metadata["gate"].value
     assert "on the base model's" in gate, gate
+
+
+def test_preference_pairs_alone_train_dpo_from_the_base_model(tmp_path):
+    """DPO on an instruct model: no sft data, so no sft champion; the reference pass and DPO start
+    from the base model, and dpo-model's lineage says so."""
+    base = llama_folder(tmp_path / "models" / "instruct-llama")
+    rng = random.Random(5)
+    pairs = [
+        {
+            "prompt": row["prompt"],
+            "chosen": row["response"],
+            "rejected": rng.choice(["idk", "Restart it.", "No idea, sorry."]),
+        }
+        for row in support_answers(120)
+    ]
+    write_landing_file(tmp_path / "landing", "prefs", "pairs.jsonl", pairs)
+    env = {
+        "PIPELINE_BASE_MODEL": str(base),
+        "PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}',
+    }
+    _clean(run_cli(tmp_path, "run", **env))
+
+    lake = LakeResource(uri=str(tmp_path / "lake"))
+    reference = lake.read("gold", "reference_logps")["reference_model"].unique().to_list()
+    assert reference == [f"base_model/{folder_sha256(base)[:12]}"]
+    lineage = run_cli(tmp_path, "lineage", "dpo-model/1", **env)
+    assert lineage.returncode == 0, lineage.stderr
+    started = json.loads(lineage.stdout)["started_from"]
+    assert started == {"base_model": {"uri": str(base), "sha256": folder_sha256(base)}}
+    served = tmp_path / "served"
+    exported = run_cli(tmp_path, "export", "dpo-model/1", "--out", str(served), **env)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -407,7 +407,9 @@ def cut_snapshot_if_due(
         series,
     )
     waiting = series is PREFERENCE_SERIES and no_reference_model(
-        defs.resources["mlflow_tracking"], defs.resources["registry_policy"]
+        defs.resources["mlflow_tracking"],
+        defs.resources["registry_policy"],
+        defs.resources["base_model"],
     )
     if waiting and not by_hand:
         log.info("no new preference snapshot: %s", waiting)

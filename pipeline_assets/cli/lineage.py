@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from pipeline_assets.defs.base_models import REFERENCE_PREFIX
 from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     SFT_SNAPSHOTS,
@@ -137,7 +138,11 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     }
     if layers is _PREFERENCE:
         lineage["gold"]["reference_logps_version"] = _int(tags.get("delta.gold/reference_logps"))
-        lineage["started_from"] = model_lineage(tags["reference_model"], mlflow_tracking, lake)
+        lineage["started_from"] = (
+            {"base_model": lineage["base_model"]}
+            if tags["reference_model"].startswith(REFERENCE_PREFIX)
+            else model_lineage(tags["reference_model"], mlflow_tracking, lake)
+        )
     return lineage
 
 

@@ -9,8 +9,11 @@ from collections.abc import Mapping
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.lib.gold.base_model import BaseModel, BaseModelError
 from pipeline_assets.resources.base_model import SETTING, BaseModelResource
+from pipeline_assets.resources.lake import LakeResource
 
 RUN_TAGS = ("base_model.uri", "base_model.sha256")  # the MLflow run's and the registered version's
+# DPO's reference (and starting) model when no sft champion exists: "base_model/<sha256[:12]>"
+REFERENCE_PREFIX = "base_model/"
 
 
 def snapshot_base_model(
@@ -43,6 +46,19 @@ def snapshot_base_model(
             f"holds the tokenizer of base model {recorded[:12]}: {redo}"
         )
     return model
+
+
+def tokenizer_base_model(
+    lake: LakeResource, tokenizer_version: int, base_model: BaseModelResource
+) -> BaseModel | None:
+    """``snapshot_base_model`` of the gold/tokenizer version a snapshot was encoded with."""
+    row = lake.read("gold", "tokenizer", version=tokenizer_version).row(0, named=True)
+    return snapshot_base_model(row, tokenizer_version, base_model)
+
+
+def reference_name(model: BaseModel) -> str:
+    """How DPO's reference pass names a base model it scored with (in place of MODEL/VERSION)."""
+    return f"{REFERENCE_PREFIX}{model.version[:12]}"
 
 
 def run_tags(uri: str, model: BaseModel | None) -> dict[str, str]:

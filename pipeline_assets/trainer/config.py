@@ -193,6 +193,8 @@ def starting_flags(folder: str | Path) -> dict:
     """What a run starting from the exported model in ``folder`` (``init_from``) must be given
     beside it: a built-in export's preset, width and vocab_size; nothing for a Hugging Face
     backend's export, whose config.json is the architecture."""
+    if not (Path(folder) / EXPORT_ABOUT).is_file():
+        return {}  # a Hugging Face folder the pipeline did not write: a base model
     about = exported_config(folder)
     if about.get("backend") == "huggingface":
         return {}

@@ -10,7 +10,7 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from pipeline_assets.contracts import EvaluationSlice, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
-from pipeline_assets.defs.base_models import snapshot_base_model
+from pipeline_assets.defs.base_models import tokenizer_base_model
 from pipeline_assets.defs.keys import (
     EVALUATION_REPORT,
     REFERENCE_BASE_MODEL,
@@ -94,7 +94,9 @@ def evaluation_report(
         )
 
     seen = mlflow_tracking.version_by_alias(registry_policy.model_name, "champion")
-    started_from = None if seen else _started_from(lake, versions, base_model)
+    started_from = (
+        None if seen else tokenizer_base_model(lake, versions["gold/tokenizer"], base_model)
+    )
     champion, champion_note = comparable_champion(
         seen,
         registry_policy.model_name,
@@ -360,13 +362,6 @@ def _comparison(report: pl.DataFrame) -> pl.DataFrame:
         )
         .sort(pl.col("slice") != OVERALL, "slice")
     )
-
-
-def _started_from(lake: LakeResource, versions: dict, base_model: BaseModelResource):
-    """The base model the snapshot's tokenizer came from (None: a preset from scratch)."""
-    tokenizer_version = versions["gold/tokenizer"]
-    row = lake.read("gold", "tokenizer", version=tokenizer_version).row(0, named=True)
-    return snapshot_base_model(row, tokenizer_version, base_model)
 
 
 def _log_to_mlflow(

@@ -1,14 +1,21 @@
 """gold/reference_logps: DPO's reference pass, once per preference snapshot, with the sft
-champion."""
+champion; with none yet, the base model the pairs' tokenizer came from (DPO on an instruct
+model)."""
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 from dagster import AssetExecutionContext, AutomationCondition, Failure, MaterializeResult, asset
 
 from pipeline_assets.contracts import GoldReferenceLogps, conform, polars_schema, validate
-from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_REFERENCE_LOGPS
+from pipeline_assets.defs.base_models import reference_name, tokenizer_base_model
+from pipeline_assets.defs.keys import (
+    GOLD_PREFERENCE_SNAPSHOTS,
+    GOLD_REFERENCE_LOGPS,
+    REFERENCE_BASE_MODEL,
+)
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata
 from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.policies import RegistryPolicy
@@ -22,6 +29,7 @@ from pipeline_assets.lib.gold.manifest import (
     snapshot_number,
 )
 from pipeline_assets.lib.training.torchrun import REFERENCE_MODULE
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
@@ -40,7 +48,7 @@ _ROW_COLUMNS = [
 @asset(
     key=GOLD_REFERENCE_LOGPS,
     group_name="gold",
-    deps=[GOLD_PREFERENCE_SNAPSHOTS],
+    deps=[GOLD_PREFERENCE_SNAPSHOTS, REFERENCE_BASE_MODEL],
     partitions_def=preference_snapshots,
     kinds={"delta", "pytorch"},
     automation_condition=AutomationCondition.on_missing()
@@ -49,8 +57,8 @@ _ROW_COLUMNS = [
     pool="model_registry",  # it reads the registry: one of its users at a time
     description="The reference model's summed response log-probabilities of every row of a "
     "preference snapshot, per document: DPO's reference pass, under torchrun, once per snapshot, "
-    "so the DPO trainer holds one model. The reference is the sft champion when it runs (named in "
-    "each row); DPO starts from the same model.",
+    "so the DPO trainer holds one model. The reference is the sft champion when it runs, else the "
+    "base model (named in each row); DPO starts from the same model.",
 )
 def gold_reference_logps(
     context: AssetExecutionContext,
@@ -58,6 +66,7 @@ def gold_reference_logps(
     launcher: TorchrunLauncher,
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     from pipeline_assets.trainer.reference import (
         read_reference_logps,  # polars only, but its module loads torch
@@ -68,8 +77,9 @@ def gold_reference_logps(
     manifest = read_manifest(
         lake.uri, snapshot_number(key, PREFERENCE_SNAPSHOTS), PREFERENCE_SNAPSHOTS
     )
-    reference = _reference_model(mlflow_tracking, registry_policy.model_name, manifest)
-    reference_name = f"{registry_policy.model_name}/{reference.version}"
+    reference = _reference_model(
+        mlflow_tracking, registry_policy.model_name, manifest, lake, base_model
+    )
     rows = sum(manifest.sequences_by_split().values())
     scratch = Path(launcher.scratch()) / "reference"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -78,18 +88,16 @@ def gold_reference_logps(
         sequences_scan(lake.uri, manifest).select(_ROW_COLUMNS).sink_parquet(
             rows_file
         )  # streamed, not held here
-        model_dir = mlflow_tracking.download_model(
-            registry_policy.model_name, str(reference.version), Path(folder) / "model"
-        )
+        model_dir = reference.folder(mlflow_tracking, Path(folder) / "model")
         run_scoring_program(
             context,
             launcher,
             REFERENCE_MODULE,
             ["--rows", str(rows_file), "--model", str(model_dir), "--out", str(out)],
-            f"reference pass of {key} with {reference_name}: {rows} rows",
+            f"reference pass of {key} with {reference.name}: {rows} rows",
         )
         logps = read_reference_logps(out, expected_rows=rows)
-    frame = logps.with_columns(snapshot=pl.lit(key), reference_model=pl.lit(reference_name))
+    frame = logps.with_columns(snapshot=pl.lit(key), reference_model=pl.lit(reference.name))
     frame = validate(conform(frame, GoldReferenceLogps), GoldReferenceLogps)
     commit = lake.replace_partition(*GOLD_REFERENCE_LOGPS.path, frame, column="snapshot", value=key)
     documents = frame["reference_logps"].explode()
@@ -105,7 +113,7 @@ def gold_reference_logps(
                 input_bytes=0,
                 stopwatch=stopwatch,
             ),
-            "reference_model": reference_name,
+            "reference_model": reference.name,
             "reference_run_id": reference.run_id,
             "rows": frame.height,
             "documents": documents.len(),
@@ -114,15 +122,40 @@ def gold_reference_logps(
     )
 
 
-def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest: Manifest):
-    """The sft champion, if its tokenizer is the one the snapshot's pairs were encoded with."""
+@dataclass(frozen=True)
+class Reference:
+    """DPO's reference (and starting) model: a registered sft version, or the base model."""
+
+    name: str  # MODEL/VERSION, or base_model/<sha256[:12]>
+    run_id: str | None  # the registered version's MLflow run
+    base_folder: str = ""  # the base model's local folder
+
+    def folder(self, mlflow_tracking: MlflowResource, into: Path) -> Path:
+        if self.base_folder:
+            return Path(self.base_folder)
+        model_name, version = self.name.rsplit("/", 1)
+        return mlflow_tracking.download_model(model_name, version, into)
+
+
+def _reference_model(
+    mlflow_tracking: MlflowResource,
+    model_name: str,
+    manifest: Manifest,
+    lake: LakeResource,
+    base_model: BaseModelResource,
+) -> Reference:
+    """The sft champion, if its tokenizer is the one the snapshot's pairs were encoded with; with
+    no champion, the base model that tokenizer came from."""
     champion = mlflow_tracking.version_by_alias(model_name, "champion")
     if champion is None:
+        model = tokenizer_base_model(lake, manifest.tokenizer_version, base_model)
+        if model is not None:
+            return Reference(reference_name(model), None, model.path)
         raise Failure(
             allow_retries=False,
             description=f"no {model_name} champion yet: DPO's reference model, and its "
-            f"starting point, is the sft champion; materialize {manifest.key} again once "
-            "registry/model_version has promoted one",
+            f"starting point, is the sft champion (or the base model PIPELINE_BASE_MODEL names); "
+            f"materialize {manifest.key} again once registry/model_version has promoted one",
         )
     tokenizer = champion.tags.get("delta.gold/tokenizer")
     if tokenizer != str(manifest.tokenizer_version):
@@ -138,4 +171,4 @@ def _reference_model(mlflow_tracking: MlflowResource, model_name: str, manifest:
             "other text; cut a new preference snapshot once the champion and the shards share a "
             "tokenizer",
         )
-    return champion
+    return Reference(f"{model_name}/{champion.version}", champion.run_id)

@@ -23,6 +23,7 @@ from pipeline_assets.defs.gold.cadence import (
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_PREFERENCE_SNAPSHOTS, GOLD_SNAPSHOTS
 from pipeline_assets.defs.policies import RegistryPolicy
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
 snapshot_job = define_asset_job(
@@ -68,7 +69,8 @@ preference_snapshot_job = define_asset_job(
     target=preference_snapshot_job,
     minimum_interval_seconds=10,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Once an sft champion exists (DPO's reference and starting point), cuts the first "
+    description="Once an sft champion exists (DPO's reference and starting point), or at once with "
+    "a base model (PIPELINE_BASE_MODEL), cuts the first "
     "preference snapshot once a shard of pairs exists, then a new one whenever the tokens of the "
     "shards built since the last cut reach PIPELINE_SNAPSHOT_MIN_NEW_FRACTION of the last "
     "snapshot's.",
@@ -79,8 +81,9 @@ def preference_snapshot_cadence(
     mlflow_tracking: MlflowResource,
     registry_policy: RegistryPolicy,
     batch_gates: BatchGates,
+    base_model: BaseModelResource,
 ):
-    waiting = no_reference_model(mlflow_tracking, registry_policy)
+    waiting = no_reference_model(mlflow_tracking, registry_policy, base_model)
     if waiting:
         return SkipReason(waiting)
     decision = snapshot_decision(
@@ -98,15 +101,20 @@ def preference_snapshot_cadence(
 
 
 def no_reference_model(
-    mlflow_tracking: MlflowResource, registry_policy: RegistryPolicy
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+    base_model: BaseModelResource,
 ) -> str | None:
-    """Why preference snapshots wait (no sft champion to be DPO's reference and starting point), or
-    None."""
+    """Why preference snapshots wait (no sft champion, nor a base model, to be DPO's reference and
+    starting point), or None."""
+    if base_model.configured:
+        return None  # DPO starts from the sft champion, else from the base model
     if mlflow_tracking.version_by_alias(registry_policy.model_name, "champion") is not None:
         return None
     return (
         f"no {registry_policy.model_name} champion yet: a preference snapshot waits for one, since "
-        "its reference pass and DPO start from it"
+        "its reference pass and DPO start from it (or set PIPELINE_BASE_MODEL: DPO then starts "
+        "from the base model)"
     )
 
 

@@ -13,6 +13,8 @@ from dagster import (
 )
 
 from pipeline_assets.defs.automation import after_upstream_passes
+from pipeline_assets.defs.base_models import REFERENCE_PREFIX
+from pipeline_assets.defs.base_models import RUN_TAGS as BASE_MODEL_TAGS
 from pipeline_assets.defs.keys import (
     EVALUATION_DPO_REPORT,
     MODEL_ARTIFACT_PATH,
@@ -100,6 +102,7 @@ def registry_dpo_model_version(
             sft_losses=sft_losses,
             margin=registry_policy.promotion_margin,
             slice_tolerance=registry_policy.slice_tolerance,
+            sft_champion_behind=not trained["reference_model"].startswith(REFERENCE_PREFIX),
         )
 
     judged = judge_and_promote(
@@ -154,6 +157,7 @@ def _version_tags(
         "git_commit": trained.get("git_commit"),
         "dagster_run_id": context.run_id,
         **{f"delta.{table}": v for table, v in versions.items() if v is not None},
+        **{tag: trained[tag] for tag in BASE_MODEL_TAGS if tag in trained},
         **{
             f"preference_accuracy.{name}": round(score.accuracy, 5)
             for name, score in scores["candidate"].items()

@@ -14,17 +14,25 @@ from dagster import (
     asset,
 )
 
+from pipeline_assets.defs.base_models import (
+    REFERENCE_PREFIX,
+    reference_name,
+    run_tags,
+    tokenizer_base_model,
+)
 from pipeline_assets.defs.keys import (
     GOLD_PREFERENCE_SNAPSHOTS,
     GOLD_REFERENCE_LOGPS,
     TRAINING_DPO_CHECKPOINT,
 )
 from pipeline_assets.defs.partitions import preference_snapshots
+from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.snapshots import partition_metadata
 from pipeline_assets.defs.training.assets import TrainingRunConfig, train_and_export
 from pipeline_assets.defs.training.policy import DpoPolicy
 from pipeline_assets.lib.gold.encoder import EncoderSpec
 from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, read_manifest, snapshot_number
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
@@ -44,7 +52,8 @@ from pipeline_assets.trainer.config import TrainConfig, starting_flags
     automation_condition=AutomationCondition.on_missing()
     & AutomationCondition.all_deps_blocking_checks_passed(),
     description="A torchrun FSDP2 DPO job on one preference snapshot (dpo-v<N>): it starts from "
-    "the sft champion the reference pass scored with (gold/reference_logps names it), reads the "
+    "the model the reference pass scored with (gold/reference_logps names it: the sft champion, "
+    "else the base model), reads the "
     "stored reference log-probabilities beside the rows, and ends with checkpoints, the exported "
     "model and an MLflow run, like training/checkpoint.",
 )
@@ -56,6 +65,7 @@ def training_dpo_checkpoint(
     dpo_policy: DpoPolicy,
     mlflow_tracking: MlflowResource,
     pipes_subprocess_client: PipesSubprocessClient,
+    base_model: BaseModelResource,
 ) -> MaterializeResult:
     partition = context.partition_key
     reference = partition_metadata(context.instance, GOLD_REFERENCE_LOGPS, partition)
@@ -65,15 +75,20 @@ def training_dpo_checkpoint(
             description=f"gold/reference_logps has no materialization for {partition}: "
             "run the reference pass first",
         )
-    model_name, version = reference["reference_model"].rsplit("/", 1)
-    folder = (
-        Path(launcher.scratch()) / "dpo" / partition / "init"
-    )  # the trainer reads it; kept for a resume
-    init_from = mlflow_tracking.download_model(model_name, version, folder)
+    number = snapshot_number(partition, PREFERENCE_SNAPSHOTS)
+    started_from = _base_model_started_from(lake, number, reference["reference_model"], base_model)
+    if started_from is not None:
+        init_from = Path(started_from.path)
+    else:
+        model_name, version = reference["reference_model"].rsplit("/", 1)
+        folder = (
+            Path(launcher.scratch()) / "dpo" / partition / "init"
+        )  # the trainer reads it; kept for a resume
+        init_from = mlflow_tracking.download_model(model_name, version, folder)
     architecture = starting_flags(init_from)
     train_config = TrainConfig(
         lake_uri=lake.uri,
-        snapshot=snapshot_number(partition, PREFERENCE_SNAPSHOTS),
+        snapshot=number,
         checkpoint_uri=launcher.checkpoint_uri,
         partition=partition,
         objective="dpo",
@@ -88,6 +103,7 @@ def training_dpo_checkpoint(
         f"gold/reference_logps v{reference['delta_version']}"
     )
     versions = {"gold/reference_logps": int(reference["delta_version"])}
+    base_tags = run_tags(base_model.uri, started_from)
     trained = train_and_export(
         context,
         train_config,
@@ -98,6 +114,7 @@ def training_dpo_checkpoint(
         {
             "reference_model": reference["reference_model"],
             **{f"delta.{k}": str(v) for k, v in versions.items()},
+            **base_tags,
         },
         _snapshot_tokenizer(lake, train_config.snapshot),
         str(init_from),  # a chat template's files: the starting model's own
@@ -106,6 +123,7 @@ def training_dpo_checkpoint(
         metadata={
             **trained,
             "reference_model": reference["reference_model"],
+            **base_tags,
             "upstream_delta_versions": MetadataValue.json(versions),
             "beta": train_config.beta,
         }
@@ -116,3 +134,21 @@ def _snapshot_tokenizer(lake: LakeResource, number: int) -> EncoderSpec:
     """The gold/tokenizer version the preference snapshot's pairs were encoded with."""
     version = read_manifest(lake.uri, number, PREFERENCE_SNAPSHOTS).tokenizer_version
     return EncoderSpec.from_row(lake.read("gold", "tokenizer", version=version).row(0, named=True))
+
+
+def _base_model_started_from(
+    lake: LakeResource, number: int, reference_model: str, base_model: BaseModelResource
+):
+    """The base model DPO starts from when the reference pass scored with it (no sft champion):
+    the one the snapshot's tokenizer came from, as PIPELINE_BASE_MODEL gives it now; else None."""
+    if not reference_model.startswith(REFERENCE_PREFIX):
+        return None
+    version = read_manifest(lake.uri, number, PREFERENCE_SNAPSHOTS).tokenizer_version
+    model = tokenizer_base_model(lake, version, base_model)
+    if model is None or reference_name(model) != reference_model:
+        raise refusal(
+            f"the reference pass scored with {reference_model}, but the snapshot's base model is "
+            f"{reference_name(model) if model else 'none'} now: materialize gold/reference_logps "
+            "for this snapshot again"
+        )
+    return model

@@ -160,40 +160,46 @@ def preference_gate(
     sft_losses: tuple[float, float] | None,
     margin: float = 0.005,
     slice_tolerance: float = 0.02,
+    sft_champion_behind: bool = True,
 ) -> GateDecision:
     """Promote a DPO candidate when its sft validation loss (``sft_losses``: candidate's, the sft
     champion's) is at most ``slice_tolerance`` (relative) worse, and it beats the DPO champion:
     overall preference accuracy higher by at least ``margin`` (absolute), or level within ``margin``
     with a mean reward margin higher by at least ``margin`` (relative); no source slice may lose
     more than ``slice_tolerance`` accuracy (absolute). Without a champion, the candidate must beat
-    chance (0.5) by ``margin``."""
+    chance (0.5) by ``margin``. A candidate with no sft champion behind it (DPO from the base
+    model: ``sft_champion_behind`` False) has no sft validation loss to hold."""
     if OVERALL not in candidate:
         raise ValueError(f"the candidate has no {OVERALL!r} slice")
     numbers = {
         "candidate_accuracy": candidate[OVERALL].accuracy,
         "candidate_mean_margin": candidate[OVERALL].mean_margin,
     }
-    if sft_losses is None:
+    if sft_losses is None and sft_champion_behind:
         return GateDecision(
             False,
             "the candidate's sft validation loss was not compared with the sft champion's "
             "(evaluation/dpo_report says why): check it by hand and use `pipeline-assets promote`",
             numbers,
         )
-    sft_change = (sft_losses[0] - sft_losses[1]) / sft_losses[1]
-    numbers |= {
-        "sft_candidate_loss": sft_losses[0],
-        "sft_champion_loss": sft_losses[1],
-        "sft_relative_change": sft_change,
-        "slice_tolerance": slice_tolerance,
-    }
-    if sft_change > slice_tolerance:
-        return GateDecision(
-            False,
-            f"sft validation loss {sft_losses[0]:.4f} against the sft champion's "
-            f"{sft_losses[1]:.4f}: {sft_change:+.2%}, beyond the tolerance {slice_tolerance:.2%}",
-            numbers,
-        )
+    sft_note = "no sft champion behind it (DPO from the base model)"
+    if sft_losses is not None:
+        sft_change = (sft_losses[0] - sft_losses[1]) / sft_losses[1]
+        numbers |= {
+            "sft_candidate_loss": sft_losses[0],
+            "sft_champion_loss": sft_losses[1],
+            "sft_relative_change": sft_change,
+            "slice_tolerance": slice_tolerance,
+        }
+        if sft_change > slice_tolerance:
+            return GateDecision(
+                False,
+                f"sft validation loss {sft_losses[0]:.4f} against the sft champion's "
+                f"{sft_losses[1]:.4f}: {sft_change:+.2%}, beyond the tolerance "
+                f"{slice_tolerance:.2%}",
+                numbers,
+            )
+        sft_note = f"sft validation loss {sft_change:+.2%} (tolerance {slice_tolerance:.2%})"
     if champion is None:
         accuracy = candidate[OVERALL].accuracy
         passed = accuracy - CHANCE_ACCURACY >= margin
@@ -201,7 +207,7 @@ def preference_gate(
             passed,
             f"first DPO model: held-out preference accuracy {accuracy:.3f} "
             f"{'beats' if passed else 'does not beat'} chance ({CHANCE_ACCURACY}) by the margin "
-            f"{margin}; sft validation loss {sft_change:+.2%} (tolerance {slice_tolerance:.2%})",
+            f"{margin}; {sft_note}",
             numbers | {"chance_accuracy": CHANCE_ACCURACY, "required_improvement": margin},
         )
     return _beats_preference_champion(candidate, champion, margin, slice_tolerance, numbers)

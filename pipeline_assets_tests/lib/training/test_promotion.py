@@ -145,6 +145,14 @@ def test_a_first_dpo_model_must_beat_chance_and_keep_the_sft_loss():
     assert not unknown.passed and "pipeline-assets promote" in unknown.reason
 
 
+def test_dpo_from_the_base_model_has_no_sft_loss_to_hold_but_must_beat_chance():
+    base = {"sft_losses": None, "sft_champion_behind": False}
+    passed = preference_gate(_scores(overall=(0.6, 0.1)), None, **base)
+    assert passed.passed and "no sft champion behind it" in passed.reason
+    at_chance = preference_gate(_scores(overall=(0.5, 0.1)), None, **base)
+    assert not at_chance.passed and "does not beat chance" in at_chance.reason
+
+
 def test_a_dpo_candidate_promotes_on_accuracy_or_on_margin_at_level_accuracy():
     more_accurate = _scores(
         overall=(0.85, 0.5), source_annotate=(0.90, 0.6), source_rollouts=(0.80, 0.4)
