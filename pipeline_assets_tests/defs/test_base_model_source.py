@@ -7,8 +7,13 @@ from pathlib import Path
 
 import boto3
 from dagster import Definitions, RunRequest, SkipReason, build_sensor_context
+from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
+from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+from dagster._time import get_current_datetime
 
-from pipeline_assets.defs.keys import REFERENCE_BASE_MODEL
+from pipeline_assets.defs.gold.assets import gold_tokenizer
+from pipeline_assets.defs.gold.policy import GoldPolicy
+from pipeline_assets.defs.keys import GOLD_TOKENIZER, REFERENCE_BASE_MODEL
 from pipeline_assets.defs.reference.assets import (
     NO_BASE_MODEL,
     base_model,
@@ -16,6 +21,7 @@ from pipeline_assets.defs.reference.assets import (
     observe_base_model_job,
     observed_version,
 )
+from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets_tests.conftest import BUCKET
@@ -105,3 +111,44 @@ def test_a_model_on_s3_is_fetched_once_and_has_the_version_of_its_files(
     assert isinstance(_watcher_says(instance, resource), RunRequest)
     assert Path(resource.local_folder() / "chat_template.jinja").read_text() == "{{ messages }}"
     assert (cached / "model.safetensors").stat().st_mtime_ns == weights_fetched
+
+
+def _status(defs, instance, key):
+    """What the UI shows for an asset: its stale status and root causes, from the same
+    resolver."""
+    graph = defs.resolve_asset_graph()
+    view = AssetGraphView(
+        temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
+        instance=instance,
+        asset_graph=graph,
+    )
+    resolver = CachingStaleStatusResolver(instance, graph, loading_context=view)
+    return resolver.get_status(key), resolver.get_stale_root_causes(key)
+
+
+def test_a_changed_model_shows_the_tokenizer_stale_because_of_it(instance, tmp_path, lake):
+    folder = llama_folder(tmp_path / "model")
+    resource = BaseModelResource(uri=str(folder))
+    defs = Definitions(
+        assets=[base_model, gold_tokenizer],
+        jobs=[observe_base_model_job],
+        resources={
+            "base_model": resource,
+            "lake": lake,
+            "gold_policy": GoldPolicy(),
+            "batch_gates": batch_gates(),
+        },
+    )
+    assert _observe(instance, resource).success
+    made = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, asset_selection=[GOLD_TOKENIZER]
+    )
+    assert made.success
+    assert _status(defs, instance, GOLD_TOKENIZER)[0] == StaleStatus.FRESH
+
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|eot_id|>", "<|eot_id|>\n"))
+    assert _observe(instance, resource).success
+    status, causes = _status(defs, instance, GOLD_TOKENIZER)
+    assert status == StaleStatus.STALE
+    assert [cause.key.asset_key for cause in causes] == [REFERENCE_BASE_MODEL]
