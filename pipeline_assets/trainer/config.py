@@ -224,6 +224,10 @@ class RlConfig:
     prompts_per_update: int = 32
     group_size: int = 8
     max_new_tokens: int = 14
+    # The learner packs completions (and warm-start examples) into rows of this many tokens, at
+    # most the model's longest sequence: a base model taking 32k positions would otherwise attend
+    # over one row holding the whole batch.
+    pack_len: int = 512
     # Measured on the generated sort task (docs/rl.md, "What was measured"): a tenth of sft's
     # learning rate, four steps on each batch; at 1e-3 and above a freshly tuned policy collapses
     # within a few updates.
@@ -259,6 +263,7 @@ class RlConfig:
             "updates",
             "prompts_per_update",
             "max_new_tokens",
+            "pack_len",
             "eval_every",
             "held_out_prompts",
             "steps_per_update",

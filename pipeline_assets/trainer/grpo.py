@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline_assets.lib.gold.packing import pack, packed_values, plan_best_fit_decreasing
+from pipeline_assets.trainer.language_model import LanguageModel
 from pipeline_assets.trainer.model import counted_targets, token_losses
 
 
@@ -74,7 +75,27 @@ def completion_logps(
 ) -> torch.Tensor:
     """(B, T), in fp32: ``log p(token t | tokens < t of its document)`` where ``counted_tokens``
     holds, 0 elsewhere. The negated ``token_losses``, shifted to sit on the token they predict."""
-    logps = F.pad(-token_losses(logits, input_ids), (1, 0))
+    return _on_counted_tokens(-token_losses(logits, input_ids), loss_mask, position_ids)
+
+
+def policy_logps(
+    model: LanguageModel,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``completion_logps`` of the model's logits at temperature 1, from its chunked next-token
+    losses: the (tokens x vocabulary) logits of the batch are never held at once."""
+    losses = model(input_ids, position_ids, next_token_losses=True)
+    return _on_counted_tokens(-losses, loss_mask, position_ids)
+
+
+def _on_counted_tokens(
+    target_logps: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """Per-target log-probabilities (B, T-1) moved onto the token each predicts (B, T), 0 where
+    ``counted_tokens`` does not hold."""
+    logps = F.pad(target_logps, (1, 0))
     return torch.where(counted_tokens(loss_mask, position_ids), logps, 0.0)
 
 
@@ -153,10 +174,11 @@ def pack_completions(
     behaviour_logps: list[list[float]],
     advantages: torch.Tensor,
     seq_len: int,
-    pad_id: int = 0,
+    pad_id: int,
 ) -> PackedCompletions:
     """Completion ``i`` after prompt ``i``, every one a document, packed into rows of
-    ``seq_len``."""
+    ``seq_len`` (at least the longest document: a completion cut in two would lose the prompt
+    before its second piece), filled with ``pad_id`` (the encoder's)."""
     documents = [
         np.asarray(p + c, dtype=np.int64) for p, c in zip(prompt_ids, completion_ids, strict=True)
     ]

@@ -124,6 +124,28 @@ class HuggingFaceLM(nn.Module):
         return self.lm.config
 
     @property
+    def max_seq_len(self) -> int:
+        return self.hf_config.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.get_input_embeddings().weight.device
+
+    def save(self, folder: Path, about: dict) -> list[str]:
+        """This model (in this process, unsharded) as its family's folder
+        (``export.save_hf_exported``), in the precision it holds its weights in: a policy version
+        is exactly what the RL learner trains, and resumes from it."""
+        from pipeline_assets.trainer.export import save_hf_exported  # export imports this module
+
+        config = copy.deepcopy(self.hf_config)
+        config.dtype = self.lm.get_input_embeddings().weight.dtype
+        config.architectures = [type(self.lm).__name__]  # as save_pretrained writes it
+        state = {name: tensor.detach().cpu() for name, tensor in self.lm.state_dict().items()}
+        return save_hf_exported(
+            state, config, folder, {**about, "backend": BACKEND}, skip=self.tied_keys()
+        )
+
+    @property
     def blocks(self) -> list[nn.Module]:
         """The decoder layers: FSDP2's units (``parallel.shard_model``)."""
         names = set(self.lm._no_split_modules or ())

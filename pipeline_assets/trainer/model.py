@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -196,6 +197,22 @@ class Transformer(nn.Module):
                     else 0.02
                 )
                 nn.init.normal_(parameter, mean=0.0, std=std)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    def save(self, folder: Path, about: dict) -> list[str]:
+        """This model as ``LlamaForCausalLM`` (``export.save_exported``), its preset's config in
+        pipeline.json beside ``about``."""
+        from pipeline_assets.trainer.export import save_exported  # export imports this module
+
+        state = {name: tensor.detach().cpu() for name, tensor in self.state_dict().items()}
+        return save_exported(state, self.config, folder, about)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, next_token_losses: bool = False

@@ -21,8 +21,7 @@ from pipeline_assets.trainer.storage import MANIFEST, CheckpointStore, describe_
 if TYPE_CHECKING:
     import torch
 
-    from pipeline_assets.trainer.config import ModelConfig
-    from pipeline_assets.trainer.model import Transformer
+    from pipeline_assets.trainer.language_model import LanguageModel
 
 OPTIMIZER_STATE = "optimizer.pt"
 DONE = "rl_done.json"  # written by the learner when the run is over: the workers stop
@@ -59,23 +58,18 @@ class PolicyStore:
     def publish(
         self,
         version: int,
-        model: Transformer,
-        model_config: ModelConfig,
+        model: LanguageModel,
         optimizer: torch.optim.Optimizer | None,
         about: dict,
     ) -> None:
+        """Version ``version`` of the policy, as its backend exports it (``LanguageModel.save``:
+        the built-in model as LlamaForCausalLM, a Hugging Face model as its own family), so that
+        ``load`` (``export.load_exported``) builds the same backend again."""
         import torch
-
-        from pipeline_assets.trainer.export import save_exported
 
         name = version_folder(version)
         folder = self.store.prepare(name)
-        files = save_exported(
-            {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            model_config,
-            folder,
-            {"policy_version": version, **about},
-        )
+        files = model.save(folder, {"policy_version": version, **about})
         if optimizer is not None:
             torch.save(optimizer.state_dict(), folder / OPTIMIZER_STATE)
             files.append(OPTIMIZER_STATE)
@@ -84,7 +78,7 @@ class PolicyStore:
             name, {"files": describe_files(folder, files), "policy_version": version, **about}
         )
 
-    def load(self, version: int, reader: str) -> tuple[Transformer, dict, Path]:
+    def load(self, version: int, reader: str) -> tuple[LanguageModel, dict, Path]:
         """The model of ``version`` (its files verified), its config, and the local folder holding
         it. Raises ``VersionPruned`` when the learner deleted the version before or while it was
         read."""

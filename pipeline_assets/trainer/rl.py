@@ -36,18 +36,19 @@ from pipeline_assets.lib.rl.tasks import HELD_OUT, TRAIN
 from pipeline_assets.trainer.config import EXIT_PREEMPTED, RlConfig, parse_dataclass
 from pipeline_assets.trainer.export import load_exported
 from pipeline_assets.trainer.grpo import (
-    completion_logps,
     group_advantages,
     grpo_loss,
     pack_completions,
+    policy_logps,
     zero_spread_groups,
 )
-from pipeline_assets.trainer.model import loss_sum_and_count
+from pipeline_assets.trainer.language_model import LanguageModel
+from pipeline_assets.trainer.model import counted_loss_sum
 from pipeline_assets.trainer.policy_store import METRICS_FILE, PolicyStore
 from pipeline_assets.trainer.replay_io import ReplayTable, land_rollout_pairs
 from pipeline_assets.trainer.report import Reporter
 from pipeline_assets.trainer.rollout import Prompts, judge, policy_encoder, read_prompt_bank
-from pipeline_assets.trainer.sampling import PAD_ID, greedy_completions
+from pipeline_assets.trainer.sampling import greedy_completions
 
 log = logging.getLogger("pipeline_assets.trainer.rl")
 _POLL_SECONDS = 0.25
@@ -83,9 +84,7 @@ class Learner:
                 )
             metrics = self._update(model, optimizer, taken, version)
             version += 1
-            self.policies.publish(
-                version, model, model.config, optimizer, {"partition": self.config.partition}
-            )
+            self.policies.publish(version, model, optimizer, {"partition": self.config.partition})
             self.policies.prune(version, self.config.max_staleness)
             if version % self.config.eval_every == 0 or version == self.config.updates:
                 metrics["held_out_accuracy"] = self.held_out_accuracy(model)
@@ -109,7 +108,7 @@ class Learner:
             optimizer = self._optimizer(model)
             self.policies.clear_done()
             self.policies.publish(
-                0, model, model.config, None, {"partition": self.config.partition, **warm_start}
+                0, model, None, {"partition": self.config.partition, **warm_start}
             )
             self.reporter.info(f"policy v0 from {self.config.init_from}: {warm_start}")
             return 0, model, optimizer
@@ -120,6 +119,11 @@ class Learner:
             optimizer.load_state_dict(state)
         self.reporter.info(f"resumed from policy v{newest}")
         return newest, model, optimizer
+
+    def _row_width(self, model: LanguageModel, longest_document: int) -> int:
+        """The learner's packed rows: ``pack_len`` tokens, at most the model's longest sequence,
+        at least the longest document (sampling kept every one within the model's)."""
+        return max(min(self.config.pack_len, model.max_seq_len), longest_document)
 
     def _optimizer(self, model) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -153,14 +157,14 @@ class Learner:
                     range(examples.height), min(self.config.warm_start_batch, examples.height)
                 )
             ]
-            packed, _ = pack_records(batch, model.config.max_seq_len, PAD_ID)  # gold's packer
+            width = self._row_width(model, int(batch["n_tokens"].max()))
+            packed, _ = pack_records(batch, width, self.encoder.pad_id)  # gold's packer
             input_ids, position_ids = (
                 torch.tensor(packed[c].to_list()) for c in ("input_ids", "position_ids")
             )
             model.train()
-            loss_sum, count = loss_sum_and_count(
-                model(input_ids, position_ids),
-                input_ids,
+            loss_sum, count = counted_loss_sum(
+                model(input_ids, position_ids, next_token_losses=True),
                 torch.tensor(packed["loss_mask"].to_list()),
                 position_ids,
             )
@@ -210,21 +214,23 @@ class Learner:
             (consumed["group_id"].rank("dense") - 1).to_list(), dtype=torch.long
         )  # 0 .. G-1
         advantages = group_advantages(rewards, groups)
+        prompts = consumed["prompt_token_ids"].to_list()
+        completions = consumed["completion_token_ids"].to_list()
+        longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
         rows = pack_completions(
-            consumed["prompt_token_ids"].to_list(),
-            consumed["completion_token_ids"].to_list(),
+            prompts,
+            completions,
             consumed["behaviour_logps"].to_list(),
             advantages,
-            model.config.max_seq_len,
-            PAD_ID,
+            self._row_width(model, longest),
+            self.encoder.pad_id,
         )
         model.train()
         tokens = rows.loss_mask.sum().clamp(min=1)
         for _ in range(
             self.config.steps_per_update
         ):  # the same batch, its ratio moving away from 1
-            logits = model(rows.input_ids, rows.position_ids)
-            new_logps = completion_logps(logits, rows.input_ids, rows.loss_mask, rows.position_ids)
+            new_logps = policy_logps(model, rows.input_ids, rows.loss_mask, rows.position_ids)
             loss_sum, stats = grpo_loss(
                 new_logps,
                 rows.behaviour_logps,
@@ -238,7 +244,7 @@ class Learner:
             optimizer.step()
         lags = version - consumed["policy_version"]
         return {
-            "loss": float(loss_sum / tokens),
+            "loss": float(loss_sum.detach() / tokens),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "zero_spread_share": zero_spread_groups(rewards, groups) / int(groups.max() + 1),
@@ -256,7 +262,11 @@ class Learner:
         count = min(self.config.held_out_prompts, len(self.held_out))
         model.eval()
         answers = greedy_completions(
-            model, self.held_out.token_ids[:count], self.config.max_new_tokens, self.stop_ids
+            model,
+            self.held_out.token_ids[:count],
+            self.config.max_new_tokens,
+            self.stop_ids,
+            pad_id=self.encoder.pad_id,
         )
         prompts = self.held_out.rows.head(count).iter_rows(named=True)
         right = [

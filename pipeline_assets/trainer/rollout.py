@@ -152,6 +152,7 @@ class RolloutWorker:
             self.config.max_new_tokens,
             self.stop_ids,
             generator=self.generator,
+            pad_id=self.encoder.pad_id,
         )
         now = datetime.now(timezone.utc)
         batch_id = f"{self.name}-{uuid.uuid4().hex[:12]}"

@@ -2,11 +2,11 @@
 (the rollouts of the RL overlay's GRPO) and greedy completions (held-out accuracy).
 
 Every prompt of a batch, ``group_size`` times each, is one row; one forward per new token serves all
-the rows still running. Rows are right-padded to the longest, and ``position_ids`` restart at 0 on
-the padding tail, so the model sees each row's tokens as one document starting at position 0,
-whatever the other rows hold: a prompt gives the same completion alone as in a batch. Without a KV
-cache, each step recomputes the whole prefix, which is cheap for the short prompts and answers of
-verifiable tasks.
+the rows still running. Rows are right-padded to the longest with the encoder's pad id, and
+``position_ids`` restart at 0 on the padding tail, so the model sees each row's tokens as one
+document starting at position 0, whatever the other rows hold: a prompt gives the same completion
+alone as in a batch. Without a KV cache, each step recomputes the whole prefix, which is cheap for
+the short prompts and answers of verifiable tasks.
 
 Behaviour log-probabilities are those of the distribution each token was sampled from: the model's
 logits divided by ``temperature``, log-softmaxed. GRPO's importance ratio must compare like with
@@ -14,6 +14,7 @@ like, so a learner that samples at a temperature other than 1 must divide its lo
 temperature before ``grpo.completion_logps``; at the default temperature 1 they are the model's own
 log-probabilities, and ``completion_logps`` of the unscaled logits gives back the same numbers.
 
+Any backend (``trainer.language_model``): the built-in model or the user's Hugging Face model.
 Pure torch, no I/O.
 """
 
@@ -26,11 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline_assets.trainer.model import Transformer
-
-PAD_ID = (
-    0  # what fills a row past its end (chat_format's <|pad|>); never attended to by a real token
-)
+from pipeline_assets.trainer.language_model import LanguageModel
 
 # Per step: (last logits (A, V) fp32 of the A running rows, their row numbers) -> (tokens (A,),
 # logps (A,)).
@@ -63,13 +60,15 @@ class CompletionRows:
 
 
 def sample_completions(
-    model: Transformer,
+    model: LanguageModel,
     prompt_ids: list[list[int]],
     group_size: int,
     max_new_tokens: int,
     stop_ids: set[int],
     temperature: float = 1.0,
     generator: Generators = None,
+    *,
+    pad_id: int,
 ) -> list[Completion]:
     """``group_size`` sampled completions of every prompt, prompt by prompt (row
     ``p * group_size + k`` is prompt p's k-th), each token drawn from
@@ -77,7 +76,8 @@ def sample_completions(
 
     ``generator`` is one ``torch.Generator`` for all rows (deterministic for the same batch), or one
     per row, ``len(prompt_ids) * group_size`` of them, so that a row's completion does not depend on
-    the rows beside it. Each row draws one uniform per step, by inverse CDF."""
+    the rows beside it. Each row draws one uniform per step, by inverse CDF. ``pad_id`` (the
+    encoder's) fills a row past its end; no real token attends to it."""
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     if temperature <= 0:
@@ -85,9 +85,8 @@ def sample_completions(
             f"temperature must be positive, got {temperature} (greedy_completions decodes greedily)"
         )
     rows = [prompt for prompt in prompt_ids for _ in range(group_size)]
-    tokens, logps = _decode(
-        model, rows, max_new_tokens, stop_ids, _sampler(temperature, generator, len(rows))
-    )
+    choose = _sampler(temperature, generator, len(rows))
+    tokens, logps = _decode(model, rows, max_new_tokens, stop_ids, choose, pad_id)
     return [
         Completion(row // group_size, row_tokens, row_logps)
         for row, (row_tokens, row_logps) in enumerate(zip(tokens, logps, strict=True))
@@ -95,20 +94,25 @@ def sample_completions(
 
 
 def greedy_completions(
-    model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]
+    model: LanguageModel,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    *,
+    pad_id: int,
 ) -> list[list[int]]:
     """The most likely next token, step after step: one completion per prompt, up to and including
     the first stop token (or ``max_new_tokens`` of them)."""
-    return _decode(model, prompt_ids, max_new_tokens, stop_ids, _greedy)[0]
+    return _decode(model, prompt_ids, max_new_tokens, stop_ids, _greedy, pad_id)[0]
 
 
 def completion_rows(
-    prompt_ids: list[list[int]], completions: Sequence[Completion]
+    prompt_ids: list[list[int]], completions: Sequence[Completion], pad_id: int
 ) -> CompletionRows:
     """Each completion after its prompt, as the tensors a learner feeds the model and
     ``grpo_loss``."""
     sequences = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
-    input_ids, position_ids, _ = right_padded(sequences)
+    input_ids, position_ids, _ = right_padded(sequences, pad_id)
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     behaviour_logps = torch.zeros(input_ids.shape, dtype=torch.float32)
     for row, completion in enumerate(completions):
@@ -120,14 +124,14 @@ def completion_rows(
 
 
 def right_padded(
-    sequences: Sequence[Sequence[int]],
+    sequences: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids) (N, T) of the sequences padded with PAD_ID to the longest, and
+    """(input_ids, position_ids) (N, T) of the sequences padded with ``pad_id`` to the longest, and
     their lengths (N,). Positions count 0.. along each sequence and again from 0 along its padding,
     which is thus a document of its own (``model.document_ids``)."""
     lengths = torch.tensor([len(sequence) for sequence in sequences])
     width = int(lengths.max())
-    input_ids = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     for row, sequence in enumerate(sequences):
         input_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
     columns = torch.arange(width)[None]
@@ -137,11 +141,12 @@ def right_padded(
 
 
 def _decode(
-    model: Transformer,
+    model: LanguageModel,
     rows: list[list[int]],
     max_new_tokens: int,
     stop_ids: set[int],
     choose: Chooser,
+    pad_id: int,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Extend every row token by token until it emits a stop token or has ``max_new_tokens`` new
     ones: the new tokens and their log-probabilities, per row."""
@@ -151,7 +156,8 @@ def _decode(
     running = list(range(len(rows))) if max_new_tokens > 0 else []
     with _evaluating(model):
         while running:
-            logits = _last_logits(model, [rows[row] + new_tokens[row] for row in running])
+            running_rows = [rows[row] + new_tokens[row] for row in running]
+            logits = _last_logits(model, running_rows, pad_id)
             tokens, logps = choose(logits, running)
             for row, token, logp in zip(running, tokens.tolist(), logps.tolist(), strict=True):
                 new_tokens[row].append(token)
@@ -164,19 +170,19 @@ def _decode(
     return new_tokens, new_logps
 
 
-def _check_lengths(model: Transformer, rows: list[list[int]], max_new_tokens: int) -> None:
+def _check_lengths(model: LanguageModel, rows: list[list[int]], max_new_tokens: int) -> None:
     if any(not row for row in rows):
         raise ValueError("every prompt needs at least one token")
     longest = max(map(len, rows), default=0) + max_new_tokens
-    if longest > model.config.max_seq_len:
+    if longest > model.max_seq_len:
         raise ValueError(
             f"a prompt plus {max_new_tokens} new tokens is {longest} tokens, more than the model's "
-            f"max_seq_len {model.config.max_seq_len}"
+            f"max_seq_len {model.max_seq_len}"
         )
 
 
 @contextlib.contextmanager
-def _evaluating(model: Transformer) -> Iterator[None]:
+def _evaluating(model: LanguageModel) -> Iterator[None]:
     """Eval mode and no autograd while decoding; the model's previous mode afterwards."""
     was_training = model.training
     model.eval()
@@ -187,10 +193,10 @@ def _evaluating(model: Transformer) -> Iterator[None]:
         model.train(was_training)
 
 
-def _last_logits(model: Transformer, sequences: list[list[int]]) -> torch.Tensor:
+def _last_logits(model: LanguageModel, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
     """(N, V) fp32: the logits at each sequence's last token, the next token's distribution."""
-    device = model.embedding.weight.device
-    input_ids, position_ids, lengths = right_padded(sequences)
+    device = model.device
+    input_ids, position_ids, lengths = right_padded(sequences, pad_id)
     logits = model(input_ids.to(device), position_ids.to(device))
     return logits[torch.arange(len(sequences), device=device), lengths.to(device) - 1].float()
 

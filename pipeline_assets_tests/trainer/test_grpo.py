@@ -244,10 +244,14 @@ def test_packed_completions_give_the_loss_and_gradients_of_one_completion_a_row(
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     one_a_row = completion_rows(
-        prompts, [Completion(i, c, b) for i, (c, b) in enumerate(zip(completions, behaviour))]
+        prompts,
+        [Completion(i, c, b) for i, (c, b) in enumerate(zip(completions, behaviour))],
+        pad_id=0,
     )
     padded = loss_and_grads(one_a_row, advantages[:, None].expand_as(one_a_row.behaviour_logps))
-    packed_rows = pack_completions(prompts, completions, behaviour, advantages, seq_len=16)
+    packed_rows = pack_completions(
+        prompts, completions, behaviour, advantages, seq_len=16, pad_id=0
+    )
     assert packed_rows.input_ids.shape[0] < len(prompts), "documents share rows"
     packed = loss_and_grads(packed_rows, packed_rows.advantages)
 

@@ -18,7 +18,7 @@ from pipeline_assets_tests.trainer.rl_setup import rl_inputs
 
 def _publish(policies: PolicyStore, model, *versions: int) -> None:
     for version in versions:
-        policies.publish(version, model, model.config, None, {})
+        policies.publish(version, model, None, {})
 
 
 def _worker_with_versions(tmp_path, *versions: int) -> tuple[RolloutWorker, object]:

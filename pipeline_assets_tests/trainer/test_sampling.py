@@ -21,6 +21,7 @@ CONFIG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=3
 PROMPTS = [[1, 7, 8, 9], [1, 20, 21, 22, 23, 24, 25, 26], [1, 30]]  # lengths 4, 8, 2
 MAX_NEW = 10
 NO_STOP: set[int] = set()
+PAD = 0  # the built-in chat format's <|pad|>
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,31 @@ def _seeded(seed: int) -> torch.Generator:
 
 def test_a_seeded_generator_makes_sampling_deterministic(model):
     first = sample_completions(
-        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(3)
+        model,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=MAX_NEW,
+        stop_ids=NO_STOP,
+        generator=_seeded(3),
+        pad_id=PAD,
     )
     again = sample_completions(
-        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(3)
+        model,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=MAX_NEW,
+        stop_ids=NO_STOP,
+        generator=_seeded(3),
+        pad_id=PAD,
     )
     other = sample_completions(
-        model, PROMPTS, group_size=4, max_new_tokens=MAX_NEW, stop_ids=NO_STOP, generator=_seeded(4)
+        model,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=MAX_NEW,
+        stop_ids=NO_STOP,
+        generator=_seeded(4),
+        pad_id=PAD,
     )
 
     assert first == again
@@ -65,8 +84,9 @@ def test_behaviour_logps_equal_a_full_forward_pass_over_prompt_and_completion(mo
         stop_ids={5, 6},
         temperature=temperature,
         generator=_seeded(5),
+        pad_id=PAD,
     )
-    rows = completion_rows(PROMPTS, completions)
+    rows = completion_rows(PROMPTS, completions, pad_id=PAD)
 
     with torch.no_grad():
         logits = model(rows.input_ids, rows.position_ids)
@@ -89,6 +109,7 @@ def test_the_recorded_logps_are_gathered_by_hand_at_the_sampled_tokens(model):
         max_new_tokens=MAX_NEW,
         stop_ids=NO_STOP,
         generator=_seeded(6),
+        pad_id=PAD,
     )[0]
     row = torch.tensor([PROMPTS[0] + completion.token_ids])
 
@@ -115,6 +136,7 @@ def test_sampling_stops_at_the_first_stop_token_and_keeps_it(model):
         max_new_tokens=MAX_NEW,
         stop_ids=NO_STOP,
         generator=per_row_generators(),
+        pad_id=PAD,
     )
     stop_ids = {unstopped[0].token_ids[3], 49}
 
@@ -125,6 +147,7 @@ def test_sampling_stops_at_the_first_stop_token_and_keeps_it(model):
         max_new_tokens=MAX_NEW,
         stop_ids=stop_ids,
         generator=per_row_generators(),
+        pad_id=PAD,
     )
 
     for full, cut in zip(unstopped, stopped, strict=True):
@@ -139,7 +162,9 @@ def test_sampling_stops_at_the_first_stop_token_and_keeps_it(model):
 
 
 def test_greedy_is_the_argmax_step_by_step(model):
-    completions = greedy_completions(model, PROMPTS, max_new_tokens=MAX_NEW, stop_ids={5})
+    completions = greedy_completions(
+        model, PROMPTS, max_new_tokens=MAX_NEW, stop_ids={5}, pad_id=PAD
+    )
 
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         sequence = list(prompt)
@@ -154,7 +179,9 @@ def test_greedy_is_the_argmax_step_by_step(model):
 
 def test_a_prompt_gets_the_same_completions_alone_as_beside_prompts_of_other_lengths(model):
     group_size = 3
-    together_greedy = greedy_completions(model, PROMPTS, max_new_tokens=MAX_NEW, stop_ids={5})
+    together_greedy = greedy_completions(
+        model, PROMPTS, max_new_tokens=MAX_NEW, stop_ids={5}, pad_id=PAD
+    )
     together = sample_completions(
         model,
         PROMPTS,
@@ -162,12 +189,13 @@ def test_a_prompt_gets_the_same_completions_alone_as_beside_prompts_of_other_len
         MAX_NEW,
         stop_ids={5},
         generator=[_seeded(100 + row) for row in range(len(PROMPTS) * group_size)],
+        pad_id=PAD,
     )
 
     for index, prompt in enumerate(PROMPTS):
-        assert greedy_completions(model, [prompt], max_new_tokens=MAX_NEW, stop_ids={5}) == [
-            together_greedy[index]
-        ]
+        assert greedy_completions(
+            model, [prompt], max_new_tokens=MAX_NEW, stop_ids={5}, pad_id=PAD
+        ) == [together_greedy[index]]
         seeds = range(100 + index * group_size, 100 + (index + 1) * group_size)
         alone = sample_completions(
             model,
@@ -176,6 +204,7 @@ def test_a_prompt_gets_the_same_completions_alone_as_beside_prompts_of_other_len
             MAX_NEW,
             stop_ids={5},
             generator=[_seeded(seed) for seed in seeds],
+            pad_id=PAD,
         )
         beside = together[index * group_size : (index + 1) * group_size]
         assert [c.token_ids for c in alone] == [c.token_ids for c in beside]
@@ -184,22 +213,24 @@ def test_a_prompt_gets_the_same_completions_alone_as_beside_prompts_of_other_len
 
 
 def test_right_padding_restarts_positions_so_the_padding_is_a_document_of_its_own():
-    input_ids, position_ids, lengths = right_padded([[4, 5, 6], [7]])
+    input_ids, position_ids, lengths = right_padded([[4, 5, 6], [7]], pad_id=9)
 
-    assert input_ids.tolist() == [[4, 5, 6], [7, 0, 0]]
+    assert input_ids.tolist() == [[4, 5, 6], [7, 9, 9]], "the encoder's pad id fills the tail"
     assert position_ids.tolist() == [[0, 1, 2], [0, 0, 1]]
     assert lengths.tolist() == [3, 1]
 
 
 def test_decoding_restores_the_training_mode_and_refuses_what_the_model_cannot_hold(model):
     model.train()
-    greedy_completions(model, PROMPTS, max_new_tokens=2, stop_ids=NO_STOP)
+    greedy_completions(model, PROMPTS, max_new_tokens=2, stop_ids=NO_STOP, pad_id=PAD)
     assert model.training
     model.eval()
 
     with pytest.raises(ValueError, match="max_seq_len"):
-        greedy_completions(model, PROMPTS, max_new_tokens=CONFIG.max_seq_len, stop_ids=NO_STOP)
+        greedy_completions(
+            model, PROMPTS, max_new_tokens=CONFIG.max_seq_len, stop_ids=NO_STOP, pad_id=PAD
+        )
     with pytest.raises(ValueError, match="one per row"):
-        sample_completions(model, PROMPTS, 2, MAX_NEW, NO_STOP, generator=[_seeded(0)])
+        sample_completions(model, PROMPTS, 2, MAX_NEW, NO_STOP, generator=[_seeded(0)], pad_id=PAD)
     with pytest.raises(ValueError, match="temperature"):
-        sample_completions(model, PROMPTS, 2, MAX_NEW, NO_STOP, temperature=0.0)
+        sample_completions(model, PROMPTS, 2, MAX_NEW, NO_STOP, temperature=0.0, pad_id=PAD)
