@@ -1,9 +1,11 @@
 """A small RL run's inputs, made in seconds: a prompt bank of generated tasks in a lake, a
 byte-level BPE tokenizer trained on its text, and an untrained tiny policy exported where
-``--init-from`` reads it."""
+``--init-from`` reads it (the built-in model, or a Hugging Face model with its own tokenizer and
+chat template)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -12,6 +14,9 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from pipeline_assets.lib.gold.base_model import inspect_base_model
+from pipeline_assets.lib.gold.chat_template import base_model_special_tokens
+from pipeline_assets.lib.gold.encoder import EncoderSpec
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
 from pipeline_assets.lib.rl.prompt_bank import curate_bank, generated_tasks
 from pipeline_assets.lib.silver.curation import SilverConfig
@@ -20,6 +25,7 @@ from pipeline_assets.lib.training.torchrun import torchrun_env
 from pipeline_assets.trainer.config import ModelConfig, RlConfig
 from pipeline_assets.trainer.export import save_exported
 from pipeline_assets.trainer.model import Transformer
+from pipeline_assets_tests.hf_models import qwen2_folder
 from pipeline_assets_tests.trainer.launch import environ_without_mlflow
 
 
@@ -28,14 +34,7 @@ def rl_inputs(
 ) -> RlConfig:
     """The inputs, and a config of a short run (no warm start: the functional tests need
     no skill)."""
-    lake = root / "lake"
-    no_eval_items = EvalNgramIndex.build(
-        pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig()
-    )
-    bank = curate_bank(
-        generated_tasks(bank_tasks, seed=1, held_out_fraction=0.2), no_eval_items, SilverConfig()
-    )
-    bank.write_delta(str(lake / "rl" / "prompt_bank"), mode="overwrite")
+    bank = _write_bank(root / "lake", bank_tasks)
     tokenizer = train_bpe(
         (bank["prompt"] + " " + bank["ground_truth"]).to_list(), vocab_size=512, min_frequency=1
     )
@@ -46,11 +45,46 @@ def rl_inputs(
     (root / "init").mkdir(exist_ok=True)
     torch.manual_seed(0)
     save_exported(Transformer(model_config).state_dict(), model_config, root / "init", {})
+    return _short_run(root, tokenizer_path=str(root / "tokenizer.json"), **overrides)
+
+
+def hf_rl_inputs(root: Path, bank_tasks: int = 400, **overrides) -> RlConfig:
+    """The same bank, and a tiny Qwen2 as the starting policy, as a Hugging Face backend's sft
+    champion starts one: its folder, its own tokenizer and ChatML template (the file rl/policy
+    writes from the champion's gold/tokenizer row)."""
+    _write_bank(root / "lake", bank_tasks)
+    folder = qwen2_folder(root / "init")
+    spec = EncoderSpec(
+        (folder / "tokenizer.json").read_text(),
+        inspect_base_model(folder).chat_template,
+        json.dumps(base_model_special_tokens(folder), sort_keys=True),
+    )
+    (root / "chat_template.json").write_text(spec.template_file_text())
+    return _short_run(
+        root,
+        tokenizer_path=str(folder / "tokenizer.json"),
+        chat_template_path=str(root / "chat_template.json"),
+        **overrides,
+    )
+
+
+def _write_bank(lake: Path, bank_tasks: int) -> pl.DataFrame:
+    no_eval_items = EvalNgramIndex.build(
+        pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig()
+    )
+    bank = curate_bank(
+        generated_tasks(bank_tasks, seed=1, held_out_fraction=0.2), no_eval_items, SilverConfig()
+    )
+    bank.write_delta(str(lake / "rl" / "prompt_bank"), mode="overwrite")
+    return bank
+
+
+def _short_run(root: Path, **overrides) -> RlConfig:
     config = RlConfig(
-        lake_uri=str(lake),
+        lake_uri=str(root / "lake"),
         checkpoint_uri=str(root / "checkpoints"),
         partition="rl-v0",
-        tokenizer_path=str(root / "tokenizer.json"),
+        tokenizer_path="",
         init_from=str(root / "init"),
         updates=3,
         prompts_per_update=4,
