@@ -1,7 +1,8 @@
 """rl/policy and rl/replay_buffer materialized with the project's resources (a learner under
 torchrun through Dagster Pipes, two rollout workers): a worker killed mid-run is restarted and the
 run completes with every rollout taken once; rollouts forced to lag 3 versions with a limit of 1 are
-dropped and the blocking freshness check fails naming the lag."""
+dropped and the blocking freshness check fails naming the lag; a Hugging Face model folder runs as
+a policy with its own tokenizer and chat template."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import polars as pl
 from dagster import PipesSubprocessClient, materialize
@@ -22,7 +24,7 @@ from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.trainer.policy_store import PolicyStore
-from pipeline_assets_tests.trainer.rl_setup import dropped_shares, rl_inputs
+from pipeline_assets_tests.trainer.rl_setup import dropped_shares, hf_rl_inputs, rl_inputs
 
 
 def _resources(tmp_path, config, **policy) -> dict:
@@ -139,3 +141,44 @@ def test_rollouts_forced_to_lag_fail_the_freshness_check_naming_the_lag(tmp_path
         "dropped as stale, lagging up to" in freshness.description
         and "(limit 1)" in freshness.description
     )
+
+
+def test_a_hugging_face_model_folder_is_a_policy_with_its_own_tokenizer_and_template(
+    tmp_path, instance
+):
+    config = hf_rl_inputs(tmp_path, bank_tasks=60)
+    resources = _resources(tmp_path, config)
+    resources["rl_policy"] = RlPolicy(group_size=4, rollout_workers=1, warm_start_max_steps=0)
+    given = {"init_from": config.init_from, "tokenizer_path": "", "updates": 2}
+
+    result = materialize(
+        [rl_policy],
+        instance=instance,
+        resources=resources,
+        run_config=_run_config(config, **given),
+        raise_on_error=False,
+    )
+
+    assert result.success
+    policy = result.asset_materializations_for_node("rl_policy")[0].metadata
+    assert policy["policy_version"].value == 2
+    newest = Path(policy["policy_uri"].value)
+    assert json.loads((newest / "pipeline.json").read_text())["backend"] == "huggingface"
+    assert json.loads((newest / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    rows = pl.read_delta(f"{config.lake_uri}/rl/replay_buffer")
+    im_start = json.loads((Path(config.init_from) / "tokenizer.json").read_text())["added_tokens"]
+    [im_start_id] = [t["id"] for t in im_start if t["content"] == "<|im_start|>"]
+    assert all(ids[0] == im_start_id for ids in rows["prompt_token_ids"]), (
+        "prompts are encoded in the model's ChatML template"
+    )
+
+    refused = materialize(
+        [rl_policy],
+        instance=instance,
+        resources=resources,
+        run_config=_run_config(config, **{**given, "tokenizer_path": config.tokenizer_path}),
+        raise_on_error=False,
+    )
+    assert not refused.success
+    [failure] = [e for e in refused.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "leave tokenizer_path empty" in failure.event_specific_data.error.message

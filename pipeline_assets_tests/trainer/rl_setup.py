@@ -5,7 +5,6 @@ chat template)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,9 +13,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline_assets.lib.gold.base_model import inspect_base_model
-from pipeline_assets.lib.gold.chat_template import base_model_special_tokens
-from pipeline_assets.lib.gold.encoder import EncoderSpec
+from pipeline_assets.lib.gold.base_model import folder_encoder_spec
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
 from pipeline_assets.lib.rl.prompt_bank import curate_bank, generated_tasks
 from pipeline_assets.lib.silver.curation import SilverConfig
@@ -54,12 +51,7 @@ def hf_rl_inputs(root: Path, bank_tasks: int = 400, **overrides) -> RlConfig:
     writes from the champion's gold/tokenizer row)."""
     _write_bank(root / "lake", bank_tasks)
     folder = qwen2_folder(root / "init")
-    spec = EncoderSpec(
-        (folder / "tokenizer.json").read_text(),
-        inspect_base_model(folder).chat_template,
-        json.dumps(base_model_special_tokens(folder), sort_keys=True),
-    )
-    (root / "chat_template.json").write_text(spec.template_file_text())
+    (root / "chat_template.json").write_text(folder_encoder_spec(folder).template_file_text())
     return _short_run(
         root,
         tokenizer_path=str(folder / "tokenizer.json"),

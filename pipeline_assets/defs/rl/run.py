@@ -38,6 +38,7 @@ from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.defs.rl.policy import RlPolicy
 from pipeline_assets.defs.rl.workers import RolloutWorkers
+from pipeline_assets.lib.gold.base_model import BaseModelError, folder_encoder_spec
 from pipeline_assets.lib.gold.encoder import EncoderSpec
 from pipeline_assets.lib.ops.charts import reward_curve_png
 from pipeline_assets.lib.rl.replay import StalenessPolicy, freshness, reward_signal
@@ -61,7 +62,8 @@ class RlRunConfig(Config):
     updates: int = 0  # 0: PIPELINE_RL_UPDATES
     prompts_per_update: int = 32
     lr: float = 3e-4
-    # an exported model folder to start from instead of the sft champion (with tokenizer_path)
+    # an exported model folder to start from instead of the sft champion: the built-in model's
+    # export with tokenizer_path, or a Hugging Face model folder with its tokenizer and template
     init_from: str = ""
     tokenizer_path: str = ""
     lagging_worker_lag: int = (
@@ -195,7 +197,7 @@ def policy_waits(mlflow_tracking: MlflowResource, registry_policy: RegistryPolic
         return None
     return (
         f"no {registry_policy.model_name} champion to start the RL run from: run the batch path "
-        "first, or give init_from and tokenizer_path"
+        "first, or give init_from (with tokenizer_path for the built-in model's export)"
     )
 
 
@@ -207,13 +209,10 @@ def _starting_policy(
     folder: Path,
 ) -> tuple[str, str, str, str]:
     """(exported model folder, tokenizer.json, chat template file or "", what it is): the run
-    config's, else the sft champion with the gold/tokenizer version it was trained on."""
+    config's, else the sft champion (of either backend) with the gold/tokenizer version it was
+    trained on."""
     if config.init_from or config.tokenizer_path:
-        if not (config.init_from and config.tokenizer_path):
-            raise Failure(
-                allow_retries=False, description="init_from and tokenizer_path go together"
-            )
-        return config.init_from, config.tokenizer_path, "", config.init_from
+        return _given_policy(config, folder)
     waits = policy_waits(mlflow_tracking, registry_policy)
     if waits:
         raise refusal(waits)
@@ -222,19 +221,57 @@ def _starting_policy(
         registry_policy.model_name, str(champion.version), folder / "init"
     )
     row = lake.read(*GOLD_TOKENIZER.path, version=int(champion.tags["delta.gold/tokenizer"]))
-    spec = EncoderSpec.from_row(row.row(0, named=True))
-    tokenizer_path = folder / "tokenizer.json"
-    tokenizer_path.write_text(spec.tokenizer_json)
-    template_path = ""
-    if (template := spec.template_file_text()) is not None:
-        template_path = folder / "chat_template.json"
-        template_path.write_text(template)
+    tokenizer_path, template_path = _write_encoder(
+        EncoderSpec.from_row(row.row(0, named=True)), folder
+    )
     return (
         str(model_dir),
-        str(tokenizer_path),
-        str(template_path),
+        tokenizer_path,
+        template_path,
         f"{registry_policy.model_name}/{champion.version}",
     )
+
+
+def _given_policy(config: RlRunConfig, folder: Path) -> tuple[str, str, str, str]:
+    """The run config's export: a Hugging Face model folder encodes prompts with its own tokenizer
+    and chat template (as gold encoded its training data); the built-in model's export with the
+    tokenizer.json it was trained with, in the built-in chat format."""
+    # imported here: hf_model imports torch, which loading the code location must not
+    from pipeline_assets.trainer.hf_model import is_hf_folder
+
+    if config.init_from and is_hf_folder(config.init_from):
+        if config.tokenizer_path:
+            raise Failure(
+                allow_retries=False,
+                description=f"init_from {config.init_from} is a Hugging Face model folder: its "
+                "own tokenizer and chat template encode the prompts; leave tokenizer_path empty",
+            )
+        try:
+            spec = folder_encoder_spec(config.init_from)
+        except BaseModelError as error:
+            raise Failure(allow_retries=False, description=str(error)) from None
+        return config.init_from, *_write_encoder(spec, folder), config.init_from
+    if not (config.init_from and config.tokenizer_path):
+        raise Failure(
+            allow_retries=False,
+            description="init_from and tokenizer_path go together (tokenizer_path alone for the "
+            "built-in model's export; a Hugging Face model folder brings its own)",
+        )
+    return config.init_from, config.tokenizer_path, "", config.init_from
+
+
+def _write_encoder(spec: EncoderSpec, folder: Path) -> tuple[str, str]:
+    """(tokenizer.json, the chat template file or "" for the built-in chat format) in ``folder``:
+    what the learner and the workers build the policy's encoder from."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer_path.write_text(spec.tokenizer_json)
+    template = spec.template_file_text()
+    if template is None:
+        return str(tokenizer_path), ""
+    template_path = folder / "chat_template.json"
+    template_path.write_text(template)
+    return str(tokenizer_path), str(template_path)
 
 
 def _worker_command(config: RlConfig, number: int, lagging_worker_lag: int) -> list[str]:

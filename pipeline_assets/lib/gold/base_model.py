@@ -22,6 +22,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline_assets.lib.gold.encoder import EncoderSpec
+
 SHOWN_AS = "base model"  # the caller names the setting the folder came from
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -79,6 +81,21 @@ def inspect_base_model(folder: str | Path) -> BaseModel:
         chat_template=template,
         eos_token=tokenizer.eos_token,
         version=folder_sha256(path),
+    )
+
+
+def folder_encoder_spec(folder: str | Path) -> EncoderSpec:
+    """What encodes records for a Hugging Face model folder that holds its tokenizer and chat
+    template (a base model, or a model post-trained from one and exported with them), as
+    gold/tokenizer stores it for a base model: tokenizer.json, the template and the special tokens
+    the template reads. BaseModelError when the tokenizer or its template cannot be used; no weight
+    is read."""
+    path = Path(folder)
+    tokenizer = _tokenizer(path)
+    return EncoderSpec(
+        (path / "tokenizer.json").read_text(),
+        _chat_template(path, tokenizer),
+        json.dumps(dict(tokenizer.special_tokens_map), sort_keys=True),
     )
 
 
