@@ -1,17 +1,20 @@
 """A user's own pretrained model through `pipeline-assets run`: gold in its tokens, FSDP2 training
 from its weights, an export of its family that transformers serves, and a fine-tune that scores
-better on held-out records than the model it started from."""
+better on held-out records than the model it started from; the RL overlay then starts from that
+champion in its family's format and chat template."""
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION
+from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION, RL_POLICY
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
@@ -47,12 +50,21 @@ def _held_out_loss(folder, rows: pl.DataFrame) -> float:
     return total / count
 
 
-def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(tmp_path):
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(home, base model folder, environment) after `pipeline-assets run` made an sft champion of
+    a user's Qwen2."""
+    tmp_path = tmp_path_factory.mktemp("home")
     base = qwen2_folder(tmp_path / "models" / "support-qwen2")
     land_support_export(tmp_path, 300)
     # A random model this small learns at a from-scratch rate; real models keep the default 2e-5.
     env = {"PIPELINE_BASE_MODEL": str(base), "PIPELINE_BASE_MODEL_LR": "3e-3"}
     _clean(run_cli(tmp_path, "run", **env))
+    return tmp_path, base, env
+
+
+def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(fine_tuned):
+    tmp_path, base, env = fine_tuned
 
     lake = LakeResource(uri=str(tmp_path / "lake"))
     tokenizer = lake.read("gold", "tokenizer").row(0, named=True)
@@ -94,6 +106,28 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     [registered] = instance.fetch_materializations(REGISTRY_MODEL_VERSION, limit=1).records
     gate = registered.asset_materialization.metadata["gate"].value
     assert "on the base model's" in gate, gate
+
+
+def test_the_rl_overlay_runs_from_the_qwen2_champion_in_its_own_format_and_template(fine_tuned):
+    tmp_path, base, env = fine_tuned
+    rl_env = {**env, "PIPELINE_RL_BANK_TASKS": "200"}
+
+    _clean(run_cli(tmp_path, "run", "--select", "key:rl/*", **rl_env))
+
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    [run] = instance.fetch_materializations(RL_POLICY, limit=1).records
+    policy = run.asset_materialization.metadata
+    assert policy["started_from"].value == "sft-model/1"
+    newest = Path(policy["policy_uri"].value)
+    assert json.loads((newest / "pipeline.json").read_text())["backend"] == "huggingface"
+    assert json.loads((newest / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    rows = pl.read_delta(str(tmp_path / "lake" / "rl" / "replay_buffer"))
+    specials = json.loads((base / "tokenizer.json").read_text())["added_tokens"]
+    [im_start] = [t["id"] for t in specials if t["content"] == "<|im_start|>"]
+    assert rows.height and all(ids[0] == im_start for ids in rows["prompt_token_ids"]), (
+        "the policy's prompts are encoded in the champion's ChatML template, as gold encoded "
+        "its training data"
+    )
 
 
 def test_preference_pairs_alone_train_dpo_from_the_base_model(tmp_path):
