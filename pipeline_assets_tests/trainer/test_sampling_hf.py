@@ -1,8 +1,8 @@
 """Decoding from a Hugging Face policy (a tiny Qwen2: grouped-query attention, untied output layer)
 as from the built-in model: a prompt's completions do not depend on the rows beside it, greedy
 decoding is transformers' own greedy ``generate``, behaviour log-probabilities are the model's own
-(from logits or from its chunked losses), and a policy saved in its family's format loads back as
-the same model."""
+(from logits or from its chunked losses, one completion a row or several packed in one), and a
+policy saved in its family's format loads back as the same model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline_assets.trainer.export import load_exported
-from pipeline_assets.trainer.grpo import completion_logps, policy_logps
+from pipeline_assets.trainer.grpo import completion_logps, pack_completions, policy_logps
 from pipeline_assets.trainer.hf_model import BACKEND, HuggingFaceLM
 from pipeline_assets.trainer.sampling import (
     completion_rows,
@@ -143,3 +143,26 @@ def test_a_saved_policy_loads_back_as_the_same_hugging_face_model(model, tmp_pat
     positions = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, positions), model(ids, positions), rtol=0, atol=0)
+
+
+def test_completions_packed_several_to_a_row_get_the_log_probabilities_they_were_sampled_with(
+    model,
+):
+    completions = sample_completions(
+        model, PROMPTS, 2, MAX_NEW, stop_ids={5, 6}, generator=_seeded(8), pad_id=PAD
+    )
+    packed = pack_completions(
+        [PROMPTS[c.prompt_index] for c in completions],
+        [c.token_ids for c in completions],
+        [c.logps for c in completions],
+        torch.zeros(len(completions)),
+        seq_len=MAX_POSITIONS,
+        pad_id=PAD,
+    )
+    assert packed.input_ids.shape[0] < len(completions), "documents share rows"
+
+    with torch.no_grad():
+        logps = policy_logps(model, packed.input_ids, packed.loss_mask, packed.position_ids)
+
+    mask = packed.loss_mask
+    torch.testing.assert_close(logps[mask], packed.behaviour_logps[mask].float(), rtol=0, atol=1e-5)
