@@ -75,6 +75,7 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 
 # bench.scale lands 1 and 4 million records from landing to a snapshot: about 35 minutes on 2 cores.
 bench: install
+	$(PIP) install -q --no-compile -e ".[dev,bench]"
 	$(BIN)/python -m bench.run --out bench/results
 	$(BIN)/python -m bench.scale --out bench/results/scale.json
 

@@ -14,7 +14,15 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import bronze_ingest, gold_packing, silver_dedup, silver_lookup, sizer, training
+from bench import (
+    bronze_ingest,
+    gold_packing,
+    silver_dedup,
+    silver_lookup,
+    sizer,
+    training,
+    trl_sft,
+)
 
 BENCHMARKS = {
     "bronze_ingest": bronze_ingest.run,
@@ -22,6 +30,7 @@ BENCHMARKS = {
     "silver_lookup": silver_lookup.run,
     "gold_packing": gold_packing.run,
     "training": training.run,
+    "trl_sft": trl_sft.run,
     "sizer": sizer.run,
 }
 
