@@ -9,6 +9,9 @@ from dagster import (
 
 from pipeline_assets.defs.keys import REFERENCE_BASE_MODEL, REFERENCE_EVAL_SETS
 
+# Maintained outside the pipeline and observed, never materialized: never a "missing" dependency.
+REFERENCE_SOURCES = AssetSelection.assets(REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL)
+
 
 def after_upstream_passes() -> AutomationCondition:
     """Materialize when an upstream partition updates, unless a blocking check on it failed.
@@ -17,9 +20,7 @@ def after_upstream_passes() -> AutomationCondition:
     materialized, so they must not hold the flow back as a "missing" dependency.
     """
     return (
-        AutomationCondition.eager().ignore(
-            AssetSelection.assets(REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL)
-        )
+        AutomationCondition.eager().ignore(REFERENCE_SOURCES)
         & AutomationCondition.all_deps_blocking_checks_passed()
     )
 

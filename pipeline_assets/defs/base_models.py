@@ -52,8 +52,10 @@ def tokenizer_base_model(
     lake: LakeResource, tokenizer_version: int, base_model: BaseModelResource
 ) -> BaseModel | None:
     """``snapshot_base_model`` of the gold/tokenizer version a snapshot was encoded with."""
-    row = lake.read("gold", "tokenizer", version=tokenizer_version).row(0, named=True)
-    return snapshot_base_model(row, tokenizer_version, base_model)
+    rows = lake.read("gold", "tokenizer", version=tokenizer_version)
+    if rows is None or rows.is_empty():
+        raise refusal(f"gold/tokenizer v{tokenizer_version} does not exist in {lake.uri}")
+    return snapshot_base_model(rows.row(0, named=True), tokenizer_version, base_model)
 
 
 def reference_name(model: BaseModel) -> str:

@@ -262,6 +262,7 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
         ),
         "registry_policy": RegistryPolicy(),
         "gold_policy": resources["gold_policy"],
+        "base_model": resources["base_model"],
     }
     sensor_resources = {**registry, "batch_gates": batch_gates()}
     with build_sensor_context(instance=instance, resources=sensor_resources) as context:

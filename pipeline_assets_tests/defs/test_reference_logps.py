@@ -16,6 +16,7 @@ from pipeline_assets.defs.partitions import preference_snapshots
 from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.lib.gold.manifest import PREFERENCE_SNAPSHOTS, Manifest
 from pipeline_assets.lib.gold.splits import SPLITS
+from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 
@@ -77,6 +78,7 @@ def _reference_pass(instance, lake, mlflow_tracking, tmp_path, snapshot: str) ->
             "lake": lake,
             "mlflow_tracking": mlflow_tracking,
             "registry_policy": RegistryPolicy(model_name=MODEL),
+            "base_model": BaseModelResource(uri=""),
             "launcher": TorchrunLauncher(
                 checkpoint_uri=str(tmp_path / "checkpoints"), scratch_dir=str(tmp_path / "scratch")
             ),

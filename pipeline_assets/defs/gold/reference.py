@@ -10,6 +10,7 @@ import polars as pl
 from dagster import AssetExecutionContext, AutomationCondition, Failure, MaterializeResult, asset
 
 from pipeline_assets.contracts import GoldReferenceLogps, conform, polars_schema, validate
+from pipeline_assets.defs.automation import REFERENCE_SOURCES
 from pipeline_assets.defs.base_models import reference_name, tokenizer_base_model
 from pipeline_assets.defs.keys import (
     GOLD_PREFERENCE_SNAPSHOTS,
@@ -51,7 +52,7 @@ _ROW_COLUMNS = [
     deps=[GOLD_PREFERENCE_SNAPSHOTS, REFERENCE_BASE_MODEL],
     partitions_def=preference_snapshots,
     kinds={"delta", "pytorch"},
-    automation_condition=AutomationCondition.on_missing()
+    automation_condition=AutomationCondition.on_missing().ignore(REFERENCE_SOURCES)
     & AutomationCondition.all_deps_blocking_checks_passed(),
     retry_policy=TRANSIENT,
     pool="model_registry",  # it reads the registry: one of its users at a time
@@ -148,7 +149,11 @@ def _reference_model(
     no champion, the base model that tokenizer came from."""
     champion = mlflow_tracking.version_by_alias(model_name, "champion")
     if champion is None:
-        model = tokenizer_base_model(lake, manifest.tokenizer_version, base_model)
+        model = (
+            tokenizer_base_model(lake, manifest.tokenizer_version, base_model)
+            if base_model.configured
+            else None
+        )
         if model is not None:
             return Reference(reference_name(model), None, model.path)
         raise Failure(

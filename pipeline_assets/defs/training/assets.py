@@ -24,6 +24,7 @@ from dagster import (
     asset,
 )
 
+from pipeline_assets.defs.automation import REFERENCE_SOURCES
 from pipeline_assets.defs.base_models import run_tags, snapshot_base_model
 from pipeline_assets.defs.dagster_private import DagsterPipesExecutionError
 from pipeline_assets.defs.keys import (
@@ -75,8 +76,8 @@ def when_snapshot_added() -> AutomationCondition:
     retrained."""
     return (
         AutomationCondition.on_missing().ignore(
-            AssetSelection.assets(TRAINING_HPARAM_SEARCH)
-        )  # optional, by hand
+            AssetSelection.assets(TRAINING_HPARAM_SEARCH) | REFERENCE_SOURCES
+        )  # the search: optional, by hand
         & AutomationCondition.all_deps_blocking_checks_passed()
     )
 
