@@ -92,9 +92,18 @@ def counting_documents(n_records: int, max_len: int, seed: int) -> pl.DataFrame:
 def write_gold(lake_uri: str, n_records: int, seq_len: int, seed: int = 0) -> int:
     """One gold shard packed from counting documents up to seq_len tokens, and a snapshot of it;
     returns the snapshot's number."""
-    sequences, _ = build_sequences(
-        counting_documents(n_records, seq_len, seed), seq_len=seq_len, seed=seed, pad_id=PAD_ID
+    number, _ = write_snapshot_of(
+        lake_uri, counting_documents(n_records, seq_len, seed), seq_len, seed
     )
+    return number
+
+
+def write_snapshot_of(
+    lake_uri: str, documents: pl.DataFrame, seq_len: int, seed: int = 0
+) -> tuple[int, pl.DataFrame]:
+    """``documents`` (record_id, split, input_ids, loss_mask, n_tokens) packed as gold packs them
+    into one shard, and a snapshot of it: (the snapshot's number, the packed rows)."""
+    sequences, _ = build_sequences(documents, seq_len=seq_len, seed=seed, pad_id=PAD_ID)
     sequences = sequences.with_columns(
         batch_id=pl.lit("bench"), tokenizer_version=pl.lit(0, pl.Int64)
     )
@@ -106,9 +115,8 @@ def write_gold(lake_uri: str, n_records: int, seq_len: int, seed: int = 0) -> in
         column="batch_id",
         value="bench",
     )
-    return cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=seq_len, reason="bench")[
-        0
-    ].number
+    manifest = cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=seq_len, reason="bench")
+    return manifest[0].number, sequences
 
 
 # --- the jobs ---------------------------------------------------------------------------------

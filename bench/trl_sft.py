@@ -25,11 +25,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from bench.training import run_torchrun, speeds
-from pipeline_assets.contracts import GoldSequence, conform, validate
-from pipeline_assets.defs.gold.manifest import cut_manifest
-from pipeline_assets.lib.gold.sequences import build_sequences
-from pipeline_assets.resources.lake import LakeResource
+from bench.training import run_torchrun, speeds, write_snapshot_of
 from pipeline_assets.trainer.config import TrainConfig
 
 CORES = 2
@@ -48,7 +44,6 @@ QWEN2 = dict(
     tie_word_embeddings=False,
     vocab_size=VOCAB,
 )
-PAD_ID = 0
 
 
 def qwen2_folder(folder: Path) -> Path:
@@ -80,21 +75,8 @@ def documents(n_records: int, seed: int = 0) -> pl.DataFrame:
 
 
 def write_snapshot(lake_uri: str, n_records: int) -> tuple[int, pl.DataFrame]:
-    sequences, _ = build_sequences(documents(n_records), seq_len=SEQ_LEN, seed=0, pad_id=PAD_ID)
-    sequences = sequences.with_columns(
-        batch_id=pl.lit("bench"), tokenizer_version=pl.lit(0, pl.Int64)
-    )
-    lake = LakeResource(uri=lake_uri)
-    lake.replace_partition(
-        "gold",
-        "sequences",
-        validate(conform(sequences, GoldSequence), GoldSequence),
-        column="batch_id",
-        value="bench",
-    )
-    number = cut_manifest(lake, ["bench"], tokenizer_version=0, seq_len=SEQ_LEN, reason="bench")[
-        0
-    ].number
+    """The snapshot both sides train on, and its training rows."""
+    number, sequences = write_snapshot_of(lake_uri, documents(n_records), SEQ_LEN)
     return number, sequences.filter(pl.col("split") == "train")
 
 

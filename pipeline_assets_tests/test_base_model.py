@@ -6,7 +6,6 @@ champion in its family's format and chat template."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import polars as pl
@@ -19,7 +18,7 @@ from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
 from pipeline_assets_tests.hf_models import llama_folder, qwen2_folder
-from pipeline_assets_tests.user_data import land_support_export, support_answers
+from pipeline_assets_tests.user_data import land_support_export, support_preference_pairs
 
 NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
 
@@ -134,15 +133,7 @@ def test_preference_pairs_alone_train_dpo_from_the_base_model(tmp_path):
     """DPO on an instruct model: no sft data, so no sft champion; the reference pass and DPO start
     from the base model, and dpo-model's lineage says so."""
     base = llama_folder(tmp_path / "models" / "instruct-llama")
-    rng = random.Random(5)
-    pairs = [
-        {
-            "prompt": row["prompt"],
-            "chosen": row["response"],
-            "rejected": rng.choice(["idk", "Restart it.", "No idea, sorry."]),
-        }
-        for row in support_answers(120)
-    ]
+    pairs = support_preference_pairs(120)
     write_landing_file(tmp_path / "landing", "prefs", "pairs.jsonl", pairs)
     env = {
         "PIPELINE_BASE_MODEL": str(base),

@@ -13,7 +13,11 @@ from dagster import DagsterInstance
 
 from pipeline_assets.defs.keys import EVALUATION_REPORT, GOLD_SEQUENCES, SILVER_RECORDS
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
-from pipeline_assets_tests.user_data import land_support_export, support_answers
+from pipeline_assets_tests.user_data import (
+    land_support_export,
+    support_answers,
+    support_preference_pairs,
+)
 
 PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
 NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
@@ -108,15 +112,7 @@ def test_a_record_far_longer_than_a_training_row_is_cut_and_counted(tmp_path):
 
 
 def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_path):
-    rng = random.Random(5)
-    pairs = [
-        {
-            "prompt": row["prompt"],
-            "chosen": row["response"],
-            "rejected": rng.choice(["idk", "Restart it.", "No idea, sorry."]),
-        }
-        for row in support_answers(60)
-    ]
+    pairs = support_preference_pairs(60)
     write_landing_file(tmp_path / "landing", "prefs", "pairs.jsonl", pairs)
     done = run_cli(tmp_path, "run", **PREFS)
     _clean(done)

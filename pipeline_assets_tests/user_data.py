@@ -62,3 +62,16 @@ def support_answers(n: int, seed: int = 7) -> list[dict]:
 def land_support_export(home: Path, n: int, name: str = "export.jsonl") -> Path:
     """``n`` support answers as ``$PIPELINE_HOME/landing/support/<name>``."""
     return write_landing_file(home / "landing", "support", name, support_answers(n))
+
+
+def support_preference_pairs(n: int, seed: int = 5) -> list[dict]:
+    """The support answers as preference pairs: each answer chosen over a curt non-answer."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": row["prompt"],
+            "chosen": row["response"],
+            "rejected": rng.choice(["idk", "Restart it.", "No idea, sorry."]),
+        }
+        for row in support_answers(n)
+    ]

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import boto3
 from dagster import Definitions, RunRequest, SkipReason, build_sensor_context
-from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
-from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
-from dagster._time import get_current_datetime
+from dagster._core.definitions.data_version import StaleStatus
 
 from pipeline_assets.defs.gold.assets import gold_tokenizer
 from pipeline_assets.defs.gold.policy import GoldPolicy
@@ -25,6 +23,7 @@ from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets_tests.conftest import BUCKET
+from pipeline_assets_tests.defs.staleness import stale_status
 from pipeline_assets_tests.hf_models import llama_folder
 
 
@@ -113,19 +112,6 @@ def test_a_model_on_s3_is_fetched_once_and_has_the_version_of_its_files(
     assert (cached / "model.safetensors").stat().st_mtime_ns == weights_fetched
 
 
-def _status(defs, instance, key):
-    """What the UI shows for an asset: its stale status and root causes, from the same
-    resolver."""
-    graph = defs.resolve_asset_graph()
-    view = AssetGraphView(
-        temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
-        instance=instance,
-        asset_graph=graph,
-    )
-    resolver = CachingStaleStatusResolver(instance, graph, loading_context=view)
-    return resolver.get_status(key), resolver.get_stale_root_causes(key)
-
-
 def test_a_changed_model_shows_the_tokenizer_stale_because_of_it(instance, tmp_path, lake):
     folder = llama_folder(tmp_path / "model")
     resource = BaseModelResource(uri=str(folder))
@@ -144,11 +130,11 @@ def test_a_changed_model_shows_the_tokenizer_stale_because_of_it(instance, tmp_p
         instance=instance, asset_selection=[GOLD_TOKENIZER]
     )
     assert made.success
-    assert _status(defs, instance, GOLD_TOKENIZER)[0] == StaleStatus.FRESH
+    assert stale_status(defs, instance, GOLD_TOKENIZER)[0] == StaleStatus.FRESH
 
     template = folder / "chat_template.jinja"
     template.write_text(template.read_text().replace("<|eot_id|>", "<|eot_id|>\n"))
     assert _observe(instance, resource).success
-    status, causes = _status(defs, instance, GOLD_TOKENIZER)
+    status, causes = stale_status(defs, instance, GOLD_TOKENIZER)
     assert status == StaleStatus.STALE
     assert [cause.key.asset_key for cause in causes] == [REFERENCE_BASE_MODEL]

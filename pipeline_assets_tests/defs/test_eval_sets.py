@@ -9,9 +9,7 @@ import random
 
 import polars as pl
 from dagster import Definitions, RunRequest, build_sensor_context
-from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
-from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
-from dagster._time import get_current_datetime
+from dagster._core.definitions.data_version import StaleStatus
 
 from pipeline_assets.cli.backfill import backfill_decontamination
 from pipeline_assets.cli.headless import run_stale
@@ -30,6 +28,7 @@ from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import silver_job
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
+from pipeline_assets_tests.defs.staleness import stale_status
 
 UNRELATED = {
     "eval_set": "bench",
@@ -69,18 +68,7 @@ def _observed_version(instance) -> str:
 
 
 def _silver_status(defs, instance, batch):
-    """What the UI shows for a silver partition (its stale status and root causes), from the
-    same resolver."""
-    graph = defs.resolve_asset_graph()
-    view = AssetGraphView(
-        temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
-        instance=instance,
-        asset_graph=graph,
-    )
-    resolver = CachingStaleStatusResolver(instance, graph, loading_context=view)
-    return resolver.get_status(SILVER_RECORDS, batch), resolver.get_stale_root_causes(
-        SILVER_RECORDS, batch
-    )
+    return stale_status(defs, instance, SILVER_RECORDS, batch)
 
 
 def _watcher_says(instance, resources):
