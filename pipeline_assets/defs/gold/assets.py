@@ -1,7 +1,6 @@
 """gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained
 with sft's loss) tokenized and packed into its own shard."""
 
-import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,9 +24,8 @@ from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
 from pipeline_assets.lib.formats import SFT, text_chars
-from pipeline_assets.lib.gold.base_model import inspect_base_model
+from pipeline_assets.lib.gold.base_model import folder_encoder_spec, inspect_base_model
 from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
-from pipeline_assets.lib.gold.chat_template import base_model_special_tokens
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.gold.sequences import (
@@ -183,11 +181,7 @@ def _base_model_source(base_model: BaseModelResource) -> _TokenizerSource:
     try:
         folder = base_model.local_folder()
         model = inspect_base_model(folder)
-        spec = EncoderSpec(
-            (folder / "tokenizer.json").read_text(),
-            model.chat_template,
-            json.dumps(base_model_special_tokens(folder), sort_keys=True),
-        )
+        spec = folder_encoder_spec(folder)
         chat_encoder(spec)  # renders a probe: a template that cannot be cut into turns stops here
     except ValueError as error:  # BaseModelError is one
         raise refusal(f"{BASE_MODEL_SETTING}={base_model.uri}: {error}") from error

@@ -17,8 +17,7 @@ User text stays plain text: a special-token string inside a message is wrapped i
 markers before rendering and encoded as ordinary text after (``apply_chat_template`` makes it the
 special token unless told ``sanitize_control_tokens=True``). The rendering is cut at the turns'
 boundaries and around those strings; each piece is encoded on its own, and the encoder checks once
-that this gives the ids of the whole text. No Dagster, no torch, no transformers (but for reading a
-base model's folder).
+that this gives the ids of the whole text. No Dagster, no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from itertools import chain
-from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -390,15 +388,3 @@ class _Namespace(Namespace):
             raise jinja2.exceptions.SecurityError(
                 f"a chat template cannot set {name!r} on a namespace (names starting with _)"
             )
-
-
-# --- a base model's folder --------------------------------------------------------------------
-def base_model_special_tokens(folder: str | Path) -> dict[str, str]:
-    """The special tokens a base model's template reads (``bos_token``, ``eos_token``...), as
-    transformers passes them to it."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        folder, local_files_only=True, trust_remote_code=False
-    )
-    return dict(tokenizer.special_tokens_map)
