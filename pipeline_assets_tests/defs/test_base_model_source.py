@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import boto3
-from dagster import Definitions, RunRequest, SkipReason, build_sensor_context
+import pytest
+from dagster import Definitions, Failure, RunRequest, SkipReason, build_sensor_context
 from dagster._core.definitions.data_version import StaleStatus
 
+from pipeline_assets.defs.base_models import snapshot_base_model
 from pipeline_assets.defs.gold.assets import gold_tokenizer
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import GOLD_TOKENIZER, REFERENCE_BASE_MODEL
@@ -138,3 +140,25 @@ def test_a_changed_model_shows_the_tokenizer_stale_because_of_it(instance, tmp_p
     status, causes = stale_status(defs, instance, GOLD_TOKENIZER)
     assert status == StaleStatus.STALE
     assert [cause.key.asset_key for cause in causes] == [REFERENCE_BASE_MODEL]
+
+
+def test_a_snapshot_trains_only_from_the_model_its_tokenizer_came_from(tmp_path):
+    folder = llama_folder(tmp_path / "model")
+    resource = BaseModelResource(uri=str(folder))
+    row = {"base_model_version": folder_sha256(folder), "origin": f"base model {folder}"}
+    assert snapshot_base_model(row, 3, resource).version == row["base_model_version"]
+    assert snapshot_base_model({"base_model_version": None}, 3, BaseModelResource(uri="")) is None
+
+    refusals = {
+        "unset under a base-model tokenizer": (row, BaseModelResource(uri="")),
+        "set under the built-in tokenizer": ({"base_model_version": None}, resource),
+    }
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + "\n")
+    refusals["changed under the snapshot"] = (row, resource)
+    for why, (tokenizer_row, base) in refusals.items():
+        with pytest.raises(Failure) as refused:
+            snapshot_base_model(tokenizer_row, 3, base)
+        message = refused.value.description
+        assert "gold/tokenizer v3" in message and "PIPELINE_BASE_MODEL" in message, why
+        assert not refused.value.allow_retries, why
