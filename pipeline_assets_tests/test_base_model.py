@@ -13,7 +13,7 @@ import pytest
 import torch
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION, RL_POLICY
+from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION, RL_POLICY, TRAINING_CHECKPOINT
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
@@ -56,8 +56,7 @@ def fine_tuned(tmp_path_factory) -> tuple[Path, Path, dict]:
     tmp_path = tmp_path_factory.mktemp("home")
     base = qwen2_folder(tmp_path / "models" / "support-qwen2")
     land_support_export(tmp_path, 300)
-    # A random model this small learns at a from-scratch rate; real models keep the default 2e-5.
-    env = {"PIPELINE_BASE_MODEL": str(base), "PIPELINE_BASE_MODEL_LR": "3e-3"}
+    env = {"PIPELINE_BASE_MODEL": str(base)}  # the default fine-tuning rate, 2e-5
     _clean(run_cli(tmp_path, "run", **env))
     return tmp_path, base, env
 
@@ -70,6 +69,11 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     assert tokenizer["origin"] == f"base model {base}"
     assert tokenizer["base_model_version"] == folder_sha256(base)
     assert tokenizer["vocab_size"] == json.loads((base / "config.json").read_text())["vocab_size"]
+
+    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
+    [trained] = instance.fetch_materializations(TRAINING_CHECKPOINT, limit=1).records
+    command = trained.asset_materialization.metadata["command"].value
+    assert "--lr 2e-05" in command and f"--base-model {base}" in command, "the defaults"
 
     lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **env)
     assert lineage.returncode == 0, lineage.stderr
@@ -101,7 +105,6 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     assert set(report["model"]) == {"candidate", "base_model"}
     overall = dict(report.filter(pl.col("slice") == "overall").select("model", "loss").iter_rows())
     assert overall["candidate"] < overall["base_model"]
-    instance = DagsterInstance.from_config(str(tmp_path / "dagster"))
     [registered] = instance.fetch_materializations(REGISTRY_MODEL_VERSION, limit=1).records
     gate = registered.asset_materialization.metadata["gate"].value
     assert "on the base model's" in gate, gate
