@@ -23,6 +23,7 @@ from pipeline_assets.resources.settings import setting_field
 
 SETTING = "PIPELINE_BASE_MODEL"
 _CACHE_LISTING = ".pipeline-listing.json"  # the S3 listing a cached copy was fetched at
+_VERSIONS = "versions.json"  # listing fingerprint -> the sha256 of the files it describes
 
 
 class BaseModelResource(ConfigurableResource):
@@ -62,8 +63,18 @@ class BaseModelResource(ConfigurableResource):
         return self._fetched()
 
     def inspect(self) -> BaseModel:
-        """What the model is, or ``BaseModelError`` naming the problem (and the setting)."""
-        return inspect_base_model(self.local_folder())
+        """What the model is, or ``BaseModelError`` naming the problem. Its sha256 is read from
+        the cache while the listing is the one it was computed for: every asset that asks (gold,
+        training, the search, evaluation, the reference pass, DPO) would otherwise read every
+        weight again."""
+        folder, listing = self.local_folder(), self.listing_fingerprint()
+        versions_file = Path(self.cache_dir) / _VERSIONS if self.cache_dir else None
+        known = _read_json(versions_file)
+        model = inspect_base_model(folder, version=known.get(listing))
+        if versions_file is not None and known.get(listing) != model.version:
+            versions_file.parent.mkdir(parents=True, exist_ok=True)
+            versions_file.write_text(json.dumps({listing: model.version}))
+        return model
 
     def _s3_objects(self) -> dict[str, tuple[int, str]]:
         bucket, prefix = uris.split_s3(self.uri)
@@ -100,3 +111,7 @@ class BaseModelResource(ConfigurableResource):
             (folder / stale).unlink(missing_ok=True)
         listing_file.write_text(json.dumps({k: list(v) for k, v in objects.items()}))
         return folder
+
+
+def _read_json(path: Path | None) -> dict:
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}

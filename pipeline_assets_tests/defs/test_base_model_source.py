@@ -162,3 +162,21 @@ def test_a_snapshot_trains_only_from_the_model_its_tokenizer_came_from(tmp_path)
         message = refused.value.description
         assert "gold/tokenizer v3" in message and "PIPELINE_BASE_MODEL" in message, why
         assert not refused.value.allow_retries, why
+
+
+def test_the_model_is_hashed_once_while_its_files_stay_as_they_were(tmp_path, monkeypatch):
+    from pipeline_assets.lib.gold import base_model as lib_base_model
+
+    hashed = []
+    real = lib_base_model.folder_sha256
+    monkeypatch.setattr(
+        lib_base_model, "folder_sha256", lambda path: hashed.append(path) or real(path)
+    )
+    folder = llama_folder(tmp_path / "model")
+    resource = BaseModelResource(uri=str(folder), cache_dir=str(tmp_path / "cache"))
+    first = resource.inspect().version
+    assert resource.inspect().version == first == real(folder) and len(hashed) == 1
+
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + "\n")
+    assert resource.inspect().version == real(folder) != first and len(hashed) == 2

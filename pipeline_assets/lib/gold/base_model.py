@@ -55,8 +55,9 @@ class BaseModel:
     version: str  # sha256 of the folder's files
 
 
-def inspect_base_model(folder: str | Path) -> BaseModel:
-    """The base model in ``folder``, or BaseModelError naming what makes it unusable."""
+def inspect_base_model(folder: str | Path, version: str | None = None) -> BaseModel:
+    """The base model in ``folder``, or BaseModelError naming what makes it unusable. ``version``:
+    its files' sha256 when the caller already knows it (hashing reads every weight)."""
     path = Path(folder)
     if not path.is_dir():
         raise BaseModelError(f"{SHOWN_AS} {folder}: no such folder")
@@ -80,7 +81,7 @@ def inspect_base_model(folder: str | Path) -> BaseModel:
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         chat_template=template,
         eos_token=tokenizer.eos_token,
-        version=folder_sha256(path),
+        version=version or folder_sha256(path),
     )
 
 
