@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import polars as pl
 
 SHARED_OPTIONAL = ("id", "created_at", "meta")  # every format's optional fields besides its text
+ROLES = ("system", "user", "assistant")
+TURN = pl.Struct({"role": pl.String, "content": pl.String})
+TURNS = pl.List(TURN)  # a conversation as bronze and silver store it: its turns in order
 
 
 @dataclass(frozen=True)
@@ -38,23 +41,73 @@ class RecordFormat:
     bronze_table: str  # bronze/<bronze_table>: its records with provenance
     silver_table: str  # silver/<silver_table>: its curated records
     about: str  # what its records are, for the descriptions of its tables
+    # a required list of turns (``TURNS``) the format's text lives in; the stages read it through
+    # ``views``
+    turns: str | None = None
 
     @property
     def text(self) -> tuple[str, ...]:
-        """Every text field: what normalization rewrites and what a data stage's work is counted
-        in."""
+        """Every string field: what normalization rewrites and what a data stage's work is counted
+        in (with the contents of ``turns``)."""
         return self.required + self.optional_text
 
     @property
     def known(self) -> frozenset[str]:
         """Every field the format names; any other lands verbatim in ``extra``."""
+        turns = (self.turns,) if self.turns else ()
         return frozenset(
-            self.required + self.optional_text + self.optional_numbers + SHARED_OPTIONAL
+            self.required + turns + self.optional_text + self.optional_numbers + SHARED_OPTIONAL
         )
 
     def looks_like(self, fields: set[str]) -> bool:
-        """A record with these fields has every field this format requires."""
+        """A record with these fields has every field this format requires (a conversation's turns
+        under either of their names)."""
+        if self.turns and not fields & {self.turns, SHAREGPT_TURNS}:
+            return False
         return set(self.required) <= fields
+
+    @property
+    def views(self) -> dict[str, pl.Expr]:
+        """The text a format with ``turns`` has no field for, as columns the stages read by name
+        (``dedup``, ``answers``, ``judged``, ``decontaminate``): every turn labelled with its role,
+        the system and user turns, the assistant turns, and the first user turn."""
+        if self.turns is None:
+            return {}
+        return {
+            "conversation": _joined_turns(self.turns, ROLES, labelled=True),
+            "context_turns": _joined_turns(self.turns, ("system", "user")),
+            "assistant_turns": _joined_turns(self.turns, ("assistant",)),
+            "first_user_turn": _turn_contents(self.turns, ("user",)).list.first(),
+        }
+
+    def with_views(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """``frame`` plus ``views`` (unchanged for a format without turns)."""
+        return frame.with_columns(**self.views) if self.views else frame
+
+
+SHAREGPT_TURNS = "conversations"  # the ShareGPT shape's name for a conversation's turns
+
+
+def _turn_contents(column: str, roles: tuple[str, ...]) -> pl.Expr:
+    turn = pl.element()
+    return pl.col(column).list.eval(
+        turn.filter(turn.struct.field("role").is_in(roles)).struct.field("content")
+    )
+
+
+def _joined_turns(column: str, roles: tuple[str, ...], labelled: bool = False) -> pl.Expr:
+    """The contents of the turns of ``roles``, in order, a blank line apart (each after its role
+    and a colon when ``labelled``)."""
+    if not labelled:
+        return _turn_contents(column, roles).list.join("\n\n")
+    turn = pl.element()
+    return (
+        pl.col(column)
+        .list.eval(
+            pl.concat_str(turn.struct.field("role"), pl.lit(": "), turn.struct.field("content"))
+        )
+        .list.join("\n\n")
+    )
 
 
 SFT = RecordFormat(
@@ -89,6 +142,25 @@ PREFERENCE = RecordFormat(
     silver_table="preference_pairs",
     about="preference pairs (prompt, chosen, rejected)",
 )
+# Two conversations are near duplicates only when their assistant turns are too, as sft records
+# whose prompts are alike; every turn is checked against the eval sets; variants of a conversation
+# (the same first question) share a side of the split.
+CONVERSATION = RecordFormat(
+    name="conversation",
+    required=(),
+    optional_text=(),
+    optional_numbers=(),
+    turns="messages",
+    dedup=("conversation",),
+    answers=("assistant_turns",),
+    judged="assistant_turns",
+    decontaminate=("context_turns", "assistant_turns"),
+    split_key="prompt_hash",  # of the first user turn
+    objective="sft",
+    bronze_table="conversations",
+    silver_table="conversations",
+    about="conversations (messages: system, user and assistant turns)",
+)
 FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
 
 
@@ -116,6 +188,12 @@ def text_chars(frame: pl.DataFrame) -> int:
     """Characters of every record's text in ``frame`` (the text fields of whichever format it
     holds), as ``record_chars`` counts them."""
     columns = [c for c in all_text_fields() if c in frame.columns]
-    if frame.is_empty() or not columns:
+    turns = [c for c, dtype in frame.schema.items() if dtype == TURNS]
+    if frame.is_empty() or not (columns or turns):
         return 0
-    return int(frame.select(record_chars(columns)).to_series().sum())
+    contents = [
+        pl.col(c).list.eval(pl.element().struct.field("content").str.len_chars()).list.sum()
+        for c in turns
+    ]
+    chars = pl.sum_horizontal(record_chars(columns), *contents) if columns else sum(contents)
+    return int(frame.select(chars).to_series().sum())
