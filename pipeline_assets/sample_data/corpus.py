@@ -30,14 +30,17 @@ import textwrap
 import threading
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import polars as pl
 import zstandard
+
+_Unit = TypeVar("_Unit")
 
 SOURCES = ("annotate", "synth", "logs", "scrape")
 SOURCE_FORMATS = {
@@ -627,6 +630,49 @@ def _cycled(
     return [(kind, details[(start + i) % len(details)]) for i in range(count)]
 
 
+def two_landing_files(source: str, lines: int) -> list[LandingFile]:
+    """The two files of a source added to the corpus: ``.jsonl`` with the first half (rounded up),
+    ``.jsonl.zst`` with the rest."""
+    first = (lines + 1) // 2
+    return [
+        LandingFile(source, f"{source}/{source}-000.jsonl", "jsonl", first),
+        LandingFile(source, f"{source}/{source}-001.jsonl.zst", "jsonl.zst", lines - first),
+    ]
+
+
+def spread_slots(
+    files: list[LandingFile],
+    rates: dict[str, float],
+    details: dict[str, tuple[str, ...]],
+    rng: random.Random,
+) -> list[_Slot]:
+    """What every line of every file holds: each kind's count (its rate of all lines) split evenly
+    over the files, the details of a kind that has them (reasons, variants) cycled over all of its
+    lines, then shuffled within each file."""
+    total = sum(file.lines for file in files)
+    kinds: list[list[tuple[str, str | None]]] = [[] for _ in files]
+    for kind, rate in rates.items():
+        wanted = _count(rate, total)
+        of_kind = (
+            _cycled(kind, details[kind], wanted, rng)
+            if kind in details
+            else [(kind, None)] * wanted
+        )
+        for index in range(len(files)):
+            kinds[index] += of_kind[
+                wanted * index // len(files) : wanted * (index + 1) // len(files)
+            ]
+    slots = []
+    for file, file_kinds in zip(files, kinds, strict=True):
+        file_kinds += [("clean", None)] * (file.lines - len(file_kinds))
+        rng.shuffle(file_kinds)
+        slots += [
+            _Slot(file, line, kind, detail)
+            for line, (kind, detail) in enumerate(file_kinds, start=1)
+        ]
+    return slots
+
+
 def _eval_items_per_set(records: int) -> int:
     return max(20, _count(0.01, records))
 
@@ -965,6 +1011,39 @@ def _shuffled_by_module(docs: list[Doc], rng: random.Random) -> list[Doc]:
     return [doc for group in groups for doc in group]
 
 
+def docs_without_eval_text(words: int, eval_items: list[dict]) -> list[Doc]:
+    """Docs with at least ``words`` words, less those any eval item's answer was taken from: the
+    text of a source added to a written corpus (preference pairs, conversations)."""
+    eval_paragraphs = {p for item in eval_items for p in item["response"].split("\n\n")}
+    return [
+        doc
+        for doc in _doc_pool().docs_with_words(words)
+        if eval_paragraphs.isdisjoint(doc.paragraphs)
+    ]
+
+
+class EarlierOriginals(Generic[_Unit]):
+    """Earlier clean units (pairs, conversations) a copy may be made of; each is copied at most
+    once. ``words`` counts the words of the answer a near duplicate edits."""
+
+    def __init__(self, words: Callable[[_Unit], int]) -> None:
+        self._units: list[_Unit] = []
+        self._words = words
+
+    def add(self, unit: _Unit) -> None:
+        self._units.append(unit)
+
+    def pick(self, rng: random.Random, min_words: int = 0) -> _Unit | None:
+        for _ in range(60):
+            if not self._units:
+                return None
+            index = rng.randrange(len(self._units))
+            if self._words(self._units[index]) >= min_words:
+                self._units[index], self._units[-1] = self._units[-1], self._units[index]
+                return self._units.pop()
+        return None
+
+
 @dataclass
 class _Corpus:
     lines: dict[str, list]  # file path -> JSON line bytes, or Parquet row dicts
@@ -1218,6 +1297,33 @@ def write_sample_corpus(
             "bronze_rows": records - malformed,
         },
     }
+    _write(
+        out_dir / MANIFEST_NAME,
+        (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode(),
+    )
+    return manifest
+
+
+def add_manifest_section(
+    out_dir: Path,
+    eval_sets_dir: Path | None,
+    name: str,
+    write_section: Callable[[list[dict], int], dict],
+) -> dict:
+    """Adds a source to the corpus written in out_dir (``write_sample_corpus``): calls
+    ``write_section(eval_items, seed)`` with the corpus's eval items (in eval_sets_dir, default
+    out_dir/'_eval_sets') and seed, and stores what it returns as the manifest's ``name`` section.
+    Returns the whole manifest."""
+    out_dir = Path(out_dir)
+    eval_sets_dir = Path(eval_sets_dir) if eval_sets_dir is not None else out_dir / "_eval_sets"
+    manifest = json.loads((out_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
+    eval_items = [
+        json.loads(line)
+        for entry in manifest["eval_sets"]
+        for line in (eval_sets_dir / entry["path"]).read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    manifest[name] = write_section(eval_items, manifest["seed"])
     _write(
         out_dir / MANIFEST_NAME,
         (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode(),

@@ -53,17 +53,13 @@ from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT as 
 from pipeline_assets.sample_data.corpus import (
     _SENTENCE_BREAK,
     LOW_QUALITY_KINDS,
-    MANIFEST_NAME,
     NEAR_DUPLICATE_MIN_JACCARD,
     NEAR_DUPLICATE_MIN_WORDS,
     SOURCES,
     SYNTH_SYSTEM_PROMPTS,
     TIME_SPREAD_S,
     Doc,
-    LandingFile,
-    _count,
-    _cycled,
-    _doc_pool,
+    EarlierOriginals,
     _dumps,
     _edit_word,
     _encode_file,
@@ -76,10 +72,14 @@ from pipeline_assets.sample_data.corpus import (
     _timestamp,
     _word_count,
     _write,
+    add_manifest_section,
+    docs_without_eval_text,
     eval_copy_text,
     low_quality_response,
     near_duplicate_response,
     shingle_jaccard,
+    spread_slots,
+    two_landing_files,
 )
 
 SOURCE = "prefs"
@@ -237,75 +237,22 @@ class _PairText:
     chosen: str
 
 
-class _Originals:
-    """Earlier clean pairs a copy may be made of; each one is copied at most once."""
-
-    def __init__(self) -> None:
-        self._pairs: list[_Pair] = []
-
-    def add(self, pair: _Pair) -> None:
-        self._pairs.append(pair)
-
-    def pick(self, rng: random.Random, min_words: int = 0) -> _Pair | None:
-        for _ in range(60):
-            if not self._pairs:
-                return None
-            index = rng.randrange(len(self._pairs))
-            if _word_count(self._pairs[index].chosen) >= min_words:
-                self._pairs[index], self._pairs[-1] = self._pairs[-1], self._pairs[index]
-                return self._pairs.pop()
-        return None
-
-
-def _landing_files(source: str, pairs: int) -> list[LandingFile]:
-    first = (pairs + 1) // 2
-    return [
-        LandingFile(source, f"{source}/{source}-000.jsonl", "jsonl", first),
-        LandingFile(source, f"{source}/{source}-001.jsonl.zst", "jsonl.zst", pairs - first),
-    ]
-
-
-def _slots(files: list[LandingFile], rng: random.Random) -> list[_Slot]:
-    """What every line of every file holds: each kind's count split evenly over the files, each
-    kind's details (reasons, variants) cycled over all of them, then shuffled within each file."""
-    total = sum(file.lines for file in files)
-    kinds: list[list[tuple[str, str | None]]] = [[] for _ in files]
-    for kind, rate in INJECTION_RATES.items():
-        wanted = _count(rate, total)
-        details = (
-            _cycled(kind, _SLOT_DETAILS[kind], wanted, rng)
-            if kind in _SLOT_DETAILS
-            else [(kind, None)] * wanted
-        )
-        for index in range(len(files)):
-            kinds[index] += details[
-                wanted * index // len(files) : wanted * (index + 1) // len(files)
-            ]
-    slots = []
-    for file, file_kinds in zip(files, kinds, strict=True):
-        file_kinds += [("clean", None)] * (file.lines - len(file_kinds))
-        rng.shuffle(file_kinds)
-        slots += [
-            _Slot(file, line, kind, detail)
-            for line, (kind, detail) in enumerate(file_kinds, start=1)
-        ]
-    return slots
-
-
 class _PreferenceBuilder:
     """Fills every line of both files, in order, and notes what went where."""
 
     def __init__(self, pairs: int, seed: int, eval_items: list[dict], source: str, words: int):
         rng = self._rng = random.Random(f"{seed}/{source}/{RECORD_FORMAT}")
         self.source = source
-        self.files = _landing_files(source, pairs)
-        self._slots = _slots(self.files, rng)
+        self.files = two_landing_files(source, pairs)
+        self._slots = spread_slots(self.files, INJECTION_RATES, _SLOT_DETAILS, rng)
         self._stream = _TextStream(
-            _shuffled_by_module(_docs_without_eval_text(words, eval_items), rng)
+            _shuffled_by_module(docs_without_eval_text(words, eval_items), rng)
         )
         self._eval_queue = list(eval_items)
         rng.shuffle(self._eval_queue)
-        self._originals = _Originals()
+        self._originals: EarlierOriginals[_Pair] = EarlierOriginals(
+            lambda pair: _word_count(pair.chosen)
+        )
         self._deferred: deque[str] = deque()  # copies that had no earlier clean pair to copy yet
         self._pending: deque[_PairText] = deque()  # the rest of the current prompt group
         self._groups: list[list[str]] = []  # clean pair ids of every prompt group
@@ -534,16 +481,6 @@ class _PreferenceBuilder:
         return _dumps(obj).encode()
 
 
-def _docs_without_eval_text(words: int, eval_items: list[dict]) -> list[Doc]:
-    """Docs with at least ``words`` words, less those any eval item's answer was taken from."""
-    eval_paragraphs = {p for item in eval_items for p in item["response"].split("\n\n")}
-    return [
-        doc
-        for doc in _doc_pool().docs_with_words(words)
-        if eval_paragraphs.isdisjoint(doc.paragraphs)
-    ]
-
-
 def _built(pairs: int, seed: int, eval_items: list[dict], source: str) -> _PreferenceBuilder:
     words = pairs * WORDS_PER_PAIR
     while True:  # should the estimate fall short, read more packages and start again
@@ -624,23 +561,12 @@ def add_preference_source(
     """Adds a preference source to the sample corpus written in out_dir (``write_sample_corpus``),
     with its seed and against its eval sets (in eval_sets_dir, default out_dir/'_eval_sets'), and
     its ``preference`` section to the corpus's manifest. Returns the whole manifest."""
-    out_dir = Path(out_dir)
-    eval_sets_dir = Path(eval_sets_dir) if eval_sets_dir is not None else out_dir / "_eval_sets"
-    manifest = json.loads((out_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
-    eval_items = [
-        json.loads(line)
-        for entry in manifest["eval_sets"]
-        for line in (eval_sets_dir / entry["path"]).read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
-    manifest["preference"] = write_preference_source(
-        out_dir, pairs, eval_items, manifest["seed"], source
+    return add_manifest_section(
+        out_dir,
+        eval_sets_dir,
+        "preference",
+        lambda eval_items, seed: write_preference_source(out_dir, pairs, eval_items, seed, source),
     )
-    _write(
-        out_dir / MANIFEST_NAME,
-        (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode(),
-    )
-    return manifest
 
 
 def source_formats_setting(source: str = SOURCE, others: dict[str, str] | None = None) -> str:
