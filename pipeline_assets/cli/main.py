@@ -12,7 +12,11 @@ from pathlib import Path
 
 from pipeline_assets.lib.uris import redact
 from pipeline_assets.resources.settings import Settings
-from pipeline_assets.sample_data.corpus import MARKOV_FILE_RECORDS, SAMPLE_RECORDS
+from pipeline_assets.sample_data.corpus import (
+    ADDED_SECTIONS,
+    MARKOV_FILE_RECORDS,
+    SAMPLE_RECORDS,
+)
 
 # What a Hugging Face model folder needs to load in transformers and vLLM.
 SERVABLE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -67,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="docstring text only: also write N preference pairs as source `prefs` (record format "
         "`preference`), with their own injected defects (default 0: none)",
+    )
+    sample.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="docstring text only: also write N conversations of 2 to 4 exchanges as source "
+        "`chats` (record format `conversation`, some lines in the ShareGPT shape), with the sft "
+        "records' injected defects and the malformed turns bronze quarantines (default 0: none)",
     )
 
     commands.add_parser(
@@ -304,12 +317,7 @@ def _backfill_decontamination(args, settings: Settings) -> int:
 def _sample_data(args, settings: Settings) -> int:
     out = args.out or _local(settings.landing_uri, "PIPELINE_LANDING_URI")
     eval_out = args.eval_sets_out or _local(settings.eval_sets_uri, "PIPELINE_EVAL_SETS_URI")
-    if args.preference_pairs:
-        from pipeline_assets.sample_data.preferences import check_pair_count
-
-        check_pair_count(args.preference_pairs)
-        if args.text == "markov":
-            raise ValueError("--preference-pairs applies to --text docstrings only")
+    _check_added_sources(args)
     if args.text == "markov":
         from pipeline_assets.sample_data.markov_corpus import write_markov_corpus
 
@@ -329,27 +337,56 @@ def _sample_data(args, settings: Settings) -> int:
         manifest = write_sample_corpus(
             out, records=args.records, eval_sets_dir=eval_out, seed=args.seed
         )
-        if args.preference_pairs:
-            from pipeline_assets.sample_data.preferences import add_preference_source
-
-            manifest = add_preference_source(out, args.preference_pairs, eval_sets_dir=eval_out)
-    preference = manifest.get("preference")
+        manifest = _add_sources(args, out, eval_out) or manifest
+    added = {name: manifest[name] for name in ADDED_SECTIONS if name in manifest}
     summary = {"landing": str(out), "eval_sets": str(eval_out), **manifest["expected"]}
-    print(
-        json.dumps(
-            {**summary, "preference": preference["expected"]} if preference else summary, indent=2
-        )
-    )
-    if preference:
-        from pipeline_assets.sample_data.preferences import source_formats_setting
+    print(json.dumps({**summary, **{n: s["expected"] for n, s in added.items()}}, indent=2))
+    if added:
+        from pipeline_assets.sample_data.corpus import added_sources_setting
 
-        setting = source_formats_setting(preference["source"], settings.source_formats)
+        holds = " and ".join(f"{s['source']}/ {_HOLDS[s['format']]}" for s in added.values())
         print(
-            f"{preference['source']}/ holds preference pairs; bronze reads them as such with "
-            f"{setting}",
+            f"{holds}; bronze reads them as such with "
+            f"{added_sources_setting(manifest, settings.source_formats)}",
             file=sys.stderr,
         )  # stdout stays one JSON document
     return 0
+
+
+# What an added source's lines are, by record format.
+_HOLDS = {"preference": "holds preference pairs", "conversation": "holds conversations"}
+
+
+def _check_added_sources(args) -> None:
+    """Fails before anything is written when an added source's count is wrong or cannot be had."""
+    if args.preference_pairs:
+        from pipeline_assets.sample_data.preferences import check_pair_count
+
+        check_pair_count(args.preference_pairs)
+    if args.conversations:
+        from pipeline_assets.sample_data.conversations import check_conversation_count
+
+        check_conversation_count(args.conversations)
+    for flag, value in (
+        ("--preference-pairs", args.preference_pairs),
+        ("--conversations", args.conversations),
+    ):
+        if value and args.text == "markov":
+            raise ValueError(f"{flag} applies to --text docstrings only")
+
+
+def _add_sources(args, out: Path, eval_out: Path) -> dict | None:
+    """The manifest once the preference and conversation sources asked for are added, or None."""
+    manifest = None
+    if args.preference_pairs:
+        from pipeline_assets.sample_data.preferences import add_preference_source
+
+        manifest = add_preference_source(out, args.preference_pairs, eval_sets_dir=eval_out)
+    if args.conversations:
+        from pipeline_assets.sample_data.conversations import add_conversation_source
+
+        manifest = add_conversation_source(out, args.conversations, eval_sets_dir=eval_out)
+    return manifest
 
 
 def _summary(args, settings: Settings) -> int:

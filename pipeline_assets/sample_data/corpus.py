@@ -1329,3 +1329,18 @@ def add_manifest_section(
         (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode(),
     )
     return manifest
+
+
+# The manifest sections of the sources added to a corpus, each of a record format of its own.
+ADDED_SECTIONS = ("preference", "conversation")
+
+
+def added_sources_setting(manifest: dict, others: dict[str, str] | None = None) -> str:
+    """The ``PIPELINE_SOURCE_FORMATS`` bronze needs to read the sources the manifest's added
+    sections declare in their formats, ``others`` (the formats set already) kept, as a shell
+    assignment."""
+    formats = dict(others or {})
+    for name in ADDED_SECTIONS:
+        if name in manifest:
+            formats.update(manifest[name]["setting"]["PIPELINE_SOURCE_FORMATS"])
+    return f"PIPELINE_SOURCE_FORMATS='{json.dumps(formats)}'"

@@ -42,7 +42,6 @@ the ids involved. Same ``pairs``, ``seed`` and eval items give byte-identical fi
 
 from __future__ import annotations
 
-import json
 import random
 import unicodedata
 from collections import deque
@@ -567,9 +566,3 @@ def add_preference_source(
         "preference",
         lambda eval_items, seed: write_preference_source(out_dir, pairs, eval_items, seed, source),
     )
-
-
-def source_formats_setting(source: str = SOURCE, others: dict[str, str] | None = None) -> str:
-    """The setting bronze needs to read ``source`` as preference pairs, as a shell assignment."""
-    formats = {**(others or {}), source: RECORD_FORMAT}
-    return f"PIPELINE_SOURCE_FORMATS='{json.dumps(formats)}'"
