@@ -55,7 +55,10 @@ SIZER_BILLION = (
     "pipeline-assets sizer --records 1000000000 --cpu-workers 256 --gpus 64 --preset base"
 )
 SIZER_ALL = "pipeline-assets sizer --records 1000000000 --cpu-workers 256 --gpus 64 --json"
-SAMPLE = "pipeline-assets sample-data --records 600 --out {scratch}/sample --preference-pairs 100"
+SAMPLE = (
+    "pipeline-assets sample-data --records 600 --out {scratch}/sample --preference-pairs 100 "
+    "--conversations 100"
+)
 MARKOV = "pipeline-assets sample-data --text markov --records 4000 --out {scratch}/markov"
 # As a document shows it -> the line the story runs for it.
 DOCUMENTED = {
@@ -87,8 +90,9 @@ DOCUMENTED = {
         SIZER_ALL
     ),
     "pipeline-assets sample-data --records N --out DIR [--text markov] [--file-records M] "
-    "[--preference-pairs P]": SAMPLE,
+    "[--preference-pairs P] [--conversations C]": SAMPLE,
     "pipeline-assets sample-data --preference-pairs 2000": SAMPLE,
+    "pipeline-assets sample-data --conversations 2000": SAMPLE,
     "pipeline-assets sample-data --text markov --records 4000000": MARKOV,
 }
 # Shown, and run elsewhere than in this flow.
