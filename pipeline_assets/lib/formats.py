@@ -88,6 +88,13 @@ class RecordFormat:
 SHAREGPT_TURNS = "conversations"  # the ShareGPT shape's name for a conversation's turns
 
 
+def turns_json(column: str) -> pl.Expr:
+    """Each row's turns as one string, each turn's role and content as JSON (which escapes the
+    separator), in order: what content and exact hashes of a conversation are taken over, so no
+    content can pass for a turn boundary."""
+    return pl.col(column).list.eval(pl.element().struct.json_encode()).list.join("\x1f")
+
+
 def _turn_contents(column: str, roles: tuple[str, ...]) -> pl.Expr:
     turn = pl.element()
     return pl.col(column).list.eval(

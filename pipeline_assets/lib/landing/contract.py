@@ -14,9 +14,19 @@ import orjson
 import polars as pl
 import polars_hash as plh
 
-from pipeline_assets.lib.formats import SFT, RecordFormat
+from pipeline_assets.lib.formats import (
+    ROLES,
+    SFT,
+    SHAREGPT_TURNS,
+    TURNS,
+    RecordFormat,
+    turns_json,
+)
 
 KNOWN_FIELDS = SFT.known
+# The ShareGPT shape's turn fields and roles, as the chat shape names them.
+SHAREGPT_TURN = ("from", "value")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 
 
 def parsed_schema(fmt: RecordFormat) -> pl.Schema:
@@ -25,6 +35,7 @@ def parsed_schema(fmt: RecordFormat) -> pl.Schema:
     return pl.Schema(
         {
             "source_line": pl.Int64,
+            **({fmt.turns: TURNS} if fmt.turns else {}),
             **{name: pl.String for name in fmt.required + fmt.optional_text},
             **{name: pl.Float64 for name in fmt.optional_numbers},
             "id": pl.String,
@@ -57,10 +68,14 @@ class Rejected(Exception):
 def with_content_hash(records: pl.LazyFrame, fmt: RecordFormat = SFT) -> pl.LazyFrame:
     """Add ``content_hash``: a 128-bit hash of what a record says (not where it came from), the
     first 32 hex digits of BLAKE3 over its text joined by U+001F (sft: system, prompt and response;
-    a missing optional text counts as empty). Vectorized, so both readers hash a whole file at once
-    (lazily: on every polars thread)."""
+    a missing optional text counts as empty; a conversation: each turn's role and content, as JSON).
+    Vectorized, so both readers hash a whole file at once (lazily: on every polars thread)."""
+    turns = [turns_json(fmt.turns)] if fmt.turns else []
     payload = plh.concat_str(
-        *(pl.col(name).fill_null("") for name in fmt.optional_text), *fmt.required, separator="\x1f"
+        *(pl.col(name).fill_null("") for name in fmt.optional_text),
+        *fmt.required,
+        *turns,
+        separator="\x1f",
     )
     return records.with_columns(content_hash=payload.chash.blake3().str.slice(0, 32))
 
@@ -71,14 +86,16 @@ def validate_landing_object(
     """Check one parsed record against the landing contract of ``fmt``.
 
     Returns the values of ``parsed_schema(fmt)`` but ``source_line`` (sft: ``(prompt, response,
-    system, id, created_at, meta_json, extra_json)``) or raises ``Rejected`` with the first broken
-    rule, in that order.
+    system, id, created_at, meta_json, extra_json)``; a conversation: its turns first) or raises
+    ``Rejected`` with the first broken rule, in that order.
     """
     if not isinstance(obj, dict):
         raise Rejected("not_an_object", f"expected a JSON object, got {_json_type(obj)}")
     if field_mapping:
         obj = _apply_mapping(obj, field_mapping)
-    unknown = [key for key in obj if key not in fmt.known]
+    turns_key = _turns_key(obj, fmt)
+    unknown = [key for key in obj if key not in fmt.known and key != turns_key]
+    turns = [_required_turns(obj, turns_key, unknown)] if fmt.turns else []
     required = [_required_text(obj, name, unknown) for name in fmt.required]
     texts = [_optional_text(obj, name) for name in fmt.optional_text]
     numbers = [_optional_number(obj, name) for name in fmt.optional_numbers]
@@ -86,7 +103,87 @@ def validate_landing_object(
     created_at = _optional_timestamp(obj, "created_at")
     meta = _optional_object_json(obj, "meta")
     extra = _json_text({key: obj[key] for key in unknown}, "extra") if unknown else None
-    return *required, *texts, *numbers, source_id, created_at, meta, extra
+    return *turns, *required, *texts, *numbers, source_id, created_at, meta, extra
+
+
+def _turns_key(obj: dict, fmt: RecordFormat) -> str | None:
+    """Where the record keeps its turns: the format's field, else the ShareGPT shape's; None for a
+    format without turns."""
+    if not fmt.turns:
+        return None
+    if obj.get(fmt.turns) is None and obj.get(SHAREGPT_TURNS) is not None:
+        return SHAREGPT_TURNS
+    return fmt.turns
+
+
+def _required_turns(obj: dict, key: str, unknown: list[str]) -> list[dict]:
+    """The turns under ``key`` as ``{"role", "content"}`` structs, checked turn by turn in order
+    (ShareGPT's ``from``/``value`` and its roles mapped to the chat shape's), then as a
+    conversation: one that has an assistant turn and ends with one."""
+    value = obj.get(key)
+    if value is None:
+        hint = f"; unknown field(s) present: {', '.join(unknown)}" if unknown else ""
+        raise Rejected(
+            "missing_field:messages",
+            f"neither 'messages' nor '{SHAREGPT_TURNS}' holds the turns{hint}",
+        )
+    if not isinstance(value, list):
+        raise Rejected(
+            "wrong_type:messages", f"'{key}' must be a list of turns, got {_json_type(value)}"
+        )
+    if not value:
+        raise Rejected("empty_field:messages", f"'{key}' holds no turn")
+    sharegpt = key == SHAREGPT_TURNS
+    turns = [_turn(turn, index, sharegpt) for index, turn in enumerate(value)]
+    roles = [turn["role"] for turn in turns]
+    if "assistant" not in roles:
+        raise Rejected(
+            "no_assistant_turn",
+            f"none of its {len(turns)} turns is an assistant turn (roles: {', '.join(roles)})",
+        )
+    if roles[-1] != "assistant":
+        raise Rejected(
+            f"ends_on_{roles[-1]}_turn",
+            f"turn {len(turns) - 1}, the last, is a {roles[-1]} turn: a conversation ends with an "
+            "assistant turn, the answer it trains",
+        )
+    return turns
+
+
+def _turn(turn: object, index: int, sharegpt: bool) -> dict:
+    """One turn as ``{"role", "content"}``, or ``Rejected`` naming its index."""
+    role_key, content_key = SHAREGPT_TURN if sharegpt else ("role", "content")
+    if not isinstance(turn, dict):
+        raise Rejected(
+            "wrong_type:messages",
+            f"turn {index} must be an object with '{role_key}' and '{content_key}', got "
+            f"{_json_type(turn)}",
+        )
+    others = sorted(
+        k for k, v in turn.items() if k not in (role_key, content_key) and v is not None
+    )
+    if others or role_key not in turn:
+        found = f"field(s) {', '.join(others)}" if others else f"no '{role_key}'"
+        raise Rejected(
+            "wrong_type:messages",
+            f"turn {index} must hold '{role_key}' and '{content_key}' only, has {found}",
+        )
+    role, content = turn[role_key], turn.get(content_key)
+    for name, value in ((role_key, role), (content_key, content)):
+        if not isinstance(value, str) and (value is not None or name == role_key):
+            raise Rejected(
+                "wrong_type:messages",
+                f"turn {index}: '{name}' must be a string, got {_json_type(value)}",
+            )
+    known = SHAREGPT_ROLES if sharegpt else dict(zip(ROLES, ROLES, strict=True))
+    if role not in known:
+        raise Rejected(
+            "unknown_role",
+            f"turn {index}: {role_key} {role!r} is not one of {', '.join(known)}",
+        )
+    if content is None or not content.strip():
+        raise Rejected("empty_turn", f"turn {index} ({known[role]}) has no content")
+    return {"role": known[role], "content": content}
 
 
 def _apply_mapping(obj: dict, field_mapping: Mapping[str, str]) -> dict:

@@ -6,7 +6,11 @@ read) ends up in exactly one of the two outputs, so ``lines_read == accepted + q
 Reason codes: ``invalid_json``, ``not_an_object``, ``invalid_utf8``, ``blank_line``,
 ``truncated_file``, ``unreadable_file``, ``unsupported_format``, and per field
 ``missing_field:<f>``, ``wrong_type:<f>``, ``empty_field:<f>``, ``invalid_timestamp:<f>``, and
-``too_deep:meta`` / ``too_deep:extra`` for values nested deeper than orjson writes.
+``too_deep:meta`` / ``too_deep:extra`` for values nested deeper than orjson writes. A conversation
+whose turns are broken: ``missing_field:messages``, ``wrong_type:messages`` (not a list of turns, or
+a turn that is not a role and a string content), ``empty_field:messages`` (no turn),
+``unknown_role``, ``empty_turn``, ``no_assistant_turn``, ``ends_on_user_turn`` and
+``ends_on_system_turn``; the detail names the turn by its index.
 """
 
 from __future__ import annotations
