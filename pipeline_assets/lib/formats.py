@@ -33,7 +33,8 @@ class RecordFormat:
         str, ...
     ]  # joined, signed apart: a near-duplicate's answers are near-duplicates too
     judged: str  # the answer the quality rules judge
-    decontaminate: tuple[str, ...]  # checked against the eval sets, in this order
+    # checked against the eval sets, in this order (a column of turns: each turn's content)
+    decontaminate: tuple[str, ...]
     split_key: str  # the column whose hash decides a record's train/validation side
     # the loss a model trains on it with: trainer/objective.py's "sft" (next token on the answer
     # after the prompt; such formats are packed into gold/sequences with sft records) or "dpo"
@@ -161,7 +162,9 @@ CONVERSATION = RecordFormat(
     dedup=("conversation",),
     answers=("assistant_turns",),
     judged="assistant_turns",
-    decontaminate=("context_turns", "assistant_turns"),
+    # every turn on its own (``messages[i]`` in the evidence): no n-gram spans two turns, and a
+    # short eval answer matches a turn that is exactly it
+    decontaminate=("messages",),
     split_key="prompt_hash",  # of the first user turn
     objective="sft",
     bronze_table="conversations",

@@ -35,6 +35,7 @@ from pipeline_assets.lib.silver.dedup import (
     entries_holding,
     exact_dedup,
     exact_hashes,
+    hash_of,
     index_entries,
     near_dedup,
     wanted_keys,
@@ -100,9 +101,11 @@ def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[Stage]:
             PAIR_SIDES_REASON,
         )
     ]
+    views = [Stage("views", lambda block: (fmt.with_views(block), None, {}))]
     return [
         Stage("normalize", partial(normalize_records, config=config.normalize)),
         *(pair_rules if fmt is PREFERENCE else []),
+        *(views if fmt.views else []),
         Stage("minhash", lambda block: (with_signatures(block, config.minhash, fmt), None, {})),
     ]
 
@@ -272,7 +275,7 @@ def _finish(
     ]
     block_stages = (*prepared.stages.values(), *judged.counters.values())
     return CuratedBatch(
-        kept=last.kept,
+        kept=last.kept.with_columns(_split_hashes(fmt)),
         rejects=pl.concat(removed, how="diagonal_relaxed").drop(
             *SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False
         ),
@@ -282,6 +285,15 @@ def _finish(
         block_stage_seconds=round(sum(c["seconds"] for c in block_stages), 3),
         index_lookup=lookup_counters,
     )
+
+
+def _split_hashes(fmt: RecordFormat) -> list[pl.Expr]:
+    """A conversation's ``prompt_hash``: of its normalized first user turn (an empty text without
+    one), the key gold splits it by. Taken of the kept rows only, so that it never becomes an index
+    key: band PROMPT_BAND holds preference pairs' prompts, which the pair cap counts."""
+    if not fmt.turns:
+        return []
+    return [hash_of(pl.col("first_user_turn").fill_null("")).alias("prompt_hash")]
 
 
 def _kept_entries(

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import polars as pl
 
-from pipeline_assets.lib.formats import SFT
+from pipeline_assets.lib.formats import SFT, TURNS
 
 EVAL_COLUMNS = ("eval_set", "item_id", "prompt", "response")
 # What silver's decontamination and evaluation say when the eval sets hold no item.
@@ -323,10 +323,36 @@ def _record_matches(
     texts: pl.DataFrame, index: EvalNgramIndex, fields: Sequence[str]
 ) -> Iterator[Contamination | None]:
     # Slices bound the Python strings alive at once; matches are kept, the text is not.
+    turns = any(texts.schema[c] == TURNS for c in fields)
     for chunk in texts.iter_slices(_SLICE_ROWS):
-        columns = [chunk[c].cast(pl.String).to_list() for c in chunk.columns]
+        columns = [_texts_of(chunk[c]) for c in fields]
         for values in zip(*columns, strict=True):
-            yield index.first_match(values, fields)
+            yield (
+                index.first_match(*_each_turn(fields, values))
+                if turns
+                else index.first_match(values, fields)
+            )
+
+
+def _texts_of(column: pl.Series) -> list:
+    """A text column's values; a column of turns: each row's turn contents, as a list."""
+    if column.dtype == TURNS:
+        return column.list.eval(pl.element().struct.field("content")).to_list()
+    return column.cast(pl.String).to_list()
+
+
+def _each_turn(fields: Sequence[str], values: Sequence) -> tuple[list, list[str]]:
+    """A record's texts and the fields they are reported under, a column of turns as one field a
+    turn: ``messages[2]``."""
+    texts, names = [], []
+    for field, value in zip(fields, values, strict=True):
+        if isinstance(value, list):
+            texts += value
+            names += [f"{field}[{i}]" for i in range(len(value))]
+        else:
+            texts.append(value)
+            names.append(field)
+    return texts, names
 
 
 def _rejected_rows(rows: pl.DataFrame, matches: list[Contamination]) -> pl.DataFrame:

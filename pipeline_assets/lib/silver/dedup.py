@@ -38,7 +38,7 @@ import polars as pl
 import polars_hash as plh
 import pyarrow as pa
 
-from pipeline_assets.lib.formats import SFT, RecordFormat
+from pipeline_assets.lib.formats import SFT, RecordFormat, turns_json
 from pipeline_assets.lib.silver.minhash import MinHashConfig, jaccard, signatures
 
 SIGNATURE_COLUMNS = (
@@ -94,12 +94,14 @@ class LshParams:
 
 
 def exact_hashes(frame: pl.DataFrame, fmt: RecordFormat = SFT) -> pl.Series:
-    """128 bits of BLAKE3 over the format's normalized dedup text (sft: prompt and response): stable
+    """128 bits of BLAKE3 over the format's normalized dedup text (sft: prompt and response; a
+    conversation: its turns, each role and content apart, as ``turns_json`` writes them): stable
     across versions and runs."""
-    return frame.select(hash_of(*fmt.dedup))[:, 0].alias("exact_hash")
+    text = [turns_json(fmt.turns)] if fmt.turns else fmt.dedup
+    return frame.select(hash_of(*text))[:, 0].alias("exact_hash")
 
 
-def hash_of(*columns: str) -> pl.Expr:
+def hash_of(*columns: str | pl.Expr) -> pl.Expr:
     """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization
     removes)."""
     return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline_assets.lib.formats import all_text_fields
+from pipeline_assets.lib.formats import TURNS, all_text_fields
 
 # C0 and C1 controls except tab and newline (\r is folded into \n below).
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
@@ -42,12 +42,22 @@ def normalize_text(expr: pl.Expr, config: NormalizeConfig = NormalizeConfig()) -
 def normalize_records(
     frame: pl.DataFrame, config: NormalizeConfig = NormalizeConfig()
 ) -> tuple[pl.DataFrame, None, dict]:
-    """Normalize the text columns, removing nothing (a stage function: ``lib.stages``); its details
-    say how many values each column had changed."""
+    """Normalize the text columns and the content of every turn of a column of turns, removing
+    nothing (a stage function: ``lib.stages``); its details say how many values each column had
+    changed (a conversation counts once, however many of its turns changed)."""
     present = [c for c in all_text_fields() if c in frame.columns]  # a frame holds one format's
-    normalized = frame.with_columns(normalize_text(pl.col(c), config) for c in present)
+    turns = [c for c, dtype in frame.schema.items() if dtype == TURNS]
+    normalized = frame.with_columns(
+        *(normalize_text(pl.col(c), config) for c in present),
+        *(_normalized_turns(c, config) for c in turns),
+    )
     changed = {
         f"{column}_changed": int((normalized[column] != frame[column]).sum() or 0)
-        for column in present
+        for column in (*present, *turns)
     }
     return normalized, None, changed
+
+
+def _normalized_turns(column: str, config: NormalizeConfig) -> pl.Expr:
+    content = normalize_text(pl.field("content"), config)
+    return pl.col(column).list.eval(pl.element().struct.with_fields(content))
