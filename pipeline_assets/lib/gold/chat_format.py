@@ -5,9 +5,15 @@ A record becomes one sequence::
     <|bos|>[<|system|>SYSTEM<|end|>]<|user|>PROMPT<|end|><|assistant|>RESPONSE<|end|><|eos|>
 
 Everything up to and including ``<|assistant|>`` is the prefix (context, no loss); the response
-with its closing ``<|end|><|eos|>`` is what the model is trained to produce. ``CHAT_TEMPLATE`` is
-the same layout as a Hugging Face chat template, for the exported model's users (turns after the
-first repeat ``<|user|>...<|end|><|assistant|>...<|end|>``). Pure Python: no Dagster, no torch.
+with its closing ``<|end|><|eos|>`` is what the model is trained to produce. A conversation repeats
+the turns, ``<|role|>CONTENT<|end|>`` each, and ``<|eos|>`` closes the last (an assistant's)::
+
+    <|bos|>[<|system|>..<|end|>]<|user|>..<|end|><|assistant|>..<|end|><|user|>..<|end|>
+    <|assistant|>..<|end|><|eos|>
+
+Each assistant turn's content and ``<|end|>`` are trained, and the final ``<|eos|>``.
+``CHAT_TEMPLATE`` is the same layout as a Hugging Face chat template, for the exported model's
+users. Pure Python: no Dagster, no torch.
 """
 
 from __future__ import annotations

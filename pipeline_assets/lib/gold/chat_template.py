@@ -37,6 +37,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 
+from pipeline_assets.lib.gold.conversations import (
+    DEFAULT_LOSS,
+    check_loss_mode,
+    records_as_conversations,
+    trained_turns,
+)
 from pipeline_assets.lib.gold.tokenizer import (
     ENCODED_SCHEMA,
     check_required_text,
@@ -105,10 +111,7 @@ class ChatTemplateEncoder:
         """frame: record_id, system (nullable), prompt, response -> ``ENCODED_SCHEMA``, same row
         order, each record rendered as [system], user, assistant."""
         check_required_text(frame)
-        rows = frame.select("system", "prompt", "response").iter_rows()
-        return self.encode_conversations(
-            frame["record_id"], [record_messages(*row) for row in rows]
-        )
+        return self.encode_conversations(records_as_conversations(frame))
 
     def encode_prompts(self, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
         """Each prompt's ids up to the assistant's turn (the generation prompt included): what a
@@ -122,21 +125,21 @@ class ChatTemplateEncoder:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # --- conversations ------------------------------------------------------------------------
-    def encode_conversations(
-        self, record_ids: Sequence[str] | pl.Series, conversations: Sequence[Sequence[Mapping]]
-    ) -> pl.DataFrame:
-        """One row of ``ENCODED_SCHEMA`` per conversation: the loss mask is 1 on each assistant
-        turn and the end-of-turn token that closes it, 0 everywhere else."""
-        if not len(conversations):
+    def encode_conversations(self, frame: pl.DataFrame, loss: str = DEFAULT_LOSS) -> pl.DataFrame:
+        """frame: record_id, messages (``formats.TURNS``) -> ``ENCODED_SCHEMA``, same row order:
+        the loss mask is 1 on the assistant turns ``loss`` names (every one, or the last) and the
+        end-of-turn token that closes each, 0 everywhere else."""
+        check_loss_mode(loss)
+        if frame.is_empty():
             return pl.DataFrame(schema=ENCODED_SCHEMA)
         flat_ids, flat_mask, n_tokens, n_response = self._encode(
-            [self.segments(messages) for messages in conversations]
+            [self.segments(messages, loss) for messages in frame["messages"].to_list()]
         )
         offsets = np.zeros(len(n_tokens) + 1, np.int64)
         np.cumsum(n_tokens, out=offsets[1:])
         return pl.DataFrame(
             {
-                "record_id": pl.Series(record_ids, dtype=pl.String),
+                "record_id": frame["record_id"],
                 "input_ids": list_series(offsets, flat_ids),
                 "loss_mask": list_series(offsets, flat_mask),
                 "n_tokens": n_tokens.astype(np.int32),
@@ -145,10 +148,12 @@ class ChatTemplateEncoder:
             schema=ENCODED_SCHEMA,
         )
 
-    def segments(self, messages: Sequence[Mapping]) -> list[tuple[str, bool]]:
+    def segments(
+        self, messages: Sequence[Mapping], loss: str = DEFAULT_LOSS
+    ) -> list[tuple[str, bool]]:
         """The whole rendering cut into (text, in the loss) pieces, special-token strings of the
         messages still marked; ValueError when the template's prefixes do not concatenate."""
-        turns = [k for k, message in enumerate(messages) if message["role"] == ASSISTANT]
+        turns = trained_turns([message["role"] for message in messages], loss)
         if not turns:
             raise ValueError("a conversation to train on needs an assistant turn")
         marked = self._marked_messages(messages)

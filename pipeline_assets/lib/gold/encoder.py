@@ -5,9 +5,10 @@ stores, of one of two kinds.
   provided (``lib.gold.tokenizer``);
 - chat template: a base model's tokenizer and Jinja chat template (``lib.gold.chat_template``).
 
-Gold's shards, preference pairs, evaluation items and the RL trainer's prompts all encode through
-it, so a record means the same ids wherever it is read. ``EncoderSpec`` is what travels (to a Ray
-worker, to torchrun as two files); ``chat_encoder`` builds an encoder once per process.
+Gold's shards (sft records and conversations), preference pairs, evaluation items and the RL
+trainer's prompts all encode through it, so a record means the same ids wherever it is read.
+``EncoderSpec`` is what travels (to a Ray worker, to torchrun as two files); ``chat_encoder``
+builds an encoder once per process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import polars as pl
 
 from pipeline_assets.lib.gold.chat_format import END, EOS, PAD
 from pipeline_assets.lib.gold.chat_template import ChatTemplateEncoder
-from pipeline_assets.lib.gold.tokenizer import encode_prompts, encode_records, tokenizer_from_json
+from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS
+from pipeline_assets.lib.gold.tokenizer import (
+    encode_conversations,
+    encode_prompts,
+    encode_records,
+    tokenizer_from_json,
+)
 
 
 class ChatEncoder(Protocol):
@@ -33,7 +40,14 @@ class ChatEncoder(Protocol):
     stop_ids: frozenset[int]  # where a generated answer ends
 
     def encode_records(self, frame: pl.DataFrame) -> pl.DataFrame:
-        """record_id, system (nullable), prompt, response -> ``tokenizer.ENCODED_SCHEMA``."""
+        """record_id, system (nullable), prompt, response -> ``tokenizer.ENCODED_SCHEMA``: each
+        record as the conversation [system], user, assistant."""
+        ...
+
+    def encode_conversations(self, frame: pl.DataFrame, loss: str = DEFAULT_LOSS) -> pl.DataFrame:
+        """record_id, messages (``formats.TURNS``) -> ``tokenizer.ENCODED_SCHEMA``, the loss mask
+        on the assistant turns ``loss`` names (``conversations.LOSS_MODES``) and the end-of-turn
+        token of each, never on a system or user token."""
         ...
 
     def encode_prompts(self, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
@@ -98,7 +112,8 @@ class EncoderSpec:
 
 class BuiltinChatEncoder:
     """The built-in chat format: ``<|bos|> [<|system|>..<|end|>] <|user|>..<|end|><|assistant|>``
-    then the response, ``<|end|> <|eos|>``."""
+    then the response, ``<|end|>``; more turns repeat ``<|user|>..<|end|><|assistant|>..<|end|>``,
+    and ``<|eos|>`` closes the conversation."""
 
     kind = "builtin"
 
@@ -109,6 +124,9 @@ class BuiltinChatEncoder:
 
     def encode_records(self, frame: pl.DataFrame) -> pl.DataFrame:
         return encode_records(self.tokenizer, frame)
+
+    def encode_conversations(self, frame: pl.DataFrame, loss: str = DEFAULT_LOSS) -> pl.DataFrame:
+        return encode_conversations(self.tokenizer, frame, loss)
 
     def encode_prompts(self, prompts: Sequence[str], system: str | None = None) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts, system)

@@ -19,6 +19,7 @@ import polars as pl
 import pyarrow as pa
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pipeline_assets.lib.formats import ROLES
 from pipeline_assets.lib.gold.chat_format import (
     ASSISTANT,
     BOS,
@@ -29,6 +30,16 @@ from pipeline_assets.lib.gold.chat_format import (
     SPECIAL_TOKENS,
     SYSTEM,
     USER,
+)
+from pipeline_assets.lib.gold.conversations import (
+    ASSISTANT as ASSISTANT_ROLE,
+)
+from pipeline_assets.lib.gold.conversations import (
+    DEFAULT_LOSS,
+    LAST,
+    check_loss_mode,
+    conversations_without_an_assistant_turn,
+    records_as_conversations,
 )
 
 ENCODED_SCHEMA = pl.Schema(
@@ -43,9 +54,9 @@ ENCODED_SCHEMA = pl.Schema(
 
 SPECIAL_TOKEN_PATTERN = re.compile("|".join(map(re.escape, SPECIAL_TOKENS)))
 
-# Rows per encode_batch call: large enough to keep every core busy, small enough that reading
-# the ids of one chunk in Python overlaps with encoding the next.
-ENCODE_CHUNK_ROWS = 2048
+# Texts (turns) per encode_batch call: large enough to keep every core busy, small enough that
+# reading the ids of one chunk in Python overlaps with encoding the next.
+ENCODE_CHUNK_TEXTS = 6144
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
@@ -144,36 +155,47 @@ def _special_token_problem(tokenizer: Tokenizer, token: str) -> str | None:
 
 
 def encode_records(tokenizer: Tokenizer, frame: pl.DataFrame) -> pl.DataFrame:
-    """frame: record_id, system (nullable), prompt, response -> ENCODED_SCHEMA, same row order.
-
-    input_ids are the ids of prefix_text(system, prompt) followed by those of
-    response_text(response); loss_mask is 0 on the prefix and 1 on the response (+ END EOS). The
-    chat markers are inserted as ids and the user's text is encoded by a copy of the tokenizer that
-    reads special-token strings as plain text: a prompt that says "<|end|>" cannot end its own turn.
-    For ordinary text the ids equal those of encoding the formatted strings (special tokens split
-    the text).
-    """
+    """frame: record_id, system (nullable), prompt, response -> ENCODED_SCHEMA, same row order:
+    each record as the conversation ``[system], user, assistant`` (``encode_conversations``), so
+    input_ids are those of prefix_text(system, prompt) followed by those of
+    response_text(response), and loss_mask is 1 exactly on the response ids (+ END EOS)."""
     check_required_text(frame)
+    return encode_conversations(tokenizer, records_as_conversations(frame))
+
+
+def encode_conversations(
+    tokenizer: Tokenizer, frame: pl.DataFrame, loss: str = DEFAULT_LOSS
+) -> pl.DataFrame:
+    """frame: record_id, messages (``formats.TURNS``) -> ENCODED_SCHEMA, same row order.
+
+    A conversation is laid out as ``CHAT_TEMPLATE`` renders it: BOS, then ``<|role|> content END``
+    for every turn, then EOS when the last turn is the assistant's. The loss mask is 1 on the
+    content and END of the assistant turns ``loss`` names (every one, or the last) and on the final
+    EOS, 0 on BOS, every role marker and every system and user turn. The markers are inserted as
+    ids and the turns' text is encoded by a copy of the tokenizer that reads special-token strings
+    as plain text: a message that says "<|end|>" cannot end its own turn. For ordinary text the ids
+    equal those of encoding the formatted string (special tokens split the text).
+    """
+    check_loss_mode(loss)
     if frame.is_empty():
         return pl.DataFrame(schema=ENCODED_SCHEMA)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    systems = frame["system"].fill_null("").to_list()
-    parts = (systems, frame["prompt"].to_list(), frame["response"].to_list())
+    turns = _flat_turns(frame, loss)
+    contents = turns["content"].to_list()
     chunks = [
-        _read_chunk(encodings, ids)
-        for encodings in _encode_chunks(plain_text_encoder(tokenizer), *parts)
+        _flat_ids(encodings)
+        for encodings in _encode_chunks(plain_text_encoder(tokenizer), contents)
     ]
-    flat_ids, n_prefix, n_response = (
-        np.concatenate(values) for values in zip(*chunks, strict=True)
-    )
-    n_tokens = n_prefix + n_response
+    content_ids = np.concatenate([ids for ids, _ in chunks])
+    n_content = np.concatenate([lengths for _, lengths in chunks])
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    flat_ids, flat_mask, n_tokens, n_response = _lay_out(turns, content_ids, n_content, ids)
     offsets = np.zeros(len(n_tokens) + 1, np.int64)
     np.cumsum(n_tokens, out=offsets[1:])
     return pl.DataFrame(
         {
             "record_id": frame["record_id"],
             "input_ids": list_series(offsets, flat_ids),
-            "loss_mask": list_series(offsets, _flat_loss_mask(n_prefix, n_response)),
+            "loss_mask": list_series(offsets, flat_mask),
             "n_tokens": n_tokens,
             "n_response_tokens": n_response,
         },
@@ -216,19 +238,17 @@ def check_required_text(frame: pl.DataFrame) -> None:
         raise ValueError(f"prompt and response must not be null, got null counts {nulls}")
 
 
-def _encode_chunks(tokenizer: Tokenizer, *columns: Sequence[str]) -> Iterator[list[Encoding]]:
-    """Per chunk of rows, the encodings of each column's texts, column after column.
+def _encode_chunks(tokenizer: Tokenizer, texts: Sequence[str]) -> Iterator[list[Encoding]]:
+    """The encodings of ``texts``, ``ENCODE_CHUNK_TEXTS`` at a time.
 
     encode_batch releases the GIL, so the next chunk is encoded on all cores in a worker thread
     while the caller reads the ids of this one in Python.
     """
     with ThreadPoolExecutor(max_workers=1) as encoder:
         pending = None
-        for start in range(0, len(columns[0]), ENCODE_CHUNK_ROWS):
-            texts = [
-                text for column in columns for text in column[start : start + ENCODE_CHUNK_ROWS]
-            ]
-            submitted = encoder.submit(tokenizer.encode_batch, texts, add_special_tokens=False)
+        for start in range(0, len(texts), ENCODE_CHUNK_TEXTS):
+            chunk = texts[start : start + ENCODE_CHUNK_TEXTS]
+            submitted = encoder.submit(tokenizer.encode_batch, chunk, add_special_tokens=False)
             if pending is not None:
                 yield pending.result()
             pending = submitted
@@ -236,38 +256,81 @@ def _encode_chunks(tokenizer: Tokenizer, *columns: Sequence[str]) -> Iterator[li
             yield pending.result()
 
 
-def _read_chunk(
-    encodings: list[Encoding], ids: dict[str, int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flat ids, row by row: prefix ids then response ids), prefix lengths, response lengths.
-
-    Row layout: BOS [SYSTEM system END] USER prompt END ASSISTANT | response END EOS, laid out
-    with numpy scatters rather than a Python list per row.
-    """
-    rows = len(encodings) // 3
-    (system, n_system), (prompt, n_prompt), (response, n_response_text) = (
-        _flat_ids(encodings[k * rows : (k + 1) * rows]) for k in range(3)
+def _flat_turns(frame: pl.DataFrame, loss: str) -> pl.DataFrame:
+    """One row per turn, conversation after conversation: row (the conversation's position),
+    role (its index in ROLES), content, trained (in the loss), closes (the conversation's last turn,
+    an assistant's: EOS follows it)."""
+    missing = conversations_without_an_assistant_turn(frame)
+    if missing:
+        raise ValueError(
+            f"a conversation to train on needs an assistant turn; {len(missing)} have none "
+            f"(record ids {missing[:5]})"
+        )
+    turns = (
+        frame.select(pl.col("messages"))
+        .with_row_index("row")
+        .explode("messages")
+        .unnest("messages")
     )
-    has_system = n_system > 0
-    n_prefix = 1 + np.where(has_system, n_system + 2, 0) + n_prompt + 3
-    n_response = n_response_text + 2
-    start = np.zeros(rows, np.int64)
-    np.cumsum((n_prefix + n_response)[:-1], out=start[1:])
-    out = np.empty(int((n_prefix + n_response).sum()), np.int32)
-    user = start + 1 + np.where(has_system, n_system + 2, 0)
-    answer = start + n_prefix
+    if turns["content"].null_count():
+        raise ValueError("a turn's content must not be null")
+    unknown = turns.filter(~pl.col("role").is_in(ROLES))["role"].unique().sort().to_list()
+    if unknown:
+        raise ValueError(
+            f"the chat format has no role {', '.join(map(repr, unknown))}: roles are "
+            f"{', '.join(ROLES)}"
+        )
+    assistant = pl.col("role") == ASSISTANT_ROLE
+    last_turn = pl.int_range(pl.len()).over("row") == pl.len().over("row") - 1
+    trained = (
+        assistant & (pl.int_range(pl.len()).over("row") == _last_assistant_position())
+        if loss == LAST
+        else assistant
+    )
+    return turns.select(
+        "row",
+        pl.col("role").replace_strict(ROLES, list(range(len(ROLES))), return_dtype=pl.Int8),
+        "content",
+        trained=trained,
+        closes=last_turn & assistant,
+    )
+
+
+def _last_assistant_position() -> pl.Expr:
+    position = pl.int_range(pl.len())
+    return position.filter(pl.col("role") == ASSISTANT_ROLE).max().over("row")
+
+
+def _lay_out(
+    turns: pl.DataFrame, content_ids: np.ndarray, n_content: np.ndarray, ids: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(flat ids, flat loss mask, tokens per conversation, loss tokens per conversation), laid out
+    with numpy scatters rather than a Python list per conversation."""
+    row = turns["row"].to_numpy().astype(np.int64)
+    n_rows = int(row[-1]) + 1
+    trained, closes = turns["trained"].to_numpy(), turns["closes"].to_numpy()
+    n_turn = n_content + 2  # role marker, content, END
+    eos = np.zeros(n_rows, np.int64)
+    eos[row[closes]] = 1
+    n_tokens = 1 + np.bincount(row, weights=n_turn, minlength=n_rows).astype(np.int64) + eos
+    start = np.zeros(n_rows, np.int64)
+    np.cumsum(n_tokens[:-1], out=start[1:])
+    before = np.cumsum(n_turn) - n_turn  # tokens of the turns before, over every conversation
+    first_turn = np.searchsorted(row, np.arange(n_rows))
+    turn_start = start[row] + 1 + before - before[first_turn][row]
+    out = np.empty(int(n_tokens.sum()), np.int32)
     out[start] = ids[BOS]
-    out[start[has_system] + 1] = ids[SYSTEM]
-    out[(start + 2 + n_system)[has_system]] = ids[END]
-    out[user] = ids[USER]
-    out[user + 1 + n_prompt] = ids[END]
-    out[user + 2 + n_prompt] = ids[ASSISTANT]
-    out[answer + n_response_text] = ids[END]
-    out[answer + n_response_text + 1] = ids[EOS]
-    out[_segment_positions(start + 2, n_system)] = system
-    out[_segment_positions(user + 1, n_prompt)] = prompt
-    out[_segment_positions(answer, n_response_text)] = response
-    return out, n_prefix.astype(np.int32), n_response.astype(np.int32)
+    role_ids = np.array([ids[SYSTEM], ids[USER], ids[ASSISTANT]], np.int32)
+    out[turn_start] = role_ids[turns["role"].to_numpy()]
+    out[_segment_positions(turn_start + 1, n_content)] = content_ids
+    out[turn_start + 1 + n_content] = ids[END]
+    eos_at = (start + n_tokens - 1)[eos == 1]
+    out[eos_at] = ids[EOS]
+    mask = np.zeros(len(out), np.uint8)
+    mask[_segment_positions(turn_start[trained] + 1, n_content[trained] + 1)] = 1
+    mask[eos_at] = 1  # the last turn is an assistant's, trained in either mode
+    n_response = np.bincount(row[trained], weights=n_content[trained] + 1, minlength=n_rows) + eos
+    return out, mask, n_tokens.astype(np.int32), n_response.astype(np.int32)
 
 
 def _flat_ids(encodings: list[Encoding]) -> tuple[np.ndarray, np.ndarray]:
@@ -280,11 +343,6 @@ def _segment_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """start, start+1, ..., start+length-1 for every segment, concatenated."""
     within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.repeat(starts, lengths) + within
-
-
-def _flat_loss_mask(n_prefix: np.ndarray, n_response: np.ndarray) -> np.ndarray:
-    zeros_then_ones = np.tile(np.array([0, 1], np.uint8), len(n_prefix))
-    return np.repeat(zeros_then_ones, np.column_stack([n_prefix, n_response]).ravel())
 
 
 def list_series(offsets: np.ndarray, flat_values: np.ndarray) -> pl.Series:

@@ -14,6 +14,7 @@ from pipeline_assets_tests.hf_models import (
     LLAMA3_SPECIALS,
     trained_tokenizer,
 )
+from pipeline_assets_tests.lib.gold.conversation_frames import conversations
 
 # Llama 3's own template trims every message's content.
 LLAMA3_TRIMMED = LLAMA3.replace("message['content']", "message['content'] | trim")
@@ -103,7 +104,7 @@ def test_every_assistant_turn_of_a_conversation_is_trained(family):
         {"role": "user", "content": "Where is my order?"},
         {"role": "assistant", "content": "It ships today."},
     ]
-    encoded = encoder.encode_conversations(["c"], [conversation])
+    encoded = encoder.encode_conversations(conversations({"c": conversation}))
     assert encoded["input_ids"][0].to_list() == hf.apply_chat_template(conversation)["input_ids"]
     (trained,) = _in_loss(encoded)
     assert hf.decode(trained) == f"Hello.{end_of_turn}It ships today.{end_of_turn}"
@@ -140,7 +141,7 @@ def test_a_template_that_drops_earlier_turns_is_refused():
         {"role": "assistant", "content": "Bye."},
     ]
     with pytest.raises(ValueError, match=r"messages\[:2\] renders as a prefix of the whole"):
-        encoder.encode_conversations(["c"], [conversation])
+        encoder.encode_conversations(conversations({"c": conversation}))
 
 
 def test_a_template_that_ends_no_turn_with_a_special_token_is_refused():

@@ -189,7 +189,7 @@ def test_check_tokenizer_rejects_truncation_and_padding(tokenizer):
 
 def test_encode_records_keeps_row_order_dtypes_and_counts(tokenizer, corpus, monkeypatch):
     monkeypatch.setattr(
-        tokenizer_module, "ENCODE_CHUNK_ROWS", 7
+        tokenizer_module, "ENCODE_CHUNK_TEXTS", 7
     )  # several chunks and a partial last one
     sample = corpus.sample(30, seed=2).with_columns(pl.col("record_id").reverse())
     encoded = encode_records(tokenizer, sample)

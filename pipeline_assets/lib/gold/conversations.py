@@ -1,0 +1,58 @@
+"""What gold trains on, as conversations: an sft record is a conversation of one exchange, and a
+conversation's loss covers its assistant turns (every one, or only the last).
+
+Both encoders (``lib.gold.encoder``) take a frame of ``record_id`` and ``messages`` (a list of
+``role``/``content`` structs, ``formats.TURNS``); sft records reach them through
+``records_as_conversations``, so one code path renders and masks both formats. No Dagster, no torch.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from pipeline_assets.lib.formats import TURNS
+
+ALL, LAST = "all", "last"
+LOSS_MODES = (ALL, LAST)  # PIPELINE_CONVERSATION_LOSS
+DEFAULT_LOSS = ALL
+ASSISTANT = "assistant"
+
+
+def check_loss_mode(mode: str) -> None:
+    if mode not in LOSS_MODES:
+        raise ValueError(
+            f"PIPELINE_CONVERSATION_LOSS must be one of {', '.join(map(repr, LOSS_MODES))}, not "
+            f"{mode!r}"
+        )
+
+
+def trained_turns(roles: list[str], loss: str) -> list[int]:
+    """The positions of the turns the loss covers: every assistant turn (``all``) or the last one
+    (``last``)."""
+    turns = [k for k, role in enumerate(roles) if role == ASSISTANT]
+    return turns[-1:] if loss == LAST else turns
+
+
+def records_as_conversations(frame: pl.DataFrame) -> pl.DataFrame:
+    """sft records (record_id, system (nullable), prompt, response) -> record_id, messages:
+    [system], user, assistant; no system turn when ``system`` is null or empty."""
+    turn = pl.element()
+    no_system = (turn.struct.field("role") == "system") & (
+        turn.struct.field("content").fill_null("") == ""
+    )
+    messages = pl.concat_list(
+        _turn("system", "system"), _turn("user", "prompt"), _turn(ASSISTANT, "response")
+    ).list.eval(turn.filter(~no_system))
+    return frame.select("record_id", messages.cast(TURNS).alias("messages"))
+
+
+def _turn(role: str, column: str) -> pl.Expr:
+    return pl.struct(role=pl.lit(role), content=pl.col(column))
+
+
+def conversations_without_an_assistant_turn(frame: pl.DataFrame) -> list[str]:
+    """The record ids of conversations with no assistant turn: nothing of theirs can be trained."""
+    has_answer = pl.col("messages").list.eval(
+        (pl.element().struct.field("role") == ASSISTANT).any()
+    )
+    return frame.filter(~has_answer.list.first().fill_null(False))["record_id"].to_list()
