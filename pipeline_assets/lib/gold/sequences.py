@@ -10,6 +10,8 @@ from functools import partial
 import numpy as np
 import polars as pl
 
+from pipeline_assets.lib.formats import SFT, RecordFormat
+from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS, records_as_conversations
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.packing import (
     PackingPlan,
@@ -18,7 +20,7 @@ from pipeline_assets.lib.gold.packing import (
     plan_best_fit_decreasing,
     shuffle_sequences,
 )
-from pipeline_assets.lib.gold.splits import SPLITS
+from pipeline_assets.lib.gold.splits import SPLITS, assign_split
 from pipeline_assets.lib.stages import Stage
 
 # Rows per Parquet row group of gold/sequences, and the block a training rank reads at once: a
@@ -30,6 +32,7 @@ SCORED_COLUMNS = (
     "position_ids",
     "record_ids",
 )  # what a packed row is scored on
+SFT_OBJECTIVE = SFT.objective  # the formats gold/sequences packs
 LONG_RECORD_MODES = ("truncate", "drop")
 DEFAULT_LONG_RECORDS = "truncate"  # PIPELINE_LONG_RECORDS
 LEFT_OUT_SCHEMA = pl.Schema(
@@ -45,10 +48,9 @@ LEFT_OUT_SCHEMA = pl.Schema(
 
 @dataclass(frozen=True)
 class FittedRecords:
-    records: (
-        pl.DataFrame
-    )  # every record fits in seq_len with its whole prompt and >= 1 response token
-    left_out: pl.DataFrame  # LEFT_OUT_SCHEMA; reason: prompt_too_long | too_long
+    # every record fits in seq_len with its whole prompt and >= 1 response token
+    records: pl.DataFrame
+    left_out: pl.DataFrame  # LEFT_OUT_SCHEMA; reason: prompt_too_long | too_long | turn_too_long
     truncated_documents: int
 
 
@@ -56,32 +58,51 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     """Make every encoded record fit one sequence without losing its prompt, so packing never
     splits a record and trains a response piece with no prompt before it.
 
-    A record whose prompt (everything the loss mask leaves out) fills ``seq_len`` on its own is left
-    out as ``prompt_too_long``; a longer record is cut to ``seq_len`` tokens, the response losing
-    its end (``truncate``), or left out as ``too_long`` (``drop``).
+    A record whose prompt (everything before its first trained token) fills ``seq_len`` on its own
+    is left out as ``prompt_too_long``. A longer record is left out as ``too_long`` (``drop``), or
+    cut (``truncate``): an sft record's response loses its end; a conversation (``whole_turns``
+    true) is cut after the last trained assistant turn that ends within ``seq_len``, never inside
+    a turn, and left out as ``turn_too_long`` when its first trained turn does not end there.
+    Without a ``whole_turns`` column every record is an sft record.
     """
     if mode not in LONG_RECORD_MODES:
         raise ValueError(
             f"PIPELINE_LONG_RECORDS must be one of {', '.join(map(repr, LONG_RECORD_MODES))}, not "
             f"{mode!r}"
         )
-    prompt_tokens = pl.col("n_tokens") - pl.col("n_response_tokens")
+    whole_turns = pl.col("whole_turns") if "whole_turns" in encoded.columns else pl.lit(False)
+    long = pl.col("n_tokens") > seq_len
+    turn_cut = pl.Series("turn_cut", _turn_cuts(encoded, seq_len), dtype=pl.Int32)
     reason = (
-        pl.when(prompt_tokens >= seq_len)
+        pl.when(pl.col("prompt_tokens") >= seq_len)
         .then(pl.lit("prompt_too_long"))
-        .when((pl.col("n_tokens") > seq_len) & (mode == "drop"))
+        .when(long & (mode == "drop"))
         .then(pl.lit("too_long"))
+        .when(long & whole_turns & pl.col("turn_cut").is_null())
+        .then(pl.lit("turn_too_long"))
     )
-    judged = encoded.with_columns(reason=reason, prompt_tokens=prompt_tokens.cast(pl.Int32))
+    judged = encoded.with_columns(
+        turn_cut, prompt_tokens=pl.col("loss_mask").list.arg_max().cast(pl.Int32)
+    ).with_columns(reason=reason)
     kept = judged.filter(pl.col("reason").is_null())
     truncated = int((kept["n_tokens"] > seq_len).sum())
-    fitted = kept.drop("reason", "prompt_tokens").with_columns(
-        pl.col("input_ids").list.head(seq_len),
-        pl.col("loss_mask").list.head(seq_len),
-        n_tokens=pl.min_horizontal("n_tokens", pl.lit(seq_len, pl.Int32)),
-        n_response_tokens=pl.min_horizontal(
-            "n_response_tokens", pl.lit(seq_len, pl.Int32) - prompt_tokens.cast(pl.Int32)
-        ),
+    cut = (
+        pl.when(long & whole_turns)
+        .then(pl.col("turn_cut"))
+        .otherwise(pl.min_horizontal("n_tokens", pl.lit(seq_len, pl.Int32)))
+    )
+    fitted = (
+        kept.with_columns(cut=cut)
+        .with_columns(
+            pl.col("input_ids").list.head(pl.col("cut")),
+            pl.col("loss_mask").list.head(pl.col("cut")),
+            n_tokens=pl.col("cut"),
+            n_response_tokens=pl.when(long)
+            .then(pl.col("loss_mask").list.head(pl.col("cut")).list.sum())
+            .otherwise(pl.col("n_response_tokens"))
+            .cast(pl.Int32),
+        )
+        .drop("reason", "prompt_tokens", "turn_cut", "cut")
     )
     left_out = (
         judged.filter(pl.col("reason").is_not_null())
@@ -91,15 +112,63 @@ def fit_long_records(encoded: pl.DataFrame, seq_len: int, mode: str) -> FittedRe
     return FittedRecords(records=fitted, left_out=left_out, truncated_documents=truncated)
 
 
-def tokenize_stage(spec: EncoderSpec) -> Stage:
-    """Gold's block stage: records (record_id, system, prompt, response, source, split) -> their
-    encodings (``lib.gold.tokenizer.ENCODED_SCHEMA`` plus source and split), in the block's order.
-    It removes nothing; an engine runs it block by block, here or on Ray."""
-    return Stage("tokenize", partial(_tokenize_block, spec=spec))
+def _turn_cuts(encoded: pl.DataFrame, seq_len: int) -> list[int | None]:
+    """Per record, where a conversation longer than ``seq_len`` is cut: the end of its last trained
+    turn (a run of the loss mask, closed by its end-of-turn token) within ``seq_len``; None for
+    every other record, and for a conversation whose first trained turn ends past it."""
+    cuts: list[int | None] = [None] * encoded.height
+    if "whole_turns" not in encoded.columns:
+        return cuts
+    long = encoded.select(
+        (pl.col("whole_turns") & (pl.col("n_tokens") > seq_len)).arg_true()
+    ).to_series()
+    for row, mask in zip(long, encoded["loss_mask"].gather(long), strict=True):
+        window = mask[: seq_len + 1].to_numpy()
+        ends = np.flatnonzero((window[:-1] == 1) & (window[1:] == 0)) + 1
+        cuts[row] = int(ends[-1]) if len(ends) else None
+    return cuts
 
 
-def _tokenize_block(block: pl.DataFrame, spec: EncoderSpec) -> tuple[pl.DataFrame, None, dict]:
-    encoded = chat_encoder(spec).encode_records(block).with_columns(block.select("source", "split"))
+def gold_records(
+    silver: pl.DataFrame, fmt: RecordFormat, validation_fraction: float, search_fraction: float
+) -> pl.DataFrame:
+    """A format's silver rows as gold tokenizes them: record_id, messages (an sft-shaped record as
+    [system], user and its judged answer), source, split and whole_turns (a conversation, cut only
+    between turns). The split is decided by the hash of the format's ``split_key``: an sft
+    record's content, a conversation's first user turn, so that variants of one conversation
+    share a side."""
+    if fmt.objective != SFT_OBJECTIVE:
+        raise ValueError(f"format {fmt.name!r} is not trained with sft's loss")
+    rows = assign_split(
+        silver.sort("record_id"),
+        validation_fraction,
+        key=fmt.split_key,
+        search_fraction=search_fraction,
+    )
+    if fmt.turns:
+        messages = rows.select("record_id", pl.col(fmt.turns).alias("messages"))
+    else:
+        messages = records_as_conversations(
+            rows.select("record_id", "system", "prompt", pl.col(fmt.judged).alias("response"))
+        )
+    return messages.with_columns(
+        rows.select("source", "split"), whole_turns=pl.lit(fmt.turns is not None)
+    )
+
+
+def tokenize_stage(spec: EncoderSpec, loss: str = DEFAULT_LOSS) -> Stage:
+    """Gold's block stage: records (record_id, messages, source, split, whole_turns) -> their
+    encodings (``lib.gold.tokenizer.ENCODED_SCHEMA`` plus source, split and whole_turns), the loss
+    on the assistant turns ``loss`` names, in the block's order. It removes nothing; an engine
+    runs it block by block, here or on Ray."""
+    return Stage("tokenize", partial(_tokenize_block, spec=spec, loss=loss))
+
+
+def _tokenize_block(
+    block: pl.DataFrame, spec: EncoderSpec, loss: str
+) -> tuple[pl.DataFrame, None, dict]:
+    encoded = chat_encoder(spec).encode_conversations(block.select("record_id", "messages"), loss)
+    encoded = encoded.with_columns(block.select("source", "split", "whole_turns"))
     return encoded, None, {"tokens": int(encoded["n_tokens"].sum())}
 
 

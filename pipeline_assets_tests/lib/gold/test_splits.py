@@ -1,6 +1,8 @@
 import polars as pl
 import pytest
 
+from pipeline_assets.lib.formats import CONVERSATION, PREFERENCE, SFT, TURNS
+from pipeline_assets.lib.gold.sequences import gold_records
 from pipeline_assets.lib.gold.splits import SEARCH, TRAIN, VALIDATION, assign_split
 
 
@@ -50,3 +52,56 @@ def test_the_search_split_takes_only_training_records_and_leaves_validation_as_i
 def test_fractions_that_leave_no_training_records_are_refused():
     with pytest.raises(ValueError, match="search fraction"):
         assign_split(frame(10, "x"), 0.5, search_fraction=0.5)
+
+
+def _conversation_variants(groups: int, variants: int) -> pl.DataFrame:
+    """Silver conversations: ``variants`` of each first question, each with its own content (its
+    own exact_hash) and the first question's prompt_hash."""
+    rows = [
+        {
+            "record_id": f"c{g:03d}-{v}",
+            "messages": [
+                {"role": "user", "content": f"question {g}"},
+                {"role": "assistant", "content": f"answer {g}.{v}"},
+            ],
+            "source": "chats",
+            "exact_hash": f"{g:016x}{v:016x}",
+            "prompt_hash": f"{g:032x}",
+        }
+        for g in range(groups)
+        for v in range(variants)
+    ]
+    return pl.DataFrame(rows, schema_overrides={"messages": TURNS})
+
+
+def test_variants_of_one_conversation_share_a_side_of_the_split():
+    records = gold_records(_conversation_variants(400, 3), CONVERSATION, 0.2, 0.1)
+    sides = records.group_by(pl.col("record_id").str.head(4)).agg(pl.col("split").n_unique())
+    assert (sides["split"] == 1).all(), "every variant of a first question on one side"
+    assert set(records["split"]) == {TRAIN, VALIDATION, SEARCH}
+    by_content = assign_split(_conversation_variants(400, 3), 0.2, search_fraction=0.1)
+    assert by_content["split"].to_list() != records["split"].to_list(), "the key is prompt_hash"
+    assert records["whole_turns"].all()
+    assert records["messages"][0].to_list() == _conversation_variants(1, 1)["messages"][0].to_list()
+
+
+def test_sft_records_split_by_their_content_as_before_and_become_one_exchange():
+    silver = frame(3000, "r").with_columns(
+        system=pl.lit(None, pl.String),
+        prompt=pl.format("prompt {}", "record_id"),
+        response=pl.lit("answer"),
+        source=pl.lit("logs"),
+    )
+    records = gold_records(silver, SFT, 0.1, 0.05)
+    expected = assign_split(silver, 0.1, search_fraction=0.05)
+    assert records["split"].to_list() == expected["split"].to_list()
+    assert not records["whole_turns"].any()
+    assert records["messages"][0].to_list() == [
+        {"role": "user", "content": "prompt r-000000"},
+        {"role": "assistant", "content": "answer"},
+    ]
+
+
+def test_a_format_with_a_loss_of_its_own_is_not_a_gold_record():
+    with pytest.raises(ValueError, match="'preference' is not trained with sft's loss"):
+        gold_records(frame(3, "p"), PREFERENCE, 0.1, 0.0)
