@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field
 
 from pipeline_assets.lib.formats import FORMATS
+from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS as DEFAULT_CONVERSATION_LOSS
+from pipeline_assets.lib.gold.conversations import LOSS_MODES as CONVERSATION_LOSS_MODES
 from pipeline_assets.lib.gold.preference import (
     VALIDATION_FRACTION as PREFERENCE_VALIDATION_FRACTION,
 )
@@ -312,10 +314,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "PIPELINE_LONG_RECORDS",
         DEFAULT_LONG_RECORDS,
-        "a record longer than `PIPELINE_SEQ_LEN`: `truncate` its response, or `drop` it (see "
+        "a record longer than `PIPELINE_SEQ_LEN`: `truncate` it (an sft record's response is "
+        "cut, a conversation after its last assistant turn that fits), or `drop` it (see "
         "gold.md); either way it keeps its prompt",
         choice(*LONG_RECORD_MODES),
         "long_records",
+    ),
+    Setting(
+        "PIPELINE_CONVERSATION_LOSS",
+        DEFAULT_CONVERSATION_LOSS,
+        "what a conversation trains on: `all` its assistant turns, or the `last` alone (for "
+        "sources where only the final answer should train); system and user turns never",
+        choice(*CONVERSATION_LOSS_MODES),
+        "conversation_loss",
     ),
     Setting(
         "PIPELINE_VALIDATION_FRACTION",
@@ -668,6 +679,7 @@ class Settings:
     tokenizer_sample_chars: int
     seq_len: int
     long_records: str
+    conversation_loss: str
     validation_fraction: float
     search_fraction: float
     shuffle_seed: int

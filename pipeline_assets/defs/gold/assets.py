@@ -32,11 +32,12 @@ from pipeline_assets.lib.gold.sequences import (
     SEQUENCES_PER_BLOCK,
     build_sequences,
     fit_long_records,
+    gold_records,
     shard_seed,
     token_statistics,
     tokenize_stage,
 )
-from pipeline_assets.lib.gold.splits import SEARCH, VALIDATION, assign_split, split_shares
+from pipeline_assets.lib.gold.splits import SEARCH, VALIDATION, split_shares
 from pipeline_assets.lib.gold.tokenizer import (
     check_tokenizer,
     tokenizer_from_json,
@@ -297,10 +298,10 @@ def _chat_texts(frame: pl.DataFrame) -> list[str]:
     check_specs=SHARD_CHECK_SPECS,
     retry_policy=TRANSIENT,
     automation_condition=after_upstream_passes(),
-    description="One ingest batch's silver records, tokenized, packed (best-fit decreasing) and "
-    "shuffled, per train/validation/search split: the batch's shard, built once, as soon as its "
-    "silver passes. A data snapshot (gold/snapshots) lists shards; a new tokenizer version "
-    "rebuilds every shard.",
+    description="One ingest batch's silver records and conversations (every format trained with "
+    "sft's loss), tokenized, packed (best-fit decreasing) and shuffled, per train/validation/"
+    "search split: the batch's shard, built once, as soon as its silver passes. A data snapshot "
+    "(gold/snapshots) lists shards; a new tokenizer version rebuilds every shard.",
 )
 def gold_sequences(
     context: AssetExecutionContext,
@@ -310,18 +311,10 @@ def gold_sequences(
 ) -> MaterializeResult:
     stopwatch = Stopwatch()
     batch = context.partition_key
-    silver, silver_versions = _sft_objective_rows(lake, batch)
+    records, silver_versions = _sft_objective_rows(lake, batch, gold_policy)
     tokenizer_version, spec = current_tokenizer(lake)
     encoder = chat_encoder(spec)
-    records = assign_split(
-        silver.sort("record_id"),
-        gold_policy.validation_fraction,
-        search_fraction=gold_policy.search_fraction,
-    )
-    tokenized = ray_engine.run(
-        [tokenize_stage(spec)],
-        records.select("record_id", "system", "prompt", "response", "source", "split"),
-    )
+    tokenized = ray_engine.run([tokenize_stage(spec, gold_policy.conversation_loss)], records)
     encoded = tokenized.kept
     context.log.info(
         f"batch {batch}: tokenized {encoded.height} records, {int(encoded['n_tokens'].sum())} "
@@ -359,7 +352,7 @@ def gold_sequences(
                 commit,
                 polars_schema(GoldSequence),
                 upstream_versions={**silver_versions, "gold/tokenizer": tokenizer_version},
-                input_bytes=int(silver.estimated_size()),
+                input_bytes=int(records.estimated_size()),
                 stopwatch=stopwatch,
             ),
             "tokenizer_version": tokenizer_version,
@@ -368,6 +361,7 @@ def gold_sequences(
             "packing_efficiency": round(packing["efficiency"], 5),
             "sequences_by_split": MetadataValue.json(packing["sequences_by_split"]),
             "long_records": gold_policy.long_records,
+            "conversation_loss": gold_policy.conversation_loss,
             "truncated_documents": fitted.truncated_documents,
             "dropped_long_records": fitted.left_out.height,
             "dropped_long_records_by_reason": MetadataValue.json(
@@ -383,7 +377,7 @@ def gold_sequences(
                 encoded.filter(pl.col("split") == VALIDATION)["n_tokens"].sum()
             ),
             "search_tokens": int(encoded.filter(pl.col("split") == SEARCH)["n_tokens"].sum()),
-            "input_chars": text_chars(silver),
+            "input_chars": text_chars(records),
             "tokens_by_source": table_metadata(stats["by_source"]),
             "tokens_per_record": MetadataValue.json(stats["per_record_quantiles"]),
             "validation_share_by_source": table_metadata(split_shares(records)),
@@ -392,9 +386,12 @@ def gold_sequences(
     )
 
 
-def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, dict[str, int]]:
-    """The batch's silver rows of every format trained with sft's loss, as sft records (the format's
-    judged answer as ``response``), and the silver versions read."""
+def _sft_objective_rows(
+    lake: LakeResource, batch: str, gold_policy: GoldPolicy
+) -> tuple[pl.DataFrame, dict[str, int]]:
+    """The batch's silver rows of every format trained with sft's loss, as gold tokenizes them
+    (``lib.gold.sequences.gold_records``: messages, split by each format's key), in record_id
+    order, and the silver versions read."""
     frames, versions = [], {}
     for tables in FORMAT_TABLES:
         version = (
@@ -407,16 +404,14 @@ def _sft_objective_rows(lake: LakeResource, batch: str) -> tuple[pl.DataFrame, d
         versions[tables.silver.to_user_string()] = version
         rows = lake.read(*tables.silver.path, version=version, where=pl.col("batch_id") == batch)
         frames.append(
-            rows.select(
-                "record_id",
-                "system",
-                "prompt",
-                pl.col(tables.fmt.judged).alias("response"),
-                "source",
-                "exact_hash",
+            gold_records(
+                rows,
+                tables.fmt,
+                gold_policy.validation_fraction,
+                gold_policy.search_fraction,
             )
         )
-    return pl.concat(frames), versions
+    return pl.concat(frames).sort("record_id"), versions
 
 
 def current_tokenizer(lake: LakeResource) -> tuple[int, EncoderSpec]:

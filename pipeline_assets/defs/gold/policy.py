@@ -16,6 +16,7 @@ class GoldPolicy(ConfigurableResource):
     tokenizer_sample_chars: int = setting_field("tokenizer_sample_chars", ge=1)
     seq_len: int = setting_field("seq_len")
     long_records: str = setting_field("long_records")
+    conversation_loss: str = setting_field("conversation_loss")
     validation_fraction: float = setting_field("validation_fraction")
     preference_validation_fraction: float = setting_field("preference_validation_fraction")
     search_fraction: float = setting_field("search_fraction")
