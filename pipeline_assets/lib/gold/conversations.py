@@ -15,7 +15,7 @@ from pipeline_assets.lib.formats import TURNS
 ALL, LAST = "all", "last"
 LOSS_MODES = (ALL, LAST)  # PIPELINE_CONVERSATION_LOSS
 DEFAULT_LOSS = ALL
-ASSISTANT = "assistant"
+ASSISTANT_ROLE = "assistant"
 
 
 def check_loss_mode(mode: str) -> None:
@@ -29,7 +29,7 @@ def check_loss_mode(mode: str) -> None:
 def trained_turns(roles: list[str], loss: str) -> list[int]:
     """The positions of the turns the loss covers: every assistant turn (``all``) or the last one
     (``last``)."""
-    turns = [k for k, role in enumerate(roles) if role == ASSISTANT]
+    turns = [k for k, role in enumerate(roles) if role == ASSISTANT_ROLE]
     return turns[-1:] if loss == LAST else turns
 
 
@@ -41,7 +41,7 @@ def records_as_conversations(frame: pl.DataFrame) -> pl.DataFrame:
         turn.struct.field("content").fill_null("") == ""
     )
     messages = pl.concat_list(
-        _turn("system", "system"), _turn("user", "prompt"), _turn(ASSISTANT, "response")
+        _turn("system", "system"), _turn("user", "prompt"), _turn(ASSISTANT_ROLE, "response")
     ).list.eval(turn.filter(~no_system))
     return frame.select("record_id", messages.cast(TURNS).alias("messages"))
 
@@ -53,6 +53,6 @@ def _turn(role: str, column: str) -> pl.Expr:
 def conversations_without_an_assistant_turn(frame: pl.DataFrame) -> list[str]:
     """The record ids of conversations with no assistant turn: nothing of theirs can be trained."""
     has_answer = pl.col("messages").list.eval(
-        (pl.element().struct.field("role") == ASSISTANT).any()
+        (pl.element().struct.field("role") == ASSISTANT_ROLE).any()
     )
     return frame.filter(~has_answer.list.first().fill_null(False))["record_id"].to_list()

@@ -1,7 +1,9 @@
 """Byte-level BPE for the chat format: train, (de)serialize, validate, and tokenize records.
 
-``encode_records`` turns silver records into one sequence each, ``prefix + response`` in the
-format of ``chat_format``, with a loss mask that is 1 exactly on the response ids.
+``encode_conversations`` turns conversations into one sequence each in the format of
+``chat_format``, with a loss mask that is 1 exactly on the trained assistant turns;
+``encode_records`` encodes sft records as conversations of one exchange (``prefix + response``, the
+mask on the response ids).
 ``save_hf_tokenizer`` writes the tokenizer as an exported model's users load it. No Dagster, no
 torch.
 """
@@ -32,9 +34,7 @@ from pipeline_assets.lib.gold.chat_format import (
     USER,
 )
 from pipeline_assets.lib.gold.conversations import (
-    ASSISTANT as ASSISTANT_ROLE,
-)
-from pipeline_assets.lib.gold.conversations import (
+    ASSISTANT_ROLE,
     DEFAULT_LOSS,
     LAST,
     check_loss_mode,
