@@ -14,6 +14,8 @@ import pandera.polars as pa
 import polars as pl
 from pandera.engines.polars_engine import DateTime
 
+from pipeline_assets.lib.formats import ROLES, TURN
+
 UTC_TIMESTAMP = DateTime(time_zone_agnostic=False, time_zone="UTC", time_unit="us")
 
 
@@ -63,6 +65,36 @@ class PreferenceLandingRecord(pa.DataFrameModel):
         return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))
 
 
+class ConversationLandingRecord(pa.DataFrameModel):
+    """One accepted landing line of a ``conversation`` source: its turns in order (the ShareGPT
+    shape's already mapped to roles and contents), after the source's field mapping."""
+
+    messages: Annotated[pl.List, TURN] = pa.Field(
+        description="the turns in order: role (system, user or assistant) and content"
+    )
+    id: str = pa.Field(nullable=True)
+    created_at: UTC_TIMESTAMP = pa.Field(nullable=True)
+    meta: str = pa.Field(nullable=True, description="the source's meta object, as JSON")
+    extra: str = pa.Field(nullable=True, description="every unknown field, verbatim, as JSON")
+
+    class Config:
+        strict = True
+        coerce = False
+
+    @pa.check("messages", name="chat_shape")
+    def _chat_shape(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        """Known roles, no blank turn, an assistant turn last."""
+        turn = pl.element()
+        turns = pl.col(data.key)
+        return data.lazyframe.select(
+            turns.list.eval(
+                turn.struct.field("role").is_in(ROLES)
+                & turn.struct.field("content").str.contains(r"\S")
+            ).list.all()
+            & (turns.list.eval(turn.struct.field("role")).list.last() == "assistant")
+        )
+
+
 class Provenance(pa.DataFrameModel):
     """Where a landing record came from and when it arrived: what bronze adds to every format."""
 
@@ -83,9 +115,14 @@ class BronzePreferenceRecord(Provenance, PreferenceLandingRecord):
     """A preference landing record plus provenance."""
 
 
+class BronzeConversation(Provenance, ConversationLandingRecord):
+    """A conversation landing record plus provenance."""
+
+
 QUARANTINE_REASON = (
     r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file"
     r"|unsupported_format|already_ingested|too_deep:(meta|extra)"
+    r"|unknown_role|empty_turn|no_assistant_turn|ends_on_(user|system)_turn"
     r"|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
 )
 
@@ -150,6 +187,19 @@ class SilverPreferencePair(PairMeasures, Curated, BronzePreferenceRecord):
     (lib.silver.preference_rules)."""
 
 
+class ConversationMeasures(pa.DataFrameModel):
+    prompt_hash: str = pa.Field(
+        **HASH_128,
+        description="the normalized first user turn's (of an empty text, with none): the split "
+        "goes by it, so variants of one conversation share a side",
+    )
+
+
+class SilverConversation(ConversationMeasures, Curated, BronzeConversation):
+    """A conversation that survived silver's stages: its turns normalized, its assistant turns
+    judged by the quality rules."""
+
+
 SILVER_STAGE = (
     r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|contradiction|pair_cap|pair:[a-z_]+)$"
 )
@@ -164,12 +214,15 @@ class SilverReject(pa.DataFrameModel):
     source_file: str
     source_line: pl.Int64
     system: str = pa.Field(nullable=True)
-    prompt: str
+    prompt: str = pa.Field(nullable=True, description="null for conversations, which have messages")
     response: str = pa.Field(
         nullable=True, description="sft records; preference pairs have chosen and rejected"
     )
     chosen: str = pa.Field(nullable=True)
     rejected: str = pa.Field(nullable=True)
+    messages: Annotated[pl.List, TURN] = pa.Field(
+        nullable=True, description="conversations: the turns as silver normalized them"
+    )
     stage: str = pa.Field(str_matches=SILVER_STAGE)
     evidence: str = pa.Field(description="JSON: what the stage matched or measured")
     duplicate_of: str = pa.Field(
@@ -187,6 +240,13 @@ class SilverReject(pa.DataFrameModel):
     class Config:
         strict = True
         coerce = False
+
+    @pa.dataframe_check
+    def _holds_its_text(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        """A prompt, or a conversation's turns."""
+        return data.lazyframe.select(
+            pl.col("prompt").is_not_null() | pl.col("messages").is_not_null()
+        )
 
 
 class MinhashIndexEntry(pa.DataFrameModel):
@@ -605,6 +665,7 @@ class ReplayBufferRow(pa.DataFrameModel):
 FORMAT_CONTRACTS: dict[str, tuple[type[pa.DataFrameModel], type[pa.DataFrameModel]]] = {
     "sft": (BronzeRecord, SilverRecord),
     "preference": (BronzePreferenceRecord, SilverPreferencePair),
+    "conversation": (BronzeConversation, SilverConversation),
 }
 
 

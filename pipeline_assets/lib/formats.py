@@ -171,7 +171,7 @@ CONVERSATION = RecordFormat(
     silver_table="conversations",
     about="conversations (messages: system, user and assistant turns)",
 )
-FORMATS = {f.name: f for f in (SFT, PREFERENCE)}
+FORMATS = {f.name: f for f in (SFT, PREFERENCE, CONVERSATION)}
 
 
 def all_text_fields() -> tuple[str, ...]:

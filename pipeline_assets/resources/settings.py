@@ -219,9 +219,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "PIPELINE_SOURCE_FORMATS",
         {},
-        "per source, its record format (`lib/formats.py`): `sft` (prompt, response; the default) "
-        "or `preference` (prompt, chosen, rejected, optional `score_chosen`, `score_rejected`): "
-        '`{"prefs": "preference"}`; an unknown format exits 2',
+        "per source, its record format (`lib/formats.py`): `sft` (prompt, response; the default), "
+        "`preference` (prompt, chosen, rejected, optional `score_chosen`, `score_rejected`) or "
+        "`conversation` (`messages`: role and content turns, or ShareGPT's `conversations`): "
+        '`{"prefs": "preference", "chats": "conversation"}`; an unknown format exits 2',
         source_formats,
         "source_formats",
     ),

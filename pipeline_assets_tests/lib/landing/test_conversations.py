@@ -10,6 +10,7 @@ import pytest
 
 from pipeline_assets.lib.formats import CONVERSATION, TURNS
 from pipeline_assets.lib.landing.files import read_landing_file, read_landing_file_exact
+from pipeline_assets.lib.landing.health import schema_drift_hints
 from pipeline_assets_tests.conftest import jsonl_bytes
 
 
@@ -121,3 +122,22 @@ def test_conversations_take_the_exact_path_whole():
 
     assert fast.records.equals(exact.records) and fast.quarantine.equals(exact.quarantine)
     assert fast.records.height == 2 and fast.quarantine.height == len(BROKEN)
+
+
+def test_schema_drift_names_the_format_entry_for_conversations_in_an_sft_source():
+    sft_source = read_landing_file("c.jsonl", jsonl_bytes([{"messages": CHAT}] * 3))
+    quarantine = sft_source.quarantine.with_columns(source=pl.lit("support"))
+
+    (hint,) = schema_drift_hints(quarantine, {})
+
+    assert hint["record_format"] == "conversation" and hint["lines_of_that_format"] == 3
+    assert hint["fix"] == """PIPELINE_SOURCE_FORMATS='{"support": "conversation"}'"""
+
+
+def test_schema_drift_names_sft_for_sft_records_in_a_conversation_source():
+    landed = _read([{"prompt": "p", "response": "r"}] * 2)
+    quarantine = landed.quarantine.with_columns(source=pl.lit("chats"))
+
+    (hint,) = schema_drift_hints(quarantine, {"chats": "conversation"})
+
+    assert hint["record_format"] == "sft" and hint["missing_field"] == "messages"
