@@ -52,9 +52,11 @@ RUN_TIMEOUT_MS = 240_000
 ASSET_KEYS = [
     "bronze/records",
     "bronze/preference_records",
+    "bronze/conversations",
     "bronze/quarantine",
     "silver/records",
     "silver/preference_pairs",
+    "silver/conversations",
     "silver/rejects",
     "silver/minhash_index",
     "silver/minhash_bands",
@@ -229,20 +231,21 @@ def test_the_ui_shows_the_graph_materializes_a_partition_and_shows_lineage(
                 page.get_by_role("link", name=label("bronze/records")).click()
                 expect(page).to_have_url(f"{dev.url}/assets/bronze/records")
                 page.get_by_role("button", name="Materialize…").click()
-                # bronze's three tables are one multi-asset: the UI says all will be written.
+                # bronze's four tables are one multi-asset: the UI says all will be written.
                 dialog = page.get_by_role("dialog")
                 expect(dialog.get_by_text("Additional assets will be materialized")).to_be_visible()
                 expect(dialog.get_by_text(label("bronze/quarantine"))).to_be_visible()
                 expect(dialog.get_by_text(label("bronze/preference_records"))).to_be_visible()
+                expect(dialog.get_by_text(label("bronze/conversations"))).to_be_visible()
 
             with steps.step("partition-dialog"):
                 dialog.get_by_role("button", name="Confirm").click()
-                expect(page.get_by_text("Launch runs to materialize 3 assets")).to_be_visible()
+                expect(page.get_by_text("Launch runs to materialize 4 assets")).to_be_visible()
                 page.get_by_text("Select a partition or create one").click()
                 page.get_by_placeholder("Filter partitions").fill(dev.batch)
                 page.get_by_title(dev.batch, exact=True).click()
                 page.get_by_text(
-                    "Launch runs to materialize 3 assets"
+                    "Launch runs to materialize 4 assets"
                 ).click()  # closes the partition list
                 expect(page.get_by_text("1 partition", exact=True)).to_be_visible()
 
