@@ -14,12 +14,14 @@ from dagster import DagsterInstance
 from pipeline_assets.defs.keys import EVALUATION_REPORT, GOLD_SEQUENCES, SILVER_RECORDS
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
 from pipeline_assets_tests.user_data import (
+    land_support_chats,
     land_support_export,
     support_answers,
     support_preference_pairs,
 )
 
 PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
+CHATS = {"PIPELINE_SOURCE_FORMATS": '{"chats": "conversation"}'}
 NOISE = ("PreviewWarning", "BetaWarning", "Traceback")
 
 
@@ -44,11 +46,16 @@ def _clean(done) -> None:
 
 
 def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
-    land_support_export(tmp_path, 300)
+    """Support answers and support chats (a conversation source) in one landing: one batch, one
+    snapshot, one champion trained on both."""
+    land_support_export(tmp_path, 240)
+    land_support_chats(tmp_path, 60)
     assert not (tmp_path / "reference").exists()
-    done = run_cli(tmp_path, "run")
+    done = run_cli(tmp_path, "run", **CHATS)
     _clean(done)
-    assert _summary(tmp_path)["model"]["champion_version"] == "1"
+    summary = _summary(tmp_path)
+    assert summary["model"]["champion_version"] == "1"
+    _trained_on_both_formats(tmp_path)
     scored_on = _latest(tmp_path, EVALUATION_REPORT, "scored_on")
     assert scored_on.startswith("the validation split alone: no eval set items")
     assert _latest(tmp_path, SILVER_RECORDS, "decontamination").startswith("none: no eval set")
@@ -59,10 +66,23 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     folder.mkdir(parents=True)
     (folder / "benchmark.jsonl").write_bytes(b"")
     write_landing_file(tmp_path / "landing", "support", "more.jsonl", support_answers(20, seed=11))
-    more = run_cli(tmp_path, "run")
+    more = run_cli(tmp_path, "run", **CHATS)
     _clean(more)
     assert "runs: 3" in more.stdout, "bronze, silver and its gold shard: no new snapshot"
     assert _latest(tmp_path, SILVER_RECORDS, "decontamination").startswith("none: no eval set")
+
+
+def _trained_on_both_formats(home: Path) -> None:
+    """gold-v0's training rows hold sft records and conversations of the one batch."""
+    lake = home / "lake"
+    sequences = pl.read_delta(str(lake / "gold" / "sequences")).filter(pl.col("split") == "train")
+    trained = set(sequences["record_ids"].explode().to_list())
+    for table in ("records", "conversations"):
+        silver = pl.read_delta(str(lake / "silver" / table))
+        assert silver["batch_id"].n_unique() == 1
+        assert trained & set(silver["record_id"]), f"no silver/{table} record trained"
+    manifest = pl.read_delta(str(lake / "gold" / "snapshots"))
+    assert manifest.height == 1, "one snapshot, gold-v0"
 
 
 def _waits_for_more_records(done) -> None:

@@ -75,3 +75,36 @@ def support_preference_pairs(n: int, seed: int = 5) -> list[dict]:
         }
         for row in support_answers(n)
     ]
+
+
+def support_conversations(n: int, seed: int = 9) -> list[dict]:
+    """``n`` support chats of two or three exchanges, in the messages shape: a fault, a first fix,
+    a follow-up and another fix (each chat in its own words, like the support answers)."""
+    rng = random.Random(seed)
+    chats = []
+    for i in range(n):
+        product, fault = rng.choice(PRODUCTS), rng.choice(FAULTS)
+        steps = rng.sample(STEPS, 6)
+        turns = [
+            {
+                "role": "user",
+                "content": f"My {product} {fault} (case {rng.randint(10000, 99999)}).",
+            },
+            {"role": "assistant", "content": f"Sorry about that. {' '.join(steps[:2])}"},
+        ]
+        for follow_up in range(rng.randint(1, 2)):
+            turns += [
+                {"role": "user", "content": f"Tried that, it still {fault}. Anything else?"},
+                {
+                    "role": "assistant",
+                    "content": f"{' '.join(steps[2 + 2 * follow_up : 4 + 2 * follow_up])} "
+                    f"{rng.choice(CLOSERS)}",
+                },
+            ]
+        chats.append({"id": f"chat-{i}", "messages": turns})
+    return chats
+
+
+def land_support_chats(home: Path, n: int, name: str = "chats.jsonl") -> Path:
+    """``n`` support chats as ``$PIPELINE_HOME/landing/chats/<name>``, a conversation source."""
+    return write_landing_file(home / "landing", "chats", name, support_conversations(n))
