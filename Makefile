@@ -8,6 +8,7 @@ export DAGSTER_HOME ?= $(PIPELINE_HOME)/dagster
 export MLFLOW_TRACKING_URI ?= sqlite:///$(PIPELINE_HOME)/mlflow.db
 SAMPLE_RECORDS ?= 20000
 SAMPLE_PAIRS ?= 2000
+SAMPLE_CONVERSATIONS ?= 2000
 DAGSTER_PORT ?= 3000
 MLFLOW_PORT ?= 5000
 PIP := $(BIN)/python -m pip --disable-pip-version-check
@@ -34,10 +35,12 @@ $(DAGSTER_HOME)/dagster.yaml: pipeline_assets/instance.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp pipeline_assets/instance.yaml $@
 
-# The sample corpus's preference source, prefs, is read as preference pairs by the demo and by make dev.
-demo dev: export PIPELINE_SOURCE_FORMATS ?= {"prefs": "preference"}
+# The sample corpus's added sources: prefs is read as preference pairs, chats as conversations, by
+# the demo and by make dev.
+demo dev: export PIPELINE_SOURCE_FORMATS ?= {"prefs": "preference", "chats": "conversation"}
 demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/pipeline-assets sample-data --records $(SAMPLE_RECORDS) --preference-pairs $(SAMPLE_PAIRS)
+	$(BIN)/pipeline-assets sample-data --records $(SAMPLE_RECORDS) --preference-pairs $(SAMPLE_PAIRS) \
+		--conversations $(SAMPLE_CONVERSATIONS)
 	time $(BIN)/pipeline-assets run
 	$(BIN)/pipeline-assets summary
 	$(BIN)/pipeline-assets lineage $${PIPELINE_MODEL_NAME:-sft-model}@champion

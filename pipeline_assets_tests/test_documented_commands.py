@@ -40,7 +40,7 @@ COMMAND = re.compile(r"^(make|pipeline-assets) [a-z]")
 
 # The lines the story below runs for the documents' commands, where they differ from the document:
 # the demo at the story's size, placeholders filled in, sizes the suite can afford.
-DEMO = "make demo SAMPLE_RECORDS=1500 SAMPLE_PAIRS=200"
+DEMO = "make demo SAMPLE_RECORDS=1500 SAMPLE_PAIRS=200 SAMPLE_CONVERSATIONS=150"
 RUN = "pipeline-assets run"
 RL = 'pipeline-assets run --select "key:rl/*"'
 EVERYTHING = "pipeline-assets run --select '*'"
@@ -159,7 +159,7 @@ class Commands:
         return done
 
 
-PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference"}'}
+PREFS = {"PIPELINE_SOURCE_FORMATS": '{"prefs": "preference", "chats": "conversation"}'}
 MEASURED_STAGES = ["bronze", "silver", "gold/tokenizer", "gold/sequences", "training", "evaluation"]
 
 
@@ -260,16 +260,18 @@ def _the_story_so_far(home: Path, run: Commands, manifest: dict) -> None:
     assert summary["dpo"]["champion"]["version"] == "1", (
         "registry/dpo_model_version: the first dpo-model beat chance"
     )
+    chats = manifest["conversation"]["expected"]
+    assert summary["tables"]["bronze/conversations"]["rows"] == chats["bronze_rows"]
     assert (
         sum(summary["quarantined_by_reason"].values())
-        == manifest["expected"]["quarantined"] + pairs["quarantined"]
+        == manifest["expected"]["quarantined"] + pairs["quarantined"] + chats["quarantined"]
     )
-    silver = (
-        summary["tables"]["silver/records"]["rows"]
-        + summary["tables"]["silver/preference_pairs"]["rows"]
+    silver = sum(
+        summary["tables"][f"silver/{table}"]["rows"]
+        for table in ("records", "preference_pairs", "conversations")
     )
     rejected = sum(summary["rejected_by_stage"].values())
-    assert silver + rejected == bronze_rows + pairs["bronze_rows"], (
+    assert silver + rejected == bronze_rows + pairs["bronze_rows"] + chats["bronze_rows"], (
         "run also materializes silver for each batch"
     )
     assert summary["data_snapshot"]["partition"] == "gold-v1", (

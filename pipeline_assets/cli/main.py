@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from pipeline_assets.lib.formats import FORMATS
 from pipeline_assets.lib.uris import redact
 from pipeline_assets.resources.settings import Settings
 from pipeline_assets.sample_data.corpus import (
@@ -396,13 +397,12 @@ def _summary(args, settings: Settings) -> int:
 
     lake = build_resources(settings)["lake"]
     report: dict = {"lake": settings.lake_uri, "tables": {}}
+    formats = FORMATS.values()
     tables = [
         ("landing", "manifest"),
-        ("bronze", "records"),
-        ("bronze", "preference_records"),
+        *(("bronze", fmt.bronze_table) for fmt in formats),
         ("bronze", "quarantine"),
-        ("silver", "records"),
-        ("silver", "preference_pairs"),
+        *(("silver", fmt.silver_table) for fmt in formats),
         ("silver", "rejects"),
         ("silver", "minhash_index"),
         ("silver", "minhash_bands"),
