@@ -43,8 +43,14 @@ class LandingRecord(pa.DataFrameModel):
 
 class PreferenceLandingRecord(pa.DataFrameModel):
     """One accepted landing line of a ``preference`` source: a prompt, the answer preferred and the
-    one rejected, after the source's field mapping."""
+    one rejected, after the source's field mapping. A pair in TRL's conversational shape keeps its
+    final user turn in ``prompt``, a leading system turn in ``system`` and the turns between in
+    ``prompt_messages``."""
 
+    prompt_messages: Annotated[pl.List, TURN] = pa.Field(
+        nullable=True,
+        description="the turns before the prompt, after any leading system turn; null for none",
+    )
     prompt: str
     chosen: str
     rejected: str
@@ -63,6 +69,11 @@ class PreferenceLandingRecord(pa.DataFrameModel):
     @pa.check("prompt", "chosen", "rejected", name="not_blank")
     def _not_blank(cls, data: pa.PolarsData) -> pl.LazyFrame:
         return data.lazyframe.select(pl.col(data.key).str.contains(r"\S"))
+
+    @pa.check("prompt_messages", name="chat_shape")
+    def _chat_shape(cls, data: pa.PolarsData) -> pl.LazyFrame:
+        """Known roles and no blank turn (null: a prompt with no earlier turns)."""
+        return data.lazyframe.select(_known_roles_no_blank_turn(pl.col(data.key)).fill_null(True))
 
 
 class ConversationLandingRecord(pa.DataFrameModel):
@@ -84,15 +95,18 @@ class ConversationLandingRecord(pa.DataFrameModel):
     @pa.check("messages", name="chat_shape")
     def _chat_shape(cls, data: pa.PolarsData) -> pl.LazyFrame:
         """Known roles, no blank turn, an assistant turn last."""
-        turn = pl.element()
         turns = pl.col(data.key)
         return data.lazyframe.select(
-            turns.list.eval(
-                turn.struct.field("role").is_in(ROLES)
-                & turn.struct.field("content").str.contains(r"\S")
-            ).list.all()
-            & (turns.list.eval(turn.struct.field("role")).list.last() == "assistant")
+            _known_roles_no_blank_turn(turns)
+            & (turns.list.eval(pl.element().struct.field("role")).list.last() == "assistant")
         )
+
+
+def _known_roles_no_blank_turn(turns: pl.Expr) -> pl.Expr:
+    turn = pl.element()
+    return turns.list.eval(
+        turn.struct.field("role").is_in(ROLES) & turn.struct.field("content").str.contains(r"\S")
+    ).list.all()
 
 
 class Provenance(pa.DataFrameModel):
@@ -123,6 +137,7 @@ QUARANTINE_REASON = (
     r"^(invalid_json|not_an_object|invalid_utf8|blank_line|truncated_file|unreadable_file"
     r"|unsupported_format|already_ingested|too_deep:(meta|extra)"
     r"|unknown_role|empty_turn|no_assistant_turn|ends_on_(user|system)_turn"
+    r"|prompt_ends_on_(assistant|system)_turn|system_twice|(not_one_turn|not_assistant):[a-z_]+"
     r"|(missing_field|wrong_type|empty_field|invalid_timestamp):[a-z_]+)$"
 )
 
@@ -175,7 +190,9 @@ class SilverRecord(Curated, BronzeRecord):  # the bronze fields first
 
 class PairMeasures(pa.DataFrameModel):
     prompt_hash: str = pa.Field(
-        **HASH_128, description="the normalized prompt's: the split and the per-prompt cap go by it"
+        **HASH_128,
+        description="the normalized prompt's, after its earlier turns when it has any: the split "
+        "and the per-prompt cap go by it",
     )
     length_log_ratio: float = pa.Field(
         ge=0, description="|log(chars of chosen / chars of rejected)|: DPO's length bias"
@@ -222,6 +239,9 @@ class SilverReject(pa.DataFrameModel):
     rejected: str = pa.Field(nullable=True)
     messages: Annotated[pl.List, TURN] = pa.Field(
         nullable=True, description="conversations: the turns as silver normalized them"
+    )
+    prompt_messages: Annotated[pl.List, TURN] = pa.Field(
+        nullable=True, description="conversational preference pairs: the turns before the prompt"
     )
     stage: str = pa.Field(str_matches=SILVER_STAGE)
     evidence: str = pa.Field(description="JSON: what the stage matched or measured")

@@ -45,6 +45,10 @@ class RecordFormat:
     # a required list of turns (``TURNS``) the format's text lives in; the stages read it through
     # ``views``
     turns: str | None = None
+    # a nullable list of turns (``TURNS``): the turns before ``prompt`` when a record's prompt
+    # comes as a list of messages (TRL's conversational shape; ``prompt`` keeps its final user
+    # turn, ``system`` a leading system turn); null when it has none
+    context: str | None = None
 
     @property
     def text(self) -> tuple[str, ...]:
@@ -71,7 +75,11 @@ class RecordFormat:
     def views(self) -> dict[str, pl.Expr]:
         """The text a format with ``turns`` has no field for, as columns the stages read by name
         (``dedup``, ``answers``, ``judged``, ``decontaminate``): every turn labelled with its role,
-        the system and user turns, the assistant turns, and the first user turn."""
+        the system and user turns, the assistant turns, and the first user turn; a format with
+        ``context``: ``prompt_in_context``, the prompt after its earlier turns (each labelled with
+        its role), the prompt alone when it has none."""
+        if self.context is not None:
+            return {"prompt_in_context": _prompt_in_context(self.context)}
         if self.turns is None:
             return {}
         return {
@@ -94,6 +102,17 @@ def turns_json(column: str) -> pl.Expr:
     separator), in order: what content and exact hashes of a conversation are taken over, so no
     content can pass for a turn boundary."""
     return pl.col(column).list.eval(pl.element().struct.json_encode()).list.join("\x1f")
+
+
+def has_turns(column: str) -> pl.Expr:
+    """Whether each row's nullable column of turns holds any."""
+    return pl.col(column).list.len().fill_null(0) > 0
+
+
+def _prompt_in_context(context: str) -> pl.Expr:
+    earlier = _joined_turns(context, ROLES, labelled=True)
+    in_context = pl.concat_str(earlier, pl.lit("\n\nuser: "), pl.col("prompt"))
+    return pl.when(has_turns(context)).then(in_context).otherwise(pl.col("prompt"))
 
 
 def _turn_contents(column: str, roles: tuple[str, ...]) -> pl.Expr:
@@ -140,15 +159,18 @@ PREFERENCE = RecordFormat(
     required=("prompt", "chosen", "rejected"),
     optional_text=("system",),
     optional_numbers=("score_chosen", "score_rejected"),
-    dedup=("prompt", "chosen", "rejected"),
+    # a flat pair's prompt_in_context is its prompt: its hashes are what they were before context
+    dedup=("prompt_in_context", "chosen", "rejected"),
     answers=("chosen", "rejected"),
     judged="chosen",
-    decontaminate=("prompt", "chosen", "rejected"),
+    # the context every turn on its own (``prompt_messages[i]`` in the evidence)
+    decontaminate=("system", "prompt_messages", "prompt", "chosen", "rejected"),
     split_key="prompt_hash",
     objective="dpo",
     bronze_table="preference_records",
     silver_table="preference_pairs",
     about="preference pairs (prompt, chosen, rejected)",
+    context="prompt_messages",
 )
 # Two conversations are near duplicates only when their assistant turns are too, as sft records
 # whose prompts are alike; every turn is checked against the eval sets; variants of a conversation

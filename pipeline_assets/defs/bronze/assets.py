@@ -110,6 +110,7 @@ def bronze(context: AssetExecutionContext, lake: LakeResource, landing: LandingR
                 read.held_records(tables.fmt),
                 column="batch_id",
                 value=batch_id,
+                add_columns=True,  # a table written before its contract gained prompt_messages
             )
     quarantine = validate(
         conform(pl.concat(read.quarantine_parts), QuarantineRecord), QuarantineRecord

@@ -256,17 +256,18 @@ def _metadata(
 def _bronze_rows(
     lake: LakeResource, tables: FormatTables, batch_id: str
 ) -> tuple[int | None, pl.DataFrame]:
-    """The batch's rows of the format's bronze table at its current version; none while it does not
-    exist."""
+    """The batch's rows of the format's bronze table at its current version (a column its contract
+    gained since the table was written: null); none while it does not exist."""
     version = lake.version(*tables.bronze.path)
     rows = (
         None
         if version is None
         else lake.read(*tables.bronze.path, version=version, where=pl.col("batch_id") == batch_id)
     )
-    return version, rows if rows is not None else pl.DataFrame(
-        schema=polars_schema(tables.bronze_contract)
-    )
+    schema = polars_schema(tables.bronze_contract)
+    if rows is not None and set(schema) <= set(rows.columns):
+        return version, rows
+    return version, _concat(tables.bronze_contract, [] if rows is None else [rows])
 
 
 def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:

@@ -10,7 +10,12 @@ Reason codes: ``invalid_json``, ``not_an_object``, ``invalid_utf8``, ``blank_lin
 whose turns are broken: ``missing_field:messages``, ``wrong_type:messages`` (not a list of turns, or
 a turn that is not a role and a string content), ``empty_field:messages`` (no turn),
 ``unknown_role``, ``empty_turn``, ``no_assistant_turn``, ``ends_on_user_turn`` and
-``ends_on_system_turn``; the detail names the turn by its index.
+``ends_on_system_turn``; the detail names the turn by its index. A preference pair in TRL's
+conversational shape whose turns are broken: ``empty_field:prompt``, ``wrong_type:prompt`` (or
+``wrong_type:chosen`` / ``:rejected``), ``unknown_role``, ``empty_turn``,
+``prompt_ends_on_assistant_turn`` / ``prompt_ends_on_system_turn``, ``not_one_turn:<answer>`` (an
+answer list that does not hold exactly one turn), ``not_assistant:<answer>`` and ``system_twice``
+(a ``system`` field beside a prompt that starts with a system turn).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import polars as pl
 import polars_hash as plh
 import pyarrow as pa
 
-from pipeline_assets.lib.formats import SFT, RecordFormat, turns_json
+from pipeline_assets.lib.formats import SFT, RecordFormat, has_turns, turns_json
 from pipeline_assets.lib.silver.minhash import MinHashConfig, jaccard, signatures
 
 SIGNATURE_COLUMNS = (
@@ -95,16 +95,27 @@ class LshParams:
 
 def exact_hashes(frame: pl.DataFrame, fmt: RecordFormat = SFT) -> pl.Series:
     """128 bits of BLAKE3 over the format's normalized dedup text (sft: prompt and response; a
-    conversation: its turns, each role and content apart, as ``turns_json`` writes them): stable
-    across versions and runs."""
-    text = [turns_json(fmt.turns)] if fmt.turns else fmt.dedup
-    return frame.select(hash_of(*text))[:, 0].alias("exact_hash")
+    conversation: its turns, each role and content apart, as ``turns_json`` writes them; a pair
+    with earlier turns: those too, ``hash_in_context``): stable across versions and runs."""
+    if fmt.turns:
+        return frame.select(hash_of(turns_json(fmt.turns)))[:, 0].alias("exact_hash")
+    return frame.select(hash_in_context(fmt.context, *fmt.dedup))[:, 0].alias("exact_hash")
 
 
 def hash_of(*columns: str | pl.Expr) -> pl.Expr:
     """128 bits of BLAKE3 over the columns joined by \\x1f (a control character normalization
     removes)."""
     return plh.concat_str(*columns, separator="\x1f").chash.blake3().str.slice(0, 32)
+
+
+def hash_in_context(context: str | None, *columns: str | pl.Expr) -> pl.Expr:
+    """``hash_of(columns)``, after the row's earlier turns in ``context`` (as ``turns_json``, so no
+    content can pass for a turn boundary) when it has any: a record without earlier turns hashes as
+    it did before formats had context."""
+    if context is None:
+        return hash_of(*columns)
+    in_context = hash_of(turns_json(context), *columns)
+    return pl.when(has_turns(context)).then(in_context).otherwise(hash_of(*columns))
 
 
 def exact_dedup(

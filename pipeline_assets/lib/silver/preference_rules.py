@@ -22,7 +22,8 @@ import math
 
 import polars as pl
 
-from pipeline_assets.lib.silver.dedup import hash_of
+from pipeline_assets.lib.formats import PREFERENCE
+from pipeline_assets.lib.silver.dedup import hash_in_context
 
 MAX_PAIRS_PER_PROMPT = 8  # PIPELINE_MAX_PAIRS_PER_PROMPT
 LENGTH_RATIO_STATISTIC = (
@@ -34,11 +35,13 @@ SIDES = ("prompt", "chosen", "rejected")
 
 
 def pair_hashes() -> list[pl.Expr]:
-    """The normalized prompt's hash (what the split and the cap go by) and the hash the same pair
-    labelled the other way would have as its exact hash."""
+    """The normalized prompt's hash, after its earlier turns when it has any (what the split and
+    the cap go by: the same last question after other turns is another prompt), and the hash the
+    same pair labelled the other way would have as its exact hash (``dedup.exact_hashes``)."""
+    prompt, chosen, rejected = PREFERENCE.dedup
     return [
-        hash_of("prompt").alias("prompt_hash"),
-        hash_of("prompt", "rejected", "chosen").alias("flipped_hash"),
+        hash_in_context(PREFERENCE.context, "prompt").alias("prompt_hash"),
+        hash_in_context(PREFERENCE.context, prompt, rejected, chosen).alias("flipped_hash"),
     ]
 
 

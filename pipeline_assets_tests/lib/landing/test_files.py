@@ -244,6 +244,7 @@ def test_a_preference_file_is_read_by_the_preference_contract(read):
     result = read("p.jsonl", data, None, PREFERENCE)
     assert result.records.columns == [
         "source_line",
+        "prompt_messages",
         "prompt",
         "chosen",
         "rejected",

@@ -10,7 +10,7 @@ from functools import partial
 import polars as pl
 import pytest
 
-from pipeline_assets.lib.formats import PREFERENCE, SFT
+from pipeline_assets.lib.formats import PREFERENCE, SFT, TURNS
 from pipeline_assets.lib.silver.curation import SilverConfig, curate, curate_formats
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import PROMPT_BAND, lookup_in
@@ -37,6 +37,7 @@ def _pairs(rows: list[dict], batch_id: str = "b1", first_id: int = 0) -> pl.Data
                 "batch_id": batch_id,
                 "source": "prefs",
                 "system": None,
+                "prompt_messages": None,
                 "score_chosen": None,
                 "score_rejected": None,
                 **row,
@@ -45,6 +46,7 @@ def _pairs(rows: list[dict], batch_id: str = "b1", first_id: int = 0) -> pl.Data
         ],
         schema_overrides={
             "system": pl.String,
+            "prompt_messages": TURNS,
             "score_chosen": pl.Float64,
             "score_rejected": pl.Float64,
         },
@@ -204,6 +206,47 @@ def test_decontamination_reads_the_prompt_and_both_answers_and_quality_judges_ch
     assert _stage_of(curated, "b1-00002") is None
 
 
+def _turns(*contents: str) -> list[dict]:
+    """Turns alternating user and assistant, the first a user turn."""
+    return [
+        {"role": ("user", "assistant")[k % 2], "content": text} for k, text in enumerate(contents)
+    ]
+
+
+def test_a_conversational_pairs_earlier_turns_are_part_of_its_prompt_in_every_rule():
+    rng = random.Random(4)
+    question = "And which of them would you pick for a small team?"
+    contexts = [_turns(f"I compare tools for task {k}.", _text(rng, (20, 30))) for k in range(4)]
+    rows = [
+        *(
+            {"prompt_messages": turns, "prompt": question, "chosen": _text(rng), "rejected": "No."}
+            for turns in contexts
+        ),
+        {"prompt": question, "chosen": _text(rng), "rejected": "No."},  # no earlier turns
+    ]
+    rows += [
+        {**rows[0], "prompt_messages": contexts[0] + []},  # the same pair: an exact duplicate
+        {**rows[1], "chosen": rows[1]["rejected"], "rejected": rows[1]["chosen"]},  # flipped
+        {**rows[2], "prompt_messages": _turns(f"Task 2. {EVAL_ANSWER}", "Noted.")},
+        *({**rows[3], "chosen": _text(rng)} for _ in range(8)),  # nine pairs of one context
+    ]
+    curated = _curate(_pairs(rows))
+
+    stages = dict(curated.rejects.select("record_id", "stage").iter_rows())
+    assert stages == {
+        "b1-00005": "exact_dup",
+        "b1-00001": "contradiction",
+        "b1-00006": "contradiction",
+        "b1-00007": "decontaminated",
+        "b1-00015": "pair_cap",
+    }
+    assert _evidence(curated, "b1-00007")["field"] == "prompt_messages[0]"
+    kept = curated.kept.sort("record_id")
+    assert kept["prompt_hash"][:4].n_unique() == 4, "one question after other turns: other prompts"
+    assert kept["prompt_messages"].to_list()[:2] == [contexts[0], contexts[2]]
+    assert "prompt_messages" in curated.rejects.columns
+
+
 def test_a_length_ratio_beyond_four_is_counted_and_rejected_only_when_a_limit_is_set():
     rows = _clean(4)
     rows[0] = {
@@ -351,6 +394,6 @@ def test_every_stage_of_a_batch_of_pairs_counts_its_rows_and_seconds():
         "quality",
         "pair_cap",
     )
-    assert list(curated.stages) == ["normalize", *removing[:1], "minhash", *removing[1:]]
+    assert list(curated.stages) == ["normalize", *removing[:1], "views", "minhash", *removing[1:]]
     assert_every_stage_accounts_for_its_rows(curated, bronze)
     assert all(curated.stages[name]["rejected"] > 0 for name in removing)
