@@ -23,6 +23,7 @@ from pipeline_assets.lib.gold.preference import (
     PAIR_INPUT,
     build_pair_sequences,
     tokenize_pairs_stage,
+    with_context_column,
 )
 from pipeline_assets.lib.gold.sequences import SEQUENCES_PER_BLOCK, shard_seed
 from pipeline_assets.lib.gold.splits import VALIDATION, assign_split
@@ -56,8 +57,10 @@ def gold_preference_sequences(
     silver_version = lake.version(*SILVER_PREFERENCE_PAIRS.path)
     if silver_version is None:
         raise refusal("silver/preference_pairs does not exist yet: materialize silver first")
-    pairs = lake.read(
-        *SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch
+    pairs = with_context_column(
+        lake.read(
+            *SILVER_PREFERENCE_PAIRS.path, version=silver_version, where=pl.col("batch_id") == batch
+        )
     )
     tokenizer_version, spec = current_tokenizer(lake)
     pad_id = chat_encoder(spec).pad_id

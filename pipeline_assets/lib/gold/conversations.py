@@ -33,15 +33,21 @@ def trained_turns(roles: list[str], loss: str) -> list[int]:
     return turns[-1:] if loss == LAST else turns
 
 
-def records_as_conversations(frame: pl.DataFrame) -> pl.DataFrame:
+def records_as_conversations(frame: pl.DataFrame, context: str | None = None) -> pl.DataFrame:
     """sft records (record_id, system (nullable), prompt, response) -> record_id, messages:
-    [system], user, assistant; no system turn when ``system`` is null or empty."""
+    [system], user, assistant; no system turn when ``system`` is null or empty. ``context``: a
+    nullable column of turns that come between the system turn and the user turn (a conversational
+    preference pair's earlier turns)."""
     turn = pl.element()
     no_system = (turn.struct.field("role") == "system") & (
         turn.struct.field("content").fill_null("") == ""
     )
+    earlier = [pl.col(context).fill_null(pl.lit([], dtype=TURNS))] if context else []
     messages = pl.concat_list(
-        _turn("system", "system"), _turn("user", "prompt"), _turn(ASSISTANT_ROLE, "response")
+        _turn("system", "system"),
+        *earlier,
+        _turn("user", "prompt"),
+        _turn(ASSISTANT_ROLE, "response"),
     ).list.eval(turn.filter(~no_system))
     return frame.select("record_id", messages.cast(TURNS).alias("messages"))
 

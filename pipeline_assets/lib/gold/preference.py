@@ -2,7 +2,9 @@
 
 A pair renders as two documents sharing one prefix (the prompt up to the assistant's turn, in the
 chat format or the base model's template, ``lib.gold.encoder``): prefix + chosen and prefix +
-rejected, each response with the end of its turn; the loss mask covers the responses.
+rejected, each response with the end of its turn; the loss mask covers the responses. A
+conversational pair's prefix holds its earlier turns (``prompt_messages``) before the prompt, and
+its answers are the conversation's last assistant turn, the only one in the loss.
 ``lib.gold.preference_packing`` keeps both documents of a pair in one row; a pair longer than the
 sequence length is left out whole and counted. Splits are packed apart, as gold's
 sft shards are, and each is shuffled with the shard's seed.
@@ -14,15 +16,19 @@ from functools import partial
 
 import polars as pl
 
+from pipeline_assets.lib.formats import PREFERENCE, TURNS
+from pipeline_assets.lib.gold.conversations import LAST, records_as_conversations
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.packing import shuffle_sequences
 from pipeline_assets.lib.gold.preference_packing import LEFT_OUT_SCHEMA, ROWS_SCHEMA, pack_pairs
 from pipeline_assets.lib.gold.splits import SPLITS
+from pipeline_assets.lib.gold.tokenizer import check_required_text
 from pipeline_assets.lib.stages import Stage
 
 # PIPELINE_PREFERENCE_VALIDATION_FRACTION: held-out prompts that preference accuracy is judged on
 VALIDATION_FRACTION = 0.10
-PAIR_INPUT = ("record_id", "system", "prompt", "chosen", "rejected", "source", "split")
+CONTEXT = PREFERENCE.context
+PAIR_INPUT = ("record_id", "system", CONTEXT, "prompt", "chosen", "rejected", "source", "split")
 
 
 def tokenize_pairs_stage(spec: EncoderSpec) -> Stage:
@@ -37,7 +43,7 @@ def _tokenize_pairs_block(
 ) -> tuple[pl.DataFrame, None, dict]:
     encoder = chat_encoder(spec)
     sides = {
-        side: encoder.encode_records(block.select("record_id", "system", "prompt", response=side))
+        side: encoder.encode_conversations(pair_side_conversations(block, side), loss=LAST)
         for side in ("chosen", "rejected")
     }
     # The prefix ends where the loss starts; the response is what the loss covers (a template's
@@ -66,6 +72,22 @@ def _tokenize_pairs_block(
         ).cast(pl.Int32)
     )
     return tokenized, None, {"tokens": int(tokenized["n_tokens"].sum())}
+
+
+def pair_side_conversations(pairs: pl.DataFrame, side: str) -> pl.DataFrame:
+    """record_id, messages: each pair as the conversation that ends with its ``side`` answer:
+    [system], its earlier turns, the prompt as a user turn, the answer as the assistant turn."""
+    check_required_text(pairs.select("prompt", response=side))
+    record = pairs.select("record_id", "system", CONTEXT, "prompt", response=side)
+    return records_as_conversations(record, context=CONTEXT)
+
+
+def with_context_column(pairs: pl.DataFrame) -> pl.DataFrame:
+    """Pairs read from a silver/preference_pairs written before pairs had earlier turns: their
+    ``prompt_messages`` null."""
+    if CONTEXT in pairs.columns:
+        return pairs
+    return pairs.with_columns(pl.lit(None, dtype=TURNS).alias(CONTEXT))
 
 
 def _responses(encoded: pl.DataFrame) -> pl.Series:

@@ -37,7 +37,7 @@ class Encoded:
     that close an assistant turn (and the conversation)."""
 
     def __init__(self, spec: EncoderSpec, decode, end_of_turn: str, closes: str):
-        self.encoder = chat_encoder(spec)
+        self.spec, self.encoder = spec, chat_encoder(spec)
         self.decode, self.end_of_turn, self.closes = decode, end_of_turn, closes
 
 

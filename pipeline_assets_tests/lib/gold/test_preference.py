@@ -7,11 +7,22 @@ import random
 
 import polars as pl
 
+from pipeline_assets.lib.formats import TURNS
 from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
 from pipeline_assets.lib.gold.encoder import EncoderSpec
-from pipeline_assets.lib.gold.preference import build_pair_sequences, tokenize_pairs_stage
+from pipeline_assets.lib.gold.preference import (
+    build_pair_sequences,
+    pair_side_conversations,
+    tokenize_pairs_stage,
+)
 from pipeline_assets.lib.gold.tokenizer import tokenizer_from_json, tokenizer_to_json, train_bpe
 from pipeline_assets.lib.stages import run_stages
+from pipeline_assets_tests.lib.gold.test_conversations import (  # noqa: F401 (the fixture)
+    SHORT,
+    SUPPORT,
+    family,
+    trained_spans,
+)
 from pipeline_assets_tests.lib.silver.test_dedup import WORDS
 
 
@@ -26,6 +37,7 @@ def _pairs(n: int, seed: int = 1) -> pl.DataFrame:
             {
                 "record_id": f"r{i:03d}",
                 "system": "Be brief." if i % 3 == 0 else None,
+                "prompt_messages": None,
                 "prompt": text(rng.randint(5, 15)),
                 "chosen": text(rng.randint(10, 40)),
                 "rejected": text(rng.randint(10, 40)),
@@ -34,7 +46,7 @@ def _pairs(n: int, seed: int = 1) -> pl.DataFrame:
             }
             for i in range(n)
         ],
-        schema_overrides={"system": pl.String},
+        schema_overrides={"system": pl.String, "prompt_messages": TURNS},
     )
 
 
@@ -98,3 +110,38 @@ def test_pairs_are_packed_per_split_and_a_pair_too_long_is_left_out_whole():
         tokenized.sample(fraction=1.0, shuffle=True, seed=3), seq_len, seed=7, pad_id=0
     )
     assert again.equals(rows), "the rows do not depend on the order the pairs arrive in"
+
+
+def test_a_conversational_pair_trains_only_its_answers_after_the_whole_context(family):  # noqa: F811
+    pairs = pl.DataFrame(
+        {
+            "record_id": ["support", "flat"],
+            "system": [SUPPORT[0]["content"], None],
+            "prompt_messages": [SUPPORT[1:5], None],
+            "prompt": [SUPPORT[5]["content"], SHORT[0]["content"]],
+            "chosen": [SUPPORT[6]["content"], SHORT[1]["content"]],
+            "rejected": ["No refund, sorry.", "No idea."],
+            "source": ["prefs", "prefs"],
+            "split": ["train", "train"],
+        },
+        schema_overrides={"prompt_messages": TURNS},
+    )
+    tokenized = run_stages([tokenize_pairs_stage(family.spec)], pairs).kept
+
+    closing = family.end_of_turn + family.closes
+    for pair, row in zip(pairs.iter_rows(named=True), tokenized.iter_rows(named=True), strict=True):
+        one = pairs.filter(pl.col("record_id") == pair["record_id"])
+        for side in ("chosen", "rejected"):
+            assert family.decode(row[f"{side}_ids"]) == pair[side] + closing, "the answer alone"
+            whole = family.encoder.encode_conversations(pair_side_conversations(one, side))
+            ids, mask = whole["input_ids"][0], whole["loss_mask"][0]
+            assert row["prefix_ids"] + row[f"{side}_ids"] == list(
+                ids[: len(row["prefix_ids"]) + len(row[f"{side}_ids"])]
+            )
+            trained = [family.decode(span) for span in trained_spans(list(ids), list(mask))]
+            assert trained[-1] == pair[side] + closing
+        prefix = family.decode(row["prefix_ids"])
+        context = [m["content"] for m in (pair["prompt_messages"] or [])] + [pair["prompt"]]
+        places = [prefix.find(text) for text in context]
+        assert -1 not in places and places == sorted(places), "every earlier turn, in order"
+        assert pair["chosen"] not in prefix and pair["rejected"] not in prefix
