@@ -22,6 +22,7 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     read_manifest,
@@ -213,7 +214,10 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
     write_landing_file(
         landing_dir, "annotate", "a.jsonl", [record(i, response=_answer(rng)) for i in range(30)]
     )
-    write_landing_file(landing_dir, "prefs", "p.jsonl", [*_pairs(0, 40, seed=4), *many, too_long])
+    chats = _chat_pairs(rng)
+    write_landing_file(
+        landing_dir, "prefs", "p.jsonl", [*_pairs(0, 40, seed=4), *many, too_long, *chats]
+    )
     batch = register(instance, resources)
     assert _materialize(instance, resources, batch).success
     assets = [*UPSTREAM, gold_tokenizer, gold_preference_sequences]
@@ -251,6 +255,7 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
     assert set(rows["split"]) == {"train", "validation"}
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert checks["contract"].passed
+    _assert_chat_pairs_trained_on_their_answers_alone(lake, chats, rows)
 
     assert snapshot_decision(instance, batch_gates(), 0.1, PREFERENCE_SERIES).due, (
         "a first shard of pairs: a first preference snapshot"
@@ -286,6 +291,64 @@ def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(
     assert not snapshot_decision(instance, batch_gates(), 0.1, PREFERENCE_SERIES).due, (
         "nothing new since dpo-v0"
     )
+
+
+def _chat_pairs(rng: random.Random) -> list[dict]:
+    """Pairs in TRL's conversational shape: one last question after two different exchanges (one
+    with a system turn), and one whose prompt ends on an assistant turn."""
+
+    def turn(role: str, content: str) -> dict:
+        return {"role": role, "content": content}
+
+    def chat(name: str, system: list[dict], part: str, last: dict | None) -> dict:
+        prompt = [
+            *system,
+            turn("user", f"I am planning part {part} of the migration."),
+            turn("assistant", f"Good: part {part} moves the tables first."),
+        ]
+        return {
+            "id": name,
+            "prompt": [*prompt, last] if last else prompt,
+            "chosen": [turn("assistant", _answer(rng))],
+            "rejected": [turn("assistant", _answer(rng))],
+        }
+
+    question = turn("user", "What should I do next?")
+    system = [turn("system", "You help with data migrations.")]
+    return [
+        chat("chat-a", system, "A", question),
+        chat("chat-b", [], "B", question),
+        chat("chat-broken", [], "C", None),
+    ]
+
+
+def _assert_chat_pairs_trained_on_their_answers_alone(lake, chats, rows) -> None:
+    ids = dict(lake.read("bronze", "preference_records").select("id", "record_id").iter_rows())
+    reasons = lake.read("bronze", "quarantine").filter(pl.col("source") == "prefs")["reason"]
+    assert "chat-broken" not in ids and reasons.to_list() == ["prompt_ends_on_assistant_turn"]
+    kept = (
+        lake.read("silver", "preference_pairs")
+        .filter(pl.col("record_id").is_in([ids["chat-a"], ids["chat-b"]]))
+        .sort("record_id")
+    )
+    assert kept["prompt"].to_list() == ["What should I do next?"] * 2
+    assert kept["prompt_hash"].n_unique() == 2, "other earlier turns: another prompt"
+    assert kept["system"].to_list() == ["You help with data migrations.", None]
+    spec = EncoderSpec.from_row(lake.read("gold", "tokenizer").row(0, named=True))
+    encoder = chat_encoder(spec)
+    for chat in chats[:2]:
+        (row,) = rows.filter(pl.col("pair_ids").list.contains(ids[chat["id"]])).iter_rows(
+            named=True
+        )
+        k = row["pair_ids"].index(ids[chat["id"]])
+        start = sum(row["document_lengths"][: 2 * k])
+        for side, length in zip(("chosen", "rejected"), row["document_lengths"][2 * k : 2 * k + 2]):
+            document = range(start, start + length)
+            trained = [row["input_ids"][i] for i in document if row["loss_mask"][i]]
+            context = [row["input_ids"][i] for i in document if not row["loss_mask"][i]]
+            assert encoder.decode(trained) == chat[side][0]["content"]
+            assert all(t["content"] in encoder.decode(context) for t in chat["prompt"])
+            start += length
 
 
 # Where silver sets aside each defect the sample preference source injects.
