@@ -34,3 +34,5 @@ class FormatTables:
 
 FORMAT_TABLES = tuple(FormatTables.of(fmt) for fmt in FORMATS.values())
 SFT_TABLES, PREFERENCE_TABLES = FormatTables.of(SFT), FormatTables.of(PREFERENCE)
+# the formats packed into gold/sequences and trained together: sft records, conversations
+SFT_OBJECTIVE_TABLES = tuple(t for t in FORMAT_TABLES if t.fmt.objective == SFT.objective)

@@ -1,7 +1,7 @@
 """gold/tokenizer, and gold/sequences: each ingest batch's silver records (of every format trained
 with sft's loss) tokenized and packed into its own shard."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 from pipeline_assets.contracts import GoldSequence, GoldTokenizer, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes, once_when_missing
 from pipeline_assets.defs.batch_gates import BatchGates
-from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.format_tables import SFT_OBJECTIVE_TABLES
 from pipeline_assets.defs.gold.checks import SHARD_CHECK_SPECS, judge_shard
 from pipeline_assets.defs.gold.policy import GoldPolicy
 from pipeline_assets.defs.keys import (
@@ -23,9 +23,9 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import TRANSIENT, refusal
-from pipeline_assets.lib.formats import SFT, text_chars
+from pipeline_assets.lib.formats import SFT, RecordFormat, text_chars
 from pipeline_assets.lib.gold.base_model import folder_encoder_spec, inspect_base_model
-from pipeline_assets.lib.gold.chat_format import prefix_text, response_text
+from pipeline_assets.lib.gold.chat_format import conversation_text
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan, snapshot_number
 from pipeline_assets.lib.gold.sequences import (
@@ -51,9 +51,7 @@ from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import LakeResource
 
 _KINDS = {"delta", "polars"}
-SFT_OBJECTIVE_SILVER = [
-    tables.silver for tables in FORMAT_TABLES if tables.fmt.objective == SFT.objective
-]
+SFT_OBJECTIVE_SILVER = [tables.silver for tables in SFT_OBJECTIVE_TABLES]
 _LEFT_OUT_SHOWN = 1000  # rows of the left-out table in the metadata; the counts are always whole
 
 
@@ -66,36 +64,43 @@ def read_snapshot(lake: LakeResource, key: str) -> pl.DataFrame:
 
 def scan_usable_silver(
     context: AssetExecutionContext, lake: LakeResource, batch_gates: BatchGates
-) -> tuple[pl.LazyFrame, int, list[str]]:
-    """Every silver batch whose blocking checks (on silver and bronze) passed, at one pinned
-    version, not read yet; and the batches left out. Silver's dedup leaves out the same batches."""
-    version = lake.version("silver", "records")
-    if version is None:
+) -> tuple[dict[RecordFormat, pl.LazyFrame], dict[str, int]]:
+    """Every silver batch whose blocking checks (on silver and bronze) passed, of each format
+    trained with sft's loss whose table exists, at one pinned version each (by table name), not
+    read yet. Silver's dedup leaves out the same batches."""
+    if lake.version(*SILVER_RECORDS.path) is None:
         raise refusal("silver/records does not exist yet: materialize silver first")
     blocked = sorted(batch_gates.blocked(context.instance))
-    return (
-        lake.scan("silver", "records", version).filter(~pl.col("batch_id").is_in(blocked)),
-        version,
-        blocked,
-    )
+    scans, versions = {}, {}
+    for tables in SFT_OBJECTIVE_TABLES:
+        version = lake.version(*tables.silver.path)
+        if version is None:
+            continue
+        versions[tables.silver.to_user_string()] = version
+        scans[tables.fmt] = lake.scan(*tables.silver.path, version).filter(
+            ~pl.col("batch_id").is_in(blocked)
+        )
+    return scans, versions
 
 
 NO_TOKENIZER_SAMPLE = (
     "no silver training records to train a tokenizer on: gold waits for prompt/response records "
-    "(or a tokenizer.json named by PIPELINE_TOKENIZER)"
+    "or conversations (or a tokenizer.json named by PIPELINE_TOKENIZER)"
 )
 
 
 def tokenizer_waits(
     lake: LakeResource, gold_policy: GoldPolicy, base_model: BaseModelResource | None = None
 ) -> str | None:
-    """Why gold/tokenizer cannot be made yet (silver holds no record to train it on), or None."""
+    """Why gold/tokenizer cannot be made yet (no silver table of a format trained with sft's loss
+    holds a record to train it on), or None."""
     if gold_policy.tokenizer_path or (base_model is not None and base_model.configured):
         return None
-    rows = lake.scan("silver", "records")
-    if rows is None or rows.select(pl.len()).collect().item() == 0:
-        return NO_TOKENIZER_SAMPLE
-    return None
+    for tables in SFT_OBJECTIVE_TABLES:
+        rows = lake.scan(*tables.silver.path)
+        if rows is not None and rows.select(pl.len()).collect().item() > 0:
+            return None
+    return NO_TOKENIZER_SAMPLE
 
 
 @dataclass(frozen=True)
@@ -106,21 +111,22 @@ class _TokenizerSource:
     vocab_size: int
     origin: str
     metadata: dict
-    silver_version: int | None = None
+    silver_versions: dict[str, int] = field(default_factory=dict)
     base_model_version: str | None = None
 
 
 @asset(
     key=GOLD_TOKENIZER,
     group_name="gold",
-    deps=[SILVER_RECORDS, REFERENCE_BASE_MODEL],
+    deps=[*SFT_OBJECTIVE_SILVER, REFERENCE_BASE_MODEL],
     kinds={"delta", "tokenizers"},
     automation_condition=once_when_missing(),
     retry_policy=TRANSIENT,
     description="The base model's tokenizer.json and chat template when PIPELINE_BASE_MODEL is "
-    "set; else tokenizer.json (byte-level BPE trained on a sample of silver's training split "
-    "capped at PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the file PIPELINE_TOKENIZER names) "
-    "for the built-in chat format. Each Delta version is one tokenizer.",
+    "set; else tokenizer.json (byte-level BPE trained on a sample of silver's training split, "
+    "sft records and conversations, capped at PIPELINE_TOKENIZER_SAMPLE_CHARS characters, or the "
+    "file PIPELINE_TOKENIZER names) for the built-in chat format. Each Delta version is one "
+    "tokenizer.",
 )
 def gold_tokenizer(
     context: AssetExecutionContext,
@@ -146,7 +152,7 @@ def gold_tokenizer(
             "sha256": [spec.sha256],
             "vocab_size": [source.vocab_size],
             "origin": [source.origin],
-            "silver_version": [source.silver_version],
+            "silver_version": [source.silver_versions.get(SILVER_RECORDS.to_user_string())],
             "created_at": [datetime.now(timezone.utc)],
         },
         schema_overrides={
@@ -160,7 +166,7 @@ def gold_tokenizer(
             **delta_write_metadata(
                 commit,
                 polars_schema(GoldTokenizer),
-                upstream_versions={"silver/records": source.silver_version},
+                upstream_versions=source.silver_versions or {"silver/records": None},
                 input_bytes=len(spec.tokenizer_json),
                 stopwatch=stopwatch,
             ),
@@ -215,37 +221,35 @@ def _trained_source(
     gold_policy: GoldPolicy,
     batch_gates: BatchGates,
 ) -> _TokenizerSource:
-    silver, silver_version, _ = scan_usable_silver(context, lake, batch_gates)
-    sample = _tokenizer_sample(silver, silver_version, gold_policy)
+    silver, silver_versions = scan_usable_silver(context, lake, batch_gates)
+    sample = _tokenizer_sample(silver, silver_versions, gold_policy)
     context.log.info(
         f"training byte-level BPE ({gold_policy.vocab_size} tokens) on {sample.records.height} "
         f"of {sample.train_records} training records ({sample.chars:,} of "
         f"{sample.train_chars:,} characters, capped at {sample.max_chars:,})"
     )
-    tokenizer = train_bpe(_chat_texts(sample.records), vocab_size=gold_policy.vocab_size)
+    tokenizer = train_bpe(
+        map(conversation_text, sample.records["messages"].to_list()),
+        vocab_size=gold_policy.vocab_size,
+    )
     return _TokenizerSource(
         spec=EncoderSpec(tokenizer_to_json(tokenizer)),
         vocab_size=tokenizer.get_vocab_size(),
-        origin="trained on silver/records (a capped sample of the training split)",
-        silver_version=silver_version,
+        origin=f"trained on {', '.join(silver_versions)} (a capped sample of the training split)",
+        silver_versions=silver_versions,
         metadata=_sample_metadata(sample),
     )
 
 
 def _tokenizer_sample(
-    silver: pl.LazyFrame, silver_version: int, gold_policy: GoldPolicy
+    silver: dict[RecordFormat, pl.LazyFrame], silver_versions: dict[str, int], policy: GoldPolicy
 ) -> TokenizerSample:
     sample = sample_for_tokenizer(
-        silver,
-        gold_policy.tokenizer_sample_chars,
-        gold_policy.validation_fraction,
-        gold_policy.search_fraction,
+        silver, policy.tokenizer_sample_chars, policy.validation_fraction, policy.search_fraction
     )
     if sample.train_records == 0:
-        raise Failure(
-            allow_retries=False,
-            description=f"{NO_TOKENIZER_SAMPLE} (silver/records v{silver_version})",
-        )
+        read = ", ".join(f"{table} v{version}" for table, version in silver_versions.items())
+        raise Failure(allow_retries=False, description=f"{NO_TOKENIZER_SAMPLE} ({read})")
     if sample.records.is_empty():
         raise Failure(
             allow_retries=False,
@@ -280,13 +284,6 @@ def _provided_tokenizer(path: str):
             allow_retries=False, description=f"PIPELINE_TOKENIZER={path} cannot be used: {exc}"
         ) from exc
     return tokenizer
-
-
-def _chat_texts(frame: pl.DataFrame) -> list[str]:
-    return [
-        prefix_text(system, prompt) + response_text(response)
-        for system, prompt, response in frame.select("system", "prompt", "response").iter_rows()
-    ]
 
 
 @asset(
@@ -393,10 +390,8 @@ def _sft_objective_rows(
     (``lib.gold.sequences.gold_records``: messages, split by each format's key), in record_id
     order, and the silver versions read."""
     frames, versions = [], {}
-    for tables in FORMAT_TABLES:
-        version = (
-            lake.version(*tables.silver.path) if tables.fmt.objective == SFT.objective else None
-        )
+    for tables in SFT_OBJECTIVE_TABLES:
+        version = lake.version(*tables.silver.path)
         if version is None and tables.fmt is SFT:
             raise refusal("silver/records does not exist yet: materialize silver first")
         if version is None:

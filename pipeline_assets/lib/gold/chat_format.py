@@ -18,6 +18,8 @@ users. Pure Python: no Dagster, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
 
@@ -36,6 +38,13 @@ def response_text(response: str) -> str:
     """The response and what closes it: response END EOS. These are the tokens the loss is computed
     on."""
     return f"{response}{END}{EOS}"
+
+
+def conversation_text(turns: Iterable[Mapping[str, str]]) -> str:
+    """A conversation (``role``/``content`` turns) in the layout above, as ``CHAT_TEMPLATE``
+    renders it: an sft record's one exchange gives ``prefix_text`` + ``response_text``."""
+    body = "".join(f"<|{turn['role']}|>{turn['content']}{END}" for turn in turns)
+    return f"{BOS}{body}{EOS}"
 
 
 # The layout above in Jinja, as tokenizer_config.json carries it (apply_chat_template, vLLM).

@@ -8,10 +8,13 @@ Both encoders (``lib.gold.encoder``) take a frame of ``record_id`` and ``message
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import polars as pl
 
-from pipeline_assets.lib.formats import TURNS
+from pipeline_assets.lib.formats import TURNS, RecordFormat
 
+FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 ALL, LAST = "all", "last"
 LOSS_MODES = (ALL, LAST)  # PIPELINE_CONVERSATION_LOSS
 DEFAULT_LOSS = ALL
@@ -33,7 +36,7 @@ def trained_turns(roles: list[str], loss: str) -> list[int]:
     return turns[-1:] if loss == LAST else turns
 
 
-def records_as_conversations(frame: pl.DataFrame, context: str | None = None) -> pl.DataFrame:
+def records_as_conversations(frame: FrameT, context: str | None = None) -> FrameT:
     """sft records (record_id, system (nullable), prompt, response) -> record_id, messages:
     [system], user, assistant; no system turn when ``system`` is null or empty. ``context``: a
     nullable column of turns that come between the system turn and the user turn (a conversational
@@ -50,6 +53,16 @@ def records_as_conversations(frame: pl.DataFrame, context: str | None = None) ->
         _turn(ASSISTANT_ROLE, "response"),
     ).list.eval(turn.filter(~no_system))
     return frame.select("record_id", messages.cast(TURNS).alias("messages"))
+
+
+def format_messages(rows: FrameT, fmt: RecordFormat) -> FrameT:
+    """A format's rows (eager or lazy) as record_id and messages: a format with turns as its turns,
+    an sft-shaped one as [system], user and its judged answer."""
+    if fmt.turns:
+        return rows.select("record_id", pl.col(fmt.turns).alias("messages"))
+    return records_as_conversations(
+        rows.select("record_id", "system", "prompt", pl.col(fmt.judged).alias("response"))
+    )
 
 
 def _turn(role: str, column: str) -> pl.Expr:

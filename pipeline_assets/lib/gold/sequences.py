@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 
 from pipeline_assets.lib.formats import SFT, RecordFormat
-from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS, records_as_conversations
+from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS, format_messages
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.packing import (
     PackingPlan,
@@ -145,13 +145,7 @@ def gold_records(
         key=fmt.split_key,
         search_fraction=search_fraction,
     )
-    if fmt.turns:
-        messages = rows.select("record_id", pl.col(fmt.turns).alias("messages"))
-    else:
-        messages = records_as_conversations(
-            rows.select("record_id", "system", "prompt", pl.col(fmt.judged).alias("response"))
-        )
-    return messages.with_columns(
+    return format_messages(rows, fmt).with_columns(
         rows.select("source", "split"), whole_turns=pl.lit(fmt.turns is not None)
     )
 
