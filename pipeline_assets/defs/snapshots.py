@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance
 
+from pipeline_assets.defs.format_tables import SFT_OBJECTIVE_TABLES
 from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     GOLD_PREFERENCE_SEQUENCES,
@@ -14,6 +15,7 @@ from pipeline_assets.defs.keys import (
     SILVER_RECORDS,
 )
 from pipeline_assets.defs.partitions import snapshot_number
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.ops.cost import Compute
 
 _SEARCH_LIMIT = 1000
@@ -105,16 +107,27 @@ def behind_snapshot(instance: DagsterInstance, partition_key: str) -> Behind:
 
 def snapshot_versions(instance: DagsterInstance, partition_key: str) -> dict[str, int | None]:
     """Delta versions behind a snapshot: its manifest row (gold/snapshots), gold/sequences and
-    gold/tokenizer as the manifest pins them, and the newest silver/records and bronze/records
-    versions its shards read."""
+    gold/tokenizer as the manifest pins them, and for each format packed into its shards (sft
+    records, conversations) the newest silver version its shards read and the newest bronze
+    version those silver writes read."""
     behind = behind_snapshot(instance, partition_key)
-    return {
+    versions = {
         "gold/snapshots": snapshot_number(partition_key),
         "gold/sequences": _upstream(behind.cut, "gold/sequences"),
         "gold/tokenizer": _upstream(behind.cut, "gold/tokenizer"),
-        "silver/records": _newest_upstream(behind.shards, "silver/records"),
-        "bronze/records": _newest_upstream(behind.silver, "bronze/records"),
     }
+    batches = set((behind.cut or {}).get("batches") or [])
+    for tables in SFT_OBJECTIVE_TABLES:
+        silver, bronze = tables.silver.to_user_string(), tables.bronze.to_user_string()
+        if tables.fmt is SFT:
+            writes = behind.silver
+        else:  # a table of the shards' other formats, read only when they read it
+            writes = _per_batch_at_or_before(
+                instance, tables.silver, _newest_upstream(behind.shards, silver), batches
+            )
+        versions[silver] = _newest_upstream(behind.shards, silver)
+        versions[bronze] = _newest_upstream(writes, bronze)
+    return versions
 
 
 def preference_pairs_version(

@@ -1,6 +1,7 @@
 """Conversations through Dagster: a conversation source and an sft source landing in one batch,
 read into bronze/conversations and bronze/records, curated into silver/conversations and
-silver/records, every line and every bronze row accounted for."""
+silver/records, every line and every bronze row accounted for; a snapshot of both pins both
+formats' tables and is evaluated per source; conversations alone train a tokenizer."""
 
 from __future__ import annotations
 
@@ -14,18 +15,26 @@ from deltalake import write_deltalake
 from pipeline_assets.contracts import SilverReject, polars_schema
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.evaluation.assets import EvaluationData
+from pipeline_assets.defs.gold.assets import NO_TOKENIZER_SAMPLE, tokenizer_waits
+from pipeline_assets.defs.gold.policy import GoldPolicy
+from pipeline_assets.defs.partitions import data_snapshots
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.snapshots import snapshot_versions
 from pipeline_assets.lib.formats import CONVERSATION
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import checks_by_name, materialize_bronze, register
+from pipeline_assets_tests.defs.gold_helpers import build_gold
 from pipeline_assets_tests.lib.silver.test_dedup import WORDS
 
 GRAPH = [eval_sets, bronze, silver, *bronze_checks, *silver_checks]
 EVAL_QUESTION = " ".join(f"riddle{i}" for i in range(15))
 LEGACY_BATCH = "20200101T000000Z-000000"
+# the tables a snapshot of sft records and conversations pins beside gold's
+TABLES = ("silver/records", "bronze/records", "silver/conversations", "bronze/conversations")
 
 
 def _text(rng: random.Random, words: int = 40) -> str:
@@ -159,3 +168,83 @@ def test_conversations_landing_in_an_sft_source_block_the_batch_naming_the_forma
     check = checks_by_name(result)["bronze/records:quarantine_rate"]
     assert not check.passed
     assert """set PIPELINE_SOURCE_FORMATS='{"support": "conversation"}'""" in check.description
+
+
+def _with_chats(resources: dict, **gold) -> dict:
+    """The resources with ``chats`` a conversation source and gold's rows short."""
+    landing = LandingResource(
+        uri=resources["landing"].uri, source_formats={"chats": CONVERSATION.name}
+    )
+    return {**resources, "landing": landing, "gold_policy": GoldPolicy(seq_len=256, **gold)}
+
+
+def _ingest(instance, resources) -> str:
+    batch = register(instance, resources)
+    ingested = materialize(GRAPH, partition_key=batch, instance=instance, resources=resources)
+    assert ingested.success
+    return batch
+
+
+def test_a_snapshot_of_conversations_and_sft_records_pins_both_and_is_evaluated_per_source(
+    instance, resources, landing_dir
+):
+    rng = random.Random(11)
+    write_landing_file(landing_dir, "chats", "a.jsonl", [_chat(rng, i) for i in range(60)])
+    sft = [record(i, response=_text(rng), created_at=...) for i in range(60)]
+    write_landing_file(landing_dir, "annotate", "s.jsonl", sft[:40])
+    with_chats = _with_chats(resources, validation_fraction=0.3)
+    lake = resources["lake"]
+    _ingest(instance, with_chats)
+    assert build_gold(instance, with_chats, GRAPH).success
+    snapshot = instance.get_dynamic_partitions(data_snapshots.name)[-1]
+    pinned = {table: lake.version(*table.split("/")) for table in TABLES}
+    write_landing_file(landing_dir, "annotate", "t.jsonl", sft[40:])
+    _ingest(instance, with_chats)  # every silver and bronze table moves on
+
+    versions = snapshot_versions(instance, snapshot)
+
+    assert {table: versions[table] for table in TABLES} == pinned
+    assert all(lake.version(*table.split("/")) > pinned[table] for table in TABLES)
+    data = EvaluationData.load(lake, None, versions, max_tokens=10**9)
+    validation = set(data.validation["record_ids"].explode())
+    sources = pl.concat(
+        lake.read(*table.split("/"), version=pinned[table]).select("record_id", "source")
+        for table in ("silver/records", "silver/conversations")
+    ).filter(pl.col("record_id").is_in(validation))
+    assert set(sources["source"]) == {"annotate", "chats"}, "both sources have validation rows"
+    slices = dict(data.slices.group_by("slice").agg("record_id").iter_rows())
+    assert set(slices) == {"overall", "source:annotate", "source:chats"}
+    for source in ("annotate", "chats"):
+        assert sorted(slices[f"source:{source}"]) == sorted(
+            sources.filter(pl.col("source") == source)["record_id"]
+        )
+
+
+def test_a_lake_of_conversations_alone_gets_a_tokenizer_and_a_shard(
+    instance, resources, landing_dir
+):
+    rng = random.Random(3)
+    write_landing_file(landing_dir, "chats", "a.jsonl", [_chat(rng, i) for i in range(40)])
+    with_chats = _with_chats(resources)
+    lake = resources["lake"]
+    assert tokenizer_waits(lake, with_chats["gold_policy"]) == NO_TOKENIZER_SAMPLE
+    batch = _ingest(instance, with_chats)
+    assert lake.read("silver", "records").is_empty()
+
+    assert tokenizer_waits(lake, with_chats["gold_policy"]) is None
+    built = build_gold(instance, with_chats, GRAPH)
+
+    assert built.success
+    trained = {
+        k: v.value
+        for k, v in built.tokenizer.asset_materializations_for_node("gold__tokenizer")[
+            0
+        ].metadata.items()
+    }
+    kept = lake.read("silver", "conversations")
+    assert 0 < trained["sample_records"] == trained["training_split_records"] < kept.height
+    assert trained["upstream_delta_versions"]["silver/conversations"] == lake.version(
+        "silver", "conversations"
+    )
+    shard = lake.read("gold", "sequences", where=pl.col("batch_id") == batch)
+    assert set(shard["record_ids"].explode()) == set(kept["record_id"])

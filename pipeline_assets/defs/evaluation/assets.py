@@ -11,6 +11,7 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 from pipeline_assets.contracts import EvaluationSlice, conform, polars_schema, validate
 from pipeline_assets.defs.automation import after_upstream_passes
 from pipeline_assets.defs.base_models import tokenizer_base_model
+from pipeline_assets.defs.format_tables import SFT_OBJECTIVE_TABLES
 from pipeline_assets.defs.keys import (
     EVALUATION_REPORT,
     REFERENCE_BASE_MODEL,
@@ -23,6 +24,7 @@ from pipeline_assets.defs.policies import RegistryPolicy
 from pipeline_assets.defs.retries import TRANSIENT
 from pipeline_assets.defs.scoring import run_scoring_program
 from pipeline_assets.defs.snapshots import partition_metadata, snapshot_versions
+from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.gold.encoder import EncoderSpec, chat_encoder
 from pipeline_assets.lib.gold.manifest import read_manifest, sequences_scan
 from pipeline_assets.lib.gold.sequences import SCORED_COLUMNS, pack_documents
@@ -57,7 +59,8 @@ _SAMPLED_COLUMNS = (
     retry_policy=TRANSIENT,  # MLflow's SQLite takes one writer at a time
     # with registry/model_version: one of them at a time (the instance's pool limit)
     pool="model_registry",
-    description="Loss and perplexity on gold's validation split (overall and per source) and on "
+    description="Loss and perplexity on gold's validation split (overall and per source, "
+    "conversation sources included) and on "
     "the eval-set responses, for the candidate and the current champion on the same rows (with "
     "no champion yet, the base model the candidate was fine-tuned from).",
 )
@@ -233,12 +236,7 @@ class EvaluationData:
                 allow_retries=False, description=f"{manifest.key} has no validation sequences"
             )
         record_ids = validation["record_ids"].explode().unique()
-        sources = (
-            lake.scan("silver", "records", version=versions["silver/records"])
-            .select("record_id", "source")  # two columns of silver, not its text
-            .filter(pl.col("record_id").is_in(record_ids))
-            .collect()
-        )
+        sources = _record_sources(lake, versions, record_ids)
         slices = [
             pl.DataFrame({"record_id": record_ids, "slice": OVERALL}),
             sources.select("record_id", slice=pl.lit("source:") + pl.col("source")),
@@ -286,6 +284,23 @@ class EvaluationData:
             model_version=pl.lit(version, pl.String),
             evaluated_at=pl.lit(datetime.now(timezone.utc)),
         )
+
+
+def _record_sources(lake: LakeResource, versions: dict, record_ids: pl.Series) -> pl.DataFrame:
+    """record_id and source of ``record_ids``, from the silver table of each format packed into the
+    snapshot (sft records, conversations) at the version it pins: two columns, not the text."""
+    return pl.concat(
+        [
+            lake.scan(*tables.silver.path, version=version)
+            .select("record_id", "source")
+            .filter(pl.col("record_id").is_in(record_ids.implode()))
+            .collect()
+            for tables in SFT_OBJECTIVE_TABLES
+            # silver/records unpinned is read at its newest, as before conversations were
+            if (version := versions.get(tables.silver.to_user_string())) is not None
+            or tables.fmt is SFT
+        ]
+    )
 
 
 def score_under_torchrun(
