@@ -4,7 +4,8 @@
 Every link is read from where it was recorded: the model version's tags (partition, Delta versions),
 its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in gold/snapshots or
 gold/preference_snapshots (which ingest batches' shards), silver at the pinned version (which
-sources of those batches it kept records of), and the landing manifest (which file versions, with
+sources of those batches it kept records of; an sft snapshot's conversations at theirs, under
+``other_formats``), and the landing manifest (which file versions, with
 their checksums). A DPO version also names the sft model version it started from
 (``reference_model``), whose own lineage follows under ``started_from``.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from pipeline_assets.defs.base_models import REFERENCE_PREFIX
+from pipeline_assets.defs.format_tables import SFT_OBJECTIVE_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.lib.gold.manifest import (
     PREFERENCE_SNAPSHOTS,
     SFT_SNAPSHOTS,
@@ -33,14 +35,21 @@ _MLFLOW_METRIC_PREFIXES = ("eval/", "dpo_report/")
 
 @dataclass(frozen=True)
 class _Layers:
-    """The tables one snapshot kind's lineage walks through."""
+    """The tables one snapshot kind's lineage walks through: its own format's, and those of the
+    other formats packed into the same shards (an sft snapshot's conversations)."""
 
     kind: SnapshotKind
     silver: tuple[str, str]
     bronze: tuple[str, str]
+    others: tuple[FormatTables, ...] = ()
 
 
-_SFT = _Layers(SFT_SNAPSHOTS, ("silver", "records"), ("bronze", "records"))
+_SFT = _Layers(
+    SFT_SNAPSHOTS,
+    tuple(SFT_TABLES.silver.path),
+    tuple(SFT_TABLES.bronze.path),
+    tuple(tables for tables in SFT_OBJECTIVE_TABLES if tables is not SFT_TABLES),
+)
 _PREFERENCE = _Layers(
     PREFERENCE_SNAPSHOTS, ("silver", "preference_pairs"), ("bronze", "preference_records")
 )
@@ -83,7 +92,15 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     run = mlflow_tracking.client().get_run(version.run_id)
     snapshot = read_manifest(lake.uri, snapshot_number(tags["partition"], layers.kind), layers.kind)
     batches = list(snapshot.batches)
-    silver_version = _int(tags.get(f"delta.{'/'.join(layers.silver)}"))
+    silver = _table(lake, tags, layers.silver, batches)
+    others = {
+        tables.fmt.name: {
+            layer: _table(lake, tags, tuple(key.path), batches)
+            for layer, key in (("silver", tables.silver), ("bronze", tables.bronze))
+        }
+        for tables in layers.others
+        if _int(tags.get(f"delta.{tables.silver.to_user_string()}")) is not None
+    }
     lineage = {
         "model": {
             "name": version.name,
@@ -119,22 +136,16 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
             "batches": batches,
             "uri": lake.table_uri(*layers.kind.sequences_table),
         },
-        "silver": {
-            "table": "/".join(layers.silver),
-            "version": silver_version,
-            "batches": batches,
-            "uri": lake.table_uri(*layers.silver),
-        },
-        "bronze": {
-            "table": "/".join(layers.bronze),
-            "version": _int(tags.get(f"delta.{'/'.join(layers.bronze)}")),
-            "batches": batches,
-            "uri": lake.table_uri(*layers.bronze),
-        },
+        "silver": silver,
+        "bronze": _table(lake, tags, layers.bronze, batches),
+        # formats packed into the same shards (conversations beside sft records), by format name
+        "other_formats": others,
         "cost": json.loads(tags["cost_usd"])
         if "cost_usd" in tags
         else None,  # recorded for sft versions
-        "landing_files": _landing_files(lake, layers, silver_version, batches),
+        "landing_files": _landing_files(
+            lake, [silver, *(other["silver"] for other in others.values())], batches
+        ),
     }
     if layers is _PREFERENCE:
         lineage["gold"]["reference_logps_version"] = _int(tags.get("delta.gold/reference_logps"))
@@ -146,21 +157,33 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     return lineage
 
 
-def _landing_files(
-    lake: LakeResource, layers: _Layers, silver_version: int | None, batches: list[str]
-) -> list[dict]:
-    """The landing files of ``batches`` from the sources silver kept records of at
-    ``silver_version`` (a batch may hold sources of other record formats, which fed other
-    models)."""
+def _table(lake: LakeResource, tags: dict, table: tuple[str, str], batches: list[str]) -> dict:
+    """One silver or bronze table of the lineage: its Delta version as the model's tags pin it."""
+    name = "/".join(table)
+    return {
+        "table": name,
+        "version": _int(tags.get(f"delta.{name}")),
+        "batches": batches,
+        "uri": lake.table_uri(*table),
+    }
+
+
+def _landing_files(lake: LakeResource, silver: list[dict], batches: list[str]) -> list[dict]:
+    """The landing files of ``batches`` from the sources the ``silver`` tables (``_table``s, each
+    at its version) kept records of (a batch may hold sources of other record formats, which fed
+    other models)."""
     manifest = lake.read("landing", "manifest", where=pl.col("batch_id").is_in(batches))
-    fed = (
-        lake.scan(*layers.silver, version=silver_version)
-        .filter(pl.col("batch_id").is_in(batches))
-        .select("batch_id", "source")
-        .unique()
-        .collect()
+    fed = pl.concat(
+        [
+            lake.scan(*table["table"].split("/"), version=table["version"])
+            .filter(pl.col("batch_id").is_in(batches))
+            .select("batch_id", "source")
+            .unique()
+            .collect()
+            for table in silver
+        ]
     )
-    files = manifest.join(fed, on=["batch_id", "source"], how="semi")
+    files = manifest.join(fed.unique(), on=["batch_id", "source"], how="semi")
     return (
         files.select("uri", "source", "batch_id", "checksum", "size")
         .sort("batch_id", "uri")

@@ -152,6 +152,74 @@ def test_retention_deletes_what_nothing_registered_needs_and_lineage_still_resol
     assert registered.complete_steps() == [20] and registered.exists("final/COMPLETE.json")
 
 
+def _conversation_history(lake: LakeResource) -> None:
+    """bronze/conversations and silver/conversations v0..v1 beside _lake_history's tables: batch A
+    held a conversation source's file; the registered model read both tables' v0."""
+    for layer in ("bronze", "silver"):
+        for rows in (["a2"], ["a2", "c2"]):
+            lake.overwrite(
+                layer,
+                "conversations",
+                pl.DataFrame(
+                    {"record_id": rows, "batch_id": [r[0].upper() for r in rows], "source": "chats"}
+                ),
+            )
+    lake.append(
+        "landing",
+        "manifest",
+        pl.DataFrame(
+            {
+                "uri": ["landing/chats/a.jsonl"],
+                "source": ["chats"],
+                "batch_id": ["A"],
+                "checksum": ["z"],
+                "size": [3],
+            }
+        ),
+    )
+
+
+def test_a_model_trained_on_conversations_keeps_their_versions_and_its_lineage_reaches_them(
+    tmp_path, lake, instance
+):
+    _lake_history(lake)
+    _conversation_history(lake)
+    resources = _resources(tmp_path, lake, str(tmp_path / "checkpoints"))
+    pins = {"silver/conversations": 0, "bronze/conversations": 0}
+    version = _register(
+        resources["mlflow_tracking"],
+        "gold-v0",
+        {"silver/records": 0, "gold/sequences": 0, "gold/snapshots": 0, **pins},
+    )
+    lineage_before = model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake)
+
+    result = retention_job.execute_in_process(instance=instance, resources=resources)
+
+    assert result.success
+    vacuumed = _op_metadata(result, "vacuum_lake")
+    assert {table: vacuumed["pinned_versions"][table] for table in pins} == {
+        table: [0] for table in pins
+    }
+    for table in pins:
+        assert vacuumed["tables_vacuumed"][table]["files"] == 0, f"{table} v0 is pinned"
+        assert lake.read(*table.split("/"), version=0)["record_id"].to_list() == ["a2"]
+    assert model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake) == lineage_before
+    conversations = lineage_before["other_formats"]["conversation"]
+    assert (conversations["silver"]["table"], conversations["silver"]["version"]) == (
+        "silver/conversations",
+        0,
+    )
+    assert (conversations["bronze"]["table"], conversations["bronze"]["version"]) == (
+        "bronze/conversations",
+        0,
+    )
+    assert {(f["uri"], f["source"]) for f in lineage_before["landing_files"]} == {
+        ("landing/src/a.jsonl", "src"),
+        ("landing/src/b.jsonl", "src"),
+        ("landing/chats/a.jsonl", "chats"),
+    }, "the conversation source's file, beside the sft source's"
+
+
 def test_a_registered_dpo_version_keeps_its_preference_snapshot_and_reference_pass(
     tmp_path, lake, instance
 ):
