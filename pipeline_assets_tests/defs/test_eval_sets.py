@@ -127,6 +127,7 @@ def test_a_new_eval_item_makes_silver_stale_and_the_backfill_removes_its_copy(
     assert [sorted(key.to_user_string() for key in run.asset_selection) for run in runs] == [
         *[
             [
+                "silver/conversations",
                 "silver/minhash_bands",
                 "silver/minhash_index",
                 "silver/preference_pairs",
