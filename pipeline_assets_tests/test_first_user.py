@@ -56,6 +56,11 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     summary = _summary(tmp_path)
     assert summary["model"]["champion_version"] == "1"
     _trained_on_both_formats(tmp_path)
+    lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **CHATS)
+    assert lineage.returncode == 0, lineage.stderr[-4000:]
+    traced = json.loads(lineage.stdout)
+    assert traced["other_formats"]["conversation"]["silver"]["table"] == "silver/conversations"
+    assert {f["source"] for f in traced["landing_files"]} == {"support", "chats"}
     scored_on = _latest(tmp_path, EVALUATION_REPORT, "scored_on")
     assert scored_on.startswith("the validation split alone: no eval set items")
     assert _latest(tmp_path, SILVER_RECORDS, "decontamination").startswith("none: no eval set")
