@@ -58,7 +58,6 @@ from pipeline_assets.sample_data.corpus import (
     EarlierOriginals,
     _dumps,
     _encode_file,
-    _PoolExhausted,
     _prompt,
     _shuffled_by_module,
     _Slot,
@@ -68,6 +67,7 @@ from pipeline_assets.sample_data.corpus import (
     _word_count,
     _write,
     add_manifest_section,
+    built_with_enough_words,
     docs_without_eval_text,
     eval_copy_text,
     low_quality_response,
@@ -435,12 +435,10 @@ class _ConversationBuilder:
 def _built(
     conversations: int, seed: int, eval_items: list[dict], source: str
 ) -> _ConversationBuilder:
-    words = conversations * WORDS_PER_CONVERSATION
-    while True:  # should the estimate fall short, read more packages and start again
-        try:
-            return _ConversationBuilder(conversations, seed, eval_items, source, words).build()
-        except _PoolExhausted:
-            words = int(words * 1.25)
+    return built_with_enough_words(
+        lambda words: _ConversationBuilder(conversations, seed, eval_items, source, words).build(),
+        conversations * WORDS_PER_CONVERSATION,
+    )
 
 
 # --- Writing --------------------------------------------------------------------------------------

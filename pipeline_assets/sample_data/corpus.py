@@ -40,6 +40,8 @@ from typing import Generic, NamedTuple, TypeVar
 import polars as pl
 import zstandard
 
+T = TypeVar("T")
+
 _Unit = TypeVar("_Unit")
 
 SOURCES = ("annotate", "synth", "logs", "scrape")
@@ -338,6 +340,16 @@ class _Piece(NamedTuple):
     doc: Doc
     continued: bool  # not the first paragraph of its docstring
     text: str
+
+
+def built_with_enough_words(build: Callable[[int], T], words: int) -> T:
+    """``build(words)``, with 25% more words each time the estimate falls short (the pool reads
+    more packages and the build starts again)."""
+    while True:
+        try:
+            return build(words)
+        except _PoolExhausted:
+            words = int(words * 1.25)
 
 
 class _PoolExhausted(Exception):

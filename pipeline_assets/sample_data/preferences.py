@@ -62,7 +62,6 @@ from pipeline_assets.sample_data.corpus import (
     _dumps,
     _edit_word,
     _encode_file,
-    _PoolExhausted,
     _prompt,
     _shuffled_by_module,
     _Slot,
@@ -72,6 +71,7 @@ from pipeline_assets.sample_data.corpus import (
     _word_count,
     _write,
     add_manifest_section,
+    built_with_enough_words,
     docs_without_eval_text,
     eval_copy_text,
     low_quality_response,
@@ -481,12 +481,10 @@ class _PreferenceBuilder:
 
 
 def _built(pairs: int, seed: int, eval_items: list[dict], source: str) -> _PreferenceBuilder:
-    words = pairs * WORDS_PER_PAIR
-    while True:  # should the estimate fall short, read more packages and start again
-        try:
-            return _PreferenceBuilder(pairs, seed, eval_items, source, words).build()
-        except _PoolExhausted:
-            words = int(words * 1.25)
+    return built_with_enough_words(
+        lambda words: _PreferenceBuilder(pairs, seed, eval_items, source, words).build(),
+        pairs * WORDS_PER_PAIR,
+    )
 
 
 # --- Writing --------------------------------------------------------------------------------------
