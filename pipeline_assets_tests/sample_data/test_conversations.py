@@ -16,7 +16,12 @@ import pytest
 
 from pipeline_assets.cli.main import main
 from pipeline_assets.lib.formats import CONVERSATION, ROLES, TURNS
-from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex, read_eval_sets
+from pipeline_assets.lib.silver.decontam import (
+    DecontamConfig,
+    EvalNgramIndex,
+    find_contamination,
+    read_eval_sets,
+)
 from pipeline_assets.lib.silver.quality import quality_gate
 from pipeline_assets.sample_data.conversations import (
     CONVERSATION_DEFECTS,
@@ -381,27 +386,19 @@ def test_eval_copies_are_caught_by_decontamination_in_their_turn_and_nothing_els
 ):
     eval_items = read_eval_sets(corpus[0] / "_eval_sets")
     index = EvalNgramIndex.build(eval_items, DecontamConfig(fields=CONVERSATION.decontaminate))
-    rows = {row["record_id"]: row for row in views.iter_rows(named=True)}
-
-    def match(record_id: str):
-        return index.first_match([rows[record_id][name] for name in CONVERSATION.decontaminate])
+    _, rejected, _ = find_contamination(views, index, CONVERSATION.decontaminate)
+    caught = {row["record_id"]: row for row in rejected.iter_rows(named=True)}
 
     found = entries(section, "eval_copy")
     assert {entry["place"] for entry in found} == {"user_turn", "assistant_turn"}
+    assert caught.keys() == {entry["id"] for entry in found}
     for entry in found:
-        caught = match(entry["id"])
-        assert caught is not None and (caught.eval_set, caught.item_id) == (
-            entry["eval_set"],
-            entry["item_id"],
-        )
-        role = rows[entry["id"]]["messages"][entry["turn"]]["role"]
-        if entry["place"] == "user_turn":
-            assert role == "user" and caught.field == "context_turns"
-        else:
-            assert role == "assistant" and caught.field == "assistant_turns"
-            question = rows[entry["id"]]["context_turns"]
-            assert index.first_match([question], ["context_turns"]) is None, "the answer alone"
-    assert {i for i in rows if match(i)} == {entry["id"] for entry in found}
+        row = caught[entry["id"]]
+        evidence = json.loads(row["evidence"])
+        assert (row["eval_set"], row["eval_item_id"]) == (entry["eval_set"], entry["item_id"])
+        assert evidence["field"] == f"messages[{entry['turn']}]", "the turn the copy is in"
+        role = row["messages"][entry["turn"]]["role"]
+        assert role == ("user" if entry["place"] == "user_turn" else "assistant")
 
 
 def test_low_quality_conversations_and_only_they_fail_the_quality_rules(section, views):

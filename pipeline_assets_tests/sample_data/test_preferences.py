@@ -418,7 +418,7 @@ def test_eval_copies_are_caught_by_decontamination_and_nothing_else_is(section, 
     found = entries(section, "eval_copy")
     for entry in found:
         pair = pairs[entry["id"]]
-        match = index.first_match([pair[name] for name in PREFERENCE.decontaminate])
+        match = index.first_match([pair.get(name) or "" for name in PREFERENCE.decontaminate])
         assert match is not None and (match.eval_set, match.item_id) == (
             entry["eval_set"],
             entry["item_id"],
@@ -433,7 +433,7 @@ def test_eval_copies_are_caught_by_decontamination_and_nothing_else_is(section, 
     caught = {
         i
         for i, p in pairs.items()
-        if index.first_match([p[name] for name in PREFERENCE.decontaminate])
+        if index.first_match([p.get(name) or "" for name in PREFERENCE.decontaminate])
     }
     assert caught == copies
 
