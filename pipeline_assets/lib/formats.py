@@ -74,8 +74,8 @@ class RecordFormat:
     @property
     def views(self) -> dict[str, pl.Expr]:
         """The text a format with ``turns`` has no field for, as columns the stages read by name
-        (``dedup``, ``answers``, ``judged``, ``decontaminate``): every turn labelled with its role,
-        the system and user turns, the assistant turns, and the first user turn; a format with
+        (``dedup``, ``answers``, ``judged``): every turn labelled with its role, the assistant
+        turns, and the first user turn (what ``prompt_hash`` is taken of); a format with
         ``context``: ``prompt_in_context``, the prompt after its earlier turns (each labelled with
         its role), the prompt alone when it has none."""
         if self.context is not None:
@@ -84,7 +84,6 @@ class RecordFormat:
             return {}
         return {
             "conversation": _joined_turns(self.turns, ROLES, labelled=True),
-            "context_turns": _joined_turns(self.turns, ("system", "user")),
             "assistant_turns": _joined_turns(self.turns, ("assistant",)),
             "first_user_turn": _turn_contents(self.turns, ("user",)).list.first(),
         }

@@ -17,7 +17,7 @@ def test_a_conversations_views_are_the_text_of_its_turns_by_role():
     views = CONVERSATION.with_views(frame).row(0, named=True)
 
     assert views["assistant_turns"] == "Hello.\n\nBye."
-    assert views["context_turns"] == "Be brief.\n\nHi?\n\nBye?"
+    assert "context_turns" not in views, "decontamination reads each turn, not a view"
     assert views["first_user_turn"] == "Hi?"
     assert views["conversation"].split("\n\n")[:2] == ["system: Be brief.", "user: Hi?"]
     assert SFT.with_views(frame) is frame
