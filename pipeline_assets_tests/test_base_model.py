@@ -13,7 +13,13 @@ import pytest
 import torch
 from dagster import DagsterInstance
 
-from pipeline_assets.defs.keys import REGISTRY_MODEL_VERSION, RL_POLICY, TRAINING_CHECKPOINT
+from pipeline_assets.defs.keys import (
+    REGISTRY_MODEL_VERSION,
+    RL_POLICY,
+    TRAINING_CHECKPOINT,
+    TRAINING_HPARAM_SEARCH,
+)
+from pipeline_assets.defs.training.policy import HparamSearchPolicy
 from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import run_cli, write_landing_file
@@ -74,6 +80,14 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     [trained] = instance.fetch_materializations(TRAINING_CHECKPOINT, limit=1).records
     command = trained.asset_materialization.metadata["command"].value
     assert "--lr 2e-05" in command and f"--base-model {base}" in command, "the defaults"
+    # the search, run by hand as a user does, samples a fine-tune's space
+    search = ("run", "--select", "key:training/hparam_search")
+    _clean(run_cli(tmp_path, *search, **env))
+    [searched] = instance.fetch_materializations(TRAINING_HPARAM_SEARCH, limit=1).records
+    best = searched.asset_materialization.metadata["best_config"].value
+    fine_tune_space = HparamSearchPolicy.model_fields["base_model_space"].default_factory()
+    assert best.keys() == fine_tune_space.keys(), "no width: the architecture is the model's"
+    assert all(best[name] in values for name, values in fine_tune_space.items())
 
     lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **env)
     assert lineage.returncode == 0, lineage.stderr
