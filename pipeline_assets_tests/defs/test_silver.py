@@ -438,6 +438,7 @@ def test_pipeline_assets_run_redoes_silver_older_than_its_bronze_before_later_ba
 
     plan = stale_partitions(defs, instance, list(defs.resolve_asset_graph().get_all_asset_keys()))
     assert [k.to_user_string() for k in plan[first]] == [
+        "silver/conversations",
         "silver/minhash_bands",
         "silver/minhash_index",
         "silver/preference_pairs",
