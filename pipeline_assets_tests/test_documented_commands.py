@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -141,9 +142,10 @@ class Commands:
     """Runs command lines as a user types them, on one PIPELINE_HOME, and keeps which it ran."""
 
     def __init__(self, home: Path):
-        self.home, self.ran = home, set()
+        self.home, self.ran, self.seconds = home, set(), []
 
     def __call__(self, line: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
+        started = time.monotonic()
         done = subprocess.run(
             _argv(line, self.home / "scratch"),
             cwd=ROOT,
@@ -152,6 +154,8 @@ class Commands:
             text=True,
             timeout=900,
         )
+        self.seconds.append((time.monotonic() - started, line))
+        print(f"{self.seconds[-1][0]:6.1f} s  {line}")  # where the story's time goes (pytest -s)
         assert done.returncode == expect, (line, done.stdout[-2000:], done.stderr[-4000:])
         for noise in ("Traceback", "PreviewWarning", "BetaWarning"):
             assert noise not in done.stdout + done.stderr, (line, noise, done.stderr[-4000:])

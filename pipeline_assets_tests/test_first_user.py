@@ -45,10 +45,23 @@ def _clean(done) -> None:
         assert noise not in done.stdout + done.stderr, noise
 
 
+def _long_text(words: int, seed: int = 3) -> str:
+    """Prose-shaped text of made-up words: no rule of the quality gate rejects it."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ren", "tas", "vo", "qui", "del", "np", "ur", "shi", "bo"]
+    made_up = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(words)
+    ]
+    return " ".join(" ".join(made_up[i : i + 12]).capitalize() + "." for i in range(0, words, 12))
+
+
 def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
-    """Support answers and support chats (a conversation source) in one landing: one batch, one
-    snapshot, one champion trained on both."""
+    """Support answers, one of them far longer than a training row, and support chats (a
+    conversation source) in one landing: one batch, one snapshot, one champion trained on both
+    formats, the long answer cut and counted."""
     land_support_export(tmp_path, 240)
+    long = {"id": "long", "prompt": "Tell me everything about it.", "response": _long_text(3000)}
+    write_landing_file(tmp_path / "landing", "support", "long.jsonl", [long])
     land_support_chats(tmp_path, 60)
     assert not (tmp_path / "reference").exists()
     done = run_cli(tmp_path, "run", **CHATS)
@@ -56,6 +69,9 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     summary = _summary(tmp_path)
     assert summary["model"]["champion_version"] == "1"
     _trained_on_both_formats(tmp_path)
+    silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
+    assert silver.filter(pl.col("response") == long["response"]).height == 1
+    assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 1, "cut, and trained"
     lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **CHATS)
     assert lineage.returncode == 0, lineage.stderr[-4000:]
     traced = json.loads(lineage.stdout)
@@ -99,40 +115,12 @@ def _waits_for_more_records(done) -> None:
     assert "WAITING: ops/pipeline_report waits: no data snapshot was cut yet" in done.stdout
 
 
-def test_a_handful_of_records_is_curated_and_the_snapshot_waits_for_more(tmp_path):
-    land_support_export(tmp_path, 5)
-    _waits_for_more_records(run_cli(tmp_path, "run"))
-    assert _summary(tmp_path)["tables"]["silver/records"]["rows"] == 5
-
-
 def test_a_batch_of_one_record_repeated_keeps_one_and_says_why_of_the_rest(tmp_path):
     write_landing_file(tmp_path / "landing", "support", "a.jsonl", support_answers(1) * 40)
     _waits_for_more_records(run_cli(tmp_path, "run"))
     summary = _summary(tmp_path)
     assert summary["tables"]["silver/records"]["rows"] == 1
     assert summary["rejected_by_stage"] == {"exact_dup": 39}
-
-
-def _long_text(words: int, seed: int = 3) -> str:
-    """Prose-shaped text of made-up words: no rule of the quality gate rejects it."""
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ren", "tas", "vo", "qui", "del", "np", "ur", "shi", "bo"]
-    made_up = [
-        "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(words)
-    ]
-    return " ".join(" ".join(made_up[i : i + 12]).capitalize() + "." for i in range(0, words, 12))
-
-
-def test_a_record_far_longer_than_a_training_row_is_cut_and_counted(tmp_path):
-    land_support_export(tmp_path, 300)
-    long = {"id": "long", "prompt": "Tell me everything about it.", "response": _long_text(3000)}
-    write_landing_file(tmp_path / "landing", "support", "long.jsonl", [long])
-    # up to gold: a cut row trains like any other (the trainer reads rows, not records)
-    _clean(run_cli(tmp_path, "run", "--select", "key:bronze/* or key:silver/* or key:gold/*"))
-    silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
-    assert silver.filter(pl.col("response") == long["response"]).height == 1
-    assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 1
-    assert _summary(tmp_path)["data_snapshot"]["partition"] == "gold-v0"
 
 
 def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_path):
