@@ -90,7 +90,7 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("PIPELINE_", "DAGSTER_", "MLFLOW_"))
     }
-    environment.update(
+    short = dict(
         PIPELINE_HOME=str(home),
         PIPELINE_TRAIN_STEPS="6",
         PIPELINE_DPO_STEPS="6",
@@ -108,8 +108,8 @@ def cli_environment(home: Path, **env: str) -> dict[str, str]:
         PIPELINE_RL_GROUP_SIZE="4",
         PIPELINE_RL_WARM_START_MAX_STEPS="5",
         PIPELINE_SLICE_TOLERANCE="1",
-        **env,
     )
+    environment.update(short, **env)  # what a test sets wins
     return environment
 
 

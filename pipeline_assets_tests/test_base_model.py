@@ -80,9 +80,9 @@ def test_a_users_qwen2_is_fine_tuned_served_and_beats_the_model_it_started_from(
     [trained] = instance.fetch_materializations(TRAINING_CHECKPOINT, limit=1).records
     command = trained.asset_materialization.metadata["command"].value
     assert "--lr 2e-05" in command and f"--base-model {base}" in command, "the defaults"
-    # the search, run by hand as a user does, samples a fine-tune's space
+    # the search, run by hand as a user does, samples a fine-tune's space (one trial here)
     search = ("run", "--select", "key:training/hparam_search")
-    _clean(run_cli(tmp_path, *search, **env))
+    _clean(run_cli(tmp_path, *search, **env, PIPELINE_SEARCH_TRIALS="1"))
     [searched] = instance.fetch_materializations(TRAINING_HPARAM_SEARCH, limit=1).records
     best = searched.asset_materialization.metadata["best_config"].value
     fine_tune_space = HparamSearchPolicy.model_fields["base_model_space"].default_factory()
