@@ -57,7 +57,6 @@ from pipeline_assets.sample_data.corpus import (
     Doc,
     EarlierOriginals,
     _dumps,
-    _encode_file,
     _prompt,
     _shuffled_by_module,
     _Slot,
@@ -65,7 +64,6 @@ from pipeline_assets.sample_data.corpus import (
     _TextStream,
     _timestamp,
     _word_count,
-    _write,
     add_manifest_section,
     built_with_enough_words,
     docs_without_eval_text,
@@ -75,6 +73,7 @@ from pipeline_assets.sample_data.corpus import (
     shingle_jaccard,
     spread_slots,
     two_landing_files,
+    written_file_entry,
 )
 
 SOURCE = "chats"
@@ -86,7 +85,8 @@ INJECTION_RATES = {**SFT_INJECTION_RATES, "invalid_conversation": INVALID_CONVER
 COPY_KINDS = ("exact_duplicate", "near_duplicate")  # need an earlier clean conversation
 QUARANTINED_KINDS = ("malformed", "invalid_conversation")
 MALFORMED_REASONS = ("invalid_json", "not_an_object", "missing_field:messages")
-# Bronze's reason codes for a conversation that breaks the format's rules (DESIGN.md section 2).
+# Bronze's reason codes for a conversation that breaks the format's rules
+# (lib/landing/contract.py).
 CONVERSATION_DEFECTS = (
     "wrong_type:messages",
     "unknown_role",
@@ -462,9 +462,6 @@ def write_conversation_source(
     builder = _built(conversations, seed, eval_items, source)
     files = []
     for file in builder.files:
-        sha256 = _write(
-            Path(out_dir) / file.path, _encode_file(file.format, builder.lines[file.path])
-        )
         quarantined = sum(
             entry["file"] == file.path
             for kind in QUARANTINED_KINDS
@@ -475,16 +472,9 @@ def write_conversation_source(
             for slot, shape in zip(builder.slots, builder.shapes, strict=True)
             if slot.file == file and shape == "sharegpt"
         ]
+        written = written_file_entry(out_dir, file, builder.lines[file.path], source)
         files.append(
-            {
-                "path": file.path,
-                "source": source,
-                "format": file.format,
-                "lines": file.lines,
-                "conversations": file.lines - quarantined,
-                "sharegpt_lines": sharegpt,
-                "sha256": sha256,
-            }
+            {**written, "conversations": file.lines - quarantined, "sharegpt_lines": sharegpt}
         )
     return _manifest_section(builder, files, conversations, seed)
 

@@ -1229,6 +1229,19 @@ def _encode_file(fmt: str, lines: list) -> bytes:
     return text
 
 
+def written_file_entry(out_dir: Path, file, lines: list, source: str) -> dict:
+    """Writes an added source's landing ``file`` (its ``lines``) under out_dir and returns its
+    manifest entry: path, source, format, lines and the sha256 of what was written."""
+    sha256 = _write(Path(out_dir) / file.path, _encode_file(file.format, lines))
+    return {
+        "path": file.path,
+        "source": source,
+        "format": file.format,
+        "lines": file.lines,
+        "sha256": sha256,
+    }
+
+
 def _write(path: Path, data: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)

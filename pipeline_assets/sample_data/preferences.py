@@ -61,7 +61,6 @@ from pipeline_assets.sample_data.corpus import (
     EarlierOriginals,
     _dumps,
     _edit_word,
-    _encode_file,
     _prompt,
     _shuffled_by_module,
     _Slot,
@@ -69,7 +68,6 @@ from pipeline_assets.sample_data.corpus import (
     _TextStream,
     _timestamp,
     _word_count,
-    _write,
     add_manifest_section,
     built_with_enough_words,
     docs_without_eval_text,
@@ -79,6 +77,7 @@ from pipeline_assets.sample_data.corpus import (
     shingle_jaccard,
     spread_slots,
     two_landing_files,
+    written_file_entry,
 )
 
 SOURCE = "prefs"
@@ -508,20 +507,9 @@ def write_preference_source(
     builder = _built(pairs, seed, eval_items, source)
     files = []
     for file in builder.files:
-        sha256 = _write(
-            Path(out_dir) / file.path, _encode_file(file.format, builder.lines[file.path])
-        )
         malformed = sum(entry["file"] == file.path for entry in builder.injected["malformed"])
-        files.append(
-            {
-                "path": file.path,
-                "source": source,
-                "format": file.format,
-                "lines": file.lines,
-                "pairs": file.lines - malformed,
-                "sha256": sha256,
-            }
-        )
+        written = written_file_entry(out_dir, file, builder.lines[file.path], source)
+        files.append({**written, "pairs": file.lines - malformed})
     return _manifest_section(builder, files, pairs, seed)
 
 
