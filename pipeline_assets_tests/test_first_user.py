@@ -63,6 +63,16 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     long = {"id": "long", "prompt": "Tell me everything about it.", "response": _long_text(3000)}
     write_landing_file(tmp_path / "landing", "support", "long.jsonl", [long])
     land_support_chats(tmp_path, 60)
+    long_chat = {
+        "id": "long-chat",
+        "messages": [
+            {"role": "user", "content": "My router will not turn on."},
+            {"role": "assistant", "content": "Hold the reset button until the light blinks."},
+            {"role": "user", "content": "Tell me everything about it."},
+            {"role": "assistant", "content": _long_text(3000, seed=4)},
+        ],
+    }
+    write_landing_file(tmp_path / "landing", "chats", "long.jsonl", [long_chat])
     assert not (tmp_path / "reference").exists()
     done = run_cli(tmp_path, "run", **CHATS)
     _clean(done)
@@ -71,7 +81,11 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     _trained_on_both_formats(tmp_path)
     silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
     assert silver.filter(pl.col("response") == long["response"]).height == 1
-    assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 1, "cut, and trained"
+    assert _latest(tmp_path, GOLD_SEQUENCES, "truncated_documents") == 2, (
+        "the long answer cut inside its response, the long chat after its first answer"
+    )
+    assert _latest(tmp_path, GOLD_SEQUENCES, "conversation_loss") == "all"
+    _every_assistant_turn_is_trained(tmp_path)
     lineage = run_cli(tmp_path, "lineage", "sft-model@champion", **CHATS)
     assert lineage.returncode == 0, lineage.stderr[-4000:]
     traced = json.loads(lineage.stdout)
@@ -104,6 +118,31 @@ def _trained_on_both_formats(home: Path) -> None:
         assert trained & set(silver["record_id"]), f"no silver/{table} record trained"
     manifest = pl.read_delta(str(lake / "gold" / "snapshots"))
     assert manifest.height == 1, "one snapshot, gold-v0"
+
+
+def _every_assistant_turn_is_trained(home: Path) -> None:
+    """With the default loss, each chat in gold-v0 is trained on as many spans as it has assistant
+    turns (the long chat on its first only: it was cut after it)."""
+    lake = home / "lake"
+    chats = pl.read_delta(str(lake / "silver" / "conversations"))
+    answers = {
+        row["record_id"]: sum(turn["role"] == "assistant" for turn in row["messages"])
+        for row in chats.iter_rows(named=True)
+    }
+    long_chat = chats.filter(pl.col("id") == "long-chat")["record_id"].item()
+    answers[long_chat] = 1
+    spans = {}
+    rows = pl.read_delta(str(lake / "gold" / "sequences"))
+    for row in rows.select("loss_mask", "document_lengths", "record_ids").iter_rows():
+        mask, start = row[0], 0
+        for length, record_id in zip(row[1], row[2], strict=True):
+            piece = mask[start : start + length]
+            start += length
+            if record_id in answers:
+                spans[record_id] = sum(
+                    1 for i, m in enumerate(piece) if m and (i == 0 or not piece[i - 1])
+                )
+    assert spans == answers and max(answers.values()) >= 2
 
 
 def _waits_for_more_records(done) -> None:
