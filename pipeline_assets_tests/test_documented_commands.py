@@ -295,6 +295,10 @@ def _the_story_so_far(home: Path, run: Commands, manifest: dict) -> None:
         "the tokenizer is made once"
     )
     assert lineage["model"]["version"] == "2", "the snapshot cut by hand was trained"
+    assert lineage["other_formats"]["conversation"]["silver"]["table"] == "silver/conversations"
+    assert "chats" in {f["source"] for f in lineage["landing_files"]}, (
+        "the demo's conversations trained the champion"
+    )
     assert json.loads(run(EXPORT).stdout)["version"] == "2"
     assert_servable(run.home / "scratch" / "served")
     _sizer_calibrated_on_the_story(run)
