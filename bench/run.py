@@ -18,6 +18,7 @@ from bench import (
     bronze_ingest,
     gold_packing,
     silver_dedup,
+    silver_language,
     silver_lookup,
     sizer,
     training,
@@ -27,6 +28,7 @@ from bench import (
 BENCHMARKS = {
     "bronze_ingest": bronze_ingest.run,
     "silver_dedup": silver_dedup.run,
+    "silver_language": silver_language.run,
     "silver_lookup": silver_lookup.run,
     "gold_packing": gold_packing.run,
     "training": training.run,
