@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_assets.resources.engine import local_ray_options
+from pipeline_assets.resources.engine import actor_pool, local_ray_options
 
 RAY_SESSION_CHARS = 70  # what Ray's session folder and socket names add to its temporary folder
 SOCKET_PATH_LIMIT = 107
@@ -114,3 +114,13 @@ def test_the_kuberay_setting_gives_silver_and_gold_a_rayjob_for_every_batch(tmp_
         ValueError, match=r"PIPELINE_KUBERAY=.*unknown field\(s\) ray_job.namespace"
     ):
         build_definitions(Settings.from_env())
+
+
+def test_the_model_stages_pool_takes_a_gpu_an_actor_or_half_the_cores_never_more_than_blocks():
+    on_gpus = actor_pool({"CPU": 64.0, "GPU": 8.0}, blocks=20)
+    assert (on_gpus["compute"].min_size, on_gpus["num_gpus"]) == (8, 1)
+    assert actor_pool({"CPU": 64.0, "GPU": 8.0}, blocks=3)["compute"].max_size == 3
+    on_cpus = actor_pool({"CPU": 16.0}, blocks=20)
+    assert (on_cpus["compute"].max_size, on_cpus["num_cpus"]) == (8, 1)
+    assert "num_gpus" not in on_cpus
+    assert actor_pool({"CPU": 1.0}, blocks=20)["compute"].max_size == 1

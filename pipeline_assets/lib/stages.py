@@ -42,6 +42,10 @@ class Stage:
     # The ``stage`` its removed rows carry in silver/rejects (None: it removes nothing). A function
     # that tells its removals apart writes ``stage`` itself, as "<reject_reason>:<why>".
     reject_reason: str | None = None
+    # A stage that runs a model: its ``run`` loads the model on first use and keeps it. On Ray it
+    # runs on an actor pool (the model loaded once an actor, a GPU each when the cluster has them)
+    # while the stages before it stream as tasks; here, in the step's process like any other.
+    on_actors: bool = False
 
 
 class StageAccountingError(RuntimeError):
@@ -67,6 +71,20 @@ def run_stages(stages: Sequence[Stage], block: pl.DataFrame) -> StagesResult:
             removed[stage.name] = rejected
         kept = survivors
     return StagesResult(kept, removed, counters)
+
+
+def run_more(stages: Sequence[Stage], result: StagesResult) -> StagesResult:
+    """``stages`` on what ``result`` kept, their counters and removals added to its own."""
+    more = run_stages(stages, result.kept)
+    return StagesResult(
+        more.kept, {**result.removed, **more.removed}, {**result.counters, **more.counters}
+    )
+
+
+def split_at_actors(stages: Sequence[Stage]) -> tuple[list[Stage], list[Stage]]:
+    """The stages before the first that runs on actors, and that stage with the rest."""
+    first = next((i for i, stage in enumerate(stages) if stage.on_actors), len(stages))
+    return list(stages[:first]), list(stages[first:])
 
 
 def run_in_process(

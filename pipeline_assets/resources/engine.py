@@ -40,7 +40,9 @@ from pipeline_assets.lib.stages import (
     from_row,
     merge,
     run_in_process,
+    run_more,
     run_stages,
+    split_at_actors,
     split_blocks,
     to_row,
 )
@@ -257,41 +259,93 @@ def _on_node(function: Callable, args: tuple) -> tuple:
 
 
 def run_on_ray(stages: Sequence[Stage], frame: pl.DataFrame, rows_per_block: int) -> StagesResult:
-    """One Ray Data task per block, results back in block order; the nodes that ran them and the
-    polars threads each task had are in each stage's counters (``ray_nodes``,
-    ``ray_polars_threads``)."""
+    """One Ray Data task per block, then the stages that run models on an actor pool, streamed
+    behind them; results back in block order. The nodes that ran them and the polars threads each
+    task had are in each stage's counters (``ray_nodes``, ``ray_polars_threads``)."""
     import pyarrow as pa
     import ray.data
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
+    task_stages, actor_stages = split_at_actors(stages)
 
     def run_block(table: pa.Table) -> pa.Table:
-        result = run_stages(stages, pl.from_arrow(table))
-        where = {
-            "node": ray.get_runtime_context().get_node_id(),
-            "polars_threads": pl.thread_pool_size(),
-        }
-        return pa.Table.from_pylist([{**to_row(result), **where}])
+        return pa.Table.from_pylist(
+            [{**to_row(run_stages(task_stages, pl.from_arrow(table))), **_where()}]
+        )
 
     blocks = [
         block.to_arrow(compat_level=pl.CompatLevel.oldest())
         for block in split_blocks(frame, rows_per_block)
     ]
-    rows = (
-        ray.data.from_arrow(blocks)
-        .map_batches(run_block, batch_size=None, batch_format="pyarrow")
-        .take_all()
+    dataset = ray.data.from_arrow(blocks).map_batches(
+        run_block, batch_size=None, batch_format="pyarrow"
     )
+    if actor_stages:
+        dataset = dataset.map_batches(
+            ActorStages,
+            fn_constructor_args=(actor_stages,),
+            batch_size=1,
+            batch_format="pyarrow",
+            **actor_pool(ray.cluster_resources(), len(blocks)),
+        )
+    rows = dataset.take_all()
     merged = merge([from_row(row) for row in rows])
     where = {
-        "ray_nodes": sorted({row["node"] for row in rows}),
+        "ray_nodes": sorted({node for row in rows for node in row["nodes"].split(",")}),
         "ray_polars_threads": sorted({row["polars_threads"] for row in rows}),
     }
     return StagesResult(
         merged.kept, merged.removed, {name: {**c, **where} for name, c in merged.counters.items()}
     )
+
+
+def _where() -> dict:
+    import ray
+
+    return {
+        "nodes": ray.get_runtime_context().get_node_id(),
+        "polars_threads": pl.thread_pool_size(),
+    }
+
+
+class ActorStages:
+    """Ray Data's callable class for the stages that run models: one instance an actor, so each
+    stage's model is loaded once an actor and kept for every block it is given."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        self.stages = stages
+
+    def __call__(self, table):
+        import pyarrow as pa
+
+        rows = []
+        for row in table.to_pylist():
+            result = run_more(self.stages, from_row(row))
+            rows.append(
+                {
+                    **to_row(result),
+                    "nodes": f"{row['nodes']},{_where()['nodes']}",
+                    "polars_threads": row["polars_threads"],
+                }
+            )
+        return pa.Table.from_pylist(rows)
+
+
+def actor_pool(cluster: dict, blocks: int) -> dict:
+    """The pool that runs the model stages: a GPU an actor when the cluster has GPUs; else half its
+    cores, one each, so that the task stages keep the other half. Never more actors than blocks."""
+    gpus = int(cluster.get("GPU", 0))
+    if gpus:
+        return {"compute": _pool(min(gpus, blocks)), "num_gpus": 1}
+    return {"compute": _pool(min(max(1, int(cluster.get("CPU", 1)) // 2), blocks)), "num_cpus": 1}
+
+
+def _pool(size: int):
+    from ray.data import ActorPoolStrategy
+
+    return ActorPoolStrategy(size=size)
 
 
 def engine_used(counters: dict) -> str:
