@@ -182,6 +182,8 @@ class Curated(pa.DataFrameModel):
     q_duplicate_line_char_fraction: float = pa.Field(**FRACTION)
     q_top_2gram_char_fraction: float = pa.Field(**FRACTION)
     q_duplicate_5gram_char_fraction: float = pa.Field(**FRACTION)
+    language: str = pa.Field(description="ISO 639-1, of the judged answer (lid.176)")
+    language_score: float = pa.Field(gt=0.0, le=1.0, description="the model's probability of it")
 
 
 class SilverRecord(Curated, BronzeRecord):  # the bronze fields first
@@ -218,7 +220,8 @@ class SilverConversation(ConversationMeasures, Curated, BronzeConversation):
 
 
 SILVER_STAGE = (
-    r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|contradiction|pair_cap|pair:[a-z_]+)$"
+    r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|language|contradiction|pair_cap"
+    r"|pair:[a-z_]+)$"
 )
 
 

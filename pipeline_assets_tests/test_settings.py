@@ -115,6 +115,7 @@ def test_every_policy_field_a_setting_sets_takes_the_settings_value(monkeypatch,
     }
     changed.update(long_records="drop", kuberay_config="", spot_discount=0.5)
     changed["rl_held_out_fraction"] = 0.5
+    changed["languages"] = ["de", "en"]
     resources = build_resources(dataclasses.replace(settings, **changed))
     checked = 0
     for resource in resources.values():

@@ -58,6 +58,7 @@ class SilverPolicy(ConfigurableResource):
     trailing_batches: int = 10
     max_pairs_per_prompt: int = setting_field("max_pairs_per_prompt")
     max_length_ratio: float = setting_field("max_length_ratio")
+    languages: list[str] = setting_field("languages")
 
     def decontam_config(self) -> DecontamConfig:
         return DecontamConfig(ngram=self.decontam_ngram)
@@ -80,6 +81,7 @@ class SilverPolicy(ConfigurableResource):
             },
             max_pairs_per_prompt=self.max_pairs_per_prompt,
             max_length_ratio=self.max_length_ratio or None,
+            languages=frozenset(self.languages),
         )
 
 

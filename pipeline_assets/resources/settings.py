@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pipeline_assets.lib.gold.preference import (
 )
 from pipeline_assets.lib.gold.sequences import DEFAULT_LONG_RECORDS, LONG_RECORD_MODES
 from pipeline_assets.lib.ops.cost import Prices
+from pipeline_assets.lib.silver.language import known_languages
 from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.trainer.config import DEFAULT_BETA, TrainConfig
@@ -123,6 +125,23 @@ def source_formats(variable: str, raw: str) -> dict[str, str]:
     return value
 
 
+def language_codes(variable: str, raw: str) -> list[str]:
+    """``en,de``: the languages silver keeps, as the language-ID model names them."""
+    codes = sorted({code.strip().lower() for code in raw.split(",") if code.strip()})
+    odd = [code for code in codes if not re.fullmatch(r"[a-z]{2,3}", code)]
+    if odd:
+        raise ValueError(
+            f"{variable}={raw!r}: {', '.join(odd)} is not a language code (ISO 639-1, such as en)"
+        )
+    unknown = [code for code in codes if code not in known_languages()]
+    if unknown:
+        raise ValueError(
+            f"{variable}={raw!r}: the language-ID model (lid.176) knows no language "
+            f"{', '.join(unknown)}; it would reject every record"
+        )
+    return codes
+
+
 def kuberay_file(variable: str, raw: str) -> str:
     if os.environ.get("RAY_ADDRESS", "").strip():
         raise ValueError(
@@ -152,7 +171,7 @@ class Setting:
         return copy_of(self.default)
 
     def shown_default(self) -> str:
-        if self.default in ("", None):
+        if self.default in ("", None, []):
             return "unset"
         if isinstance(self.default, dict):
             return json.dumps(self.default)
@@ -162,7 +181,7 @@ class Setting:
 
 
 def copy_of(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else value
+    return type(value)(value) if isinstance(value, (dict, list)) else value
 
 
 def trainer_default(name: str):
@@ -269,6 +288,14 @@ SETTINGS: tuple[Setting, ...] = (
         "this factor either way (`pair:length_ratio`); 0 only counts the pairs beyond 4x",
         length_ratio,
         "max_length_ratio",
+    ),
+    Setting(
+        "PIPELINE_LANGUAGES",
+        [],
+        "ISO 639-1 codes silver keeps (`en,de`); the others are rejected as `language`; unset: "
+        "every record's language is recorded, none rejected for it",
+        language_codes,
+        "languages",
     ),
     Setting(
         "PIPELINE_PREFERENCE_VALIDATION_FRACTION",
@@ -672,6 +699,7 @@ class Settings:
     max_length_ratio: (
         float  # preference pairs: 0 counts the ratio only, a number also rejects beyond it
     )
+    languages: list[str]
     preference_validation_fraction: float
     base_model: str
     base_model_lr: float

@@ -299,6 +299,7 @@ def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedB
         "rejected_rows": bronze.height - kept.height,
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
+        "language_mix": curated.stages["language"].get("language_mix", {}),
     }
 
 

@@ -93,14 +93,14 @@ def silver_pass_rate(
     asset=SILVER_RECORDS,
     name="drift",
     partitions_def=ingest_batches,
-    description="PSI of response length, source mix and quality-rule values against trailing "
-    "batches.",
+    description="PSI of response length, source mix, language mix and quality-rule values against "
+    "trailing batches.",
 )
 def silver_drift(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    columns = ["batch_id", "source", *QUANTITIES]
+    columns = ["batch_id", "source", "language", *QUANTITIES]
     history = (
         lake.scan("silver", "records")
         .filter(pl.col("batch_id") <= batch_id)
@@ -125,7 +125,10 @@ def silver_drift(
             },
         )
     scores = {
-        "source_mix": psi_categorical(reference["source"].to_list(), current["source"].to_list())
+        f"{column}_mix": psi_categorical(
+            reference[column].drop_nulls().to_list(), current[column].drop_nulls().to_list()
+        )
+        for column in ("source", "language")
     }
     scores |= {q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES}
     worst_name, worst = max(scores.items(), key=lambda item: item[1])

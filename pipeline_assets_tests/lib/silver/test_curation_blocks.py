@@ -90,7 +90,7 @@ def test_every_stage_of_a_batch_counts_its_rows_and_seconds():
         bronze, None, _eval_index(), SilverConfig(), partial(run_in_process, rows_per_block=7)
     )
     removing = ("exact_dedup", "near_dedup", "decontaminate", "quality")
-    assert list(curated.stages) == ["normalize", "minhash", *removing]
+    assert list(curated.stages) == ["normalize", "minhash", *removing, "language"]
     assert_every_stage_accounts_for_its_rows(curated, bronze)
     assert all(curated.stages[name]["rejected"] > 0 for name in removing)
 

@@ -394,6 +394,14 @@ def test_every_stage_of_a_batch_of_pairs_counts_its_rows_and_seconds():
         "quality",
         "pair_cap",
     )
-    assert list(curated.stages) == ["normalize", *removing[:1], "views", "minhash", *removing[1:]]
+    assert list(curated.stages) == [
+        "normalize",
+        *removing[:1],
+        "views",
+        "minhash",
+        *removing[1:-1],
+        "language",
+        *removing[-1:],
+    ]
     assert_every_stage_accounts_for_its_rows(curated, bronze)
     assert all(curated.stages[name]["rejected"] > 0 for name in removing)
