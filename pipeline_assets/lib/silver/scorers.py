@@ -274,7 +274,7 @@ class SequenceClassifierScorer:
         input_ids = torch.full((len(rows), int(width)), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), int(width)), dtype=torch.long)
         for index, row in enumerate(rows):
-            input_ids[index, : len(row)] = torch.as_tensor(np.asarray(row), dtype=torch.long)
+            input_ids[index, : len(row)] = torch.tensor(np.asarray(row), dtype=torch.long)
             mask[index, : len(row)] = 1
         return input_ids.to(self.device), mask.to(self.device)
 
