@@ -8,6 +8,7 @@ layer must produce, so an all-null column still lands with its declared type.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import pandera.polars as pa
@@ -161,6 +162,9 @@ class QuarantineRecord(pa.DataFrameModel):
 
 
 HASH_128 = {"str_length": {"min_value": 32, "max_value": 32}}
+# the user's scorers' columns (polars' regex has no lookahead: a preference record's own
+# score_chosen and score_rejected, nullable, match it too)
+SCORE_COLUMNS = r"^score_[a-z0-9_]+$"
 FRACTION = {"ge": 0.0, "le": 1.0}
 
 
@@ -184,6 +188,14 @@ class Curated(pa.DataFrameModel):
     q_duplicate_5gram_char_fraction: float = pa.Field(**FRACTION)
     language: str = pa.Field(description="ISO 639-1, of the judged answer (lid.176)")
     language_score: float = pa.Field(gt=0.0, le=1.0, description="the model's probability of it")
+    score: float = pa.Field(
+        alias=SCORE_COLUMNS,
+        regex=True,
+        required=False,
+        nullable=True,
+        description="score_<name>: each of the user's scorers (PIPELINE_QUALITY_MODELS); "
+        "preference pairs also score_<name>_rejected",
+    )
 
 
 class SilverRecord(Curated, BronzeRecord):  # the bronze fields first
@@ -220,8 +232,8 @@ class SilverConversation(ConversationMeasures, Curated, BronzeConversation):
 
 
 SILVER_STAGE = (
-    r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|language|contradiction|pair_cap"
-    r"|pair:[a-z_]+)$"
+    r"^(exact_dup|near_dup|decontaminated|quality:[a-z0-9_]+|language|quality_model"
+    r"|reward_disagrees|contradiction|pair_cap|pair:[a-z_]+)$"
 )
 
 
@@ -693,18 +705,34 @@ FORMAT_CONTRACTS: dict[str, tuple[type[pa.DataFrameModel], type[pa.DataFrameMode
 
 
 def polars_schema(model: type[pa.DataFrameModel]) -> pl.Schema:
-    """The polars column types a contract declares, in declaration order."""
+    """The polars column types a contract declares, in declaration order (columns matched by a
+    pattern, such as the scorers', left out: a frame has them or not)."""
     columns = model.to_schema().columns
-    return pl.Schema({name: column.dtype.type for name, column in columns.items()})
+    return pl.Schema(
+        {name: column.dtype.type for name, column in columns.items() if not column.regex}
+    )
 
 
 def conform(frame: pl.DataFrame, model: type[pa.DataFrameModel]) -> pl.DataFrame:
-    """Select and cast a frame to the contract's columns and types (empty frames included)."""
+    """Select and cast a frame to the contract's columns and types (empty frames included), and the
+    columns its patterns match."""
     schema = polars_schema(model)
     missing = [name for name in schema if name not in frame.columns]
     if missing:
         raise ValueError(f"{model.__name__}: frame lacks column(s) {missing}")
-    return frame.select([pl.col(name).cast(dtype) for name, dtype in schema.items()])
+    patterns = [
+        (re.compile(name), column.dtype.type)
+        for name, column in model.to_schema().columns.items()
+        if column.regex
+    ]
+    matched = [
+        pl.col(name).cast(dtype)
+        for name in frame.columns
+        if name not in schema
+        for pattern, dtype in patterns
+        if pattern.match(name)
+    ]
+    return frame.select([pl.col(name).cast(dtype) for name, dtype in schema.items()], *matched)
 
 
 def validate(frame: pl.DataFrame, model: type[pa.DataFrameModel]) -> pl.DataFrame:

@@ -28,6 +28,7 @@ from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.resources.quality_models import QualityModelsResource
 
 # The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest
 # first by their time in a full run: started last, as alphabetical order would, they leave one
@@ -189,6 +190,7 @@ def resources(lake, landing, eval_sets_dir, tmp_path) -> dict:
         "ingest_policy": IngestPolicy(),
         "eval_sets": EvalSetsResource(uri=str(eval_sets_dir)),
         "silver_policy": SilverPolicy(),
+        "quality_models": QualityModelsResource(),
         "batch_gates": batch_gates(),
         "ray_engine": RayEngine(home=str(tmp_path / "home")),
         "gold_policy": GoldPolicy(),

@@ -24,6 +24,7 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.launcher import TorchrunLauncher
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
+from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets.resources.settings import Settings, policy_from
 
 
@@ -58,6 +59,7 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "ingest_policy": policy_from(IngestPolicy, settings),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": policy_from(SilverPolicy, settings),
+        "quality_models": QualityModelsResource(models=settings.quality_models),
         "batch_gates": batch_gates(),
         "ray_engine": _block_engine(settings),
         "gold_policy": policy_from(GoldPolicy, settings),

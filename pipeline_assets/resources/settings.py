@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
+from pipeline_assets.lib import uris
 from pipeline_assets.lib.formats import FORMATS
 from pipeline_assets.lib.gold.conversations import DEFAULT_LOSS as DEFAULT_CONVERSATION_LOSS
 from pipeline_assets.lib.gold.conversations import LOSS_MODES as CONVERSATION_LOSS_MODES
@@ -30,6 +31,7 @@ from pipeline_assets.lib.gold.sequences import DEFAULT_LONG_RECORDS, LONG_RECORD
 from pipeline_assets.lib.ops.cost import Prices
 from pipeline_assets.lib.silver.language import known_languages
 from pipeline_assets.lib.silver.preference_rules import MAX_PAIRS_PER_PROMPT
+from pipeline_assets.lib.silver.scorers import ScorerError, check_scorer, parse_scorers
 from pipeline_assets.lib.stages import RAY_MIN_ROWS
 from pipeline_assets.trainer.config import DEFAULT_BETA, TrainConfig
 
@@ -140,6 +142,19 @@ def language_codes(variable: str, raw: str) -> list[str]:
             f"{', '.join(unknown)}; it would reject every record"
         )
     return codes
+
+
+def quality_models(variable: str, raw: str) -> str:
+    """A JSON list of scorers (``lib.silver.scorers.ScorerSpec``), each a local model checked
+    here, before any batch runs: a folder that is not a sequence classifier, a fastText file that
+    does not load, a label the model lacks."""
+    try:
+        for spec in parse_scorers(raw, variable):
+            if not uris.is_s3(spec.model):
+                check_scorer(spec)
+    except ScorerError as error:
+        raise ValueError(f"{variable}: {error}") from None
+    return raw
 
 
 def kuberay_file(variable: str, raw: str) -> str:
@@ -296,6 +311,15 @@ SETTINGS: tuple[Setting, ...] = (
         "every record's language is recorded, none rejected for it",
         language_codes,
         "languages",
+    ),
+    Setting(
+        "PIPELINE_QUALITY_MODELS",
+        "[]",
+        'the user\'s scorers, a JSON list: `[{"name": "edu", "model": "<HF sequence-classification '
+        'folder or fastText file>", "text": "response", "min": 2.5}]`; each writes `score_<name>`, '
+        "and a record below `min` is rejected as `quality_model` (docs/silver.md, Model scorers)",
+        quality_models,
+        "quality_models",
     ),
     Setting(
         "PIPELINE_PREFERENCE_VALIDATION_FRACTION",
@@ -700,6 +724,7 @@ class Settings:
         float  # preference pairs: 0 counts the ratio only, a number also rejects beyond it
     )
     languages: list[str]
+    quality_models: str  # the JSON list of scorers
     preference_validation_fraction: float
     base_model: str
     base_model_lr: float

@@ -26,6 +26,7 @@ from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
+from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 
@@ -111,6 +112,7 @@ def _landing_to_gold(
         "landing": LandingResource(uri=str(landing_dir)),
         "eval_sets": EvalSetsResource(uri=str(root / "eval")),
         "silver_policy": SilverPolicy(),
+        "quality_models": QualityModelsResource(),
         "batch_gates": batch_gates(),
         "gold_policy": GoldPolicy(tokenizer_path=tokenizer_file, seq_len=SEQ_LEN),
         "base_model": BaseModelResource(uri=""),

@@ -2,6 +2,8 @@
 silver/rejects, silver/minhash_index, silver/minhash_bands: one ingest batch, every record format's
 rows curated by the same stages."""
 
+from dataclasses import replace
+
 import polars as pl
 from dagster import (
     AssetDep,
@@ -42,6 +44,7 @@ from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
+from pipeline_assets.resources.quality_models import QualityModelsResource
 
 _KINDS = {"delta", "polars"}
 
@@ -92,12 +95,13 @@ def silver(
     silver_policy: SilverPolicy,
     ray_engine: BlockEngine,
     batch_gates: BatchGates,
+    quality_models: QualityModelsResource,
 ):
     stopwatch = Stopwatch()
     batch_id = context.partition_key
     events = batch_events(context.instance, batch_gates)
     _require_earlier_batches(events, batch_id)
-    config = silver_policy.silver_config()
+    config = replace(silver_policy.silver_config(), scorers=tuple(quality_models.local_specs()))
     bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
     rows = {tables: frame for tables, (_, frame) in bronze.items()}
     eval_files = eval_sets.files()
@@ -136,10 +140,13 @@ def silver(
     upstream = {
         **{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
         "reference/eval_sets": eval_sets.fingerprint(eval_files),
+        "quality_models": quality_models.fingerprint(),
         **lookup_report.get("versions", {}),
     }
     metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
     metadata[SILVER_RECORDS]["decontamination"] = decontamination
+    for key in metadata:
+        metadata[key]["quality_models"] = quality_models.identities()
     input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
     for key, model in _CONTRACTS.items():
         written = delta_write_metadata(

@@ -1,6 +1,7 @@
 """Silver's stages for one ingest batch, in order, each with its own counters (datatrove-style).
 
-normalize -> exact dedup -> near dedup -> decontaminate -> quality gate -> language. Every record
+normalize -> exact dedup -> near dedup -> decontaminate -> quality gate -> language -> the user's
+scorers (``lib.silver.scoring``). Every record
 removed by a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
 ``bronze rows == silver rows + rejected rows``. Cheap stages run first: a record the heuristics
 reject is never given to a model.
@@ -56,6 +57,8 @@ from pipeline_assets.lib.silver.preference_rules import (
 )
 from pipeline_assets.lib.silver.quality import REJECT_REASON as QUALITY_REASON
 from pipeline_assets.lib.silver.quality import QualityThresholds, quality_gate
+from pipeline_assets.lib.silver.scorers import ScorerSpec
+from pipeline_assets.lib.silver.scoring import scorer_stages
 from pipeline_assets.lib.stages import (
     ROWS_PER_BLOCK,
     Stage,
@@ -79,6 +82,7 @@ class SilverConfig:
         None  # preference pairs: None counts the ratio, a number also rejects beyond it
     )
     languages: frozenset[str] = frozenset()  # empty: every language kept
+    scorers: tuple[ScorerSpec, ...] = ()  # the user's models, run after every other block stage
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ def after_dedup(
             QUALITY_REASON,
         ),
         language_stage(config.languages, fmt.judged),
+        *scorer_stages(config.scorers, fmt),
     ]
 
 

