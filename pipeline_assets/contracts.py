@@ -732,7 +732,7 @@ def conform(frame: pl.DataFrame, model: type[pa.DataFrameModel]) -> pl.DataFrame
         for pattern, dtype in patterns
         if pattern.match(name)
     ]
-    return frame.select([pl.col(name).cast(dtype) for name, dtype in schema.items()], *matched)
+    return frame.select(*(pl.col(name).cast(dtype) for name, dtype in schema.items()), *matched)
 
 
 def validate(frame: pl.DataFrame, model: type[pa.DataFrameModel]) -> pl.DataFrame:

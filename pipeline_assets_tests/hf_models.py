@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
     "+ '<|im_end|>' + '\n' }}{% endfor %}"
@@ -116,3 +118,27 @@ def assert_servable(folder: Path) -> None:
     )
     generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
+
+
+def classifier_folder(folder, **config):
+    """A tiny Qwen2 sequence classifier with a ChatML tokenizer trained here, saved in ``folder``
+    (``num_labels=1``: a reward model's shape)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    tokenizer = trained_tokenizer(CHATML_SPECIALS, CHATML)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForSequenceClassification(Qwen2Config(**{**settings, **config}))
+    folder.mkdir(parents=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

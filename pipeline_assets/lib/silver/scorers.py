@@ -205,6 +205,8 @@ def classifier_head(folder: str | Path, label: str | None) -> ClassifierHead:
 def encode_texts(tokenizer, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
     """Token ids of each text, the model's own special tokens (CLS, SEP, BOS) added around it.
     A special token's spelling inside the text stays plain text."""
+    if not texts:
+        return []  # a fast tokenizer fails on an empty batch
     limit = max_length or _model_max_length(tokenizer)
     encoded = tokenizer(
         list(texts),

@@ -27,7 +27,10 @@ from pipeline_assets.lib.silver.scorers import (
     parse_scorers,
 )
 from pipeline_assets_tests.fasttext_models import train_fasttext
-from pipeline_assets_tests.hf_models import CHATML, CHATML_SPECIALS, qwen2_folder, trained_tokenizer
+from pipeline_assets_tests.hf_models import (
+    classifier_folder,
+    qwen2_folder,
+)
 
 RESPONSES = [
     "Open settings, choose security, then reset the password.",
@@ -45,28 +48,6 @@ FASTTEXT_EXAMPLES = [
     ("buy cheap pills now click here", "__label__spam"),
     ("click here to win cheap prizes now", "__label__spam"),
 ]
-
-
-def classifier_folder(folder, **config):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    torch.manual_seed(0)
-    tokenizer = trained_tokenizer(CHATML_SPECIALS, CHATML)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForSequenceClassification(Qwen2Config(**{**settings, **config}))
-    folder.mkdir(parents=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
