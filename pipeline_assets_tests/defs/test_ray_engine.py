@@ -29,6 +29,7 @@ from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
+from pipeline_assets_tests.hf_models import classifier_folder
 
 BATCHES = 3
 SEQ_LEN = 128
@@ -93,6 +94,13 @@ def two_node_cluster():
 
 
 @pytest.fixture(scope="module")
+def scorer(tmp_path_factory) -> dict:
+    """A reward model's shape as the user's scorer: on Ray, its stage runs on an actor pool."""
+    folder = classifier_folder(tmp_path_factory.mktemp("scorer") / "reward", num_labels=1)
+    return {"name": "reward", "model": str(folder)}
+
+
+@pytest.fixture(scope="module")
 def tokenizer_file(batches, tmp_path_factory) -> str:
     """One tokenizer both runs encode with (PIPELINE_TOKENIZER), trained on the batches' text."""
     texts = [f"{row['prompt']} {row['response']}" for rows in batches for row in rows]
@@ -102,7 +110,7 @@ def tokenizer_file(batches, tmp_path_factory) -> str:
 
 
 def _landing_to_gold(
-    root, rows_by_batch, instance, tokenizer_file
+    root, rows_by_batch, instance, tokenizer_file, scorer
 ) -> tuple[dict[str, pl.DataFrame], list[dict]]:
     """Each batch from landing to its gold shard, one run a batch; the tables by record origin, and
     each run's silver and gold metadata."""
@@ -112,7 +120,7 @@ def _landing_to_gold(
         "landing": LandingResource(uri=str(landing_dir)),
         "eval_sets": EvalSetsResource(uri=str(root / "eval")),
         "silver_policy": SilverPolicy(),
-        "quality_models": QualityModelsResource(),
+        "quality_models": QualityModelsResource(models=json.dumps([scorer])),
         "batch_gates": batch_gates(),
         "gold_policy": GoldPolicy(tokenizer_path=tokenizer_file, seq_len=SEQ_LEN),
         "base_model": BaseModelResource(uri=""),
@@ -200,9 +208,11 @@ def _by_origin(frame: pl.DataFrame, where: dict[str, str]) -> pl.DataFrame:
 
 
 def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
-    two_node_cluster, batches, tokenizer_file, instance, tmp_path, monkeypatch
+    two_node_cluster, batches, tokenizer_file, scorer, instance, tmp_path, monkeypatch
 ):
-    local, local_metadata = _landing_to_gold(tmp_path / "local", batches, instance, tokenizer_file)
+    local, local_metadata = _landing_to_gold(
+        tmp_path / "local", batches, instance, tokenizer_file, scorer
+    )
     assert {m["silver"]["block_stages_ran_on"] for m in local_metadata} == {"this process"}
     assert {m["gold__sequences"]["tokenized_on"] for m in local_metadata} == {"this process"}
     assert [m["silver"]["index_lookup_ran_on"] for m in local_metadata] == [
@@ -211,7 +221,9 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     ]
 
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
-    on_ray, ray_metadata = _landing_to_gold(tmp_path / "ray", batches, instance, tokenizer_file)
+    on_ray, ray_metadata = _landing_to_gold(
+        tmp_path / "ray", batches, instance, tokenizer_file, scorer
+    )
 
     # four blocks a batch, each task's polars on its one CPU
     both_nodes = "Ray, 2 node(s), 1 polars thread(s) a task"
@@ -233,5 +245,17 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, (
         "every silver record in a shard"
     )
+    # the scorer's model loaded once a process: once in the step's process for the three batches,
+    # once an actor on Ray (one actor a batch on two cores, for its four blocks)
+    assert [m["silver"]["scorers"]["reward"]["model_loads"] for m in local_metadata] == [1, 0, 0]
+    assert [m["silver"]["scorers"]["reward"]["model_loads"] for m in ray_metadata] == [1, 1, 1]
+    assert all(m["silver"]["scorers"]["reward"]["ran_on"].startswith("Ray, ") for m in ray_metadata)
+    # the scorer's model ran on the actor pool, one torch thread an actor: its scores agree with
+    # the step's process within fp32 rounding, every other column exactly
+    assert (on_ray["records"]["score_reward"] - local["records"]["score_reward"]).abs().max() < 1e-4
     for name, frame in local.items():
-        assert on_ray[name].equals(frame), name
+        assert (
+            on_ray[name]
+            .drop("score_reward", strict=False)
+            .equals(frame.drop("score_reward", strict=False))
+        ), name

@@ -307,6 +307,21 @@ def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedB
         "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
         "stages": table_metadata(_stage_table(curated.stages)),
         "language_mix": curated.stages["language"].get("language_mix", {}),
+        "scorers": _scorer_metadata(curated.stages),
+    }
+
+
+def _scorer_metadata(stages: dict[str, dict]) -> dict:
+    """Per scorer: where its model ran, how many processes loaded it, and its records/s."""
+    return {
+        name.removeprefix("score_"): {
+            "ran_on": engine_used(counters),
+            "model_loads": counters["model_loads"],
+            "records": counters["rows_in"],
+            "records_per_second": round(counters["rows_in"] / max(counters["seconds"], 1e-9), 1),
+        }
+        for name, counters in stages.items()
+        if name.startswith("score_")
     }
 
 

@@ -126,7 +126,9 @@ def tokenize_block(
 def score_block(
     block: pl.DataFrame, spec: ScorerSpec, texts: dict[str, pl.Expr]
 ) -> tuple[pl.DataFrame, pl.DataFrame | None, dict]:
+    loads = _scorer.cache_info().misses
     scorer = _scorer(spec)
+    loaded = _scorer.cache_info().misses - loads  # 1 where this process had to load it
     scores = {
         column: (
             scorer.score_texts(block.select(text).to_series().to_list())
@@ -138,7 +140,8 @@ def score_block(
     scored = block.with_columns(
         pl.Series(column, values, dtype=pl.Float64) for column, values in scores.items()
     ).drop([_tokens(column) for column in texts], strict=False)
-    return below_threshold(scored, spec)
+    kept, removed, _ = below_threshold(scored, spec)
+    return kept, removed, {"model_loads": loaded}
 
 
 def reward_disagrees(
