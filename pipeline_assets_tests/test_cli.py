@@ -29,6 +29,25 @@ def test_run_with_a_selection_and_a_bad_setting(tmp_path):
         and "PIPELINE_SOURCE_FORMATS names unknown record format(s) dpo" in unknown_format.stderr
     )
     assert "Traceback" not in bad.stderr
+    unknown_language = _cli(tmp_path, "run", PIPELINE_LANGUAGES="en,xx")
+    assert (
+        unknown_language.returncode == 2
+        and "PIPELINE_LANGUAGES='en,xx': the language-ID model (lid.176) knows no language xx"
+        in unknown_language.stderr
+    )
+    causal_lm = tmp_path / "causal-lm"
+    causal_lm.mkdir()
+    (causal_lm / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    scorers = json.dumps([{"name": "edu", "model": str(causal_lm), "min": 2.5}])
+    not_a_classifier = _cli(tmp_path, "run", PIPELINE_QUALITY_MODELS=scorers)
+    assert (
+        not_a_classifier.returncode == 2
+        and "PIPELINE_QUALITY_MODELS: " in not_a_classifier.stderr
+        and "is not a sequence classifier" in not_a_classifier.stderr
+        and "Traceback" not in not_a_classifier.stderr
+    )
     (tmp_path / "kuberay.yaml").write_text("imagee: registry.example.com/pipeline-assets:1.4\n")
     misspelt = _cli(tmp_path, "run", PIPELINE_KUBERAY=str(tmp_path / "kuberay.yaml"))
     assert (
