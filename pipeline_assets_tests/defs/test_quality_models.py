@@ -1,6 +1,7 @@
 """Silver's models through materialize(): the language filter on text in several languages, a
 Hugging Face reward model and a fastText classifier as the user's scorers (PIPELINE_QUALITY_MODELS),
-their thresholds, and the reward model's verdict on preference pairs."""
+their thresholds, and the reward model's verdict on preference pairs; in the step's process and on
+a local Ray."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.silver.scorers import encode_texts
+from pipeline_assets.resources.engine import RayEngine
+from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets_tests.conftest import write_landing_file
@@ -92,7 +95,7 @@ def own_scores(folder, texts: list[str]) -> list[float]:
 
 
 def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
-    models, instance, resources, landing_dir
+    models, instance, resources, landing_dir, tmp_path
 ):
     reward, helpful = models
     kept_languages = ANSWERS["en"] + ANSWERS["de"]
@@ -195,3 +198,35 @@ def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
     assert set(by_stage.get("reward_disagrees", [])) == disagree
     assert disagree and pairs_kept.height, "the seeded model disagrees with some pairs, not all"
     assert (pairs_kept["score_reward_rejected"] - pairs_kept["score_reward"] <= margin).all()
+
+    # a local Ray (what a batch of PIPELINE_RAY_MIN_ROWS rows starts): the same batch, the same
+    # verdicts, the same scores within fp32 rounding, the models on its actor pool
+    on_ray = {
+        **run_with,
+        "lake": LakeResource(uri=str(tmp_path / "ray-lake")),
+        "ray_engine": RayEngine(home=str(tmp_path / "ray-home"), min_rows=1),
+    }
+    ray_batch = register(instance, on_ray)
+    ray_result = materialize(
+        [eval_sets, bronze, silver], partition_key=ray_batch, instance=instance, resources=on_ray
+    )
+    assert ray_result.success
+    ray_metadata = ray_result.asset_materializations_for_node("silver")[0].metadata
+    assert ray_metadata["scorers"].value["reward"]["ran_on"].startswith("Ray, 1 node(s)")
+    for table in ("records", "preference_pairs", "rejects"):
+        here, there = (
+            by_line(lake_of["lake"].read("silver", table)) for lake_of in (run_with, on_ray)
+        )
+        scores = [c for c in here.columns if c.startswith("score_") and c in SCORED]
+        assert here.drop(scores).equals(there.drop(scores)), table
+        for column in scores:
+            assert (here[column] - there[column]).abs().max() < 1e-4, (table, column)
+
+
+SCORED = {"score_reward", "score_reward_rejected", "score_helpful"}
+
+
+def by_line(frame: pl.DataFrame) -> pl.DataFrame:
+    """A table's rows by where they came from, without what names the run (batch, times, ids)."""
+    run_columns = ["batch_id", "ingested_at", "record_id", "cluster_id", "duplicate_of"]
+    return frame.drop(run_columns, strict=False).sort("source", "source_line")
