@@ -58,6 +58,16 @@ def trained_tokenizer(specials: dict, template: str, vocab_size: int = 300):
     )
 
 
+# every tiny model's shape: two layers of width 32, four heads, 256 positions
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
+
+
 def qwen2_folder(folder: Path, **config) -> Path:
     """A Qwen2 with grouped-query attention and untied embeddings, ChatML template."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -65,12 +75,8 @@ def qwen2_folder(folder: Path, **config) -> Path:
     tokenizer = trained_tokenizer(CHATML_SPECIALS, CHATML)
     settings = dict(
         vocab_size=len(tokenizer) + 4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY,
         num_key_value_heads=2,
-        max_position_embeddings=256,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -84,12 +90,8 @@ def llama_folder(folder: Path, **config) -> Path:
     tokenizer = trained_tokenizer(LLAMA3_SPECIALS, LLAMA3)
     settings = dict(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY,
         num_key_value_heads=4,
-        max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -129,16 +131,9 @@ def classifier_folder(folder, **config):
     tokenizer = trained_tokenizer(CHATML_SPECIALS, CHATML)
     settings = dict(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY,
         num_key_value_heads=2,
-        max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForSequenceClassification(Qwen2Config(**{**settings, **config}))
-    folder.mkdir(parents=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return _saved(folder, model, tokenizer)
