@@ -8,9 +8,7 @@ is computed only when the listing changed.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -19,10 +17,10 @@ from pydantic import Field
 
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.gold.base_model import BaseModel, inspect_base_model
+from pipeline_assets.resources import model_files
 from pipeline_assets.resources.settings import setting_field
 
 SETTING = "PIPELINE_BASE_MODEL"
-_CACHE_LISTING = ".pipeline-listing.json"  # the S3 listing a cached copy was fetched at
 _VERSIONS = "versions.json"  # listing fingerprint -> the sha256 of the files it describes
 
 
@@ -42,25 +40,16 @@ class BaseModelResource(ConfigurableResource):
 
     def listing(self) -> dict[str, list]:
         """File name -> [size, ETag or modified time]: what changes when any file changes."""
-        if uris.is_s3(self.uri):
-            return {name: [size, etag] for name, (size, etag) in self._s3_objects().items()}
-        root = Path(self.uri)
-        if not root.is_dir():
-            return {}
-        return {
-            file.relative_to(root).as_posix(): [file.stat().st_size, file.stat().st_mtime_ns]
-            for file in sorted(root.rglob("*"))
-            if file.is_file()
-        }
+        return model_files.listing(self.uri, self.s3.get_client)
 
     def listing_fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.listing(), sort_keys=True).encode()).hexdigest()
+        return model_files.fingerprint(self.listing())
 
     def local_folder(self) -> Path:
         """The model as a local folder: the folder itself, or the S3 prefix's cached copy."""
         if not uris.is_s3(self.uri):
             return Path(self.uri)
-        return self._fetched()
+        return model_files.fetched(self.uri, self.s3.get_client(), self.cache_dir)
 
     def inspect(self) -> BaseModel:
         """What the model is, or ``BaseModelError`` naming the problem. Its sha256 is read from
@@ -75,42 +64,6 @@ class BaseModelResource(ConfigurableResource):
             versions_file.parent.mkdir(parents=True, exist_ok=True)
             versions_file.write_text(json.dumps({listing: model.version}))
         return model
-
-    def _s3_objects(self) -> dict[str, tuple[int, str]]:
-        bucket, prefix = uris.split_s3(self.uri)
-        prefix = prefix.rstrip("/") + "/"
-        pages = (
-            self.s3.get_client()
-            .get_paginator("list_objects_v2")
-            .paginate(Bucket=bucket, Prefix=prefix)
-        )
-        return {
-            item["Key"][len(prefix) :]: (item["Size"], item["ETag"].strip('"'))
-            for page in pages
-            for item in page.get("Contents", [])
-            if not item["Key"].endswith("/")
-        }
-
-    def _fetched(self) -> Path:
-        objects = self._s3_objects()
-        folder = Path(self.cache_dir) / hashlib.sha256(self.uri.encode()).hexdigest()[:16]
-        folder.mkdir(parents=True, exist_ok=True)
-        listing_file = folder / _CACHE_LISTING
-        cached = json.loads(listing_file.read_text()) if listing_file.is_file() else {}
-        bucket, prefix = uris.split_s3(self.uri)
-        client = self.s3.get_client()
-        for name, (size, etag) in objects.items():
-            target = folder / name
-            if cached.get(name) == [size, etag] and target.is_file():
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(target.name + ".partial")
-            client.download_file(bucket, f"{prefix.rstrip('/')}/{name}", str(partial))
-            os.replace(partial, target)
-        for stale in set(cached) - set(objects):
-            (folder / stale).unlink(missing_ok=True)
-        listing_file.write_text(json.dumps({k: list(v) for k, v in objects.items()}))
-        return folder
 
 
 def _read_json(path: Path | None) -> dict:
