@@ -59,7 +59,10 @@ def build_resources(settings: Settings | None = None) -> dict[str, ConfigurableR
         "ingest_policy": policy_from(IngestPolicy, settings),
         "eval_sets": EvalSetsResource(uri=settings.eval_sets_uri),
         "silver_policy": policy_from(SilverPolicy, settings),
-        "quality_models": QualityModelsResource(models=settings.quality_models),
+        "quality_models": QualityModelsResource(
+            models=settings.quality_models,
+            cache_dir=str(Path(settings.home) / "cache" / "quality_models"),
+        ),
         "batch_gates": batch_gates(),
         "ray_engine": _block_engine(settings),
         "gold_policy": policy_from(GoldPolicy, settings),
