@@ -29,6 +29,9 @@ from pipeline_assets.defs.reference.assets import (
     eval_sets_watcher,
     observe_base_model_job,
     observe_eval_sets_job,
+    observe_quality_models_job,
+    quality_models,
+    quality_models_watcher,
 )
 from pipeline_assets.defs.registry.assets import registry_model_version
 from pipeline_assets.defs.registry.dpo import registry_dpo_model_version
@@ -55,6 +58,7 @@ def build_definitions(settings: Settings) -> Definitions:
         assets=[
             eval_sets,
             base_model,
+            quality_models,
             bronze,
             silver,
             gold_tokenizer,
@@ -89,6 +93,7 @@ def build_definitions(settings: Settings) -> Definitions:
             run_failure_recorder,
             eval_sets_watcher,
             base_model_watcher,
+            quality_models_watcher,
         ],
         schedules=[snapshot_schedule, nightly_retrain, retention_schedule],
         jobs=[
@@ -100,6 +105,7 @@ def build_definitions(settings: Settings) -> Definitions:
             retention_job,
             observe_eval_sets_job,
             observe_base_model_job,
+            observe_quality_models_job,
         ],
         resources=build_resources(settings),
         executor=EXECUTORS[settings.executor],

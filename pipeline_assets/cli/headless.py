@@ -40,6 +40,7 @@ from pipeline_assets.defs.keys import (
     OPS_PIPELINE_REPORT,
     REFERENCE_BASE_MODEL,
     REFERENCE_EVAL_SETS,
+    REFERENCE_QUALITY_MODELS,
     RL_POLICY,
     RL_PROMPT_BANK,
     RL_REPLAY_BUFFER,
@@ -300,7 +301,7 @@ def run_stale(defs: Definitions, instance: DagsterInstance, selection: str | Non
     keys = sorted(chosen.resolve(graph), key=lambda k: k.to_user_string())
     job = defs.resolve_implicit_global_asset_job_def()
     outcome = RunOutcome()
-    for source in (REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL):
+    for source in (REFERENCE_EVAL_SETS, REFERENCE_BASE_MODEL, REFERENCE_QUALITY_MODELS):
         if _reads_source(defs, keys, source):
             observe_source(defs, instance, outcome, source)
     # gold/sequences reads gold/tokenizer: while that is missing, shards wait for a pass after it is

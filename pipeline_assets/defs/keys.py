@@ -13,6 +13,7 @@ BRONZE_PREFERENCE_RECORDS = AssetKey(
 )  # the preference sources' records
 REFERENCE_EVAL_SETS = AssetKey(["reference", "eval_sets"])
 REFERENCE_BASE_MODEL = AssetKey(["reference", "base_model"])
+REFERENCE_QUALITY_MODELS = AssetKey(["reference", "quality_models"])
 SILVER_RECORDS = AssetKey(["silver", SFT.silver_table])
 SILVER_REJECTS = AssetKey(["silver", "rejects"])
 SILVER_PREFERENCE_PAIRS = AssetKey(

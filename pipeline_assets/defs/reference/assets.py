@@ -6,6 +6,11 @@ its files, so a changed benchmark shows silver as stale ("upstream data changed"
 
 reference/base_model: the user's pretrained model (PIPELINE_BASE_MODEL). Its data version is the
 sha256 of the folder's files, so a changed model shows the tokenizer, gold and training stale.
+
+reference/quality_models: the models silver scores records with (the language-ID model and
+PIPELINE_QUALITY_MODELS). Its data version is the fingerprint of their URIs, settings and files'
+sha256, so a changed scorer shows silver stale until `pipeline-assets backfill-decontamination`
+re-scores it.
 """
 
 from dagster import (
@@ -24,11 +29,18 @@ from dagster import (
     sensor,
 )
 
-from pipeline_assets.defs.keys import REFERENCE_BASE_MODEL, REFERENCE_EVAL_SETS
+from pipeline_assets.defs.keys import (
+    REFERENCE_BASE_MODEL,
+    REFERENCE_EVAL_SETS,
+    REFERENCE_QUALITY_MODELS,
+)
 from pipeline_assets.defs.retries import refusal
 from pipeline_assets.lib.gold.base_model import BaseModelError
+from pipeline_assets.lib.silver.scorers import ScorerError
+from pipeline_assets.resources import quality_models as quality_models_setting
 from pipeline_assets.resources.base_model import SETTING, BaseModelResource
 from pipeline_assets.resources.eval_sets import EvalSetsResource
+from pipeline_assets.resources.quality_models import QualityModelsResource
 
 _DATA_VERSION_TAG = "dagster/data_version"  # the tag an observation's data version is stored under
 
@@ -82,7 +94,7 @@ def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResou
 
 
 NO_BASE_MODEL = "unset"  # reference/base_model's data version when PIPELINE_BASE_MODEL is unset
-_LISTING = "listing_sha256"  # names, sizes and times of the model's files, as last observed
+_LISTING = "listing_sha256"  # names, sizes and times of the models' files, as last observed
 
 
 @observable_source_asset(
@@ -140,13 +152,59 @@ def base_model_watcher(context: SensorEvaluationContext, base_model: BaseModelRe
         return SkipReason(f"{SETTING} is unset: no base model to watch")
     current = base_model.listing_fingerprint()
     latest = _latest_observation(context.instance, REFERENCE_BASE_MODEL)
-    if latest is not None and current == base_model_listing(latest):
+    if latest is not None and current == observed_listing(latest):
         return SkipReason(f"base model unchanged (listing {current[:12]})")
     after = latest.storage_id if latest else 0
     return RunRequest(run_key=f"{current}@after-{after}")
 
 
-def base_model_listing(record: EventLogRecord) -> str | None:
+@observable_source_asset(
+    key=REFERENCE_QUALITY_MODELS,
+    description="The models silver scores records with: the language-ID model and the scorers "
+    "PIPELINE_QUALITY_MODELS lists (local or s3://), checked before any batch is scored. Data "
+    "version: a fingerprint of their URIs, settings and files' sha256.",
+    group_name="reference",
+    tags={"dagster/kind/huggingface": ""},
+)
+def quality_models(quality_models: QualityModelsResource) -> ObserveResult:
+    listing = quality_models.listing_fingerprint()
+    try:
+        quality_models.checked_specs()
+    except ScorerError as error:
+        raise refusal(f"{quality_models_setting.SETTING}: {error}") from error
+    return ObserveResult(
+        data_version=DataVersion(quality_models.fingerprint()),
+        metadata={"models": quality_models.identities(), _LISTING: listing},
+    )
+
+
+observe_quality_models_job = define_asset_job(
+    "observe_quality_models",
+    selection=AssetSelection.assets(REFERENCE_QUALITY_MODELS),
+    description="Observe reference/quality_models: checks every scorer and records the "
+    "fingerprint of the models' identities as its data version.",
+)
+
+
+@sensor(
+    name="quality_models_watcher",
+    job=observe_quality_models_job,
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Requests an observation of reference/quality_models when PIPELINE_QUALITY_MODELS "
+    "or the names, sizes or times of a scorer's files differ from those last observed (and once, "
+    "when it was never observed).",
+)
+def quality_models_watcher(context: SensorEvaluationContext, quality_models: QualityModelsResource):
+    current = quality_models.listing_fingerprint()
+    latest = _latest_observation(context.instance, REFERENCE_QUALITY_MODELS)
+    if latest is not None and current == observed_listing(latest):
+        return SkipReason(f"quality models unchanged (listing {current[:12]})")
+    after = latest.storage_id if latest else 0
+    return RunRequest(run_key=f"{current}@after-{after}")
+
+
+def observed_listing(record: EventLogRecord) -> str | None:
     value = record.asset_observation.metadata.get(_LISTING)
     return None if value is None else value.value
 
@@ -162,12 +220,16 @@ def observation_is_current(defs_resources: dict, instance: DagsterInstance, key:
     if key == REFERENCE_EVAL_SETS:
         resource = defs_resources["eval_sets"]
         return resource.fingerprint(resource.files()) == observed_version(instance, key)
+    if key == REFERENCE_QUALITY_MODELS:
+        latest = _latest_observation(instance, key)
+        listing = defs_resources["quality_models"].listing_fingerprint()
+        return latest is not None and observed_listing(latest) == listing
     resource, latest = defs_resources["base_model"], _latest_observation(instance, key)
     if latest is None:
         return False
     if not resource.configured:
         return _data_version(latest) == NO_BASE_MODEL
-    return base_model_listing(latest) == resource.listing_fingerprint()
+    return observed_listing(latest) == resource.listing_fingerprint()
 
 
 def _latest_observation(

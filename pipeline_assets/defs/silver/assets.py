@@ -27,6 +27,7 @@ from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
 from pipeline_assets.defs.keys import (
     REFERENCE_EVAL_SETS,
+    REFERENCE_QUALITY_MODELS,
     SILVER_MINHASH_BANDS,
     SILVER_MINHASH_INDEX,
     SILVER_RECORDS,
@@ -50,10 +51,15 @@ _KINDS = {"delta", "polars"}
 
 
 def _spec(key, description: str, formats=FORMAT_TABLES) -> AssetSpec:
-    """A silver table, fed by the bronze tables of the formats it holds and the eval sets."""
+    """A silver table, fed by the bronze tables of the formats it holds, the eval sets and the
+    quality models."""
     # No automation condition: the silver_in_order sensor requests one batch at a time,
     # oldest first.
-    deps = [*(AssetDep(tables.bronze) for tables in formats), AssetDep(REFERENCE_EVAL_SETS)]
+    deps = [
+        *(AssetDep(tables.bronze) for tables in formats),
+        AssetDep(REFERENCE_EVAL_SETS),
+        AssetDep(REFERENCE_QUALITY_MODELS),
+    ]
     return AssetSpec(key, description=description, group_name="silver", kinds=_KINDS, deps=deps)
 
 
@@ -140,7 +146,7 @@ def silver(
     upstream = {
         **{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
         "reference/eval_sets": eval_sets.fingerprint(eval_files),
-        "quality_models": quality_models.fingerprint(),
+        REFERENCE_QUALITY_MODELS.to_user_string(): quality_models.fingerprint(),
         **lookup_report.get("versions", {}),
     }
     metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
