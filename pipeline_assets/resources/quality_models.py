@@ -79,7 +79,7 @@ class QualityModelsResource(ConfigurableResource):
         return [language, *({**asdict(s), "sha256": self._sha256(s.model)} for s in self.specs())]
 
     def fingerprint(self) -> str:
-        return model_files.fingerprint(self.identities())
+        return models_fingerprint(self.identities())
 
     def _sha256(self, model: str) -> str:
         """The model's files' sha256, computed again only when their listing changed."""
@@ -91,6 +91,11 @@ class QualityModelsResource(ConfigurableResource):
         if not uris.is_s3(model):
             return Path(model)
         return model_files.fetched(model, self.s3.get_client(), self.cache_dir)
+
+
+def models_fingerprint(identities: list[dict]) -> str:
+    """reference/quality_models' data version: what silver records it scored with."""
+    return model_files.fingerprint(identities)
 
 
 def _sha256(path: Path) -> str:

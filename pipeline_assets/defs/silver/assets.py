@@ -45,7 +45,7 @@ from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
-from pipeline_assets.resources.quality_models import QualityModelsResource
+from pipeline_assets.resources.quality_models import QualityModelsResource, models_fingerprint
 
 _KINDS = {"delta", "polars"}
 
@@ -108,6 +108,7 @@ def silver(
     events = batch_events(context.instance, batch_gates)
     _require_earlier_batches(events, batch_id)
     config = replace(silver_policy.silver_config(), scorers=tuple(quality_models.local_specs()))
+    models = quality_models.identities()
     bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
     rows = {tables: frame for tables, (_, frame) in bronze.items()}
     eval_files = eval_sets.files()
@@ -146,13 +147,13 @@ def silver(
     upstream = {
         **{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
         "reference/eval_sets": eval_sets.fingerprint(eval_files),
-        REFERENCE_QUALITY_MODELS.to_user_string(): quality_models.fingerprint(),
+        REFERENCE_QUALITY_MODELS.to_user_string(): models_fingerprint(models),
         **lookup_report.get("versions", {}),
     }
     metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
     metadata[SILVER_RECORDS]["decontamination"] = decontamination
     for key in metadata:
-        metadata[key]["quality_models"] = quality_models.identities()
+        metadata[key]["quality_models"] = models
     input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
     for key, model in _CONTRACTS.items():
         written = delta_write_metadata(
