@@ -6,7 +6,9 @@ its MLflow run (checkpoint and export URIs, metrics), the snapshot's manifest in
 gold/preference_snapshots (which ingest batches' shards), silver at the pinned version (which
 sources of those batches it kept records of; an sft snapshot's conversations at theirs, under
 ``other_formats``), and the landing manifest (which file versions, with
-their checksums). A DPO version also names the sft model version it started from
+their checksums). Silver's ``quality_models`` are the models (URI, settings, sha256) its batches
+were scored with, read from the silver materialization that wrote the pinned version (from the
+Dagster instance, when one is given). A DPO version also names the sft model version it started from
 (``reference_model``), whose own lineage follows under ``started_from``.
 """
 
@@ -16,6 +18,7 @@ import json
 from dataclasses import dataclass
 
 import polars as pl
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
 
 from pipeline_assets.defs.base_models import REFERENCE_PREFIX
 from pipeline_assets.defs.format_tables import SFT_OBJECTIVE_TABLES, SFT_TABLES, FormatTables
@@ -85,7 +88,12 @@ def resolve_version(mlflow_tracking: MlflowResource, spec: str):
     return found
 
 
-def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource) -> dict:
+def model_lineage(
+    spec: str,
+    mlflow_tracking: MlflowResource,
+    lake: LakeResource,
+    instance: DagsterInstance | None = None,
+) -> dict:
     version = resolve_version(mlflow_tracking, spec)
     tags = version.tags
     layers = _PREFERENCE if tags["partition"].startswith(PREFERENCE_SNAPSHOTS.prefix) else _SFT
@@ -93,6 +101,8 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
     snapshot = read_manifest(lake.uri, snapshot_number(tags["partition"], layers.kind), layers.kind)
     batches = list(snapshot.batches)
     silver = _table(lake, tags, layers.silver, batches)
+    if instance is not None:
+        silver["quality_models"] = silver_quality_models(instance, silver)
     others = {
         tables.fmt.name: {
             layer: _table(lake, tags, tuple(key.path), batches)
@@ -152,7 +162,7 @@ def model_lineage(spec: str, mlflow_tracking: MlflowResource, lake: LakeResource
         lineage["started_from"] = (
             {"base_model": lineage["base_model"]}
             if tags["reference_model"].startswith(REFERENCE_PREFIX)
-            else model_lineage(tags["reference_model"], mlflow_tracking, lake)
+            else model_lineage(tags["reference_model"], mlflow_tracking, lake, instance)
         )
     return lineage
 
@@ -166,6 +176,36 @@ def _table(lake: LakeResource, tags: dict, table: tuple[str, str], batches: list
         "batches": batches,
         "uri": lake.table_uri(*table),
     }
+
+
+def silver_quality_models(instance: DagsterInstance, table: dict) -> list[dict]:
+    """The quality models each of the silver ``table``'s batches was scored with at its pinned
+    version: one entry per set of models, with its batches (models None: not recorded)."""
+    key = AssetKey(table["table"].split("/"))
+    by_models: dict[str, list[str]] = {}
+    for batch in table["batches"]:
+        models = _batch_quality_models(instance, key, batch, table["version"])
+        by_models.setdefault(json.dumps(models, sort_keys=True), []).append(batch)
+    return [{"batches": batches, "models": json.loads(m)} for m, batches in by_models.items()]
+
+
+def _batch_quality_models(
+    instance: DagsterInstance, key: AssetKey, batch: str, version: int | None
+) -> list[dict] | None:
+    """From the batch's latest materialization at or before the table's ``version``."""
+    records_filter = AssetRecordsFilter(asset_key=key, asset_partitions=[batch])
+    cursor = None
+    while True:
+        found = instance.fetch_materializations(records_filter, limit=100, cursor=cursor)
+        for record in found.records:  # newest first
+            metadata = record.asset_materialization.metadata
+            written = metadata.get("delta_version")
+            if version is None or (written is not None and written.value <= version):
+                models = metadata.get("quality_models")
+                return None if models is None else models.value
+        if not found.has_more:
+            return None
+        cursor = found.cursor
 
 
 def _landing_files(lake: LakeResource, silver: list[dict], batches: list[str]) -> list[dict]:

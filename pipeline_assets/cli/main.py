@@ -618,15 +618,14 @@ def _duration(seconds: float) -> str:
 
 
 def _lineage(args, settings: Settings) -> int:
+    from pipeline_assets.cli.headless import persistent_instance
     from pipeline_assets.cli.lineage import model_lineage
     from pipeline_assets.defs.resources import build_resources
 
     resources = build_resources(settings)
-    print(
-        json.dumps(
-            model_lineage(args.model, resources["mlflow_tracking"], resources["lake"]), indent=2
-        )
-    )
+    instance = persistent_instance(settings.dagster_home)
+    lineage = model_lineage(args.model, resources["mlflow_tracking"], resources["lake"], instance)
+    print(json.dumps(lineage, indent=2))
     return 0
 
 

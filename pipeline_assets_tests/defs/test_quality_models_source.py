@@ -16,6 +16,7 @@ from dagster._core.definitions.data_version import StaleStatus
 
 from pipeline_assets.cli.backfill import backfill_decontamination
 from pipeline_assets.cli.headless import run_stale
+from pipeline_assets.cli.lineage import silver_quality_models
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.keys import REFERENCE_QUALITY_MODELS, SILVER_RECORDS
@@ -99,6 +100,7 @@ def test_a_new_scorer_shows_silver_stale_and_the_backfill_rescores_its_batch(
     assert status == StaleStatus.STALE
     assert [cause.key.asset_key for cause in causes] == [REFERENCE_QUALITY_MODELS]
 
+    scored_before = resources["lake"].version("silver", "records")
     outcome = backfill_decontamination(defs, instance)
     assert outcome.ok, outcome.failed_runs + outcome.failed_blocking_checks
     [run] = [instance.get_run_by_id(run_id) for run_id in outcome.runs]
@@ -111,6 +113,15 @@ def test_a_new_scorer_shows_silver_stale_and_the_backfill_rescores_its_batch(
     assert identities[1]["sha256"] == hashlib.sha256(scorer.read_bytes()).hexdigest()
     assert stale_status(defs, instance, SILVER_RECORDS, batch)[0] == StaleStatus.FRESH
     assert backfill_decontamination(defs, instance).runs == [], "scored by these models already"
+
+    # lineage: the models a batch was scored with at the silver version a snapshot pinned
+    def lineage_at(version):
+        table = {"table": "silver/records", "version": version, "batches": [batch]}
+        [entry] = silver_quality_models(instance, table)
+        return [model["name"] for model in entry["models"]]
+
+    assert lineage_at(scored_before) == ["language"]
+    assert lineage_at(resources["lake"].version("silver", "records")) == ["language", "good"]
 
 
 def test_the_sha256_is_read_again_only_when_the_files_listing_changed(tmp_path):
