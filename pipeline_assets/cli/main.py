@@ -618,12 +618,15 @@ def _duration(seconds: float) -> str:
 
 
 def _lineage(args, settings: Settings) -> int:
-    from pipeline_assets.cli.headless import persistent_instance
+    from dagster import DagsterInstance
+
     from pipeline_assets.cli.lineage import model_lineage
     from pipeline_assets.defs.resources import build_resources
 
     resources = build_resources(settings)
-    instance = persistent_instance(settings.dagster_home)
+    # read only: without an instance yet, the lineage has no record of silver's quality models
+    home = Path(settings.dagster_home)
+    instance = DagsterInstance.from_config(str(home)) if (home / "dagster.yaml").is_file() else None
     lineage = model_lineage(args.model, resources["mlflow_tracking"], resources["lake"], instance)
     print(json.dumps(lineage, indent=2))
     return 0
