@@ -91,6 +91,9 @@ def test_own_data_without_eval_sets_reaches_an_sft_champion(tmp_path):
     traced = json.loads(lineage.stdout)
     assert traced["other_formats"]["conversation"]["silver"]["table"] == "silver/conversations"
     assert {f["source"] for f in traced["landing_files"]} == {"support", "chats"}
+    [scored] = traced["silver"]["quality_models"]  # no scorer set: the language-ID model alone
+    assert scored["batches"] == traced["silver"]["batches"]
+    assert [(m["name"], len(m["sha256"])) for m in scored["models"]] == [("language", 64)]
     scored_on = _latest(tmp_path, EVALUATION_REPORT, "scored_on")
     assert scored_on.startswith("the validation split alone: no eval set items")
     assert _latest(tmp_path, SILVER_RECORDS, "decontamination").startswith("none: no eval set")
