@@ -29,11 +29,13 @@ from pipeline_assets.defs.reference.assets import (
 )
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.lib.gold.base_model import folder_sha256
 from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets_tests.conftest import BUCKET, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 from pipeline_assets_tests.defs.staleness import stale_status
 from pipeline_assets_tests.fasttext_models import train_fasttext
+from pipeline_assets_tests.lib.silver.test_scorers import classifier_folder
 
 EXAMPLES = [
     ("item works by doing step one then step two", "__label__good"),
@@ -142,7 +144,7 @@ def test_the_sha256_is_read_again_only_when_the_files_listing_changed(tmp_path):
     assert resource.identities()[1]["sha256"] == hashlib.sha256(data).hexdigest() != first
 
 
-def test_a_scorer_on_s3_is_fetched_once_and_keeps_its_s3_uri(instance, tmp_path, s3_endpoint):
+def test_scorers_on_s3_are_fetched_once_and_keep_their_s3_uri(instance, tmp_path, s3_endpoint):
     scorer = _fasttext_file(tmp_path / "models")
     client = boto3.client("s3")
     client.upload_file(str(scorer), BUCKET, "scorers/quality.bin")
@@ -158,6 +160,20 @@ def test_a_scorer_on_s3_is_fetched_once_and_keeps_its_s3_uri(instance, tmp_path,
     assert identity["sha256"] == hashlib.sha256(scorer.read_bytes()).hexdigest()
     assert os.stat(resource.local_specs()[0].model).st_mtime_ns == fetched_at, "fetched again"
     assert isinstance(_watcher_says(instance, resource), SkipReason)
+
+    classifier = classifier_folder(tmp_path / "reward", num_labels=1)
+    for file in classifier.iterdir():
+        client.upload_file(str(file), BUCKET, f"scorers/reward/{file.name}")
+    folder_uri = f"s3://{BUCKET}/scorers/reward/"
+    both = QualityModelsResource(
+        models=json.dumps([{"name": "reward", "model": folder_uri}]),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    [reward] = both.checked_specs()
+    fetched = sorted(name for name in os.listdir(reward.model) if not name.startswith("."))
+    assert fetched == sorted(os.listdir(classifier))
+    [identity] = both.identities()[1:]
+    assert identity["model"] == folder_uri and identity["sha256"] == folder_sha256(classifier)
 
     wrong_label = QualityModelsResource(
         models=_scorers(uri, label="great"), cache_dir=str(tmp_path / "cache")
