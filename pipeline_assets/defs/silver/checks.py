@@ -24,9 +24,13 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.policies import SilverPolicy
-from pipeline_assets.lib.drift import against_trailing_median, psi_categorical, psi_numeric
-from pipeline_assets.lib.silver.health import pass_rate_drops, pass_rates
-from pipeline_assets.lib.silver.quality import QUANTITIES
+from pipeline_assets.lib.drift import against_trailing_median
+from pipeline_assets.lib.silver.health import (
+    DRIFT_FEATURES,
+    drift_scores,
+    pass_rate_drops,
+    pass_rates,
+)
 from pipeline_assets.resources.lake import LakeResource
 
 warnings.filterwarnings(
@@ -100,7 +104,7 @@ def silver_drift(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    columns = ["batch_id", "source", "language", *QUANTITIES]
+    columns = ["batch_id", *DRIFT_FEATURES]
     history = (
         lake.scan("silver", "records")
         .filter(pl.col("batch_id") <= batch_id)
@@ -124,13 +128,7 @@ def silver_drift(
                 "reference_rows": reference.height,
             },
         )
-    scores = {
-        f"{column}_mix": psi_categorical(
-            reference[column].drop_nulls().to_list(), current[column].drop_nulls().to_list()
-        )
-        for column in ("source", "language")
-    }
-    scores |= {q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES}
+    scores = drift_scores(reference, current)
     worst_name, worst = max(scores.items(), key=lambda item: item[1])
     drifted = {name: score for name, score in scores.items() if score >= silver_policy.psi_warn}
     severity = (

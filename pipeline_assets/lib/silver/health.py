@@ -1,9 +1,29 @@
 """Statistics the silver checks judge: pass rates per source against trailing batches, and why they
-moved."""
+moved; the batch's drift against them."""
 
 from __future__ import annotations
 
 import polars as pl
+
+from pipeline_assets.lib.drift import psi_categorical, psi_numeric
+from pipeline_assets.lib.silver.quality import QUANTITIES
+
+MIXES = ("source", "language")  # categorical: each one's mix
+DRIFT_FEATURES = (*MIXES, *QUANTITIES)
+
+
+def drift_scores(reference: pl.DataFrame, current: pl.DataFrame) -> dict[str, float]:
+    """PSI of the batch's source mix, language mix and every quality-rule value against the
+    trailing batches' (a row without a language, written before it was labelled, left out)."""
+    scores = {
+        f"{column}_mix": psi_categorical(
+            reference[column].drop_nulls().to_list(), current[column].drop_nulls().to_list()
+        )
+        for column in MIXES
+    }
+    return scores | {
+        q: psi_numeric(reference[q].to_numpy(), current[q].to_numpy()) for q in QUANTITIES
+    }
 
 
 def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
