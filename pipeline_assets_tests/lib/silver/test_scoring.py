@@ -76,3 +76,28 @@ def test_a_conversation_scorer_scores_the_whole_conversation_as_the_model_does(t
         own = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
     assert all(abs(score - own) < 1e-4 for score in result.kept["score_whole"])
     assert "tokens_score_whole" not in result.kept.columns
+
+
+def test_scores_and_verdicts_do_not_depend_on_the_block_size(tmp_path):
+    from functools import partial
+
+    from pipeline_assets.lib.stages import run_in_process
+
+    folder = classifier_folder(tmp_path / "reward", num_labels=1)
+    responses = [" ".join(["step"] * (i % 9 + 1) + [f"item {i}"]) for i in range(23)]
+    frame = pl.DataFrame({"record_id": [str(i) for i in range(23)], "response": responses})
+    spec = ScorerSpec("reward", str(folder))
+    whole = run_stages(scorer_stages([spec], SFT), frame).kept["score_reward"]
+    ordered = whole.sort()
+    threshold = float(ordered[11] + ordered[12]) / 2  # between two scores: no rounding flips it
+    gated = ScorerSpec("reward", str(folder), min=threshold)
+    results = [
+        partial(run_in_process, rows_per_block=size)(scorer_stages([gated], SFT), frame)
+        for size in (1, 5, 23)
+    ]
+    for result in results:
+        kept = dict(zip(result.kept["record_id"], result.kept["score_reward"]))
+        assert all(abs(kept[i] - s) < 1e-4 for i, s in zip(frame["record_id"], whole) if i in kept)
+        assert set(result.removed["score_reward"]["record_id"]) == {
+            i for i, s in zip(frame["record_id"], whole) if s < threshold
+        }
