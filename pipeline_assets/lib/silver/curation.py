@@ -211,7 +211,9 @@ def curate_formats(
     ``run_blocks`` runs block stages (default: here, ROWS_PER_BLOCK rows at a time)."""
     run_blocks = run_blocks or partial(run_in_process, rows_per_block=ROWS_PER_BLOCK)
     prepared = {fmt: _prepare(frame, config, run_blocks, fmt) for fmt, frame in bronze.items()}
-    histories, lookup_counters = _histories(prepared, look_up, config.minhash)
+    histories, lookup_counters = look_up_histories(
+        {fmt: p.hashed for fmt, p in prepared.items()}, look_up, config.minhash
+    )
     return CuratedFormats(
         formats={
             fmt: _finish(p, *histories[fmt], eval_index, config, run_blocks)
@@ -235,21 +237,22 @@ def _prepare(
     )
 
 
-def _histories(
-    prepared: dict[RecordFormat, _Prepared], look_up: IndexLookup | None, config: MinHashConfig
+def look_up_histories(
+    hashed: dict[RecordFormat, pl.DataFrame], look_up: IndexLookup | None, config: MinHashConfig
 ) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
-    """One lookup over every format's keys: each format's history (the other batches' index entries
-    holding one of its own keys: all its dedup stages read of them) with its counters, and the
-    lookup's counters."""
+    """One lookup over every format's keys (``hashed``: its records' exact hash and signatures,
+    and a pair's hashes): each format's history (the other batches' index entries holding one of
+    its own keys: all its dedup stages read of them) with its counters, and the lookup's
+    counters."""
     started = time.perf_counter()
     wanted = {
-        fmt: wanted_keys(p.hashed, config, fmt)
-        for fmt, p in prepared.items()
-        if look_up is not None and not p.hashed.is_empty()
+        fmt: wanted_keys(frame, config, fmt)
+        for fmt, frame in hashed.items()
+        if look_up is not None and not frame.is_empty()
     }
     every_key = pl.concat(wanted.values()).unique() if wanted else None
     found = look_up(every_key) if every_key is not None else None
-    histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in prepared}
+    histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in hashed}
     for fmt, keys in wanted.items():
         own = entries_holding(found, keys)  # what a lookup of the format's keys alone finds
         histories[fmt] = own.lazy(), {"keys": keys.height, "entries_found": own.height}
@@ -284,7 +287,7 @@ def _finish(
     ]
     block_stages = (*prepared.stages.values(), *judged.counters.values())
     return CuratedBatch(
-        kept=last.kept.with_columns(_split_hashes(fmt)),
+        kept=last.kept.with_columns(split_hashes(fmt)),
         rejects=pl.concat(removed, how="diagonal_relaxed").drop(
             *SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False
         ),
@@ -296,7 +299,7 @@ def _finish(
     )
 
 
-def _split_hashes(fmt: RecordFormat) -> list[pl.Expr]:
+def split_hashes(fmt: RecordFormat) -> list[pl.Expr]:
     """A conversation's ``prompt_hash``: of its normalized first user turn (an empty text without
     one), the key gold splits it by. Taken of the kept rows only, so that it never becomes an index
     key: band PROMPT_BAND holds preference pairs' prompts, which the pair cap counts."""
