@@ -14,7 +14,6 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import torch
 
 EOS = "</s>"
 MAGIC, VERSION = 793712314, 12
@@ -60,6 +59,8 @@ def _matrix(rows: np.ndarray) -> bytes:
 
 def train_fasttext(examples: list[tuple[str, str]], dim: int = 8, epochs: int = 60, seed: int = 0):
     """A TinyFastText trained on (text, label) pairs, labels given with their ``__label__``."""
+    import torch  # here: a test that builds its model by hand need not import torch
+
     torch.manual_seed(seed)
     words = sorted({word for text, _ in examples for word in text.split()}) + [EOS]
     labels = sorted({label for _, label in examples})

@@ -1,0 +1,142 @@
+"""Silver's decision for one batch from its keys alone: which records are kept, and the stage that
+removed each other one (issue 37; ``lib.silver.prepare`` makes the keys).
+
+The order is today's (``lib.silver.curation``): a pair_sides reject first (it acts before the
+hashes); then exact dedup, a pair's contradiction and near dedup among the rest, against the other
+batches' index entries that share a key (first arrival wins); then, for the dedup survivors, their
+per-record verdict (the first per-record stage that rejected them); then the pair cap on what is
+left. The dedup stages and the cap are today's stage functions, run by the stage runner on the
+keys: they read hashes and signatures only, so no text is needed, and none is allowed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import polars as pl
+
+from pipeline_assets.lib.formats import RecordFormat
+from pipeline_assets.lib.silver.curation import (
+    SilverConfig,
+    before_dedup,
+    dedup_stages,
+    last_stages,
+    look_up_histories,
+)
+from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, IndexLookup
+from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS
+from pipeline_assets.lib.silver.prepare import CLUSTER_ID, REASON, REMOVED_BY, refuse_text
+from pipeline_assets.lib.stages import StagesResult, run_whole
+
+# what the dedup stages and the pair cap read of a record
+DEDUP_INPUT = ("record_id", "batch_id", "exact_hash", *SIGNATURE_COLUMNS, *PAIR_HASH_COLUMNS)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One format's decision for a batch."""
+
+    # one row a record, in the order today's stages remove them (kept records last): record_id,
+    # removed_by (the stage's name; null: kept), stage (the reject reason), the decided stages'
+    # evidence (duplicate_of, jaccard, evidence) and cluster_id (for the records near dedup saw)
+    verdicts: pl.DataFrame
+    layout: dict[str, tuple[str, ...]]  # per decided stage that removes records: its rows' columns
+    dedup_stages: tuple[str, ...]
+    last_stages: tuple[str, ...]
+    counters: dict[str, dict]  # the decided stages', as the stage runner counted them
+    index_lookup: dict  # keys looked up and entries found for this format
+
+
+def decide(
+    keys_by_format: Mapping[RecordFormat, pl.DataFrame],
+    look_up: IndexLookup | None,
+    config: SilverConfig,
+) -> dict[RecordFormat, Decision]:
+    """Every format's decision for one batch from its ``keys`` (in batch order), after one lookup
+    of the other batches' index entries over every format's keys (``look_up``; None: there are
+    none), as ``curate_formats`` looks them up."""
+    for keys in keys_by_format.values():
+        refuse_text(keys)
+    removed_before = {fmt: _removed_before(config, fmt) for fmt in keys_by_format}
+    hashed = {
+        fmt: keys.filter(_reached_dedup(removed_before[fmt])).select(
+            name for name in DEDUP_INPUT if name in keys.columns
+        )
+        for fmt, keys in keys_by_format.items()
+    }
+    histories, _ = look_up_histories(hashed, look_up, config.minhash)
+    return {
+        fmt: _decide(keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt)
+        for fmt, keys in keys_by_format.items()
+    }
+
+
+def _reached_dedup(removed_before: list[str]) -> pl.Expr:
+    return ~pl.col(REMOVED_BY).is_in(removed_before).fill_null(False)
+
+
+def _removed_before(config: SilverConfig, fmt: RecordFormat) -> list[str]:
+    """The stages before dedup that remove records (a pair's sides)."""
+    return [stage.name for stage in before_dedup(config, fmt) if stage.reject_reason]
+
+
+def _decide(
+    keys: pl.DataFrame,
+    hashed: pl.DataFrame,
+    history: pl.LazyFrame | None,
+    lookup_counters: dict,
+    removed_before: list[str],
+    config: SilverConfig,
+    fmt: RecordFormat,
+) -> Decision:
+    deduped = run_whole(dedup_stages(config, history, fmt), hashed)
+    survivors = deduped.kept.join(
+        keys.select("record_id", REMOVED_BY, REASON), on="record_id", maintain_order="left"
+    )
+    passing = survivors.filter(pl.col(REMOVED_BY).is_null()).select(deduped.kept.columns)
+    last = run_whole(
+        last_stages(config, history, fmt), passing.drop(PAIR_HASH_COLUMNS[1], strict=False)
+    )
+    verdicts = pl.concat(
+        [
+            keys.filter(pl.col(REMOVED_BY).is_in(removed_before)).select(
+                "record_id", REMOVED_BY, pl.col(REASON).alias("stage")
+            ),
+            *_removed_rows(deduped),
+            survivors.filter(pl.col(REMOVED_BY).is_not_null()).select(
+                "record_id", REMOVED_BY, pl.col(REASON).alias("stage"), CLUSTER_ID
+            ),
+            *_removed_rows(last),
+            last.kept.select("record_id", CLUSTER_ID),
+        ],
+        how="diagonal_relaxed",
+    )
+    removed = {**deduped.removed, **last.removed}
+    return Decision(
+        verdicts,
+        {name: tuple(frame.columns) for name, frame in removed.items()},
+        tuple(deduped.counters),
+        tuple(last.counters),
+        {**deduped.counters, **last.counters},
+        lookup_counters,
+    )
+
+
+def _removed_rows(result: StagesResult) -> list[pl.DataFrame]:
+    """Each stage's removed records: their id, the stage, its evidence (the columns after
+    ``stage``) and their cluster where near dedup gave one."""
+    rows = []
+    for name, frame in result.removed.items():
+        evidence = frame.columns[frame.columns.index("stage") + 1 :]
+        cluster = [CLUSTER_ID] if CLUSTER_ID in frame.columns else []
+        rows.append(
+            frame.select(
+                "record_id",
+                pl.lit(name, pl.String).alias(REMOVED_BY),
+                "stage",
+                *evidence,
+                *cluster,
+            )
+        )
+    return rows

@@ -1,0 +1,191 @@
+"""Silver's per-record work on one block, with nothing removed yet: the first step of curating a
+batch without every record passing through one process (issue 37).
+
+``prepare_block`` runs every stage that judges one record at a time on every record of the block:
+the block stages before dedup (normalize, a pair's sides, the views, the signatures), the hashes,
+and the stages after dedup (decontamination, the quality rules, the language, the user's scorers),
+each on what the one before kept, exactly as ``lib.silver.curation`` lists them. A record the
+heuristics reject is never given to a model. What it would have removed stays, with the stage
+that removed it (its per-record verdict) and that stage's evidence.
+
+It gives two frames:
+
+- ``staged``: every record with its text, the columns silver/records and silver/rejects take,
+  its signatures, its per-record verdict (``removed_by``: the stage's name; ``stage``: the reject
+  reason, as silver/rejects writes it) and the evidence;
+- ``keys``: what the dedup decision reads and nothing more, no text at all: record id, position
+  in the batch, exact hash, signatures, band keys, a pair's hashes and the per-record verdict.
+
+``lib.silver.decide`` decides from the keys alone; ``lib.silver.split`` cuts the staged records
+by the decision into what ``curate_formats`` gives today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from pipeline_assets.lib.formats import FORMATS, PREFERENCE, SFT, TURNS, RecordFormat
+from pipeline_assets.lib.silver.curation import SilverConfig, after_dedup, before_dedup
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, exact_hashes, index_entries
+from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS, pair_hashes
+from pipeline_assets.lib.stages import ROWS_PER_BLOCK, StagesResult, merge, run_stages
+
+POSITION = "position"  # a record's place in its batch: the order every stage keeps
+REMOVED_BY = "removed_by"  # the per-record stage (its name) that removed the record; null: none
+REASON = "reason"  # in keys: that stage's reject reason, as silver/rejects' ``stage`` says it
+CLUSTER_ID = "cluster_id"  # near dedup fills it in; the stages after dedup find it in place
+HASHED = "hashed"  # layout: the record's columns as the dedup stages find them
+KEPT = "kept"  # layout: the columns of a record every per-record stage kept
+
+
+def text_columns() -> frozenset[str]:
+    """Every column that holds a record's text in any format: its fields, turns and views, and the
+    free-form ``meta`` and ``extra``. None of them may be in ``keys``."""
+    names = {"meta", "extra"}
+    for fmt in FORMATS.values():
+        names |= {*fmt.text, *fmt.views, *(c for c in (fmt.turns, fmt.context) if c)}
+    return frozenset(names)
+
+
+class TextInKeysError(ValueError):
+    """A frame that must hold only hashes and verdicts holds a record's text."""
+
+
+def refuse_text(frame: pl.DataFrame) -> None:
+    """Raise when ``frame`` has a text column (by name, or a column of turns)."""
+    text = sorted(
+        name for name, dtype in frame.schema.items() if name in text_columns() or dtype == TURNS
+    )
+    if text:
+        raise TextInKeysError(f"keys hold text columns {text}: only hashes may reach the decision")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One format's records of a block (or of a whole batch, its blocks joined), prepared."""
+
+    fmt: RecordFormat
+    staged: pl.DataFrame  # every record with its text, verdict and evidence, in batch order
+    keys: pl.DataFrame  # no text: what ``decide`` reads, in batch order
+    # the columns of each frame today's stages hand on: HASHED, KEPT, and per stage that removes
+    # records one at a time, its removed rows' columns (silver/rejects' column order follows them)
+    layout: dict[str, tuple[str, ...]]
+    record_stages: tuple[str, ...]  # the stages after dedup, in order
+    counters: dict[str, dict]  # the stages before dedup, as the stage runner counted them
+
+
+def prepare_block(
+    block: pl.DataFrame,
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    fmt: RecordFormat = SFT,
+    first_position: int = 0,
+) -> Prepared:
+    """Every per-record stage on ``block`` (bronze rows of ``fmt``, starting at ``first_position``
+    of their batch), nothing removed: see the module docstring."""
+    positions = block.select("record_id").with_row_index(POSITION, offset=first_position)
+    before = run_stages(before_dedup(config, fmt), block)
+    hashed = before.kept.with_columns(
+        exact_hashes(before.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else [])
+    )
+    # what the stages after dedup find today: near dedup dropped the signatures and added the
+    # cluster (filled in from the decision), the flipped hash was dropped
+    judged = run_stages(
+        after_dedup(config, eval_index, fmt),
+        hashed.drop(*SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False).with_columns(
+            pl.lit(None, pl.String).alias(CLUSTER_ID)
+        ),
+    )
+    removed = {**before.removed, **judged.removed}
+    staged = (
+        pl.concat(
+            [
+                judged.kept,
+                *(
+                    frame.with_columns(pl.lit(name, pl.String).alias(REMOVED_BY))
+                    for name, frame in removed.items()
+                ),
+            ],
+            how="diagonal_relaxed",
+        )
+        .join(_hash_columns(hashed, fmt), on="record_id", how="left")
+        .join(positions, on="record_id")
+        .sort(POSITION)
+    )
+    return Prepared(
+        fmt,
+        staged,
+        _keys(staged, hashed, config, fmt),
+        {
+            HASHED: tuple(hashed.columns),
+            KEPT: tuple(judged.kept.columns),
+            **{name: tuple(frame.columns) for name, frame in removed.items()},
+        },
+        tuple(judged.counters),
+        before.counters,
+    )
+
+
+def _hash_columns(hashed: pl.DataFrame, fmt: RecordFormat) -> pl.DataFrame:
+    """What ``staged`` takes back from the hashed rows: the signatures (for the index entries) and
+    a pair's flipped hash."""
+    flipped = [PAIR_HASH_COLUMNS[1]] if fmt is PREFERENCE else []
+    return hashed.select("record_id", *SIGNATURE_COLUMNS, *flipped)
+
+
+def _keys(
+    staged: pl.DataFrame, hashed: pl.DataFrame, config: SilverConfig, fmt: RecordFormat
+) -> pl.DataFrame:
+    pair = list(PAIR_HASH_COLUMNS) if fmt is PREFERENCE else []
+    band_keys = index_entries(hashed, config.minhash, fmt).select("record_id", "band_keys")
+    keys = staged.select(
+        POSITION,
+        "record_id",
+        "batch_id",
+        "exact_hash",
+        *SIGNATURE_COLUMNS,
+        *pair,
+        REMOVED_BY,
+        pl.col("stage").alias(REASON),
+    ).join(band_keys, on="record_id", how="left", maintain_order="left")
+    refuse_text(keys)
+    return keys
+
+
+def join_blocks(blocks: Sequence[Prepared]) -> Prepared:
+    """A batch's blocks, prepared one by one, as one: frames in block order, counters summed."""
+    first = blocks[0]
+    if any(b.layout != first.layout or b.fmt is not first.fmt for b in blocks):
+        raise ValueError("blocks of one batch were prepared with different formats or stages")
+    counters = merge(
+        [StagesResult(pl.DataFrame(), {}, block.counters) for block in blocks]
+    ).counters
+    return Prepared(
+        first.fmt,
+        pl.concat([b.staged for b in blocks], how="diagonal_relaxed"),
+        pl.concat([b.keys for b in blocks], how="diagonal_relaxed"),
+        first.layout,
+        first.record_stages,
+        counters,
+    )
+
+
+def prepare(
+    bronze: pl.DataFrame,
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    fmt: RecordFormat = SFT,
+    rows_per_block: int = ROWS_PER_BLOCK,
+) -> Prepared:
+    """``prepare_block`` on each block of ``rows_per_block`` rows of a batch, joined."""
+    starts = range(0, max(bronze.height, 1), rows_per_block)
+    return join_blocks(
+        [
+            prepare_block(bronze.slice(start, rows_per_block), config, eval_index, fmt, start)
+            for start in starts
+        ]
+    )
