@@ -1,10 +1,9 @@
 """Silver's stages for one ingest batch, in order, each with its own counters (datatrove-style).
 
 normalize -> exact dedup -> near dedup -> decontaminate -> quality gate -> language -> the user's
-scorers (``lib.silver.scoring``). Every record
-removed by a stage is kept in ``rejects`` with the stage and its evidence, so for every batch
-``bronze rows == silver rows + rejected rows``. Cheap stages run first: a record the heuristics
-reject is never given to a model.
+scorers (``lib.silver.scoring``). Every record removed by a stage is kept in ``rejects`` with the
+stage and its evidence, so for every batch ``bronze rows == silver rows + rejected rows``. Cheap
+stages run first: a record the heuristics reject is never given to a model.
 
 Every record format goes through the same stages on its own fields (``lib.formats``); preference
 pairs add their own rules (``lib.silver.preference_rules``): pair_sides after normalize,
