@@ -254,6 +254,11 @@ class RlConfig:
     # workers sample with the policy ``lag`` versions behind the newest (a test of the staleness
     # limit)
     lag: int = 0
+    # -1: a worker samples with the newest policy version, so how stale a batch is depends on
+    # timing. k >= 0: update u trains on a batch sampled with version max(0, u - k), its prompts
+    # and samples seeded by (seed, worker, u), so one worker's run is the same whatever the load:
+    # 0 alternates sampling and updates (on-policy), 1 samples the next batch during an update.
+    off_policy_steps: int = -1
     mlflow_run_id: str = ""
     mlflow_experiment: str = "pipeline_assets"
     scratch_dir: str = ""
@@ -271,6 +276,13 @@ class RlConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.off_policy_steps > self.max_staleness:
+            raise ValueError(
+                f"off_policy_steps {self.off_policy_steps} exceeds max_staleness "
+                f"{self.max_staleness}: every scheduled batch would be dropped as stale"
+            )
+        if self.off_policy_steps >= 0 and self.lag:
+            raise ValueError("a worker follows either off_policy_steps or lag, not both")
         if self.group_size < 2:
             raise ValueError(
                 "group_size must be at least 2: GRPO compares completions within a group"

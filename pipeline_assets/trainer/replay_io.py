@@ -21,6 +21,7 @@ from pipeline_assets.contracts import ReplayBufferRow, conform, polars_schema, v
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.locks import FileLock, Lock, S3Lease
 from pipeline_assets.lib.rl.replay import (
+    CONSUMED,
     PENDING,
     ROLLOUT_SOURCE,
     StalenessPolicy,
@@ -71,6 +72,19 @@ class ReplayTable:
             columns=["group_id"], filters=[("run", "=", run), ("status", "=", PENDING)]
         )
         return pl.from_arrow(pending)["group_id"].n_unique()
+
+    def updates_taken(self, run: str) -> int:
+        """How many updates of ``run`` have consumed rows: the newest consuming version plus one,
+        0 before the first."""
+        try:
+            table = DeltaTable(self.uri, storage_options=self.storage_options)
+        except TableNotFoundError:
+            return 0
+        consumed = table.to_pyarrow_table(
+            columns=["consumed_by_version"], filters=[("run", "=", run), ("status", "=", CONSUMED)]
+        )
+        newest = pl.from_arrow(consumed)["consumed_by_version"].max()
+        return 0 if newest is None else int(newest) + 1
 
     def take(
         self,

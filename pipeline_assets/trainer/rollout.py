@@ -7,6 +7,11 @@ to rl/replay_buffer as ``pending`` rows with the version that generated them and
 behaviour log-probability. It keeps at most one update's worth of groups pending, so it never runs
 far ahead of the learner, and stops when the learner marks the run done. A worker killed mid-batch
 loses only its unwritten batch: appends are one commit.
+
+With ``off_policy_steps`` k >= 0 it follows a schedule instead: the batch update u will take is
+sampled with version max(0, u - k), waiting for it to be published, and drawn from a random state
+seeded by (seed, worker, u). With one worker the learner then sees the same batches whatever the
+timing (the run is reproducible); with k = 1 sampling still overlaps the learner's update.
 """
 
 from __future__ import annotations
@@ -96,11 +101,13 @@ class RolloutWorker:
         self.encoder = policy_encoder(config)
         self.prompts = Prompts(config.lake_uri, TRAIN, self.encoder, config.tasks)
         self.stop_ids = self.encoder.stop_ids
-        self.choice = random.Random(
-            f"{config.seed}:{config.worker}:{uuid.uuid4()}"
-        )  # a restarted worker draws anew
-        self.generator = torch.Generator().manual_seed(self.choice.randrange(2**62))
+        self._seed_draws(f"{config.seed}:{config.worker}:{uuid.uuid4()}")  # a restart draws anew
         self.model, self.loaded = None, None
+
+    def _seed_draws(self, seed: str) -> None:
+        """The prompts' and the samples' random state."""
+        self.choice = random.Random(seed)
+        self.generator = torch.Generator().manual_seed(self.choice.randrange(2**62))
 
     def run(self) -> int:
         batches = 0
@@ -113,10 +120,13 @@ class RolloutWorker:
         return 0
 
     def roll_once(self, number: int) -> bool:
-        """Append batch ``number`` with the newest policy (less the lag); False when there is none
-        to use yet, the learner has enough pending, or the learner pruned the version meanwhile."""
-        version = self._policy_version()
-        if version is None or self._far_ahead():
+        """Append batch ``number`` with the newest policy (less the lag), or with the version the
+        schedule (``off_policy_steps``) gives the next update; False when there is none to use
+        yet, the learner has enough pending, or the learner pruned the version meanwhile."""
+        if self._far_ahead():
+            return False
+        version = self._policy_version() if self.config.off_policy_steps < 0 else self._scheduled()
+        if version is None:
             return False
         try:
             self._load(version)
@@ -129,6 +139,17 @@ class RolloutWorker:
     def _policy_version(self) -> int | None:
         newest = self.policies.newest()
         return None if newest is None else max(0, newest - self.config.lag)
+
+    def _scheduled(self) -> int | None:
+        """The version the next update's batch is sampled with, once published, its draws seeded
+        by that update: a restarted worker redraws the batch its predecessor did not write."""
+        update = self.table.updates_taken(self.config.partition)
+        version = max(0, update - self.config.off_policy_steps)
+        newest = self.policies.newest()
+        if newest is None or version > newest:
+            return None
+        self._seed_draws(f"{self.config.seed}:{self.config.worker}:{update}")
+        return version
 
     def _far_ahead(self) -> bool:
         return (
