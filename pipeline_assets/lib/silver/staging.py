@@ -1,0 +1,248 @@
+"""Prepare on the workers (issue 37): each task reads its share of a batch's bronze files itself,
+runs ``prepare_block`` on it block by block and writes what it made as Parquet under a staging
+folder; the step gets back only paths, row counts and counters, and reads only the keys.
+
+A batch's rows are numbered in the order the step's own read gives them today, so silver's tables
+keep today's row order: ``lake.read`` is polars' ``scan_delta``, which scans the pinned version's
+``file_uris()`` in the order the Delta log lists them (not the order they were appended in). Each
+file's first position is the sum of the row counts before it, from the files' statistics, with
+no data read. (Which copy wins inside a batch does not depend on it: the dedup stages and the pair
+cap order a batch's records by record id.)
+
+A block's staged records and keys are two Parquet files named by the block's first position in
+the batch, so a retried task overwrites its own files rather than adding to them. One pair a block
+rather than a share: a share's blocks may not share a schema (a column all null in one block), and
+``join_blocks`` concatenates them as they are, so a task holds one block at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+from deltalake import DeltaTable
+
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.formats import FORMATS, RecordFormat
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver.prepare import Prepared, join_blocks, prepare_block, refuse_text
+
+BATCH_COLUMN = "batch_id"  # bronze's partition column
+# as polars' scan_delta reads a table's files, so a share's rows have the types lake.read gives
+DELTA_CASTS = pl.ScanCastOptions(
+    integer_cast="upcast",
+    float_cast=["upcast", "downcast"],
+    datetime_cast=["nanosecond-downcast", "millisecond-upcast", "convert-timezone"],
+    missing_struct_fields="insert",
+    extra_struct_fields="ignore",
+    categorical_to_string="allow",
+)
+
+
+@dataclass(frozen=True)
+class BronzeFile:
+    """One Parquet file of a batch's bronze partition at a pinned version."""
+
+    uri: str
+    rows: int
+    first_position: int  # its first row's position in the batch
+    batch_id: str  # the partition's value (the file itself has no such column)
+
+
+@dataclass(frozen=True)
+class StagedBlock:
+    records: str  # Parquet: the block's ``Prepared.staged``
+    keys: str  # Parquet: the block's ``Prepared.keys``
+    rows: int
+    first_position: int
+    counters: dict[str, dict]  # the block's stages before dedup, as the stage runner counted them
+
+
+@dataclass(frozen=True)
+class StagedShare:
+    """What one prepare task hands back: plain values, no frames."""
+
+    format_name: str
+    blocks: tuple[StagedBlock, ...]
+    layout: dict[str, tuple[str, ...]]  # as ``Prepared.layout``
+    record_stages: tuple[str, ...]  # as ``Prepared.record_stages``
+
+    @property
+    def rows(self) -> int:
+        return sum(block.rows for block in self.blocks)
+
+
+def bronze_files(
+    table_uri: str, version: int, batch_id: str, storage_options: dict | None = None
+) -> list[BronzeFile]:
+    """The batch's files of the bronze table at ``version``, in the order ``lake.read`` reads
+    them, with their row counts and first positions (from the Delta log: no data read)."""
+    table = DeltaTable(table_uri, version=version, storage_options=storage_options)
+    if "deletionVectors" in (table.protocol().reader_features or []):
+        raise ValueError(f"{uris.redact(table_uri)}: deletion vectors; files cannot be read alone")
+    actions = pl.DataFrame(table.get_add_actions(flatten=True))
+    partition = f"partition.{BATCH_COLUMN}"
+    if partition not in actions.columns and actions.height:
+        raise ValueError(f"{uris.redact(table_uri)} is not partitioned by {BATCH_COLUMN}")
+    file_uris = table.file_uris()
+    if len(file_uris) != actions.height:
+        raise ValueError(f"{len(file_uris)} file URIs but {actions.height} add actions")
+    files, position = [], 0
+    for uri, action in zip(file_uris, actions.iter_rows(named=True), strict=True):
+        if not uri.endswith(action["path"]):
+            raise ValueError(f"file URI {uri} and add action {action['path']} out of step")
+        if action[partition] != batch_id:
+            continue
+        rows = action["num_records"]
+        if rows is None:  # written without statistics: the file's footer says
+            rows = _footer_rows(uri, storage_options)
+        files.append(BronzeFile(uri, rows, position, batch_id))
+        position += rows
+    return files
+
+
+def bronze_schema(table_uri: str, version: int, storage_options: dict | None = None) -> pl.Schema:
+    """The columns and types ``lake.read`` gives the table at ``version``."""
+    table = DeltaTable(table_uri, version=version, storage_options=storage_options)
+    return pl.scan_delta(table).collect_schema()
+
+
+def _footer_rows(uri: str, storage_options: dict | None) -> int:
+    scan = pl.scan_parquet(uri, storage_options=storage_options)
+    return scan.select(pl.len()).collect().item()
+
+
+def group_files(files: Sequence[BronzeFile], rows_per_share: int) -> list[list[BronzeFile]]:
+    """Consecutive files in shares of at least ``rows_per_share`` rows (the last may hold fewer);
+    at least one share, empty when there are no files."""
+    shares: list[list[BronzeFile]] = [[]]
+    for file in files:
+        if sum(f.rows for f in shares[-1]) >= rows_per_share:
+            shares.append([])
+        shares[-1].append(file)
+    return shares
+
+
+def prepare_files(
+    files: Sequence[BronzeFile],
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    fmt: RecordFormat,
+    staging_dir: str,
+    rows_per_block: int,
+    schema: pl.Schema,
+    storage_options: dict | None = None,
+) -> StagedShare:
+    """What one prepare task does: read ``files`` (consecutive files of one batch) a block of
+    ``rows_per_block`` rows at a time, with the columns and types of ``schema`` (a column a file
+    lacks: null), ``prepare_block`` each block at its position, and write its staged records and
+    keys under ``staging_dir``. No files: one empty block at position 0."""
+    fmt = FORMATS.get(fmt.name, fmt)  # pickling makes a copy; the stages compare formats with `is`
+    _check_consecutive(files)
+    first = files[0].first_position if files else 0
+    rows = sum(file.rows for file in files)
+    scan = _scan(files, schema, storage_options)
+    blocks, prepared = [], None
+    for start in range(0, max(rows, 1), rows_per_block):
+        block = scan.slice(start, rows_per_block).collect()
+        expected = min(rows_per_block, rows - start)
+        if block.height != expected:
+            raise ValueError(
+                f"read {block.height} rows at {first + start}, the log says {expected}"
+            )
+        prepared = prepare_block(block, config, eval_index, fmt, first + start)
+        blocks.append(_write_block(prepared, staging_dir, first + start, storage_options))
+    return StagedShare(fmt.name, tuple(blocks), prepared.layout, prepared.record_stages)
+
+
+def _check_consecutive(files: Sequence[BronzeFile]) -> None:
+    for before, after in zip(files, files[1:]):
+        if after.first_position != before.first_position + before.rows:
+            raise ValueError(f"{after.uri} does not follow {before.uri}: a share is consecutive")
+        if after.batch_id != before.batch_id:
+            raise ValueError("a share's files belong to one batch")
+
+
+def _scan(
+    files: Sequence[BronzeFile], schema: pl.Schema, storage_options: dict | None
+) -> pl.LazyFrame:
+    if not files:
+        return pl.LazyFrame(schema=schema)
+    in_files = pl.Schema({name: dtype for name, dtype in schema.items() if name != BATCH_COLUMN})
+    return (
+        pl.scan_parquet(
+            [file.uri for file in files],
+            schema=in_files,
+            missing_columns="insert",
+            extra_columns="ignore",
+            cast_options=DELTA_CASTS,
+            storage_options=storage_options,
+        )
+        .with_columns(pl.lit(files[0].batch_id, schema[BATCH_COLUMN]).alias(BATCH_COLUMN))
+        .select(schema.names())
+    )
+
+
+def _write_block(
+    prepared: Prepared, staging_dir: str, first_position: int, storage_options: dict | None
+) -> StagedBlock:
+    if not uris.is_s3(staging_dir):
+        Path(staging_dir).mkdir(parents=True, exist_ok=True)
+    paths = {
+        kind: uris.join(staging_dir, f"{prepared.fmt.name}-{kind}-{first_position:012d}.parquet")
+        for kind in ("records", "keys")
+    }
+    prepared.staged.write_parquet(paths["records"], storage_options=storage_options)
+    prepared.keys.write_parquet(paths["keys"], storage_options=storage_options)
+    return StagedBlock(
+        paths["records"], paths["keys"], prepared.staged.height, first_position, prepared.counters
+    )
+
+
+def read_keys(shares: Sequence[StagedShare], storage_options: dict | None = None) -> pl.DataFrame:
+    """The shares' keys, in position order: all the decision reads. Raises on a text column."""
+    blocks = _blocks(shares)
+    keys = pl.concat(
+        [pl.read_parquet(block.keys, storage_options=storage_options) for block in blocks],
+        how="diagonal_relaxed",
+    )
+    refuse_text(keys)
+    return keys
+
+
+def read_prepared(shares: Sequence[StagedShare], storage_options: dict | None = None) -> Prepared:
+    """The shares' staged records and keys as one ``Prepared`` (what ``split`` cuts), in position
+    order, the blocks' counters summed."""
+    first = shares[0]
+    fmt = FORMATS[first.format_name]
+    return join_blocks(
+        [
+            Prepared(
+                fmt,
+                pl.read_parquet(block.records, storage_options=storage_options),
+                pl.read_parquet(block.keys, storage_options=storage_options),
+                first.layout,
+                first.record_stages,
+                block.counters,
+            )
+            for block in _blocks(shares)
+        ]
+    )
+
+
+def _blocks(shares: Sequence[StagedShare]) -> list[StagedBlock]:
+    """Every share's blocks in position order; shares of one format and stages, consecutive."""
+    first = shares[0]
+    for share in shares[1:]:
+        if (share.format_name, share.layout) != (first.format_name, first.layout):
+            raise ValueError("shares of one batch were prepared with different formats or stages")
+    blocks = sorted((b for s in shares for b in s.blocks), key=lambda b: b.first_position)
+    position = blocks[0].first_position if blocks else 0
+    for block in blocks:
+        if block.first_position != position:
+            raise ValueError(f"staged blocks leave a gap or overlap at position {position}")
+        position += block.rows
+    return blocks

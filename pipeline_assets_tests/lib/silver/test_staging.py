@@ -1,0 +1,172 @@
+"""Prepare on the workers: tasks that read a batch's bronze files themselves and stage Parquet give,
+through the keys, the decision and the split, exactly what ``curate_formats`` gives on the frame
+the step reads today, batch after batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from pipeline_assets.lib.formats import CONVERSATION, PREFERENCE, SFT, TURNS
+from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
+from pipeline_assets.lib.silver.decide import decide
+from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.prepare import text_columns
+from pipeline_assets.lib.silver.split import split
+from pipeline_assets.lib.silver.staging import (
+    bronze_files,
+    bronze_schema,
+    group_files,
+    prepare_files,
+    read_keys,
+    read_prepared,
+)
+from pipeline_assets.resources.engine import RayEngine
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets_tests.lib.silver.test_curation_blocks import _eval_index
+from pipeline_assets_tests.lib.silver.test_prepare_decide import _assert_equal, _batches
+
+TABLES = {SFT: "records", PREFERENCE: "preference_records", CONVERSATION: "conversations"}
+ROWS_PER_BLOCK = 7
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_cluster(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def _write_bronze(lake: LakeResource, batches: list[dict]) -> dict:
+    """Each format's batches b1 and b2, each in two appends (interleaved: b1, b2, b1, b2), so a
+    batch spans several files; b1's sft exact duplicates r00040 and r00041 fall in different
+    files. The tables' versions."""
+    halves = [
+        (fmt, frame.slice(0, _cut(frame)) if first else frame.slice(_cut(frame)))
+        for first in (True, False)
+        for batch in batches
+        for fmt, frame in batch.items()
+    ]
+    for fmt, frame in halves:
+        frame.write_delta(
+            lake.table_uri("bronze", TABLES[fmt]),
+            mode="append",
+            delta_write_options={"partition_by": ["batch_id"]},
+        )
+    return {fmt: lake.version("bronze", TABLES[fmt]) for fmt in batches[0]}
+
+
+def _cut(frame: pl.DataFrame) -> int:
+    return min(41, frame.height // 2)
+
+
+def _today(lake: LakeResource, versions: dict, batch_ids: list[str], config: SilverConfig):
+    index, results = None, []
+    for batch_id in batch_ids:
+        bronze = {
+            fmt: lake.read("bronze", TABLES[fmt], version=v, where=pl.col("batch_id") == batch_id)
+            for fmt, v in versions.items()
+        }
+        look_up = lookup_in(index.lazy()) if index is not None else None
+        curated = curate_formats(bronze, look_up, _eval_index(), config).formats
+        results.append({fmt: (c.kept, c.rejects, c.index, c.stages) for fmt, c in curated.items()})
+        index = pl.concat(
+            [*([index] if index is not None else []), *(c.index for c in curated.values())]
+        )
+    return results
+
+
+def _shares(lake, engine, fmt, version, batch_id, staging: Path, config):
+    """The batch's files in shares of (at least) one file each, prepared as engine tasks."""
+    uri = lake.table_uri("bronze", TABLES[fmt])
+    files = bronze_files(uri, version, batch_id)
+    schema = bronze_schema(uri, version)
+    calls = [
+        (share, config, _eval_index(), fmt, str(staging), ROWS_PER_BLOCK, schema)
+        for share in group_files(files, 1)
+    ]
+    return engine.map_tasks(prepare_files, calls, sum(f.rows for f in files))
+
+
+def _staged(lake, engine, versions, batch_ids, staging: Path, config):
+    index, results = None, []
+    for batch_id in batch_ids:
+        shares = {
+            fmt: _shares(lake, engine, fmt, v, batch_id, staging / batch_id, config).results
+            for fmt, v in versions.items()
+        }
+        assert all(len(s) >= 2 for s in shares.values()), "every batch spans several files"
+        look_up = lookup_in(index.lazy()) if index is not None else None
+        decisions = decide({fmt: read_keys(s) for fmt, s in shares.items()}, look_up, config)
+        cut = {
+            fmt: split(read_prepared(s), decisions[fmt], config.minhash)
+            for fmt, s in shares.items()
+        }
+        results.append({fmt: (c.kept, c.rejects, c.index, c.stages) for fmt, c in cut.items()})
+        index = pl.concat(
+            [*([index] if index is not None else []), *(c.index for c in cut.values())]
+        )
+    return results
+
+
+def test_staged_shares_decide_and_split_to_todays_tables_batch_after_batch(tmp_path):
+    lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
+    versions = _write_bronze(lake, _batches()[:2])
+    engine = RayEngine(home=str(tmp_path / "home"), min_rows=10**9)
+    today = _today(lake, versions, ["b1", "b2"], config)
+    staged = _staged(lake, engine, versions, ["b1", "b2"], tmp_path / "staging", config)
+    _assert_equal(staged, today)
+    for mine, theirs in zip(staged, today, strict=True):  # and in today's row order
+        for fmt, (kept, rejects, *_) in theirs.items():
+            assert mine[fmt][0].equals(kept) and mine[fmt][1].equals(rejects), fmt.name
+    stages = set(today[0][SFT][1]["stage"]) | set(today[1][PREFERENCE][1]["stage"])
+    assert {"exact_dup", "near_dup", "decontaminated", "contradiction"} <= stages
+
+
+def test_files_in_order_give_the_rows_lake_read_gives(tmp_path):
+    lake = LakeResource(uri=str(tmp_path / "lake"))
+    version = _write_bronze(lake, [{SFT: b[SFT]} for b in _batches()[:2]])[SFT]
+    uri = lake.table_uri("bronze", "records")
+    files = bronze_files(uri, version, "b1")
+    read = lake.read("bronze", "records", version=version, where=pl.col("batch_id") == "b1")
+    assert [f.rows for f in files] in ([41, 79], [79, 41])
+    assert [f.first_position for f in files] == [0, files[0].rows]
+    schema = bronze_schema(uri, version)
+    whole = pl.concat(
+        [
+            pl.read_parquet(f.uri).with_columns(batch_id=pl.lit("b1")).select(schema.names())
+            for f in files
+        ]
+    )
+    assert whole.equals(read)
+    assert bronze_files(uri, version, "b9") == []
+    empty = prepare_files([], SilverConfig(), _eval_index(), SFT, str(tmp_path / "s"), 7, schema)
+    assert empty.rows == 0 and read_keys([empty]).height == 0
+
+
+def test_a_retried_share_overwrites_its_own_files_and_keys_files_hold_no_text(tmp_path):
+    lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
+    batches = [{fmt: b[fmt] for fmt in (SFT, CONVERSATION)} for b in _batches()[:2]]
+    versions = _write_bronze(lake, batches)
+    engine = RayEngine(home=str(tmp_path / "home"), min_rows=10**9)
+    for fmt, version in versions.items():
+        staging = tmp_path / "staging" / fmt.name
+        uri = lake.table_uri("bronze", TABLES[fmt])
+        files, schema = bronze_files(uri, version, "b1"), bronze_schema(uri, version)
+        call = (files[:1], config, _eval_index(), fmt, str(staging), ROWS_PER_BLOCK, schema)
+        first = prepare_files(*call)
+        written = sorted(staging.iterdir())
+        assert len(written) == 2 * len(first.blocks)
+        again = engine.map_tasks(prepare_files, [call], files[0].rows).results[0]
+        assert sorted(staging.iterdir()) == written
+        assert [(b.records, b.keys, b.rows) for b in again.blocks] == [
+            (b.records, b.keys, b.rows) for b in first.blocks
+        ]
+        keys = read_keys([again])
+        assert keys.height == keys["record_id"].n_unique() == files[0].rows
+        with pytest.raises(ValueError, match="overlap"):
+            read_keys([first, again])
+        for block in again.blocks:
+            schema = pl.read_parquet_schema(block.keys)
+            assert not set(schema) & text_columns() and TURNS not in schema.values()
+            assert set(pl.read_parquet_schema(block.records)) & text_columns()
