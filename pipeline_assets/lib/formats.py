@@ -50,6 +50,13 @@ class RecordFormat:
     # turn, ``system`` a leading system turn); null when it has none
     context: str | None = None
 
+    def __reduce__(self):
+        # A registered format crosses a process boundary (a Ray task's stage list) by name and is
+        # the same object there, so the stages' ``fmt is PREFERENCE`` holds in any process.
+        if FORMATS.get(self.name) is self:
+            return (format_named, (self.name,))
+        return super().__reduce__()
+
     @property
     def text(self) -> tuple[str, ...]:
         """Every string field: what normalization rewrites and what a data stage's work is counted

@@ -174,3 +174,15 @@ def test_a_retried_share_overwrites_its_own_files_and_keys_files_hold_no_text(tm
             schema = pl.read_parquet_schema(block.keys)
             assert not set(schema) & text_columns() and TURNS not in schema.values()
             assert set(pl.read_parquet_schema(block.records)) & text_columns()
+
+
+def test_a_registered_format_is_itself_after_crossing_a_process_boundary():
+    import pickle
+    from dataclasses import replace
+
+    from pipeline_assets.lib.formats import FORMATS
+
+    for fmt in FORMATS.values():
+        assert pickle.loads(pickle.dumps(fmt)) is fmt
+    unregistered = replace(FORMATS["sft"], name="custom")
+    assert pickle.loads(pickle.dumps(unregistered)) == unregistered
