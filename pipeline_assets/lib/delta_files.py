@@ -1,0 +1,235 @@
+"""Parquet files written into a Delta table's folder by a worker, for another process to commit.
+
+A worker (a Ray task, any process) calls ``write_share``: one Parquet file under the table's
+partition folder, hive style as delta-rs lays it out, and the fields of the Delta ``add`` action
+that will name it, statistics included. Nothing is visible to readers until a commit references
+the file; the lake resource's ``commit_partition`` does that, once for all the workers' shares."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from datetime import date, datetime
+from decimal import Decimal
+from pathlib import Path
+from urllib.parse import unquote
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from pipeline_assets.lib import uris
+
+LOG_FOLDER = "_delta_log"
+# delta-rs keeps a string statistic to 64 bytes: a longer minimum is cut to a prefix (still a lower
+# bound), a longer maximum to a prefix whose last character is raised by one (still an upper bound).
+_STRING_STAT_BYTES = 64
+_PARTITION_VALUE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def table_filesystem(table_uri: str, storage_options: dict[str, str] | None) -> pafs.FileSystem:
+    """The table's folder as a pyarrow filesystem whose paths are relative to it: a local folder, or
+    for ``s3://`` pyarrow's S3 client configured from the lake's deltalake storage options."""
+    if not uris.is_s3(table_uri):
+        return pafs.SubTreeFileSystem(str(Path(table_uri).resolve()), pafs.LocalFileSystem())
+    bucket, key = uris.split_s3(table_uri)
+    return pafs.SubTreeFileSystem(f"{bucket}/{key}", _s3(storage_options or {}))
+
+
+def _s3(options: Mapping[str, str]) -> pafs.S3FileSystem:
+    endpoint = options.get("AWS_ENDPOINT_URL")
+    scheme, _, host = endpoint.partition("://") if endpoint else ("https", "", None)
+    return pafs.S3FileSystem(
+        access_key=options.get("AWS_ACCESS_KEY_ID"),
+        secret_key=options.get("AWS_SECRET_ACCESS_KEY"),
+        session_token=options.get("AWS_SESSION_TOKEN"),
+        region=options.get("AWS_REGION", "us-east-1"),
+        endpoint_override=host,
+        scheme=scheme,
+    )
+
+
+def partition_folder(partitions: Mapping[str, str]) -> str:
+    """``band=3/batch_id=b1``: the partition columns in the table's order, as delta-rs names the
+    folders."""
+    for column, value in partitions.items():
+        if not set(value) <= _PARTITION_VALUE_CHARS:
+            raise ValueError(f"{column} value {value!r} has characters outside [A-Za-z0-9._-]")
+    return "/".join(f"{column}={value}" for column, value in partitions.items())
+
+
+def write_share(
+    table_uri: str,
+    frame: pl.DataFrame,
+    partitions: Mapping[str, str],
+    file_name: str,
+    storage_options: dict[str, str] | None = None,
+) -> dict:
+    """Write ``frame`` as one Parquet file ``<partition folder>/<file_name>`` of the table and
+    return its ``add`` action's fields as a plain dict (it crosses a process boundary).
+
+    ``partitions``: the table's partition columns (in its ``partition_by`` order) and this file's
+    values; the frame may hold those columns (each must hold only that value) and they are not
+    written, as delta-rs does not write them. ``file_name`` must be new to the table (a run id and a
+    task number): a name an earlier version references would be overwritten under it."""
+    if "/" in file_name or not file_name.endswith(".parquet"):
+        raise ValueError(f"a share's file name is a plain *.parquet name, not {file_name!r}")
+    for column, value in partitions.items():
+        if column in frame.columns and frame.height and frame[column].unique().to_list() != [value]:
+            raise ValueError(f"every row of this share must have {column} = {value!r}")
+    data = _without_categoricals(frame.drop([c for c in partitions if c in frame.columns]))
+    path = "/".join(filter(None, [partition_folder(partitions), file_name]))
+    filesystem = table_filesystem(table_uri, storage_options)
+    if not uris.is_s3(table_uri):
+        Path(table_uri, partition_folder(partitions)).mkdir(parents=True, exist_ok=True)
+    collected: list[pq.FileMetaData] = []
+    pq.write_table(
+        data.to_arrow(),
+        path,
+        filesystem=filesystem,
+        compression="snappy",
+        metadata_collector=collected,
+    )
+    return {
+        "path": path,
+        "size": filesystem.get_file_info(path).size,
+        "partition_values": dict(partitions),
+        "modification_time": int(time.time() * 1000),
+        "data_change": True,
+        "stats": json.dumps(file_statistics(collected[0], data.to_arrow().schema)),
+    }
+
+
+def _without_categoricals(frame: pl.DataFrame) -> pl.DataFrame:
+    """Top-level categoricals as text (the table stores them as strings)."""
+    return frame.with_columns(
+        pl.col(name).cast(pl.String)
+        for name, dtype in frame.schema.items()
+        if isinstance(dtype, (pl.Categorical, pl.Enum))
+    )
+
+
+def file_statistics(metadata: pq.FileMetaData, schema: pa.Schema) -> dict:
+    """Delta's ``stats`` of one Parquet file (numRecords, minValues, maxValues, nullCount) from its
+    footer, as delta-rs writes them: struct fields nested, no statistics for lists, maps and
+    binary."""
+    leaves = _leaf_statistics(metadata)
+    stats = {"numRecords": metadata.num_rows, "minValues": {}, "maxValues": {}, "nullCount": {}}
+    for field in schema:
+        _add_field(stats, field, (field.name,), leaves)
+    return stats
+
+
+def _leaf_statistics(metadata: pq.FileMetaData) -> dict[str, tuple]:
+    """Column path -> (min, max, null count) over every row group; min and max None when a row
+    group has none."""
+    found: dict[str, tuple] = {}
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        for index in range(row_group.num_columns):
+            column = row_group.column(index)
+            statistics = column.statistics
+            has_bounds = statistics is not None and statistics.has_min_max
+            low, high = (statistics.min, statistics.max) if has_bounds else (None, None)
+            nulls = statistics.null_count if statistics is not None else None
+            if column.path_in_schema in found:
+                old_low, old_high, old_nulls = found[column.path_in_schema]
+                low = None if None in (low, old_low) else min(low, old_low)
+                high = None if None in (high, old_high) else max(high, old_high)
+                nulls = None if None in (nulls, old_nulls) else nulls + old_nulls
+            found[column.path_in_schema] = (low, high, nulls)
+    return found
+
+
+def _add_field(stats: dict, field: pa.Field, path: tuple[str, ...], leaves: dict) -> None:
+    kind = field.type
+    if pa.types.is_struct(kind):
+        for child in kind:
+            _add_field(stats, child, (*path, child.name), leaves)
+        return
+    if _has_no_statistics(kind) or ".".join(path) not in leaves:
+        return
+    low, high, nulls = leaves[".".join(path)]
+    if nulls is not None:
+        _put(stats["nullCount"], path, nulls)
+    low, high = _stat_value(kind, low, upper=False), _stat_value(kind, high, upper=True)
+    if low is not None and high is not None:
+        _put(stats["minValues"], path, low)
+        _put(stats["maxValues"], path, high)
+
+
+def _has_no_statistics(kind: pa.DataType) -> bool:
+    return (
+        pa.types.is_list(kind)
+        or pa.types.is_large_list(kind)
+        or pa.types.is_fixed_size_list(kind)
+        or pa.types.is_list_view(kind)
+        or pa.types.is_map(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_binary_view(kind)
+        or pa.types.is_fixed_size_binary(kind)
+    )
+
+
+def _stat_value(kind: pa.DataType, value, *, upper: bool):
+    """A Parquet statistic as Delta's JSON writes it, or None where there is none to give."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _string_bound(value, upper=upper)
+    if isinstance(value, bool | int):
+        return value
+    if isinstance(value, float | Decimal):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, datetime):
+        if pa.types.is_timestamp(kind) and kind.tz is not None:
+            return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+        millis = value.microsecond // 1000
+        return value.strftime("%Y-%m-%d %H:%M:%S") + (f".{millis:03d}" if millis else "")
+    if isinstance(value, date):
+        return value.isoformat()
+    return None
+
+
+def _string_bound(value: str, *, upper: bool) -> str | None:
+    encoded = value.encode()
+    if len(encoded) <= _STRING_STAT_BYTES:
+        return value
+    prefix = encoded[:_STRING_STAT_BYTES].decode(errors="ignore")
+    if not upper:
+        return prefix
+    while prefix:
+        last = ord(prefix[-1]) + 1
+        if last <= 0x10FFFF and not 0xD800 <= last <= 0xDFFF:
+            return prefix[:-1] + chr(last)
+        prefix = prefix[:-1]
+    return None
+
+
+def _put(target: dict, path: tuple[str, ...], value) -> None:
+    for name in path[:-1]:
+        target = target.setdefault(name, {})
+    target[path[-1]] = value
+
+
+def referenced_paths(commits: Iterable[str], checkpoints: Iterable[pa.Table]) -> set[str]:
+    """Every data file a version of the table reads or read: the ``add`` and ``remove`` paths of the
+    log's JSON commits (each a text of one action a line) and of its checkpoint (whose removes are
+    files older versions still read)."""
+    found: set[str] = set()
+    for text in commits:
+        for line in text.splitlines():
+            action = json.loads(line) if line.strip() else {}
+            for kind in ("add", "remove"):
+                if kind in action:
+                    found.add(unquote(action[kind]["path"]))
+    for checkpoint in checkpoints:
+        for kind in ("add", "remove"):
+            if kind in checkpoint.column_names:
+                paths = checkpoint[kind].combine_chunks().field("path").to_pylist()
+                found.update(unquote(path) for path in paths if path is not None)
+    return found
