@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from botocore.exceptions import ClientError
 from dagster import ConfigurableResource
 from deltalake import DeltaTable, WriterProperties, write_deltalake
+from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import TableNotFoundError
+from deltalake.transaction import (
+    AddAction,
+    CommitProperties,
+    Transaction,
+    create_table_with_add_actions,
+)
 from pydantic import Field
 
 from pipeline_assets.lib import uris
+from pipeline_assets.lib.delta_files import (
+    LOG_FOLDER,
+    partition_folder,
+    referenced_paths,
+    table_filesystem,
+)
 from pipeline_assets.lib.locks import FileLock, S3Lease
 from pipeline_assets.lib.ops.retention import Removed
 
@@ -177,6 +193,112 @@ class LakeResource(ConfigurableResource):
             **_row_groups(rows_per_group),
         )
 
+    def commit_partition(
+        self,
+        layer: str,
+        name: str,
+        shares: Sequence[Mapping],
+        schema: pl.Schema,
+        *,
+        column: str,
+        value: str,
+        app_id: str,
+        version: int,
+        partition_by: tuple[str, ...] = (),
+        add_columns: bool = False,
+    ) -> DeltaCommit:
+        """One Delta commit replacing the partition ``column = value`` with exactly the files of
+        ``shares`` (what ``lib.delta_files.write_share`` returned in the workers), carrying the
+        application transaction ``(app_id, version)``.
+
+        A retried commit happens once: when the table's ``transaction_version(app_id)`` is already
+        ``version`` or more, nothing is committed and the version that carried it is returned. The
+        first commit creates the table. ``schema``: the table's columns, partition columns
+        included. ``add_columns`` and ``partition_by`` as in ``replace_partition``. ``rows`` is
+        the shares' records; ``bytes_in_memory`` their files' bytes (their frames were never in
+        this process)."""
+        started = (time.perf_counter(), time.process_time())
+        table_uri = self.table_uri(layer, name)
+        rows = sum(json.loads(share["stats"])["numRecords"] for share in shares)
+        size = sum(share["size"] for share in shares)
+        table = self.table(layer, name)
+        carried = None if table is None else table.transaction_version(app_id)
+        if carried is not None and carried >= version:
+            committed = _version_carrying(table, app_id, version)
+            return DeltaCommit(table_uri, committed, rows, size, *_elapsed(started))
+        columns = tuple(partition_by or (column,))
+        for share in shares:
+            if share["partition_values"].get(column) != value:
+                raise ValueError(f"a share outside {column} = {value!r}: {share['path']}")
+        actions = [AddAction(**{field: share[field] for field in _ADD_FIELDS}) for share in shares]
+        commit_properties = CommitProperties(
+            custom_metadata={_APP_TRANSACTION: f"{app_id}@{version}"},
+            app_transactions=[Transaction(app_id, version)],
+        )
+        if table is None:
+            create_table_with_add_actions(
+                table_uri,
+                _delta_schema(schema),
+                actions,
+                partition_by=list(columns),
+                storage_options=self.storage_options(),
+                commit_properties=commit_properties,
+            )
+        else:
+            table.create_write_transaction(
+                actions,
+                mode="overwrite",
+                schema=_commit_schema(table, schema, add_columns, f"{layer}/{name}"),
+                partition_by=list(columns),
+                partition_filters=[(column, "=", value)],
+                commit_properties=commit_properties,
+            )
+        return self._committed(table_uri, rows, size, started)
+
+    def remove_uncommitted(
+        self,
+        layer: str,
+        name: str,
+        column: str | None = None,
+        value: str | None = None,
+        *,
+        keep_after: float,
+    ) -> Removed:
+        """Delete the Parquet files under the partition folders of ``column = value`` (every
+        partition when ``column`` is None) that no version of the table references: files workers
+        wrote for a commit that never came (the step died between ``write_share`` and
+        ``commit_partition``). Files modified at or after ``keep_after`` (epoch seconds) stay: a
+        run under way may be about to commit them. The retention job calls it on every table
+        (``defs/ops/retention.py``), as Delta's vacuum leaves such files."""
+        table = self.table(layer, name)
+        if table is None:
+            return Removed()
+        table_uri = self.table_uri(layer, name)
+        filesystem = table_filesystem(table_uri, self.storage_options())
+        referenced = self._referenced_paths(filesystem)
+        segment = None if column is None else partition_folder({column: value or ""})
+        doomed = [
+            uris.join(table_uri, info.path)
+            for info in filesystem.get_file_info(pafs.FileSelector("", recursive=True))
+            if info.type == pafs.FileType.File
+            and info.path.endswith(".parquet")
+            and not info.path.startswith((LOG_FOLDER, "_"))
+            and (segment is None or segment in info.path.split("/"))
+            and info.path not in referenced
+            and info.mtime.timestamp() < keep_after
+        ]
+        return self._delete_files(doomed)
+
+    def _referenced_paths(self, filesystem: pafs.FileSystem) -> set[str]:
+        """Every file a version of the table still in its log reads or read."""
+        log = filesystem.get_file_info(pafs.FileSelector(LOG_FOLDER))
+        commits = [info.path for info in log if info.path.endswith(".json")]
+        checkpoints = [info.path for info in log if ".checkpoint" in info.path.rsplit("/", 1)[-1]]
+        return referenced_paths(
+            (filesystem.open_input_stream(path).read().decode() for path in commits),
+            (pq.read_table(path, filesystem=filesystem) for path in checkpoints),
+        )
+
     def tables(self) -> list[tuple[str, str]]:
         """Every Delta table of the lake, as (layer, name)."""
         if not uris.is_s3(self.uri):
@@ -287,7 +409,7 @@ class LakeResource(ConfigurableResource):
             )
         except Exception:
             if not existed:
-                _remove_uncommitted(table_uri)
+                _remove_logless_folder(table_uri)
             if failed:
                 raise failed[0] from None
             raise
@@ -298,19 +420,57 @@ class LakeResource(ConfigurableResource):
     ) -> DeltaCommit:
         """The write just committed: the table's new version, and the write's wall and CPU seconds
         since ``started``."""
-        wall, cpu = started
         version = DeltaTable(table_uri, storage_options=self.storage_options()).version()
-        return DeltaCommit(
-            uri=table_uri,
-            version=version,
-            rows=rows,
-            bytes_in_memory=bytes_in_memory,
-            wall_seconds=time.perf_counter() - wall,
-            cpu_seconds=time.process_time() - cpu,
+        return DeltaCommit(table_uri, version, rows, bytes_in_memory, *_elapsed(started))
+
+
+_ADD_FIELDS = ("path", "size", "partition_values", "modification_time", "data_change", "stats")
+# the commit-info key naming the application transaction a commit carried
+_APP_TRANSACTION = "pipeline.app_transaction"
+
+
+def _elapsed(started: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = started
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _version_carrying(table: DeltaTable, app_id: str, version: int) -> int:
+    """The table version whose commit carried ``(app_id, version)``, or the table's version when
+    that commit has left the log's history."""
+    wanted = f"{app_id}@{version}"
+    for commit in table.history():
+        if commit.get(_APP_TRANSACTION) == wanted:
+            return commit["version"]
+    return table.version()
+
+
+def _delta_schema(schema: pl.Schema) -> DeltaSchema:
+    arrow = schema.to_frame().to_arrow(compat_level=pl.CompatLevel.oldest()).schema
+    text = [
+        pa.field(f.name, pa.large_string()) if pa.types.is_dictionary(f.type) else f for f in arrow
+    ]
+    return DeltaSchema.from_arrow(pa.schema(text))
+
+
+def _commit_schema(
+    table: DeltaTable, schema: pl.Schema, add_columns: bool, table_name: str
+) -> DeltaSchema:
+    """The schema a commit of files of ``schema`` gives the table: the table's own, with the
+    columns it lacks added after its own when ``add_columns``. Anything else would change the
+    table's schema under its readers: refused."""
+    have = pa.schema(table.schema().to_arrow())
+    new = pa.schema(_delta_schema(schema).to_arrow())
+    missing = [name for name in have.names if name not in new.names]
+    extra = [field for field in new if field.name not in have.names]
+    if missing or (extra and not add_columns):
+        raise ValueError(
+            f"files for {table_name} lack its columns {missing} or add "
+            f"{[field.name for field in extra]} (add_columns={add_columns})"
         )
+    return DeltaSchema.from_arrow(pa.schema([*have, *extra]))
 
 
-def _remove_uncommitted(table_uri: str) -> None:
+def _remove_logless_folder(table_uri: str) -> None:
     """A first write that failed leaves its folder (and any data files it had flushed) without a
     log: a table no reader can open. On S3 there are no folders; flushed objects stay invisible to
     Delta (as a crashed writer's do) until vacuum."""
