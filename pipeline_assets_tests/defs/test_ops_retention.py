@@ -15,6 +15,7 @@ from dagster import DefaultScheduleStatus
 from pipeline_assets.cli.lineage import model_lineage
 from pipeline_assets.defs.ops.policy import RetentionPolicy
 from pipeline_assets.defs.ops.retention import retention_job, retention_schedule
+from pipeline_assets.lib.delta_files import write_share
 from pipeline_assets.lib.gold.manifest import Manifest
 from pipeline_assets.lib.gold.splits import SPLITS
 from pipeline_assets.resources.lake import LakeResource
@@ -121,10 +122,15 @@ def test_retention_deletes_what_nothing_registered_needs_and_lineage_still_resol
     registered.write_json("best.json", {"step": 20, "uri": registered.folder_uri("step-20")})
     _checkpoint(unregistered, "step-10")
     lineage_before = model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake)
+    orphan = write_share(  # a worker's file whose commit never came
+        lake.table_uri("silver", "records"), pl.DataFrame({"record_id": ["z1"]}), {}, "o.parquet"
+    )
 
     result = retention_job.execute_in_process(instance=instance, resources=resources)
 
     assert result.success
+    assert not Path(lake.table_uri("silver", "records"), orphan["path"]).exists()
+    assert _op_metadata(result, "vacuum_lake")["uncommitted_files_deleted"] == 1
     assert model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake) == lineage_before
     assert lineage_before["silver"]["batches"] == ["A", "B"]
     with pytest.raises(
@@ -192,10 +198,15 @@ def test_a_model_trained_on_conversations_keeps_their_versions_and_its_lineage_r
         {"silver/records": 0, "gold/sequences": 0, "gold/snapshots": 0, **pins},
     )
     lineage_before = model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake)
+    orphan = write_share(  # a worker's file whose commit never came
+        lake.table_uri("silver", "records"), pl.DataFrame({"record_id": ["z1"]}), {}, "o.parquet"
+    )
 
     result = retention_job.execute_in_process(instance=instance, resources=resources)
 
     assert result.success
+    assert not Path(lake.table_uri("silver", "records"), orphan["path"]).exists()
+    assert _op_metadata(result, "vacuum_lake")["uncommitted_files_deleted"] == 1
     vacuumed = _op_metadata(result, "vacuum_lake")
     assert {table: vacuumed["pinned_versions"][table] for table in pins} == {
         table: [0] for table in pins

@@ -33,7 +33,8 @@ from pipeline_assets.trainer.storage import BEST, MANIFEST
 
 @op(
     description="Vacuum every Delta table: delete files that no version inside the retention "
-    "window and no version a registered model pins still reads."
+    "window and no version a registered model pins still reads, and files workers wrote for a "
+    "commit that never came."
 )
 def vacuum_lake(
     context: OpExecutionContext,
@@ -43,24 +44,30 @@ def vacuum_lake(
 ) -> Output[None]:
     pinned = pinned_versions(version.tags for version in mlflow_tracking.all_registered_versions())
     removed_by_table: dict[str, dict] = {}
-    total = Removed()
+    total, uncommitted = Removed(), Removed()
+    before = cutoff(time.time(), retention_policy.days)
     for layer, name in lake.tables():
         table = f"{layer}/{name}"
         removed = lake.vacuum(
             layer, name, retention_policy.days * 24, keep_versions=pinned.get(table, [])
         )
+        orphans = lake.remove_uncommitted(layer, name, keep_after=before)
         context.log.info(
             f"vacuumed {table}: {removed.files} file(s), {removed.bytes} bytes deleted "
-            f"(kept versions {pinned.get(table, [])} for registered models)"
+            f"(kept versions {pinned.get(table, [])} for registered models); "
+            f"{orphans.files} file(s) no version references deleted"
         )
         removed_by_table[table] = {"files": removed.files, "bytes": removed.bytes}
         total += removed
+        uncommitted += orphans
     return Output(
         None,
         metadata={
             "tables_vacuumed": MetadataValue.json(removed_by_table),
             "files_deleted": total.files,
             "bytes_deleted": total.bytes,
+            "uncommitted_files_deleted": uncommitted.files,
+            "uncommitted_bytes_deleted": uncommitted.bytes,
             "pinned_versions": MetadataValue.json(pinned),
             "retention_days": retention_policy.days,
         },
