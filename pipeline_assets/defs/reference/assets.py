@@ -13,6 +13,8 @@ sha256, so a changed scorer shows silver stale until `pipeline-assets backfill-d
 re-scores it.
 """
 
+from collections.abc import Callable
+
 from dagster import (
     AssetKey,
     AssetSelection,
@@ -85,9 +87,22 @@ observe_eval_sets_job = define_asset_job(
 )
 def eval_sets_watcher(context: SensorEvaluationContext, eval_sets: EvalSetsResource):
     current = eval_sets.fingerprint(eval_sets.files())
-    latest = _latest_observation(context.instance, REFERENCE_EVAL_SETS)
-    if latest is not None and current == _data_version(latest):
-        return SkipReason(f"eval sets unchanged (data version {current[:12]})")
+    return _observe_when_changed(context, REFERENCE_EVAL_SETS, current, _data_version, "eval sets")
+
+
+def _observe_when_changed(
+    context: SensorEvaluationContext,
+    key: AssetKey,
+    current: str,
+    observed: Callable[[EventLogRecord], str | None],
+    what: str,
+) -> RunRequest | SkipReason:
+    """An observation of ``key`` when ``current`` differs from what its last observation recorded
+    (``observed``: its data version or its files' listing), or when it was never observed."""
+    latest = _latest_observation(context.instance, key)
+    if latest is not None and current == observed(latest):
+        compared = "data version" if observed is _data_version else "listing"
+        return SkipReason(f"{what} unchanged ({compared} {current[:12]})")
     # One request per change: the same files after the same observation give the same run key.
     after = latest.storage_id if latest else 0
     return RunRequest(run_key=f"{current}@after-{after}")
@@ -151,11 +166,9 @@ def base_model_watcher(context: SensorEvaluationContext, base_model: BaseModelRe
     if not base_model.configured:
         return SkipReason(f"{SETTING} is unset: no base model to watch")
     current = base_model.listing_fingerprint()
-    latest = _latest_observation(context.instance, REFERENCE_BASE_MODEL)
-    if latest is not None and current == observed_listing(latest):
-        return SkipReason(f"base model unchanged (listing {current[:12]})")
-    after = latest.storage_id if latest else 0
-    return RunRequest(run_key=f"{current}@after-{after}")
+    return _observe_when_changed(
+        context, REFERENCE_BASE_MODEL, current, observed_listing, "base model"
+    )
 
 
 @observable_source_asset(
@@ -197,11 +210,13 @@ observe_quality_models_job = define_asset_job(
 )
 def quality_models_watcher(context: SensorEvaluationContext, quality_models: QualityModelsResource):
     current = quality_models.listing_fingerprint()
-    latest = _latest_observation(context.instance, REFERENCE_QUALITY_MODELS)
-    if latest is not None and current == observed_listing(latest):
-        return SkipReason(f"quality models unchanged (listing {current[:12]})")
-    after = latest.storage_id if latest else 0
-    return RunRequest(run_key=f"{current}@after-{after}")
+    return _observe_when_changed(
+        context,
+        REFERENCE_QUALITY_MODELS,
+        current,
+        observed_listing,
+        "quality models",
+    )
 
 
 def observed_listing(record: EventLogRecord) -> str | None:
