@@ -161,9 +161,7 @@ def join_blocks(blocks: Sequence[Prepared]) -> Prepared:
     first = blocks[0]
     if any(b.layout != first.layout or b.fmt is not first.fmt for b in blocks):
         raise ValueError("blocks of one batch were prepared with different formats or stages")
-    counters = merge(
-        [StagesResult(pl.DataFrame(), {}, block.counters) for block in blocks]
-    ).counters
+    counters = summed_counters([block.counters for block in blocks])
     return Prepared(
         first.fmt,
         pl.concat([b.staged for b in blocks], how="diagonal_relaxed"),
@@ -172,6 +170,11 @@ def join_blocks(blocks: Sequence[Prepared]) -> Prepared:
         first.record_stages,
         counters,
     )
+
+
+def summed_counters(blocks: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """The blocks' counters of the stages before dedup, summed as the stage runner sums them."""
+    return merge([StagesResult(pl.DataFrame(), {}, counters) for counters in blocks]).counters
 
 
 def prepare(

@@ -4,11 +4,15 @@
 
 Each stage's removed rows get the columns today's stage gives them (the layouts ``prepare`` and
 ``decide`` recorded), so silver/rejects has today's columns in today's order.
+
+``split_share`` cuts some of the batch's records (a write task's share) by their verdicts alone,
+by the same code ``split`` runs on the whole batch; ``stage_counters`` gives the batch's counters
+from the verdicts and the blocks' counters, no record read, so the step never holds the text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 
@@ -23,10 +27,16 @@ DECIDED = "decided_"  # the verdict's columns, beside the staged record's own
 
 
 @dataclass(frozen=True)
-class SplitBatch:
+class SplitShare:
+    """What one share of a batch's staged records gives: the three tables' rows of its records."""
+
     kept: pl.DataFrame  # as CuratedBatch.kept
     rejects: pl.DataFrame  # as CuratedBatch.rejects
     index: pl.DataFrame  # as CuratedBatch.index
+
+
+@dataclass(frozen=True)
+class SplitBatch(SplitShare):
     stages: dict[str, dict]  # per stage, in order: rows_in, kept, rejected (and the runner's own)
 
 
@@ -34,7 +44,19 @@ def split(
     prepared: Prepared, decision: Decision, minhash: MinHashConfig = MinHashConfig()
 ) -> SplitBatch:
     """The batch's kept rows, rejects and index entries, cut from ``prepared.staged`` by
-    ``decision``."""
+    ``decision``, and every stage's counters."""
+    cut = split_share(prepared, decision, minhash)
+    stages = stage_counters(prepared.counters, prepared.record_stages, decision)
+    return SplitBatch(cut.kept, cut.rejects, cut.index, stages)
+
+
+def split_share(
+    prepared: Prepared, decision: Decision, minhash: MinHashConfig = MinHashConfig()
+) -> SplitShare:
+    """The kept rows, rejects and index entries of the records of ``prepared`` (a whole batch or
+    some of its blocks), by ``decision`` (its verdicts: those records' and no others, see
+    ``for_records``). Over a batch's shares, the concatenations are what ``split`` of the whole
+    batch gives, row for row."""
     rows = _with_verdicts(prepared.staged, decision.verdicts)
     removed_by = pl.col(DECIDED + REMOVED_BY)
     order = (
@@ -50,14 +72,20 @@ def split(
     ]
     kept = rows.filter(removed_by.is_null())
     signed = kept.select(_columns(prepared.layout[HASHED]))
-    return SplitBatch(
+    return SplitShare(
         kept=kept.select(_columns(prepared.layout[KEPT])).with_columns(split_hashes(prepared.fmt)),
         rejects=pl.concat(removed, how="diagonal_relaxed").drop(
             *SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False
         ),
         index=index_entries(signed, minhash, prepared.fmt),
-        stages=_counters(rows, prepared, decision),
     )
+
+
+def for_records(decision: Decision, record_ids: pl.Series) -> Decision:
+    """``decision`` with the verdicts of ``record_ids`` only (a share's records): what a task that
+    splits that share needs, and no more."""
+    ids = record_ids.to_frame("record_id")
+    return replace(decision, verdicts=decision.verdicts.join(ids, on="record_id", how="semi"))
 
 
 def _with_verdicts(staged: pl.DataFrame, verdicts: pl.DataFrame) -> pl.DataFrame:
@@ -113,18 +141,21 @@ def _record_columns(
     return [*hashed, *([CLUSTER_ID] if CLUSTER_ID in decided else [])]
 
 
-def _counters(rows: pl.DataFrame, prepared: Prepared, decision: Decision) -> dict[str, dict]:
-    """Every stage's counters in today's order: the runner's for the stages before dedup and the
-    decided ones; for the per-record stages, derived from the verdicts as the runner derives them
+def stage_counters(
+    before_dedup: dict[str, dict], record_stages: tuple[str, ...], decision: Decision
+) -> dict[str, dict]:
+    """Every stage's counters in today's order, from keys and verdicts alone: the runner's for the
+    stages before dedup (``before_dedup``: the blocks' counters, summed) and the decided ones; for
+    the per-record stages (``record_stages``), derived from the verdicts as the runner derives them
     (rows in: what the stage before kept)."""
     survivors = decision.counters[decision.dedup_stages[-1]]["kept"]
-    by_stage = dict(rows.group_by(DECIDED + REMOVED_BY).len().iter_rows())
+    by_stage = dict(decision.verdicts.group_by(REMOVED_BY).len().iter_rows())
     per_record = {}
-    for name in prepared.record_stages:
+    for name in record_stages:
         rejected = by_stage.get(name, 0)
         kept = survivors - rejected
         per_record[name] = {"rows_in": survivors, "kept": kept, "rejected": rejected}
         survivors -= rejected
     last = {name: decision.counters[name] for name in decision.last_stages}
     dedup = {name: decision.counters[name] for name in decision.dedup_stages}
-    return {**prepared.counters, **dedup, **per_record, **last}
+    return {**before_dedup, **dedup, **per_record, **last}

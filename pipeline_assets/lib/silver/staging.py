@@ -28,7 +28,14 @@ from pipeline_assets.lib import uris
 from pipeline_assets.lib.formats import FORMATS, RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.prepare import Prepared, join_blocks, prepare_block, refuse_text
+from pipeline_assets.lib.silver.prepare import (
+    POSITION,
+    Prepared,
+    join_blocks,
+    prepare_block,
+    refuse_text,
+    summed_counters,
+)
 
 BATCH_COLUMN = "batch_id"  # bronze's partition column
 # as polars' scan_delta reads a table's files, so a share's rows have the types lake.read gives
@@ -231,6 +238,19 @@ def read_prepared(shares: Sequence[StagedShare], storage_options: dict | None = 
             for block in _blocks(shares)
         ]
     )
+
+
+def staged_counters(shares: Sequence[StagedShare]) -> dict[str, dict]:
+    """The counters of the stages before dedup over the shares' blocks, as ``read_prepared`` sums
+    them, with no record read: with the decision, ``split.stage_counters`` gives the batch's."""
+    return summed_counters([block.counters for block in _blocks(shares)])
+
+
+def share_record_ids(share: StagedShare, keys: pl.DataFrame) -> pl.Series:
+    """The record ids of ``share``'s blocks, from the batch's keys (by position)."""
+    start = min((block.first_position for block in share.blocks), default=0)
+    inside = pl.col(POSITION).is_between(start, start + share.rows, closed="left")
+    return keys.filter(inside)["record_id"]
 
 
 def _blocks(shares: Sequence[StagedShare]) -> list[StagedBlock]:
