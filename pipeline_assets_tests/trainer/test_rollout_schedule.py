@@ -21,7 +21,10 @@ def _pending(learner: Learner) -> pl.DataFrame:
     return rows.filter(pl.col("status") == "pending").select(_DRAWN)
 
 
-def test_each_update_s_batch_is_drawn_from_its_seed_and_its_scheduled_version(tmp_path):
+def test_each_update_s_batch_is_drawn_from_its_seed_and_its_scheduled_version(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # two learners in one process
     config = rl_inputs(tmp_path, off_policy_steps=1)
     learners = [Learner(replace(config, partition=run)) for run in ("rl-a", "rl-b")]
     for learner in learners:
@@ -43,7 +46,8 @@ def test_each_update_s_batch_is_drawn_from_its_seed_and_its_scheduled_version(tm
     assert not _pending(learner).equals(first), "update 1's batch has a seed of its own"
 
 
-def test_a_free_running_worker_draws_anew(tmp_path):
+def test_a_free_running_worker_draws_anew(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = rl_inputs(tmp_path, bank_tasks=100)
     learners = [Learner(replace(config, partition=run)) for run in ("rl-a", "rl-b")]
     for learner in learners:
