@@ -19,7 +19,7 @@ from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.silver.scorers import encode_texts
-from pipeline_assets.resources.engine import RayEngine
+from pipeline_assets.resources.engine import RayEngine, local_ray_options
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.quality_models import QualityModelsResource
@@ -206,6 +206,13 @@ def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
         "lake": LakeResource(uri=str(tmp_path / "ray-lake")),
         "ray_engine": RayEngine(home=str(tmp_path / "ray-home"), min_rows=1),
     }
+    # Ray keeps one auth mode and token a process, read at its first use: this pytest worker may
+    # have run the two-node cluster (auth off) or another home's Ray before, where a step process
+    # only ever starts its own home's. Set this home's, then have Ray read them again.
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    local_ray_options(tmp_path / "ray-home")
+    reset_auth_token_state()
     ray_batch = register(instance, on_ray)
     ray_result = materialize(
         [eval_sets, bronze, silver], partition_key=ray_batch, instance=instance, resources=on_ray

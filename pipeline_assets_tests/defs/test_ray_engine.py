@@ -74,6 +74,11 @@ def two_node_cluster():
         env.setenv(
             "RAY_TMPDIR", str(folder)
         )  # Ray's session files, and the address file of the newest cluster
+        # Ray reads its auth settings once a process: read them again (a local Ray before, in
+        # this pytest worker, ran with a token)
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        reset_auth_token_state()
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
