@@ -158,11 +158,22 @@ def _waits_for_more_records(done) -> None:
 
 
 def test_a_batch_of_one_record_repeated_keeps_one_and_says_why_of_the_rest(tmp_path):
+    """One sft source, no eval sets, nothing overridden."""
     write_landing_file(tmp_path / "landing", "support", "a.jsonl", support_answers(1) * 40)
     _waits_for_more_records(run_cli(tmp_path, "run"))
     summary = _summary(tmp_path)
     assert summary["tables"]["silver/records"]["rows"] == 1
     assert summary["rejected_by_stage"] == {"exact_dup": 39}
+    # the defaults of silver's models: every record's language labelled, none rejected for it
+    # (PIPELINE_LANGUAGES unset), no scorer (PIPELINE_QUALITY_MODELS empty)
+    silver = pl.read_delta(str(tmp_path / "lake" / "silver" / "records"))
+    assert silver["language"].to_list() == ["en"]
+    assert 0.5 < silver["language_score"].item() <= 1.0
+    assert not [c for c in silver.columns if c.startswith("score_")]
+    assert _latest(tmp_path, SILVER_RECORDS, "language_mix") == {"en": 1}
+    assert _latest(tmp_path, SILVER_RECORDS, "scorers") == {}
+    models = _latest(tmp_path, SILVER_RECORDS, "quality_models")
+    assert [m["name"] for m in models] == ["language"]
 
 
 def test_a_landing_of_preference_pairs_only_is_curated_and_the_rest_waits(tmp_path):
