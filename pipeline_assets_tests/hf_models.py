@@ -137,3 +137,22 @@ def classifier_folder(folder, **config):
     )
     model = Qwen2ForSequenceClassification(Qwen2Config(**{**settings, **config}))
     return _saved(folder, model, tokenizer)
+
+
+def classifier_scores(folder: Path, texts: list[str], label_index: int | None = None) -> list:
+    """A sequence classifier on one text at a time, no padding and no mask, as a user scores a
+    record by hand: its one logit, or ``label_index``'s softmax probability."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from pipeline_assets.lib.silver.scorers import encode_texts
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    scores = []
+    with torch.no_grad():
+        for ids in encode_texts(tokenizer, texts):
+            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+            scores.append(
+                float(logits[0] if label_index is None else logits.softmax(-1)[label_index])
+            )
+    return scores

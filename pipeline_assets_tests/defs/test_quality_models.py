@@ -11,14 +11,12 @@ import statistics
 import fasttext
 import polars as pl
 import pytest
-import torch
 from dagster import materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
-from pipeline_assets.lib.silver.scorers import encode_texts
 from pipeline_assets.resources.engine import RayEngine, local_ray_options
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
@@ -26,7 +24,7 @@ from pipeline_assets.resources.quality_models import QualityModelsResource
 from pipeline_assets_tests.conftest import write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 from pipeline_assets_tests.fasttext_models import train_fasttext
-from pipeline_assets_tests.hf_models import classifier_folder
+from pipeline_assets_tests.hf_models import classifier_folder, classifier_scores
 
 ANSWERS = {
     "en": [
@@ -81,25 +79,12 @@ def models(tmp_path_factory):
     return reward, helpful
 
 
-def own_scores(folder, texts: list[str]) -> list[float]:
-    """The reward model on one text at a time, as a user scores a record by hand."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    with torch.no_grad():
-        return [
-            float(model(input_ids=torch.tensor([ids])).logits[0, 0])
-            for ids in encode_texts(tokenizer, texts)
-        ]
-
-
 def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
     models, instance, resources, landing_dir, tmp_path
 ):
     reward, helpful = models
     kept_languages = ANSWERS["en"] + ANSWERS["de"]
-    threshold = statistics.median(own_scores(reward, kept_languages))
+    threshold = statistics.median(classifier_scores(reward, kept_languages))
     margin = 0.0
     scorers = [
         {"name": "reward", "model": str(reward), "min": threshold, "margin": margin},
@@ -152,7 +137,7 @@ def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
     )
     assert sorted(judged) == sorted(kept_languages)
     stored = dict(zip(records["response"], records["score_reward"]))
-    own = dict(zip(kept_languages, own_scores(reward, kept_languages)))
+    own = dict(zip(kept_languages, classifier_scores(reward, kept_languages)))
     assert all(abs(stored[text] - own[text]) < 1e-4 for text in stored)
     below = {text for text, score in own.items() if score < threshold}
     assert set(rejects.filter(pl.col("stage") == "quality_model")["response"]) == below
@@ -185,8 +170,8 @@ def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
     # rejected answer is ahead by more than the margin is rejected
     pairs_kept = lake.read("silver", "preference_pairs")
     pair_rejects = every_reject.filter(pl.col("source") == "prefs")
-    chosen = own_scores(reward, [c for _, c, _ in PAIRS])
-    rejected = own_scores(reward, [r for _, _, r in PAIRS])
+    chosen = classifier_scores(reward, [c for _, c, _ in PAIRS])
+    rejected = classifier_scores(reward, [r for _, _, r in PAIRS])
     below_min = {PAIRS[i][0] for i in range(len(PAIRS)) if chosen[i] < threshold}
     disagree = {
         PAIRS[i][0]

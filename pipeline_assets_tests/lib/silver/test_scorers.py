@@ -29,6 +29,7 @@ from pipeline_assets.lib.silver.scorers import (
 from pipeline_assets_tests.fasttext_models import train_fasttext
 from pipeline_assets_tests.hf_models import (
     classifier_folder,
+    classifier_scores,
     qwen2_folder,
 )
 
@@ -67,29 +68,13 @@ def fasttext_file(tmp_path_factory):
     return model, model.save(tmp_path_factory.mktemp("models") / "quality.bin")
 
 
-def own_scores(folder, label_index=None) -> list[float]:
-    """The model called on one record at a time, no padding, no mask."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    scores = []
-    with torch.no_grad():
-        for ids in encode_texts(tokenizer, RESPONSES):
-            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-            scores.append(
-                float(logits[0] if label_index is None else logits.softmax(-1)[label_index])
-            )
-    return scores
-
-
 def scored(spec: ScorerSpec, batch, batch_size: int = 32):
     return SequenceClassifierScorer(spec, batch_size=batch_size)(Tokenize(spec)(batch))
 
 
 def test_reward_model_scores_are_its_logit_whatever_the_batching(reward_model):
     spec = ScorerSpec("reward", str(reward_model))
-    expected = own_scores(reward_model)
+    expected = classifier_scores(reward_model, RESPONSES)
     assert len(set(np.round(expected, 6))) == len(RESPONSES)  # a real, varied signal
     tokenized = Tokenize(spec)({"response": np.array(RESPONSES, dtype=object)})
     scorer = SequenceClassifierScorer(spec)
@@ -107,7 +92,9 @@ def test_reward_model_scores_are_its_logit_whatever_the_batching(reward_model):
 def test_multi_class_score_is_the_labels_probability(three_labels):
     spec = ScorerSpec("edu", str(three_labels), label="high")
     out = scored(spec, pl.DataFrame({"response": RESPONSES}), batch_size=2)
-    np.testing.assert_allclose(out["score_edu"].to_numpy(), own_scores(three_labels, 2), atol=1e-4)
+    np.testing.assert_allclose(
+        out["score_edu"].to_numpy(), classifier_scores(three_labels, RESPONSES, 2), atol=1e-4
+    )
     assert out.columns == ["response", "score_edu"]
 
 
