@@ -101,8 +101,7 @@ def _observe_when_changed(
     (``observed``: its data version or its files' listing), or when it was never observed."""
     latest = _latest_observation(context.instance, key)
     if latest is not None and current == observed(latest):
-        compared = "data version" if observed is _data_version else "listing"
-        return SkipReason(f"{what} unchanged ({compared} {current[:12]})")
+        return SkipReason(f"{what} unchanged ({current[:12]})")
     # One request per change: the same files after the same observation give the same run key.
     after = latest.storage_id if latest else 0
     return RunRequest(run_key=f"{current}@after-{after}")
