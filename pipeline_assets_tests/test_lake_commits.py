@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 
 from pipeline_assets.lib.delta_files import write_share
+from pipeline_assets.lib.ops.retention import Removed
 from pipeline_assets.resources.lake import LakeResource
 
 TABLE = ("silver", "records")
@@ -147,6 +148,28 @@ def test_the_first_commit_creates_the_table_and_a_later_one_may_add_a_column(lak
     assert lake.read(*TABLE).select(wider.columns).equals(wider)
 
 
+def _stage(lake: LakeResource, run: str, modified: float) -> str:
+    """A run's staged file under the lake, last written at ``modified``."""
+    path = lake.staging_uri("silver", "b1", run, "sft-records-000000000000.parquet")
+    if not path.startswith("s3://"):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _rows("b1", 0, 2).write_parquet(path, storage_options=lake.storage_options())
+    if not path.startswith("s3://"):
+        os.utime(path, (modified, modified))
+    return path
+
+
+def test_retention_removes_a_dead_runs_staging_and_keeps_a_run_under_way(lake: LakeResource):
+    now = time.time()
+    dead, live = _stage(lake, "run-dead", now - 3600), _stage(lake, "run-live", now)
+
+    folders, removed = lake.remove_abandoned_staging(keep_after=now - 60)
+
+    assert folders == ["silver/b1/run-dead"] and removed.files == 1 and removed.bytes > 0
+    assert not Path(dead).parent.exists() and Path(live).exists()
+    assert lake.remove_abandoned_staging(keep_after=now - 60) == ([], Removed())
+
+
 def test_shares_on_s3_are_committed_and_their_orphans_removed(s3_endpoint):
     lake = LakeResource(uri="s3://pipeline/lake")
     table_uri, options = lake.table_uri(*TABLE), lake.storage_options()
@@ -159,6 +182,11 @@ def test_shares_on_s3_are_committed_and_their_orphans_removed(s3_endpoint):
     assert lake.read(*TABLE).sort("record_id").equals(rows)
     assert lake.remove_uncommitted(*TABLE, "batch_id", "b1", keep_after=time.time() + 1).files == 1
     assert lake.read(*TABLE).height == 4 and orphan["path"] != share["path"]
+    staged = _stage(lake, "run-dead", 0.0)
+    folders, removed = lake.remove_abandoned_staging(keep_after=time.time() + 1)
+    assert folders == ["silver/b1/run-dead"] and removed.files == 1
+    with pytest.raises(FileNotFoundError):
+        pl.read_parquet(staged, storage_options=lake.storage_options())
 
 
 def test_a_table_partitioned_by_band_then_batch_replaces_the_batch_in_every_band(

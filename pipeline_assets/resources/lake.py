@@ -35,7 +35,7 @@ from pipeline_assets.lib.delta_files import (
     table_filesystem,
 )
 from pipeline_assets.lib.locks import FileLock, S3Lease
-from pipeline_assets.lib.ops.retention import Removed
+from pipeline_assets.lib.ops.retention import STAGING_DEPTH, Removed, abandoned_staging
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class DeltaCommit:
     cpu_seconds: float
 
 
+STAGING_FOLDER = "_staging"  # under the lake; no Delta table is named so
 _PARTITION_VALUE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -71,6 +72,31 @@ class LakeResource(ConfigurableResource):
 
     def storage_options(self) -> dict[str, str] | None:
         return uris.delta_storage_options(self.uri)
+
+    def staging_uri(self, *parts: str) -> str:
+        """``<lake>/_staging/<stage>/<batch>/<run>``: files workers write for a step to commit."""
+        return uris.join(self.uri, STAGING_FOLDER, *parts)
+
+    def remove_abandoned_staging(self, *, keep_after: float) -> tuple[list[str], Removed]:
+        """Delete the staging run folders whose newest file is older than ``keep_after`` (epoch
+        seconds): runs that died before their commit and whose batch was never run again (a
+        committed run removes its own). Returns the folders, relative to the staging root, and
+        what was deleted."""
+        filesystem = table_filesystem(self.staging_uri(), self.storage_options())
+        if filesystem.get_file_info("").type == pafs.FileType.NotFound:
+            return [], Removed()
+        files = [
+            info
+            for info in filesystem.get_file_info(pafs.FileSelector("", recursive=True))
+            if info.type == pafs.FileType.File
+        ]
+        folders = abandoned_staging(((f.path, f.mtime.timestamp()) for f in files), keep_after)
+        doomed = [f for f in files if "/".join(f.path.split("/")[:STAGING_DEPTH]) in folders]
+        removed = self._delete_files([self.staging_uri(f.path) for f in doomed])
+        for folder in folders:
+            if not uris.is_s3(self.uri):
+                shutil.rmtree(self.staging_uri(folder), ignore_errors=True)
+        return folders, removed
 
     def lock(self, layer: str, name: str) -> FileLock | S3Lease:
         """One process at a time in a read-modify-write of a table (Delta appends never conflict):

@@ -125,12 +125,17 @@ def test_retention_deletes_what_nothing_registered_needs_and_lineage_still_resol
     orphan = write_share(  # a worker's file whose commit never came
         lake.table_uri("silver", "records"), pl.DataFrame({"record_id": ["z1"]}), {}, "o.parquet"
     )
+    staged = Path(lake.staging_uri("silver", "C", "run-died", "sft-keys-000000000000.parquet"))
+    staged.parent.mkdir(parents=True)
+    pl.DataFrame({"record_id": ["c1"]}).write_parquet(staged)  # a run that died before its commit
 
     result = retention_job.execute_in_process(instance=instance, resources=resources)
 
     assert result.success
     assert not Path(lake.table_uri("silver", "records"), orphan["path"]).exists()
     assert _op_metadata(result, "vacuum_lake")["uncommitted_files_deleted"] == 1
+    assert _op_metadata(result, "vacuum_lake")["abandoned_staging_deleted"] == ["silver/C/run-died"]
+    assert not staged.exists()
     assert model_lineage(f"{MODEL}/{version}", resources["mlflow_tracking"], lake) == lineage_before
     assert lineage_before["silver"]["batches"] == ["A", "B"]
     with pytest.raises(
@@ -201,6 +206,9 @@ def test_a_model_trained_on_conversations_keeps_their_versions_and_its_lineage_r
     orphan = write_share(  # a worker's file whose commit never came
         lake.table_uri("silver", "records"), pl.DataFrame({"record_id": ["z1"]}), {}, "o.parquet"
     )
+    staged = Path(lake.staging_uri("silver", "C", "run-died", "sft-keys-000000000000.parquet"))
+    staged.parent.mkdir(parents=True)
+    pl.DataFrame({"record_id": ["c1"]}).write_parquet(staged)  # a run that died before its commit
 
     result = retention_job.execute_in_process(instance=instance, resources=resources)
 

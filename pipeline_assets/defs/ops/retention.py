@@ -33,8 +33,8 @@ from pipeline_assets.trainer.storage import BEST, MANIFEST
 
 @op(
     description="Vacuum every Delta table: delete files that no version inside the retention "
-    "window and no version a registered model pins still reads, and files workers wrote for a "
-    "commit that never came."
+    "window and no version a registered model pins still reads, files workers wrote for a "
+    "commit that never came, and staging a dead run left."
 )
 def vacuum_lake(
     context: OpExecutionContext,
@@ -60,6 +60,9 @@ def vacuum_lake(
         removed_by_table[table] = {"files": removed.files, "bytes": removed.bytes}
         total += removed
         uncommitted += orphans
+    abandoned, staged = lake.remove_abandoned_staging(keep_after=before)
+    for folder in abandoned:
+        context.log.info(f"deleted abandoned staging {lake.staging_uri(folder)}")
     return Output(
         None,
         metadata={
@@ -68,6 +71,8 @@ def vacuum_lake(
             "bytes_deleted": total.bytes,
             "uncommitted_files_deleted": uncommitted.files,
             "uncommitted_bytes_deleted": uncommitted.bytes,
+            "abandoned_staging_deleted": MetadataValue.json(abandoned),
+            "abandoned_staging_files_deleted": staged.files,
             "pinned_versions": MetadataValue.json(pinned),
             "retention_days": retention_policy.days,
         },

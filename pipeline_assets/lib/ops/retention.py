@@ -95,3 +95,20 @@ def staging_to_delete(
         for item, modified in sorted(staged.items())
         if item in published or item[0] in deleted_partitions or modified < before
     ]
+
+
+STAGING_DEPTH = 3  # <lake>/_staging/<stage>/<batch>/<run>/: one run's staged files
+
+
+def abandoned_staging(files: Iterable[tuple[str, float]], before: float) -> list[str]:
+    """The run folders (``<stage>/<batch>/<run>``, relative to the staging root) among ``files``
+    (path relative to the root, modification time) whose newest file was written before
+    ``before``: a run that died before its commit, whose batch was never re-run. A folder written
+    since may be a run under way."""
+    newest: dict[str, float] = {}
+    for path, modified in files:
+        parts = path.split("/")
+        if len(parts) > STAGING_DEPTH:
+            folder = "/".join(parts[:STAGING_DEPTH])
+            newest[folder] = max(newest.get(folder, modified), modified)
+    return sorted(folder for folder, modified in newest.items() if modified < before)

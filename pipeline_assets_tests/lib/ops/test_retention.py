@@ -6,6 +6,7 @@ import pytest
 
 from pipeline_assets.lib.ops.retention import (
     SnapshotCheckpoints,
+    abandoned_staging,
     checkpoints_to_delete,
     cutoff,
     pinned_versions,
@@ -60,6 +61,18 @@ def test_staging_goes_once_published_or_abandoned():
         ("gold-v2", "step-5"),
         ("trial-0", "final"),
     ]
+
+
+def test_a_staging_run_folder_goes_once_its_newest_file_is_outside_the_window():
+    files = [
+        ("silver/b1/run-dead/sft-records-000000000000.parquet", OLD),
+        ("silver/b1/run-dead/sft-keys-000000000000.parquet", OLD),
+        ("silver/b1/run-live/sft-records-000000000000.parquet", OLD),
+        ("silver/b1/run-live/sft-records-000000001000.parquet", NEW),
+        ("silver/b2/run-dead/preference-keys-000000000000.parquet", OLD),
+        ("silver/stray.parquet", OLD),  # not in a run's folder: never guessed at
+    ]
+    assert abandoned_staging(files, BEFORE) == ["silver/b1/run-dead", "silver/b2/run-dead"]
 
 
 def test_a_negative_window_is_refused():
