@@ -47,6 +47,8 @@ SILVER_SLOWDOWN_GOAL = 1.5
 POLL_SECONDS = 0.2
 TRAIN_RANKS, TRAIN_STEPS = 2, 20
 TRAINING_RANK_RSS_GOAL_MB = 2048
+SILVER_BATCHES = (100_000, 400_000)  # one batch of each: silver's memory is bounded by a block
+SILVER_RSS_GROWTH_GOAL = 1.3
 
 
 def run(
@@ -89,45 +91,14 @@ def run(
 
 
 def _one_size(home: Path, records: int, batch_records: int) -> dict:
-    corpus, landing = home / "corpus", home / "landing"
-    env = {
-        **os.environ,
-        "PIPELINE_HOME": str(home),
-        "PIPELINE_LANDING_URI": str(landing),
-        "PIPELINE_EVAL_SETS_URI": str(corpus / "_eval_sets"),
-    }
-    for name in ("PIPELINE_LAKE_URI", "DAGSTER_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
-        env.pop(name, None)
+    env = _home_env(home)
     started = time.perf_counter()
-    subprocess.run(
-        [
-            _cli(),
-            "sample-data",
-            "--text",
-            "markov",
-            "--records",
-            str(records),
-            "--out",
-            str(corpus),
-            "--eval-sets-out",
-            str(corpus / "_eval_sets"),
-            "--file-records",
-            str(batch_records // SOURCES),
-        ],
-        env=env,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    shards = _write_corpus(env, home / "corpus", records, batch_records // SOURCES)
     generated = time.perf_counter() - started
-    manifest = json.loads((corpus / "_sample_manifest.json").read_text())
-    shards = sorted({f["shard"] for f in manifest["files"]})
     batches = []
-    for shard in shards:
-        for entry in (f for f in manifest["files"] if f["shard"] == shard):
-            target = landing / entry["path"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(corpus / entry["path"], target)
-        print(f"scale {records:,}: batch {shard + 1}/{len(shards)}", file=sys.stderr, flush=True)
+    for number, files in enumerate(shards):
+        _land(home, files)
+        print(f"scale {records:,}: batch {number + 1}/{len(shards)}", file=sys.stderr, flush=True)
         batches.append(_run_batch(env))
     stages = _stage_figures(home / "dagster")
     for batch, figures in zip(batches, _per_batch(stages), strict=False):
@@ -145,6 +116,100 @@ def _one_size(home: Path, records: int, batch_records: int) -> dict:
         "snapshot_stages": stages["unpartitioned"],
         "training": _train_ranks(home, env),
     }
+
+
+def silver_batches(sizes: tuple[int, ...] = SILVER_BATCHES, root: Path | None = None) -> dict:
+    """One batch of each size, alone in a fresh home: bronze first, then silver on its own while
+    the peak RSS of every process under it is read. Goal: no kind of process grows by more than
+    SILVER_RSS_GROWTH_GOAL from the smallest batch to the largest."""
+    by_size = {}
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        for records in sizes:
+            by_size[records] = _one_silver_batch(Path(tmp) / f"b{records}", records)
+    small, large = by_size[min(sizes)], by_size[max(sizes)]
+    growth = {
+        kind: round(large["peak_rss_mb"][kind] / small["peak_rss_mb"][kind], 3)
+        for kind in small["peak_rss_mb"]
+        if kind in large["peak_rss_mb"]
+    }
+    worst = max(growth, key=growth.get)
+    return {
+        "sizes": by_size,
+        "peak_rss_growth": growth,
+        "measured": f"silver on a {max(sizes):,}-record batch: peak RSS {growth[worst]}x the "
+        f"{min(sizes):,}-record batch's (worst process kind: {worst})",
+        "baseline": f"the {min(sizes):,}-record batch",
+        "ratio": growth[worst],
+        "target": f"every process kind's peak RSS <= {SILVER_RSS_GROWTH_GOAL}x",
+        "target_met": growth[worst] <= SILVER_RSS_GROWTH_GOAL,
+    }
+
+
+def _one_silver_batch(home: Path, records: int) -> dict:
+    env = _home_env(home)
+    shards = _write_corpus(env, home / "corpus", records, records // SOURCES)
+    _land(home, [path for shard in shards for path in shard])  # landed at once: one batch
+    print(f"silver batch of {records:,}: bronze", file=sys.stderr, flush=True)
+    subprocess.run(
+        [_cli(), "run", "--select", "group:bronze"], env=env, check=True, capture_output=True
+    )
+    print(f"silver batch of {records:,}: silver", file=sys.stderr, flush=True)
+    seconds, rss = _watched([_cli(), "run", "--select", "group:silver"], env)
+    silver = _newest_metadata(home / "dagster", "silver/records")
+    return {
+        "records": records,
+        "silver_run_seconds": seconds,
+        "silver_seconds": silver.get("wall_seconds"),
+        "step_bytes_per_record": silver.get("step_bytes_per_record"),
+        "peak_rss_mb": rss,
+    }
+
+
+def _home_env(home: Path) -> dict:
+    corpus = home / "corpus"
+    env = {
+        **os.environ,
+        "PIPELINE_HOME": str(home),
+        "PIPELINE_LANDING_URI": str(home / "landing"),
+        "PIPELINE_EVAL_SETS_URI": str(corpus / "_eval_sets"),
+    }
+    for name in ("PIPELINE_LAKE_URI", "DAGSTER_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(name, None)
+    return env
+
+
+def _write_corpus(env: dict, corpus: Path, records: int, file_records: int) -> list[list[str]]:
+    """The Markov corpus of ``records``, files of ``file_records`` lines; each shard's paths (a
+    shard: a file of each source)."""
+    subprocess.run(
+        [
+            _cli(),
+            "sample-data",
+            "--text",
+            "markov",
+            "--records",
+            str(records),
+            "--out",
+            str(corpus),
+            "--eval-sets-out",
+            str(corpus / "_eval_sets"),
+            "--file-records",
+            str(file_records),
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    manifest = json.loads((corpus / "_sample_manifest.json").read_text())
+    shards = sorted({f["shard"] for f in manifest["files"]})
+    return [[f["path"] for f in manifest["files"] if f["shard"] == shard] for shard in shards]
+
+
+def _land(home: Path, files: list[str]) -> None:
+    for path in files:
+        target = home / "landing" / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(home / "corpus" / path, target)
 
 
 def _run_batch(env: dict) -> dict:
@@ -295,6 +360,17 @@ def _stage_figures(dagster_home: Path) -> dict:
     return figures
 
 
+def _newest_metadata(dagster_home: Path, key: str) -> dict:
+    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    from dagster import AssetKey, DagsterInstance
+
+    with DagsterInstance.get() as instance:
+        records = instance.fetch_materializations(AssetKey(key.split("/")), limit=1).records
+        if not records:
+            return {}
+        return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
 def _per_batch(stages: dict) -> list[dict]:
     return [stages["partitioned"][batch] for batch in sorted(stages["partitioned"])]
 
@@ -309,15 +385,26 @@ def main(argv: list[str] | None = None) -> int:
         "--records", type=int, nargs="+", default=list(SIZES), help="corpus sizes, smallest first"
     )
     parser.add_argument("--batch-records", type=int, default=BATCH_RECORDS)
+    parser.add_argument(
+        "--silver-batches",
+        type=int,
+        nargs="+",
+        help="instead: silver alone on one batch of each of these sizes (its memory by batch size)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     args = parser.parse_args(argv)
     from bench.run import machine
 
+    measured = (
+        silver_batches(tuple(args.silver_batches))
+        if args.silver_batches
+        else run(tuple(args.records), args.batch_records)
+    )
     result = {
-        "benchmark": "scale",
+        "benchmark": "scale_silver_batches" if args.silver_batches else "scale",
         "at": datetime.now(timezone.utc).isoformat(),
         "machine": machine(),
-        **run(tuple(args.records), args.batch_records),
+        **measured,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
