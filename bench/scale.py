@@ -146,7 +146,7 @@ def silver_batches(sizes: tuple[int, ...] = SILVER_BATCHES, root: Path | None = 
 
 
 def _one_silver_batch(home: Path, records: int) -> dict:
-    env = _home_env(home)
+    env = {**_home_env(home), "PIPELINE_RAY_MIN_ROWS": "0"}  # on Ray at every size, as compared
     shards = _write_corpus(env, home / "corpus", records, records // SOURCES)
     _land(home, [path for shard in shards for path in shard])  # landed at once: one batch
     print(f"silver batch of {records:,}: bronze", file=sys.stderr, flush=True)
