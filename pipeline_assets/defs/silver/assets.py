@@ -2,6 +2,7 @@
 silver/rejects, silver/minhash_index, silver/minhash_bands: one ingest batch, every record format's
 rows curated by the same stages."""
 
+import time
 from dataclasses import replace
 
 import polars as pl
@@ -19,9 +20,7 @@ from pipeline_assets.contracts import (
     MinhashBandEntry,
     MinhashIndexEntry,
     SilverReject,
-    conform,
     polars_schema,
-    validate,
 )
 from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.format_tables import FORMAT_TABLES, SFT_TABLES, FormatTables
@@ -36,15 +35,25 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.policies import SilverPolicy
+from pipeline_assets.defs.silver.flow import (
+    BatchFlow,
+    FormatCounts,
+    clean_up,
+    commit_batch,
+    decide_batch,
+    format_counts,
+    index_hashes,
+    prepare_batch,
+    rejected_by_stage,
+    write_batch,
+)
 from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events
-from pipeline_assets.lib.formats import text_chars
-from pipeline_assets.lib.silver.curation import CuratedBatch, CuratedFormats, curate_formats
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
 from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
-from pipeline_assets.resources.lake import DeltaCommit, LakeResource
+from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.quality_models import QualityModelsResource, models_fingerprint
 
 _KINDS = {"delta", "polars"}
@@ -109,52 +118,54 @@ def silver(
     _require_earlier_batches(events, batch_id)
     config = replace(silver_policy.silver_config(), scorers=tuple(quality_models.local_specs()))
     models = quality_models.identities()
-    bronze = {tables: _bronze_rows(lake, tables, batch_id) for tables in FORMAT_TABLES}
-    rows = {tables: frame for tables, (_, frame) in bronze.items()}
     eval_files = eval_sets.files()
     eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
+    run_started = _run_started(context)
+
+    flow = prepare_batch(
+        lake, ray_engine, FORMAT_TABLES, batch_id, context.run_id, config, eval_index
+    )
     look_up, lookup_report = index_lookup(
         context,
         lake,
         ray_engine,
-        batch_rows=sum(f.height for f in rows.values()),
+        batch_rows=flow.bronze_rows,
         excluded=_left_out_of_dedup(context, events, batch_id),
         config=config.minhash,
     )
     context.log.info(
         f"batch {batch_id}: "
         + ", ".join(
-            f"{frame.height} rows of {tables.bronze.to_user_string()} v{version}"
-            for tables, (version, frame) in bronze.items()
+            f"{batch.bronze_rows} rows of {tables.bronze.to_user_string()} v{batch.version} in "
+            f"{len(batch.shares)} prepare task(s)"
+            for tables, batch in flow.formats.items()
         )
         + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
     )
     decontamination = _decontamination_note(eval_index)
     if not len(eval_index):
         context.log.info(f"decontamination: {decontamination}")
+    decide_batch(flow, look_up, config)
+    write_batch(flow, lake, ray_engine, config)
+    committed = commit_batch(flow, lake, version=int(run_started * 1000))
+    commits = {AssetKey(table.split("/")): commit for table, commit in committed.items()}
+    index = index_hashes(lake, batch_id, flow.step_bytes)
+    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
+    removed = clean_up(lake, flow, list(committed), run_started)
+    counts = {tables: format_counts(flow, tables) for tables in FORMAT_TABLES}
+    _log_stages(context, flow, counts, lookup_report, removed)
 
-    # a format the batch has none of: an empty partition to write
-    curated = curate_formats(
-        {tables.fmt: frame for tables, frame in rows.items()},
-        look_up,
-        eval_index,
-        config,
-        ray_engine.run,
-    )
-    _log_stages(context, curated, lookup_report)
-    partitions = _batch_partitions(rows, {tables: curated.formats[tables.fmt] for tables in rows})
-    commits = _write(lake, partitions, batch_id)
     upstream = {
-        **{tables.bronze.to_user_string(): version for tables, (version, _) in bronze.items()},
+        **{tables.bronze.to_user_string(): batch.version for tables, batch in flow.formats.items()},
         "reference/eval_sets": eval_sets.fingerprint(eval_files),
         REFERENCE_QUALITY_MODELS.to_user_string(): models_fingerprint(models),
         **lookup_report.get("versions", {}),
     }
-    metadata = _metadata(batch_id, rows, curated, partitions, lookup_report)
+    metadata = _metadata(flow, counts, index, lookup_report)
     metadata[SILVER_RECORDS]["decontamination"] = decontamination
     for key in metadata:
         metadata[key]["quality_models"] = models
-    input_bytes = sum(int(frame.estimated_size()) for frame in rows.values())
+    input_bytes = sum(c.input_chars for c in counts.values())
     for key, model in _CONTRACTS.items():
         written = delta_write_metadata(
             commits[key],
@@ -164,6 +175,13 @@ def silver(
             stopwatch=stopwatch,
         )
         yield MaterializeResult(asset_key=key, metadata={**written, **metadata[key]})
+
+
+def _run_started(context: AssetExecutionContext) -> float:
+    """When the run was created (epoch seconds): its commits' application transaction version,
+    and the files older than it that no version references are a dead run's."""
+    record = context.instance.get_run_record_by_id(context.run_id)
+    return record.create_timestamp.timestamp() if record else time.time()
 
 
 def _decontamination_note(eval_index: EvalNgramIndex) -> str:
@@ -180,85 +198,27 @@ _CONTRACTS = {
 }
 
 
-def _batch_partitions(
-    rows: dict[FormatTables, pl.DataFrame], curated: dict[FormatTables, CuratedBatch]
-) -> dict[AssetKey, pl.DataFrame]:
-    """The batch's partition of each silver table but the bands: each format's kept rows, and every
-    format's rejects and index entries, to their contracts; every bronze row kept or rejected."""
-    kept = {tables: _to_contract(tables.silver_contract, [c.kept]) for tables, c in curated.items()}
-    rejects = _to_contract(SilverReject, [c.rejects for c in curated.values()])
-    for tables, frame in rows.items():
-        removed = rejects.filter(pl.col("record_id").is_in(frame["record_id"].implode())).height
-        if frame.height != kept[tables].height + removed:
-            raise RuntimeError(
-                f"accounting broken: {frame.height} {tables.bronze.to_user_string()} rows != "
-                f"{kept[tables].height} kept + {removed} rejected"
-            )
-    return {
-        **{tables.silver: kept[tables] for tables in FORMAT_TABLES},
-        SILVER_REJECTS: rejects,
-        SILVER_MINHASH_INDEX: _to_contract(MinhashIndexEntry, [c.index for c in curated.values()]),
-    }
-
-
-def _to_contract(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
-    """Every format's rows in one frame, conformed to ``model`` and validated."""
-    return validate(conform(_concat(model, frames), model), model)
-
-
-def _write(
-    lake: LakeResource, partitions: dict[AssetKey, pl.DataFrame], batch_id: str
-) -> dict[AssetKey, DeltaCommit]:
-    """Replace the batch's partition of each silver table; the bands table's from the index
-    entries."""
-    # add_columns: a table written before a column existed (response_signature, prompt_hash)
-    # takes it
-    commits = {
-        key: lake.replace_partition(
-            *key.path, frame, column="batch_id", value=batch_id, add_columns=True
-        )
-        for key, frame in partitions.items()
-    }
-    commits[SILVER_MINHASH_BANDS] = write_bands(lake, partitions[SILVER_MINHASH_INDEX], batch_id)
-    return commits
-
-
 def _metadata(
-    batch_id: str,
-    rows: dict[FormatTables, pl.DataFrame],
-    curated: CuratedFormats,
-    partitions: dict[AssetKey, pl.DataFrame],
+    flow: BatchFlow,
+    counts: dict[FormatTables, FormatCounts],
+    index: pl.DataFrame,
     lookup_report: dict,
 ) -> dict[AssetKey, dict]:
     """Each table's own metadata; the batch's sft records and lookup are reported on every table but
     the other formats' kept rows, which report their own."""
     counted = {
-        tables: {
-            "batch_id": batch_id,
-            **_format_metadata(
-                rows[tables], partitions[tables.silver], curated.formats[tables.fmt]
-            ),
-        }
+        tables: {"batch_id": flow.batch_id, **_format_metadata(counts[tables])}
         for tables in FORMAT_TABLES
     }
     kept = {
-        tables.silver: {
-            **counted[tables],
-            **_kept_metadata(partitions[tables.silver], curated.formats[tables.fmt]),
-        }
+        tables.silver: {**counted[tables], **_kept_metadata(counts[tables])}
         for tables in FORMAT_TABLES
     }
-    rejects, index = partitions[SILVER_REJECTS], partitions[SILVER_MINHASH_INDEX]
-    batch = {**counted[SFT_TABLES], **_lookup_metadata(curated, lookup_report)}
+    batch = {**counted[SFT_TABLES], **_lookup_metadata(flow, counts[SFT_TABLES], lookup_report)}
     return {
         **kept,
         SILVER_RECORDS: {**kept[SILVER_RECORDS], **batch},
-        SILVER_REJECTS: {
-            **batch,
-            "rejected_by_stage": table_metadata(
-                rejects.group_by("source", "stage").len("rows").sort("source", "stage")
-            ),
-        },
+        SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(rejected_by_stage(flow))},
         SILVER_MINHASH_INDEX: {
             **batch,
             "lsh_params": index["lsh_params"][0] if index.height else None,
@@ -267,54 +227,39 @@ def _metadata(
     }
 
 
-def _bronze_rows(
-    lake: LakeResource, tables: FormatTables, batch_id: str
-) -> tuple[int | None, pl.DataFrame]:
-    """The batch's rows of the format's bronze table at its current version (a column its contract
-    gained since the table was written: null); none while it does not exist."""
-    version = lake.version(*tables.bronze.path)
-    rows = (
-        None
-        if version is None
-        else lake.read(*tables.bronze.path, version=version, where=pl.col("batch_id") == batch_id)
-    )
-    schema = polars_schema(tables.bronze_contract)
-    if rows is not None and set(schema) <= set(rows.columns):
-        return version, rows
-    return version, _concat(tables.bronze_contract, [] if rows is None else [rows])
-
-
-def _concat(model, frames: list[pl.DataFrame]) -> pl.DataFrame:
-    """Every format's rows in one frame with every column of ``model`` (null where a format has
-    none)."""
-    return pl.concat([pl.DataFrame(schema=polars_schema(model)), *frames], how="diagonal_relaxed")
-
-
 def _log_stages(
-    context: AssetExecutionContext, curated: CuratedFormats, lookup_report: dict
+    context: AssetExecutionContext,
+    flow: BatchFlow,
+    counts: dict[FormatTables, FormatCounts],
+    lookup_report: dict,
+    removed: dict,
 ) -> None:
     if "tasks" in lookup_report:
         context.log.info(
-            f"index lookup: {curated.index_lookup}; tasks: {lookup_report['tasks']}, on "
+            f"index lookup: {flow.index_lookup}; tasks: {lookup_report['tasks']}, on "
             f"{lookup_report['ran_on']}"
         )
-    for fmt, batch in curated.formats.items():
-        context.log.info(f"{fmt.name} index lookup: {batch.index_lookup}")
-        for stage, counters in batch.stages.items():
-            context.log.info(f"{fmt.name} {stage}: {counters}")
+    for tables, counted in counts.items():
+        for stage, counters in counted.stages.items():
+            context.log.info(f"{tables.fmt.name} {stage}: {counters}")
+    orphans = {table: r for table, r in removed.items() if r.files}
+    if orphans:
+        context.log.info(f"removed files an earlier run wrote and never committed: {orphans}")
 
 
-def _format_metadata(bronze: pl.DataFrame, kept: pl.DataFrame, curated: CuratedBatch) -> dict:
+def _format_metadata(counts: FormatCounts) -> dict:
     return {
-        "bronze_rows": bronze.height,
-        "input_chars": text_chars(bronze),
-        "silver_rows": kept.height,
-        "output_chars": text_chars(kept),  # what the snapshot cadence weighs
-        "rejected_rows": bronze.height - kept.height,
-        "pass_rate": round(kept.height / bronze.height, 4) if bronze.height else None,
-        "stages": table_metadata(_stage_table(curated.stages)),
-        "language_mix": curated.stages["language"].get("language_mix", {}),
-        "scorers": _scorer_metadata(curated.stages),
+        "bronze_rows": counts.bronze_rows,
+        "input_chars": counts.input_chars,
+        "silver_rows": counts.silver_rows,
+        "output_chars": counts.output_chars,  # what the snapshot cadence weighs
+        "rejected_rows": counts.bronze_rows - counts.silver_rows,
+        "pass_rate": (
+            round(counts.silver_rows / counts.bronze_rows, 4) if counts.bronze_rows else None
+        ),
+        "stages": table_metadata(_stage_table(counts.stages)),
+        "language_mix": counts.stages["language"].get("language_mix", {}),
+        "scorers": _scorer_metadata(counts.stages),
     }
 
 
@@ -332,31 +277,31 @@ def _scorer_metadata(stages: dict[str, dict]) -> dict:
     }
 
 
-def _kept_metadata(kept: pl.DataFrame, curated: CuratedBatch) -> dict:
+def _kept_metadata(counts: FormatCounts) -> dict:
     """The kept rows by source, and what the pair rules watch for a format they judge."""
-    if "pair_sides" not in curated.stages:
-        return {"kept_by_source": _by_source(kept)}
+    by_source = pl.DataFrame(
+        list(counts.kept_by_source.items()),
+        schema={"source": pl.String, "rows": pl.UInt32},
+        orient="row",
+    ).sort("source")
+    if "pair_sides" not in counts.stages:
+        return {"kept_by_source": table_metadata(by_source)}
     return {
-        "kept_by_source": _by_source(kept),
-        "prompts": kept["prompt_hash"].n_unique(),
-        "length_ratio_beyond_4x": curated.stages["pair_sides"]["length_ratio_beyond_4x"],
+        "kept_by_source": table_metadata(by_source),
+        "prompts": counts.prompts,
+        "length_ratio_beyond_4x": counts.stages["pair_sides"]["length_ratio_beyond_4x"],
     }  # DPO's length bias
 
 
-def _by_source(kept: pl.DataFrame):
-    return table_metadata(kept.group_by("source").len("rows").sort("source"))
-
-
-def _lookup_metadata(curated: CuratedFormats, lookup_report: dict) -> dict:
-    records = curated.formats[SFT_TABLES.fmt]
+def _lookup_metadata(flow: BatchFlow, records: FormatCounts, lookup_report: dict) -> dict:
     return {
-        "block_stages_ran_on": engine_used(records.stages["normalize"]),
+        "block_stages_ran_on": records.ran_on,
         # the sizer spreads these over a cluster's cores
         "block_stage_seconds": records.block_stage_seconds,
-        "block_wall_seconds": records.block_wall_seconds,
-        "index_keys_looked_up": curated.index_lookup["keys"],
-        "index_entries_found": curated.index_lookup["entries_found"],
-        "index_lookup_seconds": curated.index_lookup["seconds"],
+        "block_wall_seconds": flow.prepare_wall_seconds,
+        "index_keys_looked_up": flow.index_lookup["keys"],
+        "index_entries_found": flow.index_lookup["entries_found"],
+        "index_lookup_seconds": flow.index_lookup["seconds"],
         "index_lookup_ran_on": lookup_report.get("ran_on", "nothing to look up"),
         "index_lookup_tasks": lookup_report.get("tasks", "none"),
         # what the sizer spreads over a cluster: the lookup tasks' own seconds, the wall spent on
@@ -364,6 +309,10 @@ def _lookup_metadata(curated: CuratedFormats, lookup_report: dict) -> dict:
         "index_lookup_task_seconds": round(lookup_report.get("task_seconds", 0.0), 3),
         "index_lookup_wait_seconds": round(lookup_report.get("wait_seconds", 0.0), 3),
         "index_lookup_bands": lookup_report.get("bands", 0),
+        # what the step's process read or received: keys, verdicts, index hashes, task results
+        "step_bytes_per_record": (
+            round(flow.step_bytes.bytes / flow.bronze_rows, 1) if flow.bronze_rows else 0.0
+        ),
     }
 
 

@@ -23,7 +23,7 @@ by the decision into what ``curate_formats`` gives today.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import polars as pl
 
@@ -76,6 +76,9 @@ class Prepared:
     layout: dict[str, tuple[str, ...]]
     record_stages: tuple[str, ...]  # the stages after dedup, in order
     counters: dict[str, dict]  # the stages before dedup, as the stage runner counted them
+    # the stages after dedup as the runner counted them here, on every record that reached them
+    # (the dedup losers too): their seconds and model loads; their rows come from the verdicts
+    record_counters: dict[str, dict] = field(default_factory=dict)
 
 
 def prepare_block(
@@ -127,6 +130,7 @@ def prepare_block(
         },
         tuple(judged.counters),
         before.counters,
+        judged.counters,
     )
 
 
@@ -169,6 +173,7 @@ def join_blocks(blocks: Sequence[Prepared]) -> Prepared:
         first.layout,
         first.record_stages,
         counters,
+        summed_counters([block.record_counters for block in blocks]),
     )
 
 

@@ -18,14 +18,14 @@ rather than a share: a share's blocks may not share a schema (a column all null 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
 from deltalake import DeltaTable
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.formats import FORMATS, RecordFormat
+from pipeline_assets.lib.formats import FORMATS, RecordFormat, text_chars
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.prepare import (
@@ -66,6 +66,8 @@ class StagedBlock:
     rows: int
     first_position: int
     counters: dict[str, dict]  # the block's stages before dedup, as the stage runner counted them
+    record_counters: dict[str, dict] = field(default_factory=dict)  # as Prepared.record_counters
+    input_chars: int = 0  # the block's bronze text, as ``text_chars`` counts it
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,9 @@ def prepare_files(
                 f"read {block.height} rows at {first + start}, the log says {expected}"
             )
         prepared = prepare_block(block, config, eval_index, fmt, first + start)
-        blocks.append(_write_block(prepared, staging_dir, first + start, storage_options))
+        blocks.append(
+            _write_block(prepared, staging_dir, first + start, text_chars(block), storage_options)
+        )
     return StagedShare(fmt.name, tuple(blocks), prepared.layout, prepared.record_stages)
 
 
@@ -194,7 +198,11 @@ def _scan(
 
 
 def _write_block(
-    prepared: Prepared, staging_dir: str, first_position: int, storage_options: dict | None
+    prepared: Prepared,
+    staging_dir: str,
+    first_position: int,
+    input_chars: int,
+    storage_options: dict | None,
 ) -> StagedBlock:
     if not uris.is_s3(staging_dir):
         Path(staging_dir).mkdir(parents=True, exist_ok=True)
@@ -205,7 +213,13 @@ def _write_block(
     prepared.staged.write_parquet(paths["records"], storage_options=storage_options)
     prepared.keys.write_parquet(paths["keys"], storage_options=storage_options)
     return StagedBlock(
-        paths["records"], paths["keys"], prepared.staged.height, first_position, prepared.counters
+        paths["records"],
+        paths["keys"],
+        prepared.staged.height,
+        first_position,
+        prepared.counters,
+        prepared.record_counters,
+        input_chars,
     )
 
 
@@ -234,6 +248,7 @@ def read_prepared(shares: Sequence[StagedShare], storage_options: dict | None = 
                 first.layout,
                 first.record_stages,
                 block.counters,
+                block.record_counters,
             )
             for block in _blocks(shares)
         ]
@@ -244,6 +259,12 @@ def staged_counters(shares: Sequence[StagedShare]) -> dict[str, dict]:
     """The counters of the stages before dedup over the shares' blocks, as ``read_prepared`` sums
     them, with no record read: with the decision, ``split.stage_counters`` gives the batch's."""
     return summed_counters([block.counters for block in _blocks(shares)])
+
+
+def staged_record_counters(shares: Sequence[StagedShare]) -> dict[str, dict]:
+    """The counters of the stages after dedup over the shares' blocks (``Prepared.record_counters``:
+    their seconds and model loads, on every record prepare gave them)."""
+    return summed_counters([block.record_counters for block in _blocks(shares)])
 
 
 def share_record_ids(share: StagedShare, keys: pl.DataFrame) -> pl.Series:

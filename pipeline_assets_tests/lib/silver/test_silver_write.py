@@ -11,8 +11,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from pipeline_assets.contracts import MinhashIndexEntry, SilverReject
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
-from pipeline_assets.defs.silver.assets import _batch_partitions
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
 from pipeline_assets.lib.silver.decide import decide
 from pipeline_assets.lib.silver.dedup import lookup_in
@@ -28,6 +28,7 @@ from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.silver_shares import (
     SilverTargets,
     commit_silver_tables,
+    to_contract,
     write_share_tables,
 )
 from pipeline_assets_tests.lib.silver.test_curation_blocks import _eval_index
@@ -58,6 +59,23 @@ def _no_ray_cluster(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
+def _batch_partitions(curated) -> dict:
+    """What the silver asset wrote before issue 37: each table's partition conformed in the step,
+    every format's rejects and index entries in one frame."""
+
+    def conformed(model, frames):
+        return to_contract(model, pl.concat(frames, how="diagonal_relaxed"))
+
+    return {
+        **{
+            t.silver.to_user_string(): to_contract(t.silver_contract, c.kept)
+            for t, c in curated.items()
+        },
+        "silver/rejects": conformed(SilverReject, [c.rejects for c in curated.values()]),
+        "silver/minhash_index": conformed(MinhashIndexEntry, [c.index for c in curated.values()]),
+    }
+
+
 def _write_today(lake: LakeResource, today: LakeResource, versions, batch_id, config):
     """Today's path: curate the batch read whole, conform, replace each table's partition. The
     stage counters per format."""
@@ -68,11 +86,11 @@ def _write_today(lake: LakeResource, today: LakeResource, versions, batch_id, co
     index = today.scan("silver", "minhash_index")
     look_up = lookup_in(index) if index is not None else None
     curated = curate_formats(bronze, look_up, _eval_index(), config).formats
-    rows = {tables: bronze[tables.fmt] for tables in FORMAT_TABLES}
-    partitions = _batch_partitions(rows, {tables: curated[tables.fmt] for tables in FORMAT_TABLES})
+    partitions = _batch_partitions({tables: curated[tables.fmt] for tables in FORMAT_TABLES})
     for key, frame in partitions.items():
+        layer, name = key.split("/")
         today.replace_partition(
-            *key.path, frame, column="batch_id", value=batch_id, add_columns=True
+            layer, name, frame, column="batch_id", value=batch_id, add_columns=True
         )
     return {fmt: batch.stages for fmt, batch in curated.items()}
 

@@ -1,0 +1,431 @@
+"""Silver's batch without its records passing through the step's process (issue 37): tasks read
+the batch's bronze files and prepare them (``lib.silver.staging``), the step reads only their keys
+and decides (``lib.silver.decide``), tasks write their shares of the tables
+(``resources.silver_shares``), and the step commits each table once.
+
+What the step reads or receives is hashes, verdicts and plain counts: every frame that enters it
+is refused if it holds a text column, and its Arrow bytes are counted (``StepBytes``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import polars as pl
+import pyarrow.fs as pafs
+
+from pipeline_assets.contracts import polars_schema
+from pipeline_assets.defs.format_tables import FormatTables
+from pipeline_assets.lib import uris
+from pipeline_assets.lib.delta_files import table_filesystem
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.decide import Decision, decide
+from pipeline_assets.lib.silver.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver.dedup import IndexLookup
+from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.prepare import refuse_text
+from pipeline_assets.lib.silver.split import for_records, stage_counters
+from pipeline_assets.lib.silver.staging import (
+    BronzeFile,
+    StagedShare,
+    bronze_files,
+    bronze_schema,
+    group_files,
+    prepare_files,
+    read_keys,
+    share_record_ids,
+    staged_counters,
+    staged_record_counters,
+)
+from pipeline_assets.resources.engine import BlockEngine, engine_used
+from pipeline_assets.resources.lake import DeltaCommit, LakeResource
+from pipeline_assets.resources.silver_shares import (
+    REJECTS,
+    SilverTargets,
+    WrittenShare,
+    commit_silver_tables,
+    write_share_tables,
+)
+
+RUNNER_ROWS = ("rows_in", "kept", "rejected")
+STAGING = ("_staging", "silver")  # under the lake: <batch>/<run>/ a run's staged Parquet
+BLOCKS_PER_SHARE = 4  # a prepare task reads files of at least this many blocks' rows
+
+
+@dataclass
+class StepBytes:
+    """The Arrow bytes (and pickled task results) the step's process read or received."""
+
+    bytes: int = 0
+
+    def frame(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """``frame`` counted, once refused if it holds text."""
+        refuse_text(frame)
+        self.bytes += int(frame.estimated_size())
+        return frame
+
+    def results(self, results: list) -> list:
+        self.bytes += sum(len(pickle.dumps(result)) for result in results)
+        return results
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a task ran: its Ray node (None: the step's process) and its polars threads."""
+
+    node: str | None
+    polars_threads: int
+
+    @classmethod
+    def here(cls, on_ray: bool) -> Where:
+        if not on_ray:
+            return cls(None, pl.thread_pool_size())
+        import ray
+
+        return cls(ray.get_runtime_context().get_node_id(), pl.thread_pool_size())
+
+
+@dataclass(frozen=True)
+class PreparedShare:
+    staged: StagedShare
+    where: Where
+
+
+def prepare_share(
+    files: Sequence[BronzeFile],
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    tables: FormatTables,
+    staging_dir: str,
+    rows_per_block: int,
+    schema: pl.Schema,
+    storage_options: dict | None,
+    on_ray: bool,
+) -> PreparedShare:
+    """One prepare task: ``prepare_files``, and where it ran."""
+    staged = prepare_files(
+        files, config, eval_index, tables.fmt, staging_dir, rows_per_block, schema, storage_options
+    )
+    return PreparedShare(staged, Where.here(on_ray))
+
+
+@dataclass(frozen=True)
+class ShareCounts:
+    """What one write task hands back: its files, and what the metadata counts of its rows."""
+
+    written: WrittenShare
+    output_chars: int
+    kept_by_source: dict[str, int]
+    rejected_by_stage: dict[tuple[str, str], int]  # (source, stage) -> rows
+    language_mix: dict[str, int]  # the records that reached the language stage
+    prompt_hashes: tuple[str, ...]  # a preference share's kept prompts
+
+
+def write_share(
+    share: StagedShare,
+    decision: Decision,
+    targets: SilverTargets,
+    minhash: MinHashConfig,
+    run_id: str,
+    storage_options: dict | None,
+) -> ShareCounts:
+    """One write task: ``write_share_tables``, and the counts of the rows it wrote (read back
+    from its own files, in the worker)."""
+    from pipeline_assets.lib.formats import text_chars
+
+    written = write_share_tables(share, decision, targets, minhash, run_id, storage_options)
+    silver_table = next(iter(targets.tables()))
+    kept = _written_rows(targets, written, silver_table, storage_options)
+    rejects = _written_rows(targets, written, REJECTS, storage_options)
+    reached_language = pl.concat(
+        [frame.select("language") for frame in (kept, rejects) if "language" in frame.columns]
+        or [pl.DataFrame(schema={"language": pl.String})]
+    ).drop_nulls()
+    prompts = kept["prompt_hash"].unique() if "prompt_hash" in kept.columns else pl.Series()
+    return ShareCounts(
+        written,
+        text_chars(kept),
+        _counts(kept, "source"),
+        {
+            (source, stage): rows
+            for source, stage, rows in rejects.group_by("source", "stage").len().iter_rows()
+        },
+        _counts(reached_language, "language"),
+        tuple(prompts.drop_nulls().to_list()) if decision.last_stages else (),
+    )
+
+
+def _written_rows(
+    targets: SilverTargets, written: WrittenShare, table: str, storage_options: dict | None
+) -> pl.DataFrame:
+    action = written.actions[table]
+    if action is None:
+        return pl.DataFrame(schema=written.schemas[table])
+    uri = uris.join(targets.lake_uri, table, action["path"])
+    return pl.read_parquet(uri, storage_options=storage_options)
+
+
+def _counts(frame: pl.DataFrame, column: str) -> dict[str, int]:
+    return {value: rows for value, rows in frame.group_by(column).len().iter_rows()}
+
+
+@dataclass(frozen=True)
+class FormatBatch:
+    """One format's batch through the flow: its bronze version, staged shares and decision."""
+
+    tables: FormatTables
+    version: int | None
+    bronze_rows: int
+    shares: list[PreparedShare]
+    keys: pl.DataFrame
+    decision: Decision | None = None
+
+
+@dataclass
+class BatchFlow:
+    """One batch of every format through the flow, what the step counted on the way."""
+
+    batch_id: str
+    run_id: str
+    staging_dir: str
+    formats: dict[FormatTables, FormatBatch]
+    step_bytes: StepBytes
+    prepare_wall_seconds: float = 0.0
+    index_lookup: dict = field(default_factory=dict)
+    written: list[ShareCounts] = field(default_factory=list)
+
+    @property
+    def bronze_rows(self) -> int:
+        return sum(batch.bronze_rows for batch in self.formats.values())
+
+
+def staging_dir(lake: LakeResource, batch_id: str, run_id: str | None = None) -> str:
+    """The batch's staging folder under the lake (a run's, with ``run_id``)."""
+    return uris.join(lake.uri, *STAGING, batch_id, *([run_id] if run_id else []))
+
+
+def prepare_batch(
+    lake: LakeResource,
+    engine: BlockEngine,
+    formats: Sequence[FormatTables],
+    batch_id: str,
+    run_id: str,
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+) -> BatchFlow:
+    """Every format's bronze files of the batch at the tables' current versions, prepared by tasks
+    into the run's staging folder; their keys read."""
+    folder, options = staging_dir(lake, batch_id, run_id), lake.storage_options()
+    started, step_bytes = time.perf_counter(), StepBytes()
+    pinned = {tables: _pinned_files(lake, tables, batch_id) for tables in formats}
+    rows = sum(f.rows for _, files, _ in pinned.values() for f in files)
+    on_ray = engine.uses_ray(rows)
+    calls = [
+        (share, config, eval_index, tables, folder, engine.rows_per_block, schema, options, on_ray)
+        for tables, (_, files, schema) in pinned.items()
+        for share in group_files(files, engine.rows_per_block * BLOCKS_PER_SHARE)
+    ]
+    prepared = step_bytes.results(engine.map_tasks(prepare_share, calls, rows).results)
+    batches = {}
+    for tables, (version, files, _) in pinned.items():
+        shares = [p for p, call in zip(prepared, calls, strict=True) if call[3] == tables]
+        keys = step_bytes.frame(read_keys([s.staged for s in shares], options))
+        batches[tables] = FormatBatch(tables, version, sum(f.rows for f in files), shares, keys)
+        if keys.height != batches[tables].bronze_rows:
+            raise RuntimeError(
+                f"accounting broken: {batches[tables].bronze_rows} rows in "
+                f"{tables.bronze.to_user_string()}'s files, {keys.height} prepared"
+            )
+    flow = BatchFlow(batch_id, run_id, folder, batches, step_bytes)
+    flow.prepare_wall_seconds = round(time.perf_counter() - started, 3)
+    return flow
+
+
+def _pinned_files(
+    lake: LakeResource, tables: FormatTables, batch_id: str
+) -> tuple[int | None, list[BronzeFile], pl.Schema]:
+    """The bronze table's current version, the batch's files at it and the columns to read them
+    with: the table's, and a column its contract gained since it was written (null)."""
+    contract = polars_schema(tables.bronze_contract)
+    version = lake.version(*tables.bronze.path)
+    if version is None:
+        return None, [], contract
+    uri, options = lake.table_uri(*tables.bronze.path), lake.storage_options()
+    schema = bronze_schema(uri, version, options)
+    if not set(contract) <= set(schema):
+        schema = pl.Schema({**contract, **schema})
+    return version, bronze_files(uri, version, batch_id, options), schema
+
+
+def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverConfig) -> None:
+    """The batch's decision for every format from its keys, after one lookup of the index."""
+    counted = _counted_lookup(look_up, flow) if look_up is not None else None
+    started = time.perf_counter()
+    decisions = decide({b.tables.fmt: b.keys for b in flow.formats.values()}, counted, config)
+    flow.index_lookup.setdefault("keys", 0)
+    flow.index_lookup.setdefault("entries_found", 0)
+    flow.index_lookup["seconds"] = round(time.perf_counter() - started, 3)
+    for tables, batch in flow.formats.items():
+        decision = decisions[tables.fmt]
+        flow.step_bytes.frame(decision.verdicts)
+        flow.formats[tables] = FormatBatch(**{**batch.__dict__, "decision": decision})
+
+
+def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
+    """``look_up``, recording the keys it was given and the entries it found (counted bytes)."""
+
+    def counted(wanted: pl.DataFrame) -> pl.DataFrame:
+        found = flow.step_bytes.frame(look_up(wanted))
+        flow.index_lookup.update(keys=wanted.height, entries_found=found.height)
+        return found
+
+    return counted
+
+
+def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config) -> None:
+    """A write task a share: each splits its records by their verdicts and writes its files."""
+    calls = [
+        (
+            share.staged,
+            for_records(batch.decision, share_record_ids(share.staged, batch.keys)),
+            SilverTargets(lake.uri, flow.batch_id, tables.fmt.name),
+            config.minhash,
+            flow.run_id,
+            lake.storage_options(),
+        )
+        for tables, batch in flow.formats.items()
+        for share in batch.shares
+    ]
+    written = engine.map_tasks(write_share, calls, flow.bronze_rows).results
+    flow.written = flow.step_bytes.results(written)
+
+
+def commit_batch(flow: BatchFlow, lake: LakeResource, version: int) -> dict[str, DeltaCommit]:
+    """Each table's partition of the batch replaced, once, by exactly the files the tasks wrote."""
+    targets = [SilverTargets(lake.uri, flow.batch_id, tables.fmt.name) for tables in flow.formats]
+    written = [counts.written for counts in flow.written]
+    return commit_silver_tables(lake, written, targets, flow.batch_id, version)
+
+
+def clean_up(lake: LakeResource, flow: BatchFlow, tables: Sequence[str], run_started: float):
+    """After the commits: the batch's staging folder gone (every run's), and the files an earlier
+    run of the batch wrote into the tables' partitions without committing them."""
+    filesystem = table_filesystem(uris.join(lake.uri, *STAGING), lake.storage_options())
+    if filesystem.get_file_info(flow.batch_id).type != pafs.FileType.NotFound:
+        filesystem.delete_dir(flow.batch_id)
+    return {
+        table: lake.remove_uncommitted(
+            *table.split("/"), "batch_id", flow.batch_id, keep_after=run_started
+        )
+        for table in tables
+    }
+
+
+@dataclass(frozen=True)
+class FormatCounts:
+    """One format's batch, counted for the metadata: no record read by the step."""
+
+    bronze_rows: int
+    input_chars: int
+    silver_rows: int
+    output_chars: int
+    stages: dict[str, dict]  # as CuratedBatch.stages
+    kept_by_source: dict[str, int]
+    prompts: int  # a preference format's kept prompts
+    block_stage_seconds: float
+    ran_on: str
+
+
+def format_counts(flow: BatchFlow, tables: FormatTables) -> FormatCounts:
+    """The format's counts from its shares' and write tasks' plain values and its verdicts."""
+    batch = flow.formats[tables]
+    staged = [share.staged for share in batch.shares]
+    written = [w for w in flow.written if w.written.format_name == tables.fmt.name]
+    where = _where(share.where for share in batch.shares)
+    before = staged_counters(staged)
+    record_stages = staged[0].record_stages
+    stages = stage_counters(before, record_stages, batch.decision)
+    language_mix = _summed(w.language_mix for w in written)
+    for name, counted in staged_record_counters(staged).items():
+        # rows from the verdicts; prepare's seconds and model loads (on every record it saw)
+        work = {k: v for k, v in counted.items() if k not in (*RUNNER_ROWS, "language_mix")}
+        stages[name] = {**stages[name], **work, **where}
+    for name in before:
+        stages[name] = {**stages[name], **where}
+    if "language" in stages:
+        stages["language"]["language_mix"] = dict(
+            sorted(language_mix.items(), key=lambda item: (-item[1], item[0]))
+        )
+    block_stages = [*before, *record_stages]
+    return FormatCounts(
+        bronze_rows=batch.bronze_rows,
+        input_chars=sum(block.input_chars for share in staged for block in share.blocks),
+        silver_rows=sum(w.written.rows[f"silver/{tables.fmt.silver_table}"] for w in written),
+        output_chars=sum(w.output_chars for w in written),
+        stages=stages,
+        kept_by_source=_summed(w.kept_by_source for w in written),
+        prompts=len({h for w in written for h in w.prompt_hashes}),
+        block_stage_seconds=round(sum(stages[name]["seconds"] for name in block_stages), 3),
+        ran_on=engine_used(where) if where else "this process",
+    )
+
+
+def _where(places) -> dict:
+    """``engine_used``'s counters for tasks that ran at ``places`` (none on Ray: none)."""
+    places = list(places)
+    nodes = sorted({p.node for p in places if p.node is not None})
+    if not nodes:
+        return {}
+    return {
+        "ray_nodes": nodes,
+        "ray_polars_threads": sorted({p.polars_threads for p in places}),
+    }
+
+
+def _summed(dicts) -> dict:
+    out: dict = {}
+    for counts in dicts:
+        for key, value in counts.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def rejected_by_stage(flow: BatchFlow) -> pl.DataFrame:
+    rows = _summed(w.rejected_by_stage for w in flow.written)
+    return pl.DataFrame(
+        [{"source": s, "stage": st, "rows": n} for (s, st), n in rows.items()],
+        schema={"source": pl.String, "stage": pl.String, "rows": pl.UInt32},
+    ).sort("source", "stage")
+
+
+def index_hashes(lake: LakeResource, batch_id: str, step_bytes: StepBytes) -> pl.DataFrame:
+    """The batch's committed silver/minhash_index partition, its hash columns only."""
+    scan = lake.scan("silver", "minhash_index")
+    wanted = ["record_id", "batch_id", "exact_hash", "band_keys", "prompt_hash", "lsh_params"]
+    names = scan.collect_schema().names()
+    frame = (
+        scan.filter(pl.col("batch_id") == batch_id)
+        .select(name for name in wanted if name in names)
+        .collect()
+    )
+    return step_bytes.frame(frame)
+
+
+def run_flow(
+    lake: LakeResource,
+    engine: BlockEngine,
+    formats: Sequence[FormatTables],
+    batch_id: str,
+    run_id: str,
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    look_up: IndexLookup | None,
+) -> BatchFlow:
+    """Prepare, decide and write one batch: everything before the commits."""
+    flow = prepare_batch(lake, engine, formats, batch_id, run_id, config, eval_index)
+    decide_batch(flow, look_up, config)
+    write_batch(flow, lake, engine, config)
+    return flow
