@@ -40,6 +40,7 @@ from pipeline_assets.defs.silver.flow import (
     FormatCounts,
     clean_up,
     commit_batch,
+    committed_before,
     decide_batch,
     format_counts,
     index_hashes,
@@ -146,8 +147,10 @@ def silver(
     if not len(eval_index):
         context.log.info(f"decontamination: {decontamination}")
     decide_batch(flow, look_up, config)
+    version = int(run_started * 1000)
+    _refuse_a_partly_committed_run(flow, lake, version)
     write_batch(flow, lake, ray_engine, config)
-    committed = commit_batch(flow, lake, version=int(run_started * 1000))
+    committed = commit_batch(flow, lake, version)
     commits = {AssetKey(table.split("/")): commit for table, commit in committed.items()}
     index = index_hashes(lake, batch_id, flow.step_bytes)
     commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
@@ -175,6 +178,17 @@ def silver(
             stopwatch=stopwatch,
         )
         yield MaterializeResult(asset_key=key, metadata={**written, **metadata[key]})
+
+
+def _refuse_a_partly_committed_run(flow: BatchFlow, lake: LakeResource, version: int) -> None:
+    committed = committed_before(flow, lake, version)
+    if committed:
+        raise Failure(
+            allow_retries=False,
+            description=f"this run already committed {', '.join(committed)} for batch "
+            f"{flow.batch_id}; its files must not be written again. Materialize the batch in a "
+            "new run: it replaces every table's partition.",
+        )
 
 
 def _run_started(context: AssetExecutionContext) -> float:

@@ -26,13 +26,14 @@ from pipeline_assets.lib.silver.decide import Decision, decide
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import IndexLookup
 from pipeline_assets.lib.silver.minhash import MinHashConfig
-from pipeline_assets.lib.silver.prepare import refuse_text
+from pipeline_assets.lib.silver.prepare import REMOVED_BY, refuse_text
 from pipeline_assets.lib.silver.split import for_records, stage_counters
 from pipeline_assets.lib.silver.staging import (
     BronzeFile,
     StagedShare,
     bronze_files,
     bronze_schema,
+    cut_files,
     group_files,
     prepare_files,
     read_keys,
@@ -51,8 +52,8 @@ from pipeline_assets.resources.silver_shares import (
 )
 
 RUNNER_ROWS = ("rows_in", "kept", "rejected")
+LANGUAGE = "language"  # the language stage, and the column it labels records with
 STAGING = ("_staging", "silver")  # under the lake: <batch>/<run>/ a run's staged Parquet
-BLOCKS_PER_SHARE = 4  # a prepare task reads files of at least this many blocks' rows
 
 
 @dataclass
@@ -140,10 +141,6 @@ def write_share(
     silver_table = next(iter(targets.tables()))
     kept = _written_rows(targets, written, silver_table, storage_options)
     rejects = _written_rows(targets, written, REJECTS, storage_options)
-    reached_language = pl.concat(
-        [frame.select("language") for frame in (kept, rejects) if "language" in frame.columns]
-        or [pl.DataFrame(schema={"language": pl.String})]
-    ).drop_nulls()
     prompts = kept["prompt_hash"].unique() if "prompt_hash" in kept.columns else pl.Series()
     return ShareCounts(
         written,
@@ -153,9 +150,31 @@ def write_share(
             (source, stage): rows
             for source, stage, rows in rejects.group_by("source", "stage").len().iter_rows()
         },
-        _counts(reached_language, "language"),
+        _language_mix(share, decision, storage_options),
         tuple(prompts.drop_nulls().to_list()) if decision.last_stages else (),
     )
+
+
+def _language_mix(
+    share: StagedShare, decision: Decision, storage_options: dict | None
+) -> dict[str, int]:
+    """The share's records by language, of those that reached the language stage (kept, or removed
+    by it or a stage after it), as the stage counts them: prepare labelled every record it saw."""
+    stages = share.record_stages
+    if LANGUAGE not in stages:
+        return {}
+    later = [*stages[stages.index(LANGUAGE) :], *decision.last_stages]
+    removed_by = pl.col(REMOVED_BY)
+    reached = decision.verdicts.filter(removed_by.is_null() | removed_by.is_in(later))
+    labelled = pl.concat(
+        [
+            pl.read_parquet(
+                block.records, columns=["record_id", LANGUAGE], storage_options=storage_options
+            )
+            for block in share.blocks
+        ]
+    )
+    return _counts(labelled.join(reached, on="record_id", how="semi"), LANGUAGE)
 
 
 def _written_rows(
@@ -226,7 +245,7 @@ def prepare_batch(
     calls = [
         (share, config, eval_index, tables, folder, engine.rows_per_block, schema, options, on_ray)
         for tables, (_, files, schema) in pinned.items()
-        for share in group_files(files, engine.rows_per_block * BLOCKS_PER_SHARE)
+        for share in _shares(files, engine.rows_per_block)
     ]
     prepared = step_bytes.results(engine.map_tasks(prepare_share, calls, rows).results)
     batches = {}
@@ -242,6 +261,11 @@ def prepare_batch(
     flow = BatchFlow(batch_id, run_id, folder, batches, step_bytes)
     flow.prepare_wall_seconds = round(time.perf_counter() - started, 3)
     return flow
+
+
+def _shares(files: Sequence[BronzeFile], rows_per_block: int) -> list[list[BronzeFile]]:
+    """A task a block, as the block stages ran before: a share is a block's rows of the files."""
+    return group_files(cut_files(files, rows_per_block), rows_per_block)
 
 
 def _pinned_files(
@@ -301,6 +325,21 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
     ]
     written = engine.map_tasks(write_share, calls, flow.bronze_rows).results
     flow.written = flow.step_bytes.results(written)
+
+
+def committed_before(flow: BatchFlow, lake: LakeResource, version: int) -> list[str]:
+    """The tables whose partition of the batch a commit at ``version`` (this run's) already
+    replaced: a step retried after some of its commits. Writing again would overwrite files those
+    commits reference."""
+    targets = [SilverTargets(lake.uri, flow.batch_id, t.fmt.name) for t in flow.formats]
+    tables = {table for target in targets for table in target.tables()}
+    found = []
+    for table in sorted(tables):
+        delta = lake.table(*table.split("/"))
+        carried = None if delta is None else delta.transaction_version(f"{table}/{flow.batch_id}")
+        if carried is not None and carried >= version:
+            found.append(table)
+    return found
 
 
 def commit_batch(flow: BatchFlow, lake: LakeResource, version: int) -> dict[str, DeltaCommit]:

@@ -18,7 +18,7 @@ rather than a share: a share's blocks may not share a schema (a column all null 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import polars as pl
@@ -51,12 +51,14 @@ DELTA_CASTS = pl.ScanCastOptions(
 
 @dataclass(frozen=True)
 class BronzeFile:
-    """One Parquet file of a batch's bronze partition at a pinned version."""
+    """One Parquet file of a batch's bronze partition at a pinned version, or a piece of one
+    (``cut_files``)."""
 
     uri: str
     rows: int
     first_position: int  # its first row's position in the batch
     batch_id: str  # the partition's value (the file itself has no such column)
+    skip: int = 0  # a piece: the file's rows before it
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,24 @@ def _footer_rows(uri: str, storage_options: dict | None) -> int:
     return scan.select(pl.len()).collect().item()
 
 
+def cut_files(files: Sequence[BronzeFile], rows_per_piece: int) -> list[BronzeFile]:
+    """``files`` cut into pieces of at most ``rows_per_piece`` rows, in order: a batch written as
+    one large file is still prepared by several tasks."""
+    pieces = []
+    for file in files:
+        for skip in range(0, file.rows, rows_per_piece):
+            rows = min(rows_per_piece, file.rows - skip)
+            pieces.append(
+                replace(
+                    file,
+                    rows=rows,
+                    first_position=file.first_position + skip,
+                    skip=file.skip + skip,
+                )
+            )
+    return pieces
+
+
 def group_files(files: Sequence[BronzeFile], rows_per_share: int) -> list[list[BronzeFile]]:
     """Consecutive files in shares of at least ``rows_per_share`` rows (the last may hold fewer);
     at least one share, empty when there are no files."""
@@ -183,15 +203,19 @@ def _scan(
     if not files:
         return pl.LazyFrame(schema=schema)
     in_files = pl.Schema({name: dtype for name, dtype in schema.items() if name != BATCH_COLUMN})
-    return (
+    scans = [
         pl.scan_parquet(
-            [file.uri for file in files],
+            file.uri,
             schema=in_files,
             missing_columns="insert",
             extra_columns="ignore",
             cast_options=DELTA_CASTS,
             storage_options=storage_options,
-        )
+        ).slice(file.skip, file.rows)
+        for file in files
+    ]
+    return (
+        pl.concat(scans)
         .with_columns(pl.lit(files[0].batch_id, schema[BATCH_COLUMN]).alias(BATCH_COLUMN))
         .select(schema.names())
     )

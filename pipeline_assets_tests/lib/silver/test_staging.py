@@ -5,6 +5,7 @@ the step reads today, batch after batch."""
 from __future__ import annotations
 
 import pickle
+from itertools import accumulate
 from pathlib import Path
 
 import polars as pl
@@ -19,6 +20,7 @@ from pipeline_assets.lib.silver.split import split
 from pipeline_assets.lib.silver.staging import (
     bronze_files,
     bronze_schema,
+    cut_files,
     group_files,
     prepare_files,
     read_keys,
@@ -143,6 +145,28 @@ def test_files_in_order_give_the_rows_lake_read_gives(tmp_path):
     assert bronze_files(uri, version, "b9") == []
     empty = prepare_files([], SilverConfig(), _eval_index(), SFT, str(tmp_path / "s"), 7, schema)
     assert empty.rows == 0 and read_keys([empty]).height == 0
+
+
+def test_files_cut_into_pieces_prepare_to_what_whole_files_prepare(tmp_path):
+    lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
+    version = _write_bronze(lake, [{SFT: b[SFT]} for b in _batches()[:1]])[SFT]
+    uri = lake.table_uri("bronze", "records")
+    files, schema = bronze_files(uri, version, "b1"), bronze_schema(uri, version)
+    pieces = cut_files(files, 10)
+    # 41 and 79 rows: five and eight pieces, each within its file
+    assert sorted(p.rows for p in pieces) == [1, 9, *[10] * 11] and len(files) == 2
+    assert [p.first_position for p in pieces] == [0, *accumulate(p.rows for p in pieces[:-1])]
+    assert {p.skip for p in pieces} == set(range(0, 80, 10))
+
+    def staged(shares, folder):
+        calls = [
+            (s, config, _eval_index(), SFT, str(tmp_path / folder), 10, schema) for s in shares
+        ]
+        return read_prepared([prepare_files(*call) for call in calls])
+
+    whole, cut = staged([files], "whole"), staged(group_files(pieces, 10), "cut")
+    assert len(group_files(pieces, 10)) == 12  # a short piece takes the next one along
+    assert cut.keys.equals(whole.keys) and cut.staged.equals(whole.staged)
 
 
 def test_a_retried_share_overwrites_its_own_files_and_keys_files_hold_no_text(tmp_path):

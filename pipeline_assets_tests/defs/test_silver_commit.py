@@ -1,0 +1,118 @@
+"""A silver run killed after its tasks wrote their files and before the step committed them: the
+re-run of the batch commits each table once, holds every record once, and leaves none of the dead
+run's files behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import string
+import time
+from pathlib import Path
+
+import polars as pl
+from dagster import materialize
+
+from pipeline_assets.defs.bronze.assets import bronze
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.defs.reference.assets import eval_sets
+from pipeline_assets.defs.silver.assets import silver
+from pipeline_assets.defs.silver.flow import run_flow, staging_dir
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex
+from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.resources.engine import RayEngine
+from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets_tests.conftest import record, write_landing_file
+from pipeline_assets_tests.defs.bronze_helpers import register
+
+TABLES = ["records", "rejects", "minhash_index"]
+WRITTEN = "written"
+
+
+def _write_and_wait(lake_uri: str, home: str, batch_id: str, marker: str) -> None:
+    """The flow up to the writes, in a child process, which then waits to be killed."""
+    lake = LakeResource(uri=lake_uri)
+    index = lake.scan("silver", "minhash_index")
+    run_flow(
+        lake,
+        RayEngine(home=home),
+        FORMAT_TABLES,
+        batch_id,
+        "killed-run",
+        SilverConfig(),
+        EvalNgramIndex(DecontamConfig()),
+        lookup_in(index) if index is not None else None,
+    )
+    Path(marker).write_text(WRITTEN)
+    time.sleep(600)
+
+
+def _record(i: int, text_of: int | None = None) -> dict:
+    """A record of its own words (``text_of``: another record's text, an exact copy)."""
+    rng = random.Random(i if text_of is None else text_of)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(60)]
+    return record(i, prompt=" ".join(words[:12]) + "?", response=" ".join(words[12:]) + ".")
+
+
+def _materialize(instance, resources, batch_id):
+    result = materialize(
+        [eval_sets, bronze, silver], partition_key=batch_id, instance=instance, resources=resources
+    )
+    assert result.success
+    return result
+
+
+def _files(lake: LakeResource, name: str, batch_id: str) -> set[str]:
+    folder = Path(lake.table_uri("silver", name), f"batch_id={batch_id}")
+    return {path.name for path in folder.glob("*.parquet")}
+
+
+def test_a_run_killed_before_its_commits_is_committed_once_by_the_rerun(
+    instance, resources, landing_dir, tmp_path
+):
+    lake = resources["lake"]
+    write_landing_file(landing_dir, "synth", "part-0.jsonl", [_record(i) for i in range(12)])
+    _materialize(instance, resources, first := register(instance, resources))
+    copies = [_record(i) for i in range(12, 24)] + [_record(24, text_of=3)]  # a copy of batch 1's
+    write_landing_file(landing_dir, "synth", "part-1.jsonl", copies)
+    batch = register(instance, resources)
+    materialize([bronze], partition_key=batch, instance=instance, resources=resources)
+    versions = {name: lake.version("silver", name) for name in TABLES}
+
+    marker = tmp_path / "marker"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_write_and_wait, args=(lake.uri, str(tmp_path / "home"), batch, str(marker))
+    )
+    child.start()
+    deadline = time.monotonic() + 300
+    while not marker.exists() and child.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), "the child never wrote its files"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    orphans = {name: _files(lake, name, batch) for name in TABLES}
+    assert all(orphans.values()), "the dead run left files in every table's partition"
+    assert {name: lake.version("silver", name) for name in TABLES} == versions, "nothing committed"
+    assert Path(staging_dir(lake, batch)).exists()
+
+    _materialize(instance, resources, batch)
+
+    bronze_rows = lake.read("bronze", "records", where=pl.col("batch_id") == batch).height
+    kept = lake.read("silver", "records", where=pl.col("batch_id") == batch)
+    rejects = lake.read("silver", "rejects", where=pl.col("batch_id") == batch)
+    assert kept.height + rejects.height == bronze_rows == 13
+    for frame in (kept, rejects, lake.read("silver", "minhash_index")):
+        assert frame["record_id"].is_unique().all(), "no record twice"
+    assert "exact_dup" in rejects["stage"].to_list()
+    for name in TABLES:
+        assert lake.version("silver", name) == versions[name] + 1, f"{name}: one commit"
+        left = _files(lake, name, batch)
+        assert left and not left & orphans[name], f"{name}: the dead run's files removed"
+        assert left == set(
+            Path(p).name for p in lake.table("silver", name).file_uris() if f"batch_id={batch}" in p
+        ), f"{name}: every file left is committed"
+    assert not Path(staging_dir(lake, batch)).exists(), "staged files removed once committed"
+    assert lake.read("silver", "records", where=pl.col("batch_id") == first).height == 12
