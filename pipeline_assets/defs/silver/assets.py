@@ -43,7 +43,7 @@ from pipeline_assets.defs.silver.flow import (
     committed_before,
     decide_batch,
     format_counts,
-    index_hashes,
+    kept_index_keys,
     prepare_batch,
     rejected_by_stage,
     write_batch,
@@ -51,6 +51,8 @@ from pipeline_assets.defs.silver.flow import (
 from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
+from pipeline_assets.lib.silver.dedup import lsh_params
+from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
@@ -152,8 +154,8 @@ def silver(
     write_batch(flow, lake, ray_engine, config)
     committed = commit_batch(flow, lake, version)
     commits = {AssetKey(table.split("/")): commit for table, commit in committed.items()}
-    index = index_hashes(lake, batch_id, flow.step_bytes)
-    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index, batch_id)
+    index_keys = kept_index_keys(flow, commits[SILVER_MINHASH_INDEX].rows)
+    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index_keys, batch_id)
     removed = clean_up(lake, flow, list(committed), run_started)
     counts = {tables: format_counts(flow, tables) for tables in FORMAT_TABLES}
     _log_stages(context, flow, counts, lookup_report, removed)
@@ -164,7 +166,9 @@ def silver(
         REFERENCE_QUALITY_MODELS.to_user_string(): models_fingerprint(models),
         **lookup_report.get("versions", {}),
     }
-    metadata = _metadata(flow, counts, index, lookup_report)
+    index_rows = commits[SILVER_MINHASH_INDEX].rows
+    lsh = _lsh_label(config.minhash) if index_rows else None
+    metadata = _metadata(flow, counts, lsh, lookup_report)
     metadata[SILVER_RECORDS]["decontamination"] = decontamination
     for key in metadata:
         metadata[key]["quality_models"] = models
@@ -215,7 +219,7 @@ _CONTRACTS = {
 def _metadata(
     flow: BatchFlow,
     counts: dict[FormatTables, FormatCounts],
-    index: pl.DataFrame,
+    lsh: str | None,
     lookup_report: dict,
 ) -> dict[AssetKey, dict]:
     """Each table's own metadata; the batch's sft records and lookup are reported on every table but
@@ -235,10 +239,16 @@ def _metadata(
         SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(rejected_by_stage(flow))},
         SILVER_MINHASH_INDEX: {
             **batch,
-            "lsh_params": index["lsh_params"][0] if index.height else None,
+            "lsh_params": lsh,
         },
         SILVER_MINHASH_BANDS: batch,
     }
+
+
+def _lsh_label(minhash: MinHashConfig) -> str:
+    """The index entries' ``lsh_params``: the settings their band keys were made with."""
+    params = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    return params.label(minhash)
 
 
 def _log_stages(
@@ -248,6 +258,11 @@ def _log_stages(
     lookup_report: dict,
     removed: dict,
 ) -> None:
+    per_record = {
+        kind: round(size / max(flow.bronze_rows, 1), 1)
+        for kind, size in flow.step_bytes.by_kind.items()
+    }
+    context.log.info(f"bytes through the step's process a bronze record: {per_record}")
     if "tasks" in lookup_report:
         context.log.info(
             f"index lookup: {flow.index_lookup}; tasks: {lookup_report['tasks']}, on "

@@ -51,26 +51,34 @@ from pipeline_assets.resources.silver_shares import (
     write_share_tables,
 )
 
-RUNNER_ROWS = ("rows_in", "kept", "rejected")
 LANGUAGE = "language"  # the language stage, and the column it labels records with
+INDEX_KEYS = ("record_id", "batch_id", "exact_hash", "band_keys", "prompt_hash")
 STAGING = ("_staging", "silver")  # under the lake: <batch>/<run>/ a run's staged Parquet
 
 
 @dataclass
 class StepBytes:
-    """The Arrow bytes (and pickled task results) the step's process read or received."""
+    """The Arrow bytes (and pickled task results) the step's process read or received, by what
+    they were."""
 
-    bytes: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
 
-    def frame(self, frame: pl.DataFrame) -> pl.DataFrame:
+    @property
+    def bytes(self) -> int:
+        return sum(self.by_kind.values())
+
+    def frame(self, kind: str, frame: pl.DataFrame) -> pl.DataFrame:
         """``frame`` counted, once refused if it holds text."""
         refuse_text(frame)
-        self.bytes += int(frame.estimated_size())
+        self._add(kind, int(frame.estimated_size()))
         return frame
 
-    def results(self, results: list) -> list:
-        self.bytes += sum(len(pickle.dumps(result)) for result in results)
+    def results(self, kind: str, results: list) -> list:
+        self._add(kind, sum(len(pickle.dumps(result)) for result in results))
         return results
+
+    def _add(self, kind: str, size: int) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + size
 
 
 @dataclass(frozen=True)
@@ -247,11 +255,13 @@ def prepare_batch(
         for tables, (_, files, schema) in pinned.items()
         for share in _shares(files, engine.rows_per_block)
     ]
-    prepared = step_bytes.results(engine.map_tasks(prepare_share, calls, rows).results)
+    prepared = step_bytes.results(
+        "prepare results", engine.map_tasks(prepare_share, calls, rows).results
+    )
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p, call in zip(prepared, calls, strict=True) if call[3] == tables]
-        keys = step_bytes.frame(read_keys([s.staged for s in shares], options))
+        keys = step_bytes.frame("keys", read_keys([s.staged for s in shares], options))
         batches[tables] = FormatBatch(tables, version, sum(f.rows for f in files), shares, keys)
         if keys.height != batches[tables].bronze_rows:
             raise RuntimeError(
@@ -294,7 +304,7 @@ def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverCon
     flow.index_lookup["seconds"] = round(time.perf_counter() - started, 3)
     for tables, batch in flow.formats.items():
         decision = decisions[tables.fmt]
-        flow.step_bytes.frame(decision.verdicts)
+        flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = FormatBatch(**{**batch.__dict__, "decision": decision})
 
 
@@ -302,7 +312,7 @@ def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
     """``look_up``, recording the keys it was given and the entries it found (counted bytes)."""
 
     def counted(wanted: pl.DataFrame) -> pl.DataFrame:
-        found = flow.step_bytes.frame(look_up(wanted))
+        found = flow.step_bytes.frame("index entries found", look_up(wanted))
         flow.index_lookup.update(keys=wanted.height, entries_found=found.height)
         return found
 
@@ -324,7 +334,7 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
         for share in batch.shares
     ]
     written = engine.map_tasks(write_share, calls, flow.bronze_rows).results
-    flow.written = flow.step_bytes.results(written)
+    flow.written = flow.step_bytes.results("write results", written)
 
 
 def committed_before(flow: BatchFlow, lake: LakeResource, version: int) -> list[str]:
@@ -390,8 +400,7 @@ def format_counts(flow: BatchFlow, tables: FormatTables) -> FormatCounts:
     language_mix = _summed(w.language_mix for w in written)
     for name, counted in staged_record_counters(staged).items():
         # rows from the verdicts; prepare's seconds and model loads (on every record it saw)
-        work = {k: v for k, v in counted.items() if k not in (*RUNNER_ROWS, "language_mix")}
-        stages[name] = {**stages[name], **work, **where}
+        stages[name] = {**stages[name], **counted, **where}
     for name in before:
         stages[name] = {**stages[name], **where}
     if "language" in stages:
@@ -440,17 +449,22 @@ def rejected_by_stage(flow: BatchFlow) -> pl.DataFrame:
     ).sort("source", "stage")
 
 
-def index_hashes(lake: LakeResource, batch_id: str, step_bytes: StepBytes) -> pl.DataFrame:
-    """The batch's committed silver/minhash_index partition, its hash columns only."""
-    scan = lake.scan("silver", "minhash_index")
-    wanted = ["record_id", "batch_id", "exact_hash", "band_keys", "prompt_hash", "lsh_params"]
-    names = scan.collect_schema().names()
-    frame = (
-        scan.filter(pl.col("batch_id") == batch_id)
-        .select(name for name in wanted if name in names)
-        .collect()
-    )
-    return step_bytes.frame(frame)
+def kept_index_keys(flow: BatchFlow, committed_rows: int) -> pl.DataFrame:
+    """The keys of the batch's kept records as ``silver/minhash_index`` holds them (record id,
+    batch, exact hash, band keys, a pair's prompt hash): what ``silver/minhash_bands`` is made of,
+    from the keys the step already holds rather than read back. ``committed_rows``: the index
+    rows committed, which must be these records."""
+    kept = []
+    for batch in flow.formats.values():
+        ids = batch.decision.verdicts.filter(pl.col(REMOVED_BY).is_null()).select("record_id")
+        columns = [name for name in INDEX_KEYS if name in batch.keys.columns]
+        kept.append(batch.keys.join(ids, on="record_id", how="semi").select(columns))
+    keys = pl.concat(kept, how="diagonal_relaxed")
+    if keys.height != committed_rows:
+        raise RuntimeError(
+            f"{keys.height} kept records' keys but {committed_rows} silver/minhash_index rows"
+        )
+    return keys
 
 
 def run_flow(

@@ -40,6 +40,7 @@ REASON = "reason"  # in keys: that stage's reject reason, as silver/rejects' ``s
 CLUSTER_ID = "cluster_id"  # near dedup fills it in; the stages after dedup find it in place
 HASHED = "hashed"  # layout: the record's columns as the dedup stages find them
 KEPT = "kept"  # layout: the columns of a record every per-record stage kept
+WORK_COUNTERS = ("seconds", "model_loads")  # what a stage spent, not what it judged
 
 
 def text_columns() -> frozenset[str]:
@@ -76,8 +77,8 @@ class Prepared:
     layout: dict[str, tuple[str, ...]]
     record_stages: tuple[str, ...]  # the stages after dedup, in order
     counters: dict[str, dict]  # the stages before dedup, as the stage runner counted them
-    # the stages after dedup as the runner counted them here, on every record that reached them
-    # (the dedup losers too): their seconds and model loads; their rows come from the verdicts
+    # the work of the stages after dedup (WORK_COUNTERS), on every record that reached them here
+    # (the dedup losers too); what they judged is counted from the verdicts
     record_counters: dict[str, dict] = field(default_factory=dict)
 
 
@@ -130,7 +131,10 @@ def prepare_block(
         },
         tuple(judged.counters),
         before.counters,
-        judged.counters,
+        {
+            name: {key: value for key, value in counted.items() if key in WORK_COUNTERS}
+            for name, counted in judged.counters.items()
+        },
     )
 
 
