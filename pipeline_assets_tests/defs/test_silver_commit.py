@@ -13,16 +13,18 @@ import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 from dagster import materialize
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
-from pipeline_assets.defs.silver.flow import run_flow, staging_dir
+from pipeline_assets.defs.silver.flow import StepBytes, run_flow, staging_dir
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.prepare import TextInKeysError
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets_tests.conftest import record, write_landing_file
@@ -116,3 +118,13 @@ def test_a_run_killed_before_its_commits_is_committed_once_by_the_rerun(
         ), f"{name}: every file left is committed"
     assert not Path(staging_dir(lake, batch)).exists(), "staged files removed once committed"
     assert lake.read("silver", "records", where=pl.col("batch_id") == first).height == 12
+
+
+def test_a_frame_with_text_never_enters_the_step():
+    counted = StepBytes()
+    keys = pl.DataFrame({"record_id": ["a"], "exact_hash": [1]})
+    assert counted.frame("keys", keys) is keys and counted.bytes == keys.estimated_size()
+    for text in ({"response": ["an answer"]}, {"meta": ['{"k": 1}']}):
+        with pytest.raises(TextInKeysError):
+            counted.frame("verdicts", pl.DataFrame({"record_id": ["a"], **text}))
+    assert counted.by_kind == {"keys": keys.estimated_size()}

@@ -118,7 +118,7 @@ def prepare_share(
     staged = prepare_files(
         files, config, eval_index, tables.fmt, staging_dir, rows_per_block, schema, storage_options
     )
-    return PreparedShare(staged, Where.here(on_ray))
+    return PreparedShare(staged, Where.here(on_ray and bool(files)))  # no files: run here
 
 
 @dataclass(frozen=True)
@@ -174,15 +174,15 @@ def _language_mix(
     later = [*stages[stages.index(LANGUAGE) :], *decision.last_stages]
     removed_by = pl.col(REMOVED_BY)
     reached = decision.verdicts.filter(removed_by.is_null() | removed_by.is_in(later))
-    labelled = pl.concat(
-        [
-            pl.read_parquet(
-                block.records, columns=["record_id", LANGUAGE], storage_options=storage_options
-            )
-            for block in share.blocks
-        ]
-    )
-    return _counts(labelled.join(reached, on="record_id", how="semi"), LANGUAGE)
+    labelled = pl.concat([_labels(block.records, storage_options) for block in share.blocks])
+    return _counts(labelled.join(reached, on="record_id", how="semi").drop_nulls(), LANGUAGE)
+
+
+def _labels(records: str, storage_options: dict | None) -> pl.DataFrame:
+    """A staged block's record ids and languages (null: no record of it reached the stage)."""
+    scan = pl.scan_parquet(records, storage_options=storage_options)
+    language = pl.col(LANGUAGE) if LANGUAGE in scan.collect_schema().names() else pl.lit(None)
+    return scan.select("record_id", language.cast(pl.String).alias(LANGUAGE)).collect()
 
 
 def _written_rows(
@@ -244,7 +244,8 @@ def prepare_batch(
     eval_index: EvalNgramIndex,
 ) -> BatchFlow:
     """Every format's bronze files of the batch at the tables' current versions, prepared by tasks
-    into the run's staging folder; their keys read."""
+    into the run's staging folder; their keys read. A format without rows is prepared here (an
+    empty block: nothing to read, no task to send the eval index to)."""
     folder, options = staging_dir(lake, batch_id, run_id), lake.storage_options()
     started, step_bytes = time.perf_counter(), StepBytes()
     pinned = {tables: _pinned_files(lake, tables, batch_id) for tables in formats}
@@ -255,9 +256,7 @@ def prepare_batch(
         for tables, (_, files, schema) in pinned.items()
         for share in _shares(files, engine.rows_per_block)
     ]
-    prepared = step_bytes.results(
-        "prepare results", engine.map_tasks(prepare_share, calls, rows).results
-    )
+    prepared = _on_engine_unless_empty(engine, prepare_share, calls, rows, step_bytes, "prepare")
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p, call in zip(prepared, calls, strict=True) if call[3] == tables]
@@ -333,8 +332,24 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
         for tables, batch in flow.formats.items()
         for share in batch.shares
     ]
-    written = engine.map_tasks(write_share, calls, flow.bronze_rows).results
-    flow.written = flow.step_bytes.results("write results", written)
+    flow.written = _on_engine_unless_empty(
+        engine, write_share, calls, flow.bronze_rows, flow.step_bytes, "write"
+    )
+
+
+def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str) -> list:
+    """``function`` on each call, in order: as the engine's tasks where the call's share has rows
+    (their results counted as received), here where it has none."""
+
+    def empty(call) -> bool:
+        share = call[0]
+        return not (share.rows if isinstance(share, StagedShare) else share)
+
+    sent = [call for call in calls if not empty(call)]
+    results = iter(
+        step_bytes.results(f"{kind} results", engine.map_tasks(function, sent, rows).results)
+    )
+    return [function(*call) if empty(call) else next(results) for call in calls]
 
 
 def committed_before(flow: BatchFlow, lake: LakeResource, version: int) -> list[str]:
