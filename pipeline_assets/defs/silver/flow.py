@@ -12,7 +12,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import polars as pl
 import pyarrow.fs as pafs
@@ -295,24 +295,24 @@ def _pinned_files(
 
 def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverConfig) -> None:
     """The batch's decision for every format from its keys, after one lookup of the index."""
+    flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
-    started = time.perf_counter()
     decisions = decide({b.tables.fmt: b.keys for b in flow.formats.values()}, counted, config)
-    flow.index_lookup.setdefault("keys", 0)
-    flow.index_lookup.setdefault("entries_found", 0)
-    flow.index_lookup["seconds"] = round(time.perf_counter() - started, 3)
     for tables, batch in flow.formats.items():
         decision = decisions[tables.fmt]
         flow.step_bytes.frame("verdicts", decision.verdicts)
-        flow.formats[tables] = FormatBatch(**{**batch.__dict__, "decision": decision})
+        flow.formats[tables] = replace(batch, decision=decision)
 
 
 def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
-    """``look_up``, recording the keys it was given and the entries it found (counted bytes)."""
+    """``look_up``, recording the keys it was given, the entries it found (their bytes counted)
+    and its seconds."""
 
     def counted(wanted: pl.DataFrame) -> pl.DataFrame:
+        started = time.perf_counter()
         found = flow.step_bytes.frame("index entries found", look_up(wanted))
-        flow.index_lookup.update(keys=wanted.height, entries_found=found.height)
+        seconds = round(time.perf_counter() - started, 3)
+        flow.index_lookup.update(keys=wanted.height, entries_found=found.height, seconds=seconds)
         return found
 
     return counted
