@@ -33,12 +33,14 @@ from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex, 
 from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     IndexLookup,
+    StagedSignatures,
     entries_holding,
     exact_dedup,
     exact_hashes,
     hash_of,
     index_entries,
     near_dedup,
+    near_dedup_candidates,
     wanted_keys,
     with_signatures,
 )
@@ -117,19 +119,26 @@ def before_dedup(config: SilverConfig, fmt: RecordFormat = SFT) -> list[Stage]:
 
 
 def dedup_stages(
-    config: SilverConfig, history: pl.LazyFrame | None, fmt: RecordFormat = SFT
+    config: SilverConfig,
+    history: pl.LazyFrame | None,
+    fmt: RecordFormat = SFT,
+    staged: StagedSignatures | None = None,
 ) -> list[Stage]:
     """The stages between the block stages: they look across the batch and ``history`` (the other
-    batches' index entries holding one of its keys)."""
+    batches' index entries holding one of its keys). With ``staged``, the batch comes without
+    signatures and near dedup reads those of its candidates only."""
     pair_rules = [Stage("contradiction", partial(contradictions, history=history), "contradiction")]
+    near = (
+        partial(near_dedup, history=history, config=config.minhash, fmt=fmt)
+        if staged is None
+        else partial(
+            near_dedup_candidates, history=history, staged=staged, config=config.minhash, fmt=fmt
+        )
+    )
     return [
         Stage("exact_dedup", partial(exact_dedup, history=history), "exact_dup"),
         *(pair_rules if fmt is PREFERENCE else []),
-        Stage(
-            "near_dedup",
-            partial(near_dedup, history=history, config=config.minhash, fmt=fmt),
-            "near_dup",
-        ),
+        Stage("near_dedup", near, "near_dup"),
     ]
 
 

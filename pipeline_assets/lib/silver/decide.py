@@ -24,7 +24,12 @@ from pipeline_assets.lib.silver.curation import (
     last_stages,
     look_up_histories,
 )
-from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, IndexLookup
+from pipeline_assets.lib.silver.dedup import (
+    SIGNATURE_COLUMNS,
+    IndexLookup,
+    SignatureReader,
+    StagedSignatures,
+)
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS
 from pipeline_assets.lib.silver.prepare import CLUSTER_ID, REASON, REMOVED_BY, refuse_text
 from pipeline_assets.lib.stages import StagesResult, run_whole
@@ -52,24 +57,58 @@ def decide(
     keys_by_format: Mapping[RecordFormat, pl.DataFrame],
     look_up: IndexLookup | None,
     config: SilverConfig,
+    signatures: Mapping[RecordFormat, SignatureReader] | None = None,
 ) -> dict[RecordFormat, Decision]:
     """Every format's decision for one batch from its ``keys`` (in batch order), after one lookup
     of the other batches' index entries over every format's keys (``look_up``; None: there are
-    none), as ``curate_formats`` looks them up."""
+    none), as ``curate_formats`` looks them up.
+
+    Keys read without their signatures come with ``signatures``: per format, a reader of the
+    signatures of the records near dedup names (those sharing a band key with another record or
+    an index entry); the lookup takes the staged band keys."""
     for keys in keys_by_format.values():
         refuse_text(keys)
     removed_before = {fmt: _removed_before(config, fmt) for fmt in keys_by_format}
+    reached = {
+        fmt: keys.filter(_reached_dedup(removed_before[fmt]))
+        for fmt, keys in keys_by_format.items()
+    }
     hashed = {
-        fmt: keys.filter(_reached_dedup(removed_before[fmt])).select(
-            name for name in DEDUP_INPUT if name in keys.columns
+        fmt: frame.select(name for name in DEDUP_INPUT if name in frame.columns)
+        for fmt, frame in reached.items()
+    }
+    histories, _ = look_up_histories(
+        {fmt: _lookup_input(frame, hashed[fmt]) for fmt, frame in reached.items()},
+        look_up,
+        config.minhash,
+    )
+    return {
+        fmt: _decide(
+            keys,
+            hashed[fmt],
+            *histories[fmt],
+            removed_before[fmt],
+            config,
+            fmt,
+            _staged_signatures(keys, (signatures or {}).get(fmt)),
         )
         for fmt, keys in keys_by_format.items()
     }
-    histories, _ = look_up_histories(hashed, look_up, config.minhash)
-    return {
-        fmt: _decide(keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt)
-        for fmt, keys in keys_by_format.items()
-    }
+
+
+def _lookup_input(reached: pl.DataFrame, hashed: pl.DataFrame) -> pl.DataFrame:
+    """What the lookup's wanted keys are made from: the signatures, or else the staged band keys."""
+    if SIGNATURE_COLUMNS[0] in hashed.columns:
+        return hashed
+    return hashed.with_columns(reached["band_keys"])
+
+
+def _staged_signatures(keys: pl.DataFrame, read: SignatureReader | None) -> StagedSignatures | None:
+    if SIGNATURE_COLUMNS[0] in keys.columns:
+        return None
+    if read is None:
+        raise ValueError("keys without signatures need a reader of the candidates' signatures")
+    return StagedSignatures(keys.select("record_id", "band_keys"), read)
 
 
 def _reached_dedup(removed_before: list[str]) -> pl.Expr:
@@ -89,8 +128,9 @@ def _decide(
     removed_before: list[str],
     config: SilverConfig,
     fmt: RecordFormat,
+    staged: StagedSignatures | None,
 ) -> Decision:
-    deduped = run_whole(dedup_stages(config, history, fmt), hashed)
+    deduped = run_whole(dedup_stages(config, history, fmt, staged), hashed)
     survivors = deduped.kept.join(
         keys.select("record_id", REMOVED_BY, REASON), on="record_id", maintain_order="left"
     )

@@ -286,6 +286,69 @@ def near_dedup(
     )
 
 
+# record ids -> their record_id and SIGNATURE_COLUMNS, read from where they were staged
+SignatureReader = Callable[[pl.Series], pl.DataFrame]
+
+
+@dataclass(frozen=True)
+class StagedSignatures:
+    """Where near dedup finds signatures when its input holds none: every record's band keys
+    (``record_id``, ``band_keys``), and a reader of the signatures of the records it names."""
+
+    band_keys: pl.DataFrame
+    read: SignatureReader
+
+
+def near_dedup_candidates(
+    batch: pl.DataFrame,
+    history: pl.LazyFrame | None,
+    staged: StagedSignatures,
+    config: MinHashConfig = MinHashConfig(),
+    fmt: RecordFormat = SFT,
+) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """``near_dedup`` with only the signatures it can use read: those of the records sharing a
+    band key with another record of ``batch`` or with an entry of ``history`` (the candidates).
+    ``near_dedup`` runs on the candidates alone; any other record has no candidate pair, so it is
+    its own cluster's survivor, kept, exactly as ``near_dedup`` of the whole batch keeps it."""
+    candidate = batch["record_id"].is_in(_candidate_ids(batch, history, staged).implode())
+    candidates = batch.filter(candidate)
+    signed = candidates.join(
+        staged.read(candidates["record_id"]), on="record_id", how="left", maintain_order="left"
+    )
+    kept, rejected, details = near_dedup(signed, history, config, fmt)
+    alone = batch.filter(~candidate).with_columns(cluster_id=pl.col("record_id"))
+    in_order = batch.select("record_id").join(
+        pl.concat([kept, alone.select(kept.columns)]), on="record_id", maintain_order="left"
+    )
+    return in_order.select(kept.columns), rejected, details
+
+
+def _candidate_ids(
+    batch: pl.DataFrame, history: pl.LazyFrame | None, staged: StagedSignatures
+) -> pl.Series:
+    """The records of ``batch`` that share a (band, band key) with another of its records or with
+    an entry of ``history``."""
+    keys = _by_band(
+        batch.select("record_id").join(staged.band_keys, on="record_id", maintain_order="left")
+    )
+    shared = keys.filter(pl.len().over("band", "band_key") > 1).select("record_id")
+    if history is not None:
+        entries = _by_band(history.select("record_id", "band_keys").collect())
+        found = keys.join(entries.select("band", "band_key").unique(), on=["band", "band_key"])
+        shared = pl.concat([shared, found.select("record_id")])
+    return shared["record_id"].unique()
+
+
+def _by_band(frame: pl.DataFrame) -> pl.DataFrame:
+    """(record_id, band, band_key) rows of records with their ``band_keys``."""
+    return (
+        frame.with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
+        .explode("band_keys", "band")
+        .rename({"band_keys": "band_key"})
+        .drop_nulls("band_key")
+    )
+
+
 def index_entries(
     batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
 ) -> pl.DataFrame:
@@ -433,15 +496,12 @@ def wanted_keys(
     """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a
     preference batch also looks up its pairs' prompts and their pairs labelled the other way
     (``flipped_hash``)."""
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
-    keys = band_keys(
-        _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
-    )
-    lsh = pl.DataFrame(
-        {
-            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)),
-            "band_key": keys.ravel(),
-        }
+    lsh = (
+        _by_band(batch.select("record_id", "band_keys")).select(
+            pl.col("band").cast(pl.Int16), "band_key"
+        )
+        if "band_keys" in batch.columns  # staged with the keys: no signature needed
+        else _lsh_keys(batch, config, fmt)
     )
     hashes = [
         (EXACT_BAND, "exact_hash"),
@@ -454,6 +514,19 @@ def wanted_keys(
         if column in batch.columns
     ]
     return pl.concat([*exact, lsh]).unique()
+
+
+def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> pl.DataFrame:
+    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    keys = band_keys(
+        _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
+    )
+    return pl.DataFrame(
+        {
+            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(keys)),
+            "band_key": keys.ravel(),
+        }
+    )
 
 
 def entries_holding(entries: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:

@@ -31,8 +31,16 @@ from pipeline_assets.lib.formats import FORMATS, PREFERENCE, SFT, TURNS, RecordF
 from pipeline_assets.lib.silver.curation import SilverConfig, after_dedup, before_dedup
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, exact_hashes, index_entries
+from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS, pair_hashes
-from pipeline_assets.lib.stages import ROWS_PER_BLOCK, StagesResult, merge, run_stages
+from pipeline_assets.lib.stages import (
+    ROWS_PER_BLOCK,
+    Stage,
+    StagesResult,
+    merge,
+    run_stages,
+    split_at_actors,
+)
 
 POSITION = "position"  # a record's place in its batch: the order every stage keeps
 REMOVED_BY = "removed_by"  # the per-record stage (its name) that removed the record; null: none
@@ -91,20 +99,61 @@ def prepare_block(
 ) -> Prepared:
     """Every per-record stage on ``block`` (bronze rows of ``fmt``, starting at ``first_position``
     of their batch), nothing removed: see the module docstring."""
+    return finish_block(start_block(block, config, eval_index, fmt, first_position))
+
+
+@dataclass(frozen=True)
+class Started:
+    """A block through the stages before dedup, hashed, and through the stages after dedup up to
+    ``judged``'s: what ``finish_block`` completes. On Ray, ``judged`` goes on to the model stages
+    on an actor pool (``run_more``), the rest travels with it."""
+
+    fmt: RecordFormat
+    positions: pl.DataFrame  # record_id and POSITION of every row of the block
+    hashed: pl.DataFrame  # what the stages before dedup kept, with the hashes
+    removed_before: dict[str, pl.DataFrame]  # the stages before dedup's removed rows
+    counters: dict[str, dict]  # the stages before dedup, as the stage runner counted them
+    judged: StagesResult  # the stages after dedup that have run
+    minhash: MinHashConfig  # what the band keys are made with
+
+
+def start_block(
+    block: pl.DataFrame,
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    fmt: RecordFormat = SFT,
+    first_position: int = 0,
+    before_models: bool = False,
+) -> Started:
+    """The stages before dedup and the hashes on ``block``, then the stages after dedup: all of
+    them, or with ``before_models`` those before the first that runs a model (``model_stages``
+    gives the rest)."""
     positions = block.select("record_id").with_row_index(POSITION, offset=first_position)
     before = run_stages(before_dedup(config, fmt), block)
     hashed = before.kept.with_columns(
         exact_hashes(before.kept, fmt), *(pair_hashes() if fmt is PREFERENCE else [])
     )
+    stages = after_dedup(config, eval_index, fmt)
     # what the stages after dedup find today: near dedup dropped the signatures and added the
     # cluster (filled in from the decision), the flipped hash was dropped
     judged = run_stages(
-        after_dedup(config, eval_index, fmt),
+        split_at_actors(stages)[0] if before_models else stages,
         hashed.drop(*SIGNATURE_COLUMNS, PAIR_HASH_COLUMNS[1], strict=False).with_columns(
             pl.lit(None, pl.String).alias(CLUSTER_ID)
         ),
     )
-    removed = {**before.removed, **judged.removed}
+    return Started(fmt, positions, hashed, before.removed, before.counters, judged, config.minhash)
+
+
+def model_stages(config: SilverConfig, fmt: RecordFormat) -> list[Stage]:
+    """The stages after dedup from the first that runs a model on (none: no such stage)."""
+    return split_at_actors(after_dedup(config, EvalNgramIndex(config.decontam), fmt))[1]
+
+
+def finish_block(started: Started) -> Prepared:
+    """The block's staged records and keys from what its stages kept and removed."""
+    fmt, hashed, judged = started.fmt, started.hashed, started.judged
+    removed = {**started.removed_before, **judged.removed}
     staged = (
         pl.concat(
             [
@@ -117,20 +166,20 @@ def prepare_block(
             how="diagonal_relaxed",
         )
         .join(_hash_columns(hashed, fmt), on="record_id", how="left")
-        .join(positions, on="record_id")
+        .join(started.positions, on="record_id")
         .sort(POSITION)
     )
     return Prepared(
         fmt,
         staged,
-        _keys(staged, hashed, config, fmt),
+        _keys(staged, hashed, started.minhash, fmt),
         {
             HASHED: tuple(hashed.columns),
             KEPT: tuple(judged.kept.columns),
             **{name: tuple(frame.columns) for name, frame in removed.items()},
         },
         tuple(judged.counters),
-        before.counters,
+        started.counters,
         {
             name: {key: value for key, value in counted.items() if key in WORK_COUNTERS}
             for name, counted in judged.counters.items()
@@ -146,10 +195,10 @@ def _hash_columns(hashed: pl.DataFrame, fmt: RecordFormat) -> pl.DataFrame:
 
 
 def _keys(
-    staged: pl.DataFrame, hashed: pl.DataFrame, config: SilverConfig, fmt: RecordFormat
+    staged: pl.DataFrame, hashed: pl.DataFrame, minhash: MinHashConfig, fmt: RecordFormat
 ) -> pl.DataFrame:
     pair = list(PAIR_HASH_COLUMNS) if fmt is PREFERENCE else []
-    band_keys = index_entries(hashed, config.minhash, fmt).select("record_id", "band_keys")
+    band_keys = index_entries(hashed, minhash, fmt).select("record_id", "band_keys")
     keys = staged.select(
         POSITION,
         "record_id",

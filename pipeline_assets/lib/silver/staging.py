@@ -17,7 +17,7 @@ rather than a share: a share's blocks may not share a schema (a column all null 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,12 +28,15 @@ from pipeline_assets.lib import uris
 from pipeline_assets.lib.formats import FORMATS, RecordFormat, text_chars
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS
 from pipeline_assets.lib.silver.prepare import (
     POSITION,
     Prepared,
+    Started,
+    finish_block,
     join_blocks,
-    prepare_block,
     refuse_text,
+    start_block,
     summed_counters,
 )
 
@@ -170,11 +173,88 @@ def prepare_files(
     lacks: null), ``prepare_block`` each block at its position, and write its staged records and
     keys under ``staging_dir``. No files: one empty block at position 0."""
     fmt = FORMATS.get(fmt.name, fmt)  # pickling makes a copy; the stages compare formats with `is`
+    blocks = [
+        finish_file_block(started, staging_dir, storage_options)
+        for started in start_file_blocks(
+            files, config, eval_index, fmt, rows_per_block, schema, storage_options
+        )
+    ]
+    return staged_share(blocks)
+
+
+@dataclass(frozen=True)
+class StartedBlock:
+    """A block read from bronze files and started (``start_block``), where it stands in the
+    batch and its bronze text's size."""
+
+    started: Started
+    first_position: int
+    input_chars: int
+
+
+@dataclass(frozen=True)
+class FinishedBlock:
+    """What a finished block hands back: its staged files and counters, and its layout."""
+
+    staged: StagedBlock
+    format_name: str
+    layout: dict[str, tuple[str, ...]]
+    record_stages: tuple[str, ...]
+
+
+def start_file_blocks(
+    files: Sequence[BronzeFile],
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    fmt: RecordFormat,
+    rows_per_block: int,
+    schema: pl.Schema,
+    storage_options: dict | None = None,
+    before_models: bool = False,
+) -> list[StartedBlock]:
+    """``files`` read a block of ``rows_per_block`` rows at a time and each block started: every
+    stage after dedup, or with ``before_models`` those before the first model stage (the rest run
+    on an actor pool before ``finish_file_block``)."""
+    fmt = FORMATS.get(fmt.name, fmt)
+    return [
+        StartedBlock(
+            start_block(block, config, eval_index, fmt, position, before_models),
+            position,
+            text_chars(block),
+        )
+        for block, position in _read_blocks(files, rows_per_block, schema, storage_options)
+    ]
+
+
+def finish_file_block(
+    started: StartedBlock, staging_dir: str, storage_options: dict | None = None
+) -> FinishedBlock:
+    """A started block, its model stages run, finished and written under ``staging_dir``."""
+    prepared = finish_block(started.started)
+    staged = _write_block(
+        prepared, staging_dir, started.first_position, started.input_chars, storage_options
+    )
+    return FinishedBlock(staged, prepared.fmt.name, prepared.layout, prepared.record_stages)
+
+
+def staged_share(blocks: Sequence[FinishedBlock]) -> StagedShare:
+    """One share of finished blocks (one format's, consecutive) as a ``StagedShare``."""
+    first = blocks[0]
+    if any((b.format_name, b.layout) != (first.format_name, first.layout) for b in blocks):
+        raise ValueError("blocks of one share were prepared with different formats or stages")
+    return StagedShare(
+        first.format_name, tuple(b.staged for b in blocks), first.layout, first.record_stages
+    )
+
+
+def _read_blocks(
+    files: Sequence[BronzeFile], rows_per_block: int, schema: pl.Schema, storage_options
+) -> Iterator[tuple[pl.DataFrame, int]]:
+    """Each block of ``files`` and its first position in the batch (no files: one empty block)."""
     _check_consecutive(files)
     first = files[0].first_position if files else 0
     rows = sum(file.rows for file in files)
     scan = _scan(files, schema, storage_options)
-    blocks, prepared = [], None
     for start in range(0, max(rows, 1), rows_per_block):
         block = scan.slice(start, rows_per_block).collect()
         expected = min(rows_per_block, rows - start)
@@ -182,11 +262,7 @@ def prepare_files(
             raise ValueError(
                 f"read {block.height} rows at {first + start}, the log says {expected}"
             )
-        prepared = prepare_block(block, config, eval_index, fmt, first + start)
-        blocks.append(
-            _write_block(prepared, staging_dir, first + start, text_chars(block), storage_options)
-        )
-    return StagedShare(fmt.name, tuple(blocks), prepared.layout, prepared.record_stages)
+        yield block, first + start
 
 
 def _check_consecutive(files: Sequence[BronzeFile]) -> None:
@@ -247,15 +323,42 @@ def _write_block(
     )
 
 
-def read_keys(shares: Sequence[StagedShare], storage_options: dict | None = None) -> pl.DataFrame:
-    """The shares' keys, in position order: all the decision reads. Raises on a text column."""
+def read_keys(
+    shares: Sequence[StagedShare], storage_options: dict | None = None, signatures: bool = True
+) -> pl.DataFrame:
+    """The shares' keys, in position order: all the decision reads (without ``signatures``, all
+    but the signatures: ``read_signatures`` reads those near dedup needs). Raises on a text
+    column."""
     blocks = _blocks(shares)
+    left_out = [] if signatures else list(SIGNATURE_COLUMNS)
     keys = pl.concat(
-        [pl.read_parquet(block.keys, storage_options=storage_options) for block in blocks],
+        [
+            pl.scan_parquet(block.keys, storage_options=storage_options)
+            .select(pl.exclude(left_out))
+            .collect()
+            for block in blocks
+        ],
         how="diagonal_relaxed",
     )
     refuse_text(keys)
     return keys
+
+
+def read_signatures(
+    shares: Sequence[StagedShare], record_ids: pl.Series, storage_options: dict | None = None
+) -> pl.DataFrame:
+    """The signatures of ``record_ids`` (record_id and SIGNATURE_COLUMNS) from the shares' staged
+    keys, the rest of each file filtered out as it is read."""
+    wanted = pl.col("record_id").is_in(record_ids.implode())
+    return pl.concat(
+        [
+            pl.scan_parquet(block.keys, storage_options=storage_options)
+            .select("record_id", *SIGNATURE_COLUMNS)
+            .filter(wanted)
+            .collect()
+            for block in _blocks(shares)
+        ]
+    )
 
 
 def read_prepared(shares: Sequence[StagedShare], storage_options: dict | None = None) -> Prepared:

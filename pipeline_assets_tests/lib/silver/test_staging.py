@@ -25,6 +25,7 @@ from pipeline_assets.lib.silver.staging import (
     prepare_files,
     read_keys,
     read_prepared,
+    read_signatures,
 )
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.lake import LakeResource
@@ -91,7 +92,9 @@ def _shares(lake, engine, fmt, version, batch_id, staging: Path, config):
     return engine.map_tasks(prepare_files, calls, sum(f.rows for f in files))
 
 
-def _staged(lake, engine, versions, batch_ids, staging: Path, config):
+def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None):
+    """Prepared, decided and split batch after batch; with ``read`` (a list), the keys are read
+    without their signatures and near dedup reads its candidates' (``read`` gets how many)."""
     index, results = None, []
     for batch_id in batch_ids:
         shares = {
@@ -100,7 +103,9 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config):
         }
         assert all(len(s) >= 2 for s in shares.values()), "every batch spans several files"
         look_up = lookup_in(index.lazy()) if index is not None else None
-        decisions = decide({fmt: read_keys(s) for fmt, s in shares.items()}, look_up, config)
+        keys = {fmt: read_keys(s, signatures=read is None) for fmt, s in shares.items()}
+        readers = {fmt: _counted_reader(s, read) for fmt, s in shares.items()}
+        decisions = decide(keys, look_up, config, readers if read is not None else None)
         cut = {
             fmt: split(read_prepared(s), decisions[fmt], config.minhash)
             for fmt, s in shares.items()
@@ -110,6 +115,35 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config):
             [*([index] if index is not None else []), *(c.index for c in cut.values())]
         )
     return results
+
+
+def _counted_reader(shares, read: list | None):
+    def signatures_of(record_ids: pl.Series) -> pl.DataFrame:
+        read.append(record_ids.len())
+        return read_signatures(shares, record_ids)
+
+    return signatures_of
+
+
+def test_near_dedup_reads_only_its_candidates_signatures_and_decides_as_today(tmp_path):
+    """Keys without signatures: near dedup reads the signatures of the records sharing a band key
+    with another record or an index entry, and the tables are today's, row for row."""
+    lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
+    versions = _write_bronze(lake, _batches()[:2])
+    engine = RayEngine(home=str(tmp_path / "home"), min_rows=10**9)
+    today = _today(lake, versions, ["b1", "b2"], config)
+    read: list[int] = []
+    staged = _staged(lake, engine, versions, ["b1", "b2"], tmp_path / "staging", config, read)
+    _assert_equal(staged, today)
+    for mine, theirs in zip(staged, today, strict=True):
+        for fmt, (kept, rejects, _, stages) in theirs.items():
+            assert mine[fmt][0].equals(kept) and mine[fmt][1].equals(rejects), fmt.name
+            assert mine[fmt][3]["near_dedup"] == {
+                **stages["near_dedup"],
+                "seconds": mine[fmt][3]["near_dedup"]["seconds"],
+            }, fmt.name
+    reached = sum(theirs[fmt][3]["near_dedup"]["rows_in"] for theirs in today for fmt in theirs)
+    assert 0 < sum(read) < reached, "some signatures read, not every record's"
 
 
 def test_staged_shares_decide_and_split_to_todays_tables_batch_after_batch(tmp_path):
