@@ -97,6 +97,17 @@ class BlockEngine(RayResource):
             time.perf_counter() - started,
         )
 
+    def map_through_actors(
+        self,
+        start: Callable[..., list[tuple[StagesResult, object]]],
+        calls: Sequence[tuple],
+        actor_stages: Sequence[Stage],
+        finish: Callable[[StagesResult, object], T],
+    ) -> list[Pooled[T]]:
+        """``run_through_actors`` on this engine's Ray (a batch whose stages run models)."""
+        self._ensure_connected()
+        return run_through_actors(start, calls, actor_stages, finish)
+
     def _ensure_connected(self) -> None:
         """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data
         would start on this machine by itself."""
@@ -312,25 +323,109 @@ def _where() -> dict:
 
 class ActorStages:
     """Ray Data's callable class for the stages that run models: one instance an actor, so each
-    stage's model is loaded once an actor and kept for every block it is given."""
+    stage's model is loaded once an actor and kept for every block it is given. A row's other
+    columns pass through; ``actor`` names the actor that ran it."""
 
     def __init__(self, stages: Sequence[Stage]):
         self.stages = stages
 
     def __call__(self, table):
         import pyarrow as pa
+        import ray
 
         rows = []
         for row in table.to_pylist():
             result = run_more(self.stages, from_row(row))
             rows.append(
                 {
+                    **row,
                     **to_row(result),
                     "nodes": f"{row['nodes']},{_where()['nodes']}",
+                    "actor": ray.get_runtime_context().get_actor_id(),
+                }
+            )
+        return pa.Table.from_pylist(rows)
+
+
+@dataclass(frozen=True)
+class Pooled(Generic[T]):
+    """One block's result through tasks, the actor pool and tasks again: which call it came from,
+    the nodes it ran on and the actor that ran its model stages."""
+
+    call: int
+    value: T
+    nodes: tuple[str, ...]
+    actor: str
+    polars_threads: int
+
+
+def run_through_actors(
+    start: Callable[..., list[tuple[StagesResult, object]]],
+    calls: Sequence[tuple],
+    actor_stages: Sequence[Stage],
+    finish: Callable[[StagesResult, object], T],
+) -> list[Pooled[T]]:
+    """One Ray Data pipeline over ``calls``: tasks run ``start(*call)`` (a result a block, with
+    what the block carries to ``finish``), an actor pool runs ``actor_stages`` on each block's
+    result (``run_more``, as ``run_on_ray``), and tasks run ``finish(result, carried)``. Frames
+    move worker to worker; only ``finish``'s values come back, in call and block order."""
+    import pickle
+
+    import pyarrow as pa
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+
+    def started(table: pa.Table) -> pa.Table:
+        rows = []
+        for call, args in zip(table["call"].to_pylist(), table["args"].to_pylist(), strict=True):
+            for result, carried in start(*pickle.loads(args)):
+                rows.append(
+                    {**to_row(result), "carried": pickle.dumps(carried), "call": call, **_where()}
+                )
+        return pa.Table.from_pylist(rows)
+
+    def finished(table: pa.Table) -> pa.Table:
+        rows = []
+        for row in table.to_pylist():
+            value = finish(from_row(row), pickle.loads(row["carried"]))
+            nodes = f"{row['nodes']},{_where()['nodes']}"
+            rows.append(
+                {
+                    "call": row["call"],
+                    "value": pickle.dumps(value),
+                    "nodes": nodes,
+                    "actor": row["actor"],
                     "polars_threads": row["polars_threads"],
                 }
             )
         return pa.Table.from_pylist(rows)
+
+    items = [{"call": i, "args": pickle.dumps(args)} for i, args in enumerate(calls)]
+    dataset = (
+        ray.data.from_items(items, override_num_blocks=len(items))
+        .map_batches(started, batch_size=1, batch_format="pyarrow")
+        .map_batches(
+            ActorStages,
+            fn_constructor_args=(list(actor_stages),),
+            batch_size=1,
+            batch_format="pyarrow",
+            **actor_pool(ray.cluster_resources(), len(items)),
+        )
+        .map_batches(finished, batch_size=1, batch_format="pyarrow")
+    )
+    return [
+        Pooled(
+            row["call"],
+            pickle.loads(row["value"]),
+            tuple(sorted(set(row["nodes"].split(",")))),
+            row["actor"],
+            row["polars_threads"],
+        )
+        for row in dataset.take_all()
+    ]
 
 
 def actor_pool(cluster: dict, blocks: int) -> dict:

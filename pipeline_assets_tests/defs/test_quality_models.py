@@ -205,6 +205,11 @@ def test_languages_and_the_users_scorers_judge_silver_records_and_pairs(
     assert ray_result.success
     ray_metadata = ray_result.asset_materializations_for_node("silver")[0].metadata
     assert ray_metadata["scorers"].value["reward"]["ran_on"].startswith("Ray, 1 node(s)")
+    # the actor pool ran each model stage, its model loaded once an actor; here, no pool
+    for name in ("reward", "helpful"):
+        pooled = ray_metadata["scorers"].value[name]
+        assert pooled["actors"] == pooled["model_loads"] == 1, name
+        assert metadata["scorers"].value[name]["actors"] == 0, name
     for table in ("records", "preference_pairs", "rejects"):
         here, there = (
             by_line(lake_of["lake"].read("silver", table)) for lake_of in (run_with, on_ray)

@@ -241,6 +241,8 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     # only keys, verdicts, index hashes and task results reach the step's process (issue 37)
     step_bytes = [m["silver"]["step_bytes_per_record"] for m in ray_metadata]
     print(f"bytes through silver's step a record, by batch: {step_bytes}")
+    for m in ray_metadata:
+        print(f"  by kind: {m['silver']['step_bytes_per_record_by_kind']}")
     found = [m["silver"]["index_entries_found"] for m in ray_metadata]
     assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[
         0
@@ -254,12 +256,12 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
         "every silver record in a shard"
     )
     # the scorer's model loaded once a process: once in the step's process for the three batches,
-    # on Ray once a worker process of the batch's job (its prepare tasks, a block each, on two
-    # one-CPU nodes: one worker a node), never once a block
+    # once an actor on Ray (one actor a batch on two cores, for its four blocks)
     assert [m["silver"]["scorers"]["reward"]["model_loads"] for m in local_metadata] == [1, 0, 0]
-    assert [m["silver"]["scorers"]["reward"]["model_loads"] for m in ray_metadata] == [2, 2, 2]
+    assert [m["silver"]["scorers"]["reward"]["model_loads"] for m in ray_metadata] == [1, 1, 1]
+    assert [m["silver"]["scorers"]["reward"]["actors"] for m in ray_metadata] == [1, 1, 1]
     assert all(m["silver"]["scorers"]["reward"]["ran_on"].startswith("Ray, ") for m in ray_metadata)
-    # the scorer's model ran in the prepare tasks: its scores agree with
+    # the scorer's model ran on the actor pool, one torch thread an actor: its scores agree with
     # the step's process within fp32 rounding, every other column exactly
     assert (on_ray["records"]["score_reward"] - local["records"]["score_reward"]).abs().max() < 1e-4
     for name, frame in local.items():

@@ -293,11 +293,13 @@ def _format_metadata(counts: FormatCounts) -> dict:
 
 
 def _scorer_metadata(stages: dict[str, dict]) -> dict:
-    """Per scorer: where its model ran, how many processes loaded it, and its records/s."""
+    """Per scorer: where its model ran, how many processes loaded it, how many actors of a pool
+    ran it, and its records/s."""
     return {
         name.removeprefix("score_"): {
             "ran_on": engine_used(counters),
             "model_loads": counters["model_loads"],
+            "actors": counters.get("actors", 0),  # of the pool that ran it; 0: no pool
             "records": counters["rows_in"],
             "records_per_second": round(counters["rows_in"] / max(counters["seconds"], 1e-9), 1),
         }
@@ -342,6 +344,10 @@ def _lookup_metadata(flow: BatchFlow, records: FormatCounts, lookup_report: dict
         "step_bytes_per_record": (
             round(flow.step_bytes.bytes / flow.bronze_rows, 1) if flow.bronze_rows else 0.0
         ),
+        "step_bytes_per_record_by_kind": {
+            kind: round(size / max(flow.bronze_rows, 1), 1)
+            for kind, size in flow.step_bytes.by_kind.items()
+        },
     }
 
 

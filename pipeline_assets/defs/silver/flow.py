@@ -9,6 +9,7 @@ is refused if it holds a text column, and its Arrow bytes are counted (``StepByt
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from collections.abc import Sequence
@@ -26,21 +27,28 @@ from pipeline_assets.lib.silver.decide import Decision, decide
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import IndexLookup
 from pipeline_assets.lib.silver.minhash import MinHashConfig
-from pipeline_assets.lib.silver.prepare import REMOVED_BY, refuse_text
+from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
 from pipeline_assets.lib.silver.split import for_records, stage_counters
 from pipeline_assets.lib.silver.staging import (
     BronzeFile,
+    FinishedBlock,
     StagedShare,
+    StartedBlock,
     bronze_files,
     bronze_schema,
     cut_files,
+    finish_file_block,
     group_files,
     prepare_files,
     read_keys,
+    read_signatures,
     share_record_ids,
     staged_counters,
     staged_record_counters,
+    staged_share,
+    start_file_blocks,
 )
+from pipeline_assets.lib.stages import Stage, StagesResult
 from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 from pipeline_assets.resources.silver_shares import (
@@ -83,18 +91,20 @@ class StepBytes:
 
 @dataclass(frozen=True)
 class Where:
-    """Where a task ran: its Ray node (None: the step's process) and its polars threads."""
+    """Where a share ran: its Ray nodes (none: the step's process), its polars threads, and the
+    actors that ran its model stages (none: they ran with the rest)."""
 
-    node: str | None
+    nodes: tuple[str, ...]
     polars_threads: int
+    actors: tuple[str, ...] = ()
 
     @classmethod
     def here(cls, on_ray: bool) -> Where:
         if not on_ray:
-            return cls(None, pl.thread_pool_size())
+            return cls((), pl.thread_pool_size())
         import ray
 
-        return cls(ray.get_runtime_context().get_node_id(), pl.thread_pool_size())
+        return cls((ray.get_runtime_context().get_node_id(),), pl.thread_pool_size())
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,36 @@ def prepare_share(
         files, config, eval_index, tables.fmt, staging_dir, rows_per_block, schema, storage_options
     )
     return PreparedShare(staged, Where.here(on_ray and bool(files)))  # no files: run here
+
+
+def start_share(
+    files: Sequence[BronzeFile],
+    config: SilverConfig,
+    eval_index: EvalNgramIndex,
+    tables: FormatTables,
+    staging_dir: str,
+    rows_per_block: int,
+    schema: pl.Schema,
+    storage_options: dict | None,
+    on_ray: bool,
+) -> list[tuple[StagesResult, StartedBlock]]:
+    """A prepare task before the actor pool: the share's blocks up to their model stages. Each
+    block's judged records go on to the pool as Arrow; the rest of it is carried to the task
+    that finishes it."""
+    blocks = start_file_blocks(
+        files, config, eval_index, tables.fmt, rows_per_block, schema, storage_options, True
+    )
+    # judged travels apart (the pool runs on it) and is put back by finish_pooled_block
+    return [(b.started.judged, replace(b, started=replace(b.started, judged=None))) for b in blocks]
+
+
+def finish_pooled_block(
+    judged: StagesResult, carried: StartedBlock, staging_dir: str, storage_options: dict | None
+) -> FinishedBlock:
+    """A prepare task after the actor pool: the block finished and written; paths and counters
+    returned."""
+    block = replace(carried, started=replace(carried.started, judged=judged))
+    return finish_file_block(block, staging_dir, storage_options)
 
 
 @dataclass(frozen=True)
@@ -220,6 +260,8 @@ class BatchFlow:
     staging_dir: str
     formats: dict[FormatTables, FormatBatch]
     step_bytes: StepBytes
+    config: SilverConfig
+    storage_options: dict | None
     prepare_wall_seconds: float = 0.0
     index_lookup: dict = field(default_factory=dict)
     written: list[ShareCounts] = field(default_factory=list)
@@ -256,20 +298,65 @@ def prepare_batch(
         for tables, (_, files, schema) in pinned.items()
         for share in _shares(files, engine.rows_per_block)
     ]
-    prepared = _on_engine_unless_empty(engine, prepare_share, calls, rows, step_bytes, "prepare")
+    pooled = {
+        tables: stages
+        for tables in pinned
+        if on_ray and (stages := model_stages(config, tables.fmt))
+    }
+    prepared = _on_engine_unless_empty(
+        engine,
+        prepare_share,
+        [call for call in calls if call[3] not in pooled],
+        rows,
+        step_bytes,
+        "prepare",
+    )
+    for tables, stages in pooled.items():
+        own = [call for call in calls if call[3] == tables and call[0]]
+        prepared += _prepare_on_actor_pool(engine, own, stages, folder, options, step_bytes)
+        prepared += [prepare_share(*c) for c in calls if c[3] == tables and not c[0]]
     batches = {}
     for tables, (version, files, _) in pinned.items():
-        shares = [p for p, call in zip(prepared, calls, strict=True) if call[3] == tables]
-        keys = step_bytes.frame("keys", read_keys([s.staged for s in shares], options))
+        shares = [p for p in prepared if p.staged.format_name == tables.fmt.name]
+        staged = [s.staged for s in shares]
+        keys = step_bytes.frame("keys", read_keys(staged, options, signatures=False))
         batches[tables] = FormatBatch(tables, version, sum(f.rows for f in files), shares, keys)
         if keys.height != batches[tables].bronze_rows:
             raise RuntimeError(
                 f"accounting broken: {batches[tables].bronze_rows} rows in "
                 f"{tables.bronze.to_user_string()}'s files, {keys.height} prepared"
             )
-    flow = BatchFlow(batch_id, run_id, folder, batches, step_bytes)
+    flow = BatchFlow(batch_id, run_id, folder, batches, step_bytes, config, options)
     flow.prepare_wall_seconds = round(time.perf_counter() - started, 3)
     return flow
+
+
+def _prepare_on_actor_pool(
+    engine: BlockEngine,
+    calls: list[tuple],
+    stages: list[Stage],
+    folder: str,
+    options: dict | None,
+    step_bytes: StepBytes,
+) -> list[PreparedShare]:
+    """One format's shares through tasks, the actor pool that runs its model stages, and tasks
+    that write them; the blocks back as shares, in call order."""
+    if not calls:
+        return []
+    finish = functools.partial(finish_pooled_block, staging_dir=folder, storage_options=options)
+    pooled = step_bytes.results(
+        "prepare results", engine.map_through_actors(start_share, calls, stages, finish)
+    )
+    shares = []
+    for call in range(len(calls)):
+        blocks = [p for p in pooled if p.call == call]
+        where = Where(
+            tuple(sorted({n for p in blocks for n in p.nodes})),
+            blocks[0].polars_threads,
+            tuple(sorted({p.actor for p in blocks})),
+        )
+        shares.append(PreparedShare(staged_share([p.value for p in blocks]), where))
+    return shares
 
 
 def _shares(files: Sequence[BronzeFile], rows_per_block: int) -> list[list[BronzeFile]]:
@@ -297,11 +384,27 @@ def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverCon
     """The batch's decision for every format from its keys, after one lookup of the index."""
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
-    decisions = decide({b.tables.fmt: b.keys for b in flow.formats.values()}, counted, config)
+    decisions = decide(
+        {b.tables.fmt: b.keys for b in flow.formats.values()},
+        counted,
+        config,
+        {b.tables.fmt: _signature_reader(flow, b) for b in flow.formats.values()},
+    )
     for tables, batch in flow.formats.items():
         decision = decisions[tables.fmt]
         flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = replace(batch, decision=decision)
+
+
+def _signature_reader(flow: BatchFlow, batch: FormatBatch):
+    """Near dedup's reader of its candidates' signatures from the staged keys, the bytes counted."""
+    shares = [share.staged for share in batch.shares]
+
+    def read(record_ids: pl.Series) -> pl.DataFrame:
+        found = read_signatures(shares, record_ids, flow.storage_options)
+        return flow.step_bytes.frame("signatures", found)
+
+    return read
 
 
 def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
@@ -413,9 +516,13 @@ def format_counts(flow: BatchFlow, tables: FormatTables) -> FormatCounts:
     record_stages = staged[0].record_stages
     stages = stage_counters(before, record_stages, batch.decision)
     language_mix = _summed(w.language_mix for w in written)
+    pooled = {
+        stage.name: _actors(share.where for share in batch.shares)
+        for stage in model_stages(flow.config, tables.fmt)
+    }
     for name, counted in staged_record_counters(staged).items():
         # rows from the verdicts; prepare's seconds and model loads (on every record it saw)
-        stages[name] = {**stages[name], **counted, **where}
+        stages[name] = {**stages[name], **counted, **where, **pooled.get(name, {})}
     for name in before:
         stages[name] = {**stages[name], **where}
     if "language" in stages:
@@ -439,13 +546,19 @@ def format_counts(flow: BatchFlow, tables: FormatTables) -> FormatCounts:
 def _where(places) -> dict:
     """``engine_used``'s counters for tasks that ran at ``places`` (none on Ray: none)."""
     places = list(places)
-    nodes = sorted({p.node for p in places if p.node is not None})
+    nodes = sorted({node for p in places for node in p.nodes})
     if not nodes:
         return {}
     return {
         "ray_nodes": nodes,
         "ray_polars_threads": sorted({p.polars_threads for p in places}),
     }
+
+
+def _actors(places) -> dict:
+    """How many actors of a pool ran the model stages of the shares at ``places``."""
+    actors = {actor for p in places for actor in p.actors}
+    return {"actors": len(actors)} if actors else {}
 
 
 def _summed(dicts) -> dict:
