@@ -61,7 +61,7 @@ from pipeline_assets.resources.silver_shares import (
 
 LANGUAGE = "language"  # the language stage, and the column it labels records with
 INDEX_KEYS = ("record_id", "batch_id", "exact_hash", "band_keys", "prompt_hash")
-STAGING = ("_staging", "silver")  # under the lake: <batch>/<run>/ a run's staged Parquet
+STAGE = "silver"  # its staging under the lake: <batch>/<run>/ a run's staged Parquet
 
 
 @dataclass
@@ -273,7 +273,7 @@ class BatchFlow:
 
 def staging_dir(lake: LakeResource, batch_id: str, run_id: str | None = None) -> str:
     """The batch's staging folder under the lake (a run's, with ``run_id``)."""
-    return uris.join(lake.uri, *STAGING, batch_id, *([run_id] if run_id else []))
+    return lake.staging_uri(STAGE, batch_id, *([run_id] if run_id else []))
 
 
 def prepare_batch(
@@ -480,7 +480,7 @@ def commit_batch(flow: BatchFlow, lake: LakeResource, version: int) -> dict[str,
 def clean_up(lake: LakeResource, flow: BatchFlow, tables: Sequence[str], run_started: float):
     """After the commits: the batch's staging folder gone (every run's), and the files an earlier
     run of the batch wrote into the tables' partitions without committing them."""
-    filesystem = table_filesystem(uris.join(lake.uri, *STAGING), lake.storage_options())
+    filesystem = table_filesystem(lake.staging_uri(STAGE), lake.storage_options())
     if filesystem.get_file_info(flow.batch_id).type != pafs.FileType.NotFound:
         filesystem.delete_dir(flow.batch_id)
     return {
