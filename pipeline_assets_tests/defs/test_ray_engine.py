@@ -243,6 +243,13 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     print(f"bytes through silver's step a record, by batch: {step_bytes}")
     for m in ray_metadata:
         print(f"  by kind: {m['silver']['step_bytes_per_record_by_kind']}")
+    for m in ray_metadata:  # the sizer's parts: what spreads over a cluster, and the step's own
+        silver = m["silver"]
+        assert silver["block_wall_seconds"] == pytest.approx(
+            silver["prepare_wall_seconds"] + silver["write_wall_seconds"], abs=0.002
+        )
+        assert min(silver["decide_seconds"], silver["commit_seconds"]) > 0
+        assert silver["block_stage_seconds"] > 0
     found = [m["silver"]["index_entries_found"] for m in ray_metadata]
     assert found == [m["silver"]["index_entries_found"] for m in local_metadata] and found[
         0

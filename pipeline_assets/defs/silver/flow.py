@@ -49,7 +49,7 @@ from pipeline_assets.lib.silver.staging import (
     start_file_blocks,
 )
 from pipeline_assets.lib.stages import Stage, StagesResult
-from pipeline_assets.resources.engine import BlockEngine, engine_used
+from pipeline_assets.resources.engine import BlockEngine, TaskResults, engine_used
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 from pipeline_assets.resources.silver_shares import (
     REJECTS,
@@ -263,6 +263,10 @@ class BatchFlow:
     config: SilverConfig
     storage_options: dict | None
     prepare_wall_seconds: float = 0.0
+    write_task_seconds: float = 0.0  # the write tasks' own seconds, summed
+    write_wall_seconds: float = 0.0
+    decide_seconds: float = 0.0  # the decision in the step's process, the index lookup apart
+    commit_seconds: float = 0.0
     index_lookup: dict = field(default_factory=dict)
     written: list[ShareCounts] = field(default_factory=list)
 
@@ -310,7 +314,7 @@ def prepare_batch(
         rows,
         step_bytes,
         "prepare",
-    )
+    ).results
     for tables, stages in pooled.items():
         own = [call for call in calls if call[3] == tables and call[0]]
         prepared += _prepare_on_actor_pool(engine, own, stages, folder, options, step_bytes)
@@ -382,6 +386,7 @@ def _pinned_files(
 
 def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverConfig) -> None:
     """The batch's decision for every format from its keys, after one lookup of the index."""
+    started = time.perf_counter()
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
     decisions = decide(
@@ -394,6 +399,8 @@ def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverCon
         decision = decisions[tables.fmt]
         flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = replace(batch, decision=decision)
+    waited = flow.index_lookup["seconds"]
+    flow.decide_seconds = round(time.perf_counter() - started - waited, 3)
 
 
 def _signature_reader(flow: BatchFlow, batch: FormatBatch):
@@ -435,12 +442,15 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
         for tables, batch in flow.formats.items()
         for share in batch.shares
     ]
-    flow.written = _on_engine_unless_empty(
+    done = _on_engine_unless_empty(
         engine, write_share, calls, flow.bronze_rows, flow.step_bytes, "write"
     )
+    flow.written = done.results
+    flow.write_task_seconds = round(done.task_seconds, 3)
+    flow.write_wall_seconds = round(done.wall_seconds, 3)
 
 
-def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str) -> list:
+def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str) -> TaskResults:
     """``function`` on each call, in order: as the engine's tasks where the call's share has rows
     (their results counted as received), here where it has none."""
 
@@ -449,10 +459,11 @@ def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str
         return not (share.rows if isinstance(share, StagedShare) else share)
 
     sent = [call for call in calls if not empty(call)]
-    results = iter(
-        step_bytes.results(f"{kind} results", engine.map_tasks(function, sent, rows).results)
+    done = engine.map_tasks(function, sent, rows)
+    results = iter(step_bytes.results(f"{kind} results", done.results))
+    return replace(
+        done, results=[function(*call) if empty(call) else next(results) for call in calls]
     )
-    return [function(*call) if empty(call) else next(results) for call in calls]
 
 
 def committed_before(flow: BatchFlow, lake: LakeResource, version: int) -> list[str]:
@@ -474,7 +485,10 @@ def commit_batch(flow: BatchFlow, lake: LakeResource, version: int) -> dict[str,
     """Each table's partition of the batch replaced, once, by exactly the files the tasks wrote."""
     targets = [SilverTargets(lake.uri, flow.batch_id, tables.fmt.name) for tables in flow.formats]
     written = [counts.written for counts in flow.written]
-    return commit_silver_tables(lake, written, targets, flow.batch_id, version)
+    started = time.perf_counter()
+    commits = commit_silver_tables(lake, written, targets, flow.batch_id, version)
+    flow.commit_seconds = round(time.perf_counter() - started, 3)
+    return commits
 
 
 def clean_up(lake: LakeResource, flow: BatchFlow, tables: Sequence[str], run_started: float):
