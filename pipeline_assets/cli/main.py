@@ -519,7 +519,7 @@ def _sizer(args, settings: Settings) -> int:
         f"{_duration(totals['wall_seconds'])}, bottleneck {totals['bottleneck']}",
     )
     apart = {
-        "silver/block stages": calibration.silver_blocks,
+        "silver/workers": calibration.silver_blocks,  # prepare and write tasks
         "silver/index lookup": calibration.silver_lookup,
     }
     fits = {**calibration.fits, **{stage: fit for stage, fit in apart.items() if fit is not None}}

@@ -28,7 +28,7 @@ _FLOPS_PER_PARAMETER = {
     "training": TRAIN_FLOPS_PER_PARAMETER,
     "evaluation": EVAL_FLOPS_PER_PARAMETER,
 }
-_SILVER_BLOCKS = "silver/block stages"
+_SILVER_BLOCKS = "silver/workers"  # prepare and write tasks
 _SILVER_LOOKUP = "silver/index lookup"
 _MEASURED = {  # stage -> (asset, the metadata field holding its work)
     stage.name: (stage.asset, stage.work) for stage in PIPELINE_STAGES
@@ -131,8 +131,9 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
 
 
 def _silver_points(history: list[dict], work: str) -> list[dict]:
-    """Silver's own part (its wall less the wait on its block stages and on its index lookup's
-    tasks) and, apart, its block stages' seconds (``_SILVER_BLOCKS``) and its lookup tasks' seconds
+    """Silver's own part (its wall less the wait on its workers' prepare and write tasks and on its
+    index lookup's tasks: the decision and the commits) and, apart, its workers' task seconds
+    (``_SILVER_BLOCKS``) and its lookup tasks' seconds
     against the other batches' index rows it searched (``_SILVER_LOOKUP``). Runs recorded before the
     block stages or the lookup tasks were timed count whole, with the index rows in silver's own
     fit, and only while no run was timed: the kinds do not mix in one fit."""

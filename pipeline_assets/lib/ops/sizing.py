@@ -14,11 +14,13 @@ stage's parallelism:
 - bronze and gold/sequences (a shard per batch): batches run side by side, one process per
   ``calibration_cores`` cores;
 - silver: batches run one at a time (each dedups against the ones before it: the "silver" pool). Its
-  block stages (normalize, signatures, decontamination, quality) are fitted apart, on their own
-  seconds summed over blocks, and spread over all the target's cores when a batch runs them on Ray
-  (at least ``ray_min_rows`` rows); so is its index lookup, a task a band and slice of
-  ROWS_PER_LOOKUP_TASK earlier rows (batch k searches the k before it); the rest (reading, dedup
-  against what the lookup found, the Delta commits) runs in the step's process;
+  workers' part (prepare: reading the batch's bronze files and every per-record stage; write: each
+  share's rows split by the decision and written) is fitted apart, on its tasks' own seconds summed,
+  and spread over all the target's cores when a batch runs on Ray (at least ``ray_min_rows`` rows);
+  so is its index lookup, a task a band and slice of ROWS_PER_LOOKUP_TASK earlier rows (batch k
+  searches the k before it); the rest runs in the step's process: the decision on the batch's keys
+  (exact and near dedup against what the lookup found, pair rules: its rate) and the Delta commits
+  (its fixed part a batch);
 - gold/tokenizer (a capped sample): one process, as fast as the one measured;
 - evaluation (a capped sample): on GPUs, one rank a GPU at the training speed a GPU has (a forward
   pass: a third of a training token's FLOPs); without GPUs one process, as measured;
@@ -288,9 +290,9 @@ def _cpu_row(
 
 
 def _silver_row(c: Calibration, target: Target, batches: int, chars: float, history: float) -> dict:
-    """One batch after another: each batch's own part in the step's process, its block stages and
-    its index lookup on every core of the target when the batch is large enough for Ray (else in
-    that process too)."""
+    """One batch after another: each batch's decision and commits in the step's process, its
+    prepare and write tasks and its index lookup on every core of the target when the batch is large
+    enough for Ray (else in that process too)."""
     per_batch_chars = chars / batches
     driver = c.fits["silver"].seconds(1, per_batch_chars, history / batches)
     on_ray = target.records / batches >= target.ray_min_rows
