@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -67,9 +67,14 @@ def write_share(
     partitions: Mapping[str, str],
     file_name: str,
     storage_options: dict[str, str] | None = None,
+    bounded_strings: Collection[str] | None = None,
 ) -> dict:
     """Write ``frame`` as one Parquet file ``<partition folder>/<file_name>`` of the table and
     return its ``add`` action's fields as a plain dict (it crosses a process boundary).
+
+    ``bounded_strings``: the only string columns whose min and max go into the statistics (None:
+    every one, as delta-rs writes them). A bound is the value's first 64 bytes, so a text column's
+    would carry a record's text to whoever commits the file.
 
     ``partitions``: the table's partition columns (in its ``partition_by`` order) and this file's
     values; the frame may hold those columns (each must hold only that value) and they are not
@@ -99,7 +104,7 @@ def write_share(
         "partition_values": dict(partitions),
         "modification_time": int(time.time() * 1000),
         "data_change": True,
-        "stats": json.dumps(file_statistics(collected[0], data.to_arrow().schema)),
+        "stats": json.dumps(file_statistics(collected[0], data.to_arrow().schema, bounded_strings)),
     }
 
 
@@ -112,11 +117,20 @@ def _without_categoricals(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def file_statistics(metadata: pq.FileMetaData, schema: pa.Schema) -> dict:
+def file_statistics(
+    metadata: pq.FileMetaData, schema: pa.Schema, bounded_strings: Collection[str] | None = None
+) -> dict:
     """Delta's ``stats`` of one Parquet file (numRecords, minValues, maxValues, nullCount) from its
     footer, as delta-rs writes them: struct fields nested, no statistics for lists, maps and
-    binary."""
+    binary; min and max of a string column only if it is in ``bounded_strings`` (None: all)."""
     leaves = _leaf_statistics(metadata)
+    if bounded_strings is not None:
+        leaves = {
+            path: (None, None, nulls)
+            if isinstance(low, str) and path not in bounded_strings
+            else (low, high, nulls)
+            for path, (low, high, nulls) in leaves.items()
+        }
     stats = {"numRecords": metadata.num_rows, "minValues": {}, "maxValues": {}, "nullCount": {}}
     for field in schema:
         _add_field(stats, field, (field.name,), leaves)

@@ -27,6 +27,7 @@ from pipeline_assets.lib.delta_files import write_share
 from pipeline_assets.lib.formats import FORMATS
 from pipeline_assets.lib.silver.decide import Decision
 from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.prepare import BOUNDED_STRINGS
 from pipeline_assets.lib.silver.split import SplitShare, split_share
 from pipeline_assets.lib.silver.staging import StagedShare, read_prepared
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
@@ -95,7 +96,7 @@ def write_share_tables(
         uri = uris.join(targets.lake_uri, table)
         partition = {PARTITION: targets.batch_id}
         actions[table] = (
-            write_share(uri, conformed, partition, file_name, storage_options)
+            write_share(uri, conformed, partition, file_name, storage_options, BOUNDED_STRINGS)
             if conformed.height
             else None
         )

@@ -60,6 +60,26 @@ def text_columns() -> frozenset[str]:
     return frozenset(names)
 
 
+# the string columns of silver's tables that hold ids, hashes and labels, never a record's text:
+# the only ones whose min and max a written file's statistics carry to the committing step
+BOUNDED_STRINGS = frozenset(
+    {
+        "record_id",
+        "batch_id",
+        "source",
+        "stage",
+        "exact_hash",
+        "prompt_hash",
+        "cluster_id",
+        "duplicate_of",
+        "duplicate_of_batch",
+        "language",
+        "lsh_params",
+        "content_hash",
+    }
+)
+
+
 class TextInKeysError(ValueError):
     """A frame that must hold only hashes and verdicts holds a record's text."""
 

@@ -4,6 +4,7 @@ batch, and the stage counters come from keys and verdicts alone."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,6 +17,7 @@ from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
 from pipeline_assets.lib.silver.decide import decide
 from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.prepare import text_columns
 from pipeline_assets.lib.silver.split import for_records, split, split_share, stage_counters
 from pipeline_assets.lib.silver.staging import (
     read_keys,
@@ -175,6 +177,11 @@ def test_shares_written_in_parallel_and_committed_once_give_todays_tables(tmp_pa
                     k: c[k] for k in RUNNER_COUNTS
                 }, (fmt.name, stage)
         assert len(written) >= 2 * len(versions)  # at least two shares a format
+        for share in written:  # the committing step gets ids' and hashes' bounds, no text
+            for table, action in share.actions.items():
+                bounds = json.loads(action["stats"])["minValues"] if action else {}
+                assert not set(bounds) & text_columns(), table
+                assert not action or "record_id" in bounds, table
         for table in SILVER_TABLES:
             layer, name = table.split("/")
             assert commits[table].version == number == lake.version(layer, name), table
