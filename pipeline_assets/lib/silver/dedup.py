@@ -327,25 +327,36 @@ def _candidate_ids(
     batch: pl.DataFrame, history: pl.LazyFrame | None, staged: StagedSignatures
 ) -> pl.Series:
     """The records of ``batch`` that share a (band, band key) with another of its records or with
-    an entry of ``history``."""
-    keys = _by_band(
-        batch.select("record_id").join(staged.band_keys, on="record_id", maintain_order="left")
-    )
-    shared = keys.filter(pl.len().over("band", "band_key") > 1).select("record_id")
-    if history is not None:
-        entries = _by_band(history.select("record_id", "band_keys").collect())
-        found = keys.join(entries.select("band", "band_key").unique(), on=["band", "band_key"])
-        shared = pl.concat([shared, found.select("record_id")])
-    return shared["record_id"].unique()
+    an entry of ``history``: one band at a time, so that what is held beside the batch's band keys
+    is one band's column, not every band's rows."""
+    keys = batch.select("record_id").join(staged.band_keys, on="record_id", maintain_order="left")
+    found = None if history is None else history.select("band_keys").collect()["band_keys"]
+    bands = keys["band_keys"].list.len().max() or 0
+    shared = pl.repeat(False, keys.height, eager=True)
+    for band in range(bands):
+        column = keys["band_keys"].list.get(band, null_on_oob=True)
+        in_band = column.is_duplicated() & column.is_not_null()
+        if found is not None and len(found):
+            in_band |= column.is_in(found.list.get(band, null_on_oob=True).drop_nulls().implode())
+        shared |= in_band.fill_null(False)
+    return keys.filter(shared)["record_id"]
 
 
-def _by_band(frame: pl.DataFrame) -> pl.DataFrame:
-    """(record_id, band, band_key) rows of records with their ``band_keys``."""
+def _distinct_band_keys(band_keys: pl.Series) -> pl.DataFrame:
+    """(band, band_key) of every key in a list column of band keys, once each, a band at a time."""
+    bands = band_keys.list.len().max() or 0
     return (
-        frame.with_columns(band=pl.int_ranges(0, pl.col("band_keys").list.len(), dtype=pl.Int32))
-        .explode("band_keys", "band")
-        .rename({"band_keys": "band_key"})
-        .drop_nulls("band_key")
+        pl.concat(
+            [
+                pl.DataFrame(
+                    {"band_key": band_keys.list.get(band, null_on_oob=True).drop_nulls().unique()}
+                ).select(pl.lit(band, pl.Int16).alias("band"), "band_key")
+                for band in range(bands)
+            ],
+            how="vertical",
+        )
+        if bands
+        else pl.DataFrame(schema={"band": pl.Int16, "band_key": pl.Int64})
     )
 
 
@@ -497,9 +508,7 @@ def wanted_keys(
     preference batch also looks up its pairs' prompts and their pairs labelled the other way
     (``flipped_hash``)."""
     lsh = (
-        _by_band(batch.select("record_id", "band_keys")).select(
-            pl.col("band").cast(pl.Int16), "band_key"
-        )
+        _distinct_band_keys(batch["band_keys"])
         if "band_keys" in batch.columns  # staged with the keys: no signature needed
         else _lsh_keys(batch, config, fmt)
     )
