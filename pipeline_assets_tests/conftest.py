@@ -52,7 +52,6 @@ LONGEST_FIRST = [
     "trainer/test_dpo_training.py",
     "defs/test_training.py",
     "defs/test_bronze.py",
-    "test_make_dev.py",
     "trainer/test_hparam_search.py",
     "defs/test_conversations.py",
     "defs/test_preference_pairs.py",

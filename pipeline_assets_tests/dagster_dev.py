@@ -1,7 +1,8 @@
-"""A real `dagster dev` on loopback for the end-to-end tests of the UI and the GraphQL API: a fresh
+"""`make dev`, as README.md shows it, for the end-to-end tests of the UI, the GraphQL API and the
+MLflow UI: the Dagster UI (a real `dagster dev`) and the MLflow UI on loopback, over a fresh
 PIPELINE_HOME / DAGSTER_HOME with a small sample corpus in its landing zone and one ingest batch
-registered, and a clean shutdown (SIGTERM to the whole process group: webserver, daemon,
-code server)."""
+registered; stopped as a user stops it, with Ctrl-C (SIGINT to the whole process group: make, the
+webserver, the daemon, the code server and the MLflow UI)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +30,7 @@ DEADLINE_SECONDS = 240
 class DagsterDev:
     home: Path
     port: int
+    mlflow_port: int
     batch: str
     manifest: dict
     log: Path
@@ -52,23 +53,22 @@ def _log_tail(log: Path, lines: int = 40) -> str:
 def _wait_until_serving(port: int, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + DEADLINE_SECONDS
     while time.monotonic() < deadline:
-        assert server.poll() is None, (
-            f"dagster dev exited with {server.returncode}:\n{_log_tail(log)}"
-        )
+        assert server.poll() is None, f"make dev exited with {server.returncode}:\n{_log_tail(log)}"
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2)
             return
         except OSError:
             time.sleep(1)
     raise AssertionError(
-        f"dagster dev did not serve on 127.0.0.1:{port} "
+        f"make dev did not serve the Dagster UI on 127.0.0.1:{port} "
         f"within {DEADLINE_SECONDS} s:\n{_log_tail(log)}"
     )
 
 
 @contextmanager
 def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iterator[DagsterDev]:
-    """`dagster dev -w workspace.yaml` on a free loopback port, serving once this yields.
+    """`make dev` on two free loopback ports, its Dagster UI serving once this yields (the MLflow UI
+    may still be starting).
 
     The batch is registered before the server starts, so the landing sensor finds nothing new: the
     only runs are the ones a test launches (and what automation does downstream of them).
@@ -88,20 +88,11 @@ def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iter
     instance = persistent_instance(str(home / "dagster"))
     [batch] = register_batches(build_resources(Settings.from_env()), instance)
 
-    port = free_port()
-    log = tmp_path / "dagster-dev.log"
+    port, mlflow_port = free_port(), free_port()
+    log = tmp_path / "make-dev.log"
     with log.open("wb") as out:
         server = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "dagster"),
-                "dev",
-                "-w",
-                "workspace.yaml",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-            ],
+            ["make", "dev", f"DAGSTER_PORT={port}", f"MLFLOW_PORT={mlflow_port}"],
             cwd=ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -111,11 +102,18 @@ def running_dagster_dev(tmp_path: Path, monkeypatch, records: int = 300) -> Iter
         )
     try:
         _wait_until_serving(port, server, log)
-        yield DagsterDev(home=home, port=port, batch=batch, manifest=manifest, log=log)
+        yield DagsterDev(
+            home=home,
+            port=port,
+            mlflow_port=mlflow_port,
+            batch=batch,
+            manifest=manifest,
+            log=log,
+        )
     finally:
-        _signal_group(server.pid, signal.SIGTERM)
+        _signal_group(server.pid, signal.SIGINT)  # `dagster dev` stops on SIGINT, not SIGTERM
         try:
-            server.wait(timeout=60)
+            server.wait(timeout=90)
         except subprocess.TimeoutExpired:
             _signal_group(server.pid, signal.SIGKILL)
             server.wait(timeout=30)

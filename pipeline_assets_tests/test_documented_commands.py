@@ -99,7 +99,7 @@ DOCUMENTED = {
 RUN_ELSEWHERE = {
     "make test": "CI runs it (.ci/run); it is the suite itself",
     "make bench": "bench/ (test_bench_imports.py imports every module); 35 minutes on 2 cores",
-    "make dev": "test_make_dev.py: it serves until stopped",
+    "make dev": "test_ui_browser.py: it serves until stopped, for the browser and GraphQL tests",
     "pipeline-assets export sft-model@champion --out served "
     '--generate "How do I reset my password?"': (
         "test_base_model.py, after a run with PIPELINE_BASE_MODEL (the demo's make demo line "

@@ -1,18 +1,22 @@
-"""The Dagster UI as a user uses it, in a real headless Chromium (Playwright) against a real
-`dagster dev` on loopback: every asset key in the catalog, a partition of bronze/records
-materialized from its page through the partition dialog, its run watched in the runs list until
-its run page shows Success, and an asset's lineage (its page, then the Lineage tab's upstream and
-downstream graphs). Each step leaves a screenshot in test-output/ui/, also when it fails.
+"""`make dev`, and the Dagster UI it serves as a user uses it, in a real headless Chromium
+(Playwright) against its `dagster dev` on loopback: every asset key in the catalog, a partition of
+bronze/records materialized from its page through the partition dialog, its run watched in the
+runs list until its run page shows Success, and an asset's lineage (its page, then the Lineage
+tab's upstream and downstream graphs). Each step leaves a screenshot in test-output/ui/, also when
+it fails.
 
-Before the browser, on the same server: a run submitted through Dagster's GraphQL API
-(`DagsterGraphQLClient`), as an external scheduler or a CI job would submit one, watched until it
-succeeds."""
+Before the browser, on the same server: the MLflow UI `make dev` serves beside the Dagster UI, the
+graph through Dagster's GraphQL API, and a run submitted through it (`DagsterGraphQLClient`), as an
+external scheduler or a CI job would submit one, watched until it succeeds. Ctrl-C (SIGINT) stops
+both servers when the file is done."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,7 +150,7 @@ def wait_for_graph(page: Page, drawn: list[str], absent: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory) -> Iterator[DagsterDev]:
-    """One `dagster dev` for this file's tests (starting one, with its sample corpus, takes half
+    """One `make dev` for this file's tests (starting one, with its sample corpus, takes half
     a minute)."""
     with (
         pytest.MonkeyPatch.context() as monkeypatch,
@@ -159,6 +163,30 @@ def _bronze_holds_the_batch(dev: DagsterDev) -> None:
     records = pl.read_delta(str(dev.home / "lake" / "bronze" / "records"))
     assert records.height == dev.manifest["expected"]["bronze_rows"] > 0
     assert records["batch_id"].unique().to_list() == [dev.batch]
+
+
+def _answer(url: str, body: bytes | None = None) -> bytes:
+    """The first answer of ``url`` (a POST of ``body`` when given) within the deadline."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.read()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_make_dev_serves_the_mlflow_ui_and_the_graph_through_graphql(dev):
+    """README.md's `make dev`: the MLflow UI and the Dagster UI, whose GraphQL API shows the
+    graph, both on loopback."""
+    assert _answer(f"http://127.0.0.1:{dev.mlflow_port}/health") == b"OK"
+    query = json.dumps({"query": "{ assetNodes { assetKey { path } } }"}).encode()
+    nodes = json.loads(_answer(f"{dev.url}/graphql", query))
+    keys = {"/".join(n["assetKey"]["path"]) for n in nodes["data"]["assetNodes"]}
+    assert {"bronze/records", "registry/model_version", "rl/policy"} <= keys
 
 
 def test_a_run_submitted_through_graphql_succeeds(dev):
@@ -176,7 +204,7 @@ def test_a_run_submitted_through_graphql_succeeds(dev):
         assert time.monotonic() < deadline, (
             f"run {run_id} still {status} after {DEADLINE_SECONDS} s"
         )
-        time.sleep(2)
+        time.sleep(0.5)
     assert status == DagsterRunStatus.SUCCESS
     _bronze_holds_the_batch(dev)
 
