@@ -22,6 +22,7 @@ from pipeline_assets_tests.conftest import cli_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_SECONDS = 240
+POLL_SECONDS = 0.5  # reads of the instance's SQLite, between the daemon's ticks
 
 
 def test_daemon_sensor_turns_landed_files_into_bronze(tmp_path):
@@ -94,7 +95,7 @@ def _wait_for_run_of(instance: DagsterInstance, key, partition: str):
                 and key in (run.asset_selection or ())
             ):
                 return run
-        time.sleep(2)
+        time.sleep(POLL_SECONDS)
     raise AssertionError(
         f"no finished run of {key.to_user_string()} for {partition} within {DEADLINE_SECONDS} s"
     )
@@ -106,7 +107,7 @@ def _wait_for_snapshot(instance: DagsterInstance) -> list[str]:
         snapshots = instance.get_dynamic_partitions("data_snapshots")
         if snapshots:
             return snapshots
-        time.sleep(2)
+        time.sleep(POLL_SECONDS)
     raise AssertionError(f"no data snapshot within {DEADLINE_SECONDS} s")
 
 
@@ -122,5 +123,5 @@ def _wait_for_finished_run(instance: DagsterInstance, sensor: str):
         ]
         if runs:
             return runs[-1]
-        time.sleep(2)
+        time.sleep(POLL_SECONDS)
     raise AssertionError(f"no run finished within {DEADLINE_SECONDS} s of starting the daemon")
