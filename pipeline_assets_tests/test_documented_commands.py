@@ -465,7 +465,9 @@ def _the_overlay_and_every_asset(home: Path, run: Commands, mapping: dict) -> No
     """Every asset left (the search, the RL overlay); then the overlay's command as docs/rl.md
     gives it, with nothing of it stale (its rollouts landed, not yet ingested): a run of nothing.
     Its run from a fresh instance is test_first_user.py's."""
-    everything = run(EVERYTHING, **mapping)
+    # One trial a search: `--select '*'` searches every snapshot left unsearched (gold-v0 and
+    # gold-v1), each trial a torchrun launch; the search's rungs: trainer/test_hparam_search.py.
+    everything = run(EVERYTHING, **mapping, PIPELINE_SEARCH_TRIALS="1")
     assert "materializing rl/policy, rl/replay_buffer" in everything.stderr
     assert "training/hparam_search" in everything.stderr
     instance = DagsterInstance.from_config(str(home / "dagster"))
