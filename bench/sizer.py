@@ -31,7 +31,7 @@ from pathlib import Path
 import polars as pl
 import zstandard
 
-from pipeline_assets.lib.formats import text_chars
+from pipeline_assets.lib.formats import FORMATS, text_chars
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 
 ARRIVALS = (
@@ -41,9 +41,13 @@ ARRIVALS = (
 )  # shares of the sample corpus landed one after another by the calibration
 ARRIVAL_STEPS = (10, 20, 30)
 TARGET_STEPS, TARGET_RUNS = 60, 5
-BATCH_STAGES = (
-    "bronze/records,bronze/preference_records,bronze/quarantine,silver/records,"
-    "silver/rejects,silver/minhash_index,silver/minhash_bands"
+BATCH_STAGES = ",".join(  # bronze's and silver's multi-assets whole: neither can be subset
+    [
+        *(f"bronze/{fmt.bronze_table}" for fmt in FORMATS.values()),
+        "bronze/quarantine",
+        *(f"silver/{fmt.silver_table}" for fmt in FORMATS.values()),
+        "silver/rejects,silver/minhash_index,silver/minhash_bands",
+    ]
 )
 BATCH_RERUNS = 2
 TOLERANCE = 0.30
