@@ -83,7 +83,9 @@ def write_share(
     if "/" in file_name or not file_name.endswith(".parquet"):
         raise ValueError(f"a share's file name is a plain *.parquet name, not {file_name!r}")
     for column, value in partitions.items():
-        if column in frame.columns and frame.height and frame[column].unique().to_list() != [value]:
+        if column not in frame.columns or not frame.height:
+            continue
+        if frame[column].cast(pl.String).unique().to_list() != [value]:  # a band: an integer
             raise ValueError(f"every row of this share must have {column} = {value!r}")
     data = _without_categoricals(frame.drop([c for c in partitions if c in frame.columns]))
     path = "/".join(filter(None, [partition_folder(partitions), file_name]))

@@ -1,10 +1,12 @@
 """Silver's tables written in parallel and committed once (issue 37): each task splits one share of
 a batch's staged records by the decision, conforms its rows to the tables' contracts and writes one
-Parquet file a table into the lake; the step commits each table's files in one Delta commit.
+Parquet file a table into the lake; the step commits each table's files in one Delta commit. Once
+``silver/minhash_index`` is committed, a task a band writes the batch's rows of
+``silver/minhash_bands`` from it, and the step commits the bands' files in one commit too.
 
-The task (``write_share_tables``) takes and returns plain values, so a Ray task runs it as it is;
-it lives here rather than in ``lib/silver`` because it applies the contracts (``lib`` may not
-import them)."""
+The tasks (``write_share_tables``, ``write_band_share``) take and return plain values, so a Ray
+task runs them as they are; they live here rather than in ``lib/silver`` because they apply the
+contracts (``lib`` may not import them)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from dataclasses import dataclass
 
 import pandera.polars as pa
 import polars as pl
+from deltalake import DeltaTable
 
 from pipeline_assets.contracts import (
     FORMAT_CONTRACTS,
+    MinhashBandEntry,
     MinhashIndexEntry,
     SilverReject,
     conform,
@@ -26,6 +30,7 @@ from pipeline_assets.lib import uris
 from pipeline_assets.lib.delta_files import write_share
 from pipeline_assets.lib.formats import FORMATS
 from pipeline_assets.lib.silver.decide import Decision
+from pipeline_assets.lib.silver.dedup import band_rows
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import BOUNDED_STRINGS
 from pipeline_assets.lib.silver.split import SplitShare, split_share
@@ -35,6 +40,8 @@ from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 PARTITION = "batch_id"
 REJECTS = "silver/rejects"
 INDEX = "silver/minhash_index"
+BANDS = "silver/minhash_bands"
+BANDS_PARTITIONED_BY = ("band", PARTITION)
 
 
 @dataclass(frozen=True)
@@ -166,3 +173,59 @@ def _table_schema(
     if len(found) > 1:
         raise ValueError(f"the shares of {table} were conformed to different columns")
     return pl.Schema(found.pop()) if found else polars_schema(model)
+
+
+@dataclass(frozen=True)
+class BandTargets:
+    """Where a batch's rows of ``silver/minhash_bands`` come from and go: the lake, the batch, and
+    the version of ``silver/minhash_index`` that holds the batch's committed entries."""
+
+    lake_uri: str
+    batch_id: str
+    index_version: int
+
+
+def write_band_share(
+    targets: BandTargets, band: int, run_id: str, storage_options: dict[str, str] | None = None
+) -> dict | None:
+    """One task: the batch's entries of ``silver/minhash_index`` at ``targets.index_version``, as
+    one band's rows (``band_rows``: only the columns that band reads), conformed and validated,
+    written as ``<run_id>-band<band>.parquet`` in ``band=<band>/batch_id=<batch>/``. Returns the
+    file's add action; None when the band has no rows (no file)."""
+    index = DeltaTable(
+        uris.join(targets.lake_uri, INDEX),
+        version=targets.index_version,
+        storage_options=storage_options,
+    )
+    entries = pl.scan_delta(index).filter(pl.col(PARTITION) == targets.batch_id)
+    rows = to_contract(MinhashBandEntry, band_rows(entries, band).collect())
+    if not rows.height:
+        return None
+    return write_share(
+        uris.join(targets.lake_uri, BANDS),
+        rows,
+        {"band": str(band), PARTITION: targets.batch_id},
+        f"{run_id}-band{band}.parquet",
+        storage_options,
+        BOUNDED_STRINGS,
+    )
+
+
+def commit_band_shares(
+    lake: LakeResource, actions: Sequence[dict], batch_id: str, version: int
+) -> DeltaCommit:
+    """One commit replacing the batch's rows in every band of ``silver/minhash_bands`` by exactly
+    the files of ``actions``, carrying the application transaction
+    ``(silver/minhash_bands/<batch>, version)`` as ``commit_silver_tables`` does."""
+    layer, name = BANDS.split("/")
+    return lake.commit_partition(
+        layer,
+        name,
+        actions,
+        polars_schema(MinhashBandEntry),
+        column=PARTITION,
+        value=batch_id,
+        app_id=f"{BANDS}/{batch_id}",
+        version=version,
+        partition_by=BANDS_PARTITIONED_BY,
+    )

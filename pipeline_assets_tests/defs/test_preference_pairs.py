@@ -28,7 +28,7 @@ from pipeline_assets.lib.gold.manifest import (
     read_manifest,
     sequences_scan,
 )
-from pipeline_assets.lib.silver.dedup import PROMPT_BAND
+from pipeline_assets.lib.silver.dedup import BAND_SCHEMA, PROMPT_BAND, band_entries
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.mlflow_tracking import MlflowResource
 from pipeline_assets.sample_data.corpus import write_sample_corpus
@@ -190,6 +190,12 @@ def test_preference_pairs_are_curated_beside_sft_records_and_against_earlier_bat
     assert bands.filter(pl.col("band") == PROMPT_BAND).height == kept.height, (
         "a prompt key a kept pair"
     )
+    index = lake.read("silver", "minhash_index")
+    assert (
+        bands.select(BAND_SCHEMA.names())
+        .sort("band", "record_id")
+        .equals(band_entries(index).sort("band", "record_id"))
+    ), "the tasks a band wrote the rows the index's entries make, the prompt band's included"
 
 
 def test_each_batch_of_pairs_is_packed_a_pair_a_unit_with_a_prompt_on_one_side(

@@ -26,6 +26,7 @@ from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.checks import silver_checks
 from pipeline_assets.defs.silver.sensors import SILVER_SELECTION, silver_in_order, silver_job
+from pipeline_assets.lib.silver.dedup import BAND_SCHEMA, band_entries
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.sample_data.corpus import write_sample_corpus
 from pipeline_assets_tests.conftest import record, write_landing_file
@@ -155,9 +156,11 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(
         "band",
         "batch_id",
     ]
-    assert lake.read("silver", "minhash_bands").group_by("record_id").len()[
-        "len"
-    ].unique().to_list() == [17]
+    bands = lake.read("silver", "minhash_bands").select(BAND_SCHEMA.names())
+    assert bands.group_by("record_id").len()["len"].unique().to_list() == [17]
+    assert bands.sort("band", "record_id").equals(band_entries(index).sort("band", "record_id")), (
+        "a task a band wrote exactly the rows the index's entries make"
+    )
 
 
 def test_rematerializing_a_silver_batch_replaces_rows_and_index_entries(

@@ -38,17 +38,19 @@ from pipeline_assets.defs.policies import SilverPolicy
 from pipeline_assets.defs.silver.flow import (
     BatchFlow,
     FormatCounts,
+    check_kept_indexed,
     clean_up,
+    commit_bands,
     commit_batch,
     committed_before,
     decide_batch,
     format_counts,
-    kept_index_keys,
     prepare_batch,
     rejected_by_stage,
+    write_bands,
     write_batch,
 )
-from pipeline_assets.defs.silver.lookup import index_lookup, write_bands
+from pipeline_assets.defs.silver.lookup import index_lookup
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import lsh_params
@@ -58,6 +60,7 @@ from pipeline_assets.resources.engine import BlockEngine, engine_used
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.quality_models import QualityModelsResource, models_fingerprint
+from pipeline_assets.resources.silver_shares import BANDS, INDEX
 
 _KINDS = {"delta", "polars"}
 
@@ -153,9 +156,10 @@ def silver(
     _refuse_a_partly_committed_run(flow, lake, version)
     write_batch(flow, lake, ray_engine, config)
     committed = commit_batch(flow, lake, version)
+    check_kept_indexed(flow, committed[INDEX].rows)
+    band_files = write_bands(flow, lake, ray_engine, committed[INDEX])
+    committed[BANDS] = commit_bands(flow, lake, band_files, version)
     commits = {AssetKey(table.split("/")): commit for table, commit in committed.items()}
-    index_keys = kept_index_keys(flow, commits[SILVER_MINHASH_INDEX].rows)
-    commits[SILVER_MINHASH_BANDS] = write_bands(lake, index_keys, batch_id)
     removed = clean_up(lake, flow, list(committed), run_started)
     counts = {tables: format_counts(flow, tables) for tables in FORMAT_TABLES}
     _log_stages(context, flow, counts, lookup_report, removed)

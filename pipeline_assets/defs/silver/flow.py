@@ -10,6 +10,7 @@ is refused if it holds a text column, and its Arrow bytes are counted (``StepByt
 from __future__ import annotations
 
 import functools
+import json
 import pickle
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from pipeline_assets.lib.delta_files import table_filesystem
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decide import Decision, decide
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import IndexLookup
+from pipeline_assets.lib.silver.dedup import PROMPT_BAND, IndexLookup, band_numbers, lsh_params
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
 from pipeline_assets.lib.silver.split import for_records, stage_counters
@@ -52,15 +53,18 @@ from pipeline_assets.lib.stages import Stage, StagesResult
 from pipeline_assets.resources.engine import BlockEngine, TaskResults, engine_used
 from pipeline_assets.resources.lake import DeltaCommit, LakeResource
 from pipeline_assets.resources.silver_shares import (
+    BANDS,
     REJECTS,
+    BandTargets,
     SilverTargets,
     WrittenShare,
+    commit_band_shares,
     commit_silver_tables,
+    write_band_share,
     write_share_tables,
 )
 
 LANGUAGE = "language"  # the language stage, and the column it labels records with
-INDEX_KEYS = ("record_id", "batch_id", "exact_hash", "band_keys", "prompt_hash")
 STAGE = "silver"  # its staging under the lake: <batch>/<run>/ a run's staged Parquet
 
 
@@ -471,7 +475,7 @@ def committed_before(flow: BatchFlow, lake: LakeResource, version: int) -> list[
     replaced: a step retried after some of its commits. Writing again would overwrite files those
     commits reference."""
     targets = [SilverTargets(lake.uri, flow.batch_id, t.fmt.name) for t in flow.formats]
-    tables = {table for target in targets for table in target.tables()}
+    tables = {BANDS, *(table for target in targets for table in target.tables())}
     found = []
     for table in sorted(tables):
         delta = lake.table(*table.split("/"))
@@ -591,22 +595,46 @@ def rejected_by_stage(flow: BatchFlow) -> pl.DataFrame:
     ).sort("source", "stage")
 
 
-def kept_index_keys(flow: BatchFlow, committed_rows: int) -> pl.DataFrame:
-    """The keys of the batch's kept records as ``silver/minhash_index`` holds them (record id,
-    batch, exact hash, band keys, a pair's prompt hash): what ``silver/minhash_bands`` is made of,
-    from the keys the step already holds rather than read back. ``committed_rows``: the index
-    rows committed, which must be these records."""
-    kept = []
-    for batch in flow.formats.values():
-        ids = batch.decision.verdicts.filter(pl.col(REMOVED_BY).is_null()).select("record_id")
-        columns = [name for name in INDEX_KEYS if name in batch.keys.columns]
-        kept.append(batch.keys.join(ids, on="record_id", how="semi").select(columns))
-    keys = pl.concat(kept, how="diagonal_relaxed")
-    if keys.height != committed_rows:
-        raise RuntimeError(
-            f"{keys.height} kept records' keys but {committed_rows} silver/minhash_index rows"
-        )
-    return keys
+def check_kept_indexed(flow: BatchFlow, committed_rows: int) -> None:
+    """The batch's kept records, counted from their verdicts, must be the ``committed_rows`` rows
+    of ``silver/minhash_index`` that its bands are written from."""
+    kept = sum(
+        batch.decision.verdicts.filter(pl.col(REMOVED_BY).is_null()).height
+        for batch in flow.formats.values()
+    )
+    if kept != committed_rows:
+        raise RuntimeError(f"{kept} kept records but {committed_rows} silver/minhash_index rows")
+
+
+def write_bands(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, index: DeltaCommit):
+    """A task a band (the exact and prompt bands included) writes the batch's rows of
+    ``silver/minhash_bands`` from its entries in ``index`` (the commit of
+    ``silver/minhash_index`` just made); the step receives only the files' add actions. Each band
+    but the prompt band holds a row an entry: checked from the files' statistics."""
+    targets = BandTargets(lake.uri, flow.batch_id, index.version)
+    minhash = flow.config.minhash
+    lsh = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    bands = band_numbers(lsh.bands) if index.rows else []  # no entry: the partition emptied
+    calls = [(targets, band, flow.run_id, lake.storage_options()) for band in bands]
+    done = engine.map_tasks(write_band_share, calls, flow.bronze_rows)
+    flow.write_task_seconds = round(flow.write_task_seconds + done.task_seconds, 3)
+    flow.write_wall_seconds = round(flow.write_wall_seconds + done.wall_seconds, 3)
+    actions = flow.step_bytes.results("bands results", done.results)
+    for band, action in zip(bands, actions, strict=True):
+        rows = json.loads(action["stats"])["numRecords"] if action else 0
+        if band != PROMPT_BAND and rows != index.rows:
+            raise RuntimeError(
+                f"band {band} of silver/minhash_bands: {rows} rows for {index.rows} index entries"
+            )
+    return [action for action in actions if action]
+
+
+def commit_bands(flow: BatchFlow, lake: LakeResource, actions: list[dict], version: int):
+    """The bands' files committed in one commit that replaces the batch's rows in every band."""
+    started = time.perf_counter()
+    commit = commit_band_shares(lake, actions, flow.batch_id, version)
+    flow.commit_seconds = round(flow.commit_seconds + time.perf_counter() - started, 3)
+    return commit
 
 
 def run_flow(

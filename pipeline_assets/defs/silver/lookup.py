@@ -170,8 +170,9 @@ def read_entries(
     )
 
 
-def write_bands(lake: LakeResource, index: pl.DataFrame, batch_id: str):
-    """Replace the batch's rows of ``silver/minhash_bands`` with its index entries' keys."""
+def _write_bands_here(lake: LakeResource, index: pl.DataFrame, batch_id: str):
+    """Replace the batch's rows of ``silver/minhash_bands`` with its index entries' keys, made in
+    this process (silver's own batches have theirs written by tasks: ``flow.write_bands``)."""
     return lake.replace_partition(
         *BANDS,
         band_entries(index),
@@ -200,7 +201,7 @@ def _add_missing_batches(
             .filter(pl.col("batch_id") == batch_id)
             .select("record_id", "batch_id", "exact_hash", "band_keys")
         )
-        write_bands(lake, entries.collect(), batch_id)
+        _write_bands_here(lake, entries.collect(), batch_id)
 
 
 def _values_in_file_stats(table: DeltaTable, column: str) -> list[str]:

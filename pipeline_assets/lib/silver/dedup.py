@@ -501,6 +501,26 @@ def band_entries(index: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def band_numbers(lsh_bands: int) -> list[int]:
+    """Every band of ``silver/minhash_bands``: the exact band, the ``lsh_bands`` LSH bands, the
+    prompt band."""
+    return [EXACT_BAND, *range(lsh_bands), PROMPT_BAND]
+
+
+def band_rows(index: pl.LazyFrame, band: int) -> pl.LazyFrame:
+    """One band's rows of ``band_entries(index)``: what a task a band writes. It names only the
+    columns the band reads, so a scan of the index reads no more."""
+    if band == EXACT_BAND:
+        key = _exact_key("exact_hash")
+    elif band == PROMPT_BAND:
+        index, key = index.filter(pl.col("prompt_hash").is_not_null()), _exact_key("prompt_hash")
+    else:
+        key = pl.col("band_keys").list.get(band)
+    return index.select(
+        band=pl.lit(band, pl.Int16), band_key=key, record_id="record_id", batch_id="batch_id"
+    ).cast(dict(BAND_SCHEMA))
+
+
 def wanted_keys(
     batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
 ) -> pl.DataFrame:

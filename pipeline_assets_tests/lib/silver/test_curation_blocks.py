@@ -10,7 +10,15 @@ import polars as pl
 
 from pipeline_assets.lib.silver.curation import CuratedBatch, SilverConfig, curate
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import BAND_SCHEMA, EXACT_BAND, band_entries, lookup_in
+from pipeline_assets.lib.silver.dedup import (
+    BAND_SCHEMA,
+    EXACT_BAND,
+    PROMPT_BAND,
+    band_entries,
+    band_numbers,
+    band_rows,
+    lookup_in,
+)
 from pipeline_assets.lib.stages import from_row, run_in_process, run_stages, to_row
 from pipeline_assets_tests.lib.silver.test_dedup import WORDS, _edited
 
@@ -180,3 +188,18 @@ def test_the_band_table_holds_an_exact_key_and_one_key_a_band_for_every_entry():
     entry = index.row(0, named=True)
     mine = bands.filter(pl.col("record_id") == entry["record_id"]).sort("band")
     assert mine["band_key"].to_list() == [int(entry["exact_hash"][:15], 16), *entry["band_keys"]]
+
+
+def test_the_band_table_written_a_band_at_a_time_is_the_table_written_at_once():
+    index = curate(_bronze(), None, _eval_index(), SilverConfig()).index
+    hashes = pl.Series([f"{i:032x}" if i % 3 else None for i in range(index.height)])
+    index = index.with_columns(prompt_hash=hashes)  # pairs' prompts: some records have one
+    lsh_bands = index["band_keys"].list.len().unique().item()
+    by_band = [band_rows(index.lazy(), band).collect() for band in band_numbers(lsh_bands)]
+    assert all(rows.schema == BAND_SCHEMA for rows in by_band)
+    assert [rows["band"].unique().to_list() for rows in by_band if rows.height] == [
+        [band] for band in band_numbers(lsh_bands)
+    ]
+    assert by_band[-1].height == hashes.drop_nulls().len() and PROMPT_BAND == by_band[-1][0, "band"]
+    whole = band_entries(index)
+    assert pl.concat(by_band).sort("band", "record_id").equals(whole.sort("band", "record_id"))
