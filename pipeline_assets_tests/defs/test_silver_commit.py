@@ -23,10 +23,15 @@ from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.flow import StepBytes, run_flow, staging_dir
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.dedup import EXACT_BAND, PROMPT_BAND, lookup_in
 from pipeline_assets.lib.silver.prepare import TextInKeysError
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.lake import LakeResource
+from pipeline_assets.resources.silver_shares import (
+    BandTargets,
+    commit_band_shares,
+    write_band_share,
+)
 from pipeline_assets_tests.conftest import record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import register
 
@@ -118,6 +123,51 @@ def test_a_run_killed_before_its_commits_is_committed_once_by_the_rerun(
         ), f"{name}: every file left is committed"
     assert not Path(staging_dir(lake, batch)).exists(), "staged files removed once committed"
     assert lake.read("silver", "records", where=pl.col("batch_id") == first).height == 12
+
+
+def _band_files(lake: LakeResource, batch_id: str) -> set[str]:
+    folder = Path(lake.table_uri("silver", "minhash_bands"))
+    return {
+        str(p.relative_to(folder)) for p in folder.glob(f"band=*/batch_id={batch_id}/*.parquet")
+    }
+
+
+def test_band_files_of_a_run_killed_before_the_bands_commit_are_removed_by_the_rerun(
+    instance, resources, landing_dir
+):
+    lake = resources["lake"]
+    write_landing_file(landing_dir, "synth", "part-0.jsonl", [_record(i) for i in range(12)])
+    _materialize(instance, resources, batch := register(instance, resources))
+    bands = lake.read("silver", "minhash_bands").sort("band", "record_id")
+    version = lake.version("silver", "minhash_bands")
+    committed = _band_files(lake, batch)
+    assert len(committed) == 17, "a file a band but the prompt band (no pairs)"
+
+    # what a run killed between its band tasks and the bands commit leaves
+    targets = BandTargets(lake.uri, batch, lake.version("silver", "minhash_index"))
+    dead = [write_band_share(targets, band, "dead-run") for band in (EXACT_BAND, 0, 15)]
+    assert write_band_share(targets, PROMPT_BAND, "dead-run") is None, "no pair: no file"
+    assert _band_files(lake, batch) == committed | {action["path"] for action in dead}
+
+    rerun = _materialize(instance, resources, batch)
+
+    assert lake.version("silver", "minhash_bands") == version + 1, "one commit"
+    assert lake.read("silver", "minhash_bands").sort("band", "record_id").equals(bands)
+    table = lake.table_uri("silver", "minhash_bands")
+    current = {
+        str(Path(uri).relative_to(table))
+        for uri in lake.table("silver", "minhash_bands").file_uris()
+        if f"batch_id={batch}" in uri
+    }
+    assert len(current) == 17 and not current & committed, "the rerun's own files"
+    assert _band_files(lake, batch) == committed | current, (
+        "the dead run's files removed; the first run's stay for time travel"
+    )
+    started = instance.get_run_record_by_id(rerun.run_id).create_timestamp.timestamp()
+    again = commit_band_shares(lake, [], batch, int(started * 1000))
+    assert again.version == version + 1 == lake.version("silver", "minhash_bands"), (
+        "the rerun's bands commit retried: carried already, nothing committed"
+    )
 
 
 def test_a_frame_with_text_never_enters_the_step():
