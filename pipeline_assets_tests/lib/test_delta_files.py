@@ -7,6 +7,7 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 
 import polars as pl
+import pytest
 from deltalake import write_deltalake
 
 from pipeline_assets.lib.delta_files import write_share
@@ -44,3 +45,14 @@ def test_a_shares_statistics_are_those_delta_rs_writes(tmp_path):
     assert json.loads(share["stats"]) == _delta_rs_stats(tmp_path / "by_delta_rs")
     assert share["path"] == "batch_id=b1/part.parquet"
     assert share["size"] == (tmp_path / "by_worker" / share["path"]).stat().st_size
+
+
+def test_an_integer_partition_column_is_checked_against_its_value_as_text(tmp_path):
+    rows = pl.DataFrame(
+        {"band": [-1, -1], "key": [1, 2]}, schema={"band": pl.Int16, "key": pl.Int64}
+    )
+    share = write_share(str(tmp_path), rows, {"band": "-1"}, "part.parquet")
+    assert share["path"] == "band=-1/part.parquet"
+    assert pl.read_parquet(tmp_path / share["path"]).columns == ["key"]
+    with pytest.raises(ValueError, match="band = '0'"):
+        write_share(str(tmp_path), rows, {"band": "0"}, "other.parquet")
