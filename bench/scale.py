@@ -49,6 +49,13 @@ TRAIN_RANKS, TRAIN_STEPS = 2, 20
 TRAINING_RANK_RSS_GOAL_MB = 2048
 SILVER_BATCHES = (100_000, 400_000)  # one batch of each: silver's memory is bounded by a block
 SILVER_RSS_GROWTH_GOAL = 1.3
+SILVER_PARTS = (  # silver's metadata: where its seconds went
+    "prepare_wall_seconds",
+    "decide_seconds",
+    "write_wall_seconds",
+    "commit_seconds",
+    "block_stage_seconds",
+)
 
 
 def run(
@@ -161,6 +168,7 @@ def _one_silver_batch(home: Path, records: int) -> dict:
         "silver_run_seconds": seconds,
         "silver_seconds": silver.get("wall_seconds"),
         "step_bytes_per_record": silver.get("step_bytes_per_record"),
+        "silver_parts_seconds": {part: silver.get(part) for part in SILVER_PARTS},
         "peak_rss_mb": rss,
     }
 
