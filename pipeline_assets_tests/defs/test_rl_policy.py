@@ -59,7 +59,11 @@ def _run_config(config, **overrides) -> dict:
     return {"ops": {"rl_policy": {"config": values}}}
 
 
-def _kill_a_worker_once_a_version_is_out(scratch, checkpoint_uri) -> threading.Thread:
+def _kill_a_worker_once_a_version_is_out(scratch, checkpoint_uri, lake_uri) -> threading.Thread:
+    """Once policy v2 is out, SIGKILL the worker that wrote the most rollouts so far: the other one,
+    already running, carries on while it restarts, so both write rows whatever the machine's load
+    (the busy worker can be the only one to have written by then)."""
+
     def kill() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -67,7 +71,8 @@ def _kill_a_worker_once_a_version_is_out(scratch, checkpoint_uri) -> threading.T
             if found:
                 run = found[0].parent.parent.name
                 if (PolicyStore(checkpoint_uri, run).newest() or 0) >= 2:
-                    os.killpg(json.loads(found[0].read_text())["1"], signal.SIGKILL)
+                    pids = json.loads(found[0].read_text())
+                    os.killpg(pids[_busiest_worker(lake_uri, sorted(pids))], signal.SIGKILL)
                     return
             time.sleep(0.1)
 
@@ -76,9 +81,16 @@ def _kill_a_worker_once_a_version_is_out(scratch, checkpoint_uri) -> threading.T
     return thread
 
 
+def _busiest_worker(lake_uri: str, workers: list[str]) -> str:
+    written = pl.read_delta(f"{lake_uri}/rl/replay_buffer", columns=["worker"])["worker"]
+    return max(workers, key=lambda worker: (written == f"worker-{worker}").sum())
+
+
 def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path, instance):
     config = rl_inputs(tmp_path)
-    killer = _kill_a_worker_once_a_version_is_out(tmp_path / "scratch", config.checkpoint_uri)
+    killer = _kill_a_worker_once_a_version_is_out(
+        tmp_path / "scratch", config.checkpoint_uri, config.lake_uri
+    )
 
     result = materialize(
         [rl_policy],
