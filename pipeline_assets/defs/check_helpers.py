@@ -1,6 +1,6 @@
 """What every layer's asset checks share: reading one batch of a table, judging a contract."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import pandera.errors
 import polars as pl
@@ -32,6 +32,9 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
     return frame
 
 
+ROWS_PER_CHECK_SLICE = 100_000  # a batch's rows a contract check holds at a time
+
+
 def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
     """The blocking check ``contract`` of a table partitioned by ingest batch: the batch's rows
     satisfy ``model``."""
@@ -44,7 +47,14 @@ def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
         description=f"The batch's rows satisfy the {model.__name__} contract.",
     )
     def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-        return contract_check_result(batch_of(lake, *key.path, context.partition_key), model)
+        if lake.table(*key.path) is None:
+            raise refusal(f"{key.to_user_string()} does not exist yet: materialize it first")
+
+        def slices() -> Iterator[pl.DataFrame]:
+            batch = context.partition_key
+            return lake.partition_slices(*key.path, "batch_id", batch, ROWS_PER_CHECK_SLICE)
+
+        return sliced_contract_result(slices, model)
 
     return check
 
@@ -56,19 +66,73 @@ def contract_check_result(
     try:
         validate(frame, model)
     except pandera.errors.SchemaErrors as errors:
-        cases = errors.failure_cases
+        return _contract_result(frame.height, errors.failure_cases, model, check_name)
+    return _contract_result(frame.height, pl.DataFrame(), model, check_name)
+
+
+def sliced_contract_result(slices: Callable[[], Iterator[pl.DataFrame]], model) -> AssetCheckResult:
+    """``model`` judged a slice of rows at a time (``slices()`` gives them, and again when asked):
+    each slice by every check but uniqueness; uniqueness over every slice from a 64-bit hash of
+    each row's key, the rows whose hash repeats read again and compared whole. Memory: a slice,
+    and 8 bytes a row for each unique key."""
+    schema = model.to_schema()
+    keys = [[name] for name, column in schema.columns.items() if column.unique]
+    keys += [list(schema.unique)] if schema.unique else []
+    per_slice = schema.update_columns({key[0]: {"unique": False} for key in keys if len(key) == 1})
+    per_slice.unique = None
+    rows, cases, hashes = 0, [], [[] for _ in keys]
+    for frame in slices():
+        rows += frame.height
+        try:
+            per_slice.validate(frame, lazy=True)
+        except pandera.errors.SchemaErrors as errors:
+            cases.append(errors.failure_cases)
+        for held, key in zip(hashes, keys, strict=True):
+            held.append(frame.select(pl.struct(key).hash()).to_series())
+    for held, key in zip(hashes, keys, strict=True):
+        cases += _repeated_keys(slices, key, pl.concat(held) if held else pl.Series([]))
+    found = pl.concat(cases, how="diagonal_relaxed") if cases else pl.DataFrame()
+    return _contract_result(rows, found, model)
+
+
+def _repeated_keys(slices, key: list[str], hashes: pl.Series) -> list[pl.DataFrame]:
+    """A failure case a row whose ``key`` another row has too, as pandera reports a unique
+    column's."""
+    repeated = hashes.filter(hashes.is_duplicated()).unique()
+    if repeated.is_empty():
+        return []
+    candidates = pl.concat(
+        frame.select(key).filter(pl.struct(key).hash().is_in(repeated.implode()))
+        for frame in slices()
+    )
+    twice = candidates.filter(pl.struct(key).is_duplicated())
+    if twice.is_empty():
+        return []
+    return [
+        twice.select(
+            failure_case=pl.struct(key).struct.json_encode(),
+            column=pl.lit(", ".join(key)),
+            check=pl.lit("unique"),
+        )
+    ]
+
+
+def _contract_result(
+    rows: int, cases: pl.DataFrame, model, check_name: str | None = None
+) -> AssetCheckResult:
+    if cases.is_empty():
         return AssetCheckResult(
-            check_name=check_name,
-            passed=False,
-            metadata={
-                "rows": frame.height,
-                "failure_cases": len(cases),
-                "failures": MetadataValue.md(f"```\n{str(cases.head(20))}\n```"),
-            },
-            description=f"{model.__name__} contract broken in {len(cases)} place(s)",
+            check_name=check_name, passed=True, metadata={"rows": rows, "failure_cases": 0}
         )
     return AssetCheckResult(
-        check_name=check_name, passed=True, metadata={"rows": frame.height, "failure_cases": 0}
+        check_name=check_name,
+        passed=False,
+        metadata={
+            "rows": rows,
+            "failure_cases": len(cases),
+            "failures": MetadataValue.md(f"```\n{str(cases.head(20))}\n```"),
+        },
+        description=f"{model.__name__} contract broken in {len(cases)} place(s)",
     )
 
 

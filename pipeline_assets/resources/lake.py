@@ -6,12 +6,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from botocore.exceptions import ClientError
@@ -128,6 +129,21 @@ class LakeResource(ConfigurableResource):
         exist."""
         table = self.table(layer, name, version)
         return None if table is None else pl.scan_delta(table)
+
+    def partition_slices(
+        self, layer: str, name: str, column: str, value: str, rows: int
+    ) -> Iterator[pl.DataFrame]:
+        """The rows of ``column = value`` at the table's current version, at most ``rows`` at a
+        time (with the types ``read`` gives): never the partition whole. Nothing while the table
+        does not exist."""
+        table = self.table(layer, name)
+        if table is None:
+            return
+        dataset = table.to_pyarrow_dataset(file_pruning_predicate=[(column, "=", value)])
+        found = pa.compute.field(column) == value
+        for batch in dataset.to_batches(filter=found, batch_size=rows):
+            if batch.num_rows:
+                yield pl.from_arrow(batch)
 
     def read(
         self, layer: str, name: str, *, version: int | None = None, where: pl.Expr | None = None

@@ -347,7 +347,7 @@ def test_failed_blocking_check_stops_downstream_of_that_batch(instance, resource
 
 def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_dir):
     from pipeline_assets.contracts import BronzeRecord
-    from pipeline_assets.defs.check_helpers import contract_check_result
+    from pipeline_assets.defs.check_helpers import contract_check_result, sliced_contract_result
 
     write_landing_file(landing_dir, "annotate", "a.jsonl", [record(i) for i in range(5)])
     batch = register(instance, resources)
@@ -365,6 +365,16 @@ def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_d
         contract.metadata["failure_cases"].value == 3
     )  # record_id twice (not unique), prompt blank
     assert "BronzeRecord" in contract.description
+
+    # the check as it runs: two rows at a time, the duplicate in another file than its original
+    def slices():
+        return lake.partition_slices("bronze", "records", "batch_id", batch, 2)
+
+    sliced = sliced_contract_result(slices, BronzeRecord)
+    assert max(frame.height for frame in slices()) == 2
+    assert not sliced.passed and sliced.metadata["rows"].value == 6
+    assert sliced.metadata["failure_cases"].value == 3, sliced.metadata["failures"].value
+    assert sliced_contract_result(lambda: iter([rows]), BronzeRecord).passed
 
 
 def test_accounting_check_fails_when_the_parser_loses_a_line(
