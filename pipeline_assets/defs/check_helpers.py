@@ -17,7 +17,6 @@ from dagster import (
     asset_check,
 )
 
-from pipeline_assets.contracts import validate
 from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
@@ -63,14 +62,12 @@ def contract_check_result(
     frame: pl.DataFrame, model, check_name: str | None = None
 ) -> AssetCheckResult:
     """``check_name`` names the result when an asset emits it for one of its own check specs."""
-    try:
-        validate(frame, model)
-    except pandera.errors.SchemaErrors as errors:
-        return _contract_result(frame.height, errors.failure_cases, model, check_name)
-    return _contract_result(frame.height, pl.DataFrame(), model, check_name)
+    return sliced_contract_result(lambda: iter([frame]), model, check_name)
 
 
-def sliced_contract_result(slices: Callable[[], Iterator[pl.DataFrame]], model) -> AssetCheckResult:
+def sliced_contract_result(
+    slices: Callable[[], Iterator[pl.DataFrame]], model, check_name: str | None = None
+) -> AssetCheckResult:
     """``model`` judged a slice of rows at a time (``slices()`` gives them, and again when asked):
     each slice by every check but uniqueness; uniqueness over every slice from a 64-bit hash of
     each row's key, the rows whose hash repeats read again and compared whole. Memory: a slice,
@@ -92,7 +89,7 @@ def sliced_contract_result(slices: Callable[[], Iterator[pl.DataFrame]], model) 
     for held, key in zip(hashes, keys, strict=True):
         cases += _repeated_keys(slices, key, pl.concat(held) if held else pl.Series([]))
     found = pl.concat(cases, how="diagonal_relaxed") if cases else pl.DataFrame()
-    return _contract_result(rows, found, model)
+    return _contract_result(rows, found, model, check_name)
 
 
 def _repeated_keys(slices, key: list[str], hashes: pl.Series) -> list[pl.DataFrame]:
