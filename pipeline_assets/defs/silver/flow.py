@@ -117,40 +117,54 @@ class PreparedShare:
     where: Where
 
 
-def prepare_share(
-    files: Sequence[BronzeFile],
-    config: SilverConfig,
-    eval_index: EvalNgramIndex,
-    tables: FormatTables,
-    staging_dir: str,
-    rows_per_block: int,
-    schema: pl.Schema,
-    storage_options: dict | None,
-    on_ray: bool,
-) -> PreparedShare:
+@dataclass(frozen=True)
+class ShareToPrepare:
+    """What a prepare task is given: a share's bronze files, how to judge and read them, and
+    where to stage them."""
+
+    files: Sequence[BronzeFile]
+    config: SilverConfig
+    eval_index: EvalNgramIndex
+    tables: FormatTables
+    staging_dir: str
+    rows_per_block: int
+    schema: pl.Schema
+    storage_options: dict | None
+    on_ray: bool
+
+    @property
+    def rows(self) -> int:
+        return sum(file.rows for file in self.files)
+
+
+def prepare_share(share: ShareToPrepare) -> PreparedShare:
     """One prepare task: ``prepare_files``, and where it ran."""
     staged = prepare_files(
-        files, config, eval_index, tables.fmt, staging_dir, rows_per_block, schema, storage_options
+        share.files,
+        share.config,
+        share.eval_index,
+        share.tables.fmt,
+        share.staging_dir,
+        share.rows_per_block,
+        share.schema,
+        share.storage_options,
     )
-    return PreparedShare(staged, Where.here(on_ray and bool(files)))  # no files: run here
+    return PreparedShare(staged, Where.here(share.on_ray and bool(share.files)))  # none: here
 
 
-def start_share(
-    files: Sequence[BronzeFile],
-    config: SilverConfig,
-    eval_index: EvalNgramIndex,
-    tables: FormatTables,
-    staging_dir: str,
-    rows_per_block: int,
-    schema: pl.Schema,
-    storage_options: dict | None,
-    on_ray: bool,
-) -> list[tuple[StagesResult, StartedBlock]]:
+def start_share(share: ShareToPrepare) -> list[tuple[StagesResult, StartedBlock]]:
     """A prepare task before the actor pool: the share's blocks up to their model stages. Each
     block's judged records go on to the pool as Arrow; the rest of it is carried to the task
     that finishes it."""
     blocks = start_file_blocks(
-        files, config, eval_index, tables.fmt, rows_per_block, schema, storage_options, True
+        share.files,
+        share.config,
+        share.eval_index,
+        share.tables.fmt,
+        share.rows_per_block,
+        share.schema,
+        share.storage_options,
+        before_models=True,
     )
     # judged travels apart (the pool runs on it) and is put back by finish_pooled_block
     return [(b.started.judged, replace(b, started=replace(b.started, judged=None))) for b in blocks]
@@ -302,7 +316,19 @@ def prepare_batch(
     rows = sum(f.rows for _, files, _ in pinned.values() for f in files)
     on_ray = engine.uses_ray(rows)
     calls = [
-        (share, config, eval_index, tables, folder, engine.rows_per_block, schema, options, on_ray)
+        (
+            ShareToPrepare(
+                share,
+                config,
+                eval_index,
+                tables,
+                folder,
+                engine.rows_per_block,
+                schema,
+                options,
+                on_ray,
+            ),
+        )
         for tables, (_, files, schema) in pinned.items()
         for share in _shares(files, engine.rows_per_block)
     ]
@@ -314,15 +340,17 @@ def prepare_batch(
     prepared = _on_engine_unless_empty(
         engine,
         prepare_share,
-        [call for call in calls if call[3] not in pooled],
+        [call for call in calls if call[0].tables not in pooled],
         rows,
         step_bytes,
         "prepare",
     ).results
     for tables, stages in pooled.items():
-        own = [call for call in calls if call[3] == tables and call[0]]
-        prepared += _prepare_on_actor_pool(engine, own, stages, folder, options, step_bytes)
-        prepared += [prepare_share(*c) for c in calls if c[3] == tables and not c[0]]
+        own = [call for call in calls if call[0].tables == tables]
+        prepared += _prepare_on_actor_pool(
+            engine, [c for c in own if c[0].rows], stages, folder, options, step_bytes
+        )
+        prepared += [prepare_share(*c) for c in own if not c[0].rows]
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p in prepared if p.staged.format_name == tables.fmt.name]
@@ -459,8 +487,7 @@ def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str
     (their results counted as received), here where it has none."""
 
     def empty(call) -> bool:
-        share = call[0]
-        return not (share.rows if isinstance(share, StagedShare) else share)
+        return not call[0].rows  # a StagedShare or a ShareToPrepare
 
     sent = [call for call in calls if not empty(call)]
     done = engine.map_tasks(function, sent, rows)
