@@ -14,6 +14,7 @@ import pytest
 
 from pipeline_assets.contracts import MinhashIndexEntry, SilverReject
 from pipeline_assets.defs.format_tables import FORMAT_TABLES
+from pipeline_assets.lib.formats import TURNS
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
 from pipeline_assets.lib.silver.decide import decide
 from pipeline_assets.lib.silver.dedup import lookup_in
@@ -138,7 +139,7 @@ def _write_staged(lake: LakeResource, engine, versions, batch_id, staging, confi
     for fmt, cut in whole.items():  # the step's counters are exactly split's of the whole batch
         assert counters[fmt] == cut.stages, fmt.name
         _assert_shares_make_the_batch(shares[fmt], keys[fmt], decisions[fmt], cut, config)
-    return counters, commits, (written, list(targets.values()))
+    return counters, commits, (shares, written, list(targets.values()))
 
 
 def _assert_shares_make_the_batch(shares, keys, decision, whole, config) -> None:
@@ -156,6 +157,19 @@ def _assert_shares_make_the_batch(shares, keys, decision, whole, config) -> None
         assert joined.sort("record_id").equals(getattr(whole, name).sort("record_id")), name
 
 
+def _texts(batch: dict) -> set[str]:
+    """Every text a batch's records hold, long enough to be their own (a turn's content too)."""
+    texts = set()
+    for frame in batch.values():
+        for name in text_columns() & set(frame.columns):
+            column = frame[name]
+            if column.dtype == TURNS:
+                column = column.explode().struct.field("content")
+            if column.dtype == pl.String:
+                texts |= {t for t in column.drop_nulls() if len(t) >= 16}
+    return texts
+
+
 def test_shares_written_in_parallel_and_committed_once_give_todays_tables(tmp_path):
     lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
     today = LakeResource(uri=str(tmp_path / "today"))
@@ -167,9 +181,12 @@ def test_shares_written_in_parallel_and_committed_once_give_todays_tables(tmp_pa
     for number, batch_id in enumerate(["b1", "b2"]):
         stages = _write_today(lake, today, versions, batch_id, config)
         run = (f"run{number}", 1_000 + number)
-        counters, commits, (written, targets) = _write_staged(
+        counters, commits, (shares, written, targets) = _write_staged(
             lake, engine, versions, batch_id, tmp_path / "staging", config, run
         )
+        received = pickle.dumps((shares, written))  # the prepare and write tasks' results
+        texts = _texts(batches[number])
+        assert len(texts) > 50 and not [t for t in texts if t.encode() in received]
         for fmt, counted in stages.items():
             assert list(counters[fmt]) == list(counted), fmt.name
             for stage, c in counted.items():
