@@ -16,7 +16,7 @@ import orjson
 import polars as pl
 import pytest
 import zstandard
-from dagster import instance_for_test
+from dagster import DagsterInstance, instance_for_test
 from moto.server import ThreadedMotoServer
 
 from pipeline_assets.defs.bronze.policy import IngestPolicy
@@ -201,8 +201,17 @@ def resources(lake, landing, eval_sets_dir, tmp_path) -> dict:
 
 
 @pytest.fixture
-def instance():
-    with instance_for_test() as dagster_instance:
+def instance(request, tmp_path):
+    """What ``materialize()`` runs on by default: an ephemeral instance, its runs and events in
+    memory (half the time of a SQLite one a materialization). A test marked ``sqlite_instance``
+    gets an on-disk SQLite instance, as every command, the daemon and the UI run on: for what only
+    it keeps (compute logs) or gives (a reference to rebuild it from, as a schedule's context
+    asks)."""
+    if request.node.get_closest_marker("sqlite_instance"):
+        with instance_for_test() as dagster_instance:
+            yield dagster_instance
+        return
+    with DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster")) as dagster_instance:
         yield dagster_instance
 
 

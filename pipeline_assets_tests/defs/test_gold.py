@@ -360,6 +360,7 @@ def _tick(instance, policy):
         return snapshot_cadence(context)
 
 
+@pytest.mark.sqlite_instance  # a schedule's context rebuilds the instance from its reference
 def test_snapshots_are_cut_on_a_cadence_from_shards_that_passed(
     instance, resources, landing_dir, monkeypatch
 ):

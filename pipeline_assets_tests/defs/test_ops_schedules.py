@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import pytest
 from dagster import (
     DagsterEventType,
     DagsterInstance,
@@ -23,6 +24,7 @@ from pipeline_assets.defs.partitions import data_snapshots
 NIGHT = datetime(2026, 11, 22, 2, 0, tzinfo=timezone.utc)
 
 
+@pytest.mark.sqlite_instance  # a schedule's context rebuilds the instance from its reference
 def test_the_nightly_retrain_is_off_by_default_and_picks_the_newest_snapshot(
     instance: DagsterInstance,
 ):

@@ -104,6 +104,7 @@ def captured_stderr(instance: DagsterInstance, run_id: str) -> str:
     )
 
 
+@pytest.mark.sqlite_instance  # compute logs: the ranks' output in the run's captured logs
 def test_a_preempted_training_run_is_retried_resumes_and_tracks_everything(
     snapshot, instance, training_resources, tmp_path, monkeypatch
 ):
