@@ -38,22 +38,30 @@ warnings.filterwarnings(
 )
 
 
-def _history(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(batch_id, source) of kept rows (records and preference pairs) and (batch_id, source, stage)
-    of rejects, up to this batch."""
+def _counts(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Kept rows (records, pairs and conversations) per (batch_id, source), and rejects per
+    (batch_id, source, stage), up to this batch: counted by a streaming scan, so held as counts,
+    never as the corpus's rows."""
     upto = pl.col("batch_id") <= batch_id
     kept_tables = [
         scan
         for scan in (lake.scan(*tables.silver.path) for tables in FORMAT_TABLES)
         if scan is not None
     ]
-    kept = pl.concat(
-        [scan.filter(upto).select("batch_id", "source") for scan in kept_tables]
-    ).collect()
-    rejects = (
-        lake.scan("silver", "rejects").filter(upto).select("batch_id", "source", "stage").collect()
+    kept = (
+        pl.concat([scan.filter(upto).select("batch_id", "source") for scan in kept_tables])
+        .group_by("batch_id", "source")
+        .agg(kept=pl.len().cast(pl.Int64))
+        .collect(engine="streaming")
     )
-    return kept, rejects
+    removed = (
+        lake.scan("silver", "rejects")
+        .filter(upto)
+        .group_by("batch_id", "source", "stage")
+        .agg(removed=pl.len().cast(pl.Int64))
+        .collect(engine="streaming")
+    )
+    return kept, removed
 
 
 @asset_check(
@@ -69,9 +77,9 @@ def silver_pass_rate(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    kept, rejects = _history(lake, batch_id)
+    kept, removed = _counts(lake, batch_id)
     drops = pass_rate_drops(
-        pass_rates(kept, rejects), rejects, batch_id, silver_policy.trailing_batches
+        pass_rates(kept, removed), removed, batch_id, silver_policy.trailing_batches
     )
     limit = silver_policy.max_pass_rate_drop
     fallen = drops.filter(pl.col("drop") > limit)
@@ -104,17 +112,20 @@ def silver_drift(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    columns = ["batch_id", *DRIFT_FEATURES]
-    history = (
-        lake.scan("silver", "records")
-        .filter(pl.col("batch_id") <= batch_id)
-        .select(columns)
+    records = lake.scan("silver", "records")
+    earlier = (
+        records.filter(pl.col("batch_id") < batch_id)
+        .select("batch_id")
+        .unique()
+        .collect(engine="streaming")
+    )
+    trailing_ids = sorted(earlier["batch_id"])[-silver_policy.trailing_batches :]
+    history = (  # the trailing batches' rows and this one's, never every earlier batch's
+        records.filter(pl.col("batch_id").is_in([*trailing_ids, batch_id]))
+        .select("batch_id", *DRIFT_FEATURES)
         .collect()
     )
-    trailing_ids = sorted(set(history.filter(pl.col("batch_id") < batch_id)["batch_id"]))[
-        -silver_policy.trailing_batches :
-    ]
-    reference = history.filter(pl.col("batch_id").is_in(trailing_ids))
+    reference = history.filter(pl.col("batch_id") != batch_id)
     current = history.filter(pl.col("batch_id") == batch_id)
     if min(reference.height, current.height) < silver_policy.drift_min_rows:
         return AssetCheckResult(
@@ -168,9 +179,9 @@ def silver_volume(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    kept, _ = _history(lake, batch_id)
+    kept, _ = _counts(lake, batch_id)
     judged = against_trailing_median(
-        kept.group_by("batch_id", "source").agg(rows=pl.len()),
+        kept.rename({"kept": "rows"}),
         batch_id,
         "rows",
         silver_policy.trailing_batches,

@@ -26,13 +26,13 @@ def drift_scores(reference: pl.DataFrame, current: pl.DataFrame) -> dict[str, fl
     }
 
 
-def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
-    """Per (batch_id, source): bronze rows, kept rows, pass rate. Inputs need batch_id and
-    source."""
-    kept_counts = kept.group_by("batch_id", "source").agg(kept=pl.len())
-    rejected_counts = rejects.group_by("batch_id", "source").agg(rejected=pl.len())
+def pass_rates(kept: pl.DataFrame, removed: pl.DataFrame) -> pl.DataFrame:
+    """Per (batch_id, source): bronze rows, kept rows, pass rate. ``kept`` counts kept rows per
+    (batch_id, source) in ``kept``, ``removed`` rejects per (batch_id, source, stage) in
+    ``removed``."""
+    rejected = removed.group_by("batch_id", "source").agg(rejected=pl.col("removed").sum())
     return (
-        kept_counts.join(rejected_counts, on=["batch_id", "source"], how="full", coalesce=True)
+        kept.join(rejected, on=["batch_id", "source"], how="full", coalesce=True)
         .with_columns(pl.col("kept", "rejected").fill_null(0).cast(pl.Int64))
         .with_columns(rows=pl.col("kept") + pl.col("rejected"))
         .with_columns(pass_rate=pl.col("kept") / pl.col("rows"))
@@ -41,7 +41,7 @@ def pass_rates(kept: pl.DataFrame, rejects: pl.DataFrame) -> pl.DataFrame:
 
 
 def pass_rate_drops(
-    rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
+    rates: pl.DataFrame, removed: pl.DataFrame, batch_id: str, trailing: int
 ) -> pl.DataFrame:
     """Per source of ``batch_id``: its pass rate, the median of its last ``trailing`` batches, the
     drop in points, and the stage whose share of removals grew most (what removed the
@@ -56,7 +56,7 @@ def pass_rate_drops(
             baseline_batches=pl.col("pass_rate").tail(trailing).len(),
         )
     )
-    blame = _stage_growth(rates, rejects, batch_id, trailing)
+    blame = _stage_growth(rates, removed, batch_id, trailing)
     return (
         current.join(earlier, on="source", how="left")
         .with_columns(drop=pl.col("baseline") - pl.col("pass_rate"))
@@ -66,16 +66,13 @@ def pass_rate_drops(
 
 
 def _stage_growth(
-    rates: pl.DataFrame, rejects: pl.DataFrame, batch_id: str, trailing: int
+    rates: pl.DataFrame, removed: pl.DataFrame, batch_id: str, trailing: int
 ) -> pl.DataFrame:
     """Per source: the stage whose removed share (of the batch's rows) grew most against the
     trailing batches."""
-    shares = (
-        rejects.group_by("batch_id", "source", "stage")
-        .agg(removed=pl.len())
-        .join(rates.select("batch_id", "source", "rows"), on=["batch_id", "source"])
-        .with_columns(share=pl.col("removed") / pl.col("rows"))
-    )
+    shares = removed.join(
+        rates.select("batch_id", "source", "rows"), on=["batch_id", "source"]
+    ).with_columns(share=pl.col("removed") / pl.col("rows"))
     now = shares.filter(pl.col("batch_id") == batch_id).select("source", "stage", now="share")
     recent_batches = (
         rates.filter(pl.col("batch_id") < batch_id)
