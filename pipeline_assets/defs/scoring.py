@@ -1,5 +1,5 @@
-"""The scoring programs (evaluation's, DPO's reference pass) launched under torchrun from an
-asset."""
+"""The scoring programs (evaluation's, DPO's reference pass) launched from an asset: under torchrun
+for several ranks, as a plain process for one."""
 
 import os
 import subprocess
@@ -17,13 +17,10 @@ def run_scoring_program(
     args: list[str],
     what: str,
 ) -> None:
-    """A scoring program (evaluation's, DPO's reference pass) under torchrun: a rank a GPU of the
-    launcher's, else one rank with its threads, not in this process; its lines go to the step's
-    log."""
-    ranks, threads = launcher.scoring_ranks()
-    command = launcher.command(
-        [*args, "--device", launcher.device], nproc_per_node=ranks, module=module
-    )
+    """A scoring program (evaluation's, DPO's reference pass): a rank a GPU of the launcher's
+    under torchrun, else one rank with its threads, not in this process; its lines go to the
+    step's log."""
+    command, ranks, threads = launcher.scoring_command([*args, "--device", launcher.device], module)
     context.log.info(f"{what}, {ranks} rank(s) x {threads} thread(s): {' '.join(command)}")
     finished = subprocess.run(
         command, env={**os.environ, **torchrun_env(threads)}, capture_output=True, text=True

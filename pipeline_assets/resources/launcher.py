@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dagster import ConfigurableResource
 from pydantic import Field
 
@@ -49,6 +51,15 @@ class TorchrunLauncher(ConfigurableResource):
         if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
             return self.nproc_per_node, self.threads_per_rank
         return 1, self.nproc_per_node * self.threads_per_rank
+
+    def scoring_command(self, args: list[str], module: str) -> tuple[list[str], int, int]:
+        """(command, ranks, threads a rank) of a scoring program: under torchrun for several
+        ranks; one rank runs as a plain process, the rank torchrun would make (rank 0 of 1, the
+        programs' defaults), since with nothing to rendezvous its agent only adds a start."""
+        ranks, threads = self.scoring_ranks()
+        if ranks == 1:
+            return [sys.executable, "-m", module, *args], ranks, threads
+        return self.command(args, nproc_per_node=ranks, module=module), ranks, threads
 
     def scratch(self) -> str:
         """Local working space: staged checkpoints for S3, fetched exports, report pictures."""
