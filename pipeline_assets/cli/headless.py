@@ -407,6 +407,11 @@ def cut_snapshot_if_due(
         defs.resources["gold_policy"].snapshot_min_new_fraction,
         series,
     )
+    if not by_hand and not decision.due:
+        what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
+        log.info("no new %s: %s", what, decision.reason)
+        return
+    # asked only of a due snapshot: MLflow's client costs a command about 2 s to start
     waiting = series is PREFERENCE_SERIES and no_reference_model(
         defs.resources["mlflow_tracking"],
         defs.resources["registry_policy"],
@@ -414,10 +419,6 @@ def cut_snapshot_if_due(
     )
     if waiting and not by_hand:
         log.info("no new preference snapshot: %s", waiting)
-        return
-    if not by_hand and not decision.due:
-        what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
-        log.info("no new %s: %s", what, decision.reason)
         return
     _execute(
         job,
