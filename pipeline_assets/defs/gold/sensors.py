@@ -83,9 +83,6 @@ def preference_snapshot_cadence(
     batch_gates: BatchGates,
     base_model: BaseModelResource,
 ):
-    waiting = no_reference_model(mlflow_tracking, registry_policy, base_model)
-    if waiting:
-        return SkipReason(waiting)
     decision = snapshot_decision(
         context.instance,
         batch_gates,
@@ -94,6 +91,9 @@ def preference_snapshot_cadence(
     )
     if not decision.due:
         return SkipReason(decision.reason)
+    waiting = no_reference_model(mlflow_tracking, registry_policy, base_model)  # asks MLflow
+    if waiting:
+        return SkipReason(waiting)
     context.log.info(decision.reason)
     return RunRequest(
         run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason}
