@@ -27,9 +27,9 @@ def drift_scores(reference: pl.DataFrame, current: pl.DataFrame) -> dict[str, fl
 
 
 def pass_rates(kept: pl.DataFrame, removed: pl.DataFrame) -> pl.DataFrame:
-    """Per (batch_id, source): bronze rows, kept rows, pass rate. ``kept`` counts kept rows per
-    (batch_id, source) in ``kept``, ``removed`` rejects per (batch_id, source, stage) in
-    ``removed``."""
+    """Per (batch_id, source): bronze rows, kept rows, pass rate. From counts: ``kept`` holds the
+    kept rows per (batch_id, source) in its column ``kept``, ``removed`` the rejects per
+    (batch_id, source, stage) in its column ``removed``."""
     rejected = removed.group_by("batch_id", "source").agg(rejected=pl.col("removed").sum())
     return (
         kept.join(rejected, on=["batch_id", "source"], how="full", coalesce=True)
