@@ -46,12 +46,15 @@ def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
         description=f"The batch's rows satisfy the {model.__name__} contract.",
     )
     def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-        if lake.table(*key.path) is None:
+        version = lake.version(*key.path)
+        if version is None:
             raise refusal(f"{key.to_user_string()} does not exist yet: materialize it first")
 
-        def slices() -> Iterator[pl.DataFrame]:
+        def slices() -> Iterator[pl.DataFrame]:  # each pass over the same version
             batch = context.partition_key
-            return lake.partition_slices(*key.path, "batch_id", batch, ROWS_PER_CHECK_SLICE)
+            return lake.partition_slices(
+                *key.path, "batch_id", batch, ROWS_PER_CHECK_SLICE, version
+            )
 
         return sliced_contract_result(slices, model)
 

@@ -131,12 +131,12 @@ class LakeResource(ConfigurableResource):
         return None if table is None else pl.scan_delta(table)
 
     def partition_slices(
-        self, layer: str, name: str, column: str, value: str, rows: int
+        self, layer: str, name: str, column: str, value: str, rows: int, version: int | None = None
     ) -> Iterator[pl.DataFrame]:
-        """The rows of ``column = value`` at the table's current version, at most ``rows`` at a
-        time (with the types ``read`` gives): never the partition whole. Nothing while the table
-        does not exist."""
-        table = self.table(layer, name)
+        """The rows of ``column = value`` at ``version`` (default: the current one), at most
+        ``rows`` at a time (with the types ``read`` gives): never the partition whole. Nothing
+        while the table does not exist."""
+        table = self.table(layer, name, version)
         if table is None:
             return
         dataset = table.to_pyarrow_dataset(file_pruning_predicate=[(column, "=", value)])

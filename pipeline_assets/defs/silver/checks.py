@@ -38,30 +38,32 @@ warnings.filterwarnings(
 )
 
 
-def _counts(lake: LakeResource, batch_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Kept rows (records, pairs and conversations) per (batch_id, source), and rejects per
-    (batch_id, source, stage), up to this batch: counted by a streaming scan, so held as counts,
-    never as the corpus's rows."""
+def _kept_counts(lake: LakeResource, batch_id: str) -> pl.DataFrame:
+    """Kept rows (records, pairs and conversations) per (batch_id, source) up to this batch,
+    counted by a streaming scan: held as counts, never as the corpus's rows."""
     upto = pl.col("batch_id") <= batch_id
     kept_tables = [
         scan
         for scan in (lake.scan(*tables.silver.path) for tables in FORMAT_TABLES)
         if scan is not None
     ]
-    kept = (
+    return (
         pl.concat([scan.filter(upto).select("batch_id", "source") for scan in kept_tables])
         .group_by("batch_id", "source")
         .agg(kept=pl.len().cast(pl.Int64))
         .collect(engine="streaming")
     )
-    removed = (
+
+
+def _removed_counts(lake: LakeResource, batch_id: str) -> pl.DataFrame:
+    """Rejects per (batch_id, source, stage) up to this batch, counted as ``_kept_counts``."""
+    return (
         lake.scan("silver", "rejects")
-        .filter(upto)
+        .filter(pl.col("batch_id") <= batch_id)
         .group_by("batch_id", "source", "stage")
         .agg(removed=pl.len().cast(pl.Int64))
         .collect(engine="streaming")
     )
-    return kept, removed
 
 
 @asset_check(
@@ -77,7 +79,7 @@ def silver_pass_rate(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    kept, removed = _counts(lake, batch_id)
+    kept, removed = _kept_counts(lake, batch_id), _removed_counts(lake, batch_id)
     drops = pass_rate_drops(
         pass_rates(kept, removed), removed, batch_id, silver_policy.trailing_batches
     )
@@ -112,16 +114,13 @@ def silver_drift(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    records = lake.scan("silver", "records")
-    earlier = (
-        records.filter(pl.col("batch_id") < batch_id)
-        .select("batch_id")
-        .unique()
-        .collect(engine="streaming")
-    )
-    trailing_ids = sorted(earlier["batch_id"])[-silver_policy.trailing_batches :]
+    table = lake.table("silver", "records")
+    batches = {part["batch_id"] for part in table.partitions()}  # from the log, no scan
+    earlier = sorted(b for b in batches if b < batch_id)
+    trailing_ids = earlier[-silver_policy.trailing_batches :]
     history = (  # the trailing batches' rows and this one's, never every earlier batch's
-        records.filter(pl.col("batch_id").is_in([*trailing_ids, batch_id]))
+        pl.scan_delta(table)
+        .filter(pl.col("batch_id").is_in([*trailing_ids, batch_id]))
         .select("batch_id", *DRIFT_FEATURES)
         .collect()
     )
@@ -179,9 +178,8 @@ def silver_volume(
     context: AssetCheckExecutionContext, lake: LakeResource, silver_policy: SilverPolicy
 ) -> AssetCheckResult:
     batch_id = context.partition_key
-    kept, _ = _counts(lake, batch_id)
     judged = against_trailing_median(
-        kept.rename({"kept": "rows"}),
+        _kept_counts(lake, batch_id).rename({"kept": "rows"}),
         batch_id,
         "rows",
         silver_policy.trailing_batches,

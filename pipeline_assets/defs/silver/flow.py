@@ -149,7 +149,7 @@ def prepare_share(share: ShareToPrepare) -> PreparedShare:
         share.schema,
         share.storage_options,
     )
-    return PreparedShare(staged, Where.here(share.on_ray and bool(share.files)))  # none: here
+    return PreparedShare(staged, Where.here(share.on_ray and share.rows > 0))  # none: here
 
 
 def start_share(share: ShareToPrepare) -> list[tuple[StagesResult, StartedBlock]]:
