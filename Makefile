@@ -19,13 +19,19 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install chromium demo test lint dev bench clean
 
-# torch first, pinned: the local CPU wheel. An unpinned torch would pull GBs of CUDA packages.
+# torch first, pinned, by pip: the local CPU wheel. An unpinned torch would pull GBs of CUDA packages.
 # --no-compile: Python compiles the modules a process imports on first use; compiling every file of
 # every package at install is most of the install's time here (torch alone: 39 s against 12 s).
+# The rest by uv, which downloads and installs in parallel: on an empty cache it took 13 s (uv's
+# own install included) where pip took 75 s, for the same 209 packages at the same versions. uv
+# keeps the installed torch, and compiles no bytecode unless asked. Where uv cannot install, pip
+# does.
+install_project = ($(PIP) install -q uv==0.13.9 && $(BIN)/python -m uv pip install -q \
+	--python $(BIN)/python -e "$(1)") || $(PIP) install -q --no-compile -e "$(1)"
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e ".[dev]"
+	$(call install_project,.[dev])
 	$(BIN)/python -c "import pipeline_assets, dagster, deltalake, polars, pandera, mlflow"
 	touch $@
 
@@ -75,14 +81,16 @@ test: install chromium lint
 	TMPDIR=$$tmp $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15 \
 		--basetemp=$$tmp/pytest pipeline_assets_tests && rm -rf $$tmp
 
+# The MLflow UI without its GenAI job runners (a consumer a core and a scheduler, for judges and
+# prompt optimization, which nothing here submits).
 dev: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/mlflow ui --workers 1 --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --workers 1 --host 127.0.0.1 --port $(MLFLOW_PORT) --backend-store-uri $(MLFLOW_TRACKING_URI) & \
 	mlflow_pid=$$!; trap "kill $$mlflow_pid" EXIT; \
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(DAGSTER_PORT)
 
 # bench.scale lands 1 and 4 million records from landing to a snapshot: about 35 minutes on 2 cores.
 bench: install
-	$(PIP) install -q --no-compile -e ".[dev,bench]"
+	$(call install_project,.[dev,bench])
 	$(BIN)/python -m bench.run --out bench/results
 	$(BIN)/python -m bench.scale --out bench/results/scale.json
 
