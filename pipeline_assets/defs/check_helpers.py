@@ -31,7 +31,7 @@ def batch_of(lake: LakeResource, layer: str, name: str, batch_id: str) -> pl.Dat
     return frame
 
 
-ROWS_PER_CHECK_SLICE = 100_000  # a batch's rows a contract check holds at a time
+BYTES_PER_CHECK_SLICE = 32 * 2**20  # the Arrow bytes of a batch a contract check holds at a time
 
 
 def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
@@ -53,7 +53,7 @@ def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
         def slices() -> Iterator[pl.DataFrame]:  # each pass over the same version
             batch = context.partition_key
             return lake.partition_slices(
-                *key.path, "batch_id", batch, ROWS_PER_CHECK_SLICE, version
+                *key.path, "batch_id", batch, BYTES_PER_CHECK_SLICE, version
             )
 
         return sliced_contract_result(slices, model)
@@ -74,7 +74,7 @@ def sliced_contract_result(
     """``model`` judged a slice of rows at a time (``slices()`` gives them, and again when asked):
     each slice by every check but uniqueness; uniqueness over every slice from a 64-bit hash of
     each row's key, the rows whose hash repeats read again and compared whole. Memory: a slice,
-    and 8 bytes a row for each unique key."""
+    and 8 bytes a row for each unique key (twice while they are sorted)."""
     schema = model.to_schema()
     keys = [[name] for name, column in schema.columns.items() if column.unique]
     keys += [list(schema.unique)] if schema.unique else []
@@ -98,7 +98,8 @@ def sliced_contract_result(
 def _repeated_keys(slices, key: list[str], hashes: pl.Series) -> list[pl.DataFrame]:
     """A failure case a row whose ``key`` another row has too, as pandera reports a unique
     column's."""
-    repeated = hashes.filter(hashes.is_duplicated()).unique()
+    ordered = hashes.sort()  # neighbours: no hash table as large as the batch's keys
+    repeated = ordered.filter(ordered == ordered.shift(1)).unique()
     if repeated.is_empty():
         return []
     candidates = pl.concat(

@@ -366,12 +366,14 @@ def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_d
     )  # record_id twice (not unique), prompt blank
     assert "BronzeRecord" in contract.description
 
-    # the check as it runs: two rows at a time, the duplicate in another file than its original
-    def slices():
-        return lake.partition_slices("bronze", "records", "batch_id", batch, 2)
+    # the check as it runs, slices of a byte budget (here: a row at a time), the duplicate in
+    # another slice than its original
+    def slices(max_bytes: int = 1):
+        return lake.partition_slices("bronze", "records", "batch_id", batch, max_bytes)
 
     sliced = sliced_contract_result(slices, BronzeRecord)
-    assert max(frame.height for frame in slices()) == 2
+    assert [frame.height for frame in slices()] == [1] * 6
+    assert [frame.height for frame in slices(2**30)] == [6], "both files' rows in one slice"
     assert not sliced.passed and sliced.metadata["rows"].value == 6
     assert sliced.metadata["failure_cases"].value == 3, sliced.metadata["failures"].value
     assert sliced_contract_result(lambda: iter([rows]), BronzeRecord).passed
