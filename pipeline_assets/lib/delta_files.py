@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -70,7 +71,27 @@ def write_share(
     bounded_strings: Collection[str] | None = None,
 ) -> dict:
     """Write ``frame`` as one Parquet file ``<partition folder>/<file_name>`` of the table and
-    return its ``add`` action's fields as a plain dict (it crosses a process boundary).
+    return its ``add`` action's fields as a plain dict (it crosses a process boundary): the
+    ``write_share_slices`` of one slice."""
+    written = write_share_slices(
+        table_uri, [frame], partitions, file_name, storage_options, bounded_strings
+    )
+    if written is None:
+        raise ValueError(f"{file_name}: a share of no rows is no file")
+    return written
+
+
+def write_share_slices(
+    table_uri: str,
+    slices: Iterable[pl.DataFrame],
+    partitions: Mapping[str, str],
+    file_name: str,
+    storage_options: dict[str, str] | None = None,
+    bounded_strings: Collection[str] | None = None,
+) -> dict | None:
+    """Write the rows of ``slices`` (frames of the same columns) as one Parquet file
+    ``<partition folder>/<file_name>`` of the table, a slice at a time, and return its ``add``
+    action's fields as a plain dict (it crosses a process boundary); None when they hold no row.
 
     ``bounded_strings``: the only string columns whose min and max go into the statistics (None:
     every one, as delta-rs writes them). A bound is the value's first 64 bytes, so a text column's
@@ -82,32 +103,86 @@ def write_share(
     task number): a name an earlier version references would be overwritten under it."""
     if "/" in file_name or not file_name.endswith(".parquet"):
         raise ValueError(f"a share's file name is a plain *.parquet name, not {file_name!r}")
-    for column, value in partitions.items():
-        if column not in frame.columns or not frame.height:
-            continue
-        if frame[column].cast(pl.String).unique().to_list() != [value]:  # a band: an integer
-            raise ValueError(f"every row of this share must have {column} = {value!r}")
-    data = _without_categoricals(frame.drop([c for c in partitions if c in frame.columns]))
     path = "/".join(filter(None, [partition_folder(partitions), file_name]))
     filesystem = table_filesystem(table_uri, storage_options)
-    if not uris.is_s3(table_uri):
-        Path(table_uri, partition_folder(partitions)).mkdir(parents=True, exist_ok=True)
     collected: list[pq.FileMetaData] = []
-    pq.write_table(
-        data.to_arrow(),
-        path,
-        filesystem=filesystem,
-        compression="snappy",
-        metadata_collector=collected,
-    )
+    writer = None
+    try:
+        for frame in slices:
+            if not frame.height:
+                continue
+            data = _file_columns(frame, partitions).to_arrow()
+            if writer is None:
+                if not uris.is_s3(table_uri):
+                    Path(table_uri, partition_folder(partitions)).mkdir(parents=True, exist_ok=True)
+                writer = pq.ParquetWriter(
+                    path,
+                    data.schema,
+                    filesystem=filesystem,
+                    compression="snappy",
+                    metadata_collector=collected,
+                )
+            writer.write_table(data)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        return None
     return {
         "path": path,
         "size": filesystem.get_file_info(path).size,
         "partition_values": dict(partitions),
         "modification_time": int(time.time() * 1000),
         "data_change": True,
-        "stats": json.dumps(file_statistics(collected[0], data.to_arrow().schema, bounded_strings)),
+        "stats": json.dumps(file_statistics(collected[0], writer.schema, bounded_strings)),
     }
+
+
+def _file_columns(frame: pl.DataFrame, partitions: Mapping[str, str]) -> pl.DataFrame:
+    """``frame`` as its file holds it: without the partition columns (each must hold only its
+    value; delta-rs does not write them) and without categoricals."""
+    for column, value in partitions.items():  # cast: a band is an integer
+        if column in frame.columns and frame[column].cast(pl.String).unique().to_list() != [value]:
+            raise ValueError(f"every row of this share must have {column} = {value!r}")
+    return _without_categoricals(frame.drop([c for c in partitions if c in frame.columns]))
+
+
+def partition_slices(
+    table, column: str, value: str, max_bytes: int, columns: list[str] | None = None
+) -> Iterator[pl.DataFrame]:
+    """The rows of the ``deltalake.DeltaTable`` ``table`` whose ``column`` is ``value``, at most
+    ``max_bytes`` of them at a time (at least a row): never the partition whole, and as few rows at
+    a time as its rows are wide. ``columns``: only these. pyarrow's readahead is off: it would
+    decode batches and files ahead of the slice."""
+    dataset = table.to_pyarrow_dataset(file_pruning_predicate=[(column, "=", value)])
+    batches = dataset.to_batches(
+        columns=columns,
+        filter=pa.compute.field(column) == value,
+        batch_size=_SLICE_READ_ROWS,
+        batch_readahead=1,
+        fragment_readahead=1,
+    )
+    for pieces in _by_bytes(batches, max_bytes):
+        yield pl.from_arrow(pa.Table.from_batches(pieces))
+
+
+_SLICE_READ_ROWS = 8_192  # rows decoded at a time while a slice is gathered
+
+
+def _by_bytes(batches: Iterable[pa.RecordBatch], max_bytes: int) -> Iterator[list[pa.RecordBatch]]:
+    """Consecutive pieces of ``batches``, at most ``max_bytes`` together (a row at least)."""
+    held, size = [], 0
+    for batch in batches:
+        rows = max(1, batch.num_rows * max_bytes // max(batch.nbytes, 1))
+        for start in range(0, batch.num_rows, rows):
+            piece = batch.slice(start, rows)
+            if held and size + piece.nbytes > max_bytes:
+                yield held
+                held, size = [], 0
+            held.append(piece)
+            size += piece.nbytes
+    if held:
+        yield held
 
 
 def _without_categoricals(frame: pl.DataFrame) -> pl.DataFrame:

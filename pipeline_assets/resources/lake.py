@@ -12,7 +12,6 @@ from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from botocore.exceptions import ClientError
@@ -28,7 +27,7 @@ from deltalake.transaction import (
 )
 from pydantic import Field
 
-from pipeline_assets.lib import uris
+from pipeline_assets.lib import delta_files, uris
 from pipeline_assets.lib.delta_files import (
     LOG_FOLDER,
     partition_folder,
@@ -139,20 +138,13 @@ class LakeResource(ConfigurableResource):
         max_bytes: int,
         version: int | None = None,
     ) -> Iterator[pl.DataFrame]:
-        """The rows of ``column = value`` at ``version`` (default: the current one), about
+        """The rows of ``column = value`` at ``version`` (default: the current one), at most
         ``max_bytes`` of them at a time (at least a row; with the types ``read`` gives): never the
         partition whole, and as few rows at a time as the table's rows are wide. Nothing while the
         table does not exist."""
         table = self.table(layer, name, version)
-        if table is None:
-            return
-        dataset = table.to_pyarrow_dataset(file_pruning_predicate=[(column, "=", value)])
-        found = pa.compute.field(column) == value
-        batches = dataset.to_batches(
-            filter=found, batch_size=_SLICE_READ_ROWS, batch_readahead=1, fragment_readahead=1
-        )
-        for pieces in _by_bytes(batches, max_bytes):
-            yield pl.from_arrow(pa.Table.from_batches(pieces))
+        if table is not None:
+            yield from delta_files.partition_slices(table, column, value, max_bytes)
 
     def read(
         self, layer: str, name: str, *, version: int | None = None, where: pl.Expr | None = None
@@ -528,25 +520,6 @@ def _remove_logless_folder(table_uri: str) -> None:
     folder = Path(table_uri)
     if not uris.is_s3(table_uri) and folder.is_dir() and not (folder / "_delta_log").exists():
         shutil.rmtree(folder)
-
-
-_SLICE_READ_ROWS = 8_192  # rows decoded at a time while a slice is gathered
-
-
-def _by_bytes(batches: Iterable[pa.RecordBatch], max_bytes: int) -> Iterator[list[pa.RecordBatch]]:
-    """Consecutive pieces of ``batches`` of about ``max_bytes`` together (a row at least)."""
-    held, size = [], 0
-    for batch in batches:
-        rows = max(1, batch.num_rows * max_bytes // max(batch.nbytes, 1))
-        for start in range(0, batch.num_rows, rows):
-            piece = batch.slice(start, rows)
-            held.append(piece)
-            size += piece.nbytes
-            if size >= max_bytes:
-                yield held
-                held, size = [], 0
-    if held:
-        yield held
 
 
 def _row_groups(rows_per_group: int | None) -> dict:

@@ -27,10 +27,10 @@ from pipeline_assets.contracts import (
     validate,
 )
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.delta_files import write_share
+from pipeline_assets.lib.delta_files import partition_slices, write_share, write_share_slices
 from pipeline_assets.lib.formats import FORMATS
 from pipeline_assets.lib.silver.decide import Decision
-from pipeline_assets.lib.silver.dedup import band_rows
+from pipeline_assets.lib.silver.dedup import band_columns, band_rows
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import BOUNDED_STRINGS
 from pipeline_assets.lib.silver.split import SplitShare, split_share
@@ -175,6 +175,9 @@ def _table_schema(
     return pl.Schema(found.pop()) if found else polars_schema(model)
 
 
+BAND_SLICE_BYTES = 16 * 2**20  # the index's entries a band task holds at a time
+
+
 @dataclass(frozen=True)
 class BandTargets:
     """Where a batch's rows of ``silver/minhash_bands`` come from and go: the lake, the batch, and
@@ -191,19 +194,19 @@ def write_band_share(
     """One task: the batch's entries of ``silver/minhash_index`` at ``targets.index_version``, as
     one band's rows (``band_rows``: only the columns that band reads), conformed and validated,
     written as ``<run_id>-band<band>.parquet`` in ``band=<band>/batch_id=<batch>/``. Returns the
-    file's add action; None when the band has no rows (no file)."""
+    file's add action; None when the band has no rows (no file). It holds about
+    ``BAND_SLICE_BYTES`` of the index at a time, not the batch's entries."""
     index = DeltaTable(
         uris.join(targets.lake_uri, INDEX),
         version=targets.index_version,
         storage_options=storage_options,
     )
-    entries = pl.scan_delta(index).filter(pl.col(PARTITION) == targets.batch_id)
-    rows = to_contract(MinhashBandEntry, band_rows(entries, band).collect())
-    if not rows.height:
-        return None
-    return write_share(
+    entries = partition_slices(
+        index, PARTITION, targets.batch_id, BAND_SLICE_BYTES, band_columns(band)
+    )
+    return write_share_slices(
         uris.join(targets.lake_uri, BANDS),
-        rows,
+        (to_contract(MinhashBandEntry, band_rows(part.lazy(), band).collect()) for part in entries),
         {"band": str(band), PARTITION: targets.batch_id},
         f"{run_id}-band{band}.parquet",
         storage_options,

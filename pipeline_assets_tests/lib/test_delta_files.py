@@ -8,9 +8,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
-from pipeline_assets.lib.delta_files import write_share
+from pipeline_assets.lib.delta_files import partition_slices, write_share, write_share_slices
 
 
 def _delta_rs_stats(table: Path) -> dict:
@@ -56,3 +56,40 @@ def test_an_integer_partition_column_is_checked_against_its_value_as_text(tmp_pa
     assert pl.read_parquet(tmp_path / share["path"]).columns == ["key"]
     with pytest.raises(ValueError, match="band = '0'"):
         write_share(str(tmp_path), rows, {"band": "0"}, "other.parquet")
+
+
+def test_a_share_written_a_slice_at_a_time_is_the_share_written_at_once(tmp_path):
+    frame = pl.DataFrame(
+        {"key": list(range(10)), "name": [f"r{i}" for i in range(10)], "batch_id": ["b1"] * 10}
+    )
+    whole = write_share(str(tmp_path / "whole"), frame, {"batch_id": "b1"}, "part.parquet")
+    slices = [frame.slice(0, 3), frame.slice(3, 0), frame.slice(3, 7)]
+    sliced = write_share_slices(
+        str(tmp_path / "sliced"), slices, {"batch_id": "b1"}, "part.parquet"
+    )
+    assert sliced["stats"] == whole["stats"] and sliced["path"] == whole["path"]
+    written = pl.read_parquet(tmp_path / "sliced" / sliced["path"])
+    assert written.equals(frame.drop("batch_id"))
+    assert write_share_slices(str(tmp_path / "none"), [frame.clear()], {}, "p.parquet") is None
+    assert not (tmp_path / "none").exists(), "no rows, no file"
+    with pytest.raises(ValueError, match="batch_id = 'b2'"):
+        write_share_slices(str(tmp_path / "x"), [frame], {"batch_id": "b2"}, "part.parquet")
+
+
+def test_a_partitions_slices_hold_about_their_byte_budget_and_every_row_once(tmp_path):
+    wide = pl.DataFrame(
+        {
+            "batch_id": ["b1"] * 300 + ["b2"] * 100,
+            "row": list(range(400)),
+            "payload": [bytes(1000)] * 400,
+        }
+    )
+    for part in range(4):  # four files
+        write_deltalake(tmp_path, wide.slice(part * 100, 100).to_arrow(), mode="append")
+    table = DeltaTable(tmp_path)
+
+    slices = list(partition_slices(table, "batch_id", "b1", 50_000))
+    assert sorted(pl.concat(slices)["row"]) == list(range(300))
+    assert len(slices) >= 6 and max(s.estimated_size() for s in slices) <= 50_000
+    narrow = list(partition_slices(table, "batch_id", "b1", 50_000, ["row"]))
+    assert narrow[0].columns == ["row"] and len(narrow) == 1, "300 narrow rows: one slice"

@@ -507,9 +507,16 @@ def band_numbers(lsh_bands: int) -> list[int]:
     return [EXACT_BAND, *range(lsh_bands), PROMPT_BAND]
 
 
+def band_columns(band: int) -> list[str]:
+    """The columns of the index that ``band_rows`` reads for ``band``."""
+    key = {EXACT_BAND: "exact_hash", PROMPT_BAND: "prompt_hash"}.get(band, "band_keys")
+    return ["record_id", "batch_id", key]
+
+
 def band_rows(index: pl.LazyFrame, band: int) -> pl.LazyFrame:
-    """One band's rows of ``band_entries(index)``: what a task a band writes. It names only the
-    columns the band reads, so a scan of the index reads no more."""
+    """One band's rows of ``band_entries(index)``: what a task a band writes. It reads only
+    ``band_columns(band)``, so a scan of the index reads no more."""
+    index = index.select(band_columns(band))
     if band == EXACT_BAND:
         key = _exact_key("exact_hash")
     elif band == PROMPT_BAND:
