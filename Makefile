@@ -26,6 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # own install included) where pip took 75 s, for the same 209 packages at the same versions. uv
 # keeps the installed torch, and compiles no bytecode unless asked. Where uv cannot install, pip
 # does.
+comma := ,
 install_project = ($(PIP) install -q uv==0.13.9 && $(BIN)/python -m uv pip install -q \
 	--python $(BIN)/python -e "$(1)") || $(PIP) install -q --no-compile -e "$(1)"
 $(VENV)/.installed: pyproject.toml
@@ -90,7 +91,7 @@ dev: install $(DAGSTER_HOME)/dagster.yaml
 
 # bench.scale lands 1 and 4 million records from landing to a snapshot: about 35 minutes on 2 cores.
 bench: install
-	$(call install_project,.[dev,bench])
+	$(call install_project,.[dev$(comma)bench])
 	$(BIN)/python -m bench.run --out bench/results
 	$(BIN)/python -m bench.scale --out bench/results/scale.json
 
