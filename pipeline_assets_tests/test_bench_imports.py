@@ -2,6 +2,7 @@
 would otherwise go unseen until someone runs it."""
 
 import importlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,3 +15,11 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 )
 def test_the_benchmark_module_imports(module):
     importlib.import_module(f"bench.{module}")
+
+
+def test_make_bench_installs_the_bench_extra():
+    """`make bench` as make expands it (a dry run): the extra that holds TRL, whole."""
+    recipe = subprocess.run(
+        ["make", "-n", "bench"], cwd=BENCH.parent, capture_output=True, text=True, check=True
+    ).stdout
+    assert 'install -q --python .venv/bin/python -e ".[dev,bench]"' in recipe
