@@ -1,4 +1,5 @@
-"""A share's Delta statistics are the ones delta-rs writes for the same rows."""
+"""A share's Delta statistics are the ones delta-rs writes for the same rows, written at once or a
+slice at a time; a partition read in slices keeps to their byte budget."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_a_share_written_a_slice_at_a_time_is_the_share_written_at_once(tmp_path
         write_share_slices(str(tmp_path / "x"), [frame], {"batch_id": "b2"}, "part.parquet")
 
 
-def test_a_partitions_slices_hold_about_their_byte_budget_and_every_row_once(tmp_path):
+def test_a_partitions_slices_hold_at_most_their_byte_budget_and_every_row_once(tmp_path):
     wide = pl.DataFrame(
         {
             "batch_id": ["b1"] * 300 + ["b2"] * 100,
