@@ -1,5 +1,5 @@
 """A share's Delta statistics are the ones delta-rs writes for the same rows, written at once or a
-slice at a time; a partition read in slices keeps to their byte budget."""
+slice at a time; the slices a partition is read in keep to their byte budget."""
 
 from __future__ import annotations
 
