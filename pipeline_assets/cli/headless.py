@@ -32,9 +32,8 @@ from pipeline_assets.defs.gold.cadence import (
     SFT_SERIES,
     SNAPSHOT_REASON_TAG,
     SnapshotSeries,
-    snapshot_decision,
 )
-from pipeline_assets.defs.gold.sensors import no_reference_model
+from pipeline_assets.defs.gold.sensors import snapshot_waits
 from pipeline_assets.defs.keys import (
     GOLD_TOKENIZER,
     OPS_PIPELINE_REPORT,
@@ -401,32 +400,30 @@ def cut_snapshot_if_due(
 ) -> None:
     """The series' snapshot asset on its cadence sensor's rule, or at once when ``by_hand`` says
     why."""
-    decision = snapshot_decision(
-        instance,
-        defs.resources["batch_gates"],
-        defs.resources["gold_policy"].snapshot_min_new_fraction,
-        series,
-    )
-    if not by_hand and not decision.due:
-        what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
-        log.info("no new %s: %s", what, decision.reason)
-        return
-    # asked only of a due snapshot: MLflow's client costs a command about 2 s to start
-    waiting = series is PREFERENCE_SERIES and no_reference_model(
-        defs.resources["mlflow_tracking"],
-        defs.resources["registry_policy"],
-        defs.resources["base_model"],
-    )
-    if waiting and not by_hand:
-        log.info("no new preference snapshot: %s", waiting)
-        return
+    reason = by_hand
+    if not by_hand:
+        resources = defs.resources
+        decision, waiting = snapshot_waits(
+            instance,
+            series,
+            resources["gold_policy"],
+            resources["batch_gates"],
+            resources["mlflow_tracking"],
+            resources["registry_policy"],
+            resources["base_model"],
+        )
+        if waiting:
+            what = "data snapshot" if series is SFT_SERIES else "preference snapshot"
+            log.info("no new %s: %s", what, waiting)
+            return
+        reason = decision.reason
     _execute(
         job,
         instance,
         [series.snapshots],
         outcome,
         partition=None,
-        tags={SNAPSHOT_REASON_TAG: by_hand or decision.reason},
+        tags={SNAPSHOT_REASON_TAG: reason},
     )
 
 

@@ -21,6 +21,7 @@ from pipeline_assets.defs.dagster_private import AssetCheckExecutionRecordStatus
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.retries import refusal
+from pipeline_assets.lib.delta_files import partition_slices
 from pipeline_assets.resources.lake import LakeResource
 
 
@@ -46,15 +47,12 @@ def batch_contract_check(key: AssetKey, model) -> AssetChecksDefinition:
         description=f"The batch's rows satisfy the {model.__name__} contract.",
     )
     def check(context: AssetCheckExecutionContext, lake: LakeResource) -> AssetCheckResult:
-        version = lake.version(*key.path)
-        if version is None:
+        table = lake.table(*key.path)  # opened once: each pass reads the same version
+        if table is None:
             raise refusal(f"{key.to_user_string()} does not exist yet: materialize it first")
 
-        def slices() -> Iterator[pl.DataFrame]:  # each pass over the same version
-            batch = context.partition_key
-            return lake.partition_slices(
-                *key.path, "batch_id", batch, BYTES_PER_CHECK_SLICE, version
-            )
+        def slices() -> Iterator[pl.DataFrame]:
+            return partition_slices(table, "batch_id", context.partition_key, BYTES_PER_CHECK_SLICE)
 
         return sliced_contract_result(slices, model)
 

@@ -147,6 +147,12 @@ def _file_columns(frame: pl.DataFrame, partitions: Mapping[str, str]) -> pl.Data
     return _without_categoricals(frame.drop([c for c in partitions if c in frame.columns]))
 
 
+def partition_values(table, column: str) -> set[str]:
+    """The values the partition column ``column`` has in the ``deltalake.DeltaTable`` ``table``,
+    from its log: no file is read."""
+    return {part[column] for part in table.partitions()}
+
+
 def partition_slices(
     table, column: str, value: str, max_bytes: int, columns: list[str] | None = None
 ) -> Iterator[pl.DataFrame]:

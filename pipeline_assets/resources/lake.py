@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from deltalake.transaction import (
 )
 from pydantic import Field
 
-from pipeline_assets.lib import delta_files, uris
+from pipeline_assets.lib import uris
 from pipeline_assets.lib.delta_files import (
     LOG_FOLDER,
     partition_folder,
@@ -128,23 +128,6 @@ class LakeResource(ConfigurableResource):
         exist."""
         table = self.table(layer, name, version)
         return None if table is None else pl.scan_delta(table)
-
-    def partition_slices(
-        self,
-        layer: str,
-        name: str,
-        column: str,
-        value: str,
-        max_bytes: int,
-        version: int | None = None,
-    ) -> Iterator[pl.DataFrame]:
-        """The rows of ``column = value`` at ``version`` (default: the current one), at most
-        ``max_bytes`` of them at a time (at least a row; with the types ``read`` gives): never the
-        partition whole, and as few rows at a time as the table's rows are wide. Nothing while the
-        table does not exist."""
-        table = self.table(layer, name, version)
-        if table is not None:
-            yield from delta_files.partition_slices(table, column, value, max_bytes)
 
     def read(
         self, layer: str, name: str, *, version: int | None = None, where: pl.Expr | None = None

@@ -10,6 +10,7 @@ from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
 from pipeline_assets.defs.keys import BRONZE_QUARANTINE, BRONZE_RECORDS
 from pipeline_assets.defs.partitions import ingest_batches
+from pipeline_assets.lib.delta_files import partition_slices
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets_tests.conftest import jsonl_bytes, record, write_landing_file
 from pipeline_assets_tests.defs.bronze_helpers import (
@@ -369,7 +370,7 @@ def test_contract_check_fails_on_a_tampered_table(instance, resources, landing_d
     # the check as it runs, slices of a byte budget (here: a row at a time), the duplicate in
     # another slice than its original
     def slices(max_bytes: int = 1):
-        return lake.partition_slices("bronze", "records", "batch_id", batch, max_bytes)
+        return partition_slices(lake.table("bronze", "records"), "batch_id", batch, max_bytes)
 
     sliced = sliced_contract_result(slices, BronzeRecord)
     assert [frame.height for frame in slices()] == [1] * 6

@@ -3,6 +3,7 @@ preference snapshots on their own cadence (new pairs), by the same rule."""
 
 from dagster import (
     AssetSelection,
+    DagsterInstance,
     DefaultScheduleStatus,
     DefaultSensorStatus,
     RunRequest,
@@ -18,6 +19,8 @@ from pipeline_assets.defs.batch_gates import BatchGates
 from pipeline_assets.defs.gold.cadence import (
     PREFERENCE_SERIES,
     SNAPSHOT_REASON_TAG,
+    SnapshotDecision,
+    SnapshotSeries,
     snapshot_decision,
 )
 from pipeline_assets.defs.gold.policy import GoldPolicy
@@ -83,21 +86,43 @@ def preference_snapshot_cadence(
     batch_gates: BatchGates,
     base_model: BaseModelResource,
 ):
-    decision = snapshot_decision(
+    decision, waiting = snapshot_waits(
         context.instance,
-        batch_gates,
-        gold_policy.snapshot_min_new_fraction,
         PREFERENCE_SERIES,
+        gold_policy,
+        batch_gates,
+        mlflow_tracking,
+        registry_policy,
+        base_model,
     )
-    if not decision.due:
-        return SkipReason(decision.reason)
-    waiting = no_reference_model(mlflow_tracking, registry_policy, base_model)  # asks MLflow
     if waiting:
         return SkipReason(waiting)
     context.log.info(decision.reason)
     return RunRequest(
         run_key=f"preference-snapshot@{decision.state}", tags={SNAPSHOT_REASON_TAG: decision.reason}
     )
+
+
+def snapshot_waits(
+    instance: DagsterInstance,
+    series: SnapshotSeries,
+    gold_policy: GoldPolicy,
+    batch_gates: BatchGates,
+    mlflow_tracking: MlflowResource,
+    registry_policy: RegistryPolicy,
+    base_model: BaseModelResource,
+) -> tuple[SnapshotDecision, str | None]:
+    """The series' cadence decision, and why its next snapshot waits (None: cut it now). A
+    preference snapshot also waits for DPO's reference model, asked of MLflow only once the
+    cadence says one is due: MLflow's client costs a command about 2 s to start."""
+    decision = snapshot_decision(
+        instance, batch_gates, gold_policy.snapshot_min_new_fraction, series
+    )
+    if not decision.due:
+        return decision, decision.reason
+    if series is PREFERENCE_SERIES:
+        return decision, no_reference_model(mlflow_tracking, registry_policy, base_model)
+    return decision, None
 
 
 def no_reference_model(

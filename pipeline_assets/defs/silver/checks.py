@@ -24,6 +24,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.policies import SilverPolicy
+from pipeline_assets.lib.delta_files import partition_values
 from pipeline_assets.lib.drift import against_trailing_median
 from pipeline_assets.lib.silver.health import (
     DRIFT_FEATURES,
@@ -115,8 +116,7 @@ def silver_drift(
 ) -> AssetCheckResult:
     batch_id = context.partition_key
     table = lake.table("silver", "records")
-    batches = {part["batch_id"] for part in table.partitions()}  # from the log, no scan
-    earlier = sorted(b for b in batches if b < batch_id)
+    earlier = sorted(b for b in partition_values(table, "batch_id") if b < batch_id)
     trailing_ids = earlier[-silver_policy.trailing_batches :]
     history = (  # the trailing batches' rows and this one's, never every earlier batch's
         pl.scan_delta(table)

@@ -16,6 +16,7 @@ import polars as pl
 from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
+from pipeline_assets.lib.delta_files import partition_values
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
     IndexLookup,
@@ -188,8 +189,8 @@ def _add_missing_batches(
     """Batches the index holds and the bands table does not (an index written before the bands table
     existed) get their keys written, one batch at a time."""
     bands = lake.table(*BANDS)
-    have = set() if bands is None else {part["batch_id"] for part in bands.partitions()}
-    missing = sorted({part["batch_id"] for part in index.partitions()} - have)
+    have = set() if bands is None else partition_values(bands, "batch_id")
+    missing = sorted(partition_values(index, "batch_id") - have)
     if missing:
         context.log.info(
             f"silver/minhash_bands: adding the keys of {len(missing)} batch(es) from "
