@@ -33,7 +33,7 @@ from pipeline_assets.defs.gold.cadence import (
     SNAPSHOT_REASON_TAG,
     SnapshotSeries,
 )
-from pipeline_assets.defs.gold.sensors import snapshot_waits
+from pipeline_assets.defs.gold.sensors import no_reference_model, snapshot_waits
 from pipeline_assets.defs.keys import (
     GOLD_TOKENIZER,
     OPS_PIPELINE_REPORT,
@@ -408,9 +408,9 @@ def cut_snapshot_if_due(
             series,
             resources["gold_policy"],
             resources["batch_gates"],
-            resources["mlflow_tracking"],
-            resources["registry_policy"],
-            resources["base_model"],
+            lambda: no_reference_model(
+                resources["mlflow_tracking"], resources["registry_policy"], resources["base_model"]
+            ),
         )
         if waiting:
             what = "data snapshot" if series is SFT_SERIES else "preference snapshot"

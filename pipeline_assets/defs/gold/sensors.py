@@ -1,6 +1,8 @@
 """When data snapshots are cut: on a cadence (new silver text), on a schedule, or by hand;
 preference snapshots on their own cadence (new pairs), by the same rule."""
 
+from collections.abc import Callable
+
 from dagster import (
     AssetSelection,
     DagsterInstance,
@@ -91,9 +93,7 @@ def preference_snapshot_cadence(
         PREFERENCE_SERIES,
         gold_policy,
         batch_gates,
-        mlflow_tracking,
-        registry_policy,
-        base_model,
+        lambda: no_reference_model(mlflow_tracking, registry_policy, base_model),
     )
     if waiting:
         return SkipReason(waiting)
@@ -108,20 +108,19 @@ def snapshot_waits(
     series: SnapshotSeries,
     gold_policy: GoldPolicy,
     batch_gates: BatchGates,
-    mlflow_tracking: MlflowResource,
-    registry_policy: RegistryPolicy,
-    base_model: BaseModelResource,
+    reference_model_wait: Callable[[], str | None],
 ) -> tuple[SnapshotDecision, str | None]:
     """The series' cadence decision, and why its next snapshot waits (None: cut it now). A
-    preference snapshot also waits for DPO's reference model, asked of MLflow only once the
-    cadence says one is due: MLflow's client costs a command about 2 s to start."""
+    preference snapshot also waits for DPO's reference model (``no_reference_model``), asked only
+    once the cadence says one is due: MLflow's client costs a command about 2 s to start, and an
+    sft-only code location need not define MLflow at all."""
     decision = snapshot_decision(
         instance, batch_gates, gold_policy.snapshot_min_new_fraction, series
     )
     if not decision.due:
         return decision, decision.reason
     if series is PREFERENCE_SERIES:
-        return decision, no_reference_model(mlflow_tracking, registry_policy, base_model)
+        return decision, reference_model_wait()
     return decision, None
 
 
