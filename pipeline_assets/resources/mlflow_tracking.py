@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from pydantic import Field
 
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.training.promotion import rollback_target
+from pipeline_assets.trainer.report import OUTBOX_VARIABLE, replay
 
 
 def _resolved(value: str) -> str:
@@ -122,6 +125,31 @@ class MlflowResource(ConfigurableResource):
         return client.create_run(
             experiment_id, run_name=name, tags={**tags, **reuse_key}
         ).info.run_id
+
+    @contextmanager
+    def relay(self, run_id: str, folder: str) -> Iterator[dict[str, str]]:
+        """The environment of a trainer job whose rank 0 logs to ``run_id`` through this process:
+        it writes its MLflow calls to an outbox file in ``folder`` (``trainer.report``) and a
+        thread here logs each as it comes, the rest once the job ends. An MLflow error is raised
+        here, after the job."""
+        outbox = Path(folder) / f"mlflow-{run_id}.jsonl"
+        outbox.parent.mkdir(parents=True, exist_ok=True)
+        outbox.write_text("")
+        client = self.client()
+        client.update_run(run_id, status="RUNNING")  # a retried job's run, KILLED before
+        stop, failed = threading.Event(), []
+        relaying = threading.Thread(
+            target=_relay, args=(outbox, client, run_id, stop, failed), daemon=True
+        )
+        relaying.start()
+        try:
+            yield {OUTBOX_VARIABLE: str(outbox)}
+        finally:
+            stop.set()
+            relaying.join()
+            outbox.unlink(missing_ok=True)
+        if failed:
+            raise failed[0]
 
     def run_url(self, run_id: str) -> str:
         return uris.redact(
@@ -244,3 +272,23 @@ class MlflowResource(ConfigurableResource):
                     tracking_uri=self.resolved_tracking_uri(),
                 )
             )
+
+
+def _relay(outbox: Path, client, run_id: str, stop: threading.Event, failed: list) -> None:
+    """Log the outbox's complete lines as they come, once a second, until ``stop`` (then what is
+    left); on an error, log nothing more and keep it in ``failed``."""
+    pending = ""
+    with outbox.open(encoding="utf-8") as lines:
+        while True:
+            ending = stop.is_set()
+            pending += lines.read()
+            *complete, pending = pending.split("\n")
+            try:
+                for line in complete:
+                    replay(client, run_id, json.loads(line))
+            except Exception as exc:  # noqa: BLE001 (raised by relay's caller)
+                failed.append(exc)
+                return
+            if ending:
+                return
+            stop.wait(1.0)

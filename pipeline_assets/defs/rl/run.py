@@ -154,7 +154,6 @@ def rl_policy(
         mlflow_run_id=mlflow_run,
         scratch_dir=launcher.scratch(),
     )
-    env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     command = launcher.command(rl_config.to_args(), nproc_per_node=1, module=RL_MODULE)
     context.log.info(
         f"launching the learner (rerun by hand to debug): {redact(shlex.join(command))}"
@@ -169,8 +168,10 @@ def rl_policy(
         context.log.warning,
     )
     try:
-        with workers:
-            pipes_subprocess_client.run(context=context, command=command, env=env)
+        with workers, mlflow_tracking.relay(mlflow_run, launcher.scratch()) as relayed:
+            pipes_subprocess_client.run(
+                context=context, command=command, env={**launcher.env(), **relayed}
+            )
     except DagsterPipesExecutionError as exc:
         raise Failure(
             description=redact(

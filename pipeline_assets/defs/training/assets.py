@@ -175,10 +175,12 @@ def train_and_export(
     context.log.info(
         f"launching (rerun by hand with the same arguments to debug): {redact(shlex.join(command))}"
     )
-    env = {**launcher.env(), "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri()}
     started, children_cpu = time.perf_counter(), _children_cpu_seconds()
     try:
-        invocation = pipes_subprocess_client.run(context=context, command=command, env=env)
+        with mlflow_tracking.relay(run_id, launcher.scratch()) as relayed:
+            invocation = pipes_subprocess_client.run(
+                context=context, command=command, env={**launcher.env(), **relayed}
+            )
     except DagsterExecutionInterruptedError:
         # This process was asked to stop (Ctrl-C, SIGTERM to the command or to its run worker): the
         # trainer saved and exited; retrying here would only be stopped again. The next

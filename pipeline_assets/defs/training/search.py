@@ -172,14 +172,13 @@ def _run_trial(
     config: TrainConfig,
     nproc: int,
 ) -> float:
-    env = {
-        **os.environ,
-        **launcher.env(),
-        "MLFLOW_TRACKING_URI": mlflow_tracking.resolved_tracking_uri(),
-    }
-    done = subprocess.run(
-        launcher.command(config.to_args(), nproc), env=env, capture_output=True, text=True
-    )
+    with mlflow_tracking.relay(config.mlflow_run_id, launcher.scratch()) as relayed:
+        done = subprocess.run(
+            launcher.command(config.to_args(), nproc),
+            env={**os.environ, **launcher.env(), **relayed},
+            capture_output=True,
+            text=True,
+        )
     if done.returncode != 0:
         context.log.warning(
             f"trial {config.partition} failed (exit {done.returncode}): {done.stderr[-2000:]}"
