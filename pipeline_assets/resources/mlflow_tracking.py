@@ -131,15 +131,16 @@ class MlflowResource(ConfigurableResource):
         """The environment of a trainer job whose rank 0 logs to ``run_id`` through this process:
         it writes its MLflow calls to an outbox file in ``folder`` (``trainer.report``) and a
         thread here logs each as it comes, the rest once the job ends. An MLflow error is raised
-        here, after the job."""
+        here, after the job; a job that ended without saying how (killed) leaves its run KILLED,
+        not RUNNING."""
         outbox = Path(folder) / f"mlflow-{run_id}.jsonl"
         outbox.parent.mkdir(parents=True, exist_ok=True)
         outbox.write_text("")
         client = self.client()
         client.update_run(run_id, status="RUNNING")  # a retried job's run, KILLED before
-        stop, failed = threading.Event(), []
+        stop, relayed, failed = threading.Event(), [], []
         relaying = threading.Thread(
-            target=_relay, args=(outbox, client, run_id, stop, failed), daemon=True
+            target=_relay, args=(outbox, client, run_id, stop, relayed, failed), daemon=True
         )
         relaying.start()
         try:
@@ -148,6 +149,8 @@ class MlflowResource(ConfigurableResource):
             stop.set()
             relaying.join()
             outbox.unlink(missing_ok=True)
+            if not failed and "end" not in relayed:
+                client.set_terminated(run_id, status="KILLED")
         if failed:
             raise failed[0]
 
@@ -274,9 +277,12 @@ class MlflowResource(ConfigurableResource):
             )
 
 
-def _relay(outbox: Path, client, run_id: str, stop: threading.Event, failed: list) -> None:
+def _relay(
+    outbox: Path, client, run_id: str, stop: threading.Event, relayed: list, failed: list
+) -> None:
     """Log the outbox's complete lines as they come, once a second, until ``stop`` (then what is
-    left); on an error, log nothing more and keep it in ``failed``."""
+    left), each call's op kept in ``relayed``; on an error, log nothing more and keep it in
+    ``failed``."""
     pending = ""
     with outbox.open(encoding="utf-8") as lines:
         while True:
@@ -285,7 +291,9 @@ def _relay(outbox: Path, client, run_id: str, stop: threading.Event, failed: lis
             *complete, pending = pending.split("\n")
             try:
                 for line in complete:
-                    replay(client, run_id, json.loads(line))
+                    call = json.loads(line)
+                    replay(client, run_id, call)
+                    relayed.append(call["op"])
             except Exception as exc:  # noqa: BLE001 (raised by relay's caller)
                 failed.append(exc)
                 return

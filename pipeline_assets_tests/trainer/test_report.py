@@ -129,3 +129,18 @@ def test_a_call_mlflow_refuses_fails_the_relay_after_the_job_with_mlflows_reason
         with tracking.relay(run_id, str(tmp_path / "scratch")) as env:
             _finished(_job(env, run_id, tmp_path))
     assert not list((tmp_path / "scratch").iterdir())
+
+
+def test_a_relayed_job_killed_before_its_end_leaves_its_run_killed_not_running(tracking, tmp_path):
+    run_id = _new_run(tracking, "killed")
+    client = MlflowClient(tracking.resolved_tracking_uri())
+    with tracking.relay(run_id, str(tmp_path / "scratch")) as env:
+        job = _job(env, run_id, tmp_path, go=str(tmp_path / "never"))
+        deadline = time.monotonic() + 60
+        while not client.get_run(run_id).data.metrics and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job.kill()
+        job.wait()
+    run = client.get_run(run_id)
+    assert run.data.metrics == {"loss": 2.5, "grad_norm": 1.0}, "what it logged before the kill"
+    assert run.info.status == "KILLED"
