@@ -26,7 +26,7 @@ OUTBOX_VARIABLE = "TRAINER_MLFLOW_OUTBOX"  # set by the launching process only, 
 class Reporter:
     def __init__(self, mlflow_run_id: str, experiment: str):
         self._pipes = self._open_pipes()
-        self._mlflow = self._start_mlflow(mlflow_run_id, experiment)
+        self._tracking = self._open_tracking(mlflow_run_id, experiment)
 
     # --- channels -------------------------------------------------------------------------------
     @staticmethod
@@ -38,7 +38,7 @@ class Reporter:
         return open_dagster_pipes()
 
     @staticmethod
-    def _start_mlflow(run_id: str, experiment: str) -> _Outbox | _Mlflow | None:
+    def _open_tracking(run_id: str, experiment: str) -> _Outbox | _Mlflow | None:
         outbox = os.environ.get(OUTBOX_VARIABLE)
         if outbox and run_id:
             return _Outbox(Path(outbox), run_id)
@@ -49,7 +49,7 @@ class Reporter:
 
     @property
     def mlflow_run_id(self) -> str | None:
-        return self._mlflow.run_id if self._mlflow else None
+        return self._tracking.run_id if self._tracking else None
 
     # --- what the trainer reports ---------------------------------------------------------------
     def info(self, message: str) -> None:
@@ -63,16 +63,16 @@ class Reporter:
             self._pipes.log.warning(message)
 
     def params(self, params: dict) -> None:
-        if self._mlflow:
-            self._mlflow.call("params", values={k: str(v)[:500] for k, v in params.items()})
+        if self._tracking:
+            self._tracking.call("params", values={k: str(v)[:500] for k, v in params.items()})
 
     def tags(self, tags: dict) -> None:
-        if self._mlflow:
-            self._mlflow.call("tags", values={k: str(v) for k, v in tags.items()})
+        if self._tracking:
+            self._tracking.call("tags", values={k: str(v) for k, v in tags.items()})
 
     def metrics(self, step: int, values: dict) -> None:
-        if self._mlflow:
-            self._mlflow.call(
+        if self._tracking:
+            self._tracking.call(
                 "metrics",
                 values={k: float(v) for k, v in values.items()},
                 step=step,
@@ -80,12 +80,12 @@ class Reporter:
             )
 
     def dataset(self, uri: str, version: int, name: str) -> None:
-        if self._mlflow:
-            self._mlflow.call("dataset", uri=uri, version=version, name=name)
+        if self._tracking:
+            self._tracking.call("dataset", uri=uri, version=version, name=name)
 
     def artifact(self, path: Path) -> None:
-        if self._mlflow:
-            self._mlflow.call("artifact", path=str(path))
+        if self._tracking:
+            self._tracking.call("artifact", path=str(path))
 
     def finish(self, metadata: dict, succeeded: bool, report: bool = True) -> None:
         """``report``: the launching asset's materialization is this metadata (False: the asset
@@ -94,8 +94,8 @@ class Reporter:
             if succeeded and report:
                 self._pipes.report_asset_materialization(metadata=metadata)
             self._pipes.close()
-        if self._mlflow:
-            self._mlflow.call("end", status="FINISHED" if succeeded else "KILLED")
+        if self._tracking:
+            self._tracking.call("end", status="FINISHED" if succeeded else "KILLED")
 
 
 class _Outbox:
@@ -122,13 +122,13 @@ class _Mlflow:
         if not run_id:
             mlflow.set_experiment(experiment)
         self.run_id = mlflow.start_run(run_id=run_id or None).info.run_id
-        self._mlflow = mlflow
+        self._end_run, self._client = mlflow.end_run, mlflow.MlflowClient()
 
     def call(self, op: str, **fields) -> None:
         if op == "end":  # the active run's own end: MLflow would otherwise end it again at exit
-            self._mlflow.end_run(status=fields["status"])
+            self._end_run(status=fields["status"])
         else:
-            replay(self._mlflow.MlflowClient(), self.run_id, {"op": op, **fields})
+            replay(self._client, self.run_id, {"op": op, **fields})
 
 
 def replay(client, run_id: str, call: dict) -> None:
