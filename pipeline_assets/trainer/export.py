@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ def save_exported(
     pipeline's; returns the file names."""
     tensors = {name: t.contiguous() for name, t in to_transformers(full_state).items()}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-    llama_config(model_config).save_pretrained(folder)
+    config = json.dumps(llama_config(model_config), indent=2, sort_keys=True)
+    (folder / CONFIG).write_text(config + "\n")
     pipeline = {"model": dataclasses.asdict(model_config), "tied_embeddings": True, **about}
     (folder / EXPORT_ABOUT).write_text(json.dumps(pipeline, indent=2, sort_keys=True))
     return [WEIGHTS, CONFIG, EXPORT_ABOUT]
@@ -90,22 +92,36 @@ def _config_dtype(config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def llama_config(model_config: ModelConfig):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=model_config.vocab_size,
-        hidden_size=model_config.dim,
-        intermediate_size=model_config.ffn_dim,
-        num_hidden_layers=model_config.n_layers,
-        num_attention_heads=model_config.n_heads,
-        num_key_value_heads=model_config.n_heads,
-        max_position_embeddings=model_config.max_seq_len,
-        rms_norm_eps=model_config.norm_eps,
-        rope_theta=model_config.rope_theta,
-        tie_word_embeddings=True,
-        architectures=["LlamaForCausalLM"],
-    )
+def llama_config(model_config: ModelConfig) -> dict:
+    """What transformers' ``LlamaConfig`` of the built-in model writes to config.json, built here:
+    importing transformers for it cost every export about a CPU second (a test checks the two
+    agree)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "intermediate_size": model_config.ffn_dim,
+        "num_hidden_layers": model_config.n_layers,
+        "num_attention_heads": model_config.n_heads,
+        "num_key_value_heads": model_config.n_heads,
+        "head_dim": model_config.dim // model_config.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": model_config.max_seq_len,
+        "rms_norm_eps": model_config.norm_eps,
+        "rope_parameters": {"rope_theta": model_config.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "transformers_version": version("transformers"),
+    }
 
 
 def to_transformers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,8 @@
 """The built-in model exports as a Hugging Face LlamaForCausalLM folder: transformers loads it as it
 is and computes the trainer's logits, and its tokenizer renders the chat format gold trains on."""
 
+import json
+
 import polars as pl
 import pytest
 import torch
@@ -49,6 +51,29 @@ def test_transformers_computes_the_trainers_logits_one_document_or_packed(export
             ours = model(ids, positions)
             theirs = loaded(input_ids=ids, position_ids=positions, use_cache=False).logits
             torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_config_json_is_what_transformers_writes_for_the_same_llama(exported):
+    """The export writes config.json without transformers: the file is what LlamaConfig of the
+    same values saves, and transformers reads it back as that config."""
+    from transformers import LlamaConfig
+
+    _, folder, _ = exported
+    theirs = LlamaConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=CONFIG.dim,
+        intermediate_size=CONFIG.ffn_dim,
+        num_hidden_layers=CONFIG.n_layers,
+        num_attention_heads=CONFIG.n_heads,
+        num_key_value_heads=CONFIG.n_heads,
+        max_position_embeddings=CONFIG.max_seq_len,
+        rms_norm_eps=CONFIG.norm_eps,
+        rope_theta=CONFIG.rope_theta,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
+    assert json.loads((folder / "config.json").read_text()) == theirs.to_diff_dict()
+    assert LlamaConfig.from_pretrained(folder).to_dict() == theirs.to_dict()
 
 
 def test_the_folder_loads_back_into_the_trainers_model(exported):
