@@ -70,13 +70,19 @@ class BlockEngine(RayResource):
         return run_on_ray(stages, frame, self.rows_per_block)
 
     def map_tasks(
-        self, function: Callable[..., T], calls: Sequence[tuple], batch_rows: int
+        self,
+        function: Callable[..., T],
+        calls: Sequence[tuple],
+        batch_rows: int,
+        shared: tuple = (),
     ) -> TaskResults[T]:
-        """``function`` on each call's arguments, as Ray tasks wherever a batch of ``batch_rows``
-        runs its block stages on Ray, else here one after the other; results in call order."""
+        """``function(*call, *shared)`` for each call, as Ray tasks wherever a batch of
+        ``batch_rows`` runs its block stages on Ray, else here one after the other; results in call
+        order. ``shared``: what every call is also given, put in Ray's object store once, not
+        serialized again for each call."""
         started = time.perf_counter()
         if not calls or not self.uses_ray(batch_rows):
-            done = [_timed(function, args) for args in calls]
+            done = [_timed(function, (*args, *shared)) for args in calls]
             return TaskResults(
                 [r for r, _, _ in done],
                 "this process",
@@ -89,7 +95,8 @@ class BlockEngine(RayResource):
         remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(
             _on_node
         )  # the bands over every node
-        done = ray.get([remote.remote(function, args) for args in calls])
+        placed = tuple(ray.put(value) for value in shared)  # a task is given each one's value
+        done = ray.get([remote.remote(function, *args, *placed) for args in calls])
         return TaskResults(
             [r for r, _, _ in done],
             f"Ray, {len({node for _, _, node in done})} node(s)",
@@ -103,10 +110,11 @@ class BlockEngine(RayResource):
         calls: Sequence[tuple],
         actor_stages: Sequence[Stage],
         finish: Callable[[StagesResult, object], T],
+        shared: tuple = (),
     ) -> list[Pooled[T]]:
         """``run_through_actors`` on this engine's Ray (a batch whose stages run models)."""
         self._ensure_connected()
-        return run_through_actors(start, calls, actor_stages, finish)
+        return run_through_actors(start, calls, actor_stages, finish, shared)
 
     def _ensure_connected(self) -> None:
         """Connected when the step started (dagster-ray's lifecycle); never a Ray that Ray Data
@@ -262,7 +270,7 @@ def _timed(function: Callable, args: tuple) -> tuple:
     return result, time.perf_counter() - started, None
 
 
-def _on_node(function: Callable, args: tuple) -> tuple:
+def _on_node(function: Callable, *args) -> tuple:
     import ray
 
     result, seconds, _ = _timed(function, args)
@@ -364,11 +372,13 @@ def run_through_actors(
     calls: Sequence[tuple],
     actor_stages: Sequence[Stage],
     finish: Callable[[StagesResult, object], T],
+    shared: tuple = (),
 ) -> list[Pooled[T]]:
-    """One Ray Data pipeline over ``calls``: tasks run ``start(*call)`` (a result a block, with
-    what the block carries to ``finish``), an actor pool runs ``actor_stages`` on each block's
+    """One Ray Data pipeline over ``calls``: tasks run ``start(*call, *shared)`` (a result a block,
+    with what the block carries to ``finish``), an actor pool runs ``actor_stages`` on each block's
     result (``run_more``, as ``run_on_ray``), and tasks run ``finish(result, carried)``. Frames
-    move worker to worker; only ``finish``'s values come back, in call and block order."""
+    move worker to worker; only ``finish``'s values come back, in call and block order.
+    ``shared`` is put in Ray's object store once, not pickled into every call."""
     import pickle
 
     import pyarrow as pa
@@ -378,10 +388,12 @@ def run_through_actors(
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
 
+    placed = [ray.put(value) for value in shared]
+
     def started(table: pa.Table) -> pa.Table:
-        rows = []
+        rows, shared_values = [], ray.get(placed)
         for call, args in zip(table["call"].to_pylist(), table["args"].to_pylist(), strict=True):
-            for result, carried in start(*pickle.loads(args)):
+            for result, carried in start(*pickle.loads(args), *shared_values):
                 rows.append(
                     {**to_row(result), "carried": pickle.dumps(carried), "call": call, **_where()}
                 )

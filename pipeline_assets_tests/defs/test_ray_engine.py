@@ -278,3 +278,37 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
             .equals(frame.drop("score_reward", strict=False))
         ), name
     assert 0 < max(step_bytes) <= 1_500
+
+
+class _NotesPickling:
+    """A value that notes each time it is pickled, in this process, in a file."""
+
+    def __init__(self, notes: str) -> None:
+        self.notes = notes
+
+    def __reduce__(self):
+        with open(self.notes, "a") as notes:
+            notes.write("pickled\n")
+        return (_NotesPickling, (self.notes,))
+
+
+def _given(call: int, shared: _NotesPickling) -> tuple[int, str]:
+    return call, shared.notes
+
+
+def test_what_every_task_is_given_is_sent_to_ray_once(two_node_cluster, tmp_path, monkeypatch):
+    """Silver's prepare tasks all need the eval index: it is sent once a batch, not once a task
+    (a copy a task, in Ray's object store, grew the step's memory with the batch's size)."""
+    import ray
+
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
+    notes = tmp_path / "notes"
+    engine = RayEngine(home=str(tmp_path / "home"))
+    try:
+        done = engine.map_tasks(
+            _given, [(call,) for call in range(6)], 6, (_NotesPickling(str(notes)),)
+        )
+    finally:
+        ray.shutdown()
+    assert done.results == [(call, str(notes)) for call in range(6)]
+    assert notes.read_text().splitlines() == ["pickled"]

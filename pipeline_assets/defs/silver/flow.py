@@ -120,11 +120,10 @@ class PreparedShare:
 @dataclass(frozen=True)
 class ShareToPrepare:
     """What a prepare task is given: a share's bronze files, how to judge and read them, and
-    where to stage them."""
+    where to stage them (the eval index apart: every task is given the same one)."""
 
     files: Sequence[BronzeFile]
     config: SilverConfig
-    eval_index: EvalNgramIndex
     tables: FormatTables
     staging_dir: str
     rows_per_block: int
@@ -137,12 +136,12 @@ class ShareToPrepare:
         return sum(file.rows for file in self.files)
 
 
-def prepare_share(share: ShareToPrepare) -> PreparedShare:
+def prepare_share(share: ShareToPrepare, eval_index: EvalNgramIndex) -> PreparedShare:
     """One prepare task: ``prepare_files``, and where it ran."""
     staged = prepare_files(
         share.files,
         share.config,
-        share.eval_index,
+        eval_index,
         share.tables.fmt,
         share.staging_dir,
         share.rows_per_block,
@@ -152,14 +151,16 @@ def prepare_share(share: ShareToPrepare) -> PreparedShare:
     return PreparedShare(staged, Where.here(share.on_ray and share.rows > 0))  # none: here
 
 
-def start_share(share: ShareToPrepare) -> list[tuple[StagesResult, StartedBlock]]:
+def start_share(
+    share: ShareToPrepare, eval_index: EvalNgramIndex
+) -> list[tuple[StagesResult, StartedBlock]]:
     """A prepare task before the actor pool: the share's blocks up to their model stages. Each
     block's judged records go on to the pool as Arrow; the rest of it is carried to the task
     that finishes it."""
     blocks = start_file_blocks(
         share.files,
         share.config,
-        share.eval_index,
+        eval_index,
         share.tables.fmt,
         share.rows_per_block,
         share.schema,
@@ -320,7 +321,6 @@ def prepare_batch(
             ShareToPrepare(
                 share,
                 config,
-                eval_index,
                 tables,
                 folder,
                 engine.rows_per_block,
@@ -344,13 +344,14 @@ def prepare_batch(
         rows,
         step_bytes,
         "prepare",
+        shared=(eval_index,),
     ).results
     for tables, stages in pooled.items():
         own = [call for call in calls if call[0].tables == tables]
         prepared += _prepare_on_actor_pool(
-            engine, [c for c in own if c[0].rows], stages, folder, options, step_bytes
+            engine, [c for c in own if c[0].rows], stages, eval_index, folder, options, step_bytes
         )
-        prepared += [prepare_share(*c) for c in own if not c[0].rows]
+        prepared += [prepare_share(*c, eval_index) for c in own if not c[0].rows]
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p in prepared if p.staged.format_name == tables.fmt.name]
@@ -371,6 +372,7 @@ def _prepare_on_actor_pool(
     engine: BlockEngine,
     calls: list[tuple],
     stages: list[Stage],
+    eval_index: EvalNgramIndex,
     folder: str,
     options: dict | None,
     step_bytes: StepBytes,
@@ -381,7 +383,8 @@ def _prepare_on_actor_pool(
         return []
     finish = functools.partial(finish_pooled_block, staging_dir=folder, storage_options=options)
     pooled = step_bytes.results(
-        "prepare results", engine.map_through_actors(start_share, calls, stages, finish)
+        "prepare results",
+        engine.map_through_actors(start_share, calls, stages, finish, shared=(eval_index,)),
     )
     shares = []
     for call in range(len(calls)):
@@ -482,18 +485,21 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
     flow.write_wall_seconds = round(done.wall_seconds, 3)
 
 
-def _on_engine_unless_empty(engine, function, calls, rows, step_bytes, kind: str) -> TaskResults:
-    """``function`` on each call, in order: as the engine's tasks where the call's share has rows
-    (their results counted as received), here where it has none."""
+def _on_engine_unless_empty(
+    engine, function, calls, rows, step_bytes, kind: str, shared: tuple = ()
+) -> TaskResults:
+    """``function(*call, *shared)`` on each call, in order: as the engine's tasks where the call's
+    share has rows (their results counted as received), here where it has none."""
 
     def empty(call) -> bool:
         return not call[0].rows  # a StagedShare or a ShareToPrepare
 
     sent = [call for call in calls if not empty(call)]
-    done = engine.map_tasks(function, sent, rows)
+    done = engine.map_tasks(function, sent, rows, shared)
     results = iter(step_bytes.results(f"{kind} results", done.results))
     return replace(
-        done, results=[function(*call) if empty(call) else next(results) for call in calls]
+        done,
+        results=[function(*call, *shared) if empty(call) else next(results) for call in calls],
     )
 
 
