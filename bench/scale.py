@@ -361,6 +361,8 @@ def _stage_figures(dagster_home: Path) -> dict:
                     "rows": rows,
                     "rows_per_second": round(rows / seconds) if rows and seconds else None,
                 }
+                if stage == "silver":  # None: not counted (before the flow of issue 37)
+                    entry["step_bytes_per_record"] = metadata.get("step_bytes_per_record")
                 if event.partition:
                     figures["partitioned"][event.partition][stage] = entry
                 else:

@@ -95,7 +95,7 @@ class BlockEngine(RayResource):
         remote = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(
             _on_node
         )  # the bands over every node
-        placed = tuple(ray.put(value) for value in shared)  # a task is given each one's value
+        placed = tuple(ray.put(value) for value in shared)  # Ray hands tasks the values
         done = ray.get([remote.remote(function, *args, *placed) for args in calls])
         return TaskResults(
             [r for r, _, _ in done],
