@@ -138,9 +138,9 @@ class MlflowResource(ConfigurableResource):
         outbox.write_text("")
         client = self.client()
         client.update_run(run_id, status="RUNNING")  # a retried job's run, KILLED before
-        stop, relayed, failed = threading.Event(), [], []
+        stop, ended, failed = threading.Event(), threading.Event(), []
         relaying = threading.Thread(
-            target=_relay, args=(outbox, client, run_id, stop, relayed, failed), daemon=True
+            target=_relay, args=(outbox, client, run_id, stop, ended, failed), daemon=True
         )
         relaying.start()
         try:
@@ -149,7 +149,7 @@ class MlflowResource(ConfigurableResource):
             stop.set()
             relaying.join()
             outbox.unlink(missing_ok=True)
-            if not failed and "end" not in relayed:
+            if not failed and not ended.is_set():
                 client.set_terminated(run_id, status="KILLED")
         if failed:
             raise failed[0]
@@ -278,11 +278,16 @@ class MlflowResource(ConfigurableResource):
 
 
 def _relay(
-    outbox: Path, client, run_id: str, stop: threading.Event, relayed: list, failed: list
+    outbox: Path,
+    client,
+    run_id: str,
+    stop: threading.Event,
+    ended: threading.Event,
+    failed: list,
 ) -> None:
     """Log the outbox's complete lines as they come, once a second, until ``stop`` (then what is
-    left), each call's op kept in ``relayed``; on an error, log nothing more and keep it in
-    ``failed``."""
+    left), ``ended`` set once the job's end is logged; on an error, log nothing more and keep it
+    in ``failed``."""
     pending = ""
     with outbox.open(encoding="utf-8") as lines:
         while True:
@@ -293,7 +298,8 @@ def _relay(
                 for line in complete:
                     call = json.loads(line)
                     replay(client, run_id, call)
-                    relayed.append(call["op"])
+                    if call["op"] == "end":
+                        ended.set()
             except Exception as exc:  # noqa: BLE001 (raised by relay's caller)
                 failed.append(exc)
                 return
