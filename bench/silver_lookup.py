@@ -21,7 +21,12 @@ import polars as pl
 from deltalake import DeltaTable, write_deltalake
 
 from bench.timing import best_seconds
-from pipeline_assets.defs.silver.lookup import BANDS_PARTITIONED_BY, batch_slices, look_up_by_band
+from pipeline_assets.defs.silver.lookup import (
+    BANDS_PARTITIONED_BY,
+    BandsAt,
+    batch_slices,
+    look_up_by_band,
+)
 from pipeline_assets.lib.silver.dedup import (
     HISTORY_SCHEMA,
     ROWS_PER_LOOKUP_TASK,
@@ -67,9 +72,8 @@ def run(
                 wanted,
                 in_process,
                 batch_rows,
-                (bands_uri, None, bands.version()),
+                BandsAt(bands_uri, None, bands.version(), slices),
                 (index_uri, None, index.version()),
-                slices,
             )
             return entries
 

@@ -21,6 +21,7 @@ from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.flow import StepBytes, run_flow, staging_dir
+from pipeline_assets.defs.silver.lookup import bands_to_search
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import EXACT_BAND, PROMPT_BAND, lookup_in
@@ -43,6 +44,7 @@ def _write_and_wait(lake_uri: str, home: str, batch_id: str, marker: str) -> Non
     """The flow up to the writes, in a child process, which then waits to be killed."""
     lake = LakeResource(uri=lake_uri)
     index = lake.scan("silver", "minhash_index")
+    index_table = lake.table("silver", "minhash_index")
     run_flow(
         lake,
         RayEngine(home=home),
@@ -52,6 +54,7 @@ def _write_and_wait(lake_uri: str, home: str, batch_id: str, marker: str) -> Non
         SilverConfig(),
         EvalNgramIndex(DecontamConfig()),
         lookup_in(index) if index is not None else None,
+        bands_to_search(lake, index_table, [batch_id]) if index_table is not None else None,
     )
     Path(marker).write_text(WRITTEN)
     time.sleep(600)

@@ -47,6 +47,7 @@ from pipeline_assets.defs.silver.flow import (
     format_counts,
     prepare_batch,
     rejected_by_stage,
+    search_bands,
     write_bands,
     write_batch,
 )
@@ -131,7 +132,7 @@ def silver(
     flow = prepare_batch(
         lake, ray_engine, FORMAT_TABLES, batch_id, context.run_id, config, eval_index
     )
-    look_up, lookup_report = index_lookup(
+    look_up, lookup_report, bands_at = index_lookup(
         context,
         lake,
         ray_engine,
@@ -151,7 +152,7 @@ def silver(
     decontamination = _decontamination_note(eval_index)
     if not len(eval_index):
         context.log.info(f"decontamination: {decontamination}")
-    decide_batch(flow, look_up, config)
+    decide_batch(flow, search_bands(flow, ray_engine, bands_at, lookup_report), look_up)
     version = int(run_started * 1000)
     _refuse_a_partly_committed_run(flow, lake, version)
     write_batch(flow, lake, ray_engine, config)

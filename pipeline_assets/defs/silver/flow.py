@@ -21,12 +21,21 @@ import pyarrow.fs as pafs
 
 from pipeline_assets.contracts import polars_schema
 from pipeline_assets.defs.format_tables import FormatTables
+from pipeline_assets.defs.silver.lookup import BandsAt, add_tasks
 from pipeline_assets.lib import uris
 from pipeline_assets.lib.delta_files import table_filesystem
+from pipeline_assets.lib.formats import RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig
-from pipeline_assets.lib.silver.decide import Decision, decide
+from pipeline_assets.lib.silver.decide import Decision, decide, reached_dedup
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import PROMPT_BAND, IndexLookup, band_numbers, lsh_params
+from pipeline_assets.lib.silver.dedup import (
+    PROMPT_BAND,
+    BandMatches,
+    IndexLookup,
+    band_numbers,
+    lsh_params,
+    search_band,
+)
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
 from pipeline_assets.lib.silver.split import for_records, stage_counters
@@ -41,6 +50,7 @@ from pipeline_assets.lib.silver.staging import (
     finish_file_block,
     group_files,
     prepare_files,
+    read_band,
     read_keys,
     read_signatures,
     share_record_ids,
@@ -419,23 +429,81 @@ def _pinned_files(
     return version, bronze_files(uri, version, batch_id, options), schema
 
 
-def decide_batch(flow: BatchFlow, look_up: IndexLookup | None, config: SilverConfig) -> None:
-    """The batch's decision for every format from its keys, after one lookup of the index."""
+def decide_batch(
+    flow: BatchFlow, searched: dict[RecordFormat, BandMatches], look_up: IndexLookup | None
+) -> None:
+    """The batch's decision for every format from its keys and its band searches (``searched``),
+    after one lookup of the index."""
     started = time.perf_counter()
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
     decisions = decide(
         {b.tables.fmt: b.keys for b in flow.formats.values()},
         counted,
-        config,
+        flow.config,
         {b.tables.fmt: _signature_reader(flow, b) for b in flow.formats.values()},
+        searched,
     )
     for tables, batch in flow.formats.items():
         decision = decisions[tables.fmt]
         flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = replace(batch, decision=decision)
+    flow.index_lookup["keys"] += sum(found.keys for found in searched.values())
     waited = flow.index_lookup["seconds"]
     flow.decide_seconds = round(time.perf_counter() - started - waited, 3)
+
+
+def search_bands(
+    flow: BatchFlow, engine: BlockEngine, bands_at: BandsAt | None, report: dict
+) -> dict[RecordFormat, BandMatches]:
+    """Every format's LSH band keys searched by tasks, a band and slice of the other batches each
+    (``search_band``; the first slice's also within the batch, a band with no other batch only
+    that): per format, near dedup's candidates and the index entries sharing a key with them. The
+    band keys stay in the staged files. The tasks are the lookup's LSH half (a batch with no other
+    to search, its only half): their counts go to its ``report``."""
+    minhash = flow.config.minhash
+    lsh = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    slices = bands_at.slices if bands_at is not None else [None]
+    calls, formats = [], []
+    for tables, batch in flow.formats.items():
+        staged = [share.staged for share in batch.shares]
+        reached = reached_dedup(flow.config, tables.fmt)
+        for band in range(lsh.bands if batch.keys.height else 0):
+            for number, batches in enumerate(slices):
+                calls.append(
+                    (staged, band, reached, number == 0, bands_at, batches, flow.storage_options)
+                )
+                formats.append(tables.fmt)
+    done = engine.map_tasks(search_share_band, calls, flow.bronze_rows)
+    found = flow.step_bytes.results("band searches", done.results)
+    add_tasks(
+        report,
+        {
+            "tasks": f"{len(calls)} band searches",
+            "ran_on": done.ran_on,
+            "bands": len(calls) // len(slices),  # a format's band: what the sizer spreads
+            "task_seconds": done.task_seconds,
+            "wait_seconds": done.wall_seconds,
+        },
+    )
+    return {
+        tables.fmt: BandMatches.joined([m for f, m in zip(formats, found) if f is tables.fmt])
+        for tables in flow.formats
+    }
+
+
+def search_share_band(
+    staged: list[StagedShare],
+    band: int,
+    reached: pl.Expr,
+    within: bool,
+    bands_at: BandsAt | None,
+    batches: list[str] | None,
+    storage_options: dict | None,
+) -> BandMatches:
+    """One task: ``search_band`` on one band of a format's staged keys."""
+    keys = read_band(staged, band, reached, storage_options)
+    return search_band(keys, band, within, bands_at.scan() if bands_at else None, batches)
 
 
 def _signature_reader(flow: BatchFlow, batch: FormatBatch):
@@ -453,9 +521,9 @@ def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
     """``look_up``, recording the keys it was given, the entries it found (their bytes counted)
     and its seconds."""
 
-    def counted(wanted: pl.DataFrame) -> pl.DataFrame:
+    def counted(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
         started = time.perf_counter()
-        found = flow.step_bytes.frame("index entries found", look_up(wanted))
+        found = flow.step_bytes.frame("index entries found", look_up(wanted, also))
         seconds = round(time.perf_counter() - started, 3)
         flow.index_lookup.update(keys=wanted.height, entries_found=found.height, seconds=seconds)
         return found
@@ -679,9 +747,10 @@ def run_flow(
     config: SilverConfig,
     eval_index: EvalNgramIndex,
     look_up: IndexLookup | None,
+    bands_at: BandsAt | None,
 ) -> BatchFlow:
     """Prepare, decide and write one batch: everything before the commits."""
     flow = prepare_batch(lake, engine, formats, batch_id, run_id, config, eval_index)
-    decide_batch(flow, look_up, config)
+    decide_batch(flow, search_bands(flow, engine, bands_at, {}), look_up)
     write_batch(flow, lake, engine, config)
     return flow

@@ -3,8 +3,11 @@ band.
 
 The other batches are cut into slices of about ROWS_PER_LOOKUP_TASK indexed records (from the
 Delta log's file statistics). One task a band and slice reads that band's keys in those batches'
-partitions and returns the record ids that hold one of the batch's keys; then one task a slice
-with matches reads those records' entries (hashes and signatures) from ``silver/minhash_index``.
+partitions and returns the record ids that hold one of the batch's keys: for the LSH bands, the
+band searches (``flow.search_bands``), which read the batch's keys of the band from its staged
+files themselves; for the hashes' bands, tasks given the keys the step looked up. Then one task a
+slice with matches reads those records' entries (hashes and signatures) from
+``silver/minhash_index``.
 All of it is pinned to the tables' Delta versions when the step started. The tasks run where the
 batch runs its block stages: on Ray (which reads the lake from its workers: on a cluster, the lake
 must be on shared storage such as S3), or in this process, one after the other.
@@ -12,12 +15,15 @@ must be on shared storage such as S3), or in this process, one after the other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
 from pipeline_assets.lib.delta_files import partition_values
 from pipeline_assets.lib.silver.dedup import (
+    ENTRY_IDS,
     ROWS_PER_LOOKUP_TASK,
     IndexLookup,
     band_entries,
@@ -33,6 +39,22 @@ BANDS = ("silver", "minhash_bands")
 BANDS_PARTITIONED_BY = ("band", "batch_id")
 
 
+@dataclass(frozen=True)
+class BandsAt:
+    """``silver/minhash_bands`` as a batch's lookup reads it: pinned, and the other batches in
+    slices (a task a band and slice)."""
+
+    uri: str
+    storage_options: dict | None
+    version: int
+    slices: list[list[str]]
+
+    def scan(self) -> pl.LazyFrame:
+        return pl.scan_delta(
+            DeltaTable(self.uri, version=self.version, storage_options=self.storage_options)
+        )
+
+
 def index_lookup(
     context: AssetExecutionContext,
     lake: LakeResource,
@@ -41,55 +63,66 @@ def index_lookup(
     batch_rows: int,
     excluded: list[str],
     config: MinHashConfig,
-) -> tuple[IndexLookup | None, dict]:
-    """The batch's lookup (None while no other batch has an index entry) and what it reports: the
-    Delta versions it reads and, once it ran, its tasks and where they ran."""
+) -> tuple[IndexLookup | None, dict, BandsAt | None]:
+    """The batch's lookup (None while no other batch has an index entry), what it reports (the
+    Delta versions it reads and, once it ran, its tasks and where they ran) and the bands table the
+    band searches read."""
     index = lake.table(*INDEX)
     if index is None:
-        return None, {}
+        return None, {}, None
     refuse_other_settings(_values_in_file_stats(index, "lsh_params"), config)
     _add_missing_batches(context, lake, index)
-    bands = lake.table(*BANDS)
-    slices = batch_slices(index, excluded, ROWS_PER_LOOKUP_TASK)
-    if bands is None or not slices:
-        return None, {}
+    bands_at = bands_to_search(lake, index, excluded)
+    if bands_at is None:
+        return None, {}, None
     report = {
         "versions": {
             "silver/minhash_index": index.version(),
-            "silver/minhash_bands": bands.version(),
+            "silver/minhash_bands": bands_at.version,
         }
     }
-    options = lake.storage_options()
-    bands_at = (lake.table_uri(*BANDS), options, bands.version())
-    index_at = (lake.table_uri(*INDEX), options, index.version())
+    index_at = (lake.table_uri(*INDEX), lake.storage_options(), index.version())
 
-    def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
-        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_at, slices)
-        _add_tasks(report, tasks)
+    def look_up(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
+        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_at, also)
+        add_tasks(report, tasks)
         return entries if entries is not None else pl.scan_delta(index).head(0).collect()
 
-    return look_up, report
+    return look_up, report, bands_at
+
+
+def bands_to_search(lake: LakeResource, index: DeltaTable, excluded: list[str]) -> BandsAt | None:
+    """``silver/minhash_bands`` pinned, with the slices of ``index``'s batches less ``excluded``
+    (None: no table, or no other batch)."""
+    bands = lake.table(*BANDS)
+    slices = batch_slices(index, excluded, ROWS_PER_LOOKUP_TASK)
+    if bands is None or not slices:
+        return None
+    return BandsAt(lake.table_uri(*BANDS), lake.storage_options(), bands.version(), slices)
 
 
 def look_up_by_band(
     wanted: pl.DataFrame,
     engine: BlockEngine,
     batch_rows: int,
-    bands_at: tuple,
+    bands_at: BandsAt,
     index_at: tuple,
-    slices: list[list[str]],
+    also: pl.DataFrame | None = None,
 ) -> tuple[pl.DataFrame | None, dict]:
-    """The index entries holding one of the ``wanted`` (band, band_key) rows (None: none), and the
-    tasks that found them. ``bands_at``, ``index_at``: each table's (uri, storage options,
-    version)."""
+    """The index entries holding one of the ``wanted`` (band, band_key) rows or named in ``also``
+    (ENTRY_IDS, found by the band searches) (None: none), and the tasks that found them.
+    ``index_at``: the index's (uri, storage options, version)."""
     by_key = wanted.sort("band").group_by("band", maintain_order=True)
+    slices = bands_at.slices
     calls = [
-        (*bands_at, band, keys["band_key"], batches)
+        (bands_at, band, keys["band_key"], batches)
         for (band,), keys in by_key
         for batches in slices
     ]
     by_band = engine.map_tasks(find_in_band_table, calls, batch_rows)
-    found = pl.concat(by_band.results).unique()
+    found = pl.concat(
+        [pl.DataFrame(schema=ENTRY_IDS), *by_band.results, *([] if also is None else [also])]
+    ).unique()
     reads = [(*index_at, found.filter(pl.col("batch_id").is_in(batches))) for batches in slices]
     entries = engine.map_tasks(
         read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows
@@ -104,14 +137,16 @@ def look_up_by_band(
     return (pl.concat(entries.results, how="diagonal_relaxed") if entries.results else None), tasks
 
 
-def _add_tasks(report: dict, tasks: dict) -> None:
-    """A lookup called more than once (silver calls it once a batch, for every format's keys) sums
-    its calls' tasks and seconds in the report, and lists their tasks a call apart."""
+def add_tasks(report: dict, tasks: dict) -> None:
+    """A lookup's tasks (silver's band searches, then its call for every format's hashes) summed in
+    the report, their tasks listed a call apart; where they ran is where the first call's ran (the
+    band searches: most of the tasks)."""
     for name, value in tasks.items():
-        if name not in report or name == "ran_on":
+        if name not in report:
             report[name] = value
         elif isinstance(value, str):
-            report[name] = f"{report[name]}; {value}"
+            if name != "ran_on":
+                report[name] = f"{report[name]}; {value}"
         else:
             report[name] += value
 
@@ -139,21 +174,11 @@ def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> 
 
 
 def find_in_band_table(
-    uri: str,
-    storage_options: dict | None,
-    version: int,
-    band: int,
-    keys: pl.Series,
-    batches: list[str],
+    bands_at: BandsAt, band: int, keys: pl.Series, batches: list[str]
 ) -> pl.DataFrame:
     """One task: ``find_in_band`` on one band of some batches' partitions of
     ``silver/minhash_bands``."""
-    return find_in_band(
-        pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options)),
-        band,
-        keys,
-        batches,
-    )
+    return find_in_band(bands_at.scan(), band, keys, batches)
 
 
 def read_entries(

@@ -22,7 +22,7 @@ keys together; each format dedups against the entries holding its own.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,6 +32,7 @@ from pipeline_assets.lib.formats import PREFERENCE, SFT, RecordFormat
 from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex, find_contamination
 from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
+    BandMatches,
     IndexLookup,
     StagedSignatures,
     entries_holding,
@@ -246,25 +247,37 @@ def _prepare(
 
 
 def look_up_histories(
-    hashed: dict[RecordFormat, pl.DataFrame], look_up: IndexLookup | None, config: MinHashConfig
+    hashed: dict[RecordFormat, pl.DataFrame],
+    look_up: IndexLookup | None,
+    config: MinHashConfig,
+    searched: Mapping[RecordFormat, BandMatches] | None = None,
 ) -> tuple[dict[RecordFormat, tuple[pl.LazyFrame | None, dict]], dict]:
     """One lookup over every format's keys (``hashed``: its records' exact hash and signatures,
     and a pair's hashes): each format's history (the other batches' index entries holding one of
     its own keys: all its dedup stages read of them) with its counters, and the lookup's
-    counters."""
-    started = time.perf_counter()
+    counters. A format in ``searched`` had its LSH bands searched apart: its entries found there
+    are read with the others, and only its hashes are looked up here."""
+    started, searched = time.perf_counter(), searched or {}
     wanted = {
-        fmt: wanted_keys(frame, config, fmt)
+        fmt: wanted_keys(frame, config, fmt, lsh=fmt not in searched)
         for fmt, frame in hashed.items()
         if look_up is not None and not frame.is_empty()
     }
+    apart = {fmt: searched[fmt] for fmt in wanted if fmt in searched}
     every_key = pl.concat(wanted.values()).unique() if wanted else None
-    found = look_up(every_key) if every_key is not None else None
+    also = pl.concat([a.entries for a in apart.values()]).unique() if apart else None
+    found = look_up(every_key, also) if every_key is not None else None
     histories = {fmt: (None, {"keys": 0, "entries_found": 0}) for fmt in hashed}
     for fmt, keys in wanted.items():
-        own = entries_holding(found, keys)  # what a lookup of the format's keys alone finds
-        histories[fmt] = own.lazy(), {"keys": keys.height, "entries_found": own.height}
-    keys, entries = (0, 0) if found is None else (every_key.height, found.height)
+        # what a lookup of the format's keys alone finds
+        own = entries_holding(found, keys, apart[fmt].entries if fmt in apart else None)
+        searched_keys = keys.height + (apart[fmt].keys if fmt in apart else 0)
+        histories[fmt] = own.lazy(), {"keys": searched_keys, "entries_found": own.height}
+    keys, entries = (
+        (0, 0)
+        if found is None
+        else (every_key.height + sum(a.keys for a in apart.values()), found.height)
+    )
     return histories, {
         "keys": keys,
         "entries_found": entries,

@@ -26,6 +26,7 @@ from pipeline_assets.lib.silver.curation import (
 )
 from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
+    BandMatches,
     IndexLookup,
     SignatureReader,
     StagedSignatures,
@@ -58,14 +59,16 @@ def decide(
     look_up: IndexLookup | None,
     config: SilverConfig,
     signatures: Mapping[RecordFormat, SignatureReader] | None = None,
+    searched: Mapping[RecordFormat, BandMatches] | None = None,
 ) -> dict[RecordFormat, Decision]:
     """Every format's decision for one batch from its ``keys`` (in batch order), after one lookup
     of the other batches' index entries over every format's keys (``look_up``; None: there are
     none), as ``curate_formats`` looks them up.
 
-    Keys read without their signatures come with ``signatures``: per format, a reader of the
-    signatures of the records near dedup names (those sharing a band key with another record or
-    an index entry); the lookup takes the staged band keys."""
+    Keys read without their signatures come with the band searches (``searched``: per format,
+    ``search_band`` over every band, joined: the records sharing a band key with another record
+    or an index entry, and those entries) and ``signatures``: per format, a reader of the
+    signatures of those records."""
     for keys in keys_by_format.values():
         refuse_text(keys)
     removed_before = {fmt: _removed_before(config, fmt) for fmt in keys_by_format}
@@ -77,38 +80,36 @@ def decide(
         fmt: frame.select(name for name in DEDUP_INPUT if name in frame.columns)
         for fmt, frame in reached.items()
     }
-    histories, _ = look_up_histories(
-        {fmt: _lookup_input(frame, hashed[fmt]) for fmt, frame in reached.items()},
-        look_up,
-        config.minhash,
-    )
+    searched = searched or {}
+    staged = {
+        fmt: _staged_signatures(keys, (signatures or {}).get(fmt), searched.get(fmt))
+        for fmt, keys in keys_by_format.items()
+    }
+    histories, _ = look_up_histories(hashed, look_up, config.minhash, searched)
     return {
         fmt: _decide(
-            keys,
-            hashed[fmt],
-            *histories[fmt],
-            removed_before[fmt],
-            config,
-            fmt,
-            _staged_signatures(keys, (signatures or {}).get(fmt)),
+            keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt, staged[fmt]
         )
         for fmt, keys in keys_by_format.items()
     }
 
 
-def _lookup_input(reached: pl.DataFrame, hashed: pl.DataFrame) -> pl.DataFrame:
-    """What the lookup's wanted keys are made from: the signatures, or else the staged band keys."""
-    if SIGNATURE_COLUMNS[0] in hashed.columns:
-        return hashed
-    return hashed.with_columns(reached["band_keys"])
-
-
-def _staged_signatures(keys: pl.DataFrame, read: SignatureReader | None) -> StagedSignatures | None:
+def _staged_signatures(
+    keys: pl.DataFrame, read: SignatureReader | None, searched: BandMatches | None
+) -> StagedSignatures | None:
     if SIGNATURE_COLUMNS[0] in keys.columns:
         return None
-    if read is None:
-        raise ValueError("keys without signatures need a reader of the candidates' signatures")
-    return StagedSignatures(keys.select("record_id", "band_keys"), read)
+    if read is None or searched is None:
+        raise ValueError(
+            "keys without signatures need the band searches' candidates and a reader of their "
+            "signatures"
+        )
+    return StagedSignatures(searched.candidates, read)
+
+
+def reached_dedup(config: SilverConfig, fmt: RecordFormat) -> pl.Expr:
+    """True for the keys of records no stage before dedup removed."""
+    return _reached_dedup(_removed_before(config, fmt))
 
 
 def _reached_dedup(removed_before: list[str]) -> pl.Expr:

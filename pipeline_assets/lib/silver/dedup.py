@@ -10,8 +10,9 @@ the matches, not with the history.
 
 The other batches are found through ``silver/minhash_bands``: every kept record's LSH band keys and
 the first 60 bits of its exact hash, one row a band, partitioned by band. A batch looks up its own
-keys one band at a time (``find_in_band``: a task a band and slice of batches, on Ray where the
-batch runs its block stages), and only the entries that share a key come back with their
+keys one band at a time (a task a band and slice of batches, on Ray where the batch runs its block
+stages: ``search_band`` for the LSH bands, which also finds the records sharing a key within the
+batch, ``find_in_band`` for the hashes), and only the entries that share a key come back with their
 signatures (``IndexLookup``).
 
 A pair is a near-duplicate only when its responses are near-duplicates too: candidates come from
@@ -29,7 +30,7 @@ band PROMPT_BAND, so a batch finds how many pairs earlier batches kept for each 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,9 +73,10 @@ PROMPT_BAND = (
 BAND_SCHEMA = pl.Schema(
     {"band": pl.Int16, "band_key": pl.Int64, "record_id": pl.String, "batch_id": pl.String}
 )
-# (band, band_key) rows a batch looks up -> the other batches' index entries (HISTORY_SCHEMA)
-# holding one.
-IndexLookup = Callable[[pl.DataFrame], pl.DataFrame]
+ENTRY_IDS = pl.Schema({"record_id": pl.String, "batch_id": pl.String})  # an index entry's name
+# (band, band_key) rows a batch looks up, and entries (ENTRY_IDS) found apart (``search_band``) ->
+# the other batches' index entries (HISTORY_SCHEMA) holding one of the keys or named
+IndexLookup = Callable[[pl.DataFrame, pl.DataFrame | None], pl.DataFrame]
 
 
 @dataclass(frozen=True)
@@ -292,10 +294,10 @@ SignatureReader = Callable[[pl.Series], pl.DataFrame]
 
 @dataclass(frozen=True)
 class StagedSignatures:
-    """Where near dedup finds signatures when its input holds none: every record's band keys
-    (``record_id``, ``band_keys``), and a reader of the signatures of the records it names."""
+    """Where near dedup finds signatures when its input holds none: its candidates, found by the
+    band searches (``search_band``: record ids), and a reader of their signatures."""
 
-    band_keys: pl.DataFrame
+    candidates: pl.Series
     read: SignatureReader
 
 
@@ -309,8 +311,10 @@ def near_dedup_candidates(
     """``near_dedup`` with only the signatures it can use read: those of the records sharing a
     band key with another record of ``batch`` or with an entry of ``history`` (the candidates).
     ``near_dedup`` runs on the candidates alone; any other record has no candidate pair, so it is
-    its own cluster's survivor, kept, exactly as ``near_dedup`` of the whole batch keeps it."""
-    candidate = batch["record_id"].is_in(_candidate_ids(batch, history, staged).implode())
+    its own cluster's survivor, kept, exactly as ``near_dedup`` of the whole batch keeps it. The
+    candidates may name records ``batch`` does not hold (removed by a stage before): they are
+    left out."""
+    candidate = batch["record_id"].is_in(staged.candidates.implode())
     candidates = batch.filter(candidate)
     signed = candidates.join(
         staged.read(candidates["record_id"]), on="record_id", how="left", maintain_order="left"
@@ -321,43 +325,6 @@ def near_dedup_candidates(
         pl.concat([kept, alone.select(kept.columns)]), on="record_id", maintain_order="left"
     )
     return in_order.select(kept.columns), rejected, details
-
-
-def _candidate_ids(
-    batch: pl.DataFrame, history: pl.LazyFrame | None, staged: StagedSignatures
-) -> pl.Series:
-    """The records of ``batch`` that share a (band, band key) with another of its records or with
-    an entry of ``history``: one band at a time, so that what is held beside the batch's band keys
-    is one band's column, not every band's rows."""
-    keys = batch.select("record_id").join(staged.band_keys, on="record_id", maintain_order="left")
-    found = None if history is None else history.select("band_keys").collect()["band_keys"]
-    bands = keys["band_keys"].list.len().max() or 0
-    shared = pl.repeat(False, keys.height, eager=True)
-    for band in range(bands):
-        column = keys["band_keys"].list.get(band, null_on_oob=True)
-        in_band = column.is_duplicated() & column.is_not_null()
-        if found is not None and len(found):
-            in_band |= column.is_in(found.list.get(band, null_on_oob=True).drop_nulls().implode())
-        shared |= in_band.fill_null(False)
-    return keys.filter(shared)["record_id"]
-
-
-def _distinct_band_keys(band_keys: pl.Series) -> pl.DataFrame:
-    """(band, band_key) of every key in a list column of band keys, once each, a band at a time."""
-    bands = band_keys.list.len().max() or 0
-    return (
-        pl.concat(
-            [
-                pl.DataFrame(
-                    {"band_key": band_keys.list.get(band, null_on_oob=True).drop_nulls().unique()}
-                ).select(pl.lit(band, pl.Int16).alias("band"), "band_key")
-                for band in range(bands)
-            ],
-            how="vertical",
-        )
-        if bands
-        else pl.DataFrame(schema={"band": pl.Int16, "band_key": pl.Int64})
-    )
 
 
 def index_entries(
@@ -501,6 +468,14 @@ def band_entries(index: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+STAGED_BAND_PREFIX = "band_key_"
+
+
+def staged_band_column(band: int) -> str:
+    """The column of a batch's staged keys that holds one LSH band's keys."""
+    return f"{STAGED_BAND_PREFIX}{band:02d}"
+
+
 def band_numbers(lsh_bands: int) -> list[int]:
     """Every band of ``silver/minhash_bands``: the exact band, the ``lsh_bands`` LSH bands, the
     prompt band."""
@@ -529,16 +504,16 @@ def band_rows(index: pl.LazyFrame, band: int) -> pl.LazyFrame:
 
 
 def wanted_keys(
-    batch: pl.DataFrame, config: MinHashConfig = MinHashConfig(), fmt: RecordFormat = SFT
+    batch: pl.DataFrame,
+    config: MinHashConfig = MinHashConfig(),
+    fmt: RecordFormat = SFT,
+    lsh: bool = True,
 ) -> pl.DataFrame:
     """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a
     preference batch also looks up its pairs' prompts and their pairs labelled the other way
-    (``flipped_hash``)."""
-    lsh = (
-        _distinct_band_keys(batch["band_keys"])
-        if "band_keys" in batch.columns  # staged with the keys: no signature needed
-        else _lsh_keys(batch, config, fmt)
-    )
+    (``flipped_hash``). Without ``lsh``, only the hashes' bands: the LSH bands were searched
+    apart (``search_band``)."""
+    lsh_keys = [_lsh_keys(batch, config, fmt)] if lsh else []
     hashes = [
         (EXACT_BAND, "exact_hash"),
         (EXACT_BAND, "flipped_hash"),
@@ -549,7 +524,7 @@ def wanted_keys(
         for band, column in hashes
         if column in batch.columns
     ]
-    return pl.concat([*exact, lsh]).unique()
+    return pl.concat([*exact, *lsh_keys]).unique()
 
 
 def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> pl.DataFrame:
@@ -565,14 +540,19 @@ def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> 
     )
 
 
-def entries_holding(entries: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:
-    """The index ``entries`` holding one of the ``wanted`` (band, band_key) rows: of one lookup over
-    several formats' keys, the entries a lookup of one format's keys would find."""
+def entries_holding(
+    entries: pl.DataFrame, wanted: pl.DataFrame, also: pl.DataFrame | None = None
+) -> pl.DataFrame:
+    """The index ``entries`` holding one of the ``wanted`` (band, band_key) rows, or named in
+    ``also`` (ENTRY_IDS): of one lookup over several formats' keys, the entries a lookup of one
+    format's keys would find."""
     holding = (
         band_entries(entries)
         .join(wanted, on=["band", "band_key"], how="semi")
         .select("record_id", "batch_id")
     )
+    if also is not None:
+        holding = pl.concat([holding, also.select(holding.columns)])
     return entries.join(
         holding.unique(), on=["record_id", "batch_id"], how="semi", maintain_order="left"
     )
@@ -591,6 +571,62 @@ def find_in_band(
     )
 
 
+@dataclass(frozen=True)
+class BandMatches:
+    """What the searches of a batch's band keys found (``search_band``), for one format."""
+
+    candidates: pl.Series  # record ids: near dedup's candidates
+    entries: pl.DataFrame  # ENTRY_IDS: the other batches' entries sharing a key with them
+    keys: int  # the distinct keys looked up in the other batches' entries
+
+    @classmethod
+    def joined(cls, found: Sequence[BandMatches]) -> BandMatches:
+        return cls(
+            pl.concat([pl.Series("record_id", [], pl.String), *(f.candidates for f in found)])
+            .unique()
+            .sort(),
+            pl.concat([pl.DataFrame(schema=ENTRY_IDS), *(f.entries for f in found)]).unique(),
+            sum(f.keys for f in found),
+        )
+
+
+def search_band(
+    keys: pl.DataFrame,
+    band: int,
+    within: bool,
+    bands: pl.LazyFrame | None = None,
+    batches: list[str] | None = None,
+) -> BandMatches:
+    """One LSH band of a batch's records that reached dedup (``keys``: record_id, exact_hash,
+    band_key): with ``within``, the records sharing their key with another of them; with ``bands``
+    (``silver/minhash_bands`` rows, of ``batches``; None: all), the records holding a key an entry
+    of the band holds, and those entries. Over every band, these are near dedup's candidates: the
+    records sharing a band key with another record that reaches it or with an index entry.
+
+    Of the records with one exact hash, only the one exact dedup keeps in the batch (the smallest
+    record id) is searched within it: the others are removed before near dedup, and hold the same
+    band keys (the same text), so they would only make their survivor a candidate."""
+    key = pl.col("band_key")
+    shared = keys.head(0)
+    if within:  # a hash's copies hold one key: all of them are among the keys held twice
+        shared = keys.filter(key.is_duplicated() & key.is_not_null())
+        first = pl.col("record_id") == pl.col("record_id").min().over("exact_hash")
+        shared = shared.filter(first).filter(key.is_duplicated())
+    if bands is None:
+        return BandMatches(shared["record_id"], pl.DataFrame(schema=ENTRY_IDS), 0)
+    distinct = keys["band_key"].drop_nulls().unique()
+    where = (pl.col("band") == band) & key.is_in(distinct.implode())
+    if batches is not None:
+        where &= pl.col("batch_id").is_in(batches)
+    found = bands.filter(where).select("record_id", "batch_id", "band_key").collect()
+    holding = keys.filter(key.is_in(found["band_key"].implode()))
+    return BandMatches(
+        pl.concat([shared["record_id"], holding["record_id"]]).unique(),
+        found.select("record_id", "batch_id").unique().cast(dict(ENTRY_IDS)),
+        distinct.len(),
+    )
+
+
 def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
     """An ``IndexLookup`` over index entries held here (a whole index in memory: for tests and small
     runs)."""
@@ -599,11 +635,15 @@ def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:
     entries = index.collect()
     bands = band_entries(entries).lazy()
 
-    def look_up(wanted: pl.DataFrame) -> pl.DataFrame:
+    def look_up(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
         found = pl.concat(
             [
-                find_in_band(bands, band, keys["band_key"])
-                for (band,), keys in wanted.group_by("band")
+                pl.DataFrame(schema=ENTRY_IDS),
+                *(
+                    find_in_band(bands, band, keys["band_key"])
+                    for (band,), keys in wanted.group_by("band")
+                ),
+                *([] if also is None else [also]),
             ],
             how="vertical",
         )

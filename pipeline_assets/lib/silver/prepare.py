@@ -30,7 +30,13 @@ import polars as pl
 from pipeline_assets.lib.formats import FORMATS, PREFERENCE, SFT, TURNS, RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig, after_dedup, before_dedup
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, exact_hashes, index_entries
+from pipeline_assets.lib.silver.dedup import (
+    SIGNATURE_COLUMNS,
+    exact_hashes,
+    index_entries,
+    lsh_params,
+    staged_band_column,
+)
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS, pair_hashes
 from pipeline_assets.lib.stages import (
@@ -217,8 +223,17 @@ def _hash_columns(hashed: pl.DataFrame, fmt: RecordFormat) -> pl.DataFrame:
 def _keys(
     staged: pl.DataFrame, hashed: pl.DataFrame, minhash: MinHashConfig, fmt: RecordFormat
 ) -> pl.DataFrame:
+    """What the decision reads of a block: hashes, signatures, the per-record verdict, and the LSH
+    band keys a column a band (the band searches read one each; no other reader takes them)."""
     pair = list(PAIR_HASH_COLUMNS) if fmt is PREFERENCE else []
-    band_keys = index_entries(hashed, minhash, fmt).select("record_id", "band_keys")
+    bands = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight).bands
+    band_keys = index_entries(hashed, minhash, fmt).select(
+        "record_id",
+        *(
+            pl.col("band_keys").list.get(band, null_on_oob=True).alias(staged_band_column(band))
+            for band in range(bands)
+        ),
+    )
     keys = staged.select(
         POSITION,
         "record_id",

@@ -28,7 +28,11 @@ from pipeline_assets.lib import uris
 from pipeline_assets.lib.formats import FORMATS, RecordFormat, text_chars
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
-from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS
+from pipeline_assets.lib.silver.dedup import (
+    SIGNATURE_COLUMNS,
+    STAGED_BAND_PREFIX,
+    staged_band_column,
+)
 from pipeline_assets.lib.silver.prepare import (
     POSITION,
     Prepared,
@@ -41,6 +45,7 @@ from pipeline_assets.lib.silver.prepare import (
 )
 
 BATCH_COLUMN = "batch_id"  # bronze's partition column
+STAGED_BAND_COLUMNS = f"^{STAGED_BAND_PREFIX}[0-9]+$"  # every band's column, as a pattern
 # as polars' scan_delta reads a table's files, so a share's rows have the types lake.read gives
 DELTA_CASTS = pl.ScanCastOptions(
     integer_cast="upcast",
@@ -327,10 +332,10 @@ def read_keys(
     shares: Sequence[StagedShare], storage_options: dict | None = None, signatures: bool = True
 ) -> pl.DataFrame:
     """The shares' keys, in position order: all the decision reads (without ``signatures``, all
-    but the signatures: ``read_signatures`` reads those near dedup needs). Raises on a text
-    column."""
+    but the signatures: ``read_signatures`` reads those near dedup needs), the LSH band keys left
+    to the band searches (``read_band``). Raises on a text column."""
     blocks = _blocks(shares)
-    left_out = [] if signatures else list(SIGNATURE_COLUMNS)
+    left_out = [STAGED_BAND_COLUMNS, *([] if signatures else SIGNATURE_COLUMNS)]
     keys = pl.concat(
         [
             pl.scan_parquet(block.keys, storage_options=storage_options)
@@ -355,6 +360,25 @@ def read_signatures(
             pl.scan_parquet(block.keys, storage_options=storage_options)
             .select("record_id", *SIGNATURE_COLUMNS)
             .filter(wanted)
+            .collect()
+            for block in _blocks(shares)
+        ]
+    )
+
+
+def read_band(
+    shares: Sequence[StagedShare],
+    band: int,
+    reached: pl.Expr,
+    storage_options: dict | None = None,
+) -> pl.DataFrame:
+    """One LSH band's keys (record_id, exact_hash, band_key) of the shares' records that
+    ``reached`` (an expression over the keys) selects, in position order."""
+    return pl.concat(
+        [
+            pl.scan_parquet(block.keys, storage_options=storage_options)
+            .filter(reached)
+            .select("record_id", "exact_hash", band_key=staged_band_column(band))
             .collect()
             for block in _blocks(shares)
         ]

@@ -150,8 +150,8 @@ def test_a_later_batch_finds_only_entries_sharing_a_key_and_is_judged_as_against
     asked = []
 
     def counting(look_up):
-        def wrapped(wanted):
-            found = look_up(wanted)
+        def wrapped(wanted, also=None):
+            found = look_up(wanted, also)
             asked.append((wanted, found))
             return found
 
@@ -176,7 +176,7 @@ def test_a_later_batch_finds_only_entries_sharing_a_key_and_is_judged_as_against
     assert by_band.index_lookup["entries_found"] == 2
 
     whole = curate(
-        later, lambda wanted: first.index, eval_index, config
+        later, lambda wanted, also: first.index, eval_index, config
     )  # every entry, matching or not
     assert whole.kept.equals(by_band.kept) and whole.rejects.equals(by_band.rejects)
 

@@ -13,12 +13,14 @@ from datasketch import MinHash
 from datasketch.lsh import _optimal_param
 
 from pipeline_assets.lib.silver.dedup import (
+    BandMatches,
     _cluster_survivors,
     _node_order,
     exact_dedup,
     index_entries,
     lsh_params,
     near_dedup,
+    search_band,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig, shingle_hashes, shingles, signatures
 from pipeline_assets.lib.silver.minhash_kernels import big_endian_words, sha1_hash32
@@ -261,3 +263,32 @@ def test_the_sha1_kernel_equals_hashlib_at_every_length_across_block_boundaries(
         for s, e in zip(starts, ends, strict=True)
     ]
     assert ours.tolist() == expected
+
+
+def test_a_band_search_names_the_records_sharing_a_key_and_leaves_exact_copies_to_exact_dedup():
+    """r01 and r02 are exact copies (one hash, one key); r03 shares their key: r01, the copy exact
+    dedup keeps, and r03 are candidates, r02 is not. r07 and r08 share a key only with each other,
+    as exact copies: neither is. r05 holds a key an entry of another batch holds."""
+    keys = pl.DataFrame(
+        {
+            "record_id": ["r02", "r01", "r03", "r05", "r07", "r08"],
+            "exact_hash": ["h1", "h1", "h3", "h5", "h7", "h7"],
+            "band_key": [10, 10, 10, 30, 90, 90],
+        }
+    )
+    within = search_band(keys, 0, within=True)
+    assert sorted(within.candidates) == ["r01", "r03"] and within.keys == 0
+    bands = pl.DataFrame(
+        {
+            "band": pl.Series([0, 1, 0], dtype=pl.Int16),
+            "band_key": [30, 10, 77],
+            "record_id": ["x1", "x2", "x3"],
+            "batch_id": ["b0", "b0", "b0"],
+        }
+    ).lazy()
+    held = search_band(keys, 0, within=False, bands=bands, batches=["b0"])
+    assert held.candidates.to_list() == ["r05"]  # band 1's key 10 is another band's
+    assert held.entries.rows() == [("x1", "b0")] and held.keys == 3  # 10, 30 and 90
+    both = BandMatches.joined([within, held])
+    assert both.candidates.to_list() == ["r01", "r03", "r05"] and both.keys == 3
+    assert search_band(keys, 0, within=False, bands=bands, batches=["b9"]).candidates.is_empty()

@@ -315,9 +315,9 @@ def test_a_batch_of_both_formats_looks_up_once_and_each_format_is_judged_as_on_i
     later = {SFT: _sft(copies, "b2"), PREFERENCE: _pairs(copies, batch_id="b2")}
     asked = []
 
-    def counting(wanted: pl.DataFrame) -> pl.DataFrame:
+    def counting(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
         asked.append(wanted)
-        return lookup_in(index)(wanted)
+        return lookup_in(index)(wanted, also)
 
     together = curate_formats(later, counting, eval_index, config)
     (wanted,) = asked

@@ -11,7 +11,7 @@ import pytest
 from pipeline_assets.lib.formats import CONVERSATION, PREFERENCE, SFT, TURNS
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
 from pipeline_assets.lib.silver.decide import decide
-from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, lookup_in
 from pipeline_assets.lib.silver.prepare import TextInKeysError, prepare, text_columns
 from pipeline_assets.lib.silver.scorers import ScorerSpec
 from pipeline_assets.lib.silver.split import split
@@ -178,6 +178,9 @@ def test_keys_hold_no_text_and_decide_refuses_keys_that_do():
     with_turns = prepared[CONVERSATION].keys.with_columns(prepared[CONVERSATION].staged["messages"])
     with pytest.raises(TextInKeysError, match="messages"):
         decide({**keys, CONVERSATION: with_turns}, None, config)
+    unsigned = prepared[SFT].keys.drop(SIGNATURE_COLUMNS)
+    with pytest.raises(ValueError, match="band searches' candidates"):
+        decide({**keys, SFT: unsigned}, None, config)
 
 
 def _fasttext_scorer(tmp_path) -> ScorerSpec:

@@ -13,8 +13,14 @@ import pytest
 
 from pipeline_assets.lib.formats import CONVERSATION, PREFERENCE, SFT, TURNS
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
-from pipeline_assets.lib.silver.decide import decide
-from pipeline_assets.lib.silver.dedup import lookup_in
+from pipeline_assets.lib.silver.decide import decide, reached_dedup
+from pipeline_assets.lib.silver.dedup import (
+    BandMatches,
+    band_entries,
+    lookup_in,
+    lsh_params,
+    search_band,
+)
 from pipeline_assets.lib.silver.prepare import text_columns
 from pipeline_assets.lib.silver.split import split
 from pipeline_assets.lib.silver.staging import (
@@ -23,6 +29,7 @@ from pipeline_assets.lib.silver.staging import (
     cut_files,
     group_files,
     prepare_files,
+    read_band,
     read_keys,
     read_prepared,
     read_signatures,
@@ -94,7 +101,8 @@ def _shares(lake, engine, fmt, version, batch_id, staging: Path, config):
 
 def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None):
     """Prepared, decided and split batch after batch; with ``read`` (a list), the keys are read
-    without their signatures and near dedup reads its candidates' (``read`` gets how many)."""
+    without their signatures: each LSH band is searched from the staged files, and near dedup
+    reads the signatures of the candidates found (``read`` gets how many)."""
     index, results = None, []
     for batch_id in batch_ids:
         shares = {
@@ -104,8 +112,13 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None)
         assert all(len(s) >= 2 for s in shares.values()), "every batch spans several files"
         look_up = lookup_in(index.lazy()) if index is not None else None
         keys = {fmt: read_keys(s, signatures=read is None) for fmt, s in shares.items()}
-        readers = {fmt: _counted_reader(s, read) for fmt, s in shares.items()}
-        decisions = decide(keys, look_up, config, readers if read is not None else None)
+        assert not [c for k in keys.values() for c in k.columns if "band_key" in c]
+        if read is None:
+            decisions = decide(keys, look_up, config)
+        else:
+            readers = {fmt: _counted_reader(s, read) for fmt, s in shares.items()}
+            searched = _searched(shares, index, config)
+            decisions = decide(keys, look_up, config, readers, searched)
         cut = {
             fmt: split(read_prepared(s), decisions[fmt], config.minhash)
             for fmt, s in shares.items()
@@ -117,6 +130,23 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None)
     return results
 
 
+def _searched(shares: dict, index: pl.DataFrame | None, config: SilverConfig) -> dict:
+    """Per format, every LSH band of its staged keys searched within the batch and in the other
+    batches' band rows (``index``'s), joined."""
+    minhash = config.minhash
+    bands = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight).bands
+    rows = band_entries(index).lazy() if index is not None else None
+    return {
+        fmt: BandMatches.joined(
+            [
+                search_band(read_band(s, band, reached_dedup(config, fmt)), band, True, rows)
+                for band in range(bands)
+            ]
+        )
+        for fmt, s in shares.items()
+    }
+
+
 def _counted_reader(shares, read: list | None):
     def signatures_of(record_ids: pl.Series) -> pl.DataFrame:
         read.append(record_ids.len())
@@ -125,9 +155,10 @@ def _counted_reader(shares, read: list | None):
     return signatures_of
 
 
-def test_near_dedup_reads_only_its_candidates_signatures_and_decides_as_today(tmp_path):
-    """Keys without signatures: near dedup reads the signatures of the records sharing a band key
-    with another record or an index entry, and the tables are today's, row for row."""
+def test_band_searches_of_the_staged_files_find_near_dedups_candidates_as_today(tmp_path):
+    """Keys without signatures or band keys: a search of each band of the staged files, within the
+    batch and in the other batches' band rows, names near dedup's candidates and the index entries
+    to read, and the tables and near dedup's counters are today's, row for row."""
     lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
     versions = _write_bronze(lake, _batches()[:2])
     engine = RayEngine(home=str(tmp_path / "home"), min_rows=10**9)
@@ -142,6 +173,8 @@ def test_near_dedup_reads_only_its_candidates_signatures_and_decides_as_today(tm
                 **stages["near_dedup"],
                 "seconds": mine[fmt][3]["near_dedup"]["seconds"],
             }, fmt.name
+    against = sum(t[fmt][3]["near_dedup"]["against_other_batches"] for t in today for fmt in t)
+    assert against > 0, "the second batch has near copies of the first's records"
     reached = sum(theirs[fmt][3]["near_dedup"]["rows_in"] for theirs in today for fmt in theirs)
     assert 0 < sum(read) < reached, "some signatures read, not every record's"
 
