@@ -253,7 +253,7 @@ def test_landing_to_gold_on_a_two_node_ray_cluster_equals_one_process(
     assert set(local["rejects"]["stage"]) >= {"exact_dup", "near_dup", "decontaminated"}
     leaked = on_ray["rejects"].filter(pl.col("stage") == "decontaminated")
     assert leaked["eval_item_id"].to_list() == ["q1"], (
-        "the eval item's copy, found by the index the step's process built and sent to Ray"
+        "the eval item's copy, found by the index the workers built from the items sent to Ray"
     )
     assert local["gold/sequences"]["record_ids"].list.len().sum() == local["records"].height, (
         "every silver record in a shard"
@@ -293,7 +293,7 @@ def _given(call: int, shared: _NotesPickling) -> tuple[int, str]:
 
 
 def test_what_every_task_is_given_is_sent_to_ray_once(two_node_cluster, tmp_path, monkeypatch):
-    """Silver's prepare tasks all need the eval index: it is sent once a batch, not once a task
+    """Silver's prepare tasks all need the eval items: they are sent once a batch, not once a task
     (a copy a task, in Ray's object store, grew the step's memory with the batch's size)."""
     import ray
 

@@ -23,7 +23,7 @@ from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.flow import StepBytes, run_flow, staging_dir
 from pipeline_assets.defs.silver.lookup import bands_to_search
 from pipeline_assets.lib.silver.curation import SilverConfig
-from pipeline_assets.lib.silver.decontam import DecontamConfig, EvalNgramIndex
+from pipeline_assets.lib.silver.decontam import EVAL_COLUMNS, DecontamConfig, EvalItems
 from pipeline_assets.lib.silver.dedup import EXACT_BAND, PROMPT_BAND, lookup_in
 from pipeline_assets.lib.silver.prepare import TextInKeysError
 from pipeline_assets.resources.engine import RayEngine
@@ -52,7 +52,9 @@ def _write_and_wait(lake_uri: str, home: str, batch_id: str, marker: str) -> Non
         batch_id,
         "killed-run",
         SilverConfig(),
-        EvalNgramIndex(DecontamConfig()),
+        EvalItems(
+            pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig(), ""
+        ),
         lookup_in(index) if index is not None else None,
         bands_to_search(lake, index_table, [batch_id]) if index_table is not None else None,
     )

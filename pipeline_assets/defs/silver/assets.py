@@ -53,7 +53,7 @@ from pipeline_assets.defs.silver.flow import (
 )
 from pipeline_assets.defs.silver.lookup import index_lookup
 from pipeline_assets.defs.silver.order import batch_events
-from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalNgramIndex
+from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalItems, eval_set_names
 from pipeline_assets.lib.silver.dedup import lsh_params
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
@@ -126,11 +126,14 @@ def silver(
     config = replace(silver_policy.silver_config(), scorers=tuple(quality_models.local_specs()))
     models = quality_models.identities()
     eval_files = eval_sets.files()
-    eval_index = EvalNgramIndex.build(eval_sets.items(eval_files), silver_policy.decontam_config())
+    eval_version = eval_sets.fingerprint(eval_files)
+    eval_items = EvalItems(
+        eval_sets.items(eval_files), silver_policy.decontam_config(), eval_version
+    )
     run_started = _run_started(context)
 
     flow = prepare_batch(
-        lake, ray_engine, FORMAT_TABLES, batch_id, context.run_id, config, eval_index
+        lake, ray_engine, FORMAT_TABLES, batch_id, context.run_id, config, eval_items
     )
     look_up, lookup_report, bands_at = index_lookup(
         context,
@@ -147,10 +150,10 @@ def silver(
             f"{len(batch.shares)} prepare task(s)"
             for tables, batch in flow.formats.items()
         )
-        + f"; {len(eval_files)} eval set file(s), {len(eval_index)} n-grams"
+        + f"; {len(eval_files)} eval set file(s), {eval_items.items.height} item(s)"
     )
-    decontamination = _decontamination_note(eval_index)
-    if not len(eval_index):
+    decontamination = _decontamination_note(eval_items)
+    if eval_items.items.is_empty():
         context.log.info(f"decontamination: {decontamination}")
     decide_batch(flow, search_bands(flow, ray_engine, bands_at, lookup_report), look_up)
     version = int(run_started * 1000)
@@ -167,7 +170,7 @@ def silver(
 
     upstream = {
         **{tables.bronze.to_user_string(): batch.version for tables, batch in flow.formats.items()},
-        "reference/eval_sets": eval_sets.fingerprint(eval_files),
+        "reference/eval_sets": eval_version,
         REFERENCE_QUALITY_MODELS.to_user_string(): models_fingerprint(models),
         **lookup_report.get("versions", {}),
     }
@@ -207,9 +210,10 @@ def _run_started(context: AssetExecutionContext) -> float:
     return record.create_timestamp.timestamp() if record else time.time()
 
 
-def _decontamination_note(eval_index: EvalNgramIndex) -> str:
-    if len(eval_index):
-        return f"against {len(eval_index):,} n-grams of the eval sets"
+def _decontamination_note(eval_items: EvalItems) -> str:
+    if eval_items.items.height:
+        names = ", ".join(eval_set_names(eval_items.items))
+        return f"against the {eval_items.items.height:,} items of the eval sets {names}"
     return f"none: {NO_EVAL_SETS}; nothing was rejected as contaminated"
 
 

@@ -27,7 +27,7 @@ from pipeline_assets.lib.delta_files import table_filesystem
 from pipeline_assets.lib.formats import RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decide import Decision, decide, reached_dedup
-from pipeline_assets.lib.silver.decontam import EvalNgramIndex
+from pipeline_assets.lib.silver.decontam import EvalItems
 from pipeline_assets.lib.silver.dedup import (
     PROMPT_BAND,
     BandMatches,
@@ -130,7 +130,7 @@ class PreparedShare:
 @dataclass(frozen=True)
 class ShareToPrepare:
     """What a prepare task is given: a share's bronze files, how to judge and read them, and
-    where to stage them (the eval index apart: every task is given the same one)."""
+    where to stage them (the eval items apart: every task is given the same)."""
 
     files: Sequence[BronzeFile]
     config: SilverConfig
@@ -146,12 +146,13 @@ class ShareToPrepare:
         return sum(file.rows for file in self.files)
 
 
-def prepare_share(share: ShareToPrepare, eval_index: EvalNgramIndex) -> PreparedShare:
-    """One prepare task: ``prepare_files``, and where it ran."""
+def prepare_share(share: ShareToPrepare, eval_items: EvalItems) -> PreparedShare:
+    """One prepare task: ``prepare_files``, and where it ran. Its process builds the eval index
+    once (``EvalItems.index``); a share with no row needs none."""
     staged = prepare_files(
         share.files,
         share.config,
-        eval_index,
+        eval_items.index() if share.rows else eval_items.names_only(),
         share.tables.fmt,
         share.staging_dir,
         share.rows_per_block,
@@ -162,7 +163,7 @@ def prepare_share(share: ShareToPrepare, eval_index: EvalNgramIndex) -> Prepared
 
 
 def start_share(
-    share: ShareToPrepare, eval_index: EvalNgramIndex
+    share: ShareToPrepare, eval_items: EvalItems
 ) -> list[tuple[StagesResult, StartedBlock]]:
     """A prepare task before the actor pool: the share's blocks up to their model stages. Each
     block's judged records go on to the pool as Arrow; the rest of it is carried to the task
@@ -170,7 +171,7 @@ def start_share(
     blocks = start_file_blocks(
         share.files,
         share.config,
-        eval_index,
+        eval_items.index(),
         share.tables.fmt,
         share.rows_per_block,
         share.schema,
@@ -316,11 +317,11 @@ def prepare_batch(
     batch_id: str,
     run_id: str,
     config: SilverConfig,
-    eval_index: EvalNgramIndex,
+    eval_items: EvalItems,
 ) -> BatchFlow:
     """Every format's bronze files of the batch at the tables' current versions, prepared by tasks
     into the run's staging folder; their keys read. A format without rows is prepared here (an
-    empty block: nothing to read, no task to send the eval index to)."""
+    empty block: nothing to read, no task to send the eval items to)."""
     folder, options = staging_dir(lake, batch_id, run_id), lake.storage_options()
     started, step_bytes = time.perf_counter(), StepBytes()
     pinned = {tables: _pinned_files(lake, tables, batch_id) for tables in formats}
@@ -354,14 +355,14 @@ def prepare_batch(
         rows,
         step_bytes,
         "prepare",
-        shared=(eval_index,),
+        shared=(eval_items,),
     ).results
     for tables, stages in pooled.items():
         own = [call for call in calls if call[0].tables == tables]
         prepared += _prepare_on_actor_pool(
-            engine, [c for c in own if c[0].rows], stages, eval_index, folder, options, step_bytes
+            engine, [c for c in own if c[0].rows], stages, eval_items, folder, options, step_bytes
         )
-        prepared += [prepare_share(*c, eval_index) for c in own if not c[0].rows]
+        prepared += [prepare_share(*c, eval_items) for c in own if not c[0].rows]
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p in prepared if p.staged.format_name == tables.fmt.name]
@@ -382,7 +383,7 @@ def _prepare_on_actor_pool(
     engine: BlockEngine,
     calls: list[tuple],
     stages: list[Stage],
-    eval_index: EvalNgramIndex,
+    eval_items: EvalItems,
     folder: str,
     options: dict | None,
     step_bytes: StepBytes,
@@ -394,7 +395,7 @@ def _prepare_on_actor_pool(
     finish = functools.partial(finish_pooled_block, staging_dir=folder, storage_options=options)
     pooled = step_bytes.results(
         "prepare results",
-        engine.map_through_actors(start_share, calls, stages, finish, shared=(eval_index,)),
+        engine.map_through_actors(start_share, calls, stages, finish, shared=(eval_items,)),
     )
     shares = []
     for call in range(len(calls)):
@@ -745,12 +746,12 @@ def run_flow(
     batch_id: str,
     run_id: str,
     config: SilverConfig,
-    eval_index: EvalNgramIndex,
+    eval_items: EvalItems,
     look_up: IndexLookup | None,
     bands_at: BandsAt | None,
 ) -> BatchFlow:
     """Prepare, decide and write one batch: everything before the commits."""
-    flow = prepare_batch(lake, engine, formats, batch_id, run_id, config, eval_index)
+    flow = prepare_batch(lake, engine, formats, batch_id, run_id, config, eval_items)
     decide_batch(flow, search_bands(flow, engine, bands_at, {}), look_up)
     write_batch(flow, lake, engine, config)
     return flow

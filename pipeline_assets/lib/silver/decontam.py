@@ -212,7 +212,7 @@ class EvalNgramIndex:
                 words = tuple(map(sys.intern, text_words(text, config.lowercase)))
                 if words:
                     index._add_text(EvalText(eval_set, item_id, words))
-        index.eval_sets = tuple(sorted(set(eval_items["eval_set"].drop_nulls().to_list())))
+        index.eval_sets = eval_set_names(eval_items)
         return index
 
     def __len__(self) -> int:
@@ -291,6 +291,38 @@ class EvalNgramIndex:
             if self._gram_words(ref) == as_tuple:
                 return 0, ref
         return None
+
+
+@dataclass(frozen=True)
+class EvalItems:
+    """The eval sets' items (``EVAL_COLUMNS``) and the settings to index them with, as silver's
+    prepare tasks are given them: each worker process builds the index once a version of the items
+    (``index``), so the step's process, deciding one batch after another, builds none."""
+
+    items: pl.DataFrame
+    config: DecontamConfig
+    version: str  # the items' data version (the eval sets' fingerprint)
+
+    def index(self) -> EvalNgramIndex:
+        key = (self.version, self.config)
+        if key not in _BUILT:
+            _BUILT.clear()  # a process keeps the index of one version of the eval sets
+            _BUILT[key] = EvalNgramIndex.build(self.items, self.config)
+        return _BUILT[key]
+
+    def names_only(self) -> EvalNgramIndex:
+        """An index of no gram that knows the eval sets' names: for a share with no record, whose
+        counters name every eval set (with 0), without building the index."""
+        index = EvalNgramIndex(self.config)
+        index.eval_sets = eval_set_names(self.items)
+        return index
+
+
+_BUILT: dict[tuple[str, DecontamConfig], EvalNgramIndex] = {}
+
+
+def eval_set_names(eval_items: pl.DataFrame) -> tuple[str, ...]:
+    return tuple(sorted(set(eval_items["eval_set"].drop_nulls().to_list())))
 
 
 # --- Records --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pipeline_assets.lib.landing.files import read_landing_file
 from pipeline_assets.lib.silver import decontam
 from pipeline_assets.lib.silver.decontam import (
     DecontamConfig,
+    EvalItems,
     EvalNgramIndex,
     find_contamination,
     read_eval_sets,
@@ -345,3 +346,24 @@ def test_an_index_sent_to_another_process_finds_what_it_finds_here():
     )
     assert here == ["r0", "r1"]
     assert there.stdout.decode().strip().split(",") == here
+
+
+def test_eval_items_are_indexed_once_a_version_in_a_process(monkeypatch):
+    """What silver's prepare tasks are given: each process builds the index of a version of the
+    items once, and a share with no record gets the eval sets' names without a build."""
+    words = "the quick brown fox jumps over the lazy dog near the old river bank today"
+    items = pl.DataFrame(
+        {"eval_set": ["qa", "math"], "item_id": ["q1", "m1"], "prompt": [words, "2 + 2"]}
+    ).with_columns(response=pl.lit("an answer"))
+    built = []
+    build = EvalNgramIndex.build.__func__
+    monkeypatch.setattr(
+        EvalNgramIndex, "build", classmethod(lambda cls, *a: built.append(a) or build(cls, *a))
+    )
+    first = EvalItems(items, DecontamConfig(), "v1")
+    index = first.index()
+    assert EvalItems(items, DecontamConfig(), "v1").index() is index and len(built) == 1
+    assert index.first_match([f"so {words} it said", "x"]).item_id == "q1"
+    assert EvalItems(items, DecontamConfig(), "v2").index() is not index and len(built) == 2
+    names = first.names_only()
+    assert names.eval_sets == ("math", "qa") and len(names) == 0 and len(built) == 2
