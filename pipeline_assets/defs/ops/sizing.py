@@ -30,6 +30,7 @@ _FLOPS_PER_PARAMETER = {
 }
 _SILVER_BLOCKS = "silver/workers"  # prepare and write tasks
 _SILVER_LOOKUP = "silver/index lookup"
+_SILVER_DECISION = "silver/decision"  # the step's decision on the keys, per record
 _MEASURED = {  # stage -> (asset, the metadata field holding its work)
     stage.name: (stage.asset, stage.work) for stage in PIPELINE_STAGES
 }
@@ -61,7 +62,10 @@ def calibrate(
     )
     blocks = points.filter(pl.col("stage") == _SILVER_BLOCKS)
     lookups = points.filter(pl.col("stage") == _SILVER_LOOKUP)
-    points = points.filter(~pl.col("stage").is_in([_SILVER_BLOCKS, _SILVER_LOOKUP]))
+    decisions = points.filter(pl.col("stage") == _SILVER_DECISION)
+    points = points.filter(
+        ~pl.col("stage").is_in([_SILVER_BLOCKS, _SILVER_LOOKUP, _SILVER_DECISION])
+    )
     missing = [stage for stage in _MEASURED if points.filter(pl.col("stage") == stage).is_empty()]
     if missing:
         raise ValueError(
@@ -97,6 +101,7 @@ def calibrate(
         parameters=int(training["parameters"]),
         silver_blocks=fit_stage(blocks) if not blocks.is_empty() else None,
         silver_lookup=fit_stage(lookups) if not lookups.is_empty() else None,
+        silver_decision=fit_stage(decisions) if not decisions.is_empty() else None,
         lookup_bands=max((int(m.get("index_lookup_bands") or 0) for m in silver), default=0),
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver)
         / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
@@ -132,14 +137,17 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
 
 def _silver_points(history: list[dict], work: str) -> list[dict]:
     """Silver's own part (its wall less the wait on its workers' prepare and write tasks and on its
-    index lookup's tasks: the decision and the commits) and, apart, its workers' task seconds
-    (``_SILVER_BLOCKS``) and its lookup tasks' seconds
-    against the other batches' index rows it searched (``_SILVER_LOOKUP``). Runs recorded before the
-    block stages or the lookup tasks were timed count whole, with the index rows in silver's own
-    fit, and only while no run was timed: the kinds do not mix in one fit."""
+    index lookup's tasks, and less its decision: the commits and the rest of the step) and, apart,
+    its decision's seconds (``_SILVER_DECISION``: per record, a rate the small batches of a
+    calibration show, where the residual's is lost in its spread), its workers' task seconds
+    (``_SILVER_BLOCKS``) and its lookup tasks' seconds against the other batches' index rows it
+    searched (``_SILVER_LOOKUP``). Runs recorded before the block stages, the lookup tasks or the
+    decision were timed count whole, with the index rows in silver's own fit, and only while no run
+    was timed: the kinds do not mix in one fit."""
     earlier = _earlier_index_rows(history)
     timed = any(m.get("block_stage_seconds") is not None for m in history)
     looked_up = any(m.get("index_lookup_task_seconds") is not None for m in history)
+    decided = any(m.get("decide_seconds") is not None for m in history)
     points = []
     for number, m in enumerate(history):
         if (
@@ -147,12 +155,14 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
             or m.get("wall_seconds") is None
             or (timed and m.get("block_stage_seconds") is None)
             or (looked_up and m.get("index_lookup_task_seconds") is None)
+            or (decided and m.get("decide_seconds") is None)
         ):
             continue
         own = (
             float(m["wall_seconds"])
             - float(m.get("block_wall_seconds") or 0.0)
             - float(m.get("index_lookup_wait_seconds") or 0.0)
+            - float(m.get("decide_seconds") or 0.0)
         )
         points.append(
             {
@@ -170,6 +180,16 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
                     "materializations": 1,
                     "work": float(m[work]),
                     "wall_seconds": float(m["block_stage_seconds"]),
+                    "history": 0.0,
+                }
+            )
+        if decided:
+            points.append(
+                {
+                    "stage": _SILVER_DECISION,
+                    "materializations": 1,
+                    "work": float(m[work]),
+                    "wall_seconds": float(m["decide_seconds"]),
                     "history": 0.0,
                 }
             )

@@ -19,8 +19,8 @@ stage's parallelism:
   and spread over all the target's cores when a batch runs on Ray (at least ``ray_min_rows`` rows);
   so is its index lookup, a task a band and slice of ROWS_PER_LOOKUP_TASK earlier rows (batch k
   searches the k before it); the rest runs in the step's process: the decision on the batch's keys
-  (exact and near dedup against what the lookup found, pair rules: its rate) and the Delta commits
-  (its fixed part a batch);
+  (exact and near dedup against what the lookup found, pair rules), fitted apart on its own
+  seconds (its rate), and the Delta commits and the rest of the step (its fixed part a batch);
 - gold/tokenizer (a capped sample): one process, as fast as the one measured;
 - evaluation (a capped sample): on GPUs, one rank a GPU at the training speed a GPU has (a forward
   pass: a third of a training token's FLOPs); without GPUs one process, as measured;
@@ -181,6 +181,9 @@ class Calibration:
         None  # its index lookup's task seconds against the earlier rows it searched
     )
     lookup_bands: int = 0  # lookup tasks a slice of the index (its bands and the exact hash's)
+    silver_decision: StageFit | None = (
+        None  # the step's decision on its own seconds, per character; None: inside silver's fit
+    )
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,8 @@ def _silver_row(c: Calibration, target: Target, batches: int, chars: float, hist
     enough for Ray (else in that process too)."""
     per_batch_chars = chars / batches
     driver = c.fits["silver"].seconds(1, per_batch_chars, history / batches)
+    if c.silver_decision is not None:
+        driver += c.silver_decision.seconds(1, per_batch_chars)
     on_ray = target.records / batches >= target.ray_min_rows
     cores = target.cpu_cores if on_ray else 1
     block_core_seconds = c.silver_blocks.seconds(1, per_batch_chars) if c.silver_blocks else 0.0

@@ -426,3 +426,58 @@ def test_silvers_own_part_leaves_out_the_wait_on_its_lookup_tasks_fitted_on_the_
     assert by_stage["silver/index lookup"] == [(80.0, 1.5, 0.0), (40.0, 0.5, 0.0)], (
         "b2 searched b1's and b0's rows, b1 b0's"
     )
+
+
+def test_silvers_decision_is_fitted_apart_on_its_own_seconds_and_added_to_every_batch():
+    """The step's residual (its wall less the tasks it waited on) hides the decision's per-record
+    rate in its spread at a calibration's sizes; the decision's own seconds show it."""
+    newest_first = [
+        {
+            "partition": "b2",
+            "input_chars": 200.0,
+            "wall_seconds": 9.0,
+            "block_wall_seconds": 5.0,
+            "block_stage_seconds": 8.0,
+            "decide_seconds": 1.5,
+        },
+        {
+            "partition": "b1",
+            "input_chars": 100.0,
+            "wall_seconds": 6.0,
+            "block_wall_seconds": 3.0,
+            "block_stage_seconds": 7.0,
+            "decide_seconds": 1.0,
+        },
+        {
+            "partition": "b1",
+            "input_chars": 100.0,
+            "wall_seconds": 5.0,
+            "block_wall_seconds": 3.0,
+            "block_stage_seconds": 6.0,
+        },  # recorded before the decision was timed
+    ]
+    points = _silver_points(newest_first, "input_chars")
+    by_stage = {
+        stage: [(p["work"], p["wall_seconds"]) for p in points if p["stage"] == stage]
+        for stage in ("silver", "silver/decision")
+    }
+    assert by_stage == {
+        "silver": [(200.0, 2.5), (100.0, 2.0)],
+        "silver/decision": [(200.0, 1.5), (100.0, 1.0)],
+    }
+    decision = fit_stage(pl.DataFrame([p for p in points if p["stage"] == "silver/decision"]))
+    assert decision.fixed_seconds == pytest.approx(0.5)
+    assert decision.seconds_per_unit == pytest.approx(0.005)
+
+    own = StageFit(2.0, 0.0, 2, "")
+    fitted = Calibration(
+        **{**vars(calibration(silver=own)), "silver_decision": StageFit(0.5, 1e-6, 2, "")}
+    )
+    target = Target(records=4_000_000, cpu_cores=64, gpus=0, batch_records=1_000_000)
+    silver = (
+        predict(fitted, target, Prices())[0].filter(pl.col("stage") == "silver").row(0, named=True)
+    )
+    chars = 4_000_000 * 500.0
+    assert silver["wall_seconds"] == pytest.approx(4 * (2.0 + 0.5) + 1e-6 * chars)
+    without = predict(calibration(silver=own), target, Prices())[0]
+    assert without.filter(pl.col("stage") == "silver")["wall_seconds"][0] == pytest.approx(4 * 2.0)
