@@ -521,6 +521,7 @@ def _sizer(args, settings: Settings) -> int:
     apart = {
         "silver/workers": calibration.silver_blocks,  # prepare and write tasks
         "silver/index lookup": calibration.silver_lookup,
+        "silver/decision": calibration.silver_decision,
     }
     fits = {**calibration.fits, **{stage: fit for stage, fit in apart.items() if fit is not None}}
     totals.update(

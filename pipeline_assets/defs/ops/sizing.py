@@ -21,6 +21,7 @@ from pipeline_assets.lib.ops.sizing import (
     POINTS,
     TRAIN_FLOPS_PER_PARAMETER,
     Calibration,
+    fit_per_materialization,
     fit_stage,
 )
 
@@ -73,6 +74,10 @@ def calibrate(
             "(pipeline-assets run, or make demo), with this version of the code, then size"
         )
     fits = {stage: fit_stage(points.filter(pl.col("stage") == stage)) for stage in _MEASURED}
+    if not decisions.is_empty():  # what is left of the step: the commits, a fixed part a batch
+        fits["silver"] = fit_per_materialization(
+            points.filter(pl.col("stage") == "silver"), "a batch: its decision is fitted apart"
+        )
 
     gold = _newest_with(
         history[GOLD_SNAPSHOTS], "input_chars"

@@ -20,7 +20,8 @@ stage's parallelism:
   so is its index lookup, a task a band and slice of ROWS_PER_LOOKUP_TASK earlier rows (batch k
   searches the k before it); the rest runs in the step's process: the decision on the batch's keys
   (exact and near dedup against what the lookup found, pair rules), fitted apart on its own
-  seconds (its rate), and the Delta commits and the rest of the step (its fixed part a batch);
+  seconds (its rate), and the Delta commits and the rest of the step (a fixed time a batch: at a
+  calibration's sizes its growth, if any, is lost in its runs' spread);
 - gold/tokenizer (a capped sample): one process, as fast as the one measured;
 - evaluation (a capped sample): on GPUs, one rank a GPU at the training speed a GPU has (a forward
   pass: a third of a training token's FLOPs); without GPUs one process, as measured;
@@ -83,6 +84,12 @@ class StageFit:
             + self.seconds_per_unit * work
             + self.seconds_per_history_row * history
         )
+
+
+def fit_per_materialization(points: pl.DataFrame, note: str) -> StageFit:
+    """A stage whose work does not grow with its input: the median of its runs, a materialization
+    each."""
+    return StageFit(float(points["wall_seconds"].median()), 0.0, len(points), note)
 
 
 def fit_stage(points: pl.DataFrame) -> StageFit:

@@ -12,6 +12,7 @@ from pipeline_assets.lib.ops.sizing import (
     Calibration,
     StageFit,
     Target,
+    fit_per_materialization,
     fit_stage,
     gpu_tokens_per_second,
     predict,
@@ -468,6 +469,10 @@ def test_silvers_decision_is_fitted_apart_on_its_own_seconds_and_added_to_every_
     decision = fit_stage(pl.DataFrame([p for p in points if p["stage"] == "silver/decision"]))
     assert decision.fixed_seconds == pytest.approx(0.5)
     assert decision.seconds_per_unit == pytest.approx(0.005)
+    rest = fit_per_materialization(
+        pl.DataFrame([p for p in points if p["stage"] == "silver"]), "a batch"
+    )
+    assert (rest.fixed_seconds, rest.seconds_per_unit) == (2.25, 0.0)  # the runs' median
 
     own = StageFit(2.0, 0.0, 2, "")
     fitted = Calibration(
