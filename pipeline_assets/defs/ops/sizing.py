@@ -128,15 +128,7 @@ def _points(stage: str, history: list[dict], work: str, parameters: dict[str, in
             if not parameters.get(m["partition"]):
                 continue
             amount *= _FLOPS_PER_PARAMETER[stage] * parameters[m["partition"]]
-        points.append(
-            {
-                "stage": stage,
-                "materializations": 1,
-                "work": amount,
-                "wall_seconds": float(m["wall_seconds"]),
-                "history": 0.0,
-            }
-        )
+        points.append(_point(stage, amount, float(m["wall_seconds"])))
     return points
 
 
@@ -169,46 +161,28 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
             - float(m.get("index_lookup_wait_seconds") or 0.0)
             - float(m.get("decide_seconds") or 0.0)
         )
-        points.append(
-            {
-                "stage": "silver",
-                "materializations": 1,
-                "work": float(m[work]),
-                "wall_seconds": own,
-                "history": 0.0 if looked_up else float(earlier.get(number, 0)),
-            }
-        )
+        chars = float(m[work])
+        history_rows = 0.0 if looked_up else float(earlier.get(number, 0))
+        points.append(_point("silver", chars, own, history_rows))
         if timed:
-            points.append(
-                {
-                    "stage": _SILVER_BLOCKS,
-                    "materializations": 1,
-                    "work": float(m[work]),
-                    "wall_seconds": float(m["block_stage_seconds"]),
-                    "history": 0.0,
-                }
-            )
+            points.append(_point(_SILVER_BLOCKS, chars, float(m["block_stage_seconds"])))
         if decided:
-            points.append(
-                {
-                    "stage": _SILVER_DECISION,
-                    "materializations": 1,
-                    "work": float(m[work]),
-                    "wall_seconds": float(m["decide_seconds"]),
-                    "history": 0.0,
-                }
-            )
+            points.append(_point(_SILVER_DECISION, chars, float(m["decide_seconds"])))
         if looked_up and earlier.get(number):
-            points.append(
-                {
-                    "stage": _SILVER_LOOKUP,
-                    "materializations": 1,
-                    "work": float(earlier[number]),
-                    "wall_seconds": float(m["index_lookup_task_seconds"]),
-                    "history": 0.0,
-                }
-            )
+            searched = float(earlier[number])
+            points.append(_point(_SILVER_LOOKUP, searched, float(m["index_lookup_task_seconds"])))
     return points
+
+
+def _point(stage: str, work: float, wall_seconds: float, history: float = 0.0) -> dict:
+    """One materialization's point (``POINTS``)."""
+    return {
+        "stage": stage,
+        "materializations": 1,
+        "work": work,
+        "wall_seconds": wall_seconds,
+        "history": history,
+    }
 
 
 def _earlier_index_rows(history: list[dict]) -> dict[int, int]:

@@ -54,7 +54,7 @@ from pipeline_assets.defs.silver.flow import (
 from pipeline_assets.defs.silver.lookup import index_lookup
 from pipeline_assets.defs.silver.order import batch_events
 from pipeline_assets.lib.silver.decontam import NO_EVAL_SETS, EvalItems, eval_set_names
-from pipeline_assets.lib.silver.dedup import lsh_params
+from pipeline_assets.lib.silver.dedup import lsh_of
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.order import BatchEvents, unsettled_before
 from pipeline_assets.resources.engine import BlockEngine, engine_used
@@ -256,7 +256,7 @@ def _metadata(
 
 def _lsh_label(minhash: MinHashConfig) -> str:
     """The index entries' ``lsh_params``: the settings their band keys were made with."""
-    params = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    params = lsh_of(minhash)
     return params.label(minhash)
 
 

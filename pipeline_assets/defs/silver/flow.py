@@ -33,7 +33,7 @@ from pipeline_assets.lib.silver.dedup import (
     BandMatches,
     IndexLookup,
     band_numbers,
-    lsh_params,
+    lsh_of,
     search_band,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
@@ -463,7 +463,7 @@ def search_bands(
     band keys stay in the staged files. The tasks are the lookup's LSH half (a batch with no other
     to search, its only half): their counts go to its ``report``."""
     minhash = flow.config.minhash
-    lsh = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    lsh = lsh_of(minhash)
     slices = bands_at.slices if bands_at is not None else [None]
     calls, formats = [], []
     for tables, batch in flow.formats.items():
@@ -715,7 +715,7 @@ def write_bands(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, index:
     but the prompt band holds a row an entry: checked from the files' statistics."""
     targets = BandTargets(lake.uri, flow.batch_id, index.version)
     minhash = flow.config.minhash
-    lsh = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight)
+    lsh = lsh_of(minhash)
     bands = band_numbers(lsh.bands) if index.rows else []  # no entry: the partition emptied
     calls = [(targets, band, flow.run_id, lake.storage_options()) for band in bands]
     done = engine.map_tasks(write_band_share, calls, flow.bronze_rows)

@@ -196,6 +196,11 @@ def lsh_params(threshold: float, num_perm: int, false_positive_weight: float = 0
     return best
 
 
+def lsh_of(config: MinHashConfig) -> LshParams:
+    """``lsh_params`` of a config's settings."""
+    return lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+
+
 def band_keys(sigs: np.ndarray, params: LshParams, salt: int = 0) -> np.ndarray:
     """One 64-bit key per (text, band): a polynomial hash of the band's ``rows`` values, from
     ``salt``."""
@@ -220,7 +225,7 @@ def near_dedup(
     ``batch`` needs record_id, batch_id and the format's dedup text; ``history`` is the index of the
     other batches (HISTORY_SCHEMA). Rows keep ``cluster_id``: their cluster's survivor.
     """
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    params = lsh_of(config)
     if SIGNATURE_COLUMNS[0] not in batch.columns:
         batch = with_signatures(batch, config, fmt)
     sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
@@ -332,7 +337,7 @@ def index_entries(
 ) -> pl.DataFrame:
     """The index entries (HISTORY_SCHEMA) of ``batch``'s rows: record_id, batch_id, exact_hash, its
     signatures (computed when it has none) and, for preference pairs, prompt_hash."""
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    params = lsh_of(config)
     if SIGNATURE_COLUMNS[0] not in batch.columns:
         batch = with_signatures(batch, config, fmt)
     sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
@@ -421,9 +426,7 @@ def _history_matches(
 def refuse_other_settings(built_with: list[str], config: MinHashConfig) -> None:
     """Band keys are comparable only between signatures made with the same MinHash and LSH
     settings."""
-    label = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight).label(
-        config
-    )
+    label = lsh_of(config).label(config)
     if set(built_with) - {label}:
         raise ValueError(
             f"silver/minhash_index holds entries built with {sorted(set(built_with) - {label})}, "
@@ -528,7 +531,7 @@ def wanted_keys(
 
 
 def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> pl.DataFrame:
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    params = lsh_of(config)
     keys = band_keys(
         _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
     )

@@ -34,7 +34,7 @@ from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     exact_hashes,
     index_entries,
-    lsh_params,
+    lsh_of,
     staged_band_column,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
@@ -226,7 +226,7 @@ def _keys(
     """What the decision reads of a block: hashes, signatures, the per-record verdict, and the LSH
     band keys a column a band (the band searches read one each; no other reader takes them)."""
     pair = list(PAIR_HASH_COLUMNS) if fmt is PREFERENCE else []
-    bands = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight).bands
+    bands = lsh_of(minhash).bands
     band_keys = index_entries(hashed, minhash, fmt).select(
         "record_id",
         *(

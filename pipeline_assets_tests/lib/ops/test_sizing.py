@@ -332,27 +332,18 @@ def test_silvers_block_stages_spread_over_the_cluster_when_a_batch_runs_them_on_
     )
 
 
+def _run(partition: str, chars: float, wall: float, *blocks: float, **more) -> dict:
+    """A silver materialization's metadata: its characters and wall seconds, its block stages'
+    wall and task seconds where they were timed, and ``more``."""
+    timed = dict(zip(("block_wall_seconds", "block_stage_seconds"), blocks, strict=False))
+    return {"partition": partition, "input_chars": chars, "wall_seconds": wall, **timed, **more}
+
+
 def test_silver_is_fitted_on_its_own_part_and_its_block_stages_apart():
     newest_first = [
-        {
-            "partition": "b2",
-            "input_chars": 200.0,
-            "wall_seconds": 9.0,
-            "block_wall_seconds": 5.0,
-            "block_stage_seconds": 8.0,
-        },
-        {
-            "partition": "b1",
-            "input_chars": 100.0,
-            "wall_seconds": 6.0,
-            "block_wall_seconds": 4.0,
-            "block_stage_seconds": 7.0,
-        },
-        {
-            "partition": "b1",
-            "input_chars": 100.0,
-            "wall_seconds": 5.0,
-        },  # recorded before block stages were timed
+        _run("b2", 200.0, 9.0, 5.0, 8.0),
+        _run("b1", 100.0, 6.0, 4.0, 7.0),
+        _run("b1", 100.0, 5.0),  # recorded before block stages were timed
     ]
     points = _silver_points(newest_first, "input_chars")
     own = [(p["work"], p["wall_seconds"]) for p in points if p["stage"] == "silver"]
@@ -387,34 +378,29 @@ def test_silvers_index_lookup_is_fitted_on_its_tasks_and_spread_a_band_and_slice
 
 def test_silvers_own_part_leaves_out_the_wait_on_its_lookup_tasks_fitted_on_the_rows_searched():
     newest_first = [
-        {
-            "partition": "b2",
-            "input_chars": 200.0,
-            "wall_seconds": 9.0,
-            "block_wall_seconds": 5.0,
-            "block_stage_seconds": 8.0,
-            "silver_rows": 30,
-            "index_lookup_task_seconds": 1.5,
-            "index_lookup_wait_seconds": 1.0,
-        },
-        {
-            "partition": "b1",
-            "input_chars": 100.0,
-            "wall_seconds": 6.0,
-            "block_wall_seconds": 4.0,
-            "block_stage_seconds": 7.0,
-            "silver_rows": 40,
-            "index_lookup_task_seconds": 0.5,
-            "index_lookup_wait_seconds": 0.5,
-        },
-        {
-            "partition": "b0",
-            "input_chars": 100.0,
-            "wall_seconds": 5.0,
-            "block_wall_seconds": 1.0,
-            "block_stage_seconds": 2.0,
-            "silver_rows": 40,
-        },  # recorded before the lookup's tasks were timed
+        _run(
+            "b2",
+            200.0,
+            9.0,
+            5.0,
+            8.0,
+            silver_rows=30,
+            index_lookup_task_seconds=1.5,
+            index_lookup_wait_seconds=1.0,
+        ),
+        _run(
+            "b1",
+            100.0,
+            6.0,
+            4.0,
+            7.0,
+            silver_rows=40,
+            index_lookup_task_seconds=0.5,
+            index_lookup_wait_seconds=0.5,
+        ),
+        _run(
+            "b0", 100.0, 5.0, 1.0, 2.0, silver_rows=40
+        ),  # recorded before the lookup's tasks were timed
     ]
     points = _silver_points(newest_first, "input_chars")
     by_stage = {
@@ -433,29 +419,9 @@ def test_silvers_decision_is_fitted_apart_on_its_own_seconds_and_added_to_every_
     """The step's residual (its wall less the tasks it waited on) hides the decision's per-record
     rate in its spread at a calibration's sizes; the decision's own seconds show it."""
     newest_first = [
-        {
-            "partition": "b2",
-            "input_chars": 200.0,
-            "wall_seconds": 9.0,
-            "block_wall_seconds": 5.0,
-            "block_stage_seconds": 8.0,
-            "decide_seconds": 1.5,
-        },
-        {
-            "partition": "b1",
-            "input_chars": 100.0,
-            "wall_seconds": 6.0,
-            "block_wall_seconds": 3.0,
-            "block_stage_seconds": 7.0,
-            "decide_seconds": 1.0,
-        },
-        {
-            "partition": "b1",
-            "input_chars": 100.0,
-            "wall_seconds": 5.0,
-            "block_wall_seconds": 3.0,
-            "block_stage_seconds": 6.0,
-        },  # recorded before the decision was timed
+        _run("b2", 200.0, 9.0, 5.0, 8.0, decide_seconds=1.5),
+        _run("b1", 100.0, 6.0, 3.0, 7.0, decide_seconds=1.0),
+        _run("b1", 100.0, 5.0, 3.0, 6.0),  # recorded before the decision was timed
     ]
     points = _silver_points(newest_first, "input_chars")
     by_stage = {

@@ -18,7 +18,7 @@ from pipeline_assets.lib.silver.dedup import (
     BandMatches,
     band_entries,
     lookup_in,
-    lsh_params,
+    lsh_of,
     search_band,
 )
 from pipeline_assets.lib.silver.prepare import text_columns
@@ -134,7 +134,7 @@ def _searched(shares: dict, index: pl.DataFrame | None, config: SilverConfig) ->
     """Per format, every LSH band of its staged keys searched within the batch and in the other
     batches' band rows (``index``'s), joined."""
     minhash = config.minhash
-    bands = lsh_params(minhash.threshold, minhash.num_perm, minhash.lsh_false_positive_weight).bands
+    bands = lsh_of(minhash).bands
     rows = band_entries(index).lazy() if index is not None else None
     return {
         fmt: BandMatches.joined(
