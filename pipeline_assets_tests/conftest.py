@@ -17,7 +17,6 @@ import polars as pl
 import pytest
 import zstandard
 from dagster import DagsterInstance, instance_for_test
-from moto.server import ThreadedMotoServer
 
 from pipeline_assets.defs.bronze.policy import IngestPolicy
 from pipeline_assets.defs.gold.policy import GoldPolicy
@@ -29,6 +28,7 @@ from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
 from pipeline_assets.resources.quality_models import QualityModelsResource
+from pipeline_assets_tests.s3_server import S3Server
 
 # The files that take longest (a daemon, dagster dev, torchrun jobs, many materializations), longest
 # first by their time in a full run: started last, as alphabetical order would, they leave one
@@ -226,21 +226,17 @@ def _free_port() -> int:
 
 @pytest.fixture
 def s3_endpoint(monkeypatch):
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for name, value in {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    urllib.request.urlopen(
-        urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
-    )  # state is per process
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    with S3Server(_free_port()) as endpoint:
+        for name, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        urllib.request.urlopen(
+            urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+        )  # state is per process
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield endpoint

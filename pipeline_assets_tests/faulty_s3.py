@@ -1,6 +1,7 @@
-"""A flaky object store on loopback: a proxy in front of moto's S3 server that answers chosen GETs
-of one object with ``503 SlowDown``, as a throttled or failing S3 does. Everything else
-passes through."""
+"""A flaky object store on loopback: a proxy in front of moto's S3 server that answers chosen
+requests for one object with ``503 SlowDown``, as a throttled or failing S3 does, or lets them
+through and loses their answer, as a connection that drops after the store acted does. Everything
+else passes through."""
 
 from __future__ import annotations
 
@@ -17,10 +18,20 @@ _SLOW_DOWN = (
 
 
 class FaultyS3:
-    """``fails(n)`` decides whether the n-th GET (1-based) of ``key`` is answered with a 503."""
+    """``fails(n)`` decides whether the n-th ``method`` request (1-based) for ``key`` is answered
+    with a 503; with ``lose_answer``, that request reaches the store first."""
 
-    def __init__(self, upstream: str, key: str, fails: Callable[[int], bool]):
-        self.key, self.fails, self.gets = key, fails, 0
+    def __init__(
+        self,
+        upstream: str,
+        key: str,
+        fails: Callable[[int], bool],
+        *,
+        method: str = "GET",
+        lose_answer: bool = False,
+    ):
+        self.key, self.fails, self.method, self.lose_answer = key, fails, method, lose_answer
+        self.requests = 0
         self._upstream = urlsplit(upstream)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -35,11 +46,11 @@ class FaultyS3:
         self._server.server_close()
 
     def _should_fail(self, method: str, path: str) -> bool:
-        if method != "GET" or not urlsplit(path).path.endswith("/" + self.key):
+        if method != self.method or not urlsplit(path).path.endswith("/" + self.key):
             return False
         with self._lock:
-            self.gets += 1
-            return self.fails(self.gets)
+            self.requests += 1
+            return self.fails(self.requests)
 
     def _handler(self):
         proxy = self
@@ -49,12 +60,9 @@ class FaultyS3:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy._should_fail(self.command, self.path):
-                    self._answer(
-                        503,
-                        {"Content-Type": "application/xml", "Content-Length": str(len(_SLOW_DOWN))},
-                        _SLOW_DOWN,
-                    )
+                failing = proxy._should_fail(self.command, self.path)
+                if failing and not proxy.lose_answer:
+                    self._slow_down()
                     return
                 upstream = http.client.HTTPConnection(
                     proxy._upstream.hostname, proxy._upstream.port, timeout=30
@@ -69,8 +77,18 @@ class FaultyS3:
                 }
                 if self.command != "HEAD":
                     headers["Content-Length"] = str(len(payload))
-                self._answer(response.status, headers, payload)
                 upstream.close()
+                if failing:
+                    self._slow_down()
+                    return
+                self._answer(response.status, headers, payload)
+
+            def _slow_down(self) -> None:
+                self._answer(
+                    503,
+                    {"Content-Type": "application/xml", "Content-Length": str(len(_SLOW_DOWN))},
+                    _SLOW_DOWN,
+                )
 
             def _answer(self, status: int, headers: dict, payload: bytes) -> None:
                 self.send_response(status)

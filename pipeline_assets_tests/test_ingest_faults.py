@@ -68,7 +68,7 @@ def test_a_read_that_fails_twice_is_retried_and_every_line_lands(s3_endpoint, tm
     with FaultyS3(s3_endpoint, FLAKY_KEY, fails=lambda n: n in (2, 3)) as store:
         run = _run_bronze(tmp_path, store.endpoint)
     assert run.returncode == 0, run.stderr
-    assert store.gets == 4, "registration, two failed reads, one good one"
+    assert store.requests == 4, "registration, two failed reads, one good one"
     assert _step_retries(tmp_path) == 2, "the step's retry policy fired, not a quarantine"
     bronze = _bronze(tmp_path)
     assert bronze.filter(pl.col("source_file") == "annotate/flaky.jsonl").height == 40
@@ -84,7 +84,7 @@ def test_a_read_that_keeps_failing_fails_the_batch_naming_the_file(s3_endpoint, 
     with FaultyS3(s3_endpoint, FLAKY_KEY, fails=lambda n: n > 1) as store:
         run = _run_bronze(tmp_path, store.endpoint)
     assert run.returncode == 1
-    assert store.gets == 5, (
+    assert store.requests == 5, (
         "registration, then the first try and three retries",
         run.stdout,
         run.stderr[-3000:],

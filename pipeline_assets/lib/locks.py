@@ -3,8 +3,9 @@
 Local: ``flock`` on a lock file, released by the kernel when its holder dies. S3: a lease object
 created with a conditional put (``If-None-Match: *``), renewed while held, deleted on release; a
 lease its holder stopped renewing (it died) expires and is taken over with ``If-Match`` on its ETag,
-so of two waiters only one gets it. Both wait at most ``timeout`` seconds (None: as long as it
-takes), then fail naming the lock and its holder.
+so of two waiters only one gets it. A put whose answer was lost is known by the token it wrote.
+Both wait at most ``timeout`` seconds (None: as long as it takes), then fail naming the lock and
+its holder.
 """
 
 from __future__ import annotations
@@ -160,6 +161,9 @@ class S3Lease(Lock):
             if current is None:
                 continue  # released between our put and our read
             etag, lease = current
+            if lease["token"] == self._token:  # our put landed; its answer was lost
+                self._etag = etag
+                break
             if lease["expires_at"] <= time.time():
                 if self._put(IfMatch=etag):
                     break  # its holder stopped renewing: it died
@@ -183,7 +187,7 @@ class S3Lease(Lock):
         """Renew now: the caller's commit then has a whole ``ttl_seconds`` before anyone may take
         over."""
         with self._guard:
-            if self._lost or not self._put(IfMatch=self._etag):
+            if self._lost or not self._renew():
                 self._lost = True
                 raise LockLost(
                     f"lock {self.uri} expired while held by {this_process()} and was taken over"
@@ -209,7 +213,7 @@ class S3Lease(Lock):
     def _keep_renewing(self) -> None:
         while not self._stop.wait(self.ttl_seconds / 3):
             with self._guard:
-                if self._lost or not self._put(IfMatch=self._etag):
+                if self._lost or not self._renew():
                     self._lost = True
                     return
 
@@ -232,6 +236,15 @@ class S3Lease(Lock):
                 return False
             raise
         self._etag = response["ETag"]
+        return True
+
+    def _renew(self) -> bool:
+        if self._put(IfMatch=self._etag):
+            return True
+        current = self._read()  # a renewal whose answer was lost, then retried against itself?
+        if current is None or current[1]["token"] != self._token:
+            return False
+        self._etag = current[0]
         return True
 
     def _read(self) -> tuple[str, dict] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import boto3
 import pytest
@@ -13,6 +14,7 @@ from botocore.exceptions import ClientError
 
 from pipeline_assets.lib.locks import FileLock, LockLost, LockTimeout, S3Lease
 from pipeline_assets_tests.conftest import BUCKET
+from pipeline_assets_tests.faulty_s3 import FaultyS3
 
 LEASE = f"s3://{BUCKET}/lake/landing/_manifest.lock"
 
@@ -113,3 +115,57 @@ def test_a_lease_taken_away_is_reported_before_the_commit(s3_endpoint):
         client.delete_object(Bucket=BUCKET, Key="lake/landing/_manifest.lock")  # broken by hand
         with pytest.raises(LockLost, match="taken over"):
             lease.confirm()
+
+
+def test_of_clients_racing_for_a_free_lease_exactly_one_holds_it(s3_endpoint):
+    """S3 applies a conditional put atomically. Four clients put the same free lease at the same
+    moment, round after round, with the interpreter switching threads every 10 µs so that the
+    server's requests interleave: one put wins each round."""
+    clients = [boto3.client("s3") for _ in range(4)]
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        holders = [_race_for(clients, f"s3://{BUCKET}/race/{round_}.lock") for round_ in range(100)]
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert holders == [1] * len(holders)
+
+
+def _race_for(clients: list, uri: str) -> int:
+    """How many of ``clients`` believe they took the free lease at ``uri``."""
+    leases = [S3Lease(client, uri, timeout=0, ttl_seconds=60) for client in clients]
+    start, won = threading.Barrier(len(leases)), []
+
+    def take(lease: S3Lease) -> None:
+        start.wait()
+        try:
+            lease.acquire()
+        except LockTimeout:
+            return
+        won.append(lease)
+
+    racers = [threading.Thread(target=take, args=(lease,)) for lease in leases]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join()
+    for lease in won:
+        lease.release()
+    return len(won)
+
+
+def test_a_lease_put_that_landed_but_lost_its_answer_is_still_held(s3_endpoint):
+    """The first put of the lease and of its first renewal reach S3; their answers are lost, and
+    the client's retries then find the condition broken by their own write. The lease sees its own
+    token and holds on, rather than waiting out its own lease or reporting it lost."""
+    key = LEASE.removeprefix(f"s3://{BUCKET}/")
+    with FaultyS3(
+        s3_endpoint, key, fails=lambda n: n in (1, 3), method="PUT", lose_answer=True
+    ) as store:
+        client = boto3.client("s3", endpoint_url=store.endpoint)
+        lease = S3Lease(client, LEASE, timeout=2, ttl_seconds=60)
+        with lease:
+            lease.confirm()
+            lease.confirm()
+    assert store.requests == 5, "two lost answers, their two retries, one clean renewal"
+    assert boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix=key)["KeyCount"] == 0
