@@ -336,10 +336,16 @@ def _kept_metadata(counts: FormatCounts) -> dict:
 def _lookup_metadata(flow: BatchFlow, records: FormatCounts, lookup_report: dict) -> dict:
     return {
         "block_stages_ran_on": records.ran_on,
-        # the sizer spreads these over a cluster's cores: prepare's stages and the write tasks
-        "block_stage_seconds": round(records.block_stage_seconds + flow.write_task_seconds, 3),
-        "block_wall_seconds": round(flow.prepare_wall_seconds + flow.write_wall_seconds, 3),
+        # the sizer spreads these over a cluster's cores: prepare's stages, the band searches
+        # within the batch and the write tasks
+        "block_stage_seconds": round(
+            records.block_stage_seconds + flow.search_task_seconds + flow.write_task_seconds, 3
+        ),
+        "block_wall_seconds": round(
+            flow.prepare_wall_seconds + flow.search_wall_seconds + flow.write_wall_seconds, 3
+        ),
         "prepare_wall_seconds": flow.prepare_wall_seconds,
+        "search_wall_seconds": flow.search_wall_seconds,
         "write_wall_seconds": flow.write_wall_seconds,
         "decide_seconds": flow.decide_seconds,
         "commit_seconds": flow.commit_seconds,

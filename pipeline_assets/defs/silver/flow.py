@@ -295,6 +295,8 @@ class BatchFlow:
     prepare_wall_seconds: float = 0.0
     write_task_seconds: float = 0.0  # the write tasks' own seconds, summed
     write_wall_seconds: float = 0.0
+    search_task_seconds: float = 0.0  # the band searches within the batch: block work
+    search_wall_seconds: float = 0.0
     decide_seconds: float = 0.0  # the decision in the step's process, the index lookup apart
     commit_seconds: float = 0.0
     index_lookup: dict = field(default_factory=dict)
@@ -457,40 +459,53 @@ def decide_batch(
 def search_bands(
     flow: BatchFlow, engine: BlockEngine, bands_at: BandsAt | None, report: dict
 ) -> dict[RecordFormat, BandMatches]:
-    """Every format's LSH band keys searched by tasks, a band and slice of the other batches each
-    (``search_band``; the first slice's also within the batch, a band with no other batch only
-    that): per format, near dedup's candidates and the index entries sharing a key with them. The
-    band keys stay in the staged files. The tasks are the lookup's LSH half (a batch with no other
-    to search, its only half): their counts go to its ``report``."""
-    minhash = flow.config.minhash
-    lsh = lsh_of(minhash)
-    slices = bands_at.slices if bands_at is not None else [None]
+    """Every format's LSH band keys searched by tasks (``search_band``): per format, near dedup's
+    candidates and the index entries sharing a key with them. The band keys stay in the staged
+    files. First a task a band searches the batch itself: block work, timed with the workers'
+    (``search_task_seconds``). Then, with other batches, a task a band and slice of them searches
+    the index's band table: the lookup's LSH half, whose counts go to its ``report``."""
+    within = _search_tasks(flow, engine, [(True, None, None)])
+    flow.search_task_seconds = round(within.task_seconds, 3)
+    flow.search_wall_seconds = round(within.wall_seconds, 3)
+    found = within.results
+    if bands_at is not None:
+        slices = [(False, bands_at, batches) for batches in bands_at.slices]
+        done = _search_tasks(flow, engine, slices)
+        add_tasks(
+            report,
+            {
+                "tasks": f"{len(done.results)} band searches",
+                "ran_on": done.ran_on,
+                "bands": len(done.results) // len(slices),  # what the sizer spreads
+                "task_seconds": done.task_seconds,
+                "wait_seconds": done.wall_seconds,
+            },
+        )
+        found += done.results
+    return {
+        fmt: BandMatches.joined([m for f, m in found if f is fmt])
+        for fmt in (tables.fmt for tables in flow.formats)
+    }
+
+
+def _search_tasks(
+    flow: BatchFlow, engine: BlockEngine, searches: list[tuple]
+) -> TaskResults[tuple[RecordFormat, BandMatches]]:
+    """A task a format's band and search (``within``, bands_at, batches), results by format."""
+    lsh = lsh_of(flow.config.minhash)
     calls, formats = [], []
     for tables, batch in flow.formats.items():
         staged = [share.staged for share in batch.shares]
         reached = reached_dedup(flow.config, tables.fmt)
         for band in range(lsh.bands if batch.keys.height else 0):
-            for number, batches in enumerate(slices):
+            for within, bands_at, batches in searches:
                 calls.append(
-                    (staged, band, reached, number == 0, bands_at, batches, flow.storage_options)
+                    (staged, band, reached, within, bands_at, batches, flow.storage_options)
                 )
                 formats.append(tables.fmt)
     done = engine.map_tasks(search_share_band, calls, flow.bronze_rows)
     found = flow.step_bytes.results("band searches", done.results)
-    add_tasks(
-        report,
-        {
-            "tasks": f"{len(calls)} band searches",
-            "ran_on": done.ran_on,
-            "bands": len(calls) // len(slices),  # a format's band: what the sizer spreads
-            "task_seconds": done.task_seconds,
-            "wait_seconds": done.wall_seconds,
-        },
-    )
-    return {
-        tables.fmt: BandMatches.joined([m for f, m in zip(formats, found) if f is tables.fmt])
-        for tables in flow.formats
-    }
+    return replace(done, results=list(zip(formats, found)))
 
 
 def search_share_band(
