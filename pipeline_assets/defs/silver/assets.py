@@ -155,7 +155,7 @@ def silver(
     decontamination = _decontamination_note(eval_items)
     if eval_items.items.is_empty():
         context.log.info(f"decontamination: {decontamination}")
-    decide_batch(flow, search_bands(flow, ray_engine, bands_at, lookup_report), look_up)
+    decide_batch(flow, ray_engine, search_bands(flow, ray_engine, bands_at, lookup_report), look_up)
     version = int(run_started * 1000)
     _refuse_a_partly_committed_run(flow, lake, version)
     write_batch(flow, lake, ray_engine, config)

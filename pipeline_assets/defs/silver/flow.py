@@ -295,7 +295,8 @@ class BatchFlow:
     prepare_wall_seconds: float = 0.0
     write_task_seconds: float = 0.0  # the write tasks' own seconds, summed
     write_wall_seconds: float = 0.0
-    search_task_seconds: float = 0.0  # the band searches within the batch: block work
+    # the band searches within the batch, and the reads of their candidates' signatures: block work
+    search_task_seconds: float = 0.0
     search_wall_seconds: float = 0.0
     decide_seconds: float = 0.0  # the decision in the step's process, the index lookup apart
     commit_seconds: float = 0.0
@@ -433,18 +434,21 @@ def _pinned_files(
 
 
 def decide_batch(
-    flow: BatchFlow, searched: dict[RecordFormat, BandMatches], look_up: IndexLookup | None
+    flow: BatchFlow,
+    engine: BlockEngine,
+    searched: dict[RecordFormat, BandMatches],
+    look_up: IndexLookup | None,
 ) -> None:
     """The batch's decision for every format from its keys and its band searches (``searched``),
     after one lookup of the index."""
-    started = time.perf_counter()
+    started, searches_waited = time.perf_counter(), flow.search_wall_seconds
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
     decisions = decide(
         {b.tables.fmt: b.keys for b in flow.formats.values()},
         counted,
         flow.config,
-        {b.tables.fmt: _signature_reader(flow, b) for b in flow.formats.values()},
+        {b.tables.fmt: _signature_reader(flow, engine, b) for b in flow.formats.values()},
         searched,
     )
     for tables, batch in flow.formats.items():
@@ -452,7 +456,7 @@ def decide_batch(
         flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = replace(batch, decision=decision)
     flow.index_lookup["keys"] += sum(found.keys for found in searched.values())
-    waited = flow.index_lookup["seconds"]
+    waited = flow.index_lookup["seconds"] + flow.search_wall_seconds - searches_waited
     flow.decide_seconds = round(time.perf_counter() - started - waited, 3)
 
 
@@ -522,15 +526,26 @@ def search_share_band(
     return search_band(keys, band, within, bands_at.scan() if bands_at else None, batches)
 
 
-def _signature_reader(flow: BatchFlow, batch: FormatBatch):
-    """Near dedup's reader of its candidates' signatures from the staged keys, the bytes counted."""
-    shares = [share.staged for share in batch.shares]
+def _signature_reader(flow: BatchFlow, engine: BlockEngine, batch: FormatBatch):
+    """Near dedup's reader of its candidates' signatures: a task a share reads them from its
+    staged keys (block work, timed with the band searches), the bytes received counted."""
+    calls = [([share.staged], flow.storage_options) for share in batch.shares]
 
     def read(record_ids: pl.Series) -> pl.DataFrame:
-        found = read_signatures(shares, record_ids, flow.storage_options)
+        done = engine.map_tasks(read_share_signatures, calls, flow.bronze_rows, (record_ids,))
+        flow.search_task_seconds = round(flow.search_task_seconds + done.task_seconds, 3)
+        flow.search_wall_seconds = round(flow.search_wall_seconds + done.wall_seconds, 3)
+        found = pl.concat(done.results)  # a format without rows still stages an empty share
         return flow.step_bytes.frame("signatures", found)
 
     return read
+
+
+def read_share_signatures(
+    staged: list[StagedShare], storage_options: dict | None, record_ids: pl.Series
+) -> pl.DataFrame:
+    """One task: ``read_signatures`` of one share."""
+    return read_signatures(staged, record_ids, storage_options)
 
 
 def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
@@ -767,6 +782,6 @@ def run_flow(
 ) -> BatchFlow:
     """Prepare, decide and write one batch: everything before the commits."""
     flow = prepare_batch(lake, engine, formats, batch_id, run_id, config, eval_items)
-    decide_batch(flow, search_bands(flow, engine, bands_at, {}), look_up)
+    decide_batch(flow, engine, search_bands(flow, engine, bands_at, {}), look_up)
     write_batch(flow, lake, engine, config)
     return flow
