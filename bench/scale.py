@@ -51,6 +51,7 @@ SILVER_BATCHES = (100_000, 400_000)  # one batch of each: silver's memory is bou
 SILVER_RSS_GROWTH_GOAL = 1.3
 SILVER_PARTS = (  # silver's metadata: where its seconds went
     "prepare_wall_seconds",
+    "search_wall_seconds",
     "decide_seconds",
     "write_wall_seconds",
     "commit_seconds",
