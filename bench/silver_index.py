@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 from deltalake import write_deltalake
 
-from pipeline_assets.lib.silver.dedup import HISTORY_SCHEMA, band_keys, lsh_params, near_dedup
+from pipeline_assets.lib.silver.dedup import HISTORY_SCHEMA, band_keys, lsh_of, near_dedup
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 
 CHUNK = 100_000
@@ -20,7 +20,7 @@ CHUNK = 100_000
 
 def build(table: str, records: int) -> None:
     config = MinHashConfig()
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    params = lsh_of(config)
     rng = np.random.default_rng(0)
     for start in range(0, records, CHUNK):
         sigs = rng.integers(

@@ -36,7 +36,7 @@ from pipeline_assets.lib.silver.dedup import (
     _signature_matrix,
     band_entries,
     band_keys,
-    lsh_params,
+    lsh_of,
     wanted_keys,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
@@ -79,7 +79,7 @@ def run(
 
         def whole_index() -> set[str]:
             scan = pl.scan_delta(index)
-            params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+            params = lsh_of(config)
             keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params)
             near = _history_matches(scan, keys, params, config)
             exact = _earliest_by_hash(scan, batch["exact_hash"])
@@ -112,7 +112,7 @@ def _write_index(
 ) -> pl.DataFrame:
     """The index as silver writes it, batch by batch; returns the entries the lookup
     batch copies."""
-    params = lsh_params(config.threshold, config.num_perm, config.lsh_false_positive_weight)
+    params = lsh_of(config)
     rng = np.random.default_rng(0)
     per_batch = records // batches
     copied = []

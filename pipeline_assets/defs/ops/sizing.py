@@ -21,6 +21,7 @@ from pipeline_assets.lib.ops.sizing import (
     POINTS,
     TRAIN_FLOPS_PER_PARAMETER,
     Calibration,
+    StageFit,
     fit_per_materialization,
     fit_stage,
 )
@@ -73,11 +74,10 @@ def calibrate(
             f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
             "(pipeline-assets run, or make demo), with this version of the code, then size"
         )
-    fits = {stage: fit_stage(points.filter(pl.col("stage") == stage)) for stage in _MEASURED}
-    if not decisions.is_empty():  # what is left of the step: the commits, a fixed part a batch
-        fits["silver"] = fit_per_materialization(
-            points.filter(pl.col("stage") == "silver"), "a batch: its decision is fitted apart"
-        )
+    decided = not decisions.is_empty()
+    fits = {
+        stage: _fit(stage, points.filter(pl.col("stage") == stage), decided) for stage in _MEASURED
+    }
 
     gold = _newest_with(
         history[GOLD_SNAPSHOTS], "input_chars"
@@ -172,6 +172,14 @@ def _silver_points(history: list[dict], work: str) -> list[dict]:
             searched = float(earlier[number])
             points.append(_point(_SILVER_LOOKUP, searched, float(m["index_lookup_task_seconds"])))
     return points
+
+
+def _fit(stage: str, points: pl.DataFrame, decided: bool) -> StageFit:
+    """A stage's fit; silver's, once its decision is fitted apart, is what is left of its step (the
+    commits): a fixed time a batch."""
+    if stage == "silver" and decided:
+        return fit_per_materialization(points, "a batch: its decision is fitted apart")
+    return fit_stage(points)
 
 
 def _point(stage: str, work: float, wall_seconds: float, history: float = 0.0) -> dict:
