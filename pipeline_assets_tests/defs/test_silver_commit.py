@@ -1,6 +1,6 @@
 """A silver run killed after its tasks wrote their files and before the step committed them: the
 re-run of the batch commits each table once, holds every record once, and leaves none of the dead
-run's files behind."""
+run's files behind. And what the flow's step does itself: no text, no reading of signatures."""
 
 from __future__ import annotations
 
@@ -183,3 +183,46 @@ def test_a_frame_with_text_never_enters_the_step():
         with pytest.raises(TextInKeysError):
             counted.frame("verdicts", pl.DataFrame({"record_id": ["a"], **text}))
     assert counted.by_kind == {"keys": keys.estimated_size()}
+
+
+class _MappedEngine(RayEngine):
+    """The engine, noting each function it maps and how many calls it was given."""
+
+    def map_tasks(self, function, calls, batch_rows, shared=()):
+        MAPPED.append((function.__name__, len(calls)))
+        return super().map_tasks(function, calls, batch_rows, shared)
+
+
+MAPPED: list[tuple[str, int]] = []
+
+
+def test_near_dedups_signatures_are_read_by_a_task_a_share_not_in_the_step(
+    instance, resources, landing_dir, tmp_path
+):
+    lake = resources["lake"]
+    near_copy = dict(_record(5), response=_record(5)["response"].replace(".", " again."))
+    write_landing_file(
+        landing_dir, "synth", "part-0.jsonl", [*(_record(i) for i in range(12)), near_copy]
+    )
+    batch = register(instance, resources)
+    materialize([eval_sets, bronze], partition_key=batch, instance=instance, resources=resources)
+    MAPPED.clear()
+    flow = run_flow(
+        lake,
+        _MappedEngine(home=str(tmp_path / "home")),
+        FORMAT_TABLES,
+        batch,
+        "a-run",
+        SilverConfig(),
+        EvalItems(
+            pl.DataFrame(schema=dict.fromkeys(EVAL_COLUMNS, pl.String)), DecontamConfig(), ""
+        ),
+        None,
+        None,
+    )
+    shares = sum(len(b.shares) for b in flow.formats.values())
+    reads = [calls for name, calls in MAPPED if name == "read_share_signatures"]
+    assert sum(reads) == shares, MAPPED
+    assert flow.step_bytes.by_kind["signatures"] > 0, "the candidates' signatures, received"
+    verdicts = pl.concat([b.decision.verdicts.select("removed_by") for b in flow.formats.values()])
+    assert "near_dedup" in set(verdicts["removed_by"].drop_nulls()), "near dedup used them"
