@@ -1,40 +1,40 @@
 """Silver's lookup of a batch in the index of the batches before it: by band, against the
-whole index.
+whole index; and the sizer's lookup rate against it.
 
-An index of INDEX_RECORDS records written as INDEX_BATCHES batches (random signatures, the layout
-silver writes: ``silver/minhash_index`` partitioned by batch, ``silver/minhash_bands`` by band and
-batch), and a batch of LOOKUP_BATCH records of which COPIES repeat an indexed record. Measured: the
-lookup silver does now (``look_up_by_band``: a task a band and slice of batches, then a task a slice
-reading the found entries; one after the other here, as in a step without Ray). Baseline: what
-silver did before, the exact hashes and the exploded band keys of the whole index scanned in the
-step's process. Both in this process on all of polars' threads, best of three; both must find the
-same records.
+An index of INDEX_RECORDS records written as INDEX_BATCHES batches (``lookup_rate.SyntheticIndex``:
+random signatures, the layout silver writes: ``silver/minhash_index`` partitioned by batch,
+``silver/minhash_bands`` by band and batch), and a batch of LOOKUP_BATCH records of which COPIES
+repeat an indexed record. Measured: the lookup silver does now (``look_up_by_band``: a task a band
+and slice of batches, then a task a slice reading the found entries; one after the other here, as
+in a step without Ray). Baseline: what silver did before, the exact hashes and the exploded band
+keys of the whole index scanned in the step's process. Both in this process on all of polars'
+threads, best of three runs taken in turns (this machine's speed drifts within minutes); both must
+find the same records.
+
+The sizer's rate: ``lookup_rate.measure_lookup`` (what ``pipeline-assets sizer`` fits silver's
+lookup on, indexes of up to 400,000 records) fitted as the sizer fits it, predicting the task
+seconds of the lookup measured here, on an index five times larger: within TOLERANCE.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import polars as pl
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 
-from bench.timing import best_seconds
-from pipeline_assets.defs.silver.lookup import (
-    BANDS_PARTITIONED_BY,
-    BandsAt,
-    batch_slices,
-    look_up_by_band,
-)
+from bench.timing import best_of_alternating
+from pipeline_assets.defs.silver.lookup import BandsAt, batch_slices, look_up_by_band
+from pipeline_assets.defs.silver.lookup_rate import SyntheticIndex, measure_lookup
+from pipeline_assets.lib.ops.sizing import POINTS, fit_stage
 from pipeline_assets.lib.silver.dedup import (
-    HISTORY_SCHEMA,
     ROWS_PER_LOOKUP_TASK,
     SIGNATURE_COLUMNS,
     _earliest_by_hash,
     _history_matches,
     _signature_matrix,
-    band_entries,
     band_keys,
     lsh_of,
     wanted_keys,
@@ -45,10 +45,10 @@ from pipeline_assets.resources.engine import RayEngine
 INDEX_RECORDS = 2_000_000
 INDEX_BATCHES = 20
 LOOKUP_BATCH = 100_000
-COPIES = 1_000
 TARGET_RATIO = (
     1.0  # in one process: no slower than the scan it replaces; its gain is that the tasks spread
 )
+TOLERANCE = 0.30  # the sizer's rate against the lookup measured here
 
 
 def run(
@@ -56,9 +56,11 @@ def run(
 ) -> dict:
     config = MinHashConfig()
     with tempfile.TemporaryDirectory() as tmp:
-        index_uri, bands_uri = str(Path(tmp) / "minhash_index"), str(Path(tmp) / "minhash_bands")
-        copies = _write_index(index_uri, bands_uri, index_records, batches, config)
-        batch = _batch(copies, batch_rows, config)
+        synthetic = SyntheticIndex(Path(tmp), config)
+        synthetic.grow_to(index_records, rows_per_batch=index_records // batches)
+        batch = synthetic.batch(batch_rows)
+        copies = set(synthetic.copies(batch)["record_id"])
+        index_uri, bands_uri = synthetic.index_uri, synthetic.bands_uri
         index, bands = DeltaTable(index_uri), DeltaTable(bands_uri)
         wanted = wanted_keys(batch, config)
 
@@ -66,15 +68,17 @@ def run(
             home=tmp, min_rows=batch_rows + 1
         )  # as a step without RAY_ADDRESS runs this batch
         slices = batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
+        task_seconds = []
 
         def by_band() -> pl.DataFrame:
-            entries, _ = look_up_by_band(
+            entries, tasks = look_up_by_band(
                 wanted,
                 in_process,
                 batch_rows,
                 BandsAt(bands_uri, None, bands.version(), slices),
                 (index_uri, None, index.version()),
             )
+            task_seconds.append(tasks["task_seconds"])
             return entries
 
         def whole_index() -> set[str]:
@@ -86,10 +90,20 @@ def run(
             return set(near["record_id"]) | set(exact["kept_record_id"])
 
         found, baseline_found = set(by_band()["record_id"]), whole_index()
-        measured, baseline = best_seconds(by_band), best_seconds(whole_index)
-    assert found == baseline_found == set(copies["record_id"]), (
-        "both ways find exactly the copied records"
+        measured, baseline = best_of_alternating(by_band, whole_index)
+    assert found == baseline_found == copies, "both ways find exactly the copied records"
+    sizer_points, _ = measure_lookup(config=config)
+    fit = fit_stage(
+        pl.DataFrame(
+            [
+                {"stage": "lookup", "materializations": 1, "work": rows, "wall_seconds": seconds}
+                for rows, seconds in sizer_points
+            ],
+            schema=POINTS,
+        )
     )
+    predicted, tasks = fit.seconds(1, index_records), statistics.median(task_seconds)
+    sizer_error = abs(predicted / tasks - 1)
     per_record = lambda seconds: seconds / index_records * 1e6  # noqa: E731
     return {
         "index_records": index_records,
@@ -101,60 +115,17 @@ def run(
         "ratio": baseline / measured,
         "seconds_per_indexed_record": measured / index_records,
         "target": f"the lookup by band, its tasks run one after the other, >= {TARGET_RATIO}x the "
-        "whole-index scan in one "
-        "process, finding the same records",
-        "target_met": baseline / measured >= TARGET_RATIO,
+        "whole-index scan in one process, finding the same records; and the sizer's rate (below)",
+        "target_met": baseline / measured >= TARGET_RATIO and sizer_error <= TOLERANCE,
+        "sizer": {
+            "measured_on": [list(point) for point in sizer_points],
+            "fit": f"{fit.fixed_seconds:.3f} s + {fit.seconds_per_unit * 1e6:.3f} us an indexed "
+            "record",
+            "predicted_task_seconds": predicted,
+            "measured_task_seconds": tasks,
+            "error": predicted / tasks - 1,
+            "target": f"the sizer's lookup fit within {TOLERANCE:.0%} of the task seconds "
+            f"measured on {index_records:,} records",
+            "target_met": sizer_error <= TOLERANCE,
+        },
     }
-
-
-def _write_index(
-    index_uri: str, bands_uri: str, records: int, batches: int, config: MinHashConfig
-) -> pl.DataFrame:
-    """The index as silver writes it, batch by batch; returns the entries the lookup
-    batch copies."""
-    params = lsh_of(config)
-    rng = np.random.default_rng(0)
-    per_batch = records // batches
-    copied = []
-    for number in range(batches):
-        sigs = rng.integers(0, 2**32, (per_batch, config.num_perm), dtype=np.uint64).astype(
-            np.uint32
-        )
-        entries = pl.DataFrame(
-            {
-                "record_id": [f"{number:08x}{i:024x}" for i in range(per_batch)],
-                "batch_id": f"b{number:04d}",
-                "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(per_batch)],
-                "signature": [row.astype("<u4").tobytes() for row in sigs],
-                "response_signature": [row.astype("<u4").tobytes() for row in sigs[:, ::-1]],
-                "band_keys": band_keys(sigs, params).tolist(),
-                "lsh_params": params.label(config),
-                "prompt_hash": None,  # preference pairs' prompts only
-            },
-            schema=HISTORY_SCHEMA,
-        )
-        write_deltalake(index_uri, entries.to_arrow(), mode="append", partition_by=["batch_id"])
-        write_deltalake(
-            bands_uri,
-            band_entries(entries).to_arrow(),
-            mode="append",
-            partition_by=list(BANDS_PARTITIONED_BY),
-        )
-        copied.append(entries.sample(COPIES // batches, seed=number))
-    return pl.concat(copied)
-
-
-def _batch(copies: pl.DataFrame, rows: int, config: MinHashConfig) -> pl.DataFrame:
-    """``rows`` new records, ``copies`` among them: hashes and signatures are all a lookup reads."""
-    rng = np.random.default_rng(1)
-    fresh = rows - copies.height
-    sigs = rng.integers(0, 2**32, (fresh, config.num_perm), dtype=np.uint64).astype(np.uint32)
-    new = pl.DataFrame(
-        {
-            "exact_hash": [f"{rng.integers(0, 2**63):016x}{i:016x}" for i in range(fresh)],
-            SIGNATURE_COLUMNS[0]: [row.astype("<u4").tobytes() for row in sigs],
-        }
-    )
-    return pl.concat(
-        [new, copies.select("exact_hash", pl.col("signature").alias(SIGNATURE_COLUMNS[0]))]
-    )

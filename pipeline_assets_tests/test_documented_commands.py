@@ -331,9 +331,15 @@ def _sizer_calibrated_on_the_story(run: Commands) -> None:
     assert totals["fits"]["training"]["note"].startswith("one size"), (
         "both snapshots trained the same 6 steps"
     )
-    assert totals["fits"]["silver/index lookup"]["points"] >= 1, (
-        "the second batch's lookup, fitted on its tasks' seconds"
+    lookup = totals["fits"]["silver/index lookup"]
+    measured = json.loads((run.home / "reports" / "lookup-rate.json").read_text())
+    assert lookup["points"] == 1 + len(measured["points"]) == 3, (
+        "the second batch's lookup and the two measured on synthetic indexes, fitted together"
     )
+    rows, seconds = measured["points"][-1]
+    assert rows == 400_000 and lookup["fixed_seconds"] + lookup["seconds_per_unit"] * rows == (
+        pytest.approx(seconds, rel=0.3)
+    ), "the rate shown by the largest index searched"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = run(SIZER_BILLION).stdout
     assert "bottleneck:" in table and "evaluation" in table and "silver" in table

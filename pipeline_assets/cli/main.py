@@ -488,6 +488,9 @@ def _sizer(args, settings: Settings) -> int:
         settings.validation_fraction,
         settings.tokenizer_sample_chars,
         settings.eval_max_tokens,
+        measure_lookup=(lambda: _lookup_rate(settings))
+        if args.records > args.batch_records  # one batch looks nothing up
+        else None,
     )
     model, parameters, flops = _trained_model(args, settings)
     per_gpu, assumed = args.gpu_tokens_per_second, None
@@ -536,6 +539,22 @@ def _sizer(args, settings: Settings) -> int:
         return 0
     _print_sizing(table, totals)
     return 0
+
+
+def _lookup_rate(settings: Settings):
+    """Silver's index lookup measured on synthetic indexes, once for this code and machine
+    (``lookup_rate``): a target of more than one batch searches indexes far larger than a
+    calibration's."""
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.defs.silver.lookup_rate import lookup_rate
+
+    config = build_resources(settings)["silver_policy"].silver_config().minhash
+    rate = lookup_rate(
+        Path(settings.home) / "reports" / "lookup-rate.json",
+        config,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    return rate.points, rate.bands
 
 
 def _trained_model(args, settings: Settings) -> tuple[str, int, float]:

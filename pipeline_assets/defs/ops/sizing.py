@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import polars as pl
 from dagster import DagsterInstance
@@ -43,8 +44,12 @@ def calibrate(
     validation_fraction: float,
     tokenizer_sample_chars: float = math.inf,
     eval_max_tokens: float = math.inf,
+    measure_lookup: Callable[[], tuple[Sequence[tuple[int, float]], int]] | None = None,
 ) -> Calibration:
-    """Fit every stage on its past runs; take the data's ratios from the newest snapshot."""
+    """Fit every stage on its past runs; take the data's ratios from the newest snapshot. Silver's
+    index lookup is fitted on its runs' lookups together with ``measure_lookup``'s, called once
+    the runs are found: ((indexed records, task seconds) on indexes large enough to show its rate
+    a row, which a calibration's are not; the bands it searched, a task each a slice)."""
     history = {
         key: materialization_history(instance, key)
         for key in [*(key for key, _ in _MEASURED.values()), GOLD_SNAPSHOTS]
@@ -74,6 +79,16 @@ def calibrate(
             f"no measured run of {', '.join(missing)} to calibrate on: run the pipeline once "
             "(pipeline-assets run, or make demo), with this version of the code, then size"
         )
+    measured_lookups, measured_lookup_bands = measure_lookup() if measure_lookup else ([], 0)
+    lookups = pl.concat(
+        [
+            lookups,
+            pl.DataFrame(
+                [_point(_SILVER_LOOKUP, rows, seconds) for rows, seconds in measured_lookups],
+                schema=POINTS,
+            ),
+        ]
+    )
     decided = not decisions.is_empty()
     fits = {
         stage: _fit(stage, points.filter(pl.col("stage") == stage), decided) for stage in _MEASURED
@@ -107,7 +122,9 @@ def calibrate(
         silver_blocks=fit_stage(blocks) if not blocks.is_empty() else None,
         silver_lookup=fit_stage(lookups) if not lookups.is_empty() else None,
         silver_decision=fit_stage(decisions) if not decisions.is_empty() else None,
-        lookup_bands=max((int(m.get("index_lookup_bands") or 0) for m in silver), default=0),
+        lookup_bands=max(
+            [measured_lookup_bands, *(int(m.get("index_lookup_bands") or 0) for m in silver)]
+        ),
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver)
         / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
     )
