@@ -120,6 +120,9 @@ def hash_in_context(context: str | None, *columns: str | pl.Expr) -> pl.Expr:
     return pl.when(has_turns(context)).then(in_context).otherwise(hash_of(*columns))
 
 
+_ROW = "_position_in_batch"
+
+
 def exact_dedup(
     batch: pl.DataFrame, history: pl.LazyFrame | None
 ) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
@@ -127,13 +130,18 @@ def exact_dedup(
     function (``lib.stages``): rejected rows add duplicate_of, jaccard and evidence."""
     hashed = batch if "exact_hash" in batch.columns else batch.with_columns(exact_hashes(batch))
     kept_elsewhere = _earliest_by_hash(history, hashed["exact_hash"])
+    hashes = hashed["exact_hash"]
+    # only a record sharing its hash with another, or with an earlier batch's, can be removed
+    shared = hashes.is_duplicated() | hashes.is_in(kept_elsewhere["exact_hash"].implode())
+    copies = hashed.filter(shared)
     survivor = (
-        hashed.sort("record_id")
+        copies.sort("record_id")
         .group_by("exact_hash", maintain_order=True)
         .agg(first_in_batch=pl.col("record_id").first())
     )
     judged = (
-        hashed.join(kept_elsewhere, on="exact_hash", how="left")
+        copies.with_columns(pl.Series(_ROW, np.flatnonzero(shared.to_numpy())))
+        .join(kept_elsewhere, on="exact_hash", how="left")
         .join(survivor, on="exact_hash", how="left")
         .with_columns(
             duplicate_of=pl.coalesce(
@@ -150,10 +158,11 @@ def exact_dedup(
             exact_hash="exact_hash",
         ).struct.json_encode(),
     )
-    kept = judged.filter(pl.col("duplicate_of").is_null())
+    keep = np.ones(hashed.height, dtype=bool)
+    keep[rejected[_ROW].to_numpy()] = False
     columns = hashed.columns
     return (
-        kept.select(columns),
+        hashed.filter(pl.Series(keep)),
         rejected.select(*columns, "duplicate_of", "jaccard", "evidence"),
         {"against_other_batches": int(rejected["kept_record_id"].is_not_null().sum())},
     )
@@ -320,16 +329,20 @@ def near_dedup_candidates(
     candidates may name records ``batch`` does not hold (removed by a stage before): they are
     left out."""
     candidate = batch["record_id"].is_in(staged.candidates.implode())
-    candidates = batch.filter(candidate)
+    candidates = batch.filter(candidate).with_columns(
+        pl.Series(_ROW, np.flatnonzero(candidate.to_numpy()))
+    )
     signed = candidates.join(
         staged.read(candidates["record_id"]), on="record_id", how="left", maintain_order="left"
     )
-    kept, rejected, details = near_dedup(signed, history, config, fmt)
-    alone = batch.filter(~candidate).with_columns(cluster_id=pl.col("record_id"))
-    in_order = batch.select("record_id").join(
-        pl.concat([kept, alone.select(kept.columns)]), on="record_id", maintain_order="left"
+    _, rejected, details = near_dedup(signed, history, config, fmt)
+    keep = np.ones(batch.height, dtype=bool)
+    keep[rejected[_ROW].to_numpy()] = False
+    return (  # a record near dedup keeps leads its cluster, as every other record does its own
+        batch.with_columns(cluster_id=pl.col("record_id")).filter(pl.Series(keep)),
+        rejected.drop(_ROW),
+        details,
     )
-    return in_order.select(kept.columns), rejected, details
 
 
 def index_entries(

@@ -13,14 +13,19 @@ from datasketch import MinHash
 from datasketch.lsh import _optimal_param
 
 from pipeline_assets.lib.silver.dedup import (
+    SIGNATURE_COLUMNS,
     BandMatches,
+    StagedSignatures,
     _cluster_survivors,
     _node_order,
     exact_dedup,
+    exact_hashes,
     index_entries,
     lsh_params,
     near_dedup,
+    near_dedup_candidates,
     search_band,
+    with_signatures,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig, shingle_hashes, shingles, signatures
 from pipeline_assets.lib.silver.minhash_kernels import big_endian_words, sha1_hash32
@@ -292,3 +297,47 @@ def test_a_band_search_names_the_records_sharing_a_key_and_leaves_exact_copies_t
     both = BandMatches.joined([within, held])
     assert both.candidates.to_list() == ["r01", "r03", "r05"] and both.keys == 3
     assert search_band(keys, 0, within=False, bands=bands, batches=["b9"]).candidates.is_empty()
+
+
+def test_dedup_judges_only_the_records_that_share_a_hash_or_a_key_and_keeps_the_batch_order():
+    """Most of a batch shares nothing: exact dedup judges only the records sharing a hash (with
+    another or an earlier batch's entry), near dedup only the band searches' candidates. What they
+    keep is the batch, in its order, less what they removed, as when every record is judged."""
+    rng = random.Random(7)
+    originals = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(40)]
+    texts = originals + originals[:5] + [_edited(text, rng) for text in originals[5:10]]
+    batch = (
+        _batch(texts).drop("exact_hash").sample(fraction=1.0, shuffle=True, seed=5).with_row_index()
+    )
+    earlier = _batch([originals[20]], batch_id="b0", prefix="e")
+    history = exact_dedup(earlier.drop("exact_hash"), None)[0].select(
+        "record_id", "batch_id", "exact_hash"
+    )
+    kept, removed, details = exact_dedup(batch, history.lazy())
+    removed_ids = set(removed["record_id"])
+    assert len(removed_ids) == 6 and details == {"against_other_batches": 1}
+    assert kept["index"].to_list() == [
+        i for i, record in zip(batch["index"], batch["record_id"]) if record not in removed_ids
+    ], "the batch's order, less the removed"
+    by_hash = {}
+    for record, hashed in sorted(zip(batch["record_id"], batch.pipe(exact_hashes))):
+        by_hash.setdefault(hashed, record)
+    assert set(kept["record_id"]) == set(by_hash.values()) - {"r00020"}, (
+        "the smallest record id of each hash, less the one an earlier batch kept"
+    )
+
+    signed = with_signatures(kept)
+    whole, whole_removed, _ = near_dedup(signed, None)
+    near_copies = {f"r{i:05d}" for i in range(45, 50)} | {f"r{i:05d}" for i in range(5, 10)}
+    staged = StagedSignatures(
+        pl.Series("record_id", sorted(near_copies)),
+        lambda ids: signed.filter(pl.col("record_id").is_in(ids.implode())).select(
+            "record_id", *SIGNATURE_COLUMNS
+        ),
+    )
+    only, only_removed, _ = near_dedup_candidates(kept, None, staged)
+    assert only.equals(whole.select(only.columns)) and only["index"].is_sorted()
+    assert only_removed.sort("record_id").equals(
+        whole_removed.sort("record_id").select(only_removed.columns)
+    )
+    assert sorted(only_removed["record_id"]) == [f"r{i:05d}" for i in range(45, 50)]
