@@ -11,14 +11,13 @@ keys of the whole index scanned in the step's process. Both in this process on a
 threads, best of three runs taken in turns (this machine's speed drifts within minutes); both must
 find the same records.
 
-The sizer's rate: ``lookup_rate.measure_lookup`` (what ``pipeline-assets sizer`` fits silver's
-lookup on, indexes of up to 400,000 records) fitted as the sizer fits it, predicting the task
-seconds of the lookup measured here, on an index five times larger: within TOLERANCE.
+The sizer's rate: ``lookup_rate.measure_lookup`` on the sizer's indexes (INDEX_SIZES, up to 400,000
+records) and on one of INDEX_RECORDS, in turns; the first two fitted as the sizer fits them must
+predict the lookup's task seconds on the last, five times larger, within TOLERANCE.
 """
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from deltalake import DeltaTable
 
 from bench.timing import best_of_alternating
 from pipeline_assets.defs.silver.lookup import BandsAt, batch_slices, look_up_by_band
-from pipeline_assets.defs.silver.lookup_rate import SyntheticIndex, measure_lookup
+from pipeline_assets.defs.silver.lookup_rate import INDEX_SIZES, SyntheticIndex, measure_lookup
 from pipeline_assets.lib.ops.sizing import POINTS, fit_stage
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
@@ -68,17 +67,15 @@ def run(
             home=tmp, min_rows=batch_rows + 1
         )  # as a step without RAY_ADDRESS runs this batch
         slices = batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
-        task_seconds = []
 
         def by_band() -> pl.DataFrame:
-            entries, tasks = look_up_by_band(
+            entries, _ = look_up_by_band(
                 wanted,
                 in_process,
                 batch_rows,
                 BandsAt(bands_uri, None, bands.version(), slices),
                 (index_uri, None, index.version()),
             )
-            task_seconds.append(tasks["task_seconds"])
             return entries
 
         def whole_index() -> set[str]:
@@ -92,7 +89,7 @@ def run(
         found, baseline_found = set(by_band()["record_id"]), whole_index()
         measured, baseline = best_of_alternating(by_band, whole_index)
     assert found == baseline_found == copies, "both ways find exactly the copied records"
-    sizer_points, _ = measure_lookup(config=config)
+    *sizer_points, (_, tasks) = measure_lookup((*INDEX_SIZES, index_records), batch_rows)[0]
     fit = fit_stage(
         pl.DataFrame(
             [
@@ -102,7 +99,7 @@ def run(
             schema=POINTS,
         )
     )
-    predicted, tasks = fit.seconds(1, index_records), statistics.median(task_seconds)
+    predicted = fit.seconds(1, index_records)
     sizer_error = abs(predicted / tasks - 1)
     per_record = lambda seconds: seconds / index_records * 1e6  # noqa: E731
     return {

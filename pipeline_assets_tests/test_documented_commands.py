@@ -333,7 +333,7 @@ def _sizer_calibrated_on_the_story(run: Commands) -> None:
     )
     lookup = totals["fits"]["silver/index lookup"]
     measured = json.loads((run.home / "reports" / "lookup-rate.json").read_text())
-    assert lookup["points"] == 1 + len(measured["points"]) == 3, (
+    assert len(measured["points"]) == 2 and lookup["points"] >= 3, (
         "the second batch's lookup and the two measured on synthetic indexes, fitted together"
     )
     rows, seconds = measured["points"][-1]

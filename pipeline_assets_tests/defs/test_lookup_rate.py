@@ -26,6 +26,9 @@ def test_the_lookup_rate_is_measured_once_then_again_when_what_it_ran_on_changed
     again = lookup_rate(cache, config, said.append, SIZES, BATCH)
     assert len(said) == 2 and again.measured_on == rate.measured_on
     assert LookupRate(**json.loads(cache.read_text())) == again
+    cache.write_text("{not json")
+    assert lookup_rate(cache, config, said.append, SIZES, BATCH).measured_on == rate.measured_on
+    assert len(said) == 3, "an unreadable file is measured again and written over"
     other = MinHashConfig(threshold=0.7)
     assert lookup_rate(cache, other, said.append, SIZES, BATCH).measured_on != rate.measured_on
-    assert len(said) == 3, "measured again for other settings"
+    assert len(said) == 4, "measured again for other settings"

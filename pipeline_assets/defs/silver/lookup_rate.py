@@ -6,8 +6,8 @@ sizer multiplies it by the rows a large corpus searches (10^14 for a billion rec
 here instead: the lookup silver runs (``look_up_by_band``, its tasks one after the other in this
 process, as in a step without Ray) of a batch of LOOKUP_BATCH records against indexes of
 INDEX_SIZES records, written as silver writes them (random signatures; COPIES of the indexed
-records repeated in the batch, so entries are found and read as in a real lookup), the median of
-REPEATS lookups at each size.
+records repeated in the batch, so entries are found and read as in a real lookup), the fastest of
+REPEATS lookups at each size, the sizes taken in turns.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -61,21 +62,20 @@ class LookupRate:
 def lookup_rate(
     cache: Path,
     config: MinHashConfig,
-    log=print,
+    log: Callable[[str], object] = print,
     index_sizes: tuple[int, ...] = INDEX_SIZES,
     batch_rows: int = LOOKUP_BATCH,
 ) -> LookupRate:
     """The lookup's rate from ``cache`` when it was measured by this code on this machine with
-    ``config``, ``index_sizes`` and ``batch_rows``, else measured now (tens of seconds) and kept
+    ``config``, ``index_sizes`` and ``batch_rows``, else measured now (a minute or so) and kept
     there."""
     measured_on = (
         f"{_measured_on(config)}; indexes of {', '.join(map(str, index_sizes))} records; "
         f"batches of {batch_rows}"
     )
-    if cache.exists():
-        kept = LookupRate(**json.loads(cache.read_text()))
-        if kept.measured_on == measured_on:
-            return kept
+    kept = _kept(cache)
+    if kept is not None and kept.measured_on == measured_on:
+        return kept
     log(
         f"measuring silver's index lookup on synthetic indexes of "
         f"{', '.join(f'{size:,}' for size in index_sizes)} records (once for this code and "
@@ -86,6 +86,15 @@ def lookup_rate(
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(asdict(rate), indent=2))
     return rate
+
+
+def _kept(cache: Path) -> LookupRate | None:
+    """The measurement ``cache`` holds; None when there is none or it cannot be read (then it is
+    measured again and written over)."""
+    try:
+        return LookupRate(**json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _measured_on(config: MinHashConfig) -> str:
@@ -107,19 +116,22 @@ def measure_lookup(
     batch_rows: int = LOOKUP_BATCH,
     config: MinHashConfig = MinHashConfig(),
 ) -> tuple[list[tuple[int, float]], int]:
-    """(indexed records, the lookup tasks' seconds) for each of ``index_sizes``, in order (one
-    index grown from one size to the next, a fresh batch looked up REPEATS times at each), and
-    the bands searched."""
-    points = []
+    """(indexed records, the lookup tasks' seconds) for each of ``index_sizes``, in order (an
+    index of each size, each with a batch of its own, looked up in turns REPEATS times: this
+    machine's speed drifts within minutes, and taken in turns every size sees the same drift),
+    and the bands searched."""
     with tempfile.TemporaryDirectory(prefix="lookup-rate-") as tmp:
-        index = SyntheticIndex(Path(tmp), config)
         engine = RayEngine(home=tmp, min_rows=batch_rows + 1)  # this process, one task at a time
-        for size in index_sizes:
+        indexes = []
+        for number, size in enumerate(index_sizes):
+            index = SyntheticIndex(Path(tmp) / str(number), config, seed=number)
             index.grow_to(size)
-            batch = index.batch(batch_rows)
-            seconds = [index.look_up(batch, engine) for _ in range(REPEATS)]
-            points.append((size, float(np.median(seconds))))
-    return points, wanted_keys(batch, config)["band"].n_unique()
+            indexes.append((index, index.batch(batch_rows)))
+        seconds = [
+            [index.look_up(batch, engine) for index, batch in indexes] for _ in range(REPEATS)
+        ]
+    bands = wanted_keys(indexes[0][1], config)["band"].n_unique()
+    return [(size, min(run[i] for run in seconds)) for i, size in enumerate(index_sizes)], bands
 
 
 class SyntheticIndex:
