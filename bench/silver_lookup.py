@@ -36,7 +36,6 @@ from pipeline_assets.lib.silver.dedup import (
     _signature_matrix,
     band_keys,
     lsh_of,
-    wanted_keys,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.resources.engine import RayEngine
@@ -58,10 +57,9 @@ def run(
         synthetic = SyntheticIndex(Path(tmp), config)
         synthetic.grow_to(index_records, rows_per_batch=index_records // batches)
         batch = synthetic.batch(batch_rows)
-        copies = set(synthetic.copies(batch)["record_id"])
+        lookup = synthetic.lookup_of(batch)
         index_uri, bands_uri = synthetic.index_uri, synthetic.bands_uri
         index, bands = DeltaTable(index_uri), DeltaTable(bands_uri)
-        wanted = wanted_keys(batch, config)
 
         in_process = RayEngine(
             home=tmp, min_rows=batch_rows + 1
@@ -70,7 +68,7 @@ def run(
 
         def by_band() -> pl.DataFrame:
             entries, _ = look_up_by_band(
-                wanted,
+                lookup.wanted,
                 in_process,
                 batch_rows,
                 BandsAt(bands_uri, None, bands.version(), slices),
@@ -88,7 +86,7 @@ def run(
 
         found, baseline_found = set(by_band()["record_id"]), whole_index()
         measured, baseline = best_of_alternating(by_band, whole_index)
-    assert found == baseline_found == copies, "both ways find exactly the copied records"
+    assert found == baseline_found == lookup.copies, "both ways find exactly the copied records"
     *sizer_points, (_, tasks) = measure_lookup((*INDEX_SIZES, index_records), batch_rows)[0]
     fit = fit_stage(
         pl.DataFrame(

@@ -545,10 +545,11 @@ def _lookup_rate(settings: Settings):
     """Silver's index lookup measured on synthetic indexes, once for this code and machine
     (``lookup_rate``): a target of more than one batch searches indexes far larger than a
     calibration's."""
-    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.defs.policies import SilverPolicy
     from pipeline_assets.defs.silver.lookup_rate import lookup_rate
+    from pipeline_assets.resources.settings import policy_from
 
-    config = build_resources(settings)["silver_policy"].silver_config().minhash
+    config = policy_from(SilverPolicy, settings).silver_config().minhash
     rate = lookup_rate(
         Path(settings.home) / "reports" / "lookup-rate.json",
         config,

@@ -441,22 +441,27 @@ def decide_batch(
 ) -> None:
     """The batch's decision for every format from its keys and its band searches (``searched``),
     after one lookup of the index."""
-    started, searches_waited = time.perf_counter(), flow.search_wall_seconds
+    started, reads = time.perf_counter(), []
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
     decisions = decide(
         {b.tables.fmt: b.keys for b in flow.formats.values()},
         counted,
         flow.config,
-        {b.tables.fmt: _signature_reader(flow, engine, b) for b in flow.formats.values()},
+        {b.tables.fmt: _signature_reader(flow, engine, b, reads) for b in flow.formats.values()},
         searched,
     )
+    read_wall = sum(done.wall_seconds for done in reads)  # block work, timed with the searches
+    flow.search_task_seconds = round(
+        flow.search_task_seconds + sum(done.task_seconds for done in reads), 3
+    )
+    flow.search_wall_seconds = round(flow.search_wall_seconds + read_wall, 3)
     for tables, batch in flow.formats.items():
         decision = decisions[tables.fmt]
         flow.step_bytes.frame("verdicts", decision.verdicts)
         flow.formats[tables] = replace(batch, decision=decision)
     flow.index_lookup["keys"] += sum(found.keys for found in searched.values())
-    waited = flow.index_lookup["seconds"] + flow.search_wall_seconds - searches_waited
+    waited = flow.index_lookup["seconds"] + read_wall
     flow.decide_seconds = round(time.perf_counter() - started - waited, 3)
 
 
@@ -526,15 +531,16 @@ def search_share_band(
     return search_band(keys, band, within, bands_at.scan() if bands_at else None, batches)
 
 
-def _signature_reader(flow: BatchFlow, engine: BlockEngine, batch: FormatBatch):
+def _signature_reader(
+    flow: BatchFlow, engine: BlockEngine, batch: FormatBatch, reads: list[TaskResults]
+):
     """Near dedup's reader of its candidates' signatures: a task a share reads them from its
-    staged keys (block work, timed with the band searches), the bytes received counted."""
+    staged keys, the tasks' results noted in ``reads``, the bytes received counted."""
     calls = [([share.staged], flow.storage_options) for share in batch.shares]
 
     def read(record_ids: pl.Series) -> pl.DataFrame:
         done = engine.map_tasks(read_share_signatures, calls, flow.bronze_rows, (record_ids,))
-        flow.search_task_seconds = round(flow.search_task_seconds + done.task_seconds, 3)
-        flow.search_wall_seconds = round(flow.search_wall_seconds + done.wall_seconds, 3)
+        reads.append(done)
         found = pl.concat(done.results)  # a format without rows still stages an empty share
         return flow.step_bytes.frame("signatures", found)
 

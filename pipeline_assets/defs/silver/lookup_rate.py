@@ -122,16 +122,25 @@ def measure_lookup(
     and the bands searched."""
     with tempfile.TemporaryDirectory(prefix="lookup-rate-") as tmp:
         engine = RayEngine(home=tmp, min_rows=batch_rows + 1)  # this process, one task at a time
-        indexes = []
+        lookups = []
         for number, size in enumerate(index_sizes):
             index = SyntheticIndex(Path(tmp) / str(number), config, seed=number)
             index.grow_to(size)
-            indexes.append((index, index.batch(batch_rows)))
+            lookups.append((index, index.lookup_of(index.batch(batch_rows))))
         seconds = [
-            [index.look_up(batch, engine) for index, batch in indexes] for _ in range(REPEATS)
+            [index.look_up(lookup, engine) for index, lookup in lookups] for _ in range(REPEATS)
         ]
-    bands = wanted_keys(indexes[0][1], config)["band"].n_unique()
+    bands = lookups[0][1].wanted["band"].n_unique()
     return [(size, min(run[i] for run in seconds)) for i, size in enumerate(index_sizes)], bands
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A batch as its lookup reads it, made once for every time it is looked up."""
+
+    wanted: pl.DataFrame  # the (band, band_key) rows it looks up (``wanted_keys``)
+    rows: int
+    copies: frozenset[str]  # the record ids of the indexed entries it repeats: found, or refused
 
 
 class SyntheticIndex:
@@ -174,20 +183,27 @@ class SyntheticIndex:
             ]
         )
 
-    def look_up(self, batch: pl.DataFrame, engine: RayEngine) -> float:
-        """The seconds of the tasks of one lookup of ``batch``, which must find every copy."""
+    def lookup_of(self, batch: pl.DataFrame) -> Lookup:
+        return Lookup(
+            wanted_keys(batch, self.config),
+            batch.height,
+            frozenset(self.copies(batch)["record_id"]),
+        )
+
+    def look_up(self, lookup: Lookup, engine: RayEngine) -> float:
+        """The seconds of the tasks of one ``lookup``, which must find every copy."""
         index, bands = DeltaTable(self.index_uri), DeltaTable(self.bands_uri)
         entries, tasks = look_up_by_band(
-            wanted_keys(batch, self.config),
+            lookup.wanted,
             engine,
-            batch.height,
+            lookup.rows,
             BandsAt(
                 self.bands_uri, None, bands.version(), batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
             ),
             (self.index_uri, None, index.version()),
         )
         found = set() if entries is None else set(entries["record_id"])
-        missed = set(self.copies(batch)["record_id"]) - found
+        missed = lookup.copies - found
         if missed:
             raise AssertionError(f"the lookup missed {len(missed)} indexed records")
         return float(tasks["task_seconds"])
