@@ -26,9 +26,11 @@ from pipeline_assets.defs.keys import (
     BRONZE_RECORDS,
     EVALUATION_DPO_REPORT,
     REGISTRY_DPO_MODEL_VERSION,
+    SILVER_RECORDS,
     TRAINING_CHECKPOINT,
     TRAINING_DPO_CHECKPOINT,
 )
+from pipeline_assets.defs.snapshots import latest_per_partition, materialization_history
 from pipeline_assets.lib.gold.base_model import inspect_base_model
 from pipeline_assets.sample_data.corpus import MANIFEST_NAME
 from pipeline_assets_tests.conftest import cli_environment, write_landing_file
@@ -301,10 +303,10 @@ def _the_story_so_far(home: Path, run: Commands, manifest: dict) -> None:
     )
     assert json.loads(run(EXPORT).stdout)["version"] == "2"
     assert_servable(run.home / "scratch" / "served")
-    _sizer_calibrated_on_the_story(run)
+    _sizer_calibrated_on_the_story(run, instance)
 
 
-def _sizer_calibrated_on_the_story(run: Commands) -> None:
+def _sizer_calibrated_on_the_story(run: Commands, instance: DagsterInstance) -> None:
     prediction = json.loads(run(SIZER_ALL).stdout)
     stages = {row["stage"]: row for row in prediction["stages"]}
     assert list(stages) == MEASURED_STAGES
@@ -340,6 +342,16 @@ def _sizer_calibrated_on_the_story(run: Commands) -> None:
     assert rows == 400_000 and lookup["fixed_seconds"] + lookup["seconds_per_unit"] * rows == (
         pytest.approx(seconds, rel=0.3)
     ), "the rate shown by the largest index searched"
+    decision = totals["fits"]["silver/decision"]
+    measured = json.loads((run.home / "reports" / "decision-rate.json").read_text())
+    assert [rows for rows, _ in measured["points"]] == [100_000, 400_000]
+    assert decision["points"] >= 4, "the story's batches and the two synthetic ones, together"
+    assert "0.000 exact" not in measured["measured_on"], "with the exact copies the story removed"
+    silver = latest_per_partition(materialization_history(instance, SILVER_RECORDS))
+    chars = 400_000 * sum(b["input_chars"] for b in silver) / sum(b["bronze_rows"] for b in silver)
+    assert decision["fixed_seconds"] + decision["seconds_per_unit"] * chars == pytest.approx(
+        measured["points"][-1][1], rel=0.3
+    ), "the rate a record shown by the largest batch decided"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = run(SIZER_BILLION).stdout
     assert "bottleneck:" in table and "evaluation" in table and "silver" in table

@@ -491,6 +491,7 @@ def _sizer(args, settings: Settings) -> int:
         measure_lookup=(lambda: _lookup_rate(settings))
         if args.records > args.batch_records  # one batch looks nothing up
         else None,
+        measure_decision=lambda removals: _decision_rate(settings, removals),
     )
     model, parameters, flops = _trained_model(args, settings)
     per_gpu, assumed = args.gpu_tokens_per_second, None
@@ -556,6 +557,23 @@ def _lookup_rate(settings: Settings):
         log=lambda line: print(line, file=sys.stderr),
     )
     return rate.points, rate.bands
+
+
+def _decision_rate(settings: Settings, removals):
+    """Silver's decision measured on synthetic batches with the calibration's ``removals``, once
+    for this code and machine (``decision_rate``): a calibration's batches are too small to show
+    its rate a record."""
+    from pipeline_assets.defs.policies import SilverPolicy
+    from pipeline_assets.defs.silver.decision_rate import decision_rate
+    from pipeline_assets.resources.settings import policy_from
+
+    rate = decision_rate(
+        Path(settings.home) / "reports" / "decision-rate.json",
+        policy_from(SilverPolicy, settings).silver_config(),
+        removals,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    return rate.points
 
 
 def _trained_model(args, settings: Settings) -> tuple[str, int, float]:

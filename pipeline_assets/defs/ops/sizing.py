@@ -22,6 +22,7 @@ from pipeline_assets.lib.ops.sizing import (
     POINTS,
     TRAIN_FLOPS_PER_PARAMETER,
     Calibration,
+    Removals,
     StageFit,
     fit_per_materialization,
     fit_stage,
@@ -45,11 +46,14 @@ def calibrate(
     tokenizer_sample_chars: float = math.inf,
     eval_max_tokens: float = math.inf,
     measure_lookup: Callable[[], tuple[Sequence[tuple[int, float]], int]] | None = None,
+    measure_decision: Callable[[Removals], Sequence[tuple[int, float]]] | None = None,
 ) -> Calibration:
     """Fit every stage on its past runs; take the data's ratios from the newest snapshot. Silver's
     index lookup is fitted on its runs' lookups together with ``measure_lookup``'s, called once
     the runs are found: ((indexed records, task seconds) on indexes large enough to show its rate
-    a row, which a calibration's are not; the bands it searched, a task each a slice)."""
+    a row, which a calibration's are not; the bands it searched, a task each a slice). Its
+    decision likewise with ``measure_decision``'s ((records, seconds) on batches large enough to
+    show its rate a record, with the removals the runs made)."""
     history = {
         key: materialization_history(instance, key)
         for key in [*(key for key, _ in _MEASURED.values()), GOLD_SNAPSHOTS]
@@ -89,6 +93,16 @@ def calibrate(
             ),
         ]
     )
+    silver = latest_per_partition(history[SILVER_RECORDS])
+    if measure_decision is not None and not decisions.is_empty():
+        chars_per_record = sum(m.get("input_chars") or 0 for m in silver) / max(
+            sum(m.get("bronze_rows") or 0 for m in silver), 1
+        )
+        measured = [
+            _point(_SILVER_DECISION, records * chars_per_record, seconds)
+            for records, seconds in measure_decision(removals(silver))
+        ]
+        decisions = pl.concat([decisions, pl.DataFrame(measured, schema=POINTS)])
     decided = not decisions.is_empty()
     fits = {
         stage: _fit(stage, points.filter(pl.col("stage") == stage), decided) for stage in _MEASURED
@@ -104,7 +118,6 @@ def calibrate(
         _newest_with(history[TRAINING_CHECKPOINT], "parameters"),
         _newest_with(history[EVALUATION_REPORT], "tokens_scored"),
     )
-    silver = latest_per_partition(history[SILVER_RECORDS])
     return Calibration(
         fits=fits,
         avg_chars=landed_chars / max(landed_records, 1),
@@ -127,6 +140,28 @@ def calibrate(
         ),
         silver_row_keep=sum(m.get("silver_rows") or 0 for m in silver)
         / max(sum(m.get("bronze_rows") or 0 for m in silver), 1),
+    )
+
+
+def removals(silver: list[dict]) -> Removals:
+    """What silver's decision removed in ``silver`` (materializations), as shares of the records
+    that reached exact dedup: its stages table's rows summed over the runs."""
+    removed: dict[str, int] = {}
+    reached, after_dedup = 0, set()
+    for m in silver:
+        rows = [record.data for record in m["stages"].records] if m.get("stages") else []
+        names = [row["stage"] for row in rows]
+        if "near_dedup" not in names:
+            continue
+        after_dedup.update(names[names.index("near_dedup") + 1 :])
+        for row in rows:
+            removed[row["stage"]] = removed.get(row["stage"], 0) + int(row["removed"])
+            reached += int(row["rows_in"]) if row["stage"] == "exact_dedup" else 0
+    reached = max(reached, 1)
+    return Removals(
+        removed.get("exact_dedup", 0) / reached,
+        removed.get("near_dedup", 0) / reached,
+        sum(removed.get(stage, 0) for stage in after_dedup) / reached,
     )
 
 

@@ -12,26 +12,25 @@ REPEATS lookups at each size, the sizes taken in turns.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from importlib.metadata import version
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 from deltalake import DeltaTable, write_deltalake
 
+from pipeline_assets.defs.silver import lookup
+from pipeline_assets.defs.silver.kept_rates import fingerprint, kept_or_measured
 from pipeline_assets.defs.silver.lookup import (
     BANDS_PARTITIONED_BY,
     BandsAt,
     batch_slices,
     look_up_by_band,
 )
+from pipeline_assets.lib.silver import dedup
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
     SIGNATURE_COLUMNS,
@@ -70,45 +69,20 @@ def lookup_rate(
     ``config``, ``index_sizes`` and ``batch_rows``, else measured now (a minute or so) and kept
     there."""
     measured_on = (
-        f"{_measured_on(config)}; indexes of {', '.join(map(str, index_sizes))} records; "
-        f"batches of {batch_rows}"
+        f"{fingerprint((lookup, dedup, sys.modules[__name__]), config)}; indexes of "
+        f"{', '.join(map(str, index_sizes))} records; batches of {batch_rows}"
     )
-    kept = _kept(cache)
-    if kept is not None and kept.measured_on == measured_on:
-        return kept
-    log(
-        f"measuring silver's index lookup on synthetic indexes of "
-        f"{', '.join(f'{size:,}' for size in index_sizes)} records (once for this code and "
-        f"machine; kept in {cache.name})"
-    )
-    points, bands = measure_lookup(index_sizes, batch_rows, config)
-    rate = LookupRate([list(point) for point in points], bands, measured_on)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(asdict(rate), indent=2))
-    return rate
 
+    def measure() -> LookupRate:
+        log(
+            f"measuring silver's index lookup on synthetic indexes of "
+            f"{', '.join(f'{size:,}' for size in index_sizes)} records (once for this code and "
+            f"machine; kept in {cache.name})"
+        )
+        points, bands = measure_lookup(index_sizes, batch_rows, config)
+        return LookupRate([list(point) for point in points], bands, measured_on)
 
-def _kept(cache: Path) -> LookupRate | None:
-    """The measurement ``cache`` holds; None when there is none or it cannot be read (then it is
-    measured again and written over)."""
-    try:
-        return LookupRate(**json.loads(cache.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _measured_on(config: MinHashConfig) -> str:
-    """A fingerprint of the lookup's code, its libraries, the machine's cores and ``config``."""
-    from pipeline_assets.defs.silver import lookup
-    from pipeline_assets.lib.silver import dedup
-
-    sources = b"".join(Path(module.__file__).read_bytes() for module in (lookup, dedup))
-    sources += Path(__file__).read_bytes()
-    libraries = " ".join(f"{name} {version(name)}" for name in ("polars", "deltalake"))
-    return (
-        f"{hashlib.sha256(sources).hexdigest()[:16]}; {libraries}; python "
-        f"{sys.version.split()[0]}; {os.cpu_count()} cores; {config}"
-    )
+    return kept_or_measured(cache, LookupRate, measured_on, measure)
 
 
 def measure_lookup(
@@ -214,22 +188,28 @@ class SyntheticIndex:
 
     def _records(self, rows: int, batch_id: str) -> pl.DataFrame:
         sigs = self._rng.integers(0, 2**32, (rows, self.config.num_perm), dtype=np.uint32)
-        hashes = self._rng.bytes(16 * rows)
-        prefix = f"{self._batches:010x}{0:06x}"  # as bronze names a batch's first file's lines
+        ids = bronze_record_ids(self._batches, rows)
         self._batches += 1
         return pl.DataFrame(
             {
-                "record_id": pl.select(
-                    pl.lit(prefix) + pl.int_range(1, rows + 1).cast(pl.String).str.zfill(16)
-                ).to_series(),
+                "record_id": ids,
                 "batch_id": pl.repeat(batch_id, rows, eager=True),
-                "exact_hash": _hex(hashes, rows),
+                "exact_hash": random_hashes(self._rng, rows),
                 SIGNATURE_COLUMNS[0]: signature_series(SIGNATURE_COLUMNS[0], sigs),
                 SIGNATURE_COLUMNS[1]: signature_series(SIGNATURE_COLUMNS[1], sigs[:, ::-1]),
             }
         )
 
 
-def _hex(data: bytes, rows: int) -> pl.Series:
-    """``rows`` 32-character hex strings from 16 bytes each."""
+def bronze_record_ids(batch: int, rows: int) -> pl.Series:
+    """``rows`` record ids as bronze names the lines of a batch's first file."""
+    prefix = f"{batch:010x}{0:06x}"
+    return pl.select(
+        pl.lit(prefix) + pl.int_range(1, rows + 1).cast(pl.String).str.zfill(16)
+    ).to_series()
+
+
+def random_hashes(rng: np.random.Generator, rows: int) -> pl.Series:
+    """``rows`` random exact hashes: 32-character hex strings of 16 bytes each."""
+    data = rng.bytes(16 * rows)
     return signature_series("", np.frombuffer(data, dtype="<u4").reshape(rows, 4)).bin.encode("hex")

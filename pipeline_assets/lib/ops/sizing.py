@@ -68,6 +68,17 @@ TRAIN_FLOPS_PER_PARAMETER, EVAL_FLOPS_PER_PARAMETER = (
 
 
 @dataclass(frozen=True)
+class Removals:
+    """What silver's decision removes, as shares of the records that reach dedup: exact copies,
+    near copies, and records a per-record stage rejected (the decision applies their verdict).
+    A calibration's runs give them; the decision's rate is measured on a batch that has them."""
+
+    exact: float
+    near: float
+    per_record: float
+
+
+@dataclass(frozen=True)
 class StageFit:
     """wall = fixed_seconds * materializations + seconds_per_unit * work + seconds_per_history_row *
     history."""

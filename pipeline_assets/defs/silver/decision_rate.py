@@ -1,0 +1,172 @@
+"""Silver's decision measured on batches large enough to show its rate a record.
+
+A calibration's batches hold a few thousand records. The decision (``lib.silver.decide``: exact and
+near dedup on the keys, the per-record verdicts applied) costs them a fixed tenth of a second or so
+(each of its polars steps' own start), so a rate fitted on them is that fixed cost spread over a
+few records: four times the rate a batch of 400,000 records shows. Measured here instead: the
+decision silver runs (``decide``, with the band searches' candidates and a reader of their
+signatures, as the step calls it) on synthetic batches of BATCH_SIZES records whose keys carry the
+calibration's removals (``Removals``: exact copies, near copies, per-record rejects), the fastest
+of REPEATS decisions at each size, the sizes taken in turns. The reads of the candidates'
+signatures are left out: in silver, tasks read them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from pipeline_assets.defs.silver.kept_rates import fingerprint, kept_or_measured
+from pipeline_assets.defs.silver.lookup_rate import bronze_record_ids, random_hashes
+from pipeline_assets.lib.formats import SFT
+from pipeline_assets.lib.ops.sizing import Removals
+from pipeline_assets.lib.silver import curation, decide, dedup
+from pipeline_assets.lib.silver.curation import SilverConfig
+from pipeline_assets.lib.silver.dedup import (
+    ENTRY_IDS,
+    SIGNATURE_COLUMNS,
+    BandMatches,
+    signature_series,
+)
+from pipeline_assets.lib.silver.prepare import REASON, REMOVED_BY
+
+BATCH_SIZES = (100_000, 400_000)
+REPEATS = 5
+PER_RECORD_STAGE = "quality"  # the stage the synthetic per-record rejects name
+CHANGED_PERMUTATIONS = 6  # of a near copy's signature: an estimated Jaccard of about 0.95
+
+
+@dataclass(frozen=True)
+class DecisionRate:
+    """What ``measure_decision`` measured, and on what."""
+
+    points: list[tuple[int, float]]  # (records in the batch, the decision's seconds)
+    measured_on: str
+
+
+def decision_rate(
+    cache: Path,
+    config: SilverConfig,
+    removals: Removals,
+    log: Callable[[str], object] = print,
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+) -> DecisionRate:
+    """The decision's rate from ``cache`` when it was measured by this code on this machine with
+    ``config``, ``removals`` and ``batch_sizes``, else measured now (seconds) and kept there."""
+    shares = f"{removals.exact:.3f} exact, {removals.near:.3f} near, {removals.per_record:.3f}"
+    measured_on = (
+        f"{fingerprint((decide, dedup, curation, sys.modules[__name__]), config)}; "
+        f"batches of {', '.join(map(str, batch_sizes))} records; removals {shares}"
+    )
+
+    def measure() -> DecisionRate:
+        log(
+            f"measuring silver's decision on synthetic batches of "
+            f"{', '.join(f'{size:,}' for size in batch_sizes)} records (once for this code and "
+            f"machine; kept in {cache.name})"
+        )
+        points = measure_decision(batch_sizes, removals, config)
+        return DecisionRate([list(point) for point in points], measured_on)
+
+    return kept_or_measured(cache, DecisionRate, measured_on, measure)
+
+
+def measure_decision(
+    batch_sizes: tuple[int, ...], removals: Removals, config: SilverConfig = SilverConfig()
+) -> list[tuple[int, float]]:
+    """(records, the decision's seconds) for each of ``batch_sizes``, in order: a batch of each
+    size decided in turns REPEATS times, the fastest of each."""
+    batches = [
+        SyntheticBatch(size, removals, config, seed=number)
+        for number, size in enumerate(batch_sizes)
+    ]
+    seconds = [[batch.decide() for batch in batches] for _ in range(REPEATS)]
+    return [(size, min(run[i] for run in seconds)) for i, size in enumerate(batch_sizes)]
+
+
+class SyntheticBatch:
+    """A batch's keys as silver's prepare tasks stage them (record ids as bronze names them, random
+    exact hashes), with ``removals``: exact copies of other records, near copies (their
+    signatures a few permutations off their original's: the band searches' candidates, with
+    their originals), and records a per-record stage rejected, each a share of ``rows``."""
+
+    def __init__(self, rows: int, removals: Removals, config: SilverConfig, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.config, self.rows = config, rows
+        self.exact, self.near, self.rejected = (
+            round(rows * share) for share in (removals.exact, removals.near, removals.per_record)
+        )
+        picked = rng.permutation(rows)  # copies, rejects, then the copies' originals: all apart
+        cuts = np.cumsum([self.exact, self.near, self.rejected, self.exact, self.near])
+        exact, near, rejected, exact_of, near_of = np.split(picked[: cuts[-1]], cuts[:-1])
+        hashes = random_hashes(rng, rows).to_numpy().copy()
+        hashes[exact] = hashes[exact_of]
+        ids = bronze_record_ids(seed, rows)
+        self.keys = pl.DataFrame(
+            {
+                "position": pl.Series(np.arange(rows), dtype=pl.UInt32),
+                "record_id": ids,
+                "batch_id": pl.repeat(f"b{seed}", rows, eager=True),
+                "exact_hash": hashes,
+                REMOVED_BY: _at(rows, rejected, PER_RECORD_STAGE),
+                REASON: _at(rows, rejected, PER_RECORD_STAGE),
+            }
+        )
+        self.signatures = _near_copies(rng, ids, near, near_of, config.minhash.num_perm)
+        self.candidates = self.signatures["record_id"].sort()
+
+    def decide(self) -> float:
+        """One decision of the batch: its seconds, the signature reads left out. Raises unless it
+        removed exactly the batch's copies and rejects."""
+        read_seconds = []
+
+        def read(record_ids: pl.Series) -> pl.DataFrame:
+            started = time.perf_counter()
+            found = self.signatures.filter(pl.col("record_id").is_in(record_ids.implode()))
+            read_seconds.append(time.perf_counter() - started)
+            return found
+
+        searched = BandMatches(self.candidates, pl.DataFrame(schema=ENTRY_IDS), 0)
+        started = time.perf_counter()
+        decision = decide.decide({SFT: self.keys}, None, self.config, {SFT: read}, {SFT: searched})
+        seconds = time.perf_counter() - started - sum(read_seconds)
+        removed = dict(decision[SFT].verdicts.group_by(REMOVED_BY).len().iter_rows())
+        expected = {
+            "exact_dedup": self.exact,
+            "near_dedup": self.near,
+            PER_RECORD_STAGE: self.rejected,
+        }
+        if {stage: removed.get(stage, 0) for stage in expected} != expected:
+            raise AssertionError(f"the decision removed {removed}, not {expected}")
+        return seconds
+
+
+def _at(rows: int, positions: np.ndarray, value: str) -> pl.Series:
+    marked = np.zeros(rows, dtype=bool)
+    marked[positions] = True
+    return pl.select(pl.when(pl.Series(marked)).then(pl.lit(value))).to_series()
+
+
+def _near_copies(
+    rng: np.random.Generator, ids: pl.Series, copies: np.ndarray, originals: np.ndarray, perm: int
+) -> pl.DataFrame:
+    """The signatures of the near copies and their originals (the records a reader is asked for):
+    random for the originals, a copy's CHANGED_PERMUTATIONS of them drawn again."""
+    original = rng.integers(0, 2**32, (len(originals), perm), dtype=np.uint32)
+    copy = original.copy()
+    rows = np.arange(len(copies))[:, None]
+    changed = np.argsort(rng.random((len(copies), perm)), axis=1)[:, :CHANGED_PERMUTATIONS]
+    copy[rows, changed] = rng.integers(0, 2**32, changed.shape, dtype=np.uint32)
+    sigs = np.concatenate([original, copy])
+    return pl.DataFrame(
+        {
+            "record_id": ids.gather(np.concatenate([originals, copies])),
+            **{name: signature_series(name, sigs) for name in SIGNATURE_COLUMNS},
+        }
+    )
