@@ -17,6 +17,7 @@ from pathlib import Path
 from bench import (
     bronze_ingest,
     gold_packing,
+    silver_decision,
     silver_dedup,
     silver_language,
     silver_lookup,
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "silver_language": silver_language.run,
     "silver_scorers": silver_scorers.run,
     "silver_lookup": silver_lookup.run,
+    "silver_decision": silver_decision.run,
     "gold_packing": gold_packing.run,
     "training": training.run,
     "trl_sft": trl_sft.run,
