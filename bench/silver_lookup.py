@@ -27,6 +27,7 @@ from deltalake import DeltaTable
 from bench.timing import best_of_alternating
 from pipeline_assets.defs.silver.lookup import BandsAt, batch_slices, look_up_by_band
 from pipeline_assets.defs.silver.lookup_rate import INDEX_SIZES, SyntheticIndex, measure_lookup
+from pipeline_assets.lib.delta_files import TableFiles
 from pipeline_assets.lib.ops.sizing import POINTS, fit_stage
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
@@ -71,8 +72,8 @@ def run(
                 lookup.wanted,
                 in_process,
                 batch_rows,
-                BandsAt(bands_uri, None, bands.version(), slices),
-                (index_uri, None, index.version()),
+                BandsAt(TableFiles(bands), bands.version(), slices),
+                TableFiles(index),
             )
             return entries
 

@@ -1,9 +1,11 @@
 """A share's Delta statistics are the ones delta-rs writes for the same rows, written at once or a
-slice at a time; the slices a partition is read in keep to their byte budget."""
+slice at a time; the slices a partition is read in keep to their byte budget; the files a task is
+named read as the pinned table."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import date, datetime, timezone
 from pathlib import Path
 
@@ -11,7 +13,12 @@ import polars as pl
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from pipeline_assets.lib.delta_files import partition_slices, write_share, write_share_slices
+from pipeline_assets.lib.delta_files import (
+    TableFiles,
+    partition_slices,
+    write_share,
+    write_share_slices,
+)
 
 
 def _delta_rs_stats(table: Path) -> dict:
@@ -94,3 +101,36 @@ def test_a_partitions_slices_hold_at_most_their_byte_budget_and_every_row_once(t
     assert len(slices) >= 6 and max(s.estimated_size() for s in slices) <= 50_000
     narrow = list(partition_slices(table, "batch_id", "b1", 50_000, ["row"]))
     assert narrow[0].columns == ["row"] and len(narrow) == 1, "300 narrow rows: one slice"
+
+
+def test_pinned_files_scan_as_the_table_at_its_version_scans_with_no_log_read(tmp_path):
+    """A task given some partitions' files reads their rows as ``scan_delta`` of the table at the
+    pinned version gives them, partition columns included and in the table's order, even once the
+    table has moved on; a partition with no file names none."""
+    uri = str(tmp_path / "bands")
+    for batch in ("b1", "b2"):
+        rows = pl.DataFrame(
+            {
+                "band": pl.Series([0, 0, 3], dtype=pl.Int16),
+                "band_key": [1, 2, 3],
+                "record_id": [f"{batch}-r1", f"{batch}-r2", f"{batch}-r3"],
+                "batch_id": [batch] * 3,
+            }
+        )
+        write_deltalake(uri, rows.to_arrow(), mode="append", partition_by=["band", "batch_id"])
+    table = DeltaTable(uri)
+    files = TableFiles(table).of([(0, "b2"), (3, "b1"), (3, "b9")])
+    expected = (
+        pl.scan_delta(table)
+        .filter(
+            ((pl.col("band") == 0) & (pl.col("batch_id") == "b2"))
+            | ((pl.col("band") == 3) & (pl.col("batch_id") == "b1"))
+        )
+        .collect()
+    )
+    write_deltalake(uri, expected.head(0).to_arrow(), mode="overwrite")  # the table moves on
+    shutil.rmtree(tmp_path / "bands" / "_delta_log")  # and no task could read its log
+    scanned = files.scan().collect()
+    assert scanned.columns == expected.columns and scanned.schema == expected.schema
+    assert scanned.sort("record_id").equals(expected.sort("record_id"))
+    assert len(files.files) == 2, "b9 has no file in band 3"

@@ -23,7 +23,7 @@ from pipeline_assets.contracts import polars_schema
 from pipeline_assets.defs.format_tables import FormatTables
 from pipeline_assets.defs.silver.lookup import BandsAt, add_tasks
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.delta_files import table_filesystem
+from pipeline_assets.lib.delta_files import PinnedFiles, table_filesystem
 from pipeline_assets.lib.formats import RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decide import Decision, decide, reached_dedup
@@ -473,19 +473,18 @@ def search_bands(
     files. First a task a band searches the batch itself: block work, timed with the workers'
     (``search_task_seconds``). Then, with other batches, a task a band and slice of them searches
     the index's band table: the lookup's LSH half, whose counts go to its ``report``."""
-    within = _search_tasks(flow, engine, [(True, None, None)])
+    within = _search_tasks(flow, engine, None)
     flow.search_task_seconds = round(within.task_seconds, 3)
     flow.search_wall_seconds = round(within.wall_seconds, 3)
     found = within.results
     if bands_at is not None:
-        slices = [(False, bands_at, batches) for batches in bands_at.slices]
-        done = _search_tasks(flow, engine, slices)
+        done = _search_tasks(flow, engine, bands_at)
         add_tasks(
             report,
             {
                 "tasks": f"{len(done.results)} band searches",
                 "ran_on": done.ran_on,
-                "bands": len(done.results) // len(slices),  # what the sizer spreads
+                "bands": len(done.results) // len(bands_at.slices),  # what the sizer spreads
                 "task_seconds": done.task_seconds,
                 "wait_seconds": done.wall_seconds,
             },
@@ -498,19 +497,23 @@ def search_bands(
 
 
 def _search_tasks(
-    flow: BatchFlow, engine: BlockEngine, searches: list[tuple]
+    flow: BatchFlow, engine: BlockEngine, bands_at: BandsAt | None
 ) -> TaskResults[tuple[RecordFormat, BandMatches]]:
-    """A task a format's band and search (``within``, bands_at, batches), results by format."""
+    """A task a format's band: within the batch (``bands_at`` None), or a task a format's band and
+    slice of ``bands_at`` that has files; results by format."""
     lsh = lsh_of(flow.config.minhash)
     calls, formats = [], []
     for tables, batch in flow.formats.items():
         staged = [share.staged for share in batch.shares]
         reached = reached_dedup(flow.config, tables.fmt)
         for band in range(lsh.bands if batch.keys.height else 0):
-            for within, bands_at, batches in searches:
-                calls.append(
-                    (staged, band, reached, within, bands_at, batches, flow.storage_options)
-                )
+            searches = (
+                [None]
+                if bands_at is None
+                else [f for b in bands_at.slices if (f := bands_at.of(band, b)).files]
+            )
+            for files in searches:
+                calls.append((staged, band, reached, files, flow.storage_options))
                 formats.append(tables.fmt)
     done = engine.map_tasks(search_share_band, calls, flow.bronze_rows)
     found = flow.step_bytes.results("band searches", done.results)
@@ -521,14 +524,13 @@ def search_share_band(
     staged: list[StagedShare],
     band: int,
     reached: pl.Expr,
-    within: bool,
-    bands_at: BandsAt | None,
-    batches: list[str] | None,
+    files: PinnedFiles | None,
     storage_options: dict | None,
 ) -> BandMatches:
-    """One task: ``search_band`` on one band of a format's staged keys."""
+    """One task: ``search_band`` on one band of a format's staged keys, within the batch
+    (``files`` None) or in ``files``, the band's rows of some other batches."""
     keys = read_band(staged, band, reached, storage_options)
-    return search_band(keys, band, within, bands_at.scan() if bands_at else None, batches)
+    return search_band(keys, band, files is None, files.scan() if files else None)
 
 
 def _signature_reader(

@@ -8,7 +8,9 @@ band searches (``flow.search_bands``), which read the batch's keys of the band f
 files themselves; for the hashes' bands, tasks given the keys the step looked up. Then one task a
 slice with matches reads those records' entries (hashes and signatures) from
 ``silver/minhash_index``.
-All of it is pinned to the tables' Delta versions when the step started. The tasks run where the
+All of it is pinned to the tables' Delta versions when the step started: the step reads each
+table's log once and names every task its files (``PinnedFiles``), so no task reads a log, which
+grows with the tables' files. The tasks run where the
 batch runs its block stages: on Ray (which reads the lake from its workers: on a cluster, the lake
 must be on shared storage such as S3), or in this process, one after the other.
 """
@@ -21,7 +23,7 @@ import polars as pl
 from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
-from pipeline_assets.lib.delta_files import partition_values
+from pipeline_assets.lib.delta_files import PinnedFiles, TableFiles, partition_values
 from pipeline_assets.lib.silver.dedup import (
     ENTRY_IDS,
     ROWS_PER_LOOKUP_TASK,
@@ -41,18 +43,16 @@ BANDS_PARTITIONED_BY = ("band", "batch_id")
 
 @dataclass(frozen=True)
 class BandsAt:
-    """``silver/minhash_bands`` as a batch's lookup reads it: pinned, and the other batches in
-    slices (a task a band and slice)."""
+    """``silver/minhash_bands`` as a batch's lookup reads it: its files at a pinned version, and
+    the other batches in slices (a task a band and slice)."""
 
-    uri: str
-    storage_options: dict | None
+    files: TableFiles
     version: int
     slices: list[list[str]]
 
-    def scan(self) -> pl.LazyFrame:
-        return pl.scan_delta(
-            DeltaTable(self.uri, version=self.version, storage_options=self.storage_options)
-        )
+    def of(self, band: int, batches: list[str]) -> PinnedFiles:
+        """The files a task reads for ``band`` in ``batches``."""
+        return self.files.of((band, batch) for batch in batches)
 
 
 def index_lookup(
@@ -81,10 +81,10 @@ def index_lookup(
             "silver/minhash_bands": bands_at.version,
         }
     }
-    index_at = (lake.table_uri(*INDEX), lake.storage_options(), index.version())
+    index_files = TableFiles(index, lake.storage_options())
 
     def look_up(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
-        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_at, also)
+        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_files, also)
         add_tasks(report, tasks)
         return entries if entries is not None else pl.scan_delta(index).head(0).collect()
 
@@ -98,7 +98,7 @@ def bands_to_search(lake: LakeResource, index: DeltaTable, excluded: list[str]) 
     slices = batch_slices(index, excluded, ROWS_PER_LOOKUP_TASK)
     if bands is None or not slices:
         return None
-    return BandsAt(lake.table_uri(*BANDS), lake.storage_options(), bands.version(), slices)
+    return BandsAt(TableFiles(bands, lake.storage_options()), bands.version(), slices)
 
 
 def look_up_by_band(
@@ -106,26 +106,34 @@ def look_up_by_band(
     engine: BlockEngine,
     batch_rows: int,
     bands_at: BandsAt,
-    index_at: tuple,
+    index_files: TableFiles,
     also: pl.DataFrame | None = None,
 ) -> tuple[pl.DataFrame | None, dict]:
     """The index entries holding one of the ``wanted`` (band, band_key) rows or named in ``also``
     (ENTRY_IDS, found by the band searches) (None: none), and the tasks that found them.
-    ``index_at``: the index's (uri, storage options, version)."""
+    ``index_files``: ``silver/minhash_index``'s, pinned. A band and slice without rows (the
+    prompts' band of batches without preference pairs) has no task."""
     by_key = wanted.sort("band").group_by("band", maintain_order=True)
     slices = bands_at.slices
-    calls = [
-        (bands_at, band, keys["band_key"], batches)
+    searches = [
+        (bands_at.of(band, batches), band, keys["band_key"])
         for (band,), keys in by_key
         for batches in slices
     ]
+    calls = [call for call in searches if call[0].files]
     by_band = engine.map_tasks(find_in_band_table, calls, batch_rows)
     found = pl.concat(
         [pl.DataFrame(schema=ENTRY_IDS), *by_band.results, *([] if also is None else [also])]
     ).unique()
-    reads = [(*index_at, found.filter(pl.col("batch_id").is_in(batches))) for batches in slices]
+    reads = [(found.filter(pl.col("batch_id").is_in(batches)), batches) for batches in slices]
     entries = engine.map_tasks(
-        read_entries, [call for call in reads if not call[-1].is_empty()], batch_rows
+        read_entries,
+        [
+            (index_files.of((batch,) for batch in batches), named)
+            for named, batches in reads
+            if not named.is_empty()
+        ],
+        batch_rows,
     )
     tasks = {
         "tasks": f"{len(calls)} by band, {len(entries.results)} reading entries",
@@ -173,21 +181,17 @@ def batch_slices(index: DeltaTable, excluded: list[str], rows_per_task: int) -> 
     return [*slices, current] if current else slices
 
 
-def find_in_band_table(
-    bands_at: BandsAt, band: int, keys: pl.Series, batches: list[str]
-) -> pl.DataFrame:
-    """One task: ``find_in_band`` on one band of some batches' partitions of
+def find_in_band_table(files: PinnedFiles, band: int, keys: pl.Series) -> pl.DataFrame:
+    """One task: ``find_in_band`` on one band's files of some batches of
     ``silver/minhash_bands``."""
-    return find_in_band(bands_at.scan(), band, keys, batches)
+    return find_in_band(files.scan(), band, keys)
 
 
-def read_entries(
-    uri: str, storage_options: dict | None, version: int, found: pl.DataFrame
-) -> pl.DataFrame:
+def read_entries(files: PinnedFiles, found: pl.DataFrame) -> pl.DataFrame:
     """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from
-    their batches' partitions."""
+    ``files``, their batches' partitions."""
     return (
-        pl.scan_delta(DeltaTable(uri, version=version, storage_options=storage_options))
+        files.scan()
         .filter(
             pl.col("batch_id").is_in(found["batch_id"].unique().implode())
             & pl.col("record_id").is_in(found["record_id"].implode())

@@ -30,6 +30,7 @@ from pipeline_assets.defs.silver.lookup import (
     batch_slices,
     look_up_by_band,
 )
+from pipeline_assets.lib.delta_files import TableFiles
 from pipeline_assets.lib.silver import dedup
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
@@ -172,9 +173,9 @@ class SyntheticIndex:
             engine,
             lookup.rows,
             BandsAt(
-                self.bands_uri, None, bands.version(), batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
+                TableFiles(bands), bands.version(), batch_slices(index, [], ROWS_PER_LOOKUP_TASK)
             ),
-            (self.index_uri, None, index.version()),
+            TableFiles(index),
         )
         found = set() if entries is None else set(entries["record_id"])
         missed = lookup.copies - found

@@ -574,17 +574,11 @@ def entries_holding(
     )
 
 
-def find_in_band(
-    bands: pl.LazyFrame, band: int, keys: pl.Series, batches: list[str] | None = None
-) -> pl.DataFrame:
-    """(record_id, batch_id) of the entries of ``band`` (of ``batches``; None: all) that hold one of
-    ``keys``: one task's work, on partitions of ``silver/minhash_bands``."""
+def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series) -> pl.DataFrame:
+    """(record_id, batch_id) of the entries of ``band`` in ``bands`` that hold one of ``keys``: one
+    task's work, on some partitions of ``silver/minhash_bands``."""
     where = (pl.col("band") == band) & pl.col("band_key").is_in(keys.implode())
-    return (
-        bands.filter(where if batches is None else where & pl.col("batch_id").is_in(batches))
-        .select("record_id", "batch_id")
-        .collect()
-    )
+    return bands.filter(where).select("record_id", "batch_id").collect()
 
 
 @dataclass(frozen=True)
@@ -611,12 +605,11 @@ def search_band(
     band: int,
     within: bool,
     bands: pl.LazyFrame | None = None,
-    batches: list[str] | None = None,
 ) -> BandMatches:
     """One LSH band of a batch's records that reached dedup (``keys``: record_id, exact_hash,
     band_key): with ``within``, the records sharing their key with another of them; with ``bands``
-    (``silver/minhash_bands`` rows, of ``batches``; None: all), the records holding a key an entry
-    of the band holds, and those entries. Over every band, these are near dedup's candidates: the
+    (``silver/minhash_bands`` rows of some other batches), the records holding a key an entry of
+    the band holds, and those entries. Over every band, these are near dedup's candidates: the
     records sharing a band key with another record that reaches it or with an index entry.
 
     Of the records with one exact hash, only the one exact dedup keeps in the batch (the smallest
@@ -632,8 +625,6 @@ def search_band(
         return BandMatches(shared["record_id"], pl.DataFrame(schema=ENTRY_IDS), 0)
     distinct = keys["band_key"].drop_nulls().unique()
     where = (pl.col("band") == band) & key.is_in(distinct.implode())
-    if batches is not None:
-        where &= pl.col("batch_id").is_in(batches)
     found = bands.filter(where).select("record_id", "batch_id", "band_key").collect()
     holding = keys.filter(key.is_in(found["band_key"].implode()))
     return BandMatches(
