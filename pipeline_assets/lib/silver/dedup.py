@@ -577,8 +577,17 @@ def entries_holding(
 def find_in_band(bands: pl.LazyFrame, band: int, keys: pl.Series) -> pl.DataFrame:
     """(record_id, batch_id) of the entries of ``band`` in ``bands`` that hold one of ``keys``: one
     task's work, on some partitions of ``silver/minhash_bands``."""
-    where = (pl.col("band") == band) & pl.col("band_key").is_in(keys.implode())
-    return bands.filter(where).select("record_id", "batch_id").collect()
+    return (
+        _holding(bands.filter(pl.col("band") == band), keys.unique())
+        .select("record_id", "batch_id")
+        .collect()
+    )
+
+
+def _holding(bands: pl.LazyFrame, keys: pl.Series) -> pl.LazyFrame:
+    """The rows of ``bands`` whose band_key is one of ``keys`` (distinct): a semi join, which
+    polars runs in half the time of an ``is_in`` filter over a band's rows."""
+    return bands.join(keys.rename("band_key").to_frame().lazy(), on="band_key", how="semi")
 
 
 @dataclass(frozen=True)
@@ -624,8 +633,11 @@ def search_band(
     if bands is None:
         return BandMatches(shared["record_id"], pl.DataFrame(schema=ENTRY_IDS), 0)
     distinct = keys["band_key"].drop_nulls().unique()
-    where = (pl.col("band") == band) & key.is_in(distinct.implode())
-    found = bands.filter(where).select("record_id", "batch_id", "band_key").collect()
+    found = (
+        _holding(bands.filter(pl.col("band") == band), distinct)
+        .select("record_id", "batch_id", "band_key")
+        .collect()
+    )
     holding = keys.filter(key.is_in(found["band_key"].implode()))
     return BandMatches(
         pl.concat([shared["record_id"], holding["record_id"]]).unique(),
