@@ -125,12 +125,12 @@ def look_up_by_band(
     found = pl.concat(
         [pl.DataFrame(schema=ENTRY_IDS), *by_band.results, *([] if also is None else [also])]
     ).unique()
-    reads = [(found.filter(pl.col("batch_id").is_in(batches)), batches) for batches in slices]
+    reads = [found.filter(pl.col("batch_id").is_in(batches)) for batches in slices]
     entries = engine.map_tasks(
         read_entries,
         [
-            (index_files.of((batch,) for batch in batches), named)
-            for named, batches in reads
+            (index_files.of((batch,) for batch in named["batch_id"].unique().sort()), named)
+            for named in reads
             if not named.is_empty()
         ],
         batch_rows,
