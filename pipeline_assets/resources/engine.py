@@ -175,6 +175,8 @@ class RayEngine(BlockEngine, LocalRay):
         if ray.is_initialized():
             return
         init_options = dict(self.ray_init_options)
+        if "_system_config" in options:  # the user's own settings of a local Ray come last
+            options["_system_config"] |= init_options.pop("_system_config", None) or {}
         runtime_env = dict(init_options.pop("runtime_env", None) or {})
         runtime_env["env_vars"] = {
             **BLOCK_TASK_ENV,
@@ -234,6 +236,9 @@ def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
         )
 
 
+LOCAL_RAY_TASK_EVENTS = 10_000
+
+
 def local_ray_options(home: Path) -> dict:
     """ray.init options (and environment) for a Ray on this machine that keeps to PIPELINE_HOME."""
     folder = home / "ray"
@@ -253,6 +258,9 @@ def local_ray_options(home: Path) -> dict:
         "_temp_dir": _short_path(folder / "tmp"),
         "_node_ip_address": "127.0.0.1",
         "logging_level": "WARNING",
+        # Ray's GCS keeps the events of the last 100,000 tasks by default, 4 KB or more each:
+        # a large batch's tasks grew it to a gigabyte. Nothing here reads them (no dashboard).
+        "_system_config": {"task_events_max_num_task_in_gcs": LOCAL_RAY_TASK_EVENTS},
     }
 
 

@@ -4,7 +4,9 @@ landing to gold, the same rows as in one process, an eval item's copy decontamin
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +23,7 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
+from pipeline_assets.resources import engine as engine_module
 from pipeline_assets.resources.base_model import BaseModelResource
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.eval_sets import EvalSetsResource
@@ -316,3 +319,40 @@ def test_what_every_task_is_given_is_sent_to_ray_once(two_node_cluster, tmp_path
         ray.shutdown()
     assert done.results == [(call, str(notes)) for call in range(6)]
     assert notes.read_text().splitlines() == ["pickled"]
+
+
+def _gcs_rss_mb(session_dir: str) -> float:
+    """The resident memory of the GCS server of the Ray whose session folder is ``session_dir``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"gcs_server" in command and session_dir.encode() in command:
+                status = Path(f"/proc/{pid}/status").read_text()
+                return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+        except OSError:
+            continue
+    raise AssertionError(f"no GCS server of {session_dir}")
+
+
+def test_a_local_rays_gcs_keeps_a_bounded_number_of_task_events(tmp_path, monkeypatch):
+    """Ray's GCS keeps every task's events up to a cap (100,000 by default), about 4 KB each: a
+    large batch's many tasks grew it to a gigabyte. The local Ray the engine starts caps them, so
+    its memory stops growing once the cap is reached (a cap of 1,000 here, to see it in seconds)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(engine_module, "LOCAL_RAY_TASK_EVENTS", 1_000)
+    engine = RayEngine(home=str(tmp_path / "home"), min_rows=0)
+    try:
+        engine.map_tasks(len, [("x",)] * 2_000, 2_000)  # starts the local Ray: ray reads its
+        import ray  # environment (the token the engine sets up) when first imported
+
+        session = ray._private.worker._global_node.get_session_dir_path()
+        capped = _gcs_rss_mb(session)
+        for _ in range(4):
+            done = engine.map_tasks(len, [("x" * 2_000,)] * 2_000, 2_000)
+        grown = _gcs_rss_mb(session) - capped
+    finally:
+        import ray
+
+        ray.shutdown()
+    assert done.results == [2_000] * 2_000 and done.ran_on.startswith("Ray")
+    assert grown < 12, f"the GCS grew by {grown:.0f} MB over 8,000 more tasks (37 MB uncapped)"
