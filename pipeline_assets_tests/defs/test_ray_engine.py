@@ -25,7 +25,7 @@ from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
 from pipeline_assets.resources import engine as engine_module
 from pipeline_assets.resources.base_model import BaseModelResource
-from pipeline_assets.resources.engine import RayEngine
+from pipeline_assets.resources.engine import RayEngine, local_ray_options
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
@@ -338,21 +338,24 @@ def test_a_local_rays_gcs_keeps_a_bounded_number_of_task_events(tmp_path, monkey
     """Ray's GCS keeps every task's events up to a cap (100,000 by default), about 4 KB each: a
     large batch's many tasks grew it to a gigabyte. The local Ray the engine starts caps them, so
     its memory stops growing once the cap is reached (a cap of 1,000 here, to see it in seconds)."""
+    import ray
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(engine_module, "LOCAL_RAY_TASK_EVENTS", 1_000)
+    # Ray keeps one auth mode a process, read at its first use: this pytest worker may have run the
+    # two-node cluster (auth off). Set this home's token, then have Ray read it again.
+    local_ray_options(tmp_path / "home")
+    reset_auth_token_state()
     engine = RayEngine(home=str(tmp_path / "home"), min_rows=0)
     try:
-        engine.map_tasks(len, [("x",)] * 2_000, 2_000)  # starts the local Ray: ray reads its
-        import ray  # environment (the token the engine sets up) when first imported
-
+        engine.map_tasks(len, [("x",)] * 2_000, 2_000)  # starts the local Ray
         session = ray._private.worker._global_node.get_session_dir_path()
         capped = _gcs_rss_mb(session)
         for _ in range(4):
             done = engine.map_tasks(len, [("x" * 2_000,)] * 2_000, 2_000)
         grown = _gcs_rss_mb(session) - capped
     finally:
-        import ray
-
         ray.shutdown()
     assert done.results == [2_000] * 2_000 and done.ran_on.startswith("Ray")
     assert grown < 12, f"the GCS grew by {grown:.0f} MB over 8,000 more tasks (37 MB uncapped)"
