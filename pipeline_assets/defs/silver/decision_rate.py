@@ -102,9 +102,14 @@ class SyntheticBatch:
         self.exact, self.near, self.rejected = (
             round(rows * share) for share in (removals.exact, removals.near, removals.per_record)
         )
-        picked = rng.permutation(rows)  # copies, rejects, then the copies' originals: all apart
-        cuts = np.cumsum([self.exact, self.near, self.rejected, self.exact, self.near])
-        exact, near, rejected, exact_of, near_of = np.split(picked[: cuts[-1]], cuts[:-1])
+        cuts = np.cumsum([self.exact, self.near, self.rejected])
+        exact, near, rejected, rest = np.split(rng.permutation(rows), cuts)
+        if len(rest) < 2:
+            raise ValueError(f"removals {removals} leave no records to be the copies' originals")
+        # a copy's original is one of the rest, near and exact ones apart: a near original removed
+        # as an exact copy would leave its near copies nothing to be near
+        near_of = rng.choice(rest[: len(rest) // 2], self.near)
+        exact_of = rng.choice(rest[len(rest) // 2 :], self.exact)
         hashes = random_hashes(rng, rows).to_numpy().copy()
         hashes[exact] = hashes[exact_of]
         ids = bronze_record_ids(seed, rows)
@@ -156,17 +161,19 @@ def _at(rows: int, positions: np.ndarray, value: str) -> pl.Series:
 def _near_copies(
     rng: np.random.Generator, ids: pl.Series, copies: np.ndarray, originals: np.ndarray, perm: int
 ) -> pl.DataFrame:
-    """The signatures of the near copies and their originals (the records a reader is asked for):
-    random for the originals, a copy's CHANGED_PERMUTATIONS of them drawn again."""
-    original = rng.integers(0, 2**32, (len(originals), perm), dtype=np.uint32)
-    copy = original.copy()
+    """The signatures of the near copies and their originals (``originals``: each copy's; an
+    original may have several), the records a reader is asked for: random for an original, a
+    copy's CHANGED_PERMUTATIONS of its original's drawn again."""
+    distinct, of_copy = np.unique(originals, return_inverse=True)
+    original = rng.integers(0, 2**32, (len(distinct), perm), dtype=np.uint32)
+    copy = original[of_copy]
     rows = np.arange(len(copies))[:, None]
     changed = np.argsort(rng.random((len(copies), perm)), axis=1)[:, :CHANGED_PERMUTATIONS]
     copy[rows, changed] = rng.integers(0, 2**32, changed.shape, dtype=np.uint32)
     sigs = np.concatenate([original, copy])
     return pl.DataFrame(
         {
-            "record_id": ids.gather(np.concatenate([originals, copies])),
+            "record_id": ids.gather(np.concatenate([distinct, copies])),
             **{name: signature_series(name, sigs) for name in SIGNATURE_COLUMNS},
         }
     )
