@@ -189,24 +189,24 @@ class TableFiles:
     def __init__(self, table, storage_options: dict[str, str] | None = None):
         if "deletionVectors" in (table.protocol().reader_features or []):
             raise ValueError("a table with deletion vectors: its files cannot be read alone")
-        self.columns = table.metadata().partition_columns
+        self.partition_columns = table.metadata().partition_columns
         schema = pl.scan_delta(table).collect_schema()
         self.schema_columns = tuple(schema.names())
-        self.partition_types = tuple((column, schema[column]) for column in self.columns)
+        self.partition_types = tuple((column, schema[column]) for column in self.partition_columns)
         self.storage_options = storage_options
         actions = pl.DataFrame(table.get_add_actions(flatten=True)).to_dicts()
         self.by_partition: dict[tuple[str, ...], list[str]] = {}
         for uri, action in zip(table.file_uris(), actions, strict=True):
             if not uri.endswith(action["path"]):
                 raise ValueError(f"file URI {uri} and add action {action['path']} out of step")
-            values = tuple(str(action[f"partition.{column}"]) for column in self.columns)
+            values = tuple(str(action[f"partition.{column}"]) for column in self.partition_columns)
             self.by_partition.setdefault(values, []).append(uri)
 
     def of(self, partitions: Iterable[tuple[str, ...]]) -> PinnedFiles:
         """The files of ``partitions`` (each a value a partition column, in the table's order)."""
         return PinnedFiles(
             tuple(
-                (uri, tuple(zip(self.columns, values, strict=True)))
+                (uri, tuple(zip(self.partition_columns, values, strict=True)))
                 for values in partitions
                 for uri in self.by_partition.get(tuple(map(str, values)), [])
             ),
