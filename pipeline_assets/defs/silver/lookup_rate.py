@@ -30,6 +30,7 @@ from pipeline_assets.defs.silver.lookup import (
     batch_slices,
     look_up_by_band,
 )
+from pipeline_assets.lib import delta_files
 from pipeline_assets.lib.delta_files import TableFiles
 from pipeline_assets.lib.silver import dedup
 from pipeline_assets.lib.silver.dedup import (
@@ -70,7 +71,7 @@ def lookup_rate(
     ``config``, ``index_sizes`` and ``batch_rows``, else measured now (a minute or so) and kept
     there."""
     measured_on = (
-        f"{fingerprint((lookup, dedup, sys.modules[__name__]), config)}; indexes of "
+        f"{fingerprint((lookup, dedup, delta_files, sys.modules[__name__]), config)}; indexes of "
         f"{', '.join(map(str, index_sizes))} records; batches of {batch_rows}"
     )
 
