@@ -13,10 +13,8 @@ fixed costs besides). ``ratio``: the baseline's error over the measured fit's.
 
 from __future__ import annotations
 
-import polars as pl
-
 from pipeline_assets.defs.silver.decision_rate import BATCH_SIZES, measure_decision
-from pipeline_assets.lib.ops.sizing import POINTS, Removals, StageFit, fit_stage
+from pipeline_assets.lib.ops.sizing import Removals, StageFit, fit_measured
 
 TARGET_RECORDS = 1_600_000
 CALIBRATION_SIZES = (3_000, 6_000, 11_000)
@@ -28,7 +26,10 @@ def run(target_records: int = TARGET_RECORDS) -> dict:
     sizes = (*CALIBRATION_SIZES, *BATCH_SIZES, target_records)
     points = dict(measure_decision(sizes, REMOVALS))
     measured = points[target_records]
-    sizer, calibration = _fit(points, BATCH_SIZES), _fit(points, CALIBRATION_SIZES)
+    sizer, calibration = (
+        fit_measured((rows, points[rows]) for rows in fitted_on)
+        for fitted_on in (BATCH_SIZES, CALIBRATION_SIZES)
+    )
     error = sizer.seconds(1, target_records) / measured - 1
     baseline_error = calibration.seconds(1, target_records) / measured - 1
     return {
@@ -46,23 +47,6 @@ def run(target_records: int = TARGET_RECORDS) -> dict:
         f"{target_records:,} records",
         "target_met": abs(error) <= TOLERANCE,
     }
-
-
-def _fit(points: dict[int, float], sizes: tuple[int, ...]) -> StageFit:
-    return fit_stage(
-        pl.DataFrame(
-            [
-                {
-                    "stage": "decision",
-                    "materializations": 1,
-                    "work": rows,
-                    "wall_seconds": points[rows],
-                }
-                for rows in sizes
-            ],
-            schema=POINTS,
-        )
-    )
 
 
 def _rate(fit: StageFit) -> str:

@@ -28,7 +28,7 @@ from bench.timing import best_of_alternating
 from pipeline_assets.defs.silver.lookup import BandsAt, batch_slices, look_up_by_band
 from pipeline_assets.defs.silver.lookup_rate import INDEX_SIZES, SyntheticIndex, measure_lookup
 from pipeline_assets.lib.delta_files import TableFiles
-from pipeline_assets.lib.ops.sizing import POINTS, fit_stage
+from pipeline_assets.lib.ops.sizing import fit_measured
 from pipeline_assets.lib.silver.dedup import (
     ROWS_PER_LOOKUP_TASK,
     SIGNATURE_COLUMNS,
@@ -89,15 +89,7 @@ def run(
         measured, baseline = best_of_alternating(by_band, whole_index)
     assert found == baseline_found == lookup.copies, "both ways find exactly the copied records"
     *sizer_points, (_, tasks) = measure_lookup((*INDEX_SIZES, index_records), batch_rows)[0]
-    fit = fit_stage(
-        pl.DataFrame(
-            [
-                {"stage": "lookup", "materializations": 1, "work": rows, "wall_seconds": seconds}
-                for rows, seconds in sizer_points
-            ],
-            schema=POINTS,
-        )
-    )
+    fit = fit_measured(sizer_points)
     predicted = fit.seconds(1, index_records)
     sizer_error = abs(predicted / tasks - 1)
     per_record = lambda seconds: seconds / index_records * 1e6  # noqa: E731

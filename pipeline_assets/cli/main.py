@@ -483,15 +483,16 @@ def _sizer(args, settings: Settings) -> int:
         raise ValueError(
             "--records, --cpu-workers and --batch-records must be positive, --gpus at least 0"
         )
+    measure_lookup, measure_decision = _silver_rates(settings)
     calibration = calibrate(
         persistent_instance(settings.dagster_home),
         settings.validation_fraction,
         settings.tokenizer_sample_chars,
         settings.eval_max_tokens,
-        measure_lookup=(lambda: _lookup_rate(settings))
+        measure_lookup=measure_lookup
         if args.records > args.batch_records  # one batch looks nothing up
         else None,
-        measure_decision=lambda removals: _decision_rate(settings, removals),
+        measure_decision=measure_decision,
     )
     model, parameters, flops = _trained_model(args, settings)
     per_gpu, assumed = args.gpu_tokens_per_second, None
@@ -542,38 +543,29 @@ def _sizer(args, settings: Settings) -> int:
     return 0
 
 
-def _lookup_rate(settings: Settings):
-    """Silver's index lookup measured on synthetic indexes, once for this code and machine
-    (``lookup_rate``): a target of more than one batch searches indexes far larger than a
-    calibration's."""
+def _silver_rates(settings: Settings):
+    """Silver's lookup and decision, each measured on synthetic data once for this code and machine
+    and kept under ``reports/`` (``lookup_rate``, ``decision_rate``): a calibration's batches are
+    too small to show their rates. The two measures ``calibrate`` calls."""
     from pipeline_assets.defs.policies import SilverPolicy
+    from pipeline_assets.defs.silver.decision_rate import decision_rate
     from pipeline_assets.defs.silver.lookup_rate import lookup_rate
     from pipeline_assets.resources.settings import policy_from
 
-    config = policy_from(SilverPolicy, settings).silver_config().minhash
-    rate = lookup_rate(
-        Path(settings.home) / "reports" / "lookup-rate.json",
-        config,
-        log=lambda line: print(line, file=sys.stderr),
-    )
-    return rate.points, rate.bands
+    config = policy_from(SilverPolicy, settings).silver_config()
+    reports = Path(settings.home) / "reports"
 
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
 
-def _decision_rate(settings: Settings, removals):
-    """Silver's decision measured on synthetic batches with the calibration's ``removals``, once
-    for this code and machine (``decision_rate``): a calibration's batches are too small to show
-    its rate a record."""
-    from pipeline_assets.defs.policies import SilverPolicy
-    from pipeline_assets.defs.silver.decision_rate import decision_rate
-    from pipeline_assets.resources.settings import policy_from
+    def lookup():
+        rate = lookup_rate(reports / "lookup-rate.json", config.minhash, log)
+        return rate.points, rate.bands
 
-    rate = decision_rate(
-        Path(settings.home) / "reports" / "decision-rate.json",
-        policy_from(SilverPolicy, settings).silver_config(),
-        removals,
-        log=lambda line: print(line, file=sys.stderr),
-    )
-    return rate.points
+    def decision(removals):
+        return decision_rate(reports / "decision-rate.json", config, removals, log).points
+
+    return lookup, decision
 
 
 def _trained_model(args, settings: Settings) -> tuple[str, int, float]:

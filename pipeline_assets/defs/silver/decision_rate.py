@@ -7,8 +7,8 @@ few records: four times the rate a batch of 400,000 records shows. Measured here
 decision silver runs (``decide``, with the band searches' candidates and a reader of their
 signatures, as the step calls it) on synthetic batches of BATCH_SIZES records whose keys carry the
 calibration's removals (``Removals``: exact copies, near copies, per-record rejects), the fastest
-of REPEATS decisions at each size, the sizes taken in turns. The reads of the candidates'
-signatures are left out: in silver, tasks read them.
+of ``kept_rates.REPEATS`` decisions at each size, the sizes taken in turns. The reads of the
+candidates' signatures are left out: in silver, tasks read them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline_assets.defs.silver.kept_rates import fingerprint, kept_or_measured
+from pipeline_assets.defs.silver.kept_rates import fastest_in_turns, fingerprint, kept_or_measured
 from pipeline_assets.defs.silver.lookup_rate import bronze_record_ids, random_hashes
 from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.ops.sizing import Removals
@@ -37,7 +37,6 @@ from pipeline_assets.lib.silver.dedup import (
 from pipeline_assets.lib.silver.prepare import REASON, REMOVED_BY
 
 BATCH_SIZES = (100_000, 400_000)
-REPEATS = 5
 PER_RECORD_STAGE = "quality"  # the stage the synthetic per-record rejects name
 CHANGED_PERMUTATIONS = 6  # of a near copy's signature: an estimated Jaccard of about 0.95
 
@@ -81,13 +80,12 @@ def measure_decision(
     batch_sizes: tuple[int, ...], removals: Removals, config: SilverConfig = SilverConfig()
 ) -> list[tuple[int, float]]:
     """(records, the decision's seconds) for each of ``batch_sizes``, in order: a batch of each
-    size decided in turns REPEATS times, the fastest of each."""
+    size, the fastest of decisions in turns (``fastest_in_turns``)."""
     batches = [
         SyntheticBatch(size, removals, config, seed=number)
         for number, size in enumerate(batch_sizes)
     ]
-    seconds = [[batch.decide() for batch in batches] for _ in range(REPEATS)]
-    return [(size, min(run[i] for run in seconds)) for i, size in enumerate(batch_sizes)]
+    return list(zip(batch_sizes, fastest_in_turns([b.decide for b in batches]), strict=True))
 
 
 class SyntheticBatch:

@@ -189,15 +189,8 @@ def find_in_band_table(files: PinnedFiles, band: int, keys: pl.Series) -> pl.Dat
 
 def read_entries(files: PinnedFiles, found: pl.DataFrame) -> pl.DataFrame:
     """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from
-    ``files``, their batches' partitions."""
-    return (
-        files.scan()
-        .filter(
-            pl.col("batch_id").is_in(found["batch_id"].unique().implode())
-            & pl.col("record_id").is_in(found["record_id"].implode())
-        )
-        .collect()
-    )
+    ``files``, the partitions of the batches that hold them."""
+    return files.scan().filter(pl.col("record_id").is_in(found["record_id"].implode())).collect()
 
 
 def _write_bands_here(lake: LakeResource, index: pl.DataFrame, batch_id: str):

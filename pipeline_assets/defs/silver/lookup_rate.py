@@ -7,11 +7,12 @@ here instead: the lookup silver runs (``look_up_by_band``, its tasks one after t
 process, as in a step without Ray) of a batch of LOOKUP_BATCH records against indexes of
 INDEX_SIZES records, written as silver writes them (random signatures; COPIES of the indexed
 records repeated in the batch, so entries are found and read as in a real lookup), the fastest of
-REPEATS lookups at each size, the sizes taken in turns.
+``kept_rates.REPEATS`` lookups at each size, the sizes taken in turns.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import polars as pl
 from deltalake import DeltaTable, write_deltalake
 
 from pipeline_assets.defs.silver import lookup
-from pipeline_assets.defs.silver.kept_rates import fingerprint, kept_or_measured
+from pipeline_assets.defs.silver.kept_rates import fastest_in_turns, fingerprint, kept_or_measured
 from pipeline_assets.defs.silver.lookup import (
     BANDS_PARTITIONED_BY,
     BandsAt,
@@ -48,7 +49,6 @@ INDEX_SIZES = (100_000, 400_000)  # indexed records the lookup is measured again
 ROWS_PER_BATCH = 50_000  # indexed records a synthetic batch holds (a partition of the index)
 LOOKUP_BATCH = 100_000
 COPIES = 1_000  # indexed records the looked-up batch repeats
-REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,8 @@ def measure_lookup(
     config: MinHashConfig = MinHashConfig(),
 ) -> tuple[list[tuple[int, float]], int]:
     """(indexed records, the lookup tasks' seconds) for each of ``index_sizes``, in order (an
-    index of each size, each with a batch of its own, looked up in turns REPEATS times: this
-    machine's speed drifts within minutes, and taken in turns every size sees the same drift),
-    and the bands searched."""
+    index of each size, each with a batch of its own, the fastest of lookups in turns:
+    ``fastest_in_turns``), and the bands searched."""
     with tempfile.TemporaryDirectory(prefix="lookup-rate-") as tmp:
         engine = RayEngine(home=tmp, min_rows=batch_rows + 1)  # this process, one task at a time
         lookups = []
@@ -103,11 +102,11 @@ def measure_lookup(
             index = SyntheticIndex(Path(tmp) / str(number), config, seed=number)
             index.grow_to(size)
             lookups.append((index, index.lookup_of(index.batch(batch_rows))))
-        seconds = [
-            [index.look_up(lookup, engine) for index, lookup in lookups] for _ in range(REPEATS)
-        ]
+        seconds = fastest_in_turns(
+            [functools.partial(index.look_up, lookup, engine) for index, lookup in lookups]
+        )
     bands = lookups[0][1].wanted["band"].n_unique()
-    return [(size, min(run[i] for run in seconds)) for i, size in enumerate(index_sizes)], bands
+    return list(zip(index_sizes, seconds, strict=True)), bands
 
 
 @dataclass(frozen=True)

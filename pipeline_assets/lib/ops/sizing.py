@@ -31,6 +31,7 @@ stage's parallelism:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +102,19 @@ def fit_per_materialization(points: pl.DataFrame, note: str) -> StageFit:
     """A stage whose work does not grow with its input: the median of its runs, a materialization
     each."""
     return StageFit(float(points["wall_seconds"].median()), 0.0, len(points), note)
+
+
+def fit_measured(points: Iterable[tuple[float, float]]) -> StageFit:
+    """``fit_stage`` on (work, seconds) points measured once each, outside any materialization."""
+    return fit_stage(
+        pl.DataFrame(
+            [
+                {"stage": "measured", "materializations": 1, "work": work, "wall_seconds": seconds}
+                for work, seconds in points
+            ],
+            schema=POINTS,
+        )
+    )
 
 
 def fit_stage(points: pl.DataFrame) -> StageFit:
