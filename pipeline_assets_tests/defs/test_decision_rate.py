@@ -23,14 +23,19 @@ REMOVALS = Removals(exact=0.05, near=0.04, per_record=0.03)
 def test_a_synthetic_batch_is_decided_as_its_removals_say():
     batch = SyntheticBatch(10_000, REMOVALS, SilverConfig(), seed=3)
     assert (batch.exact, batch.near, batch.rejected) == (500, 400, 300)
-    assert batch.keys["exact_hash"].n_unique() == 10_000 - 500, "each exact copy has its original"
-    assert 400 < batch.candidates.len() <= 800, "the near copies and their originals"
+    assert batch.tally.rows == 10_000 and batch.tally.verdicts == {PER_RECORD_STAGE: 300}
+    exact = batch.searched.exact_candidates
+    assert 500 < exact.len() <= 1_000, "the exact copies and their originals"
+    assert (
+        batch.keys.filter(batch.keys["record_id"].is_in(exact.implode()))["exact_hash"].n_unique()
+        == exact.len() - 500
+    ), "each exact copy has its original"
+    assert 400 < batch.searched.candidates.len() <= 800, "the near copies and their originals"
+    assert batch.keys.height < 1_800, "the decision reads the candidates' keys, no others"
     assert batch.decide() > 0  # raises unless exactly the copies and the rejects are removed
     scraped = Removals(exact=0.45, near=0.3, per_record=0.2)  # most records removed
     assert SyntheticBatch(10_000, scraped, SilverConfig(), seed=4).decide() > 0
 
-    removed = batch.keys.filter(batch.keys["removed_by"] == PER_RECORD_STAGE).height
-    assert removed == 300
     stricter = SilverConfig(minhash=MinHashConfig(threshold=0.99))
     with pytest.raises(AssertionError, match="near_dedup"):
         SyntheticBatch(10_000, REMOVALS, stricter, seed=3).decide()  # near copies below 0.99

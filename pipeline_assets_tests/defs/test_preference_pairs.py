@@ -442,11 +442,12 @@ def test_a_batch_of_both_formats_looks_up_the_index_once_and_each_format_dedups_
         name: metadata["silver/records"][name].value
         for name in ("index_lookup_bands", "index_lookup_tasks", "index_entries_found")
     }
-    # each format's 16 LSH bands searched by tasks that read its staged keys, then one round of
-    # tasks over both formats' hashes (the exact hashes' band and the pairs' prompts')
+    # each format's 16 LSH bands searched by tasks that read its staged keys, and the sft records'
+    # exact hashes (they are decided from their candidates), then one round of tasks over the
+    # pairs' hashes (the exact hashes' band and the prompts')
     assert lookup == {
-        "index_lookup_bands": 34,
-        "index_lookup_tasks": "32 band searches; 2 by band, 1 reading entries",
+        "index_lookup_bands": 35,
+        "index_lookup_tasks": "33 band searches; 2 by band, 1 reading entries",
         "index_entries_found": 2,
     }
     lake = resources["lake"]

@@ -22,6 +22,7 @@ from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.defs.silver.flow import StepBytes, run_flow, staging_dir
 from pipeline_assets.defs.silver.lookup import bands_to_search
+from pipeline_assets.lib.formats import PREFERENCE, SFT
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EVAL_COLUMNS, DecontamConfig, EvalItems
 from pipeline_assets.lib.silver.dedup import EXACT_BAND, PROMPT_BAND, lookup_in
@@ -196,13 +197,20 @@ class _MappedEngine(RayEngine):
 MAPPED: list[tuple[str, int]] = []
 
 
-def test_near_dedups_signatures_are_read_by_a_task_a_share_not_in_the_step(
+def test_the_candidates_keys_and_signatures_are_read_by_a_task_a_share_not_in_the_step(
     instance, resources, landing_dir, tmp_path
 ):
+    """sft records are decided from their candidates: the step receives the keys of a near copy,
+    an exact copy and their originals, not the other records' (read by a task a share), and near
+    dedup's signatures of the near pair."""
     lake = resources["lake"]
     near_copy = dict(_record(5), response=_record(5)["response"].replace(".", " again."))
+    exact_copy = _record(12, text_of=7)
     write_landing_file(
-        landing_dir, "synth", "part-0.jsonl", [*(_record(i) for i in range(12)), near_copy]
+        landing_dir,
+        "synth",
+        "part-0.jsonl",
+        [*(_record(i) for i in range(12)), near_copy, exact_copy],
     )
     batch = register(instance, resources)
     materialize([eval_sets, bronze], partition_key=batch, instance=instance, resources=resources)
@@ -225,4 +233,13 @@ def test_near_dedups_signatures_are_read_by_a_task_a_share_not_in_the_step(
     assert sum(reads) == shares, MAPPED
     assert flow.step_bytes.by_kind["signatures"] > 0, "the candidates' signatures, received"
     verdicts = pl.concat([b.decision.verdicts.select("removed_by") for b in flow.formats.values()])
-    assert "near_dedup" in set(verdicts["removed_by"].drop_nulls()), "near dedup used them"
+    assert {"near_dedup", "exact_dedup"} <= set(verdicts["removed_by"].drop_nulls())
+    sft = next(b for t, b in flow.formats.items() if t.fmt is SFT)
+    assert sft.bronze_rows == 14 and sft.keys.height == 4, sft.keys
+    assert sft.decision.kept_rows() == 12
+    searched = [calls for name, calls in MAPPED if name == "search_share_band"]
+    keys_read = [calls for name, calls in MAPPED if name == "read_share_keys"]
+    # sft's and conversations' (no row: no band), a task a band: the exact band and the 16 LSH ones
+    assert searched == [17] and sum(keys_read) == sum(
+        len(b.shares) for t, b in flow.formats.items() if t.fmt is not PREFERENCE
+    ), MAPPED

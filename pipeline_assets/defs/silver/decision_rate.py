@@ -4,11 +4,13 @@ A calibration's batches hold a few thousand records. The decision (``lib.silver.
 near dedup on the keys, the per-record verdicts applied) costs them a fixed tenth of a second or so
 (each of its polars steps' own start), so a rate fitted on them is that fixed cost spread over a
 few records: four times the rate a batch of 400,000 records shows. Measured here instead: the
-decision silver runs (``decide``, with the band searches' candidates and a reader of their
-signatures, as the step calls it) on synthetic batches of BATCH_SIZES records whose keys carry the
-calibration's removals (``Removals``: exact copies, near copies, per-record rejects), the fastest
-of ``kept_rates.REPEATS`` decisions at each size, the sizes taken in turns. The reads of the
-candidates' signatures are left out: in silver, tasks read them.
+decision silver runs on synthetic batches of BATCH_SIZES records whose keys carry the
+calibration's removals (``Removals``: exact copies, near copies, per-record rejects): ``decide``
+as the step calls it for sft records, on the keys of the candidates the band searches found
+(exact and near), the other records counted by their blocks' tally, with a reader of the near
+candidates' signatures. The fastest of ``kept_rates.REPEATS`` decisions at each size, the sizes
+taken in turns. The band searches and the reads of the candidates' keys and signatures are left
+out: in silver, tasks do them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pipeline_assets.lib.silver.dedup import (
     BandMatches,
     signature_series,
 )
-from pipeline_assets.lib.silver.prepare import REASON, REMOVED_BY
+from pipeline_assets.lib.silver.prepare import REASON, REMOVED_BY, KeyTally
 
 BATCH_SIZES = (100_000, 400_000)
 PER_RECORD_STAGE = "quality"  # the stage the synthetic per-record rejects name
@@ -92,7 +94,8 @@ class SyntheticBatch:
     """A batch's keys as silver's prepare tasks stage them (record ids as bronze names them, random
     exact hashes), with ``removals``: exact copies of other records, near copies (their
     signatures a few permutations off their original's: the band searches' candidates, with
-    their originals), and records a per-record stage rejected, each a share of ``rows``."""
+    their originals), and records a per-record stage rejected, each a share of ``rows``. ``keys``
+    are the candidates' (the step reads no others), ``tally`` counts every record's."""
 
     def __init__(self, rows: int, removals: Removals, config: SilverConfig, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -111,7 +114,7 @@ class SyntheticBatch:
         hashes = random_hashes(rng, rows).to_numpy().copy()
         hashes[exact] = hashes[exact_of]
         ids = bronze_record_ids(seed, rows)
-        self.keys = pl.DataFrame(
+        keys = pl.DataFrame(
             {
                 "position": pl.Series(np.arange(rows), dtype=pl.UInt32),
                 "record_id": ids,
@@ -122,7 +125,14 @@ class SyntheticBatch:
             }
         )
         self.signatures = _near_copies(rng, ids, near, near_of, config.minhash.num_perm)
-        self.candidates = self.signatures["record_id"].sort()
+        exact_candidates = keys.filter(pl.col("exact_hash").is_duplicated())["record_id"]
+        self.searched = BandMatches(
+            self.signatures["record_id"].sort(), pl.DataFrame(schema=ENTRY_IDS), 0, exact_candidates
+        )
+        self.tally = KeyTally.of(keys)
+        self.keys = keys.filter(
+            pl.col("record_id").is_in(self.searched.every_candidate().implode())
+        )
 
     def decide(self) -> float:
         """One decision of the batch: its seconds, the signature reads left out. Raises unless it
@@ -135,11 +145,17 @@ class SyntheticBatch:
             read_seconds.append(time.perf_counter() - started)
             return found
 
-        searched = BandMatches(self.candidates, pl.DataFrame(schema=ENTRY_IDS), 0)
         started = time.perf_counter()
-        decision = decide.decide({SFT: self.keys}, None, self.config, {SFT: read}, {SFT: searched})
+        decision = decide.decide(
+            {SFT: self.keys},
+            None,
+            self.config,
+            {SFT: read},
+            {SFT: self.searched},
+            {SFT: self.tally},
+        )
         seconds = time.perf_counter() - started - sum(read_seconds)
-        removed = dict(decision[SFT].verdicts.group_by(REMOVED_BY).len().iter_rows())
+        removed = decision[SFT].removed_by_stage()
         expected = {
             "exact_dedup": self.exact,
             "near_dedup": self.near,

@@ -26,9 +26,10 @@ from pipeline_assets.lib import uris
 from pipeline_assets.lib.delta_files import PinnedFiles, table_filesystem
 from pipeline_assets.lib.formats import RecordFormat
 from pipeline_assets.lib.silver.curation import SilverConfig
-from pipeline_assets.lib.silver.decide import Decision, decide, reached_dedup
+from pipeline_assets.lib.silver.decide import Decision, decide, from_candidates, reached_dedup
 from pipeline_assets.lib.silver.decontam import EvalItems
 from pipeline_assets.lib.silver.dedup import (
+    EXACT_BAND,
     PROMPT_BAND,
     BandMatches,
     IndexLookup,
@@ -38,7 +39,7 @@ from pipeline_assets.lib.silver.dedup import (
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
-from pipeline_assets.lib.silver.split import for_records, stage_counters
+from pipeline_assets.lib.silver.split import for_positions, stage_counters
 from pipeline_assets.lib.silver.staging import (
     BronzeFile,
     FinishedBlock,
@@ -53,10 +54,11 @@ from pipeline_assets.lib.silver.staging import (
     read_band,
     read_keys,
     read_signatures,
-    share_record_ids,
+    share_positions,
     staged_counters,
     staged_record_counters,
     staged_share,
+    staged_tally,
     start_file_blocks,
 )
 from pipeline_assets.lib.stages import Stage, StagesResult
@@ -242,17 +244,22 @@ def _language_mix(
     if LANGUAGE not in stages:
         return {}
     later = [*stages[stages.index(LANGUAGE) :], *decision.last_stages]
-    removed_by = pl.col(REMOVED_BY)
-    reached = decision.verdicts.filter(removed_by.is_null() | removed_by.is_in(later))
     labelled = pl.concat([_labels(block.records, storage_options) for block in share.blocks])
-    return _counts(labelled.join(reached, on="record_id", how="semi").drop_nulls(), LANGUAGE)
+    decided = decision.verdicts.select("record_id", decided=REMOVED_BY, seen=pl.lit(True))
+    # a record the decision did not see (decided from candidates) keeps its staged verdict
+    removed_by = pl.when(pl.col("seen")).then("decided").otherwise(REMOVED_BY)
+    reached = labelled.join(decided, on="record_id", how="left").filter(
+        removed_by.is_null() | removed_by.is_in(later)
+    )
+    return _counts(reached.select(LANGUAGE).drop_nulls(), LANGUAGE)
 
 
 def _labels(records: str, storage_options: dict | None) -> pl.DataFrame:
-    """A staged block's record ids and languages (null: no record of it reached the stage)."""
+    """A staged block's record ids, staged verdicts and languages (null: no record of it reached
+    the stage)."""
     scan = pl.scan_parquet(records, storage_options=storage_options)
     language = pl.col(LANGUAGE) if LANGUAGE in scan.collect_schema().names() else pl.lit(None)
-    return scan.select("record_id", language.cast(pl.String).alias(LANGUAGE)).collect()
+    return scan.select("record_id", REMOVED_BY, language.cast(pl.String).alias(LANGUAGE)).collect()
 
 
 def _written_rows(
@@ -277,8 +284,12 @@ class FormatBatch:
     version: int | None
     bronze_rows: int
     shares: list[PreparedShare]
-    keys: pl.DataFrame
+    keys: pl.DataFrame | None = None  # what the decision read: every record's, or its candidates'
     decision: Decision | None = None
+
+    @property
+    def staged(self) -> list[StagedShare]:
+        return [share.staged for share in self.shares]
 
 
 @dataclass
@@ -323,8 +334,8 @@ def prepare_batch(
     eval_items: EvalItems,
 ) -> BatchFlow:
     """Every format's bronze files of the batch at the tables' current versions, prepared by tasks
-    into the run's staging folder; their keys read. A format without rows is prepared here (an
-    empty block: nothing to read, no task to send the eval items to)."""
+    into the run's staging folder. A format without rows is prepared here (an empty block: nothing
+    to read, no task to send the eval items to)."""
     folder, options = staging_dir(lake, batch_id, run_id), lake.storage_options()
     started, step_bytes = time.perf_counter(), StepBytes()
     pinned = {tables: _pinned_files(lake, tables, batch_id) for tables in formats}
@@ -369,13 +380,12 @@ def prepare_batch(
     batches = {}
     for tables, (version, files, _) in pinned.items():
         shares = [p for p in prepared if p.staged.format_name == tables.fmt.name]
-        staged = [s.staged for s in shares]
-        keys = step_bytes.frame("keys", read_keys(staged, options, signatures=False))
-        batches[tables] = FormatBatch(tables, version, sum(f.rows for f in files), shares, keys)
-        if keys.height != batches[tables].bronze_rows:
+        batches[tables] = FormatBatch(tables, version, sum(f.rows for f in files), shares)
+        staged_rows = sum(share.staged.rows for share in shares)
+        if staged_rows != batches[tables].bronze_rows:
             raise RuntimeError(
                 f"accounting broken: {batches[tables].bronze_rows} rows in "
-                f"{tables.bronze.to_user_string()}'s files, {keys.height} prepared"
+                f"{tables.bronze.to_user_string()}'s files, {staged_rows} prepared"
             )
     flow = BatchFlow(batch_id, run_id, folder, batches, step_bytes, config, options)
     flow.prepare_wall_seconds = round(time.perf_counter() - started, 3)
@@ -440,9 +450,21 @@ def decide_batch(
     look_up: IndexLookup | None,
 ) -> None:
     """The batch's decision for every format from its keys and its band searches (``searched``),
-    after one lookup of the index."""
+    after one lookup of the index. A format decided from candidates (``from_candidates``) has
+    its candidates' keys read by a task a share; any other, every record's keys by the step."""
     started, reads = time.perf_counter(), []
     flow.index_lookup.update(keys=0, entries_found=0, seconds=0.0)
+    tallies = {}
+    for tables, batch in flow.formats.items():
+        if from_candidates(flow.config, tables.fmt):
+            candidates = searched[tables.fmt].every_candidate()
+            keys = _candidates_keys(flow, engine, batch, candidates, reads)
+            tallies[tables.fmt] = staged_tally(batch.staged)
+        else:
+            keys = flow.step_bytes.frame(
+                "keys", read_keys(batch.staged, flow.storage_options, signatures=False)
+            )
+        flow.formats[tables] = replace(batch, keys=keys)
     counted = _counted_lookup(look_up, flow) if look_up is not None else None
     decisions = decide(
         {b.tables.fmt: b.keys for b in flow.formats.values()},
@@ -450,6 +472,7 @@ def decide_batch(
         flow.config,
         {b.tables.fmt: _signature_reader(flow, engine, b, reads) for b in flow.formats.values()},
         searched,
+        tallies,
     )
     read_wall = sum(done.wall_seconds for done in reads)  # block work, timed with the searches
     flow.search_task_seconds = round(
@@ -469,10 +492,11 @@ def search_bands(
     flow: BatchFlow, engine: BlockEngine, bands_at: BandsAt | None, report: dict
 ) -> dict[RecordFormat, BandMatches]:
     """Every format's LSH band keys searched by tasks (``search_band``): per format, near dedup's
-    candidates and the index entries sharing a key with them. The band keys stay in the staged
-    files. First a task a band searches the batch itself: block work, timed with the workers'
-    (``search_task_seconds``). Then, with other batches, a task a band and slice of them searches
-    the index's band table: the lookup's LSH half, whose counts go to its ``report``."""
+    candidates and the index entries sharing a key with them; for a format decided from
+    candidates, its exact hashes too (EXACT_BAND: exact dedup's candidates). The band keys stay in
+    the staged files. First a task a band searches the batch itself: block work, timed with the
+    workers' (``search_task_seconds``). Then, with other batches, a task a band and slice of them
+    searches the index's band table: the lookup's half, whose counts go to its ``report``."""
     within = _search_tasks(flow, engine, None)
     flow.search_task_seconds = round(within.task_seconds, 3)
     flow.search_wall_seconds = round(within.wall_seconds, 3)
@@ -491,7 +515,9 @@ def search_bands(
         )
         found += done.results
     return {
-        fmt: BandMatches.joined([m for f, m in found if f is fmt])
+        fmt: BandMatches.joined(
+            [m for f, m in found if f is fmt], from_candidates(flow.config, fmt)
+        )
         for fmt in (tables.fmt for tables in flow.formats)
     }
 
@@ -504,16 +530,16 @@ def _search_tasks(
     lsh = lsh_of(flow.config.minhash)
     calls, formats = [], []
     for tables, batch in flow.formats.items():
-        staged = [share.staged for share in batch.shares]
         reached = reached_dedup(flow.config, tables.fmt)
-        for band in range(lsh.bands if batch.keys.height else 0):
+        exact = [EXACT_BAND] if from_candidates(flow.config, tables.fmt) else []
+        for band in [*exact, *range(lsh.bands)] if batch.bronze_rows else []:
             searches = (
                 [None]
                 if bands_at is None
                 else [f for b in bands_at.slices if (f := bands_at.of(band, b)).files]
             )
             for files in searches:
-                calls.append((staged, band, reached, files, flow.storage_options))
+                calls.append((batch.staged, band, reached, files, flow.storage_options))
                 formats.append(tables.fmt)
     done = engine.map_tasks(search_share_band, calls, flow.bronze_rows)
     found = flow.step_bytes.results("band searches", done.results)
@@ -527,10 +553,33 @@ def search_share_band(
     files: PinnedFiles | None,
     storage_options: dict | None,
 ) -> BandMatches:
-    """One task: ``search_band`` on one band of a format's staged keys, within the batch
-    (``files`` None) or in ``files``, the band's rows of some other batches."""
+    """One task: ``search_band`` on one band of a format's staged keys (EXACT_BAND: their exact
+    hashes), within the batch (``files`` None) or in ``files``, the band's rows of some other
+    batches."""
     keys = read_band(staged, band, reached, storage_options)
     return search_band(keys, band, files is None, files.scan() if files else None)
+
+
+def _candidates_keys(
+    flow: BatchFlow,
+    engine: BlockEngine,
+    batch: FormatBatch,
+    candidates: pl.Series,
+    reads: list[TaskResults],
+) -> pl.DataFrame:
+    """The keys of ``candidates`` (record ids), but their signatures: a task a share reads them
+    from its staged keys, the tasks' results noted in ``reads``, the bytes received counted."""
+    calls = [([share.staged], flow.storage_options) for share in batch.shares]
+    done = engine.map_tasks(read_share_keys, calls, flow.bronze_rows, (candidates,))
+    reads.append(done)
+    return flow.step_bytes.frame("keys", pl.concat(done.results, how="diagonal_relaxed"))
+
+
+def read_share_keys(
+    staged: list[StagedShare], storage_options: dict | None, record_ids: pl.Series
+) -> pl.DataFrame:
+    """One task: ``read_keys`` of one share's ``record_ids``, their signatures left out."""
+    return read_keys(staged, storage_options, signatures=False, record_ids=record_ids)
 
 
 def _signature_reader(
@@ -575,7 +624,7 @@ def write_batch(flow: BatchFlow, lake: LakeResource, engine: BlockEngine, config
     calls = [
         (
             share.staged,
-            for_records(batch.decision, share_record_ids(share.staged, batch.keys)),
+            for_positions(batch.decision, *share_positions(share.staged)),
             SilverTargets(lake.uri, flow.batch_id, tables.fmt.name),
             config.minhash,
             flow.run_id,
@@ -736,12 +785,9 @@ def rejected_by_stage(flow: BatchFlow) -> pl.DataFrame:
 
 
 def check_kept_indexed(flow: BatchFlow, committed_rows: int) -> None:
-    """The batch's kept records, counted from their verdicts, must be the ``committed_rows`` rows
+    """The batch's kept records, counted by their decisions, must be the ``committed_rows`` rows
     of ``silver/minhash_index`` that its bands are written from."""
-    kept = sum(
-        batch.decision.verdicts.filter(pl.col(REMOVED_BY).is_null()).height
-        for batch in flow.formats.values()
-    )
+    kept = sum(batch.decision.kept_rows() for batch in flow.formats.values())
     if kept != committed_rows:
         raise RuntimeError(f"{kept} kept records but {committed_rows} silver/minhash_index rows")
 

@@ -255,11 +255,18 @@ def look_up_histories(
     """One lookup over every format's keys (``hashed``: its records' exact hash and signatures,
     and a pair's hashes): each format's history (the other batches' index entries holding one of
     its own keys: all its dedup stages read of them) with its counters, and the lookup's
-    counters. A format in ``searched`` had its LSH bands searched apart: its entries found there
-    are read with the others, and only its hashes are looked up here."""
+    counters. A format in ``searched`` had its LSH bands searched apart (and its exact hashes,
+    where they name exact dedup's candidates): its entries found there are read with the others,
+    and only its other hashes are looked up here."""
     started, searched = time.perf_counter(), searched or {}
     wanted = {
-        fmt: wanted_keys(frame, config, fmt, lsh=fmt not in searched)
+        fmt: wanted_keys(
+            frame,
+            config,
+            fmt,
+            lsh=fmt not in searched,
+            exact=fmt not in searched or searched[fmt].exact_candidates is None,
+        )
         for fmt, frame in hashed.items()
         if look_up is not None and not frame.is_empty()
     }

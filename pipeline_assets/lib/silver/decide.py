@@ -7,12 +7,18 @@ batches' index entries that share a key (first arrival wins); then, for the dedu
 per-record verdict (the first per-record stage that rejected them); then the pair cap on what is
 left. The dedup stages and the cap are today's stage functions, run by the stage runner on the
 keys: they read hashes and signatures only, so no text is needed, and none is allowed in.
+
+A format whose only stages across the batch are exact and near dedup is decided from its
+candidates' keys alone (``from_candidates``): the records the band searches found sharing an
+exact hash or a band key with another record or an index entry. Any other record no dedup stage
+can remove: it is kept by both, as its own cluster, and its staged per-record verdict stands. The
+decision counts those records (``Decision.unseen``) from the blocks' tallies, never reading them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 
@@ -32,7 +38,14 @@ from pipeline_assets.lib.silver.dedup import (
     StagedSignatures,
 )
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS
-from pipeline_assets.lib.silver.prepare import CLUSTER_ID, REASON, REMOVED_BY, refuse_text
+from pipeline_assets.lib.silver.prepare import (
+    CLUSTER_ID,
+    POSITION,
+    REASON,
+    REMOVED_BY,
+    KeyTally,
+    refuse_text,
+)
 from pipeline_assets.lib.stages import StagesResult, run_whole
 
 # what the dedup stages and the pair cap read of a record
@@ -43,15 +56,29 @@ DEDUP_INPUT = ("record_id", "batch_id", "exact_hash", *SIGNATURE_COLUMNS, *PAIR_
 class Decision:
     """One format's decision for a batch."""
 
-    # one row a record, in the order today's stages remove them (kept records last): record_id,
-    # removed_by (the stage's name; null: kept), stage (the reject reason), the decided stages'
-    # evidence (duplicate_of, jaccard, evidence) and cluster_id (for the records near dedup saw)
+    # one row a record it saw, in the order today's stages remove them (kept records last):
+    # record_id, removed_by (the stage's name; null: kept), stage (the reject reason), the decided
+    # stages' evidence (duplicate_of, jaccard, evidence), cluster_id (for the records near dedup
+    # saw) and the record's position in the batch
     verdicts: pl.DataFrame
     layout: dict[str, tuple[str, ...]]  # per decided stage that removes records: its rows' columns
     dedup_stages: tuple[str, ...]
     last_stages: tuple[str, ...]
     counters: dict[str, dict]  # the decided stages', as the stage runner counted them
     index_lookup: dict  # keys looked up and entries found for this format
+    # decided from candidates: the records it did not see (none: it saw every record)
+    unseen: KeyTally | None = None
+
+    def removed_by_stage(self) -> dict[str, int]:
+        """The batch's records each stage removed: the verdicts', and the unseen records'."""
+        removed = dict(self.verdicts.group_by(REMOVED_BY).len().drop_nulls().iter_rows())
+        return KeyTally.summed([KeyTally(0, removed), self.unseen or KeyTally(0, {})]).verdicts
+
+    def kept_rows(self) -> int:
+        """The batch's records kept: the verdicts', and the unseen records no stage removed."""
+        kept = self.verdicts.filter(pl.col(REMOVED_BY).is_null()).height
+        unseen = self.unseen or KeyTally(0, {})
+        return kept + unseen.rows - sum(unseen.verdicts.values())
 
 
 def decide(
@@ -60,6 +87,7 @@ def decide(
     config: SilverConfig,
     signatures: Mapping[RecordFormat, SignatureReader] | None = None,
     searched: Mapping[RecordFormat, BandMatches] | None = None,
+    tallies: Mapping[RecordFormat, KeyTally] | None = None,
 ) -> dict[RecordFormat, Decision]:
     """Every format's decision for one batch from its ``keys`` (in batch order), after one lookup
     of the other batches' index entries over every format's keys (``look_up``; None: there are
@@ -68,9 +96,14 @@ def decide(
     Keys read without their signatures come with the band searches (``searched``: per format,
     ``search_band`` over every band, joined: the records sharing a band key with another record
     or an index entry, and those entries) and ``signatures``: per format, a reader of the
-    signatures of those records."""
-    for keys in keys_by_format.values():
+    signatures of those records. A format in ``tallies`` is decided from candidates: its keys
+    are those of every candidate its searches found, EXACT_BAND's included, and its tally counts
+    all its keys."""
+    tallies = tallies or {}
+    for fmt, keys in keys_by_format.items():
         refuse_text(keys)
+        if fmt in tallies:
+            _check_candidates_only(config, fmt, (searched or {}).get(fmt))
     removed_before = {fmt: _removed_before(config, fmt) for fmt in keys_by_format}
     reached = {
         fmt: keys.filter(_reached_dedup(removed_before[fmt]))
@@ -87,11 +120,46 @@ def decide(
     }
     histories, _ = look_up_histories(hashed, look_up, config.minhash, searched)
     return {
-        fmt: _decide(
-            keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt, staged[fmt]
+        fmt: _with_unseen(
+            _decide(
+                keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt, staged[fmt]
+            ),
+            tallies[fmt].less(KeyTally.of(keys)) if fmt in tallies else None,
+            removed_before[fmt],
         )
         for fmt, keys in keys_by_format.items()
     }
+
+
+def from_candidates(config: SilverConfig, fmt: RecordFormat) -> bool:
+    """True when ``fmt``'s only stages across the batch are exact and near dedup, so that its
+    candidates' keys decide it (a pair's contradiction and cap look at every pair of a prompt)."""
+    across = [*dedup_stages(config, None, fmt), *last_stages(config, None, fmt)]
+    return [stage.name for stage in across] == ["exact_dedup", "near_dedup"]
+
+
+def _check_candidates_only(config: SilverConfig, fmt: RecordFormat, searched) -> None:
+    if not from_candidates(config, fmt):
+        raise ValueError(f"{fmt.name} records are decided across the batch: every key is needed")
+    if searched is None or searched.exact_candidates is None:
+        raise ValueError("keys of candidates only need the exact band searched with the others")
+
+
+def _with_unseen(decision: Decision, unseen: KeyTally | None, removed_before: list[str]):
+    """``decision`` with the records it did not see counted: each dedup stage had them in and
+    kept them (but those a stage before dedup removed)."""
+    if unseen is None:
+        return decision
+    reached = unseen.rows - sum(unseen.verdicts.get(name, 0) for name in removed_before)
+    counters = dict(decision.counters)
+    for name in decision.dedup_stages:
+        counted = counters[name]
+        counters[name] = {
+            **counted,
+            "rows_in": counted["rows_in"] + reached,
+            "kept": counted["kept"] + reached,
+        }
+    return replace(decision, counters=counters, unseen=unseen)
 
 
 def _staged_signatures(
@@ -152,7 +220,7 @@ def _decide(
             last.kept.select("record_id", CLUSTER_ID),
         ],
         how="diagonal_relaxed",
-    )
+    ).join(keys.select("record_id", POSITION), on="record_id", how="left", maintain_order="left")
     removed = {**deduped.removed, **last.removed}
     return Decision(
         verdicts,

@@ -492,6 +492,12 @@ def staged_band_column(band: int) -> str:
     return f"{STAGED_BAND_PREFIX}{band:02d}"
 
 
+def staged_band_key(band: int) -> pl.Expr:
+    """One band's key of a record, from its staged keys: its LSH band's column, or for EXACT_BAND
+    its exact hash's first 60 bits."""
+    return _exact_key("exact_hash") if band == EXACT_BAND else pl.col(staged_band_column(band))
+
+
 def band_numbers(lsh_bands: int) -> list[int]:
     """Every band of ``silver/minhash_bands``: the exact band, the ``lsh_bands`` LSH bands, the
     prompt band."""
@@ -524,23 +530,26 @@ def wanted_keys(
     config: MinHashConfig = MinHashConfig(),
     fmt: RecordFormat = SFT,
     lsh: bool = True,
+    exact: bool = True,
 ) -> pl.DataFrame:
     """The (band, band_key) rows ``batch`` (with exact_hash and its signatures) looks up; a
     preference batch also looks up its pairs' prompts and their pairs labelled the other way
     (``flipped_hash``). Without ``lsh``, only the hashes' bands: the LSH bands were searched
-    apart (``search_band``)."""
+    apart (``search_band``); without ``exact``, not the exact hash either: it was searched as
+    one more band."""
     lsh_keys = [_lsh_keys(batch, config, fmt)] if lsh else []
     hashes = [
-        (EXACT_BAND, "exact_hash"),
+        *([(EXACT_BAND, "exact_hash")] if exact else []),
         (EXACT_BAND, "flipped_hash"),
         (PROMPT_BAND, "prompt_hash"),
     ]
-    exact = [
+    looked_up = [
         batch.select(band=pl.lit(band, pl.Int16), band_key=_exact_key(column))
         for band, column in hashes
         if column in batch.columns
     ]
-    return pl.concat([*exact, *lsh_keys]).unique()
+    empty = pl.DataFrame(schema={"band": pl.Int16, "band_key": pl.Int64})
+    return pl.concat([empty, *looked_up, *lsh_keys]).unique()
 
 
 def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> pl.DataFrame:
@@ -597,16 +606,29 @@ class BandMatches:
     candidates: pl.Series  # record ids: near dedup's candidates
     entries: pl.DataFrame  # ENTRY_IDS: the other batches' entries sharing a key with them
     keys: int  # the distinct keys looked up in the other batches' entries
+    # record ids: exact dedup's candidates, where EXACT_BAND was searched too (none: it was not)
+    exact_candidates: pl.Series | None = None
 
     @classmethod
-    def joined(cls, found: Sequence[BandMatches]) -> BandMatches:
+    def joined(cls, found: Sequence[BandMatches], exact: bool = False) -> BandMatches:
+        """The searches of every band, joined; with ``exact``, EXACT_BAND's among them (a batch
+        without records has none)."""
+        exact_found = [f.exact_candidates for f in found if f.exact_candidates is not None]
         return cls(
-            pl.concat([pl.Series("record_id", [], pl.String), *(f.candidates for f in found)])
-            .unique()
-            .sort(),
+            _distinct_ids(f.candidates for f in found),
             pl.concat([pl.DataFrame(schema=ENTRY_IDS), *(f.entries for f in found)]).unique(),
             sum(f.keys for f in found),
+            _distinct_ids(exact_found) if exact or exact_found else None,
         )
+
+    def every_candidate(self) -> pl.Series:
+        """The record ids of near and exact dedup's candidates: every record either can remove."""
+        exact = [] if self.exact_candidates is None else [self.exact_candidates]
+        return _distinct_ids([self.candidates, *exact])
+
+
+def _distinct_ids(ids) -> pl.Series:
+    return pl.concat([pl.Series("record_id", [], pl.String), *ids]).unique().sort()
 
 
 def search_band(
@@ -615,23 +637,27 @@ def search_band(
     within: bool,
     bands: pl.LazyFrame | None = None,
 ) -> BandMatches:
-    """One LSH band of a batch's records that reached dedup (``keys``: record_id, exact_hash,
+    """One band of a batch's records that reached dedup (``keys``: record_id, exact_hash,
     band_key): with ``within``, the records sharing their key with another of them; with ``bands``
     (``silver/minhash_bands`` rows of some other batches), the records holding a key an entry of
-    the band holds, and those entries. Over every band, these are near dedup's candidates: the
-    records sharing a band key with another record that reaches it or with an index entry.
+    the band holds, and those entries. Over every LSH band, these are near dedup's candidates: the
+    records sharing a band key with another record that reaches it or with an index entry. Of
+    EXACT_BAND, they are exact dedup's candidates (``exact_candidates``): every record whose hash
+    another record of the batch holds, or an entry may hold (a key is 60 of its 128 bits).
 
     Of the records with one exact hash, only the one exact dedup keeps in the batch (the smallest
-    record id) is searched within it: the others are removed before near dedup, and hold the same
-    band keys (the same text), so they would only make their survivor a candidate."""
+    record id) is searched within an LSH band: the others are removed before near dedup, and hold
+    the same band keys (the same text), so they would only make their survivor a candidate."""
     key = pl.col("band_key")
     shared = keys.head(0)
-    if within:  # a hash's copies hold one key: all of them are among the keys held twice
+    if within and band == EXACT_BAND:
+        shared = keys.filter(pl.col("exact_hash").is_duplicated())
+    elif within:  # a hash's copies hold one key: all of them are among the keys held twice
         shared = keys.filter(key.is_duplicated() & key.is_not_null())
         first = pl.col("record_id") == pl.col("record_id").min().over("exact_hash")
         shared = shared.filter(first).filter(key.is_duplicated())
     if bands is None:
-        return BandMatches(shared["record_id"], pl.DataFrame(schema=ENTRY_IDS), 0)
+        return _matches(band, shared["record_id"], pl.DataFrame(schema=ENTRY_IDS), 0)
     distinct = keys["band_key"].drop_nulls().unique()
     found = (
         _holding(bands.filter(pl.col("band") == band), distinct)
@@ -639,11 +665,19 @@ def search_band(
         .collect()
     )
     holding = keys.filter(key.is_in(found["band_key"].implode()))
-    return BandMatches(
+    return _matches(
+        band,
         pl.concat([shared["record_id"], holding["record_id"]]).unique(),
         found.select("record_id", "batch_id").unique().cast(dict(ENTRY_IDS)),
         distinct.len(),
     )
+
+
+def _matches(band: int, records: pl.Series, entries: pl.DataFrame, keys: int) -> BandMatches:
+    """One band's search: its records are exact dedup's candidates for EXACT_BAND, else near's."""
+    if band == EXACT_BAND:
+        return BandMatches(records.head(0), entries, keys, records)
+    return BandMatches(records, entries, keys)
 
 
 def lookup_in(index: pl.LazyFrame | None) -> IndexLookup | None:

@@ -116,6 +116,34 @@ class Prepared:
     record_counters: dict[str, dict] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class KeyTally:
+    """Keys counted: their records, and the records of each per-record verdict (a stage's name:
+    the records it removed). What a decision that reads some of a batch's keys knows of the rest."""
+
+    rows: int
+    verdicts: dict[str, int]
+
+    @classmethod
+    def of(cls, keys: pl.DataFrame) -> KeyTally:
+        removed = keys.filter(pl.col(REMOVED_BY).is_not_null()).group_by(REMOVED_BY).len()
+        return cls(keys.height, dict(sorted(removed.iter_rows())))
+
+    @classmethod
+    def summed(cls, tallies) -> KeyTally:
+        rows, verdicts = 0, {}
+        for tally in tallies:
+            rows += tally.rows
+            for name, count in tally.verdicts.items():
+                verdicts[name] = verdicts.get(name, 0) + count
+        return cls(rows, verdicts)
+
+    def less(self, other: KeyTally) -> KeyTally:
+        """The records counted here and not in ``other`` (a tally of some of them)."""
+        verdicts = {name: n - other.verdicts.get(name, 0) for name, n in self.verdicts.items()}
+        return KeyTally(self.rows - other.rows, {name: n for name, n in verdicts.items() if n})
+
+
 def prepare_block(
     block: pl.DataFrame,
     config: SilverConfig,

@@ -5,7 +5,8 @@
 Each stage's removed rows get the columns today's stage gives them (the layouts ``prepare`` and
 ``decide`` recorded), so silver/rejects has today's columns in today's order.
 
-``split_share`` cuts some of the batch's records (a write task's share) by their verdicts alone,
+``split_share`` cuts some of the batch's records (a write task's share) by their verdicts alone
+(from candidates: the records without one by their staged verdicts),
 by the same code ``split`` runs on the whole batch; ``stage_counters`` gives the batch's counters
 from the verdicts and the blocks' counters, no record read, so the step never holds the text.
 """
@@ -21,7 +22,14 @@ from pipeline_assets.lib.silver.decide import Decision
 from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, index_entries
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS
-from pipeline_assets.lib.silver.prepare import CLUSTER_ID, HASHED, KEPT, REMOVED_BY, Prepared
+from pipeline_assets.lib.silver.prepare import (
+    CLUSTER_ID,
+    HASHED,
+    KEPT,
+    POSITION,
+    REMOVED_BY,
+    Prepared,
+)
 
 DECIDED = "decided_"  # the verdict's columns, beside the staged record's own
 
@@ -57,7 +65,7 @@ def split_share(
     some of its blocks), by ``decision`` (its verdicts: those records' and no others, see
     ``for_records``). Over a batch's shares, the concatenations are what ``split`` of the whole
     batch gives, row for row."""
-    rows = _with_verdicts(prepared.staged, decision.verdicts)
+    rows = _with_verdicts(prepared.staged, decision.verdicts, decision.unseen is not None)
     removed_by = pl.col(DECIDED + REMOVED_BY)
     order = (
         *prepared.counters,
@@ -81,15 +89,17 @@ def split_share(
     )
 
 
-def for_records(decision: Decision, record_ids: pl.Series) -> Decision:
-    """``decision`` with the verdicts of ``record_ids`` only (a share's records): what a task that
-    splits that share needs, and no more."""
-    ids = record_ids.to_frame("record_id")
-    return replace(decision, verdicts=decision.verdicts.join(ids, on="record_id", how="semi"))
+def for_positions(decision: Decision, start: int, stop: int) -> Decision:
+    """``decision`` with the verdicts of the records from position ``start`` up to ``stop`` only
+    (a share's records): what a task that splits that share needs, and no more."""
+    inside = pl.col(POSITION).is_between(start, stop, closed="left")
+    return replace(decision, verdicts=decision.verdicts.filter(inside))
 
 
-def _with_verdicts(staged: pl.DataFrame, verdicts: pl.DataFrame) -> pl.DataFrame:
-    """``staged`` (in batch order) with each record's verdict; every record must have one."""
+def _with_verdicts(staged: pl.DataFrame, verdicts: pl.DataFrame, some: bool) -> pl.DataFrame:
+    """``staged`` (in batch order) with each record's verdict. Every record must have one, but
+    with ``some`` (a decision from candidates): a record without one keeps its staged per-record
+    verdict, and leads its own cluster."""
     decided = verdicts.rename({name: DECIDED + name for name in verdicts.columns[1:]})
     found = DECIDED + "found"
     rows = staged.join(
@@ -98,9 +108,20 @@ def _with_verdicts(staged: pl.DataFrame, verdicts: pl.DataFrame) -> pl.DataFrame
         how="left",
         maintain_order="left",
     )
-    if verdicts.height != staged.height or rows[found].null_count():
+    given = rows.height - rows[found].null_count()
+    if given != verdicts.height or (given != staged.height and not some):
         raise ValueError(
             f"{staged.height} staged records but {verdicts.height} verdicts, not one for each"
+        )
+    if some:
+        unseen = pl.col(found).is_null()
+        rows = rows.with_columns(
+            pl.when(unseen).then(pl.col(name)).otherwise(DECIDED + column).alias(DECIDED + column)
+            for column, name in (
+                (REMOVED_BY, REMOVED_BY),
+                ("stage", "stage"),
+                (CLUSTER_ID, "record_id"),
+            )
         )
     return rows.drop(found)
 
@@ -149,7 +170,7 @@ def stage_counters(
     the per-record stages (``record_stages``), derived from the verdicts as the runner derives them
     (rows in: what the stage before kept)."""
     survivors = decision.counters[decision.dedup_stages[-1]]["kept"]
-    by_stage = dict(decision.verdicts.group_by(REMOVED_BY).len().iter_rows())
+    by_stage = decision.removed_by_stage()
     per_record = {}
     for name in record_stages:
         rejected = by_stage.get(name, 0)

@@ -31,10 +31,10 @@ from pipeline_assets.lib.silver.decontam import EvalNgramIndex
 from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     STAGED_BAND_PREFIX,
-    staged_band_column,
+    staged_band_key,
 )
 from pipeline_assets.lib.silver.prepare import (
-    POSITION,
+    KeyTally,
     Prepared,
     Started,
     finish_block,
@@ -78,6 +78,7 @@ class StagedBlock:
     counters: dict[str, dict]  # the block's stages before dedup, as the stage runner counted them
     record_counters: dict[str, dict] = field(default_factory=dict)  # as Prepared.record_counters
     input_chars: int = 0  # the block's bronze text, as ``text_chars`` counts it
+    verdicts: dict[str, int] = field(default_factory=dict)  # as KeyTally.verdicts, of its keys
 
 
 @dataclass(frozen=True)
@@ -325,21 +326,28 @@ def _write_block(
         prepared.counters,
         prepared.record_counters,
         input_chars,
+        KeyTally.of(prepared.keys).verdicts,
     )
 
 
 def read_keys(
-    shares: Sequence[StagedShare], storage_options: dict | None = None, signatures: bool = True
+    shares: Sequence[StagedShare],
+    storage_options: dict | None = None,
+    signatures: bool = True,
+    record_ids: pl.Series | None = None,
 ) -> pl.DataFrame:
     """The shares' keys, in position order: all the decision reads (without ``signatures``, all
     but the signatures: ``read_signatures`` reads those near dedup needs), the LSH band keys left
-    to the band searches (``read_band``). Raises on a text column."""
+    to the band searches (``read_band``); with ``record_ids``, those records' only. Raises on a
+    text column."""
     blocks = _blocks(shares)
     left_out = [STAGED_BAND_COLUMNS, *([] if signatures else SIGNATURE_COLUMNS)]
+    wanted = pl.lit(True) if record_ids is None else pl.col("record_id").is_in(record_ids.implode())
     keys = pl.concat(
         [
             pl.scan_parquet(block.keys, storage_options=storage_options)
             .select(pl.exclude(left_out))
+            .filter(wanted)
             .collect()
             for block in blocks
         ],
@@ -372,13 +380,13 @@ def read_band(
     reached: pl.Expr,
     storage_options: dict | None = None,
 ) -> pl.DataFrame:
-    """One LSH band's keys (record_id, exact_hash, band_key) of the shares' records that
-    ``reached`` (an expression over the keys) selects, in position order."""
+    """One band's keys (record_id, exact_hash, band_key: ``staged_band_key``) of the shares'
+    records that ``reached`` (an expression over the keys) selects, in position order."""
     return pl.concat(
         [
             pl.scan_parquet(block.keys, storage_options=storage_options)
             .filter(reached)
-            .select("record_id", "exact_hash", band_key=staged_band_column(band))
+            .select("record_id", "exact_hash", band_key=staged_band_key(band))
             .collect()
             for block in _blocks(shares)
         ]
@@ -418,11 +426,16 @@ def staged_record_counters(shares: Sequence[StagedShare]) -> dict[str, dict]:
     return summed_counters([block.record_counters for block in _blocks(shares)])
 
 
-def share_record_ids(share: StagedShare, keys: pl.DataFrame) -> pl.Series:
-    """The record ids of ``share``'s blocks, from the batch's keys (by position)."""
+def staged_tally(shares: Sequence[StagedShare]) -> KeyTally:
+    """The shares' keys counted by their blocks, none read."""
+    blocks = _blocks(shares)
+    return KeyTally.summed(KeyTally(b.rows, b.verdicts) for b in blocks)
+
+
+def share_positions(share: StagedShare) -> tuple[int, int]:
+    """The positions ``share``'s records take in the batch: from its first up to past its last."""
     start = min((block.first_position for block in share.blocks), default=0)
-    inside = pl.col(POSITION).is_between(start, start + share.rows, closed="left")
-    return keys.filter(inside)["record_id"]
+    return start, start + share.rows
 
 
 def _blocks(shares: Sequence[StagedShare]) -> list[StagedBlock]:

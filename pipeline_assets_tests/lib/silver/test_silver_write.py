@@ -19,11 +19,11 @@ from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
 from pipeline_assets.lib.silver.decide import decide
 from pipeline_assets.lib.silver.dedup import lookup_in
 from pipeline_assets.lib.silver.prepare import text_columns
-from pipeline_assets.lib.silver.split import for_records, split, split_share, stage_counters
+from pipeline_assets.lib.silver.split import for_positions, split, split_share, stage_counters
 from pipeline_assets.lib.silver.staging import (
     read_keys,
     read_prepared,
-    share_record_ids,
+    share_positions,
     staged_counters,
 )
 from pipeline_assets.resources.engine import RayEngine
@@ -112,7 +112,7 @@ def _write_staged(lake: LakeResource, engine, versions, batch_id, staging, confi
     calls = [
         (
             share,
-            for_records(decisions[fmt], share_record_ids(share, keys[fmt])),
+            for_positions(decisions[fmt], *share_positions(share)),
             targets[fmt],
             config.minhash,
             run,
@@ -147,7 +147,7 @@ def _assert_shares_make_the_batch(shares, keys, decision, whole, config) -> None
     row (rows ordered by share rather than by stage)."""
     parts = [
         split_share(
-            read_prepared([s]), for_records(decision, share_record_ids(s, keys)), config.minhash
+            read_prepared([s]), for_positions(decision, *share_positions(s)), config.minhash
         )
         for s in sorted(shares, key=lambda s: s.blocks[0].first_position)
     ]

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pickle
 from itertools import accumulate
 from pathlib import Path
+from unittest.mock import ANY
 
 import polars as pl
 import pytest
 
 from pipeline_assets.lib.formats import CONVERSATION, PREFERENCE, SFT, TURNS
 from pipeline_assets.lib.silver.curation import SilverConfig, curate_formats
-from pipeline_assets.lib.silver.decide import decide, reached_dedup
+from pipeline_assets.lib.silver.decide import decide, from_candidates, reached_dedup
 from pipeline_assets.lib.silver.dedup import (
+    EXACT_BAND,
     BandMatches,
     band_entries,
     lookup_in,
@@ -33,6 +35,7 @@ from pipeline_assets.lib.silver.staging import (
     read_keys,
     read_prepared,
     read_signatures,
+    staged_tally,
 )
 from pipeline_assets.resources.engine import RayEngine
 from pipeline_assets.resources.lake import LakeResource
@@ -99,10 +102,12 @@ def _shares(lake, engine, fmt, version, batch_id, staging: Path, config):
     return engine.map_tasks(prepare_files, calls, sum(f.rows for f in files))
 
 
-def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None):
+def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None, keys_read=None):
     """Prepared, decided and split batch after batch; with ``read`` (a list), the keys are read
     without their signatures: each LSH band is searched from the staged files, and near dedup
-    reads the signatures of the candidates found (``read`` gets how many)."""
+    reads the signatures of the candidates found (``read`` gets how many). With ``keys_read`` (a
+    list) too, a format decided from candidates has its exact band searched as well and only its
+    candidates' keys read (``keys_read`` gets how many, and of how many records)."""
     index, results = None, []
     for batch_id in batch_ids:
         shares = {
@@ -117,8 +122,15 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None)
             decisions = decide(keys, look_up, config)
         else:
             readers = {fmt: _counted_reader(s, read) for fmt, s in shares.items()}
-            searched = _searched(shares, index, config)
-            decisions = decide(keys, look_up, config, readers, searched)
+            searched = _searched(shares, index, config, exact=keys_read is not None)
+            tallies = {}
+            for fmt, s in shares.items():
+                if keys_read is not None and from_candidates(config, fmt):
+                    ids = searched[fmt].every_candidate()
+                    keys[fmt] = read_keys(s, signatures=False, record_ids=ids)
+                    tallies[fmt] = staged_tally(s)
+                    keys_read.append((fmt, keys[fmt].height, tallies[fmt].rows))
+            decisions = decide(keys, look_up, config, readers, searched, tallies)
         cut = {
             fmt: split(read_prepared(s), decisions[fmt], config.minhash)
             for fmt, s in shares.items()
@@ -130,17 +142,22 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None)
     return results
 
 
-def _searched(shares: dict, index: pl.DataFrame | None, config: SilverConfig) -> dict:
+def _searched(
+    shares: dict, index: pl.DataFrame | None, config: SilverConfig, exact: bool = False
+) -> dict:
     """Per format, every LSH band of its staged keys searched within the batch and in the other
-    batches' band rows (``index``'s), joined."""
-    minhash = config.minhash
-    bands = lsh_of(minhash).bands
+    batches' band rows (``index``'s), joined; with ``exact``, the exact band too for a format
+    decided from candidates."""
+    bands = range(lsh_of(config.minhash).bands)
     rows = band_entries(index).lazy() if index is not None else None
     return {
         fmt: BandMatches.joined(
             [
                 search_band(read_band(s, band, reached_dedup(config, fmt)), band, True, rows)
-                for band in range(bands)
+                for band in [
+                    *([EXACT_BAND] if exact and from_candidates(config, fmt) else []),
+                    *bands,
+                ]
             ]
         )
         for fmt, s in shares.items()
@@ -177,6 +194,35 @@ def test_band_searches_of_the_staged_files_find_near_dedups_candidates_as_today(
     assert against > 0, "the second batch has near copies of the first's records"
     reached = sum(theirs[fmt][3]["near_dedup"]["rows_in"] for theirs in today for fmt in theirs)
     assert 0 < sum(read) < reached, "some signatures read, not every record's"
+
+
+def test_a_decision_from_the_candidates_keys_alone_gives_todays_tables_and_counters(tmp_path):
+    """sft and conversations decided from the keys of the records the band searches found,
+    EXACT_BAND included (preference pairs, whose cap and contradictions look at every pair, from
+    every key): the tables, in today's order, and every stage's counters are today's, though the
+    decision read only some of the records' keys."""
+    lake, config = LakeResource(uri=str(tmp_path / "lake")), SilverConfig()
+    versions = _write_bronze(lake, _batches()[:2])
+    engine = RayEngine(home=str(tmp_path / "home"), min_rows=10**9)
+    today = _today(lake, versions, ["b1", "b2"], config)
+    keys_read: list = []
+    staged = _staged(
+        lake, engine, versions, ["b1", "b2"], tmp_path / "staging", config, [], keys_read
+    )
+    _assert_equal(staged, today)
+    for mine, theirs in zip(staged, today, strict=True):
+        for fmt, (kept, rejects, _, stages) in theirs.items():
+            assert mine[fmt][0].equals(kept) and mine[fmt][1].equals(rejects), fmt.name
+            for name in ("exact_dedup", "near_dedup"):
+                assert mine[fmt][3][name] == {**stages[name], "seconds": ANY}, (fmt.name, name)
+    assert {fmt for fmt, *_ in keys_read} == {SFT, CONVERSATION}
+    assert all(read < rows for _, read, rows in keys_read), keys_read
+    removed = {
+        fmt: {stage for theirs in today for stage in theirs[fmt][1]["stage"]}
+        for fmt in (SFT, CONVERSATION)
+    }
+    assert {"exact_dup", "near_dup", "decontaminated"} <= removed[SFT], removed
+    assert "exact_dup" in removed[CONVERSATION], removed
 
 
 def test_staged_shares_decide_and_split_to_todays_tables_batch_after_batch(tmp_path):
