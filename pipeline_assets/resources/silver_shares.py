@@ -85,7 +85,7 @@ def write_share_tables(
     storage_options: dict[str, str] | None = None,
 ) -> WrittenShare:
     """One task: read ``share``'s staged records, split them by ``decision`` (its verdicts: the
-    share's records', ``split.for_records``), conform and validate each table's rows to its
+    share's records', ``split.for_positions``), conform and validate each table's rows to its
     contract, and write them as ``<run_id>-<format>-<first position>.parquet`` in the table's
     partition of the batch. The name is the same when the task is retried, so a retry overwrites
     its own files; the format is in it because formats share silver/rejects and the index.

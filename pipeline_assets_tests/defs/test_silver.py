@@ -133,6 +133,10 @@ def test_silver_on_the_sample_corpus_meets_recall_and_keeps_clean_records(
         # this process
         else:
             assert lookup["bands"] == 17 and 0 < lookup["task_seconds"] <= lookup["wait_seconds"]
+            # sft records' exact hashes are a band of the band searches: no hash is left to look
+            # up by band, and only the entries found are read
+            tasks = metadata["silver/records"]["index_lookup_tasks"].value
+            assert tasks == "17 band searches; 0 by band, 1 reading entries", tasks
         checks = checks_by_name(result)
         assert all(
             checks[f"silver/{t}:contract"].passed

@@ -1,5 +1,6 @@
 """Silver's batch without its records passing through the step's process (issue 37): tasks read
-the batch's bronze files and prepare them (``lib.silver.staging``), the step reads only their keys
+the batch's bronze files and prepare them (``lib.silver.staging``), tasks search their band keys,
+the step reads only keys (of the candidates the searches found, for the formats decided from them)
 and decides (``lib.silver.decide``), tasks write their shares of the tables
 (``resources.silver_shares``), and the step commits each table once.
 

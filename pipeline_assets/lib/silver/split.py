@@ -63,7 +63,7 @@ def split_share(
 ) -> SplitShare:
     """The kept rows, rejects and index entries of the records of ``prepared`` (a whole batch or
     some of its blocks), by ``decision`` (its verdicts: those records' and no others, see
-    ``for_records``). Over a batch's shares, the concatenations are what ``split`` of the whole
+    ``for_positions``). Over a batch's shares, the concatenations are what ``split`` of the whole
     batch gives, row for row."""
     rows = _with_verdicts(prepared.staged, decision.verdicts, decision.unseen is not None)
     removed_by = pl.col(DECIDED + REMOVED_BY)
