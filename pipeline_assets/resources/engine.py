@@ -19,7 +19,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -174,18 +174,10 @@ class RayEngine(BlockEngine, LocalRay):
 
         if ray.is_initialized():
             return
-        init_options = dict(self.ray_init_options)
-        if "_system_config" in options:  # the user's own settings of a local Ray come last
-            options["_system_config"] |= init_options.pop("_system_config", None) or {}
-        runtime_env = dict(init_options.pop("runtime_env", None) or {})
-        runtime_env["env_vars"] = {
-            **BLOCK_TASK_ENV,
-            **(runtime_env.get("env_vars") or {}),
-            **self.get_env_vars_to_inject(),
-        }
         self.data_execution_options.apply()
         self._context = ray.init(
-            address=self.ray_address, runtime_env=runtime_env, **options, **init_options
+            address=self.ray_address,
+            **init_arguments(options, self.ray_init_options, self.get_env_vars_to_inject()),
         )
         self.data_execution_options.apply()
         if self._init_context is not None and self._init_context.log is not None:
@@ -237,6 +229,25 @@ def _refuse_unknown(settings: dict, fields: dict, prefix: str) -> None:
 
 
 LOCAL_RAY_TASK_EVENTS = 10_000
+
+
+def init_arguments(ours: dict, users: Mapping, env_vars: Mapping[str, str]) -> dict:
+    """ray.init's arguments: ``ours`` (``local_ray_options``; none on a cluster), then the user's
+    ``ray_init_options`` (their ``_system_config`` merged over ours, key by key), with a runtime
+    env whose variables are BLOCK_TASK_ENV, the user's, then ``env_vars``."""
+    options, users = dict(ours), dict(users)
+    if "_system_config" in options:
+        options["_system_config"] = {
+            **options["_system_config"],
+            **(users.pop("_system_config", None) or {}),
+        }
+    runtime_env = dict(users.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {
+        **BLOCK_TASK_ENV,
+        **(runtime_env.get("env_vars") or {}),
+        **env_vars,
+    }
+    return {**options, **users, "runtime_env": runtime_env}
 
 
 def local_ray_options(home: Path) -> dict:

@@ -25,7 +25,12 @@ from pipeline_assets.defs.silver.assets import silver
 from pipeline_assets.lib.gold.tokenizer import tokenizer_to_json, train_bpe
 from pipeline_assets.resources import engine as engine_module
 from pipeline_assets.resources.base_model import BaseModelResource
-from pipeline_assets.resources.engine import RayEngine, local_ray_options
+from pipeline_assets.resources.engine import (
+    LOCAL_RAY_TASK_EVENTS,
+    RayEngine,
+    init_arguments,
+    local_ray_options,
+)
 from pipeline_assets.resources.eval_sets import EvalSetsResource
 from pipeline_assets.resources.lake import LakeResource
 from pipeline_assets.resources.landing import LandingResource
@@ -332,6 +337,35 @@ def _gcs_rss_mb(session_dir: str) -> float:
         except OSError:
             continue
     raise AssertionError(f"no GCS server of {session_dir}")
+
+
+def test_a_users_ray_init_options_come_after_ours_their_system_config_merged(tmp_path, monkeypatch):
+    """A user's ``ray_init_options`` override ours key by key: their ``_system_config`` is merged
+    over the local Ray's (the GCS cap kept unless they set it), their runtime env's variables over
+    the block tasks' threads, and the variables Dagster injects last."""
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_USAGE_STATS_ENABLED"):
+        monkeypatch.setenv(name, "")  # restored after: local_ray_options sets them
+    ours = local_ray_options(tmp_path)
+    users = {
+        "_system_config": {"object_spilling_threshold": 0.9},
+        "num_cpus": 1,
+        "runtime_env": {"env_vars": {"POLARS_MAX_THREADS": "2", "MINE": "1"}, "pip": ["x"]},
+    }
+    arguments = init_arguments(ours, users, {"DAGSTER_RUN_ID": "r"})
+    assert arguments["_system_config"] == {
+        "task_events_max_num_task_in_gcs": LOCAL_RAY_TASK_EVENTS,
+        "object_spilling_threshold": 0.9,
+    }
+    assert arguments["num_cpus"] == 1 and arguments["include_dashboard"] is False
+    assert arguments["runtime_env"] == {
+        "env_vars": {"POLARS_MAX_THREADS": "2", "MINE": "1", "DAGSTER_RUN_ID": "r"},
+        "pip": ["x"],
+    }
+    capped = init_arguments(ours, {"_system_config": {"task_events_max_num_task_in_gcs": 5}}, {})
+    assert capped["_system_config"] == {"task_events_max_num_task_in_gcs": 5}
+    assert users["_system_config"] == {"object_spilling_threshold": 0.9}, "theirs left as given"
+    on_a_cluster = init_arguments({}, users, {})
+    assert on_a_cluster["_system_config"] == {"object_spilling_threshold": 0.9}
 
 
 def test_a_local_rays_gcs_keeps_a_bounded_number_of_task_events(tmp_path, monkeypatch):

@@ -528,18 +528,20 @@ def _search_tasks(
 ) -> TaskResults[tuple[RecordFormat, BandMatches]]:
     """A task a format's band: within the batch (``bands_at`` None), or a task a format's band and
     slice of ``bands_at`` that has files; results by format."""
+
+    @functools.cache
+    def searches(band: int) -> list[PinnedFiles | None]:  # a band's, the same for every format
+        if bands_at is None:
+            return [None]
+        return [f for b in bands_at.slices if (f := bands_at.of(band, b)).files]
+
     lsh = lsh_of(flow.config.minhash)
     calls, formats = [], []
     for tables, batch in flow.formats.items():
         reached = reached_dedup(flow.config, tables.fmt)
         exact = [EXACT_BAND] if from_candidates(flow.config, tables.fmt) else []
         for band in [*exact, *range(lsh.bands)] if batch.bronze_rows else []:
-            searches = (
-                [None]
-                if bands_at is None
-                else [f for b in bands_at.slices if (f := bands_at.of(band, b)).files]
-            )
-            for files in searches:
+            for files in searches(band):
                 calls.append((batch.staged, band, reached, files, flow.storage_options))
                 formats.append(tables.fmt)
     done = engine.map_tasks(search_share_band, calls, flow.bronze_rows)
