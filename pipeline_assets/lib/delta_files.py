@@ -182,23 +182,35 @@ class PinnedFiles:
         ).select(self.columns)
 
 
+def data_files(table) -> list[tuple[str, dict]]:
+    """Each data file of a ``deltalake.DeltaTable``, its URI with its add action (flattened:
+    partition values and statistics), in the order the log lists them. Refused for a table whose
+    files cannot be read alone (deletion vectors), or whose URIs and add actions are out of step."""
+    name = uris.redact(table.table_uri)
+    if "deletionVectors" in (table.protocol().reader_features or []):
+        raise ValueError(f"{name}: deletion vectors; its files cannot be read alone")
+    actions = pl.DataFrame(table.get_add_actions(flatten=True)).to_dicts()
+    file_uris = table.file_uris()
+    if len(file_uris) != len(actions):
+        raise ValueError(f"{name}: {len(file_uris)} file URIs but {len(actions)} add actions")
+    for uri, action in zip(file_uris, actions):
+        if not uri.endswith(action["path"]):
+            raise ValueError(f"{name}: file URI {uri} and add action {action['path']} out of step")
+    return list(zip(file_uris, actions))
+
+
 class TableFiles:
     """A ``deltalake.DeltaTable``'s data files by partition, from its log (read once, here), to
     hand to tasks as ``PinnedFiles``."""
 
     def __init__(self, table, storage_options: dict[str, str] | None = None):
-        if "deletionVectors" in (table.protocol().reader_features or []):
-            raise ValueError("a table with deletion vectors: its files cannot be read alone")
         self.partition_columns = table.metadata().partition_columns
         schema = pl.scan_delta(table).collect_schema()
         self.schema_columns = tuple(schema.names())
         self.partition_types = tuple((column, schema[column]) for column in self.partition_columns)
         self.storage_options = storage_options
-        actions = pl.DataFrame(table.get_add_actions(flatten=True)).to_dicts()
         self.by_partition: dict[tuple[str, ...], list[str]] = {}
-        for uri, action in zip(table.file_uris(), actions, strict=True):
-            if not uri.endswith(action["path"]):
-                raise ValueError(f"file URI {uri} and add action {action['path']} out of step")
+        for uri, action in data_files(table):
             values = tuple(str(action[f"partition.{column}"]) for column in self.partition_columns)
             self.by_partition.setdefault(values, []).append(uri)
 

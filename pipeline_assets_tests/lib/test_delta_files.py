@@ -15,6 +15,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from pipeline_assets.lib.delta_files import (
     TableFiles,
+    data_files,
     partition_slices,
     write_share,
     write_share_slices,
@@ -134,3 +135,27 @@ def test_pinned_files_scan_as_the_table_at_its_version_scans_with_no_log_read(tm
     assert scanned.columns == expected.columns and scanned.schema == expected.schema
     assert scanned.sort("record_id").equals(expected.sort("record_id"))
     assert len(files.files) == 2, "b9 has no file in band 3"
+
+
+def test_a_table_whose_files_cannot_be_read_alone_is_refused_by_name(tmp_path):
+    """Deletion vectors: a file read alone would hold rows the table deleted. ``data_files``
+    (what the bronze reads and the lookup's ``TableFiles`` both list files by) refuses the table,
+    naming it; a table without them lists each file with its add action."""
+    frame = pl.DataFrame({"a": [1, 2], "batch_id": ["b1", "b2"]})
+    plain, vectors = tmp_path / "plain", tmp_path / "vectors"
+    write_deltalake(plain, frame.to_arrow(), partition_by=["batch_id"])
+    write_deltalake(
+        vectors,
+        frame.to_arrow(),
+        partition_by=["batch_id"],
+        configuration={"delta.enableDeletionVectors": "true"},
+    )
+    listed = data_files(DeltaTable(plain))
+    assert sorted(action["partition.batch_id"] for _, action in listed) == ["b1", "b2"]
+    assert all(uri.endswith(action["path"]) for uri, action in listed)
+    for refused in (
+        lambda: data_files(DeltaTable(vectors)),
+        lambda: TableFiles(DeltaTable(vectors)),
+    ):
+        with pytest.raises(ValueError, match="vectors.*deletion vectors; its files cannot be read"):
+            refused()

@@ -25,6 +25,7 @@ import polars as pl
 from deltalake import DeltaTable
 
 from pipeline_assets.lib import uris
+from pipeline_assets.lib.delta_files import data_files
 from pipeline_assets.lib.formats import FORMATS, RecordFormat, text_chars
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
@@ -101,19 +102,11 @@ def bronze_files(
     """The batch's files of the bronze table at ``version``, in the order ``lake.read`` reads
     them, with their row counts and first positions (from the Delta log: no data read)."""
     table = DeltaTable(table_uri, version=version, storage_options=storage_options)
-    if "deletionVectors" in (table.protocol().reader_features or []):
-        raise ValueError(f"{uris.redact(table_uri)}: deletion vectors; files cannot be read alone")
-    actions = pl.DataFrame(table.get_add_actions(flatten=True))
-    partition = f"partition.{BATCH_COLUMN}"
-    if partition not in actions.columns and actions.height:
+    if BATCH_COLUMN not in table.metadata().partition_columns:
         raise ValueError(f"{uris.redact(table_uri)} is not partitioned by {BATCH_COLUMN}")
-    file_uris = table.file_uris()
-    if len(file_uris) != actions.height:
-        raise ValueError(f"{len(file_uris)} file URIs but {actions.height} add actions")
+    partition = f"partition.{BATCH_COLUMN}"
     files, position = [], 0
-    for uri, action in zip(file_uris, actions.iter_rows(named=True), strict=True):
-        if not uri.endswith(action["path"]):
-            raise ValueError(f"file URI {uri} and add action {action['path']} out of step")
+    for uri, action in data_files(table):
         if action[partition] != batch_id:
             continue
         rows = action["num_records"]
