@@ -222,6 +222,7 @@ def test_a_decision_from_the_candidates_keys_alone_gives_todays_tables_and_count
         for fmt in (SFT, CONVERSATION)
     }
     assert {"exact_dup", "near_dup", "decontaminated"} <= removed[SFT], removed
+    assert any(stage.startswith("quality:") for stage in removed[SFT]), removed
     assert "exact_dup" in removed[CONVERSATION], removed
 
 
