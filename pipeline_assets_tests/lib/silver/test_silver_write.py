@@ -138,11 +138,11 @@ def _write_staged(lake: LakeResource, engine, versions, batch_id, staging, confi
     }
     for fmt, cut in whole.items():  # the step's counters are exactly split's of the whole batch
         assert counters[fmt] == cut.stages, fmt.name
-        _assert_shares_make_the_batch(shares[fmt], keys[fmt], decisions[fmt], cut, config)
+        _assert_shares_make_the_batch(shares[fmt], decisions[fmt], cut, config)
     return counters, commits, (shares, written, list(targets.values()))
 
 
-def _assert_shares_make_the_batch(shares, keys, decision, whole, config) -> None:
+def _assert_shares_make_the_batch(shares, decision, whole, config) -> None:
     """Each share split alone, concatenated in position order: the whole batch's split, row for
     row (rows ordered by share rather than by stage)."""
     parts = [
