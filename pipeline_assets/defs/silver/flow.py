@@ -40,7 +40,7 @@ from pipeline_assets.lib.silver.dedup import (
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
-from pipeline_assets.lib.silver.split import for_positions, stage_counters
+from pipeline_assets.lib.silver.split import DECIDED, for_positions, stage_counters, with_verdicts
 from pipeline_assets.lib.silver.staging import (
     BronzeFile,
     FinishedBlock,
@@ -246,10 +246,8 @@ def _language_mix(
         return {}
     later = [*stages[stages.index(LANGUAGE) :], *decision.last_stages]
     labelled = pl.concat([_labels(block.records, storage_options) for block in share.blocks])
-    decided = decision.verdicts.select("record_id", decided=REMOVED_BY, seen=pl.lit(True))
-    # a record the decision did not see (decided from candidates) keeps its staged verdict
-    removed_by = pl.when(pl.col("seen")).then("decided").otherwise(REMOVED_BY)
-    reached = labelled.join(decided, on="record_id", how="left").filter(
+    removed_by = pl.col(DECIDED + REMOVED_BY)
+    reached = with_verdicts(labelled, decision).filter(
         removed_by.is_null() | removed_by.is_in(later)
     )
     return _counts(reached.select(LANGUAGE).drop_nulls(), LANGUAGE)
@@ -260,7 +258,9 @@ def _labels(records: str, storage_options: dict | None) -> pl.DataFrame:
     the stage)."""
     scan = pl.scan_parquet(records, storage_options=storage_options)
     language = pl.col(LANGUAGE) if LANGUAGE in scan.collect_schema().names() else pl.lit(None)
-    return scan.select("record_id", REMOVED_BY, language.cast(pl.String).alias(LANGUAGE)).collect()
+    return scan.select(
+        "record_id", REMOVED_BY, "stage", language.cast(pl.String).alias(LANGUAGE)
+    ).collect()
 
 
 def _written_rows(

@@ -65,7 +65,7 @@ def split_share(
     some of its blocks), by ``decision`` (its verdicts: those records' and no others, see
     ``for_positions``). Over a batch's shares, the concatenations are what ``split`` of the whole
     batch gives, row for row."""
-    rows = _with_verdicts(prepared.staged, decision.verdicts, decision.unseen is not None)
+    rows = with_verdicts(prepared.staged, decision)
     removed_by = pl.col(DECIDED + REMOVED_BY)
     order = (
         *prepared.counters,
@@ -96,10 +96,12 @@ def for_positions(decision: Decision, start: int, stop: int) -> Decision:
     return replace(decision, verdicts=decision.verdicts.filter(inside))
 
 
-def _with_verdicts(staged: pl.DataFrame, verdicts: pl.DataFrame, some: bool) -> pl.DataFrame:
-    """``staged`` (in batch order) with each record's verdict. Every record must have one, but
-    with ``some`` (a decision from candidates): a record without one keeps its staged per-record
-    verdict, and leads its own cluster."""
+def with_verdicts(staged: pl.DataFrame, decision: Decision) -> pl.DataFrame:
+    """``staged`` (staged records in batch order: record_id, REMOVED_BY, stage) with each record's
+    verdict in the DECIDED columns (``DECIDED + REMOVED_BY``: the stage that removed it). Every
+    record must have one, but in a decision from candidates: a record without one keeps its staged
+    per-record verdict, and leads its own cluster."""
+    verdicts, some = decision.verdicts, decision.unseen is not None
     decided = verdicts.rename({name: DECIDED + name for name in verdicts.columns[1:]})
     found = DECIDED + "found"
     rows = staged.join(
