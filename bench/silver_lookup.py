@@ -34,9 +34,9 @@ from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     _earliest_by_hash,
     _history_matches,
-    _signature_matrix,
     band_keys,
     lsh_of,
+    signature_matrix,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
 from pipeline_assets.resources.engine import RayEngine
@@ -80,7 +80,7 @@ def run(
         def whole_index() -> set[str]:
             scan = pl.scan_delta(index)
             params = lsh_of(config)
-            keys = band_keys(_signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params)
+            keys = band_keys(signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params)
             near = _history_matches(scan, keys, params, config)
             exact = _earliest_by_hash(scan, batch["exact_hash"])
             return set(near["record_id"]) | set(exact["kept_record_id"])

@@ -197,12 +197,13 @@ class _MappedEngine(RayEngine):
 MAPPED: list[tuple[str, int]] = []
 
 
-def test_the_candidates_keys_and_signatures_are_read_by_a_task_a_share_not_in_the_step(
+def test_the_candidates_keys_are_read_by_a_task_a_share_and_their_pairs_by_a_task_a_band(
     instance, resources, landing_dir, tmp_path
 ):
     """sft records are decided from their candidates: the step receives the keys of a near copy,
     an exact copy and their originals, not the other records' (read by a task a share), and near
-    dedup's signatures of the near pair."""
+    dedup's verified pair, built from the candidates' signatures by a task an LSH band: no
+    signature reaches the step."""
     lake = resources["lake"]
     near_copy = dict(_record(5), response=_record(5)["response"].replace(".", " again."))
     exact_copy = _record(12, text_of=7)
@@ -228,13 +229,14 @@ def test_the_candidates_keys_and_signatures_are_read_by_a_task_a_share_not_in_th
         None,
         None,
     )
-    shares = sum(len(b.shares) for b in flow.formats.values())
-    reads = [calls for name, calls in MAPPED if name == "read_share_signatures"]
-    assert sum(reads) == shares, MAPPED
-    assert flow.step_bytes.by_kind["signatures"] > 0, "the candidates' signatures, received"
+    sft = next(b for t, b in flow.formats.items() if t.fmt is SFT)
+    staged = [calls for name, calls in MAPPED if name == "stage_share_signatures"]
+    paired = [calls for name, calls in MAPPED if name == "pair_band"]
+    assert staged == [len(sft.shares)] and paired == [16], MAPPED  # sft's: no other has candidates
+    assert flow.step_bytes.by_kind["near pairs"] > 0, "the near pair, received"
+    assert not [kind for kind in flow.step_bytes.by_kind if "signature" in kind], flow.step_bytes
     verdicts = pl.concat([b.decision.verdicts.select("removed_by") for b in flow.formats.values()])
     assert {"near_dedup", "exact_dedup"} <= set(verdicts["removed_by"].drop_nulls())
-    sft = next(b for t, b in flow.formats.items() if t.fmt is SFT)
     assert sft.bronze_rows == 14 and sft.keys.height == 4, sft.keys
     assert sft.decision.kept_rows() == 12
     searched = [calls for name, calls in MAPPED if name == "search_share_band"]

@@ -44,6 +44,7 @@ from pipeline_assets.defs.silver.flow import (
     commit_batch,
     committed_before,
     decide_batch,
+    entries_folder,
     format_counts,
     prepare_batch,
     rejected_by_stage,
@@ -142,6 +143,7 @@ def silver(
         batch_rows=flow.bronze_rows,
         excluded=_left_out_of_dedup(context, events, batch_id),
         config=config.minhash,
+        stage_signatures=entries_folder(flow),
     )
     context.log.info(
         f"batch {batch_id}: "

@@ -7,10 +7,10 @@ few records: four times the rate a batch of 400,000 records shows. Measured here
 decision silver runs on synthetic batches of BATCH_SIZES records whose keys carry the
 calibration's removals (``Removals``: exact copies, near copies, per-record rejects): ``decide``
 as the step calls it for sft records, on the keys of the candidates the band searches found
-(exact and near), the other records counted by their blocks' tally, with a reader of the near
-candidates' signatures. The fastest of ``kept_rates.REPEATS`` decisions at each size, the sizes
-taken in turns. The band searches and the reads of the candidates' keys and signatures are left
-out: in silver, tasks do them.
+(exact and near), the other records counted by their blocks' tally, with near dedup's verified
+pairs. The fastest of ``kept_rates.REPEATS`` decisions at each size, the sizes taken in turns.
+The band searches, the reads of the candidates' keys and the pairs' building are left out: in
+silver, tasks do them.
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ from pipeline_assets.defs.silver.kept_rates import fastest_in_turns, fingerprint
 from pipeline_assets.defs.silver.lookup_rate import bronze_record_ids, random_hashes
 from pipeline_assets.lib.formats import SFT
 from pipeline_assets.lib.ops.sizing import Removals
-from pipeline_assets.lib.silver import curation, decide, dedup
+from pipeline_assets.lib.silver import curation, decide, dedup, near_edges
 from pipeline_assets.lib.silver.curation import SilverConfig
-from pipeline_assets.lib.silver.dedup import (
-    ENTRY_IDS,
-    SIGNATURE_COLUMNS,
-    BandMatches,
-    signature_series,
-)
+from pipeline_assets.lib.silver.dedup import ENTRY_IDS, BandMatches, signature_series
+from pipeline_assets.lib.silver.near_edges import SIGNED_COLUMNS, NearPairs, pairs_in
 from pipeline_assets.lib.silver.prepare import REASON, REMOVED_BY, KeyTally
 
 BATCH_SIZES = (100_000, 400_000)
@@ -62,7 +58,7 @@ def decision_rate(
     ``config``, ``removals`` and ``batch_sizes``, else measured now (seconds) and kept there."""
     shares = f"{removals.exact:.3f} exact, {removals.near:.3f} near, {removals.per_record:.3f}"
     measured_on = (
-        f"{fingerprint((decide, dedup, curation, sys.modules[__name__]), config)}; "
+        f"{fingerprint((decide, dedup, curation, near_edges, sys.modules[__name__]), config)}; "
         f"batches of {', '.join(map(str, batch_sizes))} records; removals {shares}"
     )
 
@@ -124,7 +120,10 @@ class SyntheticBatch:
                 REASON: _at(rows, rejected, PER_RECORD_STAGE),
             }
         )
-        self.signatures = _near_copies(rng, ids, near, near_of, config.minhash.num_perm)
+        self.signatures = _near_copies(
+            rng, ids, near, near_of, config.minhash.num_perm
+        ).with_columns(batch_id=pl.lit(f"b{seed}"))
+        self.pairs = pairs_in(self.signatures, f"b{seed}", config.minhash)
         exact_candidates = keys.filter(pl.col("exact_hash").is_duplicated())["record_id"]
         self.searched = BandMatches(
             self.signatures["record_id"].sort(), pl.DataFrame(schema=ENTRY_IDS), 0, exact_candidates
@@ -135,14 +134,14 @@ class SyntheticBatch:
         )
 
     def decide(self) -> float:
-        """One decision of the batch: its seconds, the signature reads left out. Raises unless it
-        removed exactly the batch's copies and rejects."""
-        read_seconds = []
+        """One decision of the batch: its seconds, the similarities asked of tasks left out.
+        Raises unless it removed exactly the batch's copies and rejects."""
+        asked_seconds = []
 
-        def read(record_ids: pl.Series) -> pl.DataFrame:
+        def similarity(pairs: pl.DataFrame) -> pl.DataFrame:
             started = time.perf_counter()
-            found = self.signatures.filter(pl.col("record_id").is_in(record_ids.implode()))
-            read_seconds.append(time.perf_counter() - started)
+            found = self.pairs.similarity(pairs)
+            asked_seconds.append(time.perf_counter() - started)
             return found
 
         started = time.perf_counter()
@@ -150,11 +149,11 @@ class SyntheticBatch:
             {SFT: self.keys},
             None,
             self.config,
-            {SFT: read},
+            {SFT: NearPairs(self.pairs.edges, similarity)},
             {SFT: self.searched},
             {SFT: self.tally},
         )
-        seconds = time.perf_counter() - started - sum(read_seconds)
+        seconds = time.perf_counter() - started - sum(asked_seconds)
         removed = decision[SFT].removed_by_stage()
         expected = {
             "exact_dedup": self.exact,
@@ -176,7 +175,7 @@ def _near_copies(
     rng: np.random.Generator, ids: pl.Series, copies: np.ndarray, originals: np.ndarray, perm: int
 ) -> pl.DataFrame:
     """The signatures of the near copies and their originals (``originals``: each copy's; an
-    original may have several), the records a reader is asked for: random for an original, a
+    original may have several), the records the pair tasks read: random for an original, a
     copy's CHANGED_PERMUTATIONS of its original's drawn again."""
     distinct, of_copy = np.unique(originals, return_inverse=True)
     original = rng.integers(0, 2**32, (len(distinct), perm), dtype=np.uint32)
@@ -188,6 +187,6 @@ def _near_copies(
     return pl.DataFrame(
         {
             "record_id": ids.gather(np.concatenate([distinct, copies])),
-            **{name: signature_series(name, sigs) for name in SIGNATURE_COLUMNS},
+            **{name: signature_series(name, sigs) for name in SIGNED_COLUMNS},
         }
     )

@@ -39,6 +39,13 @@ from pipeline_assets.lib.silver.dedup import (
     search_band,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.near_edges import (
+    EDGE_SCHEMA,
+    SIGNED_COLUMNS,
+    NearPairs,
+    band_edges,
+    pair_similarity,
+)
 from pipeline_assets.lib.silver.prepare import REMOVED_BY, model_stages, refuse_text
 from pipeline_assets.lib.silver.split import DECIDED, for_positions, stage_counters, with_verdicts
 from pipeline_assets.lib.silver.staging import (
@@ -54,13 +61,16 @@ from pipeline_assets.lib.silver.staging import (
     prepare_files,
     read_band,
     read_keys,
-    read_signatures,
+    read_signed,
     share_positions,
+    signed_files,
+    stage_signatures,
     staged_counters,
     staged_record_counters,
     staged_share,
     staged_tally,
     start_file_blocks,
+    write_signed,
 )
 from pipeline_assets.lib.stages import Stage, StagesResult
 from pipeline_assets.resources.engine import BlockEngine, TaskResults, engine_used
@@ -79,6 +89,7 @@ from pipeline_assets.resources.silver_shares import (
 
 LANGUAGE = "language"  # the language stage, and the column it labels records with
 STAGE = "silver"  # its staging under the lake: <batch>/<run>/ a run's staged Parquet
+NEAR, ENTRIES = "near", "entries"  # a run's staged signatures: ``near_folder``
 
 
 @dataclass
@@ -307,7 +318,8 @@ class BatchFlow:
     prepare_wall_seconds: float = 0.0
     write_task_seconds: float = 0.0  # the write tasks' own seconds, summed
     write_wall_seconds: float = 0.0
-    # the band searches within the batch, and the reads of their candidates' signatures: block work
+    # the band searches within the batch, the reads of their candidates' keys and near dedup's pair
+    # tasks: block work
     search_task_seconds: float = 0.0
     search_wall_seconds: float = 0.0
     decide_seconds: float = 0.0  # the decision in the step's process, the index lookup apart
@@ -471,7 +483,10 @@ def decide_batch(
         {b.tables.fmt: b.keys for b in flow.formats.values()},
         counted,
         flow.config,
-        {b.tables.fmt: _signature_reader(flow, engine, b, reads) for b in flow.formats.values()},
+        {
+            b.tables.fmt: _near_pairs(flow, engine, b, searched[b.tables.fmt], reads)
+            for b in flow.formats.values()
+        },
         searched,
         tallies,
     )
@@ -585,27 +600,101 @@ def read_share_keys(
     return read_keys(staged, storage_options, signatures=False, record_ids=record_ids)
 
 
-def _signature_reader(
-    flow: BatchFlow, engine: BlockEngine, batch: FormatBatch, reads: list[TaskResults]
-):
-    """Near dedup's reader of its candidates' signatures: a task a share reads them from its
-    staged keys, the tasks' results noted in ``reads``, the bytes received counted."""
-    calls = [([share.staged], flow.storage_options) for share in batch.shares]
+def near_folder(staging: str) -> str:
+    """Where a run stages the signatures near dedup's pair tasks read: its candidates' (a file a
+    share and format) and, in ``entries_folder``, the index entries' its lookup found."""
+    return uris.join(staging, NEAR)
 
-    def read(record_ids: pl.Series) -> pl.DataFrame:
-        done = engine.map_tasks(read_share_signatures, calls, flow.bronze_rows, (record_ids,))
+
+def entries_folder(flow: BatchFlow) -> str:
+    """Where the batch's index lookup stages the signatures of the entries it finds."""
+    return uris.join(near_folder(flow.staging_dir), ENTRIES)
+
+
+def _near_pairs(
+    flow: BatchFlow,
+    engine: BlockEngine,
+    batch: FormatBatch,
+    found: BandMatches,
+    reads: list[TaskResults],
+) -> NearPairs:
+    """Near dedup's verified pairs of a format's batch, built by tasks: a task a share stages its
+    candidates' signatures, then a task an LSH band pairs the candidates and the index entries
+    found for them (``band_edges``). Only the pairs reach the step; the tasks' results are noted
+    in ``reads``."""
+    fmt, folder, options = batch.tables.fmt, near_folder(flow.staging_dir), flow.storage_options
+    bands = lsh_of(flow.config.minhash).bands
+
+    @functools.cache
+    def staged() -> tuple[str, ...]:
+        calls = [
+            ([share.staged], uris.join(folder, f"{fmt.name}-{number:05d}.parquet"), options)
+            for number, share in enumerate(batch.shares)
+            if share.staged.rows
+        ]
+        done = engine.map_tasks(
+            stage_share_signatures, calls, flow.bronze_rows, (found.candidates,)
+        )
         reads.append(done)
-        found = pl.concat(done.results)  # a format without rows still stages an empty share
-        return flow.step_bytes.frame("signatures", found)
+        files = [
+            path for path in flow.step_bytes.results("near staging results", done.results) if path
+        ]
+        return (*files, *signed_files(entries_folder(flow), options))
 
-    return read
+    def edges() -> pl.DataFrame:
+        if found.candidates.is_empty():
+            return pl.DataFrame(schema=EDGE_SCHEMA)
+        files = staged()
+        calls = [
+            (files, band, found.entries, flow.batch_id, flow.config.minhash, fmt, options)
+            for band in range(bands)
+        ]
+        done = engine.map_tasks(pair_band, calls, flow.bronze_rows)
+        reads.append(done)
+        return flow.step_bytes.frame("near pairs", pl.concat(done.results))
+
+    def similarity(pairs: pl.DataFrame) -> pl.DataFrame:
+        call = (staged(), pairs, flow.config.minhash, options)
+        done = engine.map_tasks(pair_similarity_of, [call], flow.bronze_rows)
+        reads.append(done)
+        return flow.step_bytes.frame("near pairs", done.results[0])
+
+    return NearPairs(edges, similarity)
 
 
-def read_share_signatures(
-    staged: list[StagedShare], storage_options: dict | None, record_ids: pl.Series
+def stage_share_signatures(
+    staged: list[StagedShare], path: str, storage_options: dict | None, record_ids: pl.Series
+) -> str | None:
+    """One task: ``stage_signatures`` of one share's ``record_ids``, to ``path``."""
+    return stage_signatures(staged, record_ids, path, storage_options)
+
+
+def pair_band(
+    files: Sequence[str],
+    band: int,
+    entries: pl.DataFrame,
+    batch_id: str,
+    minhash: MinHashConfig,
+    fmt: RecordFormat,
+    storage_options: dict | None,
 ) -> pl.DataFrame:
-    """One task: ``read_signatures`` of one share."""
-    return read_signatures(staged, record_ids, storage_options)
+    """One task: ``band_edges`` of one LSH band, over the staged signatures of the batch's
+    candidates and of the index ``entries`` (ENTRY_IDS) found for them."""
+    signed = read_signed(files, storage_options)
+    nodes = pl.concat(
+        [
+            signed.filter(pl.col("batch_id") == batch_id),
+            signed.join(entries, on=["record_id", "batch_id"], how="semi"),
+        ]
+    )
+    return band_edges(nodes, band, batch_id, minhash, fmt)
+
+
+def pair_similarity_of(
+    files: Sequence[str], pairs: pl.DataFrame, minhash: MinHashConfig, storage_options: dict | None
+) -> pl.DataFrame:
+    """One task: ``pair_similarity`` of ``pairs``, over the staged signatures."""
+    return pair_similarity(read_signed(files, storage_options), pairs, minhash)
 
 
 def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
@@ -615,6 +704,10 @@ def _counted_lookup(look_up: IndexLookup, flow: BatchFlow) -> IndexLookup:
     def counted(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
         started = time.perf_counter()
         found = flow.step_bytes.frame("index entries found", look_up(wanted, also))
+        if SIGNED_COLUMNS[0] in found.columns:  # a lookup held here (tests): staged as tasks do
+            here = uris.join(entries_folder(flow), "here.parquet")
+            write_signed(found, here, flow.storage_options)
+            found = found.drop(SIGNED_COLUMNS, strict=False)
         seconds = round(time.perf_counter() - started, 3)
         flow.index_lookup.update(keys=wanted.height, entries_found=found.height, seconds=seconds)
         return found

@@ -7,7 +7,8 @@ partitions and returns the record ids that hold one of the batch's keys: for the
 band searches (``flow.search_bands``), which read the batch's keys of the band from its staged
 files themselves; for the hashes' bands, tasks given the keys the step looked up. Then one task a
 slice with matches reads those records' entries (hashes and signatures) from
-``silver/minhash_index``.
+``silver/minhash_index``; for silver's flow, it stages their signatures for near dedup's pair
+tasks and returns the rest.
 All of it is pinned to the tables' Delta versions when the step started: the step reads each
 table's log once and names every task its files (``PinnedFiles``), so no task reads a log, which
 grows with the tables' files. The tasks run where the
@@ -23,6 +24,7 @@ import polars as pl
 from dagster import AssetExecutionContext
 from deltalake import DeltaTable
 
+from pipeline_assets.lib import uris
 from pipeline_assets.lib.delta_files import PinnedFiles, TableFiles, partition_values
 from pipeline_assets.lib.silver.dedup import (
     ENTRY_IDS,
@@ -33,6 +35,8 @@ from pipeline_assets.lib.silver.dedup import (
     refuse_other_settings,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.near_edges import SIGNED_COLUMNS
+from pipeline_assets.lib.silver.staging import write_signed
 from pipeline_assets.resources.engine import BlockEngine
 from pipeline_assets.resources.lake import LakeResource
 
@@ -63,10 +67,12 @@ def index_lookup(
     batch_rows: int,
     excluded: list[str],
     config: MinHashConfig,
+    stage_signatures: str | None = None,
 ) -> tuple[IndexLookup | None, dict, BandsAt | None]:
     """The batch's lookup (None while no other batch has an index entry), what it reports (the
     Delta versions it reads and, once it ran, its tasks and where they ran) and the bands table the
-    band searches read."""
+    band searches read. With ``stage_signatures`` (a folder), the entries it finds come without
+    their signatures, which its tasks write there (``staging.write_signed``)."""
     index = lake.table(*INDEX)
     if index is None:
         return None, {}, None
@@ -84,9 +90,13 @@ def index_lookup(
     index_files = TableFiles(index, lake.storage_options())
 
     def look_up(wanted: pl.DataFrame, also: pl.DataFrame | None = None) -> pl.DataFrame:
-        entries, tasks = look_up_by_band(wanted, engine, batch_rows, bands_at, index_files, also)
+        entries, tasks = look_up_by_band(
+            wanted, engine, batch_rows, bands_at, index_files, also, stage_signatures
+        )
         add_tasks(report, tasks)
-        return entries if entries is not None else pl.scan_delta(index).head(0).collect()
+        if entries is None:
+            entries = pl.scan_delta(index).head(0).collect()
+        return entries.drop(SIGNED_COLUMNS, strict=False) if stage_signatures else entries
 
     return look_up, report, bands_at
 
@@ -108,11 +118,13 @@ def look_up_by_band(
     bands_at: BandsAt,
     index_files: TableFiles,
     also: pl.DataFrame | None = None,
+    stage_signatures: str | None = None,
 ) -> tuple[pl.DataFrame | None, dict]:
     """The index entries holding one of the ``wanted`` (band, band_key) rows or named in ``also``
     (ENTRY_IDS, found by the band searches) (None: none), and the tasks that found them.
     ``index_files``: ``silver/minhash_index``'s, pinned. A band and slice without rows (the
-    prompts' band of batches without preference pairs) has no task."""
+    prompts' band of batches without preference pairs) has no task. With ``stage_signatures``
+    (a folder), each task reading entries writes their signatures there and returns the rest."""
     by_key = wanted.sort("band").group_by("band", maintain_order=True)
     slices = bands_at.slices
     searches = [
@@ -129,8 +141,12 @@ def look_up_by_band(
     entries = engine.map_tasks(
         read_entries,
         [
-            (index_files.of((batch,) for batch in named["batch_id"].unique().sort()), named)
-            for named in reads
+            (
+                index_files.of((batch,) for batch in named["batch_id"].unique().sort()),
+                named,
+                stage_signatures and uris.join(stage_signatures, f"entries-{number:05d}.parquet"),
+            )
+            for number, named in enumerate(reads)
             if not named.is_empty()
         ],
         batch_rows,
@@ -187,10 +203,17 @@ def find_in_band_table(files: PinnedFiles, band: int, keys: pl.Series) -> pl.Dat
     return find_in_band(files.scan(), band, keys)
 
 
-def read_entries(files: PinnedFiles, found: pl.DataFrame) -> pl.DataFrame:
+def read_entries(
+    files: PinnedFiles, found: pl.DataFrame, signatures_to: str | None = None
+) -> pl.DataFrame:
     """One task: the ``silver/minhash_index`` entries of the (record_id, batch_id) rows found, from
-    ``files``, the partitions of the batches that hold them."""
-    return files.scan().filter(pl.col("record_id").is_in(found["record_id"].implode())).collect()
+    ``files``, the partitions of the batches that hold them; with ``signatures_to`` (a file),
+    their signatures written there and the rest returned."""
+    entries = files.scan().filter(pl.col("record_id").is_in(found["record_id"].implode())).collect()
+    if signatures_to is None:
+        return entries
+    write_signed(entries, signatures_to, files.storage_options)
+    return entries.drop(SIGNED_COLUMNS, strict=False)
 
 
 def _write_bands_here(lake: LakeResource, index: pl.DataFrame, batch_id: str):

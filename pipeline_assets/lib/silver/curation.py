@@ -34,19 +34,18 @@ from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     BandMatches,
     IndexLookup,
-    StagedSignatures,
     entries_holding,
     exact_dedup,
     exact_hashes,
     hash_of,
     index_entries,
     near_dedup,
-    near_dedup_candidates,
     wanted_keys,
     with_signatures,
 )
 from pipeline_assets.lib.silver.language import language_stage
 from pipeline_assets.lib.silver.minhash import MinHashConfig
+from pipeline_assets.lib.silver.near_edges import NearPairs, near_dedup_edges
 from pipeline_assets.lib.silver.normalize import NormalizeConfig, normalize_records
 from pipeline_assets.lib.silver.preference_rules import (
     MAX_PAIRS_PER_PROMPT,
@@ -123,18 +122,16 @@ def dedup_stages(
     config: SilverConfig,
     history: pl.LazyFrame | None,
     fmt: RecordFormat = SFT,
-    staged: StagedSignatures | None = None,
+    pairs: NearPairs | None = None,
 ) -> list[Stage]:
     """The stages between the block stages: they look across the batch and ``history`` (the other
-    batches' index entries holding one of its keys). With ``staged``, the batch comes without
-    signatures and near dedup reads those of its candidates only."""
+    batches' index entries holding one of its keys). With ``pairs``, the batch comes without
+    signatures and near dedup clusters the verified pairs it is given."""
     pair_rules = [Stage("contradiction", partial(contradictions, history=history), "contradiction")]
     near = (
         partial(near_dedup, history=history, config=config.minhash, fmt=fmt)
-        if staged is None
-        else partial(
-            near_dedup_candidates, history=history, staged=staged, config=config.minhash, fmt=fmt
-        )
+        if pairs is None
+        else partial(near_dedup_edges, history=history, pairs=pairs, config=config.minhash, fmt=fmt)
     )
     return [
         Stage("exact_dedup", partial(exact_dedup, history=history), "exact_dup"),

@@ -13,6 +13,9 @@ candidates' keys alone (``from_candidates``): the records the band searches foun
 exact hash or a band key with another record or an index entry. Any other record no dedup stage
 can remove: it is kept by both, as its own cluster, and its staged per-record verdict stands. The
 decision counts those records (``Decision.unseen``) from the blocks' tallies, never reading them.
+
+Keys come without signatures: near dedup clusters the verified pairs tasks built from its
+candidates' band keys and signatures (``lib.silver.near_edges``).
 """
 
 from __future__ import annotations
@@ -30,13 +33,8 @@ from pipeline_assets.lib.silver.curation import (
     last_stages,
     look_up_histories,
 )
-from pipeline_assets.lib.silver.dedup import (
-    SIGNATURE_COLUMNS,
-    BandMatches,
-    IndexLookup,
-    SignatureReader,
-    StagedSignatures,
-)
+from pipeline_assets.lib.silver.dedup import SIGNATURE_COLUMNS, BandMatches, IndexLookup
+from pipeline_assets.lib.silver.near_edges import NearPairs
 from pipeline_assets.lib.silver.preference_rules import PAIR_HASH_COLUMNS
 from pipeline_assets.lib.silver.prepare import (
     CLUSTER_ID,
@@ -85,7 +83,7 @@ def decide(
     keys_by_format: Mapping[RecordFormat, pl.DataFrame],
     look_up: IndexLookup | None,
     config: SilverConfig,
-    signatures: Mapping[RecordFormat, SignatureReader] | None = None,
+    near: Mapping[RecordFormat, NearPairs] | None = None,
     searched: Mapping[RecordFormat, BandMatches] | None = None,
     tallies: Mapping[RecordFormat, KeyTally] | None = None,
 ) -> dict[RecordFormat, Decision]:
@@ -95,8 +93,8 @@ def decide(
 
     Keys read without their signatures come with the band searches (``searched``: per format,
     ``search_band`` over every band, joined: the records sharing a band key with another record
-    or an index entry, and those entries) and ``signatures``: per format, a reader of the
-    signatures of those records. A format in ``tallies`` is decided from candidates: its keys
+    or an index entry, and those entries) and ``near``: per format, near dedup's verified pairs
+    among them. A format in ``tallies`` is decided from candidates: its keys
     are those of every candidate its searches found, EXACT_BAND's included, and its tally counts
     all its keys."""
     tallies = tallies or {}
@@ -114,15 +112,12 @@ def decide(
         for fmt, frame in reached.items()
     }
     searched = searched or {}
-    staged = {
-        fmt: _staged_signatures(keys, (signatures or {}).get(fmt), searched.get(fmt))
-        for fmt, keys in keys_by_format.items()
-    }
+    pairs = {fmt: _near_pairs(keys, (near or {}).get(fmt)) for fmt, keys in keys_by_format.items()}
     histories, _ = look_up_histories(hashed, look_up, config.minhash, searched)
     return {
         fmt: _with_unseen(
             _decide(
-                keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt, staged[fmt]
+                keys, hashed[fmt], *histories[fmt], removed_before[fmt], config, fmt, pairs[fmt]
             ),
             tallies[fmt].less(KeyTally.of(keys)) if fmt in tallies else None,
             removed_before[fmt],
@@ -162,17 +157,12 @@ def _with_unseen(decision: Decision, unseen: KeyTally | None, removed_before: li
     return replace(decision, counters=counters, unseen=unseen)
 
 
-def _staged_signatures(
-    keys: pl.DataFrame, read: SignatureReader | None, searched: BandMatches | None
-) -> StagedSignatures | None:
+def _near_pairs(keys: pl.DataFrame, pairs: NearPairs | None) -> NearPairs | None:
     if SIGNATURE_COLUMNS[0] in keys.columns:
         return None
-    if read is None or searched is None:
-        raise ValueError(
-            "keys without signatures need the band searches' candidates and a reader of their "
-            "signatures"
-        )
-    return StagedSignatures(searched.candidates, read)
+    if pairs is None:
+        raise ValueError("keys without signatures need near dedup's verified pairs")
+    return pairs
 
 
 def reached_dedup(config: SilverConfig, fmt: RecordFormat) -> pl.Expr:
@@ -197,9 +187,9 @@ def _decide(
     removed_before: list[str],
     config: SilverConfig,
     fmt: RecordFormat,
-    staged: StagedSignatures | None,
+    pairs: NearPairs | None,
 ) -> Decision:
-    deduped = run_whole(dedup_stages(config, history, fmt, staged), hashed)
+    deduped = run_whole(dedup_stages(config, history, fmt, pairs), hashed)
     survivors = deduped.kept.join(
         keys.select("record_id", REMOVED_BY, REASON), on="record_id", maintain_order="left"
     )

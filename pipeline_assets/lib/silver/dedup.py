@@ -237,14 +237,14 @@ def near_dedup(
     params = lsh_of(config)
     if SIGNATURE_COLUMNS[0] not in batch.columns:
         batch = with_signatures(batch, config, fmt)
-    sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
+    sigs, response_sigs = (signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
     batch = batch.drop(SIGNATURE_COLUMNS)
     keys = band_keys(sigs, params, format_salt(fmt))
     matched = _history_matches(history, keys, params, config)
-    matched_sigs = _signature_matrix(matched["signature"], config)
+    matched_sigs = signature_matrix(matched["signature"], config)
     all_sigs = np.vstack([sigs, matched_sigs])
-    all_responses = _ResponseSignatures(
-        np.vstack([response_sigs, _signature_matrix(matched["response_signature"], config)]),
+    all_responses = ResponseSignatures(
+        np.vstack([response_sigs, signature_matrix(matched["response_signature"], config)]),
         np.concatenate(
             [
                 np.ones(batch.height, dtype=bool),
@@ -259,7 +259,7 @@ def near_dedup(
     yields = np.repeat(
         np.array([1, 0], dtype=np.int8), [batch.height, matched.height]
     )  # this batch's copies yield to records others kept
-    survivors = _cluster_survivors(left, right, _node_order(yields, node_batches, node_ids))
+    survivors = cluster_survivors(left, right, node_order(yields, node_batches, node_ids))
 
     survivor_of = survivors[: batch.height]
     cluster_ids = node_ids.gather(survivor_of)
@@ -277,13 +277,7 @@ def near_dedup(
         duplicate_of_batch=node_batches.gather(survivor_of),
     )
     rejected = judged.filter(pl.col("duplicate_of").is_not_null()).with_columns(
-        evidence=pl.struct(
-            duplicate_of="duplicate_of",
-            duplicate_of_batch="duplicate_of_batch",
-            jaccard=pl.col("jaccard").round(4),
-            response_jaccard=pl.col("response_jaccard").round(4),
-            cluster_id="cluster_id",
-        ).struct.json_encode(),
+        evidence=near_evidence(),
     )
     kept = judged.filter(pl.col("duplicate_of").is_null())
     details = {
@@ -302,47 +296,16 @@ def near_dedup(
     )
 
 
-# record ids -> their record_id and SIGNATURE_COLUMNS, read from where they were staged
-SignatureReader = Callable[[pl.Series], pl.DataFrame]
-
-
-@dataclass(frozen=True)
-class StagedSignatures:
-    """Where near dedup finds signatures when its input holds none: its candidates, found by the
-    band searches (``search_band``: record ids), and a reader of their signatures."""
-
-    candidates: pl.Series
-    read: SignatureReader
-
-
-def near_dedup_candidates(
-    batch: pl.DataFrame,
-    history: pl.LazyFrame | None,
-    staged: StagedSignatures,
-    config: MinHashConfig = MinHashConfig(),
-    fmt: RecordFormat = SFT,
-) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
-    """``near_dedup`` with only the signatures it can use read: those of the records sharing a
-    band key with another record of ``batch`` or with an entry of ``history`` (the candidates).
-    ``near_dedup`` runs on the candidates alone; any other record has no candidate pair, so it is
-    its own cluster's survivor, kept, exactly as ``near_dedup`` of the whole batch keeps it. The
-    candidates may name records ``batch`` does not hold (removed by a stage before): they are
-    left out."""
-    candidate = batch["record_id"].is_in(staged.candidates.implode())
-    candidates = batch.filter(candidate).with_columns(
-        pl.Series(_ROW, np.flatnonzero(candidate.to_numpy()))
-    )
-    signed = candidates.join(
-        staged.read(candidates["record_id"]), on="record_id", how="left", maintain_order="left"
-    )
-    _, rejected, details = near_dedup(signed, history, config, fmt)
-    keep = np.ones(batch.height, dtype=bool)
-    keep[rejected[_ROW].to_numpy()] = False
-    return (  # a record near dedup keeps leads its cluster, as every other record does its own
-        batch.with_columns(cluster_id=pl.col("record_id")).filter(pl.Series(keep)),
-        rejected.drop(_ROW),
-        details,
-    )
+def near_evidence() -> pl.Expr:
+    """A near duplicate's evidence, as JSON: its cluster's survivor and that record's batch, their
+    estimated Jaccard and response Jaccard, its cluster."""
+    return pl.struct(
+        duplicate_of="duplicate_of",
+        duplicate_of_batch="duplicate_of_batch",
+        jaccard=pl.col("jaccard").round(4),
+        response_jaccard=pl.col("response_jaccard").round(4),
+        cluster_id="cluster_id",
+    ).struct.json_encode()
 
 
 def index_entries(
@@ -353,7 +316,7 @@ def index_entries(
     params = lsh_of(config)
     if SIGNATURE_COLUMNS[0] not in batch.columns:
         batch = with_signatures(batch, config, fmt)
-    sigs, response_sigs = (_signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
+    sigs, response_sigs = (signature_matrix(batch[name], config) for name in SIGNATURE_COLUMNS)
     keys = band_keys(sigs, params, format_salt(fmt))
     return _index_rows(batch, sigs, response_sigs, keys, params.label(config))
 
@@ -555,7 +518,7 @@ def wanted_keys(
 def _lsh_keys(batch: pl.DataFrame, config: MinHashConfig, fmt: RecordFormat) -> pl.DataFrame:
     params = lsh_of(config)
     keys = band_keys(
-        _signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
+        signature_matrix(batch[SIGNATURE_COLUMNS[0]], config), params, format_salt(fmt)
     )
     return pl.DataFrame(
         {
@@ -711,7 +674,7 @@ def _exact_key(column: str) -> pl.Expr:
     )  # 60 bits: no sign to mind
 
 
-def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
+def signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
     """Stored signatures (little-endian uint32 bytes) back to a (rows, num_perm) matrix; a null (a
     signature never stored) becomes a row of zeros."""
     matrix = np.zeros((len(stored), config.num_perm), dtype="<u4")
@@ -728,7 +691,7 @@ def _signature_matrix(stored: pl.Series, config: MinHashConfig) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _ResponseSignatures:
+class ResponseSignatures:
     sigs: np.ndarray
     known: np.ndarray  # False for index entries written before responses were signed
 
@@ -740,7 +703,7 @@ class _ResponseSignatures:
 
 
 def _verified_pairs(
-    sigs: np.ndarray, responses: _ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
+    sigs: np.ndarray, responses: ResponseSignatures, keys: np.ndarray, n_new: int, threshold: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pairs sharing a band key, at least one of them new, whose estimated Jaccard reaches the
     threshold on prompt + response and on the response alone (where both responses were signed).
@@ -761,20 +724,29 @@ def _verified_pairs(
         .unique()
     )
     left, right = candidates["node"].to_numpy(), candidates["node_other"].to_numpy()
-    response_similarity = responses.jaccard(left, right)
-    keep = (jaccard(sigs[left], sigs[right]) >= threshold) & (
-        np.isnan(response_similarity) | (response_similarity >= threshold)
+    keep = similar_enough(
+        jaccard(sigs[left], sigs[right]), responses.jaccard(left, right), threshold
     )
     return left[keep], right[keep]
 
 
-def _node_order(yields: np.ndarray, batches: pl.Series, ids: pl.Series) -> np.ndarray:
+def similar_enough(
+    similarity: np.ndarray, response_similarity: np.ndarray, threshold: float
+) -> np.ndarray:
+    """Which candidate pairs are near-duplicates: their estimated Jaccard on the dedup text, and
+    on the responses alone where both were signed (else NaN), reach ``threshold``."""
+    return (similarity >= threshold) & (
+        np.isnan(response_similarity) | (response_similarity >= threshold)
+    )
+
+
+def node_order(yields: np.ndarray, batches: pl.Series, ids: pl.Series) -> np.ndarray:
     """Nodes from the first to survive its cluster to the last: by (yields, batch, record id)."""
     nodes = pl.DataFrame({"yields": yields, "batch": batches, "id": ids}).with_row_index("node")
     return nodes.sort("yields", "batch", "id", maintain_order=True)["node"].to_numpy()
 
 
-def _cluster_survivors(left: np.ndarray, right: np.ndarray, order: np.ndarray) -> np.ndarray:
+def cluster_survivors(left: np.ndarray, right: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Connected components of the verified pairs (``left[k]``, ``right[k]``); every node maps to
     its component's node that comes first in ``order`` (every node, first to last)."""
     from scipy.sparse import coo_array  # scipy comes with datasketch, which near dedup has loaded

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import polars as pl
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
 from pipeline_assets.lib import uris
-from pipeline_assets.lib.delta_files import data_files
+from pipeline_assets.lib.delta_files import data_files, table_filesystem
 from pipeline_assets.lib.formats import FORMATS, RecordFormat, text_chars
 from pipeline_assets.lib.silver.curation import SilverConfig
 from pipeline_assets.lib.silver.decontam import EvalNgramIndex
@@ -34,6 +35,7 @@ from pipeline_assets.lib.silver.dedup import (
     STAGED_BAND_PREFIX,
     staged_band_key,
 )
+from pipeline_assets.lib.silver.near_edges import SIGNED_SCHEMA
 from pipeline_assets.lib.silver.prepare import (
     KeyTally,
     Prepared,
@@ -330,7 +332,7 @@ def read_keys(
     record_ids: pl.Series | None = None,
 ) -> pl.DataFrame:
     """The shares' keys, in position order: all the decision reads (without ``signatures``, all
-    but the signatures: ``read_signatures`` reads those near dedup needs), the LSH band keys left
+    but the signatures: ``stage_signatures`` stages those near dedup needs), the LSH band keys left
     to the band searches (``read_band``); with ``record_ids``, those records' only. Raises on a
     text column."""
     blocks = _blocks(shares)
@@ -350,19 +352,60 @@ def read_keys(
     return keys
 
 
-def read_signatures(
-    shares: Sequence[StagedShare], record_ids: pl.Series, storage_options: dict | None = None
-) -> pl.DataFrame:
-    """The signatures of ``record_ids`` (record_id and SIGNATURE_COLUMNS) from the shares' staged
-    keys, the rest of each file filtered out as it is read."""
+def stage_signatures(
+    shares: Sequence[StagedShare],
+    record_ids: pl.Series,
+    path: str,
+    storage_options: dict | None = None,
+) -> str | None:
+    """The signatures of ``record_ids`` (SIGNED_SCHEMA) from the shares' staged keys, the rest of
+    each file filtered out as it is read, written to ``path`` for near dedup's pair tasks; None
+    when the shares hold none of them."""
     wanted = pl.col("record_id").is_in(record_ids.implode())
-    return pl.concat(
+    signed = pl.concat(
         [
             pl.scan_parquet(block.keys, storage_options=storage_options)
-            .select("record_id", *SIGNATURE_COLUMNS)
             .filter(wanted)
+            .select(
+                "record_id",
+                "batch_id",
+                signature=SIGNATURE_COLUMNS[0],
+                response_signature=SIGNATURE_COLUMNS[1],
+            )
             .collect()
             for block in _blocks(shares)
+        ]
+    )
+    if signed.is_empty():
+        return None
+    return write_signed(signed, path, storage_options)
+
+
+def write_signed(signed: pl.DataFrame, path: str, storage_options: dict | None = None) -> str:
+    """Signed nodes (SIGNED_SCHEMA) written where near dedup's pair tasks read them: ``path``.
+    Entries of an index written before responses were signed have no response signature."""
+    if not uris.is_s3(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    unsigned = [name for name in SIGNED_SCHEMA.names() if name not in signed.columns]
+    signed.with_columns(pl.lit(None, pl.Binary).alias(name) for name in unsigned).select(
+        SIGNED_SCHEMA.names()
+    ).cast(dict(SIGNED_SCHEMA)).write_parquet(path, storage_options=storage_options)
+    return path
+
+
+def signed_files(folder: str, storage_options: dict | None = None) -> list[str]:
+    """The files ``write_signed`` wrote into ``folder``, by name (none: no such folder)."""
+    filesystem = table_filesystem(folder, storage_options)
+    found = filesystem.get_file_info(pafs.FileSelector("", allow_not_found=True))
+    return sorted(uris.join(folder, info.path) for info in found if info.is_file)
+
+
+def read_signed(paths: Sequence[str], storage_options: dict | None = None) -> pl.DataFrame:
+    """The signed nodes of the files ``write_signed`` wrote (SIGNED_SCHEMA)."""
+    return pl.concat(
+        [
+            pl.DataFrame(schema=SIGNED_SCHEMA),
+            *(pl.read_parquet(path, storage_options=storage_options) for path in paths),
         ]
     )
 

@@ -15,20 +15,19 @@ from datasketch.lsh import _optimal_param
 from pipeline_assets.lib.silver.dedup import (
     SIGNATURE_COLUMNS,
     BandMatches,
-    StagedSignatures,
-    _cluster_survivors,
-    _node_order,
+    cluster_survivors,
     exact_dedup,
     exact_hashes,
     index_entries,
     lsh_params,
     near_dedup,
-    near_dedup_candidates,
+    node_order,
     search_band,
     with_signatures,
 )
 from pipeline_assets.lib.silver.minhash import MinHashConfig, shingle_hashes, shingles, signatures
 from pipeline_assets.lib.silver.minhash_kernels import big_endian_words, sha1_hash32
+from pipeline_assets.lib.silver.near_edges import near_dedup_edges, pairs_in
 
 WORDS = [f"word{i}" for i in range(2000)] + ["Straße", "café", "naïve", "ÉCOLE", "東京", "x"]
 SEPARATORS = [" "] * 20 + ["  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u2003", "\u3000"]
@@ -244,13 +243,13 @@ def test_clusters_are_connected_components_led_by_their_smallest_order_key():
     yields = np.array([1, 0, 1, 1, 1, 1], dtype=np.int8)
     batches = pl.Series(["b2", "b1", "b2", "b3", "b2", "b1"])
     ids = pl.Series(["r0", "r9", "r2", "r3", "r4", "r5"])
-    order = _node_order(yields, batches, ids)
+    order = node_order(yields, batches, ids)
     assert order.tolist() == [1, 5, 0, 2, 4, 3], "by yields, then batch, then record id"
 
-    survivors = _cluster_survivors(np.array([0, 2, 3]), np.array([1, 1, 4]), order)
+    survivors = cluster_survivors(np.array([0, 2, 3]), np.array([1, 1, 4]), order)
     assert survivors.tolist() == [1, 1, 1, 4, 4, 5]
     nothing = np.empty(0, dtype=np.int64)
-    assert _cluster_survivors(nothing, nothing, order[order < 3]).tolist() == [0, 1, 2]
+    assert cluster_survivors(nothing, nothing, order[order < 3]).tolist() == [0, 1, 2]
 
 
 def test_the_sha1_kernel_equals_hashlib_at_every_length_across_block_boundaries():
@@ -330,13 +329,13 @@ def test_dedup_judges_only_the_records_that_share_a_hash_or_a_key_and_keeps_the_
     signed = with_signatures(kept)
     whole, whole_removed, _ = near_dedup(signed, None)
     near_copies = {f"r{i:05d}" for i in range(45, 50)} | {f"r{i:05d}" for i in range(5, 10)}
-    staged = StagedSignatures(
-        pl.Series("record_id", sorted(near_copies)),
-        lambda ids: signed.filter(pl.col("record_id").is_in(ids.implode())).select(
-            "record_id", *SIGNATURE_COLUMNS
-        ),
+    candidates = signed.filter(pl.col("record_id").is_in(near_copies)).select(
+        "record_id",
+        "batch_id",
+        signature=SIGNATURE_COLUMNS[0],
+        response_signature=SIGNATURE_COLUMNS[1],
     )
-    only, only_removed, _ = near_dedup_candidates(kept, None, staged)
+    only, only_removed, _ = near_dedup_edges(kept, None, pairs_in(candidates, "b1"))
     assert only.equals(whole.select(only.columns)) and only["index"].is_sorted()
     assert only_removed.sort("record_id").equals(
         whole_removed.sort("record_id").select(only_removed.columns)

@@ -179,7 +179,7 @@ def test_keys_hold_no_text_and_decide_refuses_keys_that_do():
     with pytest.raises(TextInKeysError, match="messages"):
         decide({**keys, CONVERSATION: with_turns}, None, config)
     unsigned = prepared[SFT].keys.drop(SIGNATURE_COLUMNS)
-    with pytest.raises(ValueError, match="band searches' candidates"):
+    with pytest.raises(ValueError, match="near dedup's verified pairs"):
         decide({**keys, SFT: unsigned}, None, config)
 
 

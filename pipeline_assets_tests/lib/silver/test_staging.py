@@ -23,6 +23,7 @@ from pipeline_assets.lib.silver.dedup import (
     lsh_of,
     search_band,
 )
+from pipeline_assets.lib.silver.near_edges import pairs_in
 from pipeline_assets.lib.silver.prepare import text_columns
 from pipeline_assets.lib.silver.split import split
 from pipeline_assets.lib.silver.staging import (
@@ -34,7 +35,8 @@ from pipeline_assets.lib.silver.staging import (
     read_band,
     read_keys,
     read_prepared,
-    read_signatures,
+    read_signed,
+    stage_signatures,
     staged_tally,
 )
 from pipeline_assets.resources.engine import RayEngine
@@ -105,7 +107,8 @@ def _shares(lake, engine, fmt, version, batch_id, staging: Path, config):
 def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None, keys_read=None):
     """Prepared, decided and split batch after batch; with ``read`` (a list), the keys are read
     without their signatures: each LSH band is searched from the staged files, and near dedup
-    reads the signatures of the candidates found (``read`` gets how many). With ``keys_read`` (a
+    clusters the pairs verified on the signatures of the candidates found, staged (``read`` gets
+    how many). With ``keys_read`` (a
     list) too, a format decided from candidates has its exact band searched as well and only its
     candidates' keys read (``keys_read`` gets how many, and of how many records)."""
     index, results = None, []
@@ -121,8 +124,11 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None,
         if read is None:
             decisions = decide(keys, look_up, config)
         else:
-            readers = {fmt: _counted_reader(s, read) for fmt, s in shares.items()}
             searched = _searched(shares, index, config, exact=keys_read is not None)
+            pairs = {
+                fmt: _pairs(s, searched[fmt], index, staging / batch_id, config, fmt, read)
+                for fmt, s in shares.items()
+            }
             tallies = {}
             for fmt, s in shares.items():
                 if keys_read is not None and from_candidates(config, fmt):
@@ -130,7 +136,7 @@ def _staged(lake, engine, versions, batch_ids, staging: Path, config, read=None,
                     keys[fmt] = read_keys(s, signatures=False, record_ids=ids)
                     tallies[fmt] = staged_tally(s)
                     keys_read.append((fmt, keys[fmt].height, tallies[fmt].rows))
-            decisions = decide(keys, look_up, config, readers, searched, tallies)
+            decisions = decide(keys, look_up, config, pairs, searched, tallies)
         cut = {
             fmt: split(read_prepared(s), decisions[fmt], config.minhash)
             for fmt, s in shares.items()
@@ -164,12 +170,17 @@ def _searched(
     }
 
 
-def _counted_reader(shares, read: list | None):
-    def signatures_of(record_ids: pl.Series) -> pl.DataFrame:
-        read.append(record_ids.len())
-        return read_signatures(shares, record_ids)
-
-    return signatures_of
+def _pairs(shares, found, index, staging: Path, config, fmt, read: list):
+    """Near dedup's verified pairs of a format's batch: its candidates' signatures staged and
+    read back (``read`` gets how many), with those of the index entries the searches found."""
+    batch_id = staging.name
+    staged = stage_signatures(shares, found.candidates, str(staging / f"near-{fmt.name}.parquet"))
+    nodes = read_signed([staged] if staged else [])
+    read.append(nodes.height)
+    if index is not None:
+        entries = index.join(found.entries, on=["record_id", "batch_id"], how="semi")
+        nodes = pl.concat([nodes, entries.select(nodes.columns)])
+    return pairs_in(nodes, batch_id, config.minhash, fmt)
 
 
 def test_band_searches_of_the_staged_files_find_near_dedups_candidates_as_today(tmp_path):
