@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 from dagster import (
     AssetCheckSeverity,
+    AssetMaterialization,
     DagsterRunStatus,
     Definitions,
     RunRequest,
@@ -20,11 +21,19 @@ from deltalake import write_deltalake
 
 from pipeline_assets.defs.bronze.assets import bronze
 from pipeline_assets.defs.bronze.checks import bronze_checks
+from pipeline_assets.defs.format_tables import FORMAT_TABLES
 from pipeline_assets.defs.gold.assets import read_snapshot
+from pipeline_assets.defs.keys import SILVER_RECORDS
+from pipeline_assets.defs.metadata import table_metadata
 from pipeline_assets.defs.reference.assets import eval_sets
 from pipeline_assets.defs.resources import batch_gates
 from pipeline_assets.defs.silver.assets import silver
-from pipeline_assets.defs.silver.checks import silver_checks
+from pipeline_assets.defs.silver.checks import (
+    KEPT_BY_SOURCE,
+    _kept_counts,
+    _removed_counts,
+    silver_checks,
+)
 from pipeline_assets.defs.silver.sensors import SILVER_SELECTION, silver_in_order, silver_job
 from pipeline_assets.lib.silver.dedup import BAND_SCHEMA, band_entries
 from pipeline_assets.resources.landing import LandingResource
@@ -231,6 +240,43 @@ def test_drift_check_reports_a_shift_in_response_length(instance, resources, lan
     assert not drift.passed and drift.severity == AssetCheckSeverity.ERROR and not drift.blocking
     assert "q_words PSI" in drift.description
     assert result.success, "drift reports; it does not stop the run"
+
+
+def test_the_pass_rate_and_volume_counts_come_from_silvers_metadata_not_its_rows(
+    two_sample_batches, instance, resources
+):
+    """The checks count each batch's kept rows by source and rejects by source and stage from its
+    latest silver materialization: the tables' counts, read without reading a row. A batch whose
+    materialization holds no counts (recorded before they were) is counted from its partition."""
+    lake = resources["lake"]
+    (first, _), (second, _) = two_sample_batches[1]
+    kept_rows = pl.concat(
+        [
+            lake.scan("silver", t.fmt.silver_table).select("batch_id", "source")
+            for t in FORMAT_TABLES
+        ]
+    )
+    from_rows = kept_rows.group_by("batch_id", "source").agg(kept=pl.len().cast(pl.Int64))
+    rejects = lake.scan("silver", "rejects").group_by("batch_id", "source", "stage")
+    removed_rows = rejects.agg(removed=pl.len().cast(pl.Int64)).collect()
+    order = ["batch_id", "source"]
+    assert _kept_counts(instance, lake, second).sort(order).equals(from_rows.collect().sort(order))
+    removed = _removed_counts(instance, lake, second).sort([*order, "stage"])
+    assert removed.equals(removed_rows.sort([*order, "stage"])) and removed.height > 4
+    assert _kept_counts(instance, lake, first)["batch_id"].unique().to_list() == [first]
+
+    said = pl.DataFrame({"source": ["annotate"], "rows": [7]}).cast({"rows": pl.UInt32})
+    told = AssetMaterialization(
+        SILVER_RECORDS, partition=first, metadata={KEPT_BY_SOURCE: table_metadata(said)}
+    )
+    instance.report_runless_asset_event(told)
+    annotate = (pl.col("batch_id") == first) & (pl.col("source") == "annotate")
+    in_records = lake.scan("silver", "records").filter(annotate).select(pl.len()).collect().item()
+    in_all = from_rows.filter(annotate).collect()["kept"].item()
+    recounted = _kept_counts(instance, lake, second).filter(annotate)["kept"].item()
+    assert in_records > 7 and recounted == in_all - in_records + 7, "the metadata's, not the rows'"
+    instance.report_runless_asset_event(AssetMaterialization(SILVER_RECORDS, partition=first))
+    assert _kept_counts(instance, lake, second).sort(order).equals(from_rows.collect().sort(order))
 
 
 def test_volume_warns_when_a_source_triples(instance, resources, landing_dir):

@@ -35,6 +35,7 @@ from pipeline_assets.defs.keys import (
 from pipeline_assets.defs.metadata import Stopwatch, delta_write_metadata, table_metadata
 from pipeline_assets.defs.partitions import ingest_batches
 from pipeline_assets.defs.policies import SilverPolicy
+from pipeline_assets.defs.silver.checks import KEPT_BY_SOURCE, REJECTED_BY_STAGE
 from pipeline_assets.defs.silver.flow import (
     BatchFlow,
     FormatCounts,
@@ -247,7 +248,7 @@ def _metadata(
     return {
         **kept,
         SILVER_RECORDS: {**kept[SILVER_RECORDS], **batch},
-        SILVER_REJECTS: {**batch, "rejected_by_stage": table_metadata(rejected_by_stage(flow))},
+        SILVER_REJECTS: {**batch, REJECTED_BY_STAGE: table_metadata(rejected_by_stage(flow))},
         SILVER_MINHASH_INDEX: {
             **batch,
             "lsh_params": lsh,
@@ -327,9 +328,9 @@ def _kept_metadata(counts: FormatCounts) -> dict:
         orient="row",
     ).sort("source")
     if "pair_sides" not in counts.stages:
-        return {"kept_by_source": table_metadata(by_source)}
+        return {KEPT_BY_SOURCE: table_metadata(by_source)}
     return {
-        "kept_by_source": table_metadata(by_source),
+        KEPT_BY_SOURCE: table_metadata(by_source),
         "prompts": counts.prompts,
         "length_ratio_beyond_4x": counts.stages["pair_sides"]["length_ratio_beyond_4x"],
     }  # DPO's length bias
