@@ -349,8 +349,11 @@ def _sizer_calibrated_on_the_story(run: Commands, instance: DagsterInstance) -> 
     assert "0.000 exact" not in measured["measured_on"], "with the exact copies the story removed"
     silver = latest_per_partition(materialization_history(instance, SILVER_RECORDS))
     chars = 400_000 * sum(b["input_chars"] for b in silver) / sum(b["bronze_rows"] for b in silver)
+    # The decision takes tens of milliseconds at 400,000 records since near dedup's pairs are built
+    # by tasks: the fit's fixed part, from the story's batches timed under the suite's load, can
+    # move it by more than 30%. 50 ms a batch is under a minute over the billion's 1,000 batches.
     assert decision["fixed_seconds"] + decision["seconds_per_unit"] * chars == pytest.approx(
-        measured["points"][-1][1], rel=0.3
+        measured["points"][-1][1], rel=0.3, abs=0.05
     ), "the rate a record shown by the largest batch decided"
     assert Path(totals["picture"]).read_bytes().startswith(b"\x89PNG")
     table = run(SIZER_BILLION).stdout
