@@ -20,6 +20,7 @@ import polars as pl
 
 from pipeline_assets.lib.formats import SFT, RecordFormat
 from pipeline_assets.lib.silver.dedup import (
+    LshParams,
     ResponseSignatures,
     band_keys,
     cluster_survivors,
@@ -73,7 +74,8 @@ def band_edges(
     batch_rows = int((nodes["batch_id"] == batch_id).sum())
     sigs = signature_matrix(nodes["signature"], config)
     responses = _responses(nodes, config)
-    keys = band_keys(sigs, lsh_of(config), format_salt(fmt))[:, : band + 1]
+    up_to_band = LshParams(band + 1, lsh_of(config).rows)  # a band's key reads its own rows only
+    keys = band_keys(sigs, up_to_band, format_salt(fmt))
     by_key = pl.DataFrame({"node": np.arange(len(nodes)), "band_key": keys[:, band]})
     pairs = (
         by_key.join(by_key, on="band_key", suffix="_other")
